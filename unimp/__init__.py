@@ -1,0 +1,30 @@
+"""unimp: one mixed-precision policy, written once, the same in every framework.
+
+>>> import unimp
+>>> policy = unimp.load("mixed_bf16")
+>>> policy.compute_dtype
+'bfloat16'
+
+``unimp.apply(policy, model, optimizer)`` binds it to a model of any installed backend
+(unimp-torch, unimp-jax, unimp-tensorflow, unimp-paddle, unimp-ipex). Importing unimp imports
+no framework.
+"""
+
+from .backend import Amp, Backend, UnimpWarning
+from .errors import PolicyError, StateError, UnsupportedError
+from .loading import dump, dumps, load, preset_names
+from .loss_scale import LossScale, LossScaleState, trajectory
+from .ops import CANONICAL_OPS, OPS
+from .plan import OpDecision, Plan, compile_ops
+from .policy import Override, Policy
+from .registry import apply, backends, detect, get_backend, register_backend
+from .report import Report, ReportRow
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CANONICAL_OPS", "OPS", "Amp", "Backend", "LossScale", "LossScaleState", "OpDecision", "Override",
+    "Plan", "Policy", "PolicyError", "Report", "ReportRow", "StateError", "UnimpWarning",
+    "UnsupportedError", "apply", "backends", "compile_ops", "detect", "dump", "dumps", "get_backend",
+    "load", "preset_names", "register_backend", "trajectory",
+]

@@ -1,0 +1,131 @@
+"""The ``unimp`` command: validate, show, explain, diff, schema, presets, ops.
+
+Every failure is one located message per problem and exit status 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import PolicyError, UnsupportedError
+from .loading import dumps, load, preset_names
+from .ops import OPS
+from .report import format_table
+from .spec import json_schema
+
+
+def _validate(args: argparse.Namespace) -> int:
+    bad = 0
+    for f in args.files:
+        try:
+            p = load(f)
+            print(f"ok  {f}  ({p.name}, fingerprint {p.fingerprint})")
+        except PolicyError as e:
+            bad += 1
+            for line in e.problems:
+                print(line, file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    print(dumps(load(args.file), args.format), end="")
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from .registry import get_backend
+
+    print(get_backend(args.backend).compile(load(args.file)))
+    return 0
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else k))
+        return out
+    return {prefix: d}
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from .registry import backends
+
+    a, b = load(args.a), load(args.b)
+    fa, fb = _flatten(a.to_dict()), _flatten(b.to_dict())
+    rows = [(k, json.dumps(fa.get(k)), json.dumps(fb.get(k))) for k in sorted({*fa, *fb})
+            if k != "name" and fa.get(k) != fb.get(k)]
+    print(format_table(("key", a.name, b.name), rows, title=f"policy: {len(rows)} differences"))
+    names = [args.backend] if args.backend else sorted(backends())
+    for name in names:
+        try:
+            backend = backends()[name]()
+            pa, pb = backend.compile(a), backend.compile(b)
+        except (KeyError, UnsupportedError, ImportError) as e:
+            print(f"\nbackend {name}: cannot compile ({e})")
+            continue
+        ops = [(x.op, f"{x.dtype or 'inputs'}", f"{y.dtype or 'inputs'}")
+               for x, y in zip(pa.ops, pb.ops, strict=True) if (x.dtype, x.honoured) != (y.dtype, y.honoured)]
+        print("\n" + format_table(("op", a.name, b.name), ops,
+                                  title=f"backend {name}: {len(ops)} ops run differently"))
+    return 0
+
+
+def _schema(args: argparse.Namespace) -> int:
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def _presets(args: argparse.Namespace) -> int:
+    for name in preset_names():
+        p = load(name)
+        print(f"{name:24} compute={p.compute_dtype:9} params={p.param_dtype:9} "
+              f"loss_scale={p.loss_scale.mode}")
+    return 0
+
+
+def _ops(args: argparse.Namespace) -> int:
+    print(format_table(("op", "meaning"), [(o.name, o.meaning) for o in OPS.values()]))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="unimp", description="one mixed-precision policy for every framework")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("validate", help="check policy files")
+    p.add_argument("files", nargs="+")
+    p.set_defaults(run=_validate)
+    p = sub.add_parser("show", help="print the resolved policy")
+    p.add_argument("file")
+    p.add_argument("--format", choices=("toml", "yaml", "json"), default="toml")
+    p.set_defaults(run=_show)
+    p = sub.add_parser("explain", help="print the Plan of a policy for one backend")
+    p.add_argument("file")
+    p.add_argument("--backend", required=True)
+    p.set_defaults(run=_explain)
+    p = sub.add_parser("diff", help="effective differences of two policies, per backend")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--backend")
+    p.set_defaults(run=_diff)
+    sub.add_parser("schema", help="JSON Schema of the file format").set_defaults(run=_schema)
+    sub.add_parser("presets", help="list shipped presets").set_defaults(run=_presets)
+    sub.add_parser("ops", help="list canonical ops").set_defaults(run=_ops)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (PolicyError, UnsupportedError) as e:
+        print(str(e), file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

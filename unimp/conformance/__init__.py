@@ -1,0 +1,38 @@
+"""unimp.conformance: the suite any backend runs (scikit-learn's ``check_estimator`` style).
+
+In a backend's tests::
+
+    import pytest
+    from unimp.conformance import cases
+    from my_backend.kit import MyKit
+
+    @pytest.mark.parametrize("case", cases(), ids=str)
+    def test_conformance(case):
+        run_case(case, MyKit())   # skips NotApplicable with its reason
+"""
+
+from .checks import (
+    CHECKS, CUSTOM_MOVED_OPS, STANDARD_POLICIES, Case, ConformanceFailure, NotApplicable, Result,
+    cases, cast_like, run, setup, standard_policy,
+)
+from .expect import Expect, expected_layers
+from .kit import Kit, Observation
+from .probe import PROBE, ProbeBatch, probe_batches, probe_weights, reference_forward, reference_loss
+
+
+def run_case(case: Case, kit: Kit) -> None:
+    """Run one case under pytest: NotApplicable becomes a skip with its reason."""
+    import pytest
+
+    try:
+        case.run(kit)
+    except NotApplicable as e:
+        pytest.skip(str(e))
+
+
+__all__ = [
+    "CHECKS", "CUSTOM_MOVED_OPS", "PROBE", "STANDARD_POLICIES", "Case", "ConformanceFailure", "Expect",
+    "Kit", "NotApplicable", "Observation", "ProbeBatch", "Result", "cases", "cast_like",
+    "expected_layers", "probe_batches", "probe_weights", "reference_forward", "reference_loss", "run",
+    "run_case", "setup", "standard_policy",
+]

@@ -1,0 +1,340 @@
+"""The conformance checks: plain functions ``check_xxx(kit, policy)``.
+
+Expected values come from the core (policy, :mod:`unimp.loss_scale`, the numpy probe), never
+from the backend under test. A check raises :class:`ConformanceFailure` naming the backend,
+the layer/op or step, expected and observed; :class:`NotApplicable` carries the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..backend import UnimpWarning
+from ..errors import UnsupportedError
+from ..loading import load
+from ..loss_scale import STATE_KEYS, LossScale, LossScaleState
+from ..policy import Policy
+from .expect import expected_layers
+from .kit import Kit
+from .probe import PROBE, probe_batches, probe_weights, reference_forward, reference_loss
+
+STANDARD_POLICIES = ("fp32", "mixed_bf16", "pure_bf16", "mixed_fp16", "custom_moved_ops")
+CUSTOM_MOVED_OPS = {
+    "name": "custom_moved_ops", "extends": "mixed_bf16",
+    "ops": {"lower": ["matmul", "conv", "embedding", "log_softmax"],
+            "float32": ["linear", "layer_norm", "loss", "reduction", "softmax"]},
+    "overrides": [{"modules": ["hea*"], "compute_dtype": "bfloat16"}],
+}
+POISON_PATTERN = (False, False, True, False, False, False, True, True, False, False, False)
+TOLERANCE = {"float32": 1e-4, "bfloat16": 0.05, "float16": 0.02}
+
+
+class ConformanceFailure(AssertionError):
+    pass
+
+
+class NotApplicable(Exception):
+    pass
+
+
+def standard_policy(name: str) -> Policy:
+    return load(CUSTOM_MOVED_OPS) if name == "custom_moved_ops" else load(name)
+
+
+def _fail(kit: Kit, policy: Policy, what: str, expected: Any, observed: Any) -> ConformanceFailure:
+    return ConformanceFailure(f"[{kit.backend} / {policy.name}] {what}: expected {expected!r}, "
+                              f"observed {observed!r}")
+
+
+def setup(kit: Kit, policy: Policy, seed: int = 0) -> Any:
+    """Fresh probe + optimizer under ``policy``; NotApplicable (after checking the error) if unsupported."""
+    model = kit.build_probe(probe_weights(seed))
+    opt = kit.make_optimizer(model)
+    reason = kit.supports(policy)
+    if reason:
+        try:
+            amp = kit.apply(policy, model, opt)
+        except UnsupportedError as e:
+            if len(str(e)) < 20:
+                raise _fail(kit, policy, "unsupported error message", "a message naming the fix", str(e)) from e
+            raise NotApplicable(f"{reason} (clear UnsupportedError raised)") from None
+        amp.remove()
+        raise _fail(kit, policy, "apply of an unsupported policy", "UnsupportedError", "it applied")
+    return kit.apply(policy, model, opt)
+
+
+def check_layer_dtypes(kit: Kit, policy: Policy) -> None:
+    """Observed compute/param/output dtype of every probe layer = the policy's expectation."""
+    amp = setup(kit, policy)
+    try:
+        observed = kit.observe(amp, probe_batches(1)[0])
+        expected = expected_layers(policy, plan=amp.plan)
+        for layer in PROBE:
+            exp, obs = expected[layer.path], observed.get(layer.path)
+            if obs is None:
+                raise _fail(kit, policy, f"layer {layer.path}", "an observation", None)
+            for f in ("compute_dtype", "output_dtype", "param_dtype"):
+                if getattr(obs, f) != getattr(exp, f):
+                    raise _fail(kit, policy, f"layer {layer.path} ({layer.kind}) {f}",
+                                getattr(exp, f), getattr(obs, f))
+    finally:
+        amp.remove()
+
+
+def check_output_dtype(kit: Kit, policy: Policy) -> None:
+    """The model's output is in ``output_dtype``."""
+    amp = setup(kit, policy)
+    try:
+        got = kit.dtype_name(kit.output(amp, probe_batches(1)[0]))
+        if got != policy.output_dtype:
+            raise _fail(kit, policy, "model output dtype", policy.output_dtype, got)
+    finally:
+        amp.remove()
+
+
+def _bits_equal(low: Any, master: Any, dtype: str) -> bool:
+    import numpy as np
+
+    return bool(np.array_equal(np.asarray(low, np.float32), cast_like(master, dtype)))
+
+
+def cast_like(x: Any, dtype: str) -> Any:
+    """float32 numpy -> values representable in ``dtype`` (round to nearest even), as float32."""
+    import numpy as np
+
+    x = np.asarray(x, np.float32)
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        bits = x.view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return rounded.astype(np.uint32).view(np.float32)
+    return x
+
+
+def check_master_weights(kit: Kit, policy: Policy) -> None:
+    """fp32 masters exist exactly when params are low precision, and params == cast(master)."""
+    amp = setup(kit, policy)
+    try:
+        for b in probe_batches(3):
+            kit.step(amp, b)
+        pairs = kit.master_pairs(amp)
+        if policy.uses_master_weights and not pairs:
+            raise _fail(kit, policy, "master weights", "fp32 masters for low-precision params", "none")
+        for name, low, master in pairs:
+            if str(getattr(master, "dtype", "")) != "float32":
+                raise _fail(kit, policy, f"master {name} dtype", "float32", str(master.dtype))
+            layer = name.split(".")[0]
+            dtype = policy.decide(layer, _kind(layer)).param_dtype
+            if not _bits_equal(low, master, dtype):
+                raise _fail(kit, policy, f"param {name}", f"cast(master, {dtype})", "different bits")
+    finally:
+        amp.remove()
+
+
+def _kind(path: str) -> str | None:
+    return next((layer.kind for layer in PROBE if layer.path == path), None)
+
+
+def _trajectory_policy(policy: Policy) -> Policy:
+    return policy.replace(loss_scale={"growth_interval": 2})
+
+
+def check_loss_scale_trajectory(kit: Kit, policy: Policy) -> None:
+    """Scale and skip decisions equal the reference; skipped steps change no bit of state."""
+    import numpy as np
+
+    pol = _trajectory_policy(policy)
+    pattern = POISON_PATTERN if pol.loss_scale.skip_nonfinite else (False,) * len(POISON_PATTERN)
+    rule = LossScale(pol.loss_scale)
+    state = rule.initial_state()
+    amp = setup(kit, pol)
+    try:
+        for i, (poison, batch) in enumerate(zip(pattern, probe_batches(len(pattern)), strict=True)):
+            before = kit.snapshot(amp)
+            kit.step(amp, batch, poison=poison)
+            out = rule.update(state, not poison)
+            state = out.state
+            if amp.scale != state.scale:
+                raise _fail(kit, pol, f"loss scale after step {i}", state.scale, amp.scale)
+            if amp.skipped_steps != state.skipped:
+                raise _fail(kit, pol, f"skipped steps after step {i}", state.skipped, amp.skipped_steps)
+            if out.skipped:
+                after = kit.snapshot(amp)
+                for k, v in before.items():
+                    if not np.array_equal(np.asarray(v), np.asarray(after[k]), equal_nan=True):
+                        raise _fail(kit, pol, f"state {k} on skipped step {i}", "unchanged", "changed")
+    finally:
+        amp.remove()
+
+
+def check_state_dict_roundtrip(kit: Kit, policy: Policy) -> None:
+    """``state_dict`` is canonical plain JSON; a fresh Amp loading it continues exactly."""
+    pol = _trajectory_policy(policy)
+    pattern = POISON_PATTERN if pol.loss_scale.skip_nonfinite else (False,) * len(POISON_PATTERN)
+    amp = setup(kit, pol)
+    batches = probe_batches(len(pattern))
+    try:
+        for poison, b in zip(pattern[:5], batches[:5], strict=True):
+            kit.step(amp, b, poison=poison)
+        sd = json.loads(json.dumps(amp.state_dict()))
+    finally:
+        amp.remove()
+    missing = [k for k in (*STATE_KEYS, "policy_fingerprint", "format") if k not in sd]
+    if missing:
+        raise _fail(kit, pol, "state_dict keys", "canonical keys", f"missing {missing}")
+    amp2 = setup(kit, pol, seed=0)
+    try:
+        amp2.load_state_dict(sd)
+        state = LossScaleState.from_dict(sd)
+        if amp2.scale != state.scale:
+            raise _fail(kit, pol, "scale after load_state_dict", state.scale, amp2.scale)
+        rule = LossScale(pol.loss_scale)
+        for i, (poison, b) in enumerate(zip(pattern[5:], batches[5:], strict=True)):
+            kit.step(amp2, b, poison=poison)
+            state = rule.update(state, not poison).state
+            if amp2.scale != state.scale or amp2.skipped_steps != state.skipped:
+                raise _fail(kit, pol, f"(scale, skipped) at resumed step {i}",
+                            (state.scale, state.skipped), (amp2.scale, amp2.skipped_steps))
+    finally:
+        amp2.remove()
+
+
+def check_overrides(kit: Kit, policy: Policy) -> None:
+    """Overrides by module glob and by type change exactly the layers they match."""
+    other = "float32" if policy.compute_dtype != "float32" else "bfloat16"
+    pol = policy.replace(overrides=[{"modules": ["hea*"], "compute_dtype": other},
+                                    {"types": ["activation"], "compute_dtype": "float32"}])
+    if kit.supports(pol):
+        raise NotApplicable(kit.supports(pol))
+    check_layer_dtypes(kit, pol)
+
+
+def check_alignment_findings(kit: Kit, policy: Policy) -> None:
+    """Dims not a multiple of ``layout.align`` are reported with their paths, as on_misaligned says."""
+    pol = policy.replace(layout={"align": 64, "on_misaligned": "error"})
+    if kit.supports(pol):
+        raise NotApplicable(kit.supports(pol))
+    try:
+        amp = setup(kit, pol)
+    except UnsupportedError as e:
+        if "fc1" not in str(e) or "head" not in str(e):
+            raise _fail(kit, pol, "misaligned error message", "names fc1 and head", str(e)) from e
+    else:
+        amp.remove()
+        raise _fail(kit, pol, "on_misaligned=error", "UnsupportedError", "applied")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        amp = setup(kit, pol.replace(layout={"on_misaligned": "warn"}))
+    try:
+        text = " ".join(str(w.message) for w in caught if issubclass(w.category, UnimpWarning))
+        if "fc1" not in text or "head" not in " ".join(amp.findings):
+            raise _fail(kit, pol, "misaligned warning and amp.findings", "fc1 and head named", text)
+    finally:
+        amp.remove()
+
+
+def _losses(kit: Kit, policy: Policy, n: int) -> list[float]:
+    amp = setup(kit, policy)
+    try:
+        return [kit.step(amp, b) for b in probe_batches(n)]
+    finally:
+        amp.remove()
+
+
+def check_numerics(kit: Kit, policy: Policy) -> None:
+    """fp32 first loss = numpy reference; N steps under the policy stay within tolerance of fp32."""
+    fp32 = load("fp32")
+    base = _losses(kit, fp32, 10)
+    ref = reference_loss(reference_forward(probe_weights(0), probe_batches(1)[0]), probe_batches(1)[0])
+    if abs(base[0] - ref) > 1e-4 * max(1.0, abs(ref)):
+        raise _fail(kit, fp32, "first fp32 loss vs the numpy probe", ref, base[0])
+    got = _losses(kit, policy, 10)
+    low = {d.compute_dtype for d in expected_layers(policy).values()} | {policy.param_dtype}
+    tol = max(TOLERANCE.get(d, 1e-4) for d in low)
+    for i, (a, b) in enumerate(zip(got, base, strict=True)):
+        if abs(a - b) > tol * max(1.0, abs(b)):
+            raise _fail(kit, policy, f"loss at step {i} (tolerance {tol})", b, a)
+
+
+def check_remove_restores(kit: Kit, policy: Policy) -> None:
+    """``remove()`` restores params, dtypes and forward exactly; double apply is refused."""
+    import numpy as np
+
+    model = kit.build_probe(probe_weights(0))
+    opt = kit.make_optimizer(model)
+    if kit.supports(policy):
+        raise NotApplicable(kit.supports(policy))
+    batch = probe_batches(1)[0]
+    before = kit.model_state(model)
+    out_before = kit.forward_fingerprint(model, batch)
+    amp = kit.apply(policy, model, opt)
+    kit.output(amp, batch)
+    try:
+        kit.apply(policy, model, opt)
+    except RuntimeError as e:
+        if "already" not in str(e):
+            raise _fail(kit, policy, "double apply message", "says it is already applied", str(e)) from e
+    else:
+        raise _fail(kit, policy, "second apply on the same model", "RuntimeError", "applied twice")
+    restored = amp.remove()
+    after = kit.model_state(restored)
+    for k, (dtype, value) in before.items():
+        if k not in after:
+            raise _fail(kit, policy, f"after remove(), {k}", "present", "missing")
+        if after[k][0] != dtype or not np.array_equal(after[k][1], value):
+            raise _fail(kit, policy, f"after remove(), {k}", dtype, after[k][0])
+    out_after = kit.forward_fingerprint(restored, batch)
+    if not np.array_equal(np.asarray(out_before), np.asarray(out_after)):
+        raise _fail(kit, policy, "forward after remove()", "bit-identical to before apply", "different")
+    kit.apply(policy, restored, opt).remove()  # applying again after remove works
+
+
+CHECKS: tuple[Callable[[Kit, Policy], None], ...] = (
+    check_layer_dtypes, check_output_dtype, check_master_weights, check_loss_scale_trajectory,
+    check_state_dict_roundtrip, check_overrides, check_alignment_findings, check_numerics,
+    check_remove_restores,
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    check: Callable[[Kit, Policy], None]
+    policy: str
+
+    def __str__(self) -> str:
+        return f"{self.check.__name__}[{self.policy}]"
+
+    def run(self, kit: Kit) -> None:
+        self.check(kit, standard_policy(self.policy))
+
+
+@dataclass(frozen=True)
+class Result:
+    check: str
+    policy: str
+    status: str  # pass | n/a | fail
+    detail: str = ""
+
+
+def cases(policies: tuple[str, ...] = STANDARD_POLICIES) -> list[Case]:
+    """Every (check, policy) pair, for ``pytest.mark.parametrize``."""
+    return [Case(c, p) for p in policies for c in CHECKS]
+
+
+def run(kit: Kit, policies: tuple[str, ...] = STANDARD_POLICIES) -> list[Result]:
+    """Run every check; never raises (failures are results)."""
+    out = []
+    for case in cases(policies):
+        try:
+            case.run(kit)
+            out.append(Result(case.check.__name__, case.policy, "pass"))
+        except NotApplicable as e:
+            out.append(Result(case.check.__name__, case.policy, "n/a", str(e)))
+        except Exception as e:  # noqa: BLE001 - a failure is a result here
+            out.append(Result(case.check.__name__, case.policy, "fail", f"{type(e).__name__}: {e}"))
+    return out

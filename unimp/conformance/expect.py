@@ -1,0 +1,56 @@
+"""Expected values, computed by the core from the policy alone (never by a backend).
+
+>>> import unimp
+>>> exp = expected_layers(unimp.load("mixed_bf16"), "bfloat16")
+>>> exp["fc1"].compute_dtype, exp["norm"].compute_dtype, exp["act"].compute_dtype
+('bfloat16', 'float32', 'bfloat16')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..dtypes import widest
+from ..plan import Plan
+from ..policy import Policy
+from .probe import PROBE
+
+
+@dataclass(frozen=True)
+class Expect:
+    compute_dtype: str
+    param_dtype: str | None
+    output_dtype: str
+
+
+def expected_layers(policy: Policy, compute_dtype: str | None = None,
+                    plan: Plan | None = None) -> dict[str, Expect]:
+    """Per probe layer: the dtype it computes in, its params' dtype and its output dtype.
+
+    Rules: ``lower`` -> compute dtype; ``float32`` -> float32; ``promote`` -> widest of the
+    activation input and the params; in no list -> the activation input's dtype (for the
+    embedding, whose input is integer, the param dtype). Overrides win. A fixed op the Plan
+    reports as a fallback runs in the Plan's dtype.
+    """
+    low = compute_dtype or (plan.compute_dtype if plan else policy.compute_dtype)
+    out: dict[str, Expect] = {}
+    x: str | None = None
+    for layer in PROBE:
+        d = policy.decide(layer.path, layer.kind, (), low)
+        param = d.param_dtype if layer.params else None
+        dtype = d.compute_dtype
+        if d.override is None and d.category == "promote":
+            dtype = widest([x, param])
+        if plan is not None and d.override is None:
+            op = plan.op(layer.kind)
+            if not op.honoured:
+                dtype = op.dtype
+        if dtype is None:
+            dtype = x if x is not None else param
+        out[layer.path] = Expect(dtype, param, dtype)
+        x = dtype
+    return out
+
+
+def expected_output_dtype(policy: Policy) -> str:
+    return policy.output_dtype

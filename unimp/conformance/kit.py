@@ -1,0 +1,82 @@
+"""What a backend supplies so the conformance checks can drive it (the kit protocol).
+
+Subclass :class:`Kit` in your backend package; every method works on real framework objects
+(no mocks). Arrays cross the boundary as numpy.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+from ..policy import Policy
+from .probe import ProbeBatch
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One probe layer as seen in a real forward (dtype names as strings)."""
+
+    compute_dtype: str | None
+    param_dtype: str | None
+    output_dtype: str | None
+
+
+class Kit(abc.ABC):
+    """Backend-specific hooks; the checks in :mod:`unimp.conformance.checks` do the rest."""
+
+    backend: str = ""
+
+    def supports(self, policy: Policy) -> str | None:
+        """Why ``policy`` cannot run here (the check then expects a clear UnsupportedError)."""
+        return None
+
+    @abc.abstractmethod
+    def build_probe(self, weights: dict[str, Any]) -> Any:
+        """A fresh float32 probe model (see :mod:`unimp.conformance.probe`) with these weights."""
+
+    @abc.abstractmethod
+    def make_optimizer(self, model: Any, lr: float = 1e-2) -> Any:
+        """An Adam optimizer (with moments, so skipped steps are visible) over the model."""
+
+    def apply(self, policy: Policy, model: Any, optimizer: Any) -> Any:
+        import unimp
+
+        return unimp.apply(policy, model, optimizer, backend=self.backend)
+
+    @abc.abstractmethod
+    def observe(self, amp: Any, batch: ProbeBatch) -> dict[str, Observation]:
+        """Per probe layer path, what ran in one real forward under ``amp``."""
+
+    @abc.abstractmethod
+    def output(self, amp: Any, batch: ProbeBatch) -> Any:
+        """The model's output for ``batch`` under ``amp`` as a framework tensor/array."""
+
+    @abc.abstractmethod
+    def dtype_name(self, value: Any) -> str:
+        """The dtype of a framework tensor/array as unimp's string (``"bfloat16"``)."""
+
+    @abc.abstractmethod
+    def step(self, amp: Any, batch: ProbeBatch, poison: bool = False) -> float:
+        """One training step through the backend's idiomatic loop; returns the loss.
+
+        ``poison`` makes this step's gradients non-finite (e.g. multiplies the loss by inf).
+        """
+
+    @abc.abstractmethod
+    def snapshot(self, amp: Any) -> dict[str, Any]:
+        """Every parameter, master weight and optimizer-state tensor as numpy (exact bits)."""
+
+    @abc.abstractmethod
+    def master_pairs(self, amp: Any) -> list[tuple[str, Any, Any]]:
+        """``(name, low-precision param as float32 numpy, fp32 master numpy)`` per parameter
+        that has a master; [] when there are none."""
+
+    @abc.abstractmethod
+    def model_state(self, model: Any) -> dict[str, tuple[str, Any]]:
+        """Everything ``remove()`` must restore: name -> (dtype name, numpy values)."""
+
+    def forward_fingerprint(self, model: Any, batch: ProbeBatch) -> Any:
+        """The plain model's output as numpy (to prove ``remove()`` restored the forward)."""
+        raise NotImplementedError

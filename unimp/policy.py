@@ -1,0 +1,205 @@
+"""The immutable, framework-free precision policy.
+
+>>> import unimp
+>>> p = unimp.load("mixed_bf16")
+>>> p.compute_dtype, p.ops.category("softmax")
+('bfloat16', 'float32')
+>>> p.replace(compute_dtype="float16").compute_dtype
+'float16'
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .dtypes import is_low
+
+
+@dataclass(frozen=True)
+class OpLists:
+    """Which canonical ops run low, in float32, promoted; the rest follow their inputs."""
+
+    lower: tuple[str, ...]
+    float32: tuple[str, ...]
+    promote: tuple[str, ...]
+
+    def category(self, op: str) -> str:
+        """``lower`` | ``float32`` | ``promote`` | ``inputs`` (in no list)."""
+        for name in ("lower", "float32", "promote"):
+            if op in getattr(self, name):
+                return name
+        return "inputs"
+
+
+@dataclass(frozen=True)
+class LossScaleSpec:
+    """The knobs of the loss-scale reference (see :mod:`unimp.loss_scale`)."""
+
+    mode: str
+    initial: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    hysteresis: int
+    min: float
+    max: float
+    skip_nonfinite: bool
+    growth_schedule: str
+    on_max: str
+    growth_requires_finite: bool
+    hysteresis_refill: tuple[str, ...]
+    at_min: str
+
+
+@dataclass(frozen=True)
+class MasterWeights:
+    enabled: bool
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    channels_last: bool
+    align: int
+    on_misaligned: str
+
+
+@dataclass(frozen=True)
+class Distributed:
+    reduce_dtype: str
+
+
+@dataclass(frozen=True)
+class Override:
+    """Per-module dtypes; matches a module whose path fits a glob OR whose type is listed."""
+
+    modules: tuple[str, ...] = ()
+    types: tuple[str, ...] = ()
+    compute_dtype: str | None = None
+    param_dtype: str | None = None
+
+    def matches(self, path: str, type_names: Iterable[str]) -> bool:
+        if any(fnmatch.fnmatchcase(path, g) for g in self.modules):
+            return True
+        return bool(set(self.types) & set(type_names))
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    """What the policy asks of one layer: compute dtype (None = follow inputs) and param dtype."""
+
+    category: str
+    compute_dtype: str | None
+    param_dtype: str
+    override: int | None = None
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A resolved policy (``extends`` applied). Build with :func:`unimp.load`."""
+
+    name: str
+    compute_dtype: str
+    param_dtype: str
+    output_dtype: str
+    on_unsupported: str
+    ops: OpLists
+    loss_scale: LossScaleSpec
+    master_weights: MasterWeights
+    layout: Layout
+    distributed: Distributed
+    overrides: tuple[Override, ...] = ()
+    source: str = field(default="<dict>", compare=False)
+
+    # ---------------------------------------------------------------- construction / export
+    @classmethod
+    def from_resolved(cls, d: Mapping[str, Any], source: str = "<dict>") -> Policy:
+        """Build from a fully resolved, validated dict (see :func:`unimp.load`)."""
+        ls = dict(d["loss_scale"])
+        ls["hysteresis_refill"] = tuple(ls["hysteresis_refill"])
+        return cls(
+            name=d["name"], compute_dtype=d["compute_dtype"], param_dtype=d["param_dtype"],
+            output_dtype=d["output_dtype"], on_unsupported=d["on_unsupported"],
+            ops=OpLists(**{k: tuple(v) for k, v in d["ops"].items()}),
+            loss_scale=LossScaleSpec(**ls), master_weights=MasterWeights(**d["master_weights"]),
+            layout=Layout(**d["layout"]), distributed=Distributed(**d["distributed"]),
+            overrides=tuple(Override(**{k: tuple(v) if isinstance(v, list) else v for k, v in o.items()})
+                            for o in d["overrides"]),
+            source=source,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the resolved policy (loadable again; TOML/JSON/YAML-ready)."""
+        def table(obj: Any) -> dict[str, Any]:
+            return {k: list(v) if isinstance(v, tuple) else v for k, v in vars(obj).items()}
+
+        overrides = [{k: v for k, v in table(o).items() if v not in (None, [])} for o in self.overrides]
+        return {
+            "name": self.name, "compute_dtype": self.compute_dtype, "param_dtype": self.param_dtype,
+            "output_dtype": self.output_dtype, "on_unsupported": self.on_unsupported,
+            "ops": table(self.ops), "loss_scale": table(self.loss_scale),
+            "master_weights": table(self.master_weights), "layout": table(self.layout),
+            "distributed": table(self.distributed), "overrides": overrides,
+        }
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable hash of everything that changes behaviour (not ``name``)."""
+        d = self.to_dict()
+        d.pop("name")
+        text = json.dumps(d, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def replace(self, **changes: Any) -> Policy:
+        """A new, re-validated policy; table keys merge (``loss_scale={"mode": "static"}``)."""
+        from .loading import resolve_dict
+
+        return resolve_dict(changes, parent=self.to_dict(), source=f"{self.source} (replace)")
+
+    # ---------------------------------------------------------------- queries backends share
+    @property
+    def low_precision_params(self) -> bool:
+        return is_low(self.param_dtype)
+
+    @property
+    def uses_master_weights(self) -> bool:
+        return self.master_weights.enabled and (
+            is_low(self.param_dtype) or any(is_low(o.param_dtype) for o in self.overrides))
+
+    def override_for(self, path: str, type_names: Iterable[str] = ()) -> tuple[int, Override] | None:
+        """First override matching a module path or one of its type names (canonical or native)."""
+        names = tuple(type_names)
+        for i, o in enumerate(self.overrides):
+            if o.matches(path, names):
+                return i, o
+        return None
+
+    def decide(self, path: str, kind: str | None, type_names: Iterable[str] = (),
+               compute_dtype: str | None = None) -> LayerDecision:
+        """What this policy asks of one layer of canonical ``kind`` at ``path``.
+
+        ``compute_dtype`` is the resolved compute dtype (``auto`` resolved by the backend).
+        """
+        low = compute_dtype or self.compute_dtype
+        category = self.ops.category(kind) if kind else "inputs"
+        dtype = {"lower": low, "float32": "float32"}.get(category)
+        param = "float32" if category == "float32" else self.param_dtype
+        names = (*tuple(type_names), *((kind,) if kind else ()))
+        hit = self.override_for(path, names)
+        if hit is None:
+            return LayerDecision(category, dtype, param)
+        i, o = hit
+        c = o.compute_dtype
+        if c == "auto":
+            c = low
+        return LayerDecision("override", c or dtype, o.param_dtype or param, override=i)
+
+    def __str__(self) -> str:
+        from .loading import dumps
+
+        return dumps(self, "toml")

@@ -1,0 +1,123 @@
+"""Backend discovery (entry points, lazily, through ``sys.modules``) and :func:`apply`.
+
+>>> import unimp
+>>> try:
+...     unimp.apply("mixed_bf16", object())
+... except TypeError as e:
+...     print(str(e).split(";")[0])
+no unimp backend accepts <class 'object'>
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from importlib.metadata import entry_points
+from typing import Any
+
+from .backend import Amp, Backend
+from .errors import UnsupportedError
+from .loading import load
+
+GROUP = "unimp.backends"
+HINTS = {"torch": "unimp-torch (torch.nn.Module)", "flax": "unimp-jax (Flax nnx/linen Module)",
+         "jax": "unimp-jax (Flax nnx/linen Module)", "keras": "unimp-tensorflow (Keras 3 model)",
+         "tensorflow": "unimp-tensorflow (Keras 3 model)", "tf_keras": "unimp-tensorflow (Keras 3 model)",
+         "paddle": "unimp-paddle (paddle.nn.Layer or paddle.static.Program)"}
+
+_registered: dict[str, type[Backend]] = {}
+_loaded: dict[str, type[Backend]] | None = None
+_candidates: dict[type, tuple[str, ...]] = {}
+_applied: dict[int, Any] = {}
+
+
+def register_backend(cls: type[Backend]) -> type[Backend]:
+    """Register a backend class directly (entry points do this for installed packages)."""
+    _registered[cls.name] = cls
+    _candidates.clear()
+    return cls
+
+
+def backends() -> dict[str, type[Backend]]:
+    """Every known backend class by name (entry points are read once)."""
+    global _loaded
+    if _loaded is None:
+        found: dict[str, type[Backend]] = {}
+        for ep in entry_points(group=GROUP):
+            try:
+                found[ep.name] = ep.load()
+            except Exception as e:  # a broken plug-in must not break the others
+                print(f"unimp: backend {ep.name!r} failed to load: {e}", file=sys.stderr)
+        _loaded = found
+    return {**_loaded, **_registered}
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called ``name``; a clear error naming what is installed otherwise."""
+    known = backends()
+    if name not in known:
+        raise UnsupportedError(f"backend {name!r} is not installed (installed: "
+                               f"{', '.join(sorted(known)) or 'none'}); pip install unimp-{name}")
+    return known[name]()
+
+
+def detect(model: Any) -> Backend:
+    """The backend for ``model``: among those whose framework is imported, the best that accepts it."""
+    t = type(model)
+    if t not in _candidates:
+        _candidates[t] = tuple(n for n, b in backends().items() if b.framework in sys.modules)
+    known = backends()
+    accepting = [known[n]() for n in _candidates[t]]
+    accepting = [b for b in accepting if b.accepts(model)]
+    if accepting:
+        return max(accepting, key=lambda b: b.priority)
+    root = t.__module__.split(".")[0]
+    hint = HINTS.get(root)
+    tail = f"; install {hint}" if hint else ""
+    raise TypeError(f"no unimp backend accepts {t!r}; installed backends: "
+                    f"{', '.join(sorted(known)) or 'none'}{tail}")
+
+
+def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None = None,
+          **options: Any) -> Amp:
+    """Bind a policy (file, preset name, dict or Policy) to a model and optimizer.
+
+    The backend is detected from the model's type unless ``backend`` names one.
+    """
+    pol = load(policy)
+    if id(model) in _applied and _alive(_applied[id(model)]) is model:
+        raise RuntimeError(f"unimp.apply: this {type(model).__name__} already has a unimp policy "
+                           f"applied; call amp.remove() first, or keep using the Amp you have")
+    chosen = get_backend(backend) if backend else detect(model)
+    if backend and not chosen.accepts(model):
+        raise TypeError(f"backend {backend!r} does not accept {type(model)!r} (it takes "
+                        f"{chosen.model_types})")
+    plan = chosen.compile(pol, model)
+    amp = chosen.apply(plan, model, optimizer, **options)
+    amp._applied_ids = _remember(model, amp.model)
+    return amp
+
+
+def _remember(*models: Any) -> list[int]:
+    for m in models:
+        if m is None:
+            continue
+        try:
+            _applied[id(m)] = weakref.ref(m)
+        except TypeError:
+            _applied[id(m)] = m
+    return [id(m) for m in models if m is not None]
+
+
+def _alive(ref: Any) -> Any:
+    return ref() if isinstance(ref, weakref.ref) else ref
+
+
+def release(ids: list[int]) -> None:
+    """Forget the models an Amp was applied to (called by ``Amp.remove``)."""
+    for i in ids:
+        _applied.pop(i, None)
+
+
+def is_applied(model: Any) -> bool:
+    return id(model) in _applied and _alive(_applied[id(model)]) is model

@@ -1,0 +1,94 @@
+"""What actually ran: one row per layer/op path, diffable as JSON.
+
+>>> r = Report([ReportRow("fc", "linear", "bfloat16", "float32", "bfloat16")], backend="torch")
+>>> Report.from_json(r.to_json()).rows[0].compute_dtype
+'bfloat16'
+>>> r.diff(r)
+[]
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ReportRow:
+    """One layer (or op) as observed in a real forward."""
+
+    path: str
+    kind: str | None
+    compute_dtype: str | None
+    param_dtype: str | None
+    output_dtype: str | None
+
+
+@dataclass
+class Report:
+    """Rows plus loss-scale counters; ``print(report)`` shows a table."""
+
+    rows: list[ReportRow]
+    backend: str = ""
+    policy: str = ""
+    fingerprint: str = ""
+    scale: float | None = None
+    skipped_steps: int = 0
+    steps: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def row(self, path: str) -> ReportRow:
+        for r in self.rows:
+            if r.path == path:
+                return r
+        raise KeyError(path)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["rows"] = [asdict(r) for r in self.rows]
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> Report:
+        d = json.loads(text)
+        d["rows"] = [ReportRow(**r) for r in d["rows"]]
+        return cls(**d)
+
+    def diff(self, other: Report) -> list[str]:
+        """Human-readable differences in rows (by path) and counters."""
+        out = []
+        mine, theirs = {r.path: r for r in self.rows}, {r.path: r for r in other.rows}
+        for path in [*mine, *(p for p in theirs if p not in mine)]:
+            a, b = mine.get(path), theirs.get(path)
+            if a is None or b is None:
+                out.append(f"{path}: only in {'other' if a is None else 'self'}")
+                continue
+            for f in ("kind", "compute_dtype", "param_dtype", "output_dtype"):
+                if getattr(a, f) != getattr(b, f):
+                    out.append(f"{path}: {f} {getattr(a, f)} != {getattr(b, f)}")
+        for f in ("scale", "skipped_steps", "steps"):
+            if getattr(self, f) != getattr(other, f):
+                out.append(f"{f}: {getattr(self, f)} != {getattr(other, f)}")
+        return out
+
+    def __str__(self) -> str:
+        return format_table(
+            ("path", "kind", "compute", "params", "output"),
+            [(r.path or "<model>", r.kind or "-", r.compute_dtype or "-", r.param_dtype or "-",
+              r.output_dtype or "-") for r in self.rows],
+            title=f"unimp report: {self.backend} / policy {self.policy!r} ({self.fingerprint})",
+            footer=[f"loss scale {self.scale}, skipped {self.skipped_steps} of {self.steps} steps",
+                    *self.notes])
+
+
+def format_table(header: tuple[str, ...], rows: Iterable[tuple[str, ...]], title: str = "",
+                 footer: Iterable[str] = ()) -> str:
+    rows = [header, *rows]
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(([title] if title else []) + lines + list(footer))
