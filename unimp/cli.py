@@ -125,6 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PolicyError, UnsupportedError) as e:
         print(str(e), file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `unimp presets | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ Every backend's scaler must reproduce :func:`update` exactly (scale sequence and
 The scale is held as a float32 value, as every framework holds it on device.
 
 >>> import unimp
->>> spec = unimp.load("torch_autocast_cuda").loss_scale.__class__  # the knob type
 >>> rule = LossScale(unimp.load({"loss_scale": {"growth_interval": 2, "initial": 8.0}}).loss_scale)
 >>> [o.scale for o in rule.replay([True, True, False, True])]
 [8.0, 16.0, 8.0, 8.0]
@@ -121,10 +120,10 @@ class LossScale:
     def _grown(self, scale: float) -> float:
         s = self.spec
         new = f32(scale * s.growth_factor)
-        if s.growth_requires_finite and not math.isfinite(new):
-            return scale
         if new > s.max:
             return f32(s.max) if s.on_max == "clamp" else scale
+        if s.growth_requires_finite and not math.isfinite(new):
+            return scale
         return new
 
     def _nonfinite(self, st: LossScaleState) -> LossScaleState:

@@ -12,8 +12,18 @@ In a backend's tests::
 """
 
 from .checks import (
-    CHECKS, CUSTOM_MOVED_OPS, STANDARD_POLICIES, Case, ConformanceFailure, NotApplicable, Result,
-    cases, cast_like, run, setup, standard_policy,
+    CHECKS,
+    CUSTOM_MOVED_OPS,
+    STANDARD_POLICIES,
+    Case,
+    ConformanceFailure,
+    NotApplicable,
+    Result,
+    cases,
+    cast_like,
+    run,
+    setup,
+    standard_policy,
 )
 from .expect import Expect, expected_layers
 from .kit import Kit, Observation

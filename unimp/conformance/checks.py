@@ -335,6 +335,6 @@ def run(kit: Kit, policies: tuple[str, ...] = STANDARD_POLICIES) -> list[Result]
             out.append(Result(case.check.__name__, case.policy, "pass"))
         except NotApplicable as e:
             out.append(Result(case.check.__name__, case.policy, "n/a", str(e)))
-        except Exception as e:  # noqa: BLE001 - a failure is a result here
+        except Exception as e:
             out.append(Result(case.check.__name__, case.policy, "fail", f"{type(e).__name__}: {e}"))
     return out
