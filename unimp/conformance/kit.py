@@ -77,6 +77,12 @@ class Kit(abc.ABC):
     def model_state(self, model: Any) -> dict[str, tuple[str, Any]]:
         """Everything ``remove()`` must restore: name -> (dtype name, numpy values)."""
 
+    def export_weights(self, amp: Any) -> dict[str, Any]:
+        """The probe's current weights as float32 numpy in the probe layout (``"fc1.weight"`` is
+        ``(in, out)``), from the fp32 masters where there are any — what another framework's
+        :meth:`build_probe` takes to resume the run."""
+        raise NotImplementedError(f"{type(self).__name__}.export_weights")
+
     def forward_fingerprint(self, model: Any, batch: ProbeBatch) -> Any:
         """The plain model's output as numpy (to prove ``remove()`` restored the forward)."""
         raise NotImplementedError

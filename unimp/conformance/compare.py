@@ -1,0 +1,231 @@
+"""Compare every backend's observations; write the published conformance matrix.
+
+    python -m unimp.conformance.compare --obs .obs --envs .tox --docs docs
+
+Fails (exit 1) with one line per disagreement — naming the backends, the policy, the layer or
+step, expected and observed — and when a check that passed in the committed baseline
+(``docs/conformance.json``) no longer passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+from ..loss_scale import LossScale, LossScaleState
+from ..report import format_table
+from .checks import TOLERANCE
+from .expect import expected_layers
+from .observe import RESUME_RULE, observation_policy
+from .probe import PROBE
+
+FP32_CROSS_TOLERANCE = 1e-3
+ENV_OF = {"torch": "torch", "jax": "jax", "tensorflow": "tensorflow", "paddle": "paddle", "ipex": "ipex"}
+
+
+def _ok(entry: Any) -> bool:
+    return isinstance(entry, dict | list) and not (isinstance(entry, dict) and ({"n/a", "error"} & set(entry)))
+
+
+def compare_dtypes(obs: dict[str, dict]) -> list[str]:
+    """Where two backends both control a layer's op, their observed dtypes must be identical."""
+    problems = []
+    for a, b in combinations(sorted(obs), 2):
+        for pol, da in obs[a]["dtypes"].items():
+            db = obs[b]["dtypes"].get(pol)
+            if not (_ok(da) and _ok(db)):
+                continue
+            for layer in PROBE:
+                ca, cb = da["control"].get(layer.kind), db["control"].get(layer.kind)
+                if "fixed" in (ca, cb) or not (da["honoured"].get(layer.kind) and db["honoured"].get(layer.kind)):
+                    continue
+                va, vb = da["layers"].get(layer.path), db["layers"].get(layer.path)
+                if va != vb:
+                    exp = expected_layers(observation_policy(pol), da["compute_dtype"])[layer.path]
+                    problems.append(
+                        f"dtypes: policy {pol}, layer {layer.path} ({layer.kind}): {a} observed {va}, {b} observed "
+                        f"{vb}; the core expects {[exp.compute_dtype, exp.param_dtype, exp.output_dtype]}")
+    return problems
+
+
+def compare_trajectories(obs: dict[str, dict]) -> list[str]:
+    """Every backend's scale sequence and skip counts equal the reference."""
+    problems = []
+    for backend, o in sorted(obs.items()):
+        for rule, t in o["trajectories"].items():
+            if not _ok(t):
+                problems.append(f"trajectory: {backend} could not run {rule}: {t}")
+                continue
+            spec = observation_policy(rule).loss_scale
+            state = LossScale(spec).initial_state()
+            for i, poison in enumerate(t["pattern"]):
+                state = LossScale(spec).update(state, not poison).state
+                got = (t["scales"][i], t["skipped"][i])
+                if got != (state.scale, state.skipped):
+                    problems.append(f"trajectory: {backend}, {rule}, step {i}: expected (scale, skipped) "
+                                    f"{(state.scale, state.skipped)}, observed {got}")
+                    break
+    return problems
+
+
+def _tol(pol: str) -> float:
+    exp = expected_layers(observation_policy(pol))
+    dtypes = {e.compute_dtype for e in exp.values()} | {observation_policy(pol).param_dtype}
+    return max(TOLERANCE.get(d, 1e-4) for d in dtypes)
+
+
+def compare_losses(obs: dict[str, dict]) -> list[str]:
+    """Loss curves of the same policy agree across backends (and with fp32) within tolerance."""
+    problems = []
+    for a, b in combinations(sorted(obs), 2):
+        for pol, la in obs[a]["losses"].items():
+            lb = obs[b]["losses"].get(pol)
+            if not (_ok(la) and _ok(lb)):
+                continue
+            tol = max(_tol(pol), FP32_CROSS_TOLERANCE)
+            for i, (x, y) in enumerate(zip(la, lb, strict=True)):
+                if abs(x - y) > tol * max(1.0, abs(y)):
+                    problems.append(f"losses: policy {pol}, step {i}: {a} {x:.6f} vs {b} {y:.6f} "
+                                    f"(tolerance {tol})")
+                    break
+    for backend, o in obs.items():
+        base = o["losses"].get("fp32")
+        for pol, la in o["losses"].items():
+            if _ok(la) and _ok(base):
+                tol = _tol(pol)
+                bad = [i for i, (x, y) in enumerate(zip(la, base, strict=True)) if abs(x - y) > tol * max(1, abs(y))]
+                if bad:
+                    problems.append(f"losses: {backend}, policy {pol}, step {bad[0]}: {la[bad[0]]:.6f} vs fp32 "
+                                    f"{base[bad[0]]:.6f} (tolerance {tol})")
+    return problems
+
+
+def run_resumes(obs_dir: Path, envs: Path | None, backends: list[str]) -> None:
+    """Continue every backend's checkpoint in every other backend, each in its own environment."""
+    for target in backends:
+        py = (envs / ENV_OF.get(target, target) / "bin" / "python") if envs else Path(sys.executable)
+        if not py.exists():
+            continue
+        sources = [str(obs_dir / f"{s}.json") for s in backends if s != target]
+        subprocess.run([str(py), "-m", "unimp.conformance.observe", target, "--out", str(obs_dir),
+                        "--resume", *sources], check=False, timeout=900)
+
+
+def compare_resumes(obs_dir: Path, obs: dict[str, dict]) -> tuple[list[str], dict[tuple[str, str], str]]:
+    """Resumed runs continue the reference exactly and start from the source's loss."""
+    problems, matrix = [], {}
+    spec = observation_policy(RESUME_RULE).loss_scale
+    for a in sorted(obs):
+        for b in sorted(obs):
+            if a == b:
+                continue
+            f = obs_dir / f"resume-{a}-{b}.json"
+            if not f.exists():
+                matrix[(a, b)] = "missing"
+                problems.append(f"resume {a} -> {b}: not run")
+                continue
+            r = json.loads(f.read_text())
+            if "error" in r or "n/a" in r:
+                matrix[(a, b)] = "fail"
+                problems.append(f"resume {a} -> {b}: {r.get('error') or r.get('n/a')}")
+                continue
+            ckpt = obs[a]["checkpoint"]
+            state = LossScaleState.from_dict(ckpt["state"])
+            pattern = obs[a]["trajectories"][RESUME_RULE]["pattern"][ckpt["at"]:]
+            expected = []
+            for poison in pattern:
+                state = LossScale(spec).update(state, not poison).state
+                expected.append(state.scale)
+            src_loss = obs[a]["trajectories"][RESUME_RULE]["losses"][ckpt["at"]]
+            ok = r["scales"] == expected
+            close = src_loss is None or abs(r["first_loss"] - src_loss) <= FP32_CROSS_TOLERANCE * max(1, abs(src_loss))
+            matrix[(a, b)] = "pass" if ok and close else "fail"
+            if not ok:
+                problems.append(f"resume {a} -> {b}: expected scales {expected}, observed {r['scales']}")
+            if not close:
+                problems.append(f"resume {a} -> {b}: first loss {r['first_loss']:.6f}, {a} had {src_loss:.6f}")
+    return problems, matrix
+
+
+def matrix_markdown(obs: dict[str, dict], resume: dict[tuple[str, str], str], problems: list[str]) -> str:
+    backends = sorted(obs)
+    cells: dict[tuple[str, str], str] = {}
+    for b in backends:
+        for r in obs[b]["results"]:
+            key = (f"{r['check']}[{r['policy']}]", b)
+            cells[key] = {"pass": "pass", "fail": "**FAIL**"}.get(r["status"], f"n/a: {r['detail'][:60]}")
+    checks = sorted({k[0] for k in cells})
+    lines = ["# Conformance matrix", "",
+             "Generated by `python -m unimp.conformance.compare` (the `conformance` tox env) from every backend's",
+             "observations on this CPU machine. n/a carries the reason the backend gave.", "",
+             "## Checks (backend x check[policy])", "", "| check | " + " | ".join(backends) + " |",
+             "|---|" + "---|" * len(backends)]
+    lines += [f"| {c} | " + " | ".join(cells.get((c, b), "-") for b in backends) + " |" for c in checks]
+    lines += ["", "## Control level per canonical op", "", "| op | " + " | ".join(backends) + " |",
+              "|---|" + "---|" * len(backends)]
+    ops = next((o["dtypes"]["mixed_bf16"]["control"] for o in obs.values() if _ok(o["dtypes"].get("mixed_bf16"))), {})
+    for op in ops:
+        row = []
+        for b in backends:
+            d = obs[b]["dtypes"].get("mixed_bf16")
+            row.append(d["control"].get(op, "-") if _ok(d) else "-")
+        lines.append(f"| {op} | " + " | ".join(row) + " |")
+    lines += ["", "## Cross-framework resume (row saved, column resumed)", "",
+              "| from \\ to | " + " | ".join(backends) + " |", "|---|" + "---|" * len(backends)]
+    for a in backends:
+        lines.append(f"| {a} | " + " | ".join("-" if a == b else resume.get((a, b), "-") for b in backends) + " |")
+    lines += ["", "## Cross-backend comparison", ""]
+    lines += [f"- {p}" for p in problems] or ["All dtype tables, scale trajectories, loss curves and resumes agree."]
+    return "\n".join(lines) + "\n"
+
+
+def regressions(baseline: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Checks that passed in the baseline and do not pass now (a missing backend counts)."""
+    return [f"regression: {k} passed before, now {current.get(k, 'missing')}"
+            for k, v in baseline.items() if v == "pass" and current.get(k) != "pass"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m unimp.conformance.compare")
+    ap.add_argument("--obs", default=".obs")
+    ap.add_argument("--envs", default=None, help="tox work dir holding one env per backend (for resumes)")
+    ap.add_argument("--docs", default="docs")
+    ap.add_argument("--update-baseline", action="store_true")
+    args = ap.parse_args(argv)
+    obs_dir = Path(args.obs)
+    obs = {p.stem: json.loads(p.read_text()) for p in sorted(obs_dir.glob("*.json")) if "-" not in p.stem}
+    if len(obs) < 2:
+        print(f"need observations of at least two backends in {obs_dir}, found {sorted(obs)}")
+        return 1
+    run_resumes(obs_dir, Path(args.envs) if args.envs else None, sorted(obs))
+    problems = compare_dtypes(obs) + compare_trajectories(obs) + compare_losses(obs)
+    resume_problems, resume = compare_resumes(obs_dir, obs)
+    problems += resume_problems
+    for b, o in sorted(obs.items()):
+        problems += [f"check: {b}: {r['check']}[{r['policy']}]: {r['detail']}" for r in o["results"]
+                     if r["status"] == "fail"]
+    current = {f"{b}:{r['check']}[{r['policy']}]": r["status"] for b, o in obs.items() for r in o["results"]}
+    current.update({f"resume:{a}->{b}": s for (a, b), s in resume.items()})
+    docs = Path(args.docs)
+    baseline_file = docs / "conformance.json"
+    baseline = json.loads(baseline_file.read_text()) if baseline_file.exists() else {}
+    problems += regressions(baseline, current)
+    (docs / "conformance.md").write_text(matrix_markdown(obs, resume, problems))
+    if args.update_baseline:
+        baseline_file.write_text(json.dumps(current, indent=1, sort_keys=True) + "\n")
+    summary = [(b, str(sum(r["status"] == "pass" for r in o["results"])),
+                str(sum(r["status"] == "n/a" for r in o["results"])),
+                str(sum(r["status"] == "fail" for r in o["results"]))) for b, o in sorted(obs.items())]
+    print(format_table(("backend", "pass", "n/a", "fail"), summary, title="conformance"))
+    for p in problems:
+        print(p)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
