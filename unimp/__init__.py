@@ -17,7 +17,7 @@ from .loss_scale import LossScale, LossScaleState, trajectory
 from .ops import CANONICAL_OPS, OPS
 from .plan import OpDecision, Plan, compile_ops
 from .policy import Override, Policy
-from .registry import apply, backends, detect, get_backend, register_backend
+from .registry import apply, backends, detect, get_backend, register_backend, scope
 from .report import Report, ReportRow
 
 __version__ = "0.1.0"
@@ -26,5 +26,5 @@ __all__ = [
     "CANONICAL_OPS", "OPS", "Amp", "Backend", "LossScale", "LossScaleState", "OpDecision", "Override",
     "Plan", "Policy", "PolicyError", "Report", "ReportRow", "StateError", "UnimpWarning",
     "UnsupportedError", "apply", "backends", "compile_ops", "detect", "dump", "dumps", "get_backend",
-    "load", "preset_names", "register_backend", "trajectory",
+    "load", "preset_names", "register_backend", "scope", "trajectory",
 ]

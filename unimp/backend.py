@@ -49,6 +49,12 @@ class Backend(abc.ABC):
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         """Bind the plan to ``model`` (+ ``optimizer``); returns the backend's Amp."""
 
+    def scope(self, policy: Policy) -> Any:
+        """A context manager building new models under ``policy`` (optional)."""
+        from .errors import UnsupportedError
+
+        raise UnsupportedError(f"backend {self.name} has no scope(); build the model, then unimp.apply(...)")
+
     def conformance_kit(self) -> Any:
         """The backend's :class:`unimp.conformance.Kit` (optional)."""
         raise NotImplementedError(f"backend {self.name} ships no conformance kit")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 import weakref
-from importlib.metadata import entry_points
 from typing import Any
 
 from .backend import Amp, Backend
@@ -42,6 +41,8 @@ def backends() -> dict[str, type[Backend]]:
     """Every known backend class by name (entry points are read once)."""
     global _loaded
     if _loaded is None:
+        from importlib.metadata import entry_points
+
         found: dict[str, type[Backend]] = {}
         for ep in entry_points(group=GROUP):
             try:
@@ -96,6 +97,14 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
     amp = chosen.apply(plan, model, optimizer, **options)
     amp._applied_ids = _remember(model, amp.model)
     return amp
+
+
+def scope(policy: Any, *, backend: str = "tensorflow") -> Any:
+    """A context manager under which new models are built with ``policy`` (Keras: ``unimp.scope``).
+
+    Only backends whose framework builds models under a global dtype policy offer it.
+    """
+    return get_backend(backend).scope(load(policy))
 
 
 def _remember(*models: Any) -> list[int]:
