@@ -11,13 +11,14 @@ the table ``unimp explain`` shows.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UnsupportedError
 from .ops import CANONICAL_OPS
-from .policy import Policy
+from .policy import LossScaleSpec, Policy
 from .report import format_table
 
 CONTROL_LEVELS = ("op", "layer", "fixed")
@@ -57,6 +58,15 @@ class Plan:
             if d.op == name:
                 return d
         raise KeyError(name)
+
+    @property
+    def loss_scale(self) -> LossScaleSpec:
+        """The loss-scale knobs to run: the policy's, except that ``auto`` resolved to float16
+        turns a ``none`` mode into dynamic scaling (fp16 without scaling underflows)."""
+        spec = self.policy.loss_scale
+        if self.policy.compute_dtype == "auto" and self.compute_dtype == "float16" and spec.mode == "none":
+            return dataclasses.replace(spec, mode="dynamic", skip_nonfinite=True)
+        return spec
 
     @property
     def fallbacks(self) -> tuple[OpDecision, ...]:
