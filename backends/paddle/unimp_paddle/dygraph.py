@@ -63,7 +63,9 @@ class DygraphAmp(Amp):
         self._check_layout(model)
         self._saved = {k: (v.dtype, v.numpy().copy()) for k, v in model.state_dict().items()}
         self._guards = self._layer_guards(model)
-        self.native: dict[str, Any] = {"auto_cast": self._auto_cast_args(self.lists), "decorate": None}
+        self.native: dict[str, Any] = {"auto_cast": self._auto_cast_args(self.lists), "decorate": None,
+                                       "layers": {path: self._guards[id(layer)] for path, layer in
+                                                  model.named_sublayers() if id(layer) in self._guards}}
         if self.active and self.level == "O2":
             self._decorate(model, optimizer)
         self._wrapped = self._wrap_forwards(model)
