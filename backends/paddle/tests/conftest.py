@@ -5,6 +5,7 @@ import warnings
 
 os.environ.setdefault("GLOG_minloglevel", "2")
 os.environ.setdefault("FLAGS_use_mkldnn", "0")
+os.environ.setdefault("FLAGS_enable_pir_api", "0")  # legacy IR for the static path (read at import)
 
 import pytest
 

@@ -1,0 +1,106 @@
+"""Static path (legacy IR): the compiled lists are the dtypes that really ran in bf16 on CPU."""
+
+import numpy as np
+import paddle
+import pytest
+from unimp_paddle.static import canonical_of
+
+import unimp
+from unimp.plan import requested_dtype
+
+
+@pytest.fixture
+def static_mode():
+    paddle.enable_static()
+    yield
+    paddle.disable_static()
+
+
+def _mlp():
+    main, start = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, start):
+        x = paddle.static.data("x", [64, 32], "float32")
+        y = paddle.static.data("y", [64, 1], "int64")
+        h = paddle.static.nn.fc(x, 64, activation="relu")
+        z = paddle.static.nn.fc(h, 8)
+        loss = paddle.mean(paddle.nn.functional.cross_entropy(z, y))
+    rng = np.random.default_rng(0)
+    feed = {"x": rng.random((64, 32), dtype=np.float32), "y": rng.integers(0, 8, (64, 1))}
+    return main, start, loss, feed
+
+
+def _probe_forward():
+    main, start = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, start):
+        tok = paddle.static.data("tok", [32], "int64")
+        h = paddle.nn.Embedding(32, 16)(tok)
+        h = paddle.static.nn.fc(h, 32, activation="relu")
+        h = paddle.static.nn.fc(h, 8)
+        paddle.nn.functional.log_softmax(h, -1)
+    return main, start, {"tok": np.arange(32, dtype=np.int64)}
+
+
+def _expected(amp, op_type, var):
+    """The dtype the core's policy asks for this op, unless the Plan/findings report a fallback."""
+    kind = canonical_of(op_type)
+    d = amp.plan.op(kind)
+    if var in amp.fp32_vars or not d.honoured:
+        return "float32"
+    return requested_dtype(amp.policy, kind, amp.plan.compute_dtype)
+
+
+def _check(amp, exe, feed):
+    ran = amp.op_dtypes(exe, feed)
+    assert any(dtype == "bfloat16" for _, _, dtype in ran), ran
+    for op_type, var, dtype in ran:
+        want = _expected(amp, op_type, var)
+        if want is not None:  # follow-inputs / promote ops: Paddle's gray rule, checked via neighbours
+            assert dtype == want, (op_type, var, dtype, want)
+    return ran
+
+
+def test_mixed_bf16_trains_with_bf16_mul_on_cpu(static_mode):
+    main, start, loss, feed = _mlp()
+    amp = unimp.apply(unimp.load("mixed_bf16").replace(on_unsupported="fallback"), main,
+                      paddle.optimizer.Adam(0.01))
+    amp.optimizer.minimize(loss, start)
+    exe = paddle.static.Executor(paddle.CPUPlace())
+    exe.run(start)
+    losses = [float(exe.run(main, feed=feed, fetch_list=[loss])[0]) for _ in range(5)]
+    assert losses[-1] < losses[0]
+    ran = _check(amp, exe, feed)
+    assert ("mul", "bfloat16") in {(t, d) for t, _, d in ran}
+
+
+def test_moved_ops_run_where_the_policy_puts_them(static_mode):
+    policy = unimp.load(unimp.conformance.CUSTOM_MOVED_OPS).replace(on_unsupported="fallback", overrides=[])
+    main, start, feed = _probe_forward()
+    amp = unimp.apply(policy, main)
+    exe = paddle.static.Executor(paddle.CPUPlace())
+    exe.run(start)
+    ran = {t: d for t, _, d in _check(amp, exe, feed)}
+    assert ran["lookup_table_v2"] == ran["log_softmax"] == ran["mul"] == "bfloat16"  # moved to lower
+
+
+def test_float32_override_by_parameter_name(static_mode):
+    policy = unimp.load("mixed_bf16").replace(
+        on_unsupported="fallback", overrides=[{"modules": ["fc_1"], "compute_dtype": "float32"}])
+    main, start, loss, feed = _mlp()
+    amp = unimp.apply(policy, main)
+    exe = paddle.static.Executor(paddle.CPUPlace())
+    exe.run(start)
+    muls = [d for t, _, d in amp.op_dtypes(exe, feed) if t == "mul"]
+    assert muls == ["bfloat16", "float32"]
+
+
+def test_remove_restores_the_program_and_errors_are_clear(static_mode):
+    main, start, loss, feed = _mlp()
+    before = [op.type for op in main.global_block().ops]
+    amp = unimp.apply(unimp.load("mixed_bf16").replace(on_unsupported="fallback"), main)
+    assert [op.type for op in main.global_block().ops] != before
+    assert amp.remove() is main
+    assert [op.type for op in main.global_block().ops] == before
+    with pytest.raises(unimp.UnsupportedError, match="on_unsupported"):
+        unimp.apply("mixed_bf16", main)  # elementwise ops cannot run bf16 on CPU: error by default
+    with pytest.raises(unimp.UnsupportedError, match="loss scaling"):
+        unimp.apply("paddle_o1", main)
