@@ -1,0 +1,26 @@
+"""unimp-tensorflow: unimp policies on Keras 3 models (TensorFlow backend).
+
+``unimp.apply(policy, model, optimizer)`` sets per-layer Keras dtype policies on an existing model
+and wraps the optimizer for loss scaling; :func:`scope` builds a new model under a policy.
+Importing this package imports no framework.
+
+>>> import unimp_tensorflow
+>>> unimp_tensorflow.TensorFlowBackend.name
+'tensorflow'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backend import TensorFlowBackend
+
+__version__ = "0.1.0"
+__all__ = ["TensorFlowBackend", "scope"]
+
+
+def scope(policy: Any) -> Any:
+    """Build a Keras model under ``policy`` (see :mod:`unimp_tensorflow.building`)."""
+    from .building import scope as _scope
+
+    return _scope(policy)

@@ -1,0 +1,104 @@
+"""The Amp handle for Keras models: both training styles, report, state, remove.
+
+``amp.model.compile(optimizer=amp.optimizer, ...)`` + ``fit`` works, and so does a custom loop::
+
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, amp.model(x, training=True))
+        scaled = amp.scale_loss(loss)
+    grads = tape.gradient(scaled, amp.model.trainable_variables)
+    amp.apply_gradients(zip(grads, amp.model.trainable_variables))   # unscale, skip or step
+
+>>> import keras, numpy as np, unimp
+>>> m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="fc")])
+>>> amp = unimp.apply("mixed_bf16", m, keras.optimizers.SGD(0.1))
+>>> amp.report(np.ones((2, 8), "float32")).row("fc").compute_dtype
+'bfloat16'
+>>> _ = amp.remove()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from unimp.backend import Amp
+from unimp.loss_scale import LossScale, LossScaleState
+from unimp.plan import Plan
+from unimp.report import Report, ReportRow
+
+from .binding import Binding, undo
+from .observe import observe
+
+
+class TensorFlowAmp(Amp):
+    """A unimp policy bound to one Keras model and optimizer."""
+
+    def __init__(self, plan: Plan, model: Any, optimizer: Any, inner: Any, binding: Binding) -> None:
+        super().__init__(plan, model, optimizer)
+        self.inner_optimizer = inner
+        self._binding = binding
+        self.findings = list(binding.findings)
+        self.data_formats = dict(binding.formats)  # conv/pooling data_format by layer path
+        self._state = LossScale(self.policy.loss_scale).initial_state()  # used without an optimizer
+
+    # ------------------------------------------------------------------ training verbs
+    def scale_loss(self, loss: Any) -> Any:
+        """``loss`` times the current loss scale (unchanged when the policy has no loss scaling)."""
+        return loss if self.optimizer is None else self.optimizer.scale_loss(loss)
+
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
+        """Unscale, check finiteness, step or skip, update the scale (``tf.function``-safe)."""
+        if self.optimizer is None:
+            raise ValueError("amp.apply_gradients: unimp.apply was given no optimizer; pass one: "
+                             "unimp.apply(policy, model, keras.optimizers.Adam(...))")
+        return self.optimizer.apply_gradients(grads_and_vars)
+
+    # ------------------------------------------------------------------ loss-scale state
+    def loss_scale_state(self) -> LossScaleState:
+        return self._state if self.optimizer is None else self.optimizer.loss_scale_state()
+
+    def set_loss_scale_state(self, state: LossScaleState) -> None:
+        if self.optimizer is None:
+            self._state = state
+        else:
+            self.optimizer.set_loss_scale_state(state)
+
+    # ------------------------------------------------------------------ report
+    def report(self, x: Any = None) -> Report:
+        """What ran in one real forward on ``x`` (default: zeros shaped like the model's inputs)."""
+        if self._removed:
+            raise RuntimeError("amp.report(): this Amp was removed; apply the policy again to report")
+        seen, out = observe(self.model, self._binding.units, _sample(self.model) if x is None else x)
+        rows = [ReportRow(u.path, u.kind, *seen[u.path]) for u in self._binding.units if u.path in seen]
+        rows.append(ReportRow("", None, None, None, out))
+        notes = [f"{self.plan.details.get('loss_scaler', '')}"] if self.optimizer is not None else []
+        return self.report_header(rows, notes=[n for n in notes if n])
+
+    def master_pairs(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """``(path.variable, low param as float32, float32 master)`` per parameter with a master."""
+        if not getattr(self.optimizer, "_masters", None):
+            return []
+        paths = {id(u.layer): u.path for u in self._binding.units}
+        out = []
+        for s in self._binding.swaps:
+            if id(s.low) in self.optimizer._masters:
+                name = f"{paths.get(id(s.layer), s.layer.name)}.{s.low.name}"
+                out.append((name, np.asarray(s.low.numpy(), np.float32), s.original.numpy()))
+        return out
+
+    def _restore(self) -> None:
+        undo(self.model, self.inner_optimizer, self.optimizer, self._binding,
+             masters_on=bool(getattr(self.optimizer, "_masters", None)))
+
+
+def _sample(model: Any) -> Any:
+    """Zeros shaped like the model's symbolic inputs (batch 2); subclassed models need a batch."""
+    inputs = getattr(model, "inputs", None) if getattr(model, "_functional", None) is None else None
+    inputs = inputs or getattr(getattr(model, "_functional", None), "inputs", None)
+    if not inputs:
+        raise TypeError(f"amp.report(): model {model.name!r} has no symbolic inputs to make a sample from "
+                        f"(subclassed model); pass a batch: amp.report(x)")
+    arrays = [np.zeros([2 if d is None else d for d in t.shape], t.dtype) for t in inputs]
+    return arrays[0] if len(arrays) == 1 else arrays

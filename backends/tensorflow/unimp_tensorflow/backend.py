@@ -1,0 +1,71 @@
+"""The unimp plug-in for Keras 3 models on TensorFlow (entry point ``unimp.backends: tensorflow``).
+
+This module imports no framework: unimp only looks at it once ``keras``/``tensorflow`` is imported.
+
+>>> import unimp
+>>> TensorFlowBackend().compile(unimp.load("mixed_bf16")).op("conv").dtype
+'bfloat16'
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, ClassVar
+
+from unimp.backend import Amp, Backend
+from unimp.plan import Plan
+from unimp.policy import Policy
+
+from .planning import compile_plan
+
+OPTIONS = ("native_loss_scale",)
+
+
+class TensorFlowBackend(Backend):
+    """Keras 3 models (Sequential, functional, subclassed) and Keras optimizers, TensorFlow backend."""
+
+    name: ClassVar[str] = "tensorflow"
+    framework: ClassVar[str] = "keras"
+    distribution: ClassVar[str] = "unimp-tensorflow"
+    model_types: ClassVar[str] = "keras.Model (Keras 3, TensorFlow backend)"
+    priority: ClassVar[int] = 0
+
+    def accepts(self, model: Any) -> bool:
+        keras = sys.modules.get("keras")
+        return keras is not None and isinstance(model, keras.Model) and keras.backend.backend() == "tensorflow"
+
+    def compile(self, policy: Policy, model: Any = None) -> Plan:
+        return compile_plan(policy)
+
+    def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
+        """Set per-layer dtype policies on ``model`` and wrap ``optimizer`` for loss scaling.
+
+        ``native_loss_scale``: ``None`` (default) uses Keras' own LossScaleOptimizer exactly when
+        the policy's rule is Keras' rule; ``False`` always uses unimp's; ``True`` insists on Keras'.
+        """
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise TypeError(f"unimp.apply (tensorflow): unknown option(s) {unknown}; valid: {list(OPTIONS)}")
+        from .amp import TensorFlowAmp
+        from .binding import apply_layers, check_inputs, patch_output, reset_compiled_functions, wrap_optimizer
+
+        check_inputs(model, optimizer)
+        binding = apply_layers(plan, model)
+        try:
+            wrapper = wrap_optimizer(plan, optimizer, binding, options.get("native_loss_scale"))
+        except Exception:
+            from .binding import undo
+
+            undo(model, optimizer, None, binding, masters_on=False)
+            raise
+        patch_output(model, plan.policy.output_dtype, binding)
+        if wrapper is not None and getattr(model, "optimizer", None) is optimizer:
+            binding.compiled_optimizer = optimizer
+            model.optimizer = wrapper
+        reset_compiled_functions(model)
+        return TensorFlowAmp(plan, model, wrapper, optimizer, binding)
+
+    def conformance_kit(self) -> Any:
+        from .kit import TensorFlowKit
+
+        return TensorFlowKit()

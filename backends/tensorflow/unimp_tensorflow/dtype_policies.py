@@ -1,0 +1,82 @@
+"""Keras dtype policies for unimp's layer decisions.
+
+A fixed decision (``lower``, ``float32``, an override) is a plain Keras ``DTypePolicy``
+(``mixed_bfloat16`` = bf16 compute over float32 variables). A layer that follows its inputs
+(``inputs`` / ``promote``) gets :class:`FollowInputs`, which computes in the dtype of the
+activation that actually arrives (promote: the widest of it and the variables), so the rule
+holds in Sequential, functional and subclassed models alike.
+
+>>> keras_policy("bfloat16", "float32").name
+'mixed_bfloat16'
+>>> keras_policy("float32", "bfloat16").compute_dtype
+'float32'
+>>> FollowInputs("float32").compute_dtype
+'float32'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras import backend as K
+
+from unimp.dtypes import widest
+
+
+def keras_policy(compute: str, param: str) -> keras.DTypePolicy:
+    """The Keras policy computing in ``compute`` over variables in ``param``."""
+    if compute == param:
+        return keras.DTypePolicy(compute)
+    if param == "float32" and compute in ("float16", "bfloat16"):
+        return keras.DTypePolicy(f"mixed_{compute}")
+    return Explicit(compute, param)
+
+
+class Explicit(keras.DTypePolicy):
+    """Any compute dtype over any variable dtype (Keras' names only cover ``mixed_<low>`` over fp32).
+
+    Keras' ``AutocastScope`` casts float variables to the compute dtype in both directions, so
+    float32 compute over bfloat16 variables runs as asked.
+    """
+
+    def __init__(self, compute: str, variable: str) -> None:
+        super().__init__(variable)
+        self._compute_dtype = compute
+
+    def get_config(self) -> dict[str, Any]:
+        return {"name": self.variable_dtype}
+
+    def __repr__(self) -> str:
+        return f"<Explicit compute={self.compute_dtype} variables={self.variable_dtype}>"
+
+
+class FollowInputs(keras.DTypePolicy):
+    """Compute in the incoming activation's dtype (``promote``: widest of it and the variables)."""
+
+    def __init__(self, param_dtype: str = "float32", promote: bool = False) -> None:
+        super().__init__(param_dtype)
+        self._promote = promote
+        self._seen = param_dtype  # integer inputs (embedding lookups): the variables' dtype
+
+    @property
+    def compute_dtype(self) -> str:
+        return self._seen
+
+    def convert_input(self, x: Any, autocast: bool, dtype: Any) -> Any:
+        if not (keras.ops.is_tensor(x) or K.is_keras_tensor(x)):
+            if not hasattr(x, "__array__"):
+                return x
+            x = keras.ops.convert_to_tensor(x)
+        x_dtype = K.standardize_dtype(x.dtype)
+        if not K.is_float_dtype(x_dtype):
+            return x
+        target = widest([x_dtype, self.variable_dtype]) if self._promote else x_dtype
+        self._seen = target
+        return x if target == x_dtype else keras.ops.cast(x, target)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"name": self.variable_dtype}  # saved models load it as a plain policy
+
+    def __repr__(self) -> str:
+        return f"<FollowInputs variables={self.variable_dtype} promote={self._promote}>"

@@ -1,0 +1,229 @@
+"""Optimizer wrappers: loss scaling (the core rule, every knob) and float32 master weights.
+
+:class:`LossScaleOptimizer` subclasses Keras' own ``LossScaleOptimizer`` (so ``compile`` never
+wraps it a second time) but runs unimp's rule (:mod:`unimp_tensorflow.scaler`) over float32 /
+int64 variables. :class:`KerasLossScaleOptimizer` *is* Keras' rule, used where the policy asks
+for exactly that rule; it only adds the step/skip counters of the canonical state. A skipped
+step calls nothing on the inner optimizer: variables, slots and ``iterations`` keep their bits.
+
+>>> import keras, unimp
+>>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), unimp.load("mixed_fp16").loss_scale)
+>>> opt.loss_scale_state().scale
+65536.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras.src.utils import tracking
+
+from unimp.errors import StateError
+from unimp.loss_scale import LossScale, LossScaleState
+from unimp.policy import LossScaleSpec
+
+from .scaler import State, all_finite, next_state
+
+KerasLSO = keras.optimizers.LossScaleOptimizer
+
+
+def _unscale(grads: list, scale: tf.Tensor | None) -> list:
+    if scale is None:
+        return list(grads)
+    out = []
+    for g in grads:
+        if g is None:
+            out.append(g)
+        elif isinstance(g, tf.IndexedSlices):
+            out.append(tf.IndexedSlices(g.values / tf.cast(scale, g.values.dtype), g.indices, g.dense_shape))
+        else:
+            out.append(g / tf.cast(scale, g.dtype))
+    return out
+
+
+class _Counters:
+    """The canonical ``skipped`` / ``steps`` counters (int64 optimizer variables)."""
+
+    @tracking.no_automatic_dependency_tracking
+    def _make_counters(self) -> None:
+        self._skipped = self.add_variable((), "zeros", "int64", name="unimp_skipped")
+        self._steps = self.add_variable((), "zeros", "int64", name="unimp_steps")
+
+
+class LossScaleOptimizer(_Counters, KerasLSO):
+    """Loss scaling by unimp's reference rule; optionally float32 masters for low-precision params.
+
+    ``masters`` maps ``id(model variable)`` to its float32 master: the inner optimizer updates
+    the master and the model variable becomes ``cast(master)`` after every applied step.
+    """
+
+    def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, masters: dict[int, Any] | None = None,
+                 name: str | None = None) -> None:
+        saved_factor = inner_optimizer.loss_scale_factor
+        super().__init__(inner_optimizer, initial_scale=LossScale(spec).initial_state().scale,
+                         dynamic_growth_steps=spec.growth_interval, name=name or "unimp_loss_scale")
+        self._saved_factor = saved_factor  # Keras clears the inner factor; remove() puts it back
+        self.spec = spec
+        self._masters = dict(masters or {})
+        self._make_state()
+
+    @tracking.no_automatic_dependency_tracking
+    def _make_state(self) -> None:
+        init = LossScale(self.spec).initial_state()
+        self.dynamic_scale = self.add_variable((), keras.initializers.Constant(init.scale), "float32",
+                                               name="unimp_scale")
+        self.step_counter = self.add_variable((), "zeros", "int64", name="unimp_growth_tracker")
+        self._hysteresis = self.add_variable((), keras.initializers.Constant(init.hysteresis_left),
+                                             "int64", name="unimp_hysteresis_left")
+        self._make_counters()
+
+    # ------------------------------------------------------------------ state
+    def _state(self) -> State:
+        return State(self.dynamic_scale.value, self.step_counter.value, self._hysteresis.value,
+                     self._skipped.value, self._steps.value)
+
+    def loss_scale_state(self) -> LossScaleState:
+        s = self._state()
+        return LossScaleState(float(s.scale), int(s.growth_tracker), int(s.hysteresis_left),
+                              int(s.skipped), int(s.steps))
+
+    def set_loss_scale_state(self, state: LossScaleState) -> None:
+        for var, value in zip((self.dynamic_scale, self.step_counter, self._hysteresis, self._skipped,
+                               self._steps), (state.scale, state.growth_tracker, state.hysteresis_left,
+                                              state.skipped, state.steps), strict=True):
+            var.assign(tf.cast(value, var.dtype))
+
+    # ------------------------------------------------------------------ Keras hooks
+    @tracking.no_automatic_dependency_tracking
+    def build(self, var_list: list) -> None:
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build([self._masters.get(id(v), v) for v in var_list])
+        keras.optimizers.Optimizer.build(self, var_list)
+
+    def scale_loss(self, loss: Any) -> Any:
+        if self.spec.mode == "none":
+            return loss
+        return loss * tf.cast(self.dynamic_scale, loss.dtype)
+
+    def check_finite(self, grads: list) -> tf.Tensor:
+        return all_finite(grads)
+
+    def _apply_inner(self, grads: list, trainable_variables: list | None) -> None:
+        tvs = list(trainable_variables or self._trainable_variables)
+        scale = None if self.spec.mode == "none" else self.dynamic_scale
+        if not self._masters:
+            self.inner_optimizer.apply(_unscale(grads, scale), trainable_variables=tvs)
+            return
+        grads32 = [g if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32) for g in grads]
+        targets = [self._masters.get(id(v), v) for v in tvs]
+        self.inner_optimizer.apply(_unscale(grads32, scale), trainable_variables=targets)
+        for v, m in zip(tvs, targets, strict=True):
+            if m is not v:
+                v.assign(tf.cast(m, v.dtype))
+
+    def _update(self, finite: tf.Tensor) -> None:
+        new = next_state(self.spec, self._state(), finite)
+        if self.spec.mode == "dynamic":
+            self.dynamic_scale.assign(new.scale)
+            self.step_counter.assign(new.growth_tracker)
+            self._hysteresis.assign(new.hysteresis_left)
+        if self.spec.skip_nonfinite:
+            self._skipped.assign(new.skipped)
+        self._steps.assign(new.steps)
+
+    def _common_apply(self, grads: list, trainable_variables: list | None = None) -> None:
+        grads = list(grads)
+        if self.spec.mode == "none" and not self.spec.skip_nonfinite:
+            self._apply_inner(grads, trainable_variables)
+            self._steps.assign_add(1)
+            return
+        finite = self.check_finite(grads)
+        if self.spec.skip_nonfinite:
+            tf.cond(finite, lambda: self._apply_inner(grads, trainable_variables), lambda: None)
+        else:
+            self._apply_inner(grads, trainable_variables)
+        self._update(finite)
+
+    def _stateful_handle_finite_grads(self, grads: list, trainable_variables: list | None) -> None:
+        self._apply_inner(list(grads), trainable_variables)  # cross-replica path of Keras' _tf_apply
+        self._update(tf.constant(True))
+
+    def _stateful_handle_non_finite_grads(self) -> None:
+        self._update(tf.constant(False))
+
+    def stateless_apply(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("unimp's LossScaleOptimizer runs on the TensorFlow backend of Keras")
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config["loss_scale"] = {k: list(v) if isinstance(v, tuple) else v
+                                for k, v in asdict(self.spec).items()}
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
+        from keras.src.saving import serialization_lib
+
+        inner = serialization_lib.deserialize_keras_object(config["inner_optimizer"],
+                                                           custom_objects=custom_objects)
+        ls = dict(config["loss_scale"])
+        ls["hysteresis_refill"] = tuple(ls["hysteresis_refill"])
+        return cls(inner, LossScaleSpec(**ls), name=config.get("name"))
+
+
+class KerasLossScaleOptimizer(_Counters, KerasLSO):
+    """Keras' own ``LossScaleOptimizer`` rule, plus the canonical skip/step counters."""
+
+    def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, name: str | None = None) -> None:
+        saved_factor = inner_optimizer.loss_scale_factor
+        super().__init__(inner_optimizer, initial_scale=spec.initial,
+                         dynamic_growth_steps=spec.growth_interval, name=name or "keras_loss_scale")
+        self._saved_factor = saved_factor
+        self.spec = spec
+        self._pending: LossScaleState | None = None
+        self._make_counters()
+
+    @tracking.no_automatic_dependency_tracking
+    def build(self, var_list: list) -> None:
+        super().build(var_list)
+        if self._pending is not None:
+            self.dynamic_scale.assign(self._pending.scale)
+            self.step_counter.assign(self._pending.growth_tracker)
+            self._pending = None
+
+    def loss_scale_state(self) -> LossScaleState:
+        if self.built:
+            scale, tracker = float(self.dynamic_scale.value), int(self.step_counter.value)
+        else:
+            st = self._pending or LossScale(self.spec).initial_state()
+            scale, tracker = st.scale, st.growth_tracker
+        return LossScaleState(scale, tracker, 1, int(self._skipped.value), int(self._steps.value))
+
+    def set_loss_scale_state(self, state: LossScaleState) -> None:
+        if state.hysteresis_left != 1:
+            raise StateError(f"Keras' LossScaleOptimizer has no hysteresis; got hysteresis_left="
+                             f"{state.hysteresis_left} (expected 1)")
+        self._skipped.assign(state.skipped)
+        self._steps.assign(state.steps)
+        if self.built:
+            self.dynamic_scale.assign(state.scale)
+            self.step_counter.assign(state.growth_tracker)
+        else:
+            self._pending = state
+
+    def scale_loss(self, loss: Any) -> Any:
+        if not self.built and self._pending is not None:
+            return loss * tf.cast(self._pending.scale, loss.dtype)
+        return super().scale_loss(loss)
+
+    def _common_apply(self, grads: list, trainable_variables: list | None = None) -> None:
+        self._steps.assign_add(1)
+        super()._common_apply(grads, trainable_variables)
+
+    def _stateful_handle_non_finite_grads(self) -> None:
+        self._skipped.assign_add(1)
+        super()._stateful_handle_non_finite_grads()
+

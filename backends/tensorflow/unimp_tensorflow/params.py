@@ -1,0 +1,65 @@
+"""Low-precision parameters (``param_dtype = bfloat16``) on an existing Keras layer.
+
+Keras fixes a variable's dtype at creation, so a layer that must *hold* bf16 params gets bf16
+copies swapped in; its original float32 variables become the master weights the optimizer
+wrapper updates. :meth:`Swap.undo` puts the originals back (they already hold the trained values
+when masters are on; otherwise the low copies are written back first).
+
+>>> import keras
+>>> d = keras.layers.Dense(2); d.build((None, 3))
+>>> swaps = swap_params(d, "bfloat16")
+>>> d.kernel.dtype, swaps[0].original.dtype
+('bfloat16', 'float32')
+>>> for s in swaps: s.undo(write_back=False)
+>>> d.kernel.dtype
+'float32'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+
+@dataclass
+class Swap:
+    """One variable replaced on one layer: where it lives and both versions."""
+
+    layer: Any
+    attrs: tuple[str, ...]
+    store: str  # "_trainable_variables" | "_non_trainable_variables"
+    original: Any
+    low: Any
+    initial: Any  # the low copy's value when swapped in
+
+    def undo(self, write_back: bool) -> None:
+        """Put the original back; ``write_back`` copies the low values into it if they changed."""
+        changed = not bool(tf.reduce_all(tf.equal(self.low.value, self.initial)))
+        if write_back and changed:
+            self.original.assign(tf.cast(self.low.value, self.original.dtype))
+        _replace(self.layer, self.attrs, self.store, self.low, self.original)
+
+
+def _replace(layer: Any, attrs: tuple[str, ...], store: str, old: Any, new: Any) -> None:
+    for a in attrs:
+        object.__setattr__(layer, a, new)
+    items = getattr(layer, store)
+    items[next(i for i, v in enumerate(items) if v is old)] = new
+
+
+def swap_params(layer: Any, dtype: str) -> list[Swap]:
+    """Replace the layer's own float variables by ``dtype`` copies; returns what to undo."""
+    swaps = []
+    for store in ("_trainable_variables", "_non_trainable_variables"):
+        for var in list(getattr(layer, store, [])):
+            if var.dtype == dtype or not keras.backend.is_float_dtype(var.dtype):
+                continue
+            attrs = tuple(k for k, v in vars(layer).items() if v is var)
+            low = keras.Variable(tf.cast(var.value, dtype), dtype=dtype, trainable=var.trainable,
+                                 name=var.name)
+            _replace(layer, attrs, store, var, low)
+            swaps.append(Swap(layer, attrs, store, var, low, tf.identity(low.value)))
+    return swaps

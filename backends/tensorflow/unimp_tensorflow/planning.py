@@ -1,0 +1,85 @@
+"""Compile a policy for Keras: per canonical op the layer classes that carry it. No TF import.
+
+Keras decides dtypes per layer, so every op with a Keras layer class is ``layer``-controlled;
+``loss`` is ``fixed`` (Keras losses compute in float32). ``auto`` imports TensorFlow to look
+at the devices.
+
+>>> import unimp
+>>> plan = compile_plan(unimp.load("mixed_bf16"))
+>>> plan.op("linear").control, plan.op("linear").native, plan.op("loss").control
+('layer', ('Dense',), 'fixed')
+"""
+
+from __future__ import annotations
+
+from unimp.dtypes import is_low
+from unimp.ops import CANONICAL_OPS, OPS
+from unimp.plan import Plan, compile_ops, requested_dtype
+from unimp.policy import LossScaleSpec, Policy
+
+BACKEND = "tensorflow"
+EXTRA_NATIVE = {
+    "softmax": ("Activation(softmax)",),
+    "log_softmax": ("Activation(log_softmax)",),
+    "transcendental": ("(any layer: runs in that layer's dtype)",),
+    "reduction": ("(any layer: runs in that layer's dtype)",),
+}
+LOSS_WHY = "Keras losses compute in float32 (keras.losses.Loss dtype = floatx)"
+NOTES = (
+    "Keras sets dtypes per layer: an op inside a layer (exp, sum, ...) runs in that layer's compute "
+    "dtype; transcendental/reduction are honoured where they are layers of their own (give a custom "
+    "layer class an override `types = [\"MyLayer\"]`).",
+    "Keras' normalisation layers compute their statistics in at least float32 whatever the layer's "
+    "dtype; their output dtype follows the policy.",
+    "A layer in no op list follows its input's dtype, resolved per call (unimp's FollowInputs policy).",
+)
+
+
+def keras_rule(spec: LossScaleSpec) -> bool:
+    """Whether ``spec`` is exactly Keras 3's fixed LossScaleOptimizer rule."""
+    return (spec.mode == "dynamic" and spec.growth_factor == 2.0 and spec.backoff_factor == 0.5
+            and spec.hysteresis == 1 and spec.min == 0.0 and spec.max == float("inf")
+            and spec.skip_nonfinite and spec.growth_schedule == "interval"
+            and not spec.growth_requires_finite and spec.at_min == "clamp")
+
+
+def resolve_auto() -> tuple[str, str]:
+    """``auto`` on this machine: bf16 on CPUs and Ampere+ GPUs, fp16 (+ dynamic scaling) before."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return "bfloat16", "auto: CPU — Keras/oneDNN bf16 matmul ~2x faster than fp32 here (DESIGN §8)"
+    cc = tf.config.experimental.get_device_details(gpus[0]).get("compute_capability", (0, 0))
+    if tuple(cc) >= (8, 0):
+        return "bfloat16", f"auto: GPU compute capability {cc[0]}.{cc[1]} has bf16 tensor cores"
+    return "float16", f"auto: GPU compute capability {cc[0]}.{cc[1]} has no fast bf16; fp16 + dynamic scaling"
+
+
+def loss_scaler(policy: Policy) -> str:
+    spec = policy.loss_scale
+    if keras_rule(spec) and not policy.uses_master_weights:
+        return "loss scaling: Keras' own LossScaleOptimizer (its fixed rule is exactly the policy's)"
+    return f"loss scaling: unimp LossScaleOptimizer ({spec.mode}, the core reference rule)"
+
+
+def compile_plan(policy: Policy) -> Plan:
+    """The Plan for ``policy`` on Keras 3 / TensorFlow."""
+    compute, reason = policy.compute_dtype, "as the policy says"
+    if compute == "auto":
+        compute, reason = resolve_auto()
+    want = requested_dtype(policy, "loss", compute)
+    follows_f32 = want is None and policy.output_dtype == "float32"
+    fixed = {"loss": (None, LOSS_WHY + "; it takes the float32 model output, so it follows its inputs")
+             if follows_f32 else ("float32", LOSS_WHY)}
+    control = {op: "layer" for op in CANONICAL_OPS if op not in fixed}
+    native = {op: (*OPS[op].keras, *EXTRA_NATIVE.get(op, ())) for op in CANONICAL_OPS}
+    notes = list(NOTES)
+    if is_low(policy.param_dtype) or policy.uses_master_weights:
+        notes.append("low-precision params: Keras fixes a variable's dtype at creation, so layers holding "
+                     f"{policy.param_dtype} params get {policy.param_dtype} copies while applied; the "
+                     "original float32 variables are the masters the optimizer wrapper updates")
+    notes.append(loss_scaler(policy))
+    return compile_ops(BACKEND, policy, control=control, native=native, compute_dtype=compute,
+                       compute_reason=reason, fixed=fixed, notes=tuple(notes),
+                       details={"loss_scaler": loss_scaler(policy)})
