@@ -85,7 +85,7 @@ def test_moved_ops_run_where_the_policy_puts_them(static_mode):
 def test_float32_override_by_parameter_name(static_mode):
     policy = unimp.load("mixed_bf16").replace(
         on_unsupported="fallback", overrides=[{"modules": ["fc_1"], "compute_dtype": "float32"}])
-    main, start, loss, feed = _mlp()
+    main, start, _loss, feed = _mlp()
     amp = unimp.apply(policy, main)
     exe = paddle.static.Executor(paddle.CPUPlace())
     exe.run(start)
@@ -94,7 +94,7 @@ def test_float32_override_by_parameter_name(static_mode):
 
 
 def test_remove_restores_the_program_and_errors_are_clear(static_mode):
-    main, start, loss, feed = _mlp()
+    main, _start, _loss, _feed = _mlp()
     before = [op.type for op in main.global_block().ops]
     amp = unimp.apply(unimp.load("mixed_bf16").replace(on_unsupported="fallback"), main)
     assert [op.type for op in main.global_block().ops] != before

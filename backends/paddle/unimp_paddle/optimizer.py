@@ -33,18 +33,12 @@ class AmpOptimizer:
         import paddle
 
         grads = [p.grad for p in self._params if p.grad is not None]
-        flag = paddle.zeros([1], dtype="bool")
-        if not grads:
-            return flag
-        if self._scaled:
-            inv = (1.0 / self._scaler.scale.astype("float64")).astype("float32")
-            with paddle.no_grad():
-                for g in grads:
-                    g.multiply_(inv.astype(g.dtype))
-        if self._check:
-            for g in grads:
-                flag = paddle.logical_or(flag, paddle.logical_not(paddle.isfinite(g).all()).reshape([1]))
-        return flag
+        if not grads or not (self._scaled or self._check):
+            return paddle.zeros([1], dtype="bool")
+        scale = self._scaler.scale if self._scaled else paddle.ones([1], dtype="float32")
+        # Paddle's fused kernel (what GradScaler uses): grads /= scale in place, any non-finite -> flag
+        _, found_inf = paddle._C_ops.check_finite_and_unscale_(grads, scale)
+        return found_inf
 
     def step(self) -> bool:
         """One optimizer step under the policy; returns True when the step was skipped."""

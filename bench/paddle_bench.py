@@ -1,0 +1,136 @@
+"""Hand-written native Paddle AMP vs ``unimp.apply``, side by side in one process (CPU).
+
+    python bench/paddle_bench.py [--steps 30]
+
+Cases (median ms per training step after warm-up, runs interleaved):
+  dygraph mixed_bf16: ``paddle.amp.auto_cast(dtype="bfloat16")`` loop vs ``unimp.apply`` (fallback);
+  dygraph paddle_o1:  auto_cast fp16 + ``paddle.amp.GradScaler`` vs ``unimp.apply`` (unimp's scaler
+                      really scales on CPU; Paddle's GradScaler disables itself there);
+  static mixed_bf16:  ``decorate_bf16`` + AutoMixedPrecisionListsBF16 vs ``unimp.apply`` on the Program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import warnings
+
+os.environ.setdefault("FLAGS_enable_pir_api", "0")
+os.environ.setdefault("FLAGS_use_mkldnn", "0")
+os.environ.setdefault("GLOG_minloglevel", "2")
+warnings.filterwarnings("ignore")
+
+import numpy as np  # noqa: E402
+import paddle  # noqa: E402
+
+import unimp  # noqa: E402
+
+B, D, H, C = 256, 1024, 1024, 10
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(B, D)).astype("float32"), rng.integers(0, C, (B, 1)).astype("int64")
+
+
+def _mlp():
+    paddle.seed(0)
+    return paddle.nn.Sequential(paddle.nn.Linear(D, H), paddle.nn.ReLU(), paddle.nn.Linear(H, C))
+
+
+def dygraph_native(dtype: str, scaler: bool):
+    model = _mlp()
+    opt = paddle.optimizer.Adam(1e-3, parameters=model.parameters())
+    gs = paddle.amp.GradScaler() if scaler else None
+    x, y = (paddle.to_tensor(a) for a in _data())
+
+    def step():
+        with paddle.amp.auto_cast(level="O1", dtype=dtype):
+            out = model(x)
+        loss = paddle.nn.functional.cross_entropy(out.astype("float32"), y)
+        if gs is not None:
+            gs.scale(loss).backward()
+            gs.step(opt)
+            gs.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.clear_grad()
+    return step
+
+
+def dygraph_unimp(policy: str):
+    model = _mlp()
+    opt = paddle.optimizer.Adam(1e-3, parameters=model.parameters())
+    amp = unimp.apply(unimp.load(policy).replace(on_unsupported="fallback"), model, opt)
+    x, y = (paddle.to_tensor(a) for a in _data())
+
+    def step():
+        loss = paddle.nn.functional.cross_entropy(amp.model(x).astype("float32"), y)
+        amp.backward(loss)
+        amp.optimizer.step()
+        amp.optimizer.clear_grad()
+    return step
+
+
+def static(use_unimp: bool):
+    paddle.enable_static()
+    main, start = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, start):
+        x = paddle.static.data("x", [B, D], "float32")
+        y = paddle.static.data("y", [B, 1], "int64")
+        h = paddle.static.nn.fc(x, H, activation="relu")
+        loss = paddle.mean(paddle.nn.functional.cross_entropy(paddle.static.nn.fc(h, C), y))
+        opt = paddle.optimizer.Adam(1e-3)
+        if not use_unimp:
+            from paddle.static.amp.bf16 import AutoMixedPrecisionListsBF16, decorate_bf16
+
+            lists = AutoMixedPrecisionListsBF16(custom_fp32_list={"elementwise_add"})
+            decorate_bf16(opt, amp_lists=lists, use_bf16_guard=False, use_pure_bf16=False).minimize(loss)
+    if use_unimp:
+        amp = unimp.apply(unimp.load("mixed_bf16").replace(on_unsupported="fallback"), main, opt)
+        amp.optimizer.minimize(loss, start)
+    exe = paddle.static.Executor(paddle.CPUPlace())
+    scope = paddle.static.Scope()
+    exe.run(start, scope=scope)
+    xv, yv = _data()
+
+    def step():
+        exe.run(main, feed={"x": xv, "y": yv}, fetch_list=[loss], scope=scope)
+    return step
+
+
+def measure(pairs, steps: int, warmup: int = 5) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in pairs}
+    for fn in pairs.values():
+        for _ in range(warmup):
+            fn()
+    for _ in range(steps):
+        for name, fn in pairs.items():  # interleaved: both see the same machine load
+            t = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    cases = {
+        "dygraph mixed_bf16": lambda: (dygraph_native("bfloat16", False), dygraph_unimp("mixed_bf16")),
+        "dygraph paddle_o1": lambda: (dygraph_native("float16", True), dygraph_unimp("paddle_o1")),
+        "static mixed_bf16": lambda: (static(False), static(True)),  # leaves static mode on
+    }
+    print(f"paddle {paddle.__version__}, CPU, MLP {B}x{D}->{H}->{C}, median of {args.steps} steps (ms)")
+    print(f"{'case':22s} {'native':>8s} {'unimp':>8s} {'ratio':>6s}")
+    for name, build in cases.items():
+        native, ours = build()
+        m = measure({"native": native, "unimp": ours}, args.steps)
+        print(f"{name:22s} {m['native']:8.2f} {m['unimp']:8.2f} {m['unimp'] / m['native']:6.3f}")
+
+
+if __name__ == "__main__":
+    main()
