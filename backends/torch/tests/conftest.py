@@ -1,0 +1,11 @@
+import pytest
+import torch
+
+torch.manual_seed(0)
+
+
+@pytest.fixture
+def kit():
+    from unimp_torch.kit import TorchKit
+
+    return TorchKit()

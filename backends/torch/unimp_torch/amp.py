@@ -1,0 +1,185 @@
+"""``TorchAmp``: a policy bound to one ``torch.nn.Module`` (+ optimizer), and ``bind`` which makes it.
+
+>>> import torch, unimp
+>>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+>>> amp = unimp.apply("mixed_bf16", model, torch.optim.AdamW(model.parameters()))
+>>> loss = amp.model(torch.randn(4, 8)).square().mean()
+>>> amp.backward(loss); amp.optimizer.step(); amp.optimizer.zero_grad()
+>>> amp.report().row("0").compute_dtype
+'bfloat16'
+>>> _ = amp.remove()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from unimp.backend import Amp
+from unimp.loss_scale import LossScaleState
+from unimp.plan import Plan
+from unimp.report import Report, ReportRow
+
+from . import op_overrides
+from .forward import patch_forward
+from .layers import DTYPES, Rule, kind, type_names, wrap
+from .layout import check_alignment, has_conv2d, restore_layout, to_channels_last
+from .native import layer_ops
+from .observe import observe
+from .optim import AmpOptimizer
+from .params import ParamState, cast_params
+from .scaler import DeviceLossScale
+
+
+class TorchAmp(Amp):
+    """The handle :func:`unimp.apply` returns for torch models (DESIGN.md §5)."""
+
+    def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 device: str) -> None:
+        super().__init__(plan, model, optimizer)
+        self.device = device
+        self.inner_optimizer = optimizer
+        self.scaler = DeviceLossScale(plan.policy.loss_scale, _first_device(model))
+        self.params = ParamState()
+        self.wrapped: list[str] = []  # module paths with a layer-level forward
+        self._undo: list[Callable[[], None]] = []
+        self._layout: list[tuple[torch.Tensor, bool]] = []
+        self._ops_handle = 0
+        self._observed: dict[str, dict[str, Any]] | None = None
+        self._observe_next = True
+
+    # ------------------------------------------------------------------ training verbs
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` on the scaled loss (call several times to accumulate)."""
+        self.scaler.scale_loss(loss).backward(**kwargs)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale_loss(loss)
+
+    def unscale_(self) -> torch.Tensor | None:
+        """Unscale this step's grads now (e.g. before inspecting them); returns found_inf."""
+        return self.optimizer.unscale_() if self.optimizer is not None else None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> torch.Tensor:
+        """Clip the unscaled gradients (of the masters, when there are masters); returns the norm."""
+        if self.optimizer is None:
+            params = list(self.model.parameters())
+        else:
+            self.optimizer.unscale_()
+            params = self.optimizer.master_params()
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, **kwargs)
+
+    @property
+    def master_weights(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+        """``(name, low-precision param, fp32 master)`` for every parameter with a master."""
+        return list(self.params.masters)
+
+    # ------------------------------------------------------------------ Amp contract
+    def loss_scale_state(self) -> LossScaleState:
+        return self.scaler.state()
+
+    def set_loss_scale_state(self, state: LossScaleState) -> None:
+        self.scaler.set_state(state)
+
+    def report(self, *args: Any, **kwargs: Any) -> Report:
+        """Per module path: kind, observed compute/param/output dtype. With inputs, runs a fresh
+        no-grad forward on them; without, uses the first forward after apply."""
+        if args or kwargs:
+            observed = observe(self.model, args, kwargs)
+        elif self._observed is not None:
+            observed = self._observed
+        else:
+            raise RuntimeError("amp.report(): run amp.model(x) once first, or pass an example input: "
+                               "amp.report(x)")
+        rows = [ReportRow(path or "<model>", r["kind"], r["compute_dtype"], r["param_dtype"], r["output_dtype"])
+                for path, r in observed.items()
+                if not path or r["kind"] or not any(True for _ in self.model.get_submodule(path).children())]
+        notes = [f"wrapped per layer: {', '.join(self.wrapped)}"] if self.wrapped else []
+        return self.report_header(rows, notes)
+
+    def _restore(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        self.params.restore(trained=self.scaler.steps > 0)
+        restore_layout(self._layout)
+        op_overrides.release(self._ops_handle)
+        self._ops_handle = 0
+
+    # ------------------------------------------------------------------ first-forward observation
+    def _observing_forward(self) -> None:
+        model = self.model
+        plain = model.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            model.forward = plain  # observe only once, then the plain patched forward
+            if self._observe_next:
+                self._observe_next = False
+                try:
+                    self._observed = observe(model, args, kwargs)
+                except Exception:
+                    self._observed = None
+            return plain(*args, **kwargs)
+
+        model.forward = forward
+
+
+def _first_device(model: nn.Module) -> torch.device:
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: str,
+         on_skip: Callable[[], Any] | None) -> TorchAmp:
+    """Apply ``plan`` to ``model``; on any error, everything done so far is undone."""
+    amp = TorchAmp(plan, model, optimizer, device)
+    policy = plan.policy
+    try:
+        amp.findings = check_alignment(model, policy.layout)
+        if policy.layout.channels_last and has_conv2d(model):
+            amp._layout = to_channels_last(model)
+        optimized = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
+        amp.params = cast_params(model, policy, plan.compute_dtype, optimized)
+        _wrap_layers(amp, model, plan, device)
+        details = plan.details
+        if details["op_moves"]:
+            amp._ops_handle = op_overrides.acquire(tuple(details["op_moves"]), device)
+        autocast = DTYPES[details["autocast"]] if details["autocast"] else None
+        amp._undo.append(patch_forward(model, device, autocast, details["op_moves"],
+                                       DTYPES[policy.output_dtype], bool(amp._layout)))
+        plain = model.__dict__["forward"]
+        amp._observing_forward()
+        amp._undo.append(lambda: model.__dict__.__setitem__("forward", plain))
+        if optimizer is not None:
+            amp.optimizer = AmpOptimizer(optimizer, amp.scaler, amp.params, on_skip)
+    except BaseException:
+        amp._restore()
+        raise
+    return amp
+
+
+def _wrap_layers(amp: TorchAmp, model: nn.Module, plan: Plan, device: str) -> None:
+    policy, low = plan.policy, plan.compute_dtype
+    layer_moved = set(plan.details["layer_moves"])
+    autocast_on = plan.details["autocast"] is not None
+    low_override = any(o.compute_dtype in ("float16", "bfloat16", "auto") for o in policy.overrides)
+    for path, module in model.named_modules():
+        names, k = type_names(module), kind(module)
+        decision = policy.decide(path, k, names, low)
+        category = policy.ops.category(k) if k else "inputs"
+        rule = None
+        if decision.override is not None and policy.overrides[decision.override].compute_dtype is not None:
+            dtype = decision.compute_dtype
+            composite = any(True for _ in module.children()) and dtype != "float32"
+            rule = Rule(dtype, composite)
+        elif k and layer_moved & set(layer_ops(names, k)):
+            rule = Rule(decision.compute_dtype or category)
+        elif not autocast_on and low_override and k and category in ("lower", "float32"):
+            rule = Rule("float32")
+        if rule is not None:
+            amp._undo.append(wrap(module, rule, device))
+            amp.wrapped.append(path or "<model>")

@@ -1,0 +1,54 @@
+"""The torch backend class (the ``unimp.backends`` entry point). Importing it does not import torch.
+
+>>> TorchBackend.name, TorchBackend.framework, TorchBackend.priority
+('torch', 'torch', 0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from unimp.backend import Backend
+from unimp.plan import Plan
+from unimp.policy import Policy
+
+
+class TorchBackend(Backend):
+    """``unimp.apply(policy, model, optimizer)`` for any ``torch.nn.Module`` on cpu or cuda."""
+
+    name: ClassVar[str] = "torch"
+    framework: ClassVar[str] = "torch"
+    distribution: ClassVar[str] = "unimp-torch"
+    model_types: ClassVar[str] = "torch.nn.Module"
+    priority: ClassVar[int] = 0
+
+    def accepts(self, model: Any) -> bool:
+        import torch
+
+        return isinstance(model, torch.nn.Module)
+
+    def compile(self, policy: Policy, model: Any = None) -> Plan:
+        from .compile import compile_plan
+        from .validate import device_of
+
+        return compile_plan(policy, device_of(model))
+
+    def apply(self, plan: Plan, model: Any, optimizer: Any = None, *,
+              on_skip: Callable[[], Any] | None = None, **options: Any) -> Any:
+        """Bind ``plan``; ``on_skip()`` is called after every skipped optimizer step."""
+        from .amp import bind
+        from .validate import check_inputs
+
+        if options:
+            raise TypeError(f"unimp.apply(...) for torch got unknown options {sorted(options)}; "
+                            f"it accepts on_skip=callable")
+        device = check_inputs(model, optimizer, on_skip)
+        if plan.details.get("device") != device:
+            plan = self.compile(plan.policy, model)
+        return bind(plan, model, optimizer, device, on_skip)
+
+    def conformance_kit(self) -> Any:
+        from .kit import TorchKit
+
+        return TorchKit()

@@ -1,0 +1,101 @@
+"""A policy compiled for torch on one device: the Plan, and what apply must add to torch.autocast.
+
+``details`` of the Plan carry the mechanism: ``autocast`` (the dtype torch.autocast runs, or None),
+``op_moves`` (aten op -> category, done by unimp's Autocast kernels), ``layer_moves`` (aten ops
+torch already has C++ kernels for: done per layer). Both empty = plain torch.autocast.
+
+>>> import unimp
+>>> plan = compile_plan(unimp.load("torch_autocast_cpu"), "cpu")
+>>> plan.details["op_moves"], plan.details["layer_moves"]
+({}, {})
+>>> sorted(compile_plan(unimp.load("mixed_bf16"), "cpu").details["op_moves"])[:3]
+['acos', 'asin', 'cosh']
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from unimp.dtypes import is_low
+from unimp.errors import UnsupportedError
+from unimp.ops import CANONICAL_OPS
+from unimp.plan import Plan, compile_ops
+from unimp.policy import Policy
+
+from .native import aten_names, has_kernel, moves, native_category, same
+
+BATCH_NORM_NOTE = ("batch_norm: torch's kernels take low-precision activations with float32 weights "
+                   "and compute statistics and normalisation in float32; activations keep their dtype "
+                   "(as Keras mixed precision does)")
+
+
+def resolve_compute(dtype: str, device: str) -> tuple[str, str]:
+    """The compute dtype on ``device`` (``auto`` resolved) and why; UnsupportedError when impossible."""
+    import torch
+
+    if device not in ("cpu", "cuda"):
+        raise UnsupportedError(f"unimp-torch runs models on cpu or cuda; this model is on {device!r} "
+                               f"(move it with model.to('cuda') or model.to('cpu'))")
+    if dtype == "auto":
+        if device == "cuda":
+            if not torch.cuda.is_available() or torch.cuda.is_bf16_supported():
+                return "bfloat16", "auto: this GPU has native bfloat16"
+            return "float16", "auto: this GPU has no bfloat16; float16 with dynamic loss scaling"
+        if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+            return "bfloat16", "auto: this CPU has native bfloat16 (AVX512-BF16/AMX)"
+        return "float32", "auto: this CPU has no native bfloat16, where it is slower than float32"
+    check_dtype(dtype, device, "compute_dtype")
+    return dtype, "as the policy says"
+
+
+def check_dtype(dtype: str, device: str, key: str) -> None:
+    import torch
+
+    if not is_low(dtype):
+        return
+    if (device == "cuda" and dtype == "bfloat16" and torch.cuda.is_available()
+            and not torch.cuda.is_bf16_supported()):
+        raise UnsupportedError(f"{key} = 'bfloat16' but this GPU has no bfloat16; use 'float16' "
+                               f"(with loss_scale.mode = 'dynamic') or 'auto'")
+    if device == "cpu":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ok = torch.autocast("cpu", dtype=getattr(torch, dtype)).fast_dtype == getattr(torch, dtype)
+        if not ok or any("not supported" in str(w.message) for w in caught):
+            raise UnsupportedError(f"{key} = {dtype!r}: torch {torch.__version__} CPU autocast does not "
+                                   f"support it; use 'bfloat16' or 'float32', or run on cuda")
+
+
+def compile_plan(policy: Policy, device: str) -> Plan:
+    """Plan ``policy`` for torch on ``device`` (``cpu`` | ``cuda``)."""
+    compute, reason = resolve_compute(policy.compute_dtype, device)
+    for i, o in enumerate(policy.overrides):
+        if o.compute_dtype not in (None, "auto"):
+            check_dtype(o.compute_dtype, device, f"overrides[{i}].compute_dtype")
+    autocast = compute if is_low(compute) else None
+    control, native, op_moves, layer_moves, notes = {}, {}, {}, {}, []
+    for op in CANONICAL_OPS:
+        wanted = policy.ops.category(op)
+        names = aten_names(op, device)
+        native[op] = names
+        control[op] = "op"
+        if autocast is None:
+            continue  # no autocast: nothing is lowered, float32 ops run in float32, the rest follow inputs
+        if op == "batch_norm" and wanted == "float32":
+            notes.append(BATCH_NORM_NOTE)
+            continue
+        moved = moves(op, wanted, device)
+        for name in moved:
+            (layer_moves if has_kernel(name, device) else op_moves)[name] = wanted
+        if any(has_kernel(n, device) for n in moved):
+            control[op] = "layer"
+            notes.append(f"{op}: torch {device} autocast has fixed kernels for "
+                         f"{', '.join(n for n in moved if has_kernel(n, device))}; unimp sets the dtype "
+                         f"per layer, functional calls keep torch's choice")
+        kept = [n for n in names if n not in moved and not same(native_category(n, device), wanted, n)]
+        if kept:
+            notes.append(f"{op}: torch keeps its own choice for {', '.join(kept)} "
+                         f"({native_category(kept[0], device)} on {device})")
+    details = {"device": device, "autocast": autocast, "op_moves": op_moves, "layer_moves": layer_moves}
+    return compile_ops("torch", policy, control=control, native=native, compute_dtype=compute,
+                       compute_reason=reason, notes=tuple(notes), details=details)

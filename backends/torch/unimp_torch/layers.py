@@ -1,0 +1,136 @@
+"""Layer-level control: per-module forwards for what torch's op lists cannot express.
+
+A module gets a wrapper only when it must: an override that sets its compute dtype, or its ops
+are moved by the policy but torch already has a C++ Autocast kernel for them on this device (so
+the op-level kernels of :mod:`unimp_torch.op_overrides` cannot take over). Every other module
+runs untouched.
+
+>>> import torch
+>>> layer = torch.nn.Linear(4, 4)
+>>> undo = wrap(layer, Rule("float32"), "cpu")
+>>> with torch.autocast("cpu", dtype=torch.bfloat16):
+...     layer(torch.randn(2, 4)).dtype
+torch.float32
+>>> undo()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from unimp.ops import kind_of
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def type_names(module: nn.Module) -> tuple[str, ...]:
+    """Class names of ``module`` and its bases up to ``nn.Module`` (for kinds and overrides)."""
+    out = []
+    for cls in type(module).__mro__:
+        if cls in (nn.Module, object):
+            break
+        out.append(cls.__name__)
+    return tuple(out)
+
+
+def kind(module: nn.Module) -> str | None:
+    """The canonical op of a layer (``Linear`` -> ``linear``; subclasses count as their base)."""
+    for name in type_names(module):
+        k = kind_of(name, "torch")
+        if k:
+            return k
+    return None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How a wrapped module computes: a dtype name, ``inputs`` (its input's) or ``promote``."""
+
+    dtype: str
+    composite: bool = False  # a module with children and a low dtype: autocast to it, children decide
+
+
+def _floating(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
+
+
+def _first_float(args: tuple, kwargs: dict) -> Any:
+    for a in (*args, *kwargs.values()):
+        if _floating(a):
+            return a.dtype
+    return None
+
+
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    if _floating(x) and x.dtype != dtype:
+        return x.to(dtype)
+    if isinstance(x, list | tuple) and x and any(_floating(t) for t in x):
+        return type(x)(_cast(t, dtype) for t in x)
+    return x
+
+
+@contextlib.contextmanager
+def params_as(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """Run ``module`` with its floating params cast to ``dtype`` (differentiably; restored after)."""
+    swapped = [(m, n, p) for m in module.modules() for n, p in m._parameters.items()
+               if p is not None and _floating(p) and p.dtype != dtype]
+    for m, n, p in swapped:
+        m._parameters[n] = p.to(dtype)
+    try:
+        yield
+    finally:
+        for m, n, p in swapped:
+            m._parameters[n] = p
+
+
+def _target(rule: Rule, module: nn.Module, args: tuple, kwargs: dict) -> torch.dtype | None:
+    if rule.dtype in DTYPES:
+        return DTYPES[rule.dtype]
+    first = _first_float(args, kwargs)
+    if rule.dtype == "inputs" or first is None:
+        return first
+    out = first  # promote: widest of the float inputs and the params
+    for t in (*args, *kwargs.values(), *module.parameters()):
+        if _floating(t):
+            out = torch.promote_types(out, t.dtype)
+    return out
+
+
+def wrap(module: nn.Module, rule: Rule, device: str) -> Callable[[], None]:
+    """Make ``module`` compute as ``rule`` says; returns the function that undoes it."""
+    had_own = "forward" in module.__dict__
+    inner = module.forward
+
+    if rule.composite:
+        dtype = DTYPES[rule.dtype]
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(device, dtype=dtype):
+                return inner(*args, **kwargs)
+    else:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            dtype = _target(rule, module, args, kwargs)
+            if dtype is None:
+                return inner(*args, **kwargs)
+            args = tuple(_cast(a, dtype) for a in args)
+            kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+            with torch.autocast(device, enabled=False), params_as(module, dtype):
+                return inner(*args, **kwargs)
+
+    forward.__unimp_wrapped__ = inner  # type: ignore[attr-defined]
+    module.forward = forward
+
+    def undo() -> None:
+        if had_own:
+            module.forward = inner
+        else:
+            module.__dict__.pop("forward", None)
+
+    return undo

@@ -1,0 +1,164 @@
+"""What torch's own autocast does, per device, read from the dispatcher of the running torch.
+
+torch's autocast lists live in C++ (``aten/src/ATen/autocast_mode.cpp``) and differ between CPU
+and CUDA. Whether an aten op has an Autocast kernel on a device is read at runtime with
+``torch._C._dispatch_has_kernel_for_dispatch_key``; the kind of kernel follows the canonical op
+(torch registers matmul/conv-class ops as ``lower_precision_fp``, norms/softmax/losses/
+reductions/transcendentals as ``fp32``, elementwise/concat as ``promote``). An op without a
+kernel follows its inputs, except binary arithmetic, which torch's type promotion widens.
+
+>>> native_category("softmax", "cuda"), native_category("softmax", "cpu")
+('float32', 'inputs')
+"""
+
+from __future__ import annotations
+
+import functools
+
+from unimp.ops import OPS
+
+AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+
+# the cast policy torch registers for an op of each canonical kind (when it registers one)
+KERNEL_CATEGORY = {
+    "matmul": "lower", "linear": "lower", "conv": "lower", "attention": "lower", "rnn": "lower",
+    "activation": "lower",  # prelu
+    "embedding": "float32", "softmax": "float32", "log_softmax": "float32", "layer_norm": "float32",
+    "rms_norm": "float32", "batch_norm": "float32", "group_norm": "float32", "transcendental": "float32",
+    "reduction": "float32", "loss": "float32", "elementwise": "promote", "concat": "promote",
+}
+TYPE_PROMOTING = frozenset({"add", "sub", "mul", "div", "cat", "stack"})  # torch widens mixed inputs itself
+# composite ops whose only floating work runs in ops that autocast already handles on that device
+COMPOSITE = {("cross_entropy_loss", "cuda"): "float32",
+             **{(n, "cpu"): "lower" for n in ("chain_matmul", "linalg_multi_dot", "lstm_cell", "gru_cell",
+                                              "rnn_tanh_cell", "rnn_relu_cell")}}
+# ops that exist for one device only (never reached on the other, so never moved there)
+DEVICE_ONLY = {"mkldnn_rnn_layer": "cpu", "_native_multi_head_attention": "cpu"}
+
+# the aten ops a layer class runs (to know which layers a moved op touches)
+LAYER_OPS = {
+    "Linear": ("linear",), "Bilinear": ("bilinear",), "Embedding": ("embedding",),
+    "EmbeddingBag": ("embedding_bag",), "LayerNorm": ("layer_norm",), "GroupNorm": ("group_norm",),
+    "RMSNorm": ("rms_norm",), "Softmax": ("softmax",), "Softmin": ("softmax",),
+    "LogSoftmax": ("log_softmax",), "ReLU": ("relu",), "GELU": ("gelu",), "SiLU": ("silu",),
+    "Tanh": ("tanh",), "Sigmoid": ("sigmoid",), "PReLU": ("prelu",), "LeakyReLU": ("leaky_relu",),
+    "ELU": ("elu",), "BatchNorm1d": ("batch_norm",), "BatchNorm2d": ("batch_norm",),
+    "BatchNorm3d": ("batch_norm",), "SyncBatchNorm": ("batch_norm",),
+    **{f"Conv{d}d": (f"conv{d}d",) for d in (1, 2, 3)},
+    **{f"ConvTranspose{d}d": (f"conv_transpose{d}d",) for d in (1, 2, 3)},
+}
+
+
+def _aten():
+    import torch
+
+    return torch.ops.aten
+
+
+@functools.cache
+def aten_names(op: str, device: str | None = None) -> tuple[str, ...]:
+    """The public aten operators of canonical ``op`` in this torch (reached on ``device``).
+
+    Internal ``_ops`` are left out: they run beneath a public op, inside its autocast handling.
+    """
+    aten = _aten()
+    out = []
+    for name in OPS[op].torch:
+        if name[0].isupper() or name.startswith("_"):
+            continue
+        if device and DEVICE_ONLY.get(name, device) != device:
+            continue
+        try:
+            getattr(aten, name)
+        except (AttributeError, RuntimeError):
+            continue
+        out.append(name)
+    return tuple(out)
+
+
+@functools.cache
+def overloads(name: str) -> tuple[str, ...]:
+    """Qualified overload names (``softmax.int``) of an aten op, without ``out=`` variants."""
+    packet = getattr(_aten(), name)
+    found = []
+    for ov in packet.overloads():
+        if "out" in ov.split("_") or ov.endswith("out"):
+            continue
+        q = name if ov == "default" else f"{name}.{ov}"
+        if _registered(f"aten::{q}"):
+            found.append(q)
+    return tuple(found)
+
+
+def _registered(qualified: str) -> bool:
+    import torch
+
+    try:
+        torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CPU")
+    except RuntimeError:  # a TorchScript-only overload (aten::tanh.int) is not a dispatcher op
+        return False
+    return True
+
+
+@functools.cache
+def has_kernel(name: str, device: str) -> bool:
+    """Whether torch registers an Autocast kernel for any overload of ``name`` on ``device``."""
+
+    key = AUTOCAST_KEYS[device]
+    return any(_has(f"aten::{q}", key) for q in overloads(name))
+
+
+def _has(qualified: str, key: str) -> bool:
+    import torch
+
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key)
+    except RuntimeError:  # a TorchScript-only overload (e.g. aten::tanh.int) is not a dispatcher op
+        return False
+
+
+def canonical_of(name: str) -> str | None:
+    for op, info in OPS.items():
+        if name in info.torch:
+            return op
+    return None
+
+
+@functools.cache
+def native_category(name: str, device: str) -> str:
+    """``lower`` | ``float32`` | ``promote`` | ``inputs``: what torch autocast does to aten ``name``."""
+    if device not in AUTOCAST_KEYS:
+        return "inputs"
+    if (name, device) in COMPOSITE:
+        return COMPOSITE[name, device]
+    if has_kernel(name, device):
+        return KERNEL_CATEGORY.get(canonical_of(name) or "", "float32")
+    return "promote" if name in TYPE_PROMOTING else "inputs"
+
+
+def layer_ops(type_names: tuple[str, ...], kind: str | None) -> tuple[str, ...]:
+    """The aten ops a layer runs: from its class (or a base class), else every op of its kind."""
+    for name in type_names:
+        if name in LAYER_OPS:
+            return LAYER_OPS[name]
+    return aten_names(kind) if kind else ()
+
+
+def same(native: str, wanted: str, name: str) -> bool:
+    """Whether torch's native handling of ``name`` already gives the ``wanted`` category."""
+    if native == wanted:
+        return True
+    return name in TYPE_PROMOTING and {native, wanted} <= {"promote", "inputs"}
+
+
+def moves(op: str, wanted: str, device: str) -> tuple[str, ...]:
+    """The aten ops of canonical ``op`` whose native handling on ``device`` must change.
+
+    The canonical op is compared through its primary op (its first aten name): torch's lists are
+    finer than the vocabulary (CPU lowers ``mm`` but not ``mv``); when the primary op already
+    does what the policy asks, torch's per-op choices are kept (and reported as such).
+    """
+    names = aten_names(op, device)
+    if not names or same(native_category(names[0], device), wanted, names[0]):
+        return ()
+    return tuple(n for n in names if not same(native_category(n, device), wanted, n))

@@ -1,0 +1,86 @@
+"""What really ran: per module path, the dtypes seen in one real forward.
+
+A ``TorchDispatchMode`` (below autocast, so it sees the casts autocast and unimp made) records
+the output dtype of the first compute op each module runs itself; forward hooks record output
+dtypes. Cast and view ops do not count as compute.
+
+>>> import torch
+>>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+>>> with torch.autocast("cpu", dtype=torch.bfloat16):
+...     rows = observe(m, (torch.randn(2, 4),), {})
+>>> rows["0"]["compute_dtype"]
+'bfloat16'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .layers import NAMES, kind, type_names
+
+NOT_COMPUTE = frozenset({"_to_copy", "copy_", "clone", "detach", "contiguous", "empty_like", "empty",
+                         "zeros_like", "ones_like", "lift_fresh", "_unsafe_view", "alias", "t"})
+
+
+def _dtype(x: Any) -> str | None:
+    if isinstance(x, torch.Tensor):
+        return NAMES.get(x.dtype, str(x.dtype).removeprefix("torch."))
+    if isinstance(x, list | tuple):
+        for t in x:
+            d = _dtype(t)
+            if d:
+                return d
+    if isinstance(x, dict):
+        return _dtype(list(x.values()))
+    return None
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.compute: dict[str, str] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.stack and not func.is_view and func._overloadpacket.__name__ not in NOT_COMPUTE:
+            path = self.stack[-1]
+            d = _dtype(out)
+            if path not in self.compute and d and d in NAMES.values():
+                self.compute[path] = d
+        return out
+
+
+def observe(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, dict[str, Any]]:
+    """Run ``model(*args, **kwargs)`` without grad; per module path: kind and observed dtypes."""
+    rec = _Recorder()
+    rows: dict[str, dict[str, Any]] = {}
+    handles = []
+    for path, m in model.named_modules():
+        params = [p for p in m.parameters(recurse=False) if p.is_floating_point()]
+        rows[path] = {"kind": kind(m), "param_dtype": _dtype(params[0]) if params else None,
+                      "compute_dtype": None, "output_dtype": None, "types": type_names(m)}
+
+        def pre(_m: nn.Module, _a: Any, path: str = path) -> None:
+            rec.stack.append(path)
+
+        def post(_m: nn.Module, _a: Any, out: Any, path: str = path) -> None:
+            rec.stack.pop()
+            rows[path]["output_dtype"] = _dtype(out)
+
+        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    try:
+        with torch.no_grad(), rec:
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    for path, row in rows.items():
+        row["compute_dtype"] = rec.compute.get(path)
+        if row["kind"] == "batch_norm" and row["param_dtype"] == "float32" and row["compute_dtype"]:
+            row["compute_dtype"] = "float32"  # torch's batch_norm computes in its fp32 params' dtype
+    return rows

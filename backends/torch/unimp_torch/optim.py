@@ -1,0 +1,146 @@
+"""The optimizer wrapper: unscale, finiteness check, skip or step, scale update, master weights.
+
+``amp.optimizer`` is a ``torch.optim.Optimizer`` (LR schedulers accept it) that delegates to the
+user's optimizer. A skipped step changes no parameter, master or optimizer state:
+
+- fused optimizers (``fused=True``; torch marks them ``_step_supports_amp_scaling``) get the
+  device-side ``found_inf`` flag and skip inside their kernel (no host sync; step counts restored);
+- any other optimizer is simply not called when the flag is set (one host read of the flag:
+  free on CPU, one sync on CUDA, as ``torch.amp.GradScaler`` does for non-fused optimizers).
+
+>>> import torch, unimp
+>>> m = torch.nn.Linear(2, 2)
+>>> amp = unimp.apply("mixed_fp16", m, torch.optim.SGD(m.parameters(), lr=0.1))
+>>> amp.backward(m(torch.randn(3, 2)).sum() * float("inf")); amp.optimizer.step(); amp.skipped_steps
+1
+>>> _ = amp.remove()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from unimp.errors import UnsupportedError
+
+from .params import ParamState
+from .scaler import DeviceLossScale
+
+
+class AmpOptimizer(torch.optim.Optimizer):
+    """Wraps the user's optimizer; construct through :func:`unimp.apply`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: DeviceLossScale, params: ParamState,
+                 on_skip: Callable[[], Any] | None = None) -> None:
+        # deliberately not calling Optimizer.__init__: state and groups are the inner optimizer's
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.params = params
+        self.on_skip = on_skip
+        self.found_inf: torch.Tensor | None = None  # this step's flag (device tensor), once unscaled
+        self.last_skipped: torch.Tensor | None = None  # device bool of the last step (no sync)
+        self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+
+    # delegate what LR schedulers and users read
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise UnsupportedError("amp.optimizer.add_param_group: add the group to the optimizer before "
+                               "unimp.apply (amp.remove(), add it, apply again)")
+
+    def __repr__(self) -> str:
+        return f"AmpOptimizer({self.optimizer!r})"
+
+    # ------------------------------------------------------------------ the step
+    def master_params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def unscale_(self) -> torch.Tensor | None:
+        """Move grads to the masters and divide by the scale (once per step); returns found_inf."""
+        if self.found_inf is not None or not self.scaler.checks:
+            return self.found_inf
+        for _, low, master in self.params.masters:
+            master.grad = None if low.grad is None else low.grad.to(master.dtype)
+        grads = [p.grad for p in self.master_params() if p.grad is not None and not p.grad.is_sparse]
+        self.found_inf = self.scaler.unscale_(grads)
+        return self.found_inf
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for _, low, _ in self.params.masters:
+            if set_to_none:
+                low.grad = None
+            elif low.grad is not None:
+                low.grad.zero_()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if closure is not None:
+            raise UnsupportedError("amp.optimizer.step(closure): closures re-run forward and backward "
+                                   "inside step, which loss scaling cannot see; call amp.backward(loss) "
+                                   "then amp.optimizer.step()")
+        if not self.scaler.checks:  # no scaling, no skipping: the plain step
+            if self.params.masters:
+                for _, low, master in self.params.masters:
+                    master.grad = None if low.grad is None else low.grad.to(master.dtype)
+            out = self.optimizer.step()
+            self.params.sync_low()
+            self.scaler.update(None)
+            return out
+        found = self.unscale_()
+        out = None
+        skip = self.scaler.spec.skip_nonfinite
+        if skip and self._fused:
+            self.optimizer.grad_scale, self.optimizer.found_inf = None, found
+            try:
+                out = self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale, self.optimizer.found_inf
+            self.params.sync_low()
+            skipped_now = bool(found.item()) if self.on_skip else None
+        elif skip:
+            skipped_now = bool(found.item())
+            if not skipped_now:
+                out = self.optimizer.step()
+                self.params.sync_low()
+        else:
+            out = self.optimizer.step()
+            self.params.sync_low()
+            skipped_now = False
+        self.last_skipped = found > 0 if skip else torch.zeros((), dtype=torch.bool)
+        self.scaler.update(found)
+        self.found_inf = None
+        if skipped_now and self.on_skip is not None:
+            self.on_skip()
+        return out
