@@ -1,0 +1,28 @@
+"""unimp-jax: unimp policies for Flax nnx and linen models with optax optimizers.
+
+>>> import unimp_jax
+>>> unimp_jax.JaxBackend.name
+'jax'
+
+Framework modules load lazily: ``unimp_jax.Op``, ``unimp_jax.LinenOp``, ``unimp_jax.wrap`` (the
+optax wrapper), ``unimp_jax.apply_updates``, ``unimp_jax.LossScaleTree``.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from .backend import JaxBackend
+
+_LAZY = {"Op": "op", "LinenOp": "op", "wrap": "optim", "apply_updates": "optim", "AmpOptState": "optim",
+         "all_finite": "optim", "LossScaleTree": "scaler", "NnxAmp": "nnx_amp", "AmpOptimizer": "nnx_amp",
+         "LinenAmp": "linen_amp"}
+
+__all__ = ["JaxBackend", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'unimp_jax' has no attribute {name!r}")

@@ -1,0 +1,127 @@
+"""The JAX backend class (entry point ``unimp.backends: jax``); imports no framework at import.
+
+>>> from unimp_jax.backend import JaxBackend
+>>> JaxBackend.name, JaxBackend.framework
+('jax', 'flax')
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+from unimp.backend import Amp, Backend, UnimpWarning
+from unimp.errors import UnsupportedError
+from unimp.ops import OPS
+from unimp.plan import Plan, compile_ops
+from unimp.policy import Policy
+
+LAYER_OPS = ("matmul", "linear", "conv", "attention", "rnn", "embedding", "layer_norm", "rms_norm",
+             "batch_norm", "group_norm")
+FUNCTION_OPS = ("activation", "softmax", "log_softmax", "transcendental", "reduction", "loss")
+PROMOTION = "JAX type promotion: the widest input dtype (bfloat16 + float32 -> float32)"
+NOTES = (
+    "Flax controls dtypes per layer: Linear/Dense, Einsum, Conv, Embed, the norms, attention and RNN "
+    "cells run in the policy's dtype for their kind, path and type",
+    "activation, softmax, log_softmax, transcendental, reduction, loss are JAX functions: the policy "
+    "controls them inside Flax layers and where wrapped as layers (unimp_jax.Op / unimp_jax.LinenOp); "
+    "called bare in your code they run in their inputs' dtype (a loss on the model's output runs in "
+    "output_dtype)",
+    "softmax inside attention: linen MultiHeadDotProductAttention gets force_fp32_for_softmax when the "
+    "policy lists softmax as float32; nnx MultiHeadAttention computes it in the layer's dtype (Flax decides)",
+    "layout.channels_last: not applicable on XLA (the compiler picks layouts; Flax convs are NHWC already)",
+    "distributed.reduce_dtype: gradients are reduced by your pmean / XLA SPMD in their dtype (float32 "
+    "from value_and_grad when loss scaling is on, else the params' dtype)",
+)
+
+
+def act_on_findings(findings: list[str], policy: Policy) -> None:
+    """Misaligned dims: ignore, warn (UnimpWarning) or raise (UnsupportedError naming every path)."""
+    if not findings or policy.layout.on_misaligned == "ignore":
+        return
+    text = "; ".join(findings)
+    if policy.layout.on_misaligned == "error":
+        raise UnsupportedError(f"policy {policy.name!r}: misaligned dims: {text}; fix: pad these dims to "
+                               f"multiples of {policy.layout.align} or set layout.on_misaligned = 'warn'")
+    warnings.warn(f"unimp: misaligned dims: {text}", UnimpWarning, stacklevel=4)
+
+
+def is_nnx(model: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(model, nnx.Module)
+
+
+def is_linen(model: Any) -> bool:
+    linen = sys.modules.get("flax.linen")
+    return linen is not None and isinstance(model, linen.Module)
+
+
+class JaxBackend(Backend):
+    """Flax nnx and linen Modules with optax optimizers."""
+
+    name = "jax"
+    framework = "flax"
+    distribution = "unimp-jax"
+    model_types = "flax.nnx.Module or flax.linen.Module (with an optax GradientTransformation)"
+
+    def accepts(self, model: Any) -> bool:
+        return is_nnx(model) or is_linen(model)
+
+    def compile(self, policy: Policy, model: Any = None) -> Plan:
+        from .platform import platform_of, resolve
+        from .scaler import validate
+
+        validate(policy.loss_scale, f"policy {policy.name!r} ({policy.source})")
+        tree = None
+        if is_nnx(model):
+            from flax import nnx
+
+            tree = nnx.state(model)
+        platform, capability = platform_of(tree)
+        dtype, reason, warning = resolve(policy.compute_dtype, platform, capability)
+        control = {op: "layer" for op in (*LAYER_OPS, *FUNCTION_OPS)}
+        native = {op: OPS[op].flax + (("unimp_jax.Op",) if op in FUNCTION_OPS else ()) for op in OPS}
+        fixed = {op: (None, PROMOTION) for op in ("elementwise", "concat")}
+        notes = (*NOTES, *((warning,) if warning else ()))
+        details = {"platform": platform, "master_weights": policy.uses_master_weights,
+                   "slow_dtype_warning": warning}
+        return compile_ops(self.name, policy, control=control, native=native, compute_dtype=dtype,
+                           compute_reason=reason, fixed=fixed, notes=notes, details=details)
+
+    def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
+        if not self.accepts(model):
+            raise TypeError(f"unimp-jax: model is {type(model)!r}; fix: pass a {self.model_types}")
+        if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+            raise TypeError(
+                f"unimp-jax: optimizer is {type(optimizer).__name__}; fix: pass an optax "
+                f"GradientTransformation such as optax.adam(1e-3) (unimp wraps it; for inference only, "
+                f"optax.identity())")
+        if plan.details.get("slow_dtype_warning"):
+            warnings.warn(f"unimp: {plan.details['slow_dtype_warning']}", UnimpWarning, stacklevel=3)
+        if is_nnx(model):
+            from .nnx_amp import NnxAmp
+
+            _only(options, ("wrt",), "an nnx Module")
+            return NnxAmp(plan, model, optimizer, **options)
+        from .linen_amp import LinenAmp
+
+        _only(options, ("params", "inputs"), "a linen Module")
+        missing = [k for k in ("params", "inputs") if k not in options]
+        if missing:
+            raise TypeError(
+                f"unimp-jax: a linen Module needs {' and '.join(missing)}; fix: unimp.apply(policy, module, "
+                f"tx, params=variables['params'], inputs=x) (inputs: an example batch, for the layer map)")
+        return LinenAmp(plan, model, optimizer, **options)
+
+    def conformance_kit(self) -> Any:
+        from .kit import NnxKit
+
+        return NnxKit()
+
+
+def _only(options: dict[str, Any], allowed: tuple[str, ...], what: str) -> None:
+    extra = sorted(set(options) - set(allowed))
+    if extra:
+        raise TypeError(f"unimp-jax: unknown option(s) {', '.join(extra)} for {what}; fix: use only "
+                        f"{', '.join(allowed)}")

@@ -1,0 +1,154 @@
+"""Flax linen: the policy applied through ``nn.intercept_methods``; params and state stay yours.
+
+``unimp.apply(policy, module, tx, params=params, inputs=x)`` traces one forward (abstractly) to
+learn the layer map, casts the params to the policy's param dtypes (``amp.params``) and builds
+the optimizer state (``amp.opt_state``, fp32 masters from the params you passed). The module is
+never mutated. Everything below is pure and ``jax.jit``-able:
+
+>>> import jax, jax.numpy as jnp, optax, unimp, flax.linen as nn
+>>> module = nn.Dense(8)
+>>> x = jnp.ones((2, 4))
+>>> amp = unimp.apply("fp32", module, optax.sgd(0.1), params=module.init(jax.random.key(0), x)["params"],
+...                   inputs=x)
+>>> @jax.jit
+... def step(params, opt_state, x):
+...     loss_fn = lambda p: amp.apply(p, x).mean()
+...     loss, grads, finite = amp.value_and_grad(loss_fn)(opt_state, params)
+...     updates, opt_state = amp.optimizer.update(grads, opt_state, params)
+...     return amp.apply_updates(params, updates, opt_state), opt_state, loss
+>>> amp.params, amp.opt_state, loss = step(amp.params, amp.opt_state, x)
+>>> amp.skipped_steps
+0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+from unimp.loss_scale import LossScaleState
+from unimp.plan import Plan
+from unimp.report import Report, ReportRow
+
+from .amp import JaxAmp
+from .layers import LayerPlan, cast_floats, dtype_name, misaligned, run_layer
+from .optim import find_state
+
+
+def _own_params(m: Any) -> dict[str, Any]:
+    params = m.variables.get("params", {}) if m.scope is not None else {}
+    return {k: v for k, v in params.items() if not isinstance(v, Mapping)}
+
+
+def _as_variables(params: Any) -> dict[str, Any]:
+    return dict(params) if isinstance(params, Mapping) and "params" in params else {"params": params}
+
+
+class LinenAmp(JaxAmp):
+    """The policy bound to a linen Module: ``amp.apply``, ``amp.params``, ``amp.opt_state``."""
+
+    def __init__(self, plan: Plan, module: Any, tx: Any, params: Any, inputs: Any) -> None:
+        super().__init__(plan, module, tx)
+        self.optimizer = self.tx
+        self.inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        variables = _as_variables(params)
+        self.original_params = variables["params"]
+        self._record: dict[str, ReportRow] | None = None
+        self.layers: dict[str, LayerPlan] = {}
+        shapes: dict[str, dict[str, Any]] = {}
+
+        def discover(next_fun: Any, args: Any, kwargs: Any, ctx: Any) -> Any:
+            if ctx.method_name == "__call__":
+                path = ".".join(map(str, ctx.module.path))
+                lp = self._plan_for(path, ctx.module)
+                if lp is not None and path not in self.layers:
+                    self.layers[path] = lp
+                    shapes[path] = _own_params(ctx.module)
+            return next_fun(*args, **kwargs)
+
+        def forward(v: Any) -> Any:
+            with nn.intercept_methods(discover):
+                return module.apply(v, *self.inputs)
+
+        jax.eval_shape(forward, variables)
+        for path, lp in self.layers.items():
+            finding = misaligned(path, lp.kind, shapes[path], self.policy.layout.align)
+            if finding:
+                self.findings.append(finding)
+        from .backend import act_on_findings
+
+        act_on_findings(self.findings, self.policy)
+        self.params = self.cast_params(self.original_params)
+        self.opt_state = self.tx.init(self.original_params)
+
+    def _plan_for(self, path: str, m: Any) -> LayerPlan | None:
+        name = type(m).__name__
+        is_op = name == "LinenOp"
+        return LayerPlan.make(self.policy, path, name, self.plan.compute_dtype,
+                              op_kind=m.op_kind if is_op else None, fn_name=m.fn_name() if is_op else None)
+
+    def cast_params(self, params: Any) -> Any:
+        """``params`` in the policy's param dtype per owning layer (pure_bf16: bf16, norms fp32)."""
+
+        def cast(key_path: Any, x: Any) -> Any:
+            path = ".".join(str(getattr(k, "key", k)) for k in key_path[:-1])
+            lp = self.layers.get(path)
+            dtype = lp.decision.param_dtype if lp else self.policy.decide(path, None).param_dtype
+            return x.astype(dtype) if dtype_name(x) and dtype_name(x) != dtype else x
+
+        return jax.tree_util.tree_map_with_path(cast, params)
+
+    # ------------------------------------------------------------------ forward
+    def apply(self, params: Any, *args: Any, **kwargs: Any) -> Any:
+        """``module.apply`` under the policy (``params``: the params pytree or a variables dict)."""
+        with nn.intercept_methods(self._intercept):
+            out = self.model.apply(_as_variables(params), *args, **kwargs)
+        if kwargs.get("mutable"):
+            return cast_floats(out[0], self.policy.output_dtype), out[1]
+        return cast_floats(out, self.policy.output_dtype)
+
+    def _intercept(self, next_fun: Any, args: Any, kwargs: Any, ctx: Any) -> Any:
+        if ctx.method_name != "__call__":
+            return next_fun(*args, **kwargs)
+        m = ctx.module
+        path = ".".join(map(str, m.path))
+        lp = self.layers.get(path) or self._plan_for(path, m)
+        if lp is None:
+            return next_fun(*args, **kwargs)
+        own = _own_params(m)
+        param_dtype = next((dtype_name(v) for v in own.values() if dtype_name(v)), None)
+        return run_layer(lp, m, next_fun, args, kwargs, param_dtype, self._record)
+
+    # ------------------------------------------------------------------ Amp API
+    def _opt_state_holder(self) -> Any:
+        return self.opt_state
+
+    def set_loss_scale_state(self, state: LossScaleState) -> None:
+        self.opt_state = self._with_loss_scale(self.opt_state, state)
+
+    def report(self, *args: Any, params: Any = None) -> Report:
+        """What ran in a traced forward of ``args`` (default: the example ``inputs``) with ``params``."""
+        self._record = {}
+        try:
+            jax.eval_shape(lambda p, a: self.apply(p, *a), self.params if params is None else params,
+                           args or self.inputs)
+            record = self._record
+        finally:
+            self._record = None
+        rows = list(record.values())  # in call order
+        return self.report_header(rows, notes=list(self.plan.notes))
+
+    def masters(self) -> Any:
+        """The fp32 master params in ``amp.opt_state``, or None when the policy keeps none."""
+        return find_state(self.opt_state).master
+
+    def restored_params(self) -> Any:
+        """Params to continue without unimp: the masters, else ``amp.params`` in the original dtypes."""
+        source = self.masters() if self.masters() is not None else self.params
+        return jax.tree_util.tree_map(lambda s, o: s.astype(o.dtype), source, self.original_params)
+
+    def _restore(self) -> None:
+        """Nothing to undo: the module was never mutated and your param pytrees are immutable."""

@@ -1,0 +1,201 @@
+"""Flax nnx: the policy set on the user's Module in place (reversibly) + an nnx Optimizer.
+
+Each layer instance gets a subclass of its own class whose ``__call__`` runs the layer under its
+:class:`~unimp_jax.layers.LayerPlan` (static, so ``nnx.jit`` caches by it); params are cast to the
+policy's param dtypes (fp32 masters go to the optimizer first). ``remove()`` puts back classes,
+attributes and params (the trained values, or the originals bit for bit if never trained).
+
+>>> import jax, optax, unimp
+>>> from flax import nnx
+>>> model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+>>> amp = unimp.apply("fp32", model, optax.sgd(0.1))
+>>> loss_fn = lambda m, x: m(x).mean()
+>>> @nnx.jit
+... def step(model, optimizer, x):
+...     loss, grads, finite = amp.value_and_grad(loss_fn)(optimizer, model, x)
+...     optimizer.update(model, grads)
+...     return loss
+>>> float(step(amp.model, amp.optimizer, jax.numpy.ones((2, 4)))) != 0.0
+True
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from unimp.errors import StateError
+from unimp.loss_scale import LossScaleState
+from unimp.plan import Plan
+from unimp.report import Report, ReportRow
+
+from .amp import JaxAmp
+from .layers import LayerPlan, cast_floats, dtype_name, misaligned, run_layer
+from .optim import apply_updates, find_state
+
+_RECORDERS: list[dict[str, ReportRow]] = []
+_LAST_INPUTS: dict[str, Any] = {}
+
+
+class AmpOptimizer(nnx.Optimizer):
+    """``nnx.Optimizer`` whose ``update`` is exact with masters and counts only applied steps."""
+
+    def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:
+        params = nnx.as_pure(nnx.state(model, self.wrt))
+        grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt))
+        old = nnx.as_pure(self.opt_state)
+        updates, new = self.tx.update(grad_arrays, old, params, **nnx.as_pure(kwargs))
+        nnx.update(model, apply_updates(params, updates, new))
+        nnx.update(self.opt_state, nnx.state(new))
+        before, after = find_state(old).loss_scale, find_state(new).loss_scale
+        applied = (after.skipped == before.skipped) & ~after.at_min_error
+        self.step[...] += applied.astype(self.step[...].dtype)
+        return updates
+
+
+def _direct_vars(module: Any) -> dict[str, Any]:
+    return {k: v for k, v in vars(module).items() if isinstance(v, nnx.Variable)}
+
+
+def _param_dtype(module: Any) -> str | None:
+    for v in _direct_vars(module).values():
+        if isinstance(v, nnx.Param):
+            return dtype_name(v.get_value())
+    return None
+
+
+@functools.cache
+def _wrapped_class(cls: type) -> type:
+    """``cls`` with a ``__call__`` that applies the instance's layer plan and output dtype."""
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        lp: LayerPlan | None = self.__dict__.get("_unimp_layer")
+        out_dtype, token = self.__dict__.get("_unimp_output", (None, None))
+        if token is not None:
+            _LAST_INPUTS[token] = jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, (args, kwargs))
+        call = functools.partial(cls.__call__, self)
+        if lp is None:
+            out = call(*args, **kwargs)
+        else:
+            record = _RECORDERS[-1] if _RECORDERS else None
+            out = run_layer(lp, self, call, args, kwargs, _param_dtype(self), record)
+        return cast_floats(out, out_dtype) if out_dtype else out
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__, "_unimp_original": cls})
+
+
+class NnxAmp(JaxAmp):
+    """The policy bound to an nnx Module: ``amp.model`` (same object), ``amp.optimizer`` (nnx)."""
+
+    def __init__(self, plan: Plan, model: Any, tx: Any, wrt: Any = nnx.Param) -> None:
+        super().__init__(plan, model, tx)
+        policy = plan.policy
+        # static under nnx.jit, so equal for equal (model class, policy): compiled steps are reused
+        self._token = f"{type(model).__module__}.{type(model).__qualname__}:{policy.fingerprint}"
+        self._saved: list[tuple[Any, dict[str, Any]]] = []  # (module, attrs to restore)
+        self._params: list[tuple[Any, Any, tuple]] = []  # (Variable, original value, path)
+        self.layers: dict[str, LayerPlan] = {}
+        modules = list(nnx.iter_modules(model))
+        for parts, m in modules:  # findings first: on_misaligned="error" must leave the model untouched
+            lp = self._plan_for(parts, m)
+            if lp is not None:
+                params = {k: v.get_value() for k, v in _direct_vars(m).items() if isinstance(v, nnx.Param)}
+                finding = misaligned(lp.path, lp.kind, params, policy.layout.align)
+                if finding:
+                    self.findings.append(finding)
+        self.report_findings()
+        self.optimizer = AmpOptimizer(model, self.tx, wrt=wrt)  # masters from the original params
+        for parts, m in modules:
+            path = ".".join(map(str, parts))
+            lp = self._plan_for(parts, m)
+            if lp is not None:
+                self.layers[path] = lp
+            param_dtype = (lp.decision.param_dtype if lp else policy.decide(path, None).param_dtype)
+            self._cast_params(parts, m, param_dtype)
+            attrs = {"_unimp_layer": lp} if lp else {}
+            if not parts:
+                attrs["_unimp_output"] = (policy.output_dtype, self._token)
+            if lp and "param_dtype" in vars(m):
+                attrs["param_dtype"] = jnp.dtype(param_dtype)
+            if attrs:
+                self._swap(m, attrs)
+
+    def _plan_for(self, parts: tuple, m: Any) -> LayerPlan | None:
+        path = ".".join(map(str, parts))
+        cls = getattr(type(m), "_unimp_original", type(m))
+        return LayerPlan.make(self.policy, path, cls.__name__, self.plan.compute_dtype,
+                              op_kind=getattr(m, "kind", None) if cls.__name__ == "Op" else None,
+                              fn_name=getattr(m, "fn_name", None))
+
+    def _cast_params(self, parts: tuple, m: Any, dtype: str) -> None:
+        for name, v in _direct_vars(m).items():
+            if isinstance(v, nnx.Param) and dtype_name(v.get_value()) and dtype_name(v.get_value()) != dtype:
+                self._params.append((v, v.get_value(), (*parts, name)))
+                v.set_value(v.get_value().astype(dtype))
+
+    def _swap(self, m: Any, attrs: dict[str, Any]) -> None:
+        saved = {k: vars(m)[k] for k in attrs if k in vars(m)}
+        self._saved.append((m, {"__class__": type(m), **saved, "_new": tuple(attrs)}))
+        for k, v in attrs.items():
+            object.__setattr__(m, k, v)
+        m.__class__ = _wrapped_class(type(m))
+
+    # ------------------------------------------------------------------ Amp API
+    def _opt_state_holder(self) -> Any:
+        return self.optimizer
+
+    def set_loss_scale_state(self, state: LossScaleState) -> None:
+        new = self._with_loss_scale(nnx.as_pure(self.optimizer.opt_state), state)
+        nnx.update(self.optimizer.opt_state, nnx.state(new))
+
+    def report(self, *args: Any, **kwargs: Any) -> Report:
+        """What ran, from a traced forward (``args``: example inputs; default: the last call's shapes)."""
+        if not args and not kwargs:
+            if self._token not in _LAST_INPUTS:
+                raise StateError("amp.report(): no forward has run yet; fix: call amp.model(x) once, or "
+                                 "pass example inputs: amp.report(x)")
+            args, kwargs = _LAST_INPUTS[self._token]
+        record: dict[str, ReportRow] = {}
+        _RECORDERS.append(record)
+        try:
+            nnx.eval_shape(lambda m, a, k: m(*a, **k), self.model, args, kwargs)
+        finally:
+            _RECORDERS.pop()
+        rows = list(record.values())  # in call order
+        return self.report_header(rows, notes=list(self.plan.notes))
+
+    def masters(self) -> Any:
+        """The fp32 master params (an nnx State), or None when the policy keeps none."""
+        return find_state(self.optimizer).master
+
+    def _restore(self) -> None:
+        trained = self.masters()
+        masters = {tuple(k): v for k, v in nnx.to_flat_state(trained)} if trained is not None else {}
+        for var, original, path in self._params:
+            current = var.get_value()
+            if bool(jnp.array_equal(current, original.astype(current.dtype))):
+                var.set_value(original)  # never trained: the original bits
+                continue
+            master = masters.get(path)
+            source = current if master is None else getattr(master, "value", master)
+            var.set_value(jnp.asarray(source).astype(original.dtype))
+        for m, saved in reversed(self._saved):
+            m.__class__ = saved["__class__"]
+            for k in saved["_new"]:
+                if k in saved:
+                    object.__setattr__(m, k, saved[k])
+                else:
+                    vars(m).pop(k, None)
+        self._saved, self._params = [], []
+
+    def report_findings(self) -> None:
+        from .backend import act_on_findings
+
+        act_on_findings(self.findings, self.policy)
+
