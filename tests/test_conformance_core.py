@@ -79,3 +79,13 @@ def test_cases_cover_every_check_and_policy():
     all_cases = cases()
     assert len(all_cases) == len(STANDARD_POLICIES) * 9
     assert standard_policy("custom_moved_ops").name == "custom_moved_ops"
+
+
+def test_param_and_override_fallbacks_follow_the_plan():
+    import dataclasses
+
+    p = unimp.load(CUSTOM_MOVED_OPS).replace(param_dtype="bfloat16")
+    plan = compile_ops("x", p, control={op: "op" for op in unimp.CANONICAL_OPS}, native={})
+    plan = dataclasses.replace(plan, param_fallback="float32", override_fallbacks={0: "float32"})
+    exp = expected_layers(p, plan=plan)
+    assert exp["fc1"].param_dtype == "float32" and exp["head"].compute_dtype == "float32"

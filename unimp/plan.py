@@ -52,6 +52,8 @@ class Plan:
     ops: tuple[OpDecision, ...]
     notes: tuple[str, ...] = ()
     details: Mapping[str, Any] = field(default_factory=dict)
+    param_fallback: str | None = None  # dtype low-precision params really hold, when the backend cannot lower them
+    override_fallbacks: Mapping[int, str] = field(default_factory=dict)  # override index -> dtype that runs
 
     def op(self, name: str) -> OpDecision:
         for d in self.ops:
@@ -79,6 +81,8 @@ class Plan:
             "ops": [{"op": d.op, "requested": d.requested, "dtype": d.dtype, "control": d.control,
                      "honoured": d.honoured, "native": list(d.native), "note": d.note} for d in self.ops],
             "notes": list(self.notes), "details": {k: _plain(v) for k, v in self.details.items()},
+            "param_fallback": self.param_fallback,
+            "override_fallbacks": {str(k): v for k, v in self.override_fallbacks.items()},
         }
 
     def __str__(self) -> str:

@@ -123,6 +123,10 @@ def check_master_weights(kit: Kit, policy: Policy) -> None:
         for b in probe_batches(3):
             kit.step(amp, b)
         pairs = kit.master_pairs(amp)
+        if policy.uses_master_weights and amp.plan.param_fallback == "float32":
+            if pairs:
+                raise _fail(kit, policy, "master weights", "none (params stay float32 per the Plan)", pairs[0][0])
+            return
         if policy.uses_master_weights and not pairs:
             raise _fail(kit, policy, "master weights", "fp32 masters for low-precision params", "none")
         for name, low, master in pairs:

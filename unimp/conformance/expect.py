@@ -30,7 +30,8 @@ def expected_layers(policy: Policy, compute_dtype: str | None = None,
     Rules: ``lower`` -> compute dtype; ``float32`` -> float32; ``promote`` -> widest of the
     activation input and the params; in no list -> the activation input's dtype (for the
     embedding, whose input is integer, the param dtype). Overrides win. A fixed op the Plan
-    reports as a fallback runs in the Plan's dtype.
+    reports as a fallback runs in the Plan's dtype; so do params (``plan.param_fallback``) and
+    overrides (``plan.override_fallbacks``) a backend reports it cannot honour.
     """
     low = compute_dtype or (plan.compute_dtype if plan else policy.compute_dtype)
     out: dict[str, Expect] = {}
@@ -38,6 +39,8 @@ def expected_layers(policy: Policy, compute_dtype: str | None = None,
     for layer in PROBE:
         d = policy.decide(layer.path, layer.kind, (), low)
         param = d.param_dtype if layer.params else None
+        if plan is not None and param is not None and param != "float32" and plan.param_fallback:
+            param = plan.param_fallback
         dtype = d.compute_dtype
         if d.override is None and d.category == "promote":
             dtype = widest([x, param])
@@ -45,6 +48,8 @@ def expected_layers(policy: Policy, compute_dtype: str | None = None,
             op = plan.op(layer.kind)
             if not op.honoured:
                 dtype = op.dtype
+        if plan is not None and d.override is not None and d.override in plan.override_fallbacks:
+            dtype = plan.override_fallbacks[d.override]
         if dtype is None:
             dtype = x if x is not None else param
         out[layer.path] = Expect(dtype, param, dtype)

@@ -82,7 +82,7 @@ def _sequences(n, length, p_inf, seed=0):
     return [[rng.random() >= p_inf for _ in range(length)] for _ in range(n)]
 
 
-@pytest.mark.parametrize("preset", ["paddle_o1", "paddle_o2"])
+@pytest.mark.parametrize("preset", ["paddle_static_o1"])
 @pytest.mark.parametrize("decr_every_n", [1, 2, 3])
 def test_update_loss_scaling_kernel_matches_preset(preset, decr_every_n):
     """Paddle's C++ rule (``_C_ops.update_loss_scaling_``, phi amp_kernel_impl.h; runs on CPU)."""
@@ -103,12 +103,10 @@ def test_update_loss_scaling_kernel_matches_preset(preset, decr_every_n):
 
 @pytest.mark.parametrize("preset", ["paddle_o1", "paddle_o2"])
 @pytest.mark.parametrize("decr_every_n", [1, 2, 3])
-def test_dygraph_gradscaler_matches_preset_without_floor(preset, decr_every_n):
+def test_dygraph_gradscaler_matches_preset(preset, decr_every_n):
     """The dygraph GradScaler._update (what ``paddle.amp.GradScaler.step`` runs on GPU) equals the
-    preset once its floor and inf guard are removed (min = 0, growth_requires_finite = false): the
-    change proposed in CORE_REQUESTS.md. The test below shows the preset as shipped differs."""
-    spec = _preset(preset, 3, decr_every_n).replace(
-        loss_scale={"min": 0.0, "growth_requires_finite": False}).loss_scale
+    paddle_o1/o2 presets: no floor, no inf guard."""
+    spec = _preset(preset, 3, decr_every_n).loss_scale
     for seq in _sequences(20, 60, 0.35, seed=10 + decr_every_n):
         s, ref = _gradscaler(spec, decr_every_n), LossScale(spec)
         state = ref.initial_state()
@@ -120,13 +118,16 @@ def test_dygraph_gradscaler_matches_preset_without_floor(preset, decr_every_n):
             assert (s._incr_count, s._decr_count) == (state.growth_tracker, decr_every_n - state.hysteresis_left)
 
 
-def test_dygraph_gradscaler_has_no_floor_unlike_the_preset():
-    """Evidence for CORE_REQUESTS.md: GradScaler._update backs off below 1; the presets floor at 1."""
+def test_dygraph_gradscaler_has_no_floor_unlike_the_static_kernel():
+    """GradScaler._update backs off below 1 (paddle_o1); the static graph's kernel floors at 1."""
     spec = _preset("paddle_o1", 2000, 1).loss_scale
+    static = LossScale(_preset("paddle_static_o1", 2000, 1).loss_scale)
     s, state, ref = _gradscaler(spec, 1), LossScale(spec).initial_state(), LossScale(spec)
+    st_state = static.initial_state()
     for _ in range(20):
         s._cache_found_inf = True
         s._update()
         state = ref.update(state, False).state
-    assert state.scale == 1.0
-    assert float(s._scale.numpy()) == 65536.0 * 0.5 ** 20
+        st_state = static.update(st_state, False).state
+    assert st_state.scale == 1.0
+    assert float(s._scale.numpy()) == state.scale == 65536.0 * 0.5 ** 20
