@@ -7,10 +7,10 @@ import paddle
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from unimp_paddle.scaler import TensorLossScale
 
 import unimp
 from unimp.loss_scale import LossScale
+from unimp_paddle.scaler import TensorLossScale
 
 KNOBS = st.fixed_dictionaries({
     "mode": st.sampled_from(["dynamic", "static", "none"]),

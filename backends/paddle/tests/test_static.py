@@ -3,10 +3,10 @@
 import numpy as np
 import paddle
 import pytest
-from unimp_paddle.static import canonical_of
 
 import unimp
 from unimp.plan import requested_dtype
+from unimp_paddle.static import canonical_of
 
 
 @pytest.fixture
