@@ -117,7 +117,8 @@ _OPS: tuple[OpInfo, ...] = (
         keras=_t("RMSNormalization"), flax=_t("RMSNorm"),
     ),
     OpInfo(
-        "batch_norm", "batch normalisation",
+        "batch_norm", "batch normalisation (in `float32`: fp32 params, statistics and math; the output "
+                      "keeps the activation dtype, as torch and Keras run it)",
         torch=_t("batch_norm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm"),
         paddle=_t("batch_norm", "sync_batch_norm", "BatchNorm", "BatchNorm1D", "BatchNorm2D", "BatchNorm3D"),
         tensorflow=_t("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"),

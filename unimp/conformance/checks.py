@@ -144,8 +144,14 @@ def _kind(path: str) -> str | None:
     return next((layer.kind for layer in PROBE if layer.path == path), None)
 
 
+TRAJECTORY_INITIAL = 256.0  # 11 steps reach at most 256 * 2**6: far below the probe's fp16 overflow
+
+
 def _trajectory_policy(policy: Policy) -> Policy:
-    return policy.replace(loss_scale={"growth_interval": 2})
+    """The policy with a short growth interval and a scale the probe's fp16 gradients never overflow at."""
+    ls = policy.loss_scale
+    initial = min(ls.initial, TRAJECTORY_INITIAL)
+    return policy.replace(loss_scale={"growth_interval": 2, "initial": initial, "min": min(ls.min, initial)})
 
 
 def check_loss_scale_trajectory(kit: Kit, policy: Policy) -> None:
