@@ -1,0 +1,87 @@
+"""Loss scaling = the core reference, for every knob; torch's real GradScaler = the torch preset."""
+
+import random
+
+import pytest
+import torch
+from models import mlp
+
+import unimp
+from unimp.loss_scale import LossScale
+from unimp_torch.scaler import DeviceLossScale
+
+KNOBS = [
+    {}, {"growth_schedule": "interval_plus_one", "on_max": "clamp", "max": 64.0, "initial": 8.0},
+    {"growth_schedule": "window", "hysteresis": 2, "hysteresis_refill": ["growth"]},
+    {"hysteresis": 3, "hysteresis_refill": ["backoff"], "min": 2.0},
+    {"growth_requires_finite": False, "max": float("inf"), "initial": 1e38, "growth_factor": 10.0},
+    {"backoff_factor": 0.3, "growth_factor": 1.7, "min": 0.001, "initial": 3.0},
+]
+PRESETS = ["mixed_fp16", "torch_autocast_cuda", "deepspeed_fp16", "megatron_fp16", "flax_dynamic_scale",
+           "keras_mixed_float16", "jmp_float16", "paddle_o1", "apex_o1"]
+
+
+def _sequence(seed, n=120, p_bad=0.3):
+    rng = random.Random(seed)
+    return [rng.random() > p_bad for _ in range(n)]
+
+
+@pytest.mark.parametrize("knobs", KNOBS, ids=str)
+def test_device_rule_equals_reference(knobs):
+    spec = unimp.load({"loss_scale": {"mode": "dynamic", "growth_interval": 3, **knobs}}).loss_scale
+    for seed in range(4):
+        rule, dev = LossScale(spec), DeviceLossScale(spec, "cpu")
+        state = rule.initial_state()
+        for i, finite in enumerate(_sequence(seed)):
+            state = rule.update(state, finite).state
+            dev.update(torch.tensor(0.0 if finite else 1.0))
+            assert dev.state() == state, (i, knobs)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets_replay_through_training(preset):
+    """Real steps with real non-finite gradients: scale and skips = the reference at every step."""
+    policy = unimp.load(preset).replace(compute_dtype="float32", param_dtype="float32",
+                                        loss_scale={"growth_interval": 2})
+    if policy.loss_scale.at_min == "error":
+        policy = policy.replace(loss_scale={"at_min": "clamp"})
+    model = mlp()
+    amp = unimp.apply(policy, model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    rule = LossScale(policy.loss_scale)
+    state = rule.initial_state()
+    x = torch.randn(4, 16)
+    for finite in _sequence(1, n=30, p_bad=0.35):
+        loss = amp.model(x).square().mean()
+        amp.backward(loss if finite else loss * float("inf"))
+        amp.optimizer.step()
+        amp.optimizer.zero_grad()
+        state = rule.update(state, finite).state
+        assert (amp.scale, amp.skipped_steps) == (state.scale, state.skipped)
+    amp.remove()
+
+
+def test_real_gradscaler_matches_torch_preset_and_unimp():
+    """torch.amp.GradScaler (CPU) vs the torch_autocast_cuda reference vs unimp: same scales, same params."""
+    policy = unimp.load("torch_autocast_cuda").replace(compute_dtype="float32", loss_scale={"growth_interval": 3})
+    ref_model, our_model = mlp(), mlp()
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0, growth_interval=3)
+    amp = unimp.apply(policy, our_model, torch.optim.SGD(our_model.parameters(), lr=0.05, momentum=0.9))
+    rule, state = LossScale(policy.loss_scale), LossScale(policy.loss_scale).initial_state()
+    for seed in range(3):
+        for finite in _sequence(seed, n=40):
+            x = torch.randn(4, 16)
+            poison = 1.0 if finite else float("inf")
+            loss = ref_model(x).square().mean() * poison
+            scaler.scale(loss).backward()
+            scaler.step(ref_opt)
+            scaler.update()
+            ref_opt.zero_grad()
+            amp.backward(amp.model(x).square().mean() * poison)
+            amp.optimizer.step()
+            amp.optimizer.zero_grad()
+            state = rule.update(state, finite).state
+            assert scaler.get_scale() == state.scale == amp.scale
+    for a, b in zip(ref_model.parameters(), our_model.parameters()):
+        assert torch.equal(a, b)
+    amp.remove()

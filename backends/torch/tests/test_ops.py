@@ -1,0 +1,90 @@
+"""Op lists really take effect per device; native-equal policies are plain torch.autocast."""
+
+import pytest
+import torch
+from models import Block
+
+import unimp
+from unimp_torch import op_overrides
+from unimp_torch.compile import compile_plan
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+def run(policy, model=None):
+    model = model or Block()
+    amp = unimp.apply(policy, model)
+    amp.model(torch.randn(2, 4, 16))
+    return amp, model.seen
+
+
+def test_mixed_bf16_on_cpu_gives_the_cuda_dtypes():
+    # plain CPU autocast leaves softmax/exp/sum/log_softmax in bf16 (the gap unimp closes) ...
+    block = Block()
+    with torch.autocast("cpu", dtype=BF16):
+        block(torch.randn(2, 4, 16))
+    assert block.seen["softmax"] == BF16 and block.seen["exp"] == BF16
+    # ... mixed_bf16 runs them in float32, as CUDA autocast does, matmul stays bf16
+    amp, seen = run("mixed_bf16")
+    policy = amp.policy
+    for op, canonical in {"softmax": "softmax", "exp": "transcendental", "sum": "reduction",
+                          "log_softmax": "log_softmax"}.items():
+        assert policy.decide("x", canonical).compute_dtype == "float32"  # expected: from the core
+        assert seen[op] == F32, op
+    assert seen["matmul"] == BF16
+    assert amp.report().row("norm").compute_dtype == "float32"
+    amp.remove()
+
+
+def test_torch_autocast_cpu_preset_is_plain_autocast():
+    plan = compile_plan(unimp.load("torch_autocast_cpu"), "cpu")
+    assert plan.details["op_moves"] == {} and plan.details["layer_moves"] == {}
+    amp, seen = run("torch_autocast_cpu")
+    assert amp.wrapped == [] and op_overrides._lib is None
+    assert seen["softmax"] == BF16 and seen["matmul"] == BF16  # torch's native CPU behaviour
+    amp.remove()
+
+
+def test_mixed_bf16_on_cuda_is_plain_autocast():
+    # planned here from the CUDA kernels registered in this torch build (no GPU needed)
+    plan = compile_plan(unimp.load("mixed_bf16"), "cuda")
+    assert plan.details == {"device": "cuda", "autocast": "bfloat16", "op_moves": {}, "layer_moves": {}}
+
+
+def test_moved_ops_both_directions():
+    custom = {"extends": "mixed_bf16", "ops": {"lower": ["softmax", "conv"], "float32": ["matmul", "linear"]}}
+    amp, seen = run(custom)
+    assert seen["softmax"] == BF16  # op-level: unimp's AutocastCPU kernel
+    assert amp.report().row("qkv").compute_dtype == "float32"  # layer-level: torch has a C++ kernel
+    assert amp.plan.op("linear").control == "layer"
+    assert "qkv" in amp.wrapped and "proj" in amp.wrapped
+    amp.remove()
+
+
+def test_kernels_leave_with_the_last_amp():
+    amp, _ = run("mixed_bf16")
+    assert op_overrides._lib is not None
+    with torch.autocast("cpu", dtype=BF16):  # outside a unimp forward: torch's own behaviour
+        assert torch.randn(3, dtype=BF16).softmax(-1).dtype == BF16
+    amp.remove()
+    assert op_overrides._lib is None
+
+
+def test_overrides_by_glob_and_type():
+    policy = {"extends": "mixed_bf16", "overrides": [
+        {"modules": ["pro*"], "compute_dtype": "float32"}, {"types": ["LayerNorm"], "compute_dtype": "bfloat16"}]}
+    amp, _ = run(policy)
+    report = amp.report()
+    assert report.row("proj").compute_dtype == "float32"
+    assert report.row("norm").compute_dtype == "bfloat16"
+    assert report.row("qkv").compute_dtype == "bfloat16"
+    amp.remove()
+
+
+@pytest.mark.parametrize("preset", ["mixed_bf16", "pure_bf16", "mixed_fp16"])
+def test_report_is_json_and_a_table(preset):
+    amp, _ = run(preset)
+    r = amp.report()
+    assert unimp.Report.from_json(r.to_json()).rows == r.rows
+    assert "qkv" in str(r) and r.row("<model>").output_dtype == "float32"
+    amp.remove()
