@@ -1,4 +1,7 @@
-"""`import unimp`, `unimp.load` and the CLI import no framework; `import unimp` is fast."""
+"""`import unimp`, `unimp.load` and the CLI import no framework; `import unimp` is fast.
+
+The import is timed in CPU time (best of five) so a busy machine does not make it flaky.
+"""
 
 import json
 import subprocess
@@ -8,9 +11,9 @@ FRAMEWORKS = ["torch", "jax", "flax", "tensorflow", "keras", "paddle", "intel_ex
 
 PROBE = f"""
 import sys, time, json
-t = time.perf_counter()
+t = time.process_time()
 import unimp
-t_import = time.perf_counter() - t
+t_import = time.process_time() - t
 unimp.load("mixed_bf16"); unimp.load("torch_autocast_cuda").fingerprint
 from unimp.cli import main
 main(["presets"]); main(["show", "pure_bf16"])
@@ -20,7 +23,7 @@ print(json.dumps({{"t": t_import, "loaded": [m for m in {FRAMEWORKS!r} if m in s
 
 def test_no_framework_imported_and_import_is_fast():
     best = None
-    for _ in range(3):  # best of three: the machine may be busy
+    for _ in range(5):
         out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
         data = json.loads(out.stdout.strip().splitlines()[-1])
         assert data["loaded"] == [], f"imported frameworks: {data['loaded']}"
