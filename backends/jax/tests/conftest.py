@@ -6,6 +6,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
+
 from unimp_jax.kit import LinenKit, NnxKit
 
 _KITS = {"nnx": NnxKit(), "linen": LinenKit()}

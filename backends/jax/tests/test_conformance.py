@@ -3,6 +3,7 @@
 import warnings
 
 import pytest
+
 from unimp.backend import UnimpWarning
 from unimp.conformance import cases, run_case
 from unimp.conformance.checks import check_state_dict_roundtrip
