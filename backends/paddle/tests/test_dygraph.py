@@ -120,3 +120,71 @@ def test_cuda_o2_decorates_with_master_weights(kit):
     from unimp.conformance import run_case
     for case in unimp.conformance.cases(("pure_bf16",)):
         run_case(case, kit)
+
+
+# ---------------------------------------------------------------- reported fallbacks (CPU)
+@pytest.mark.skipif(paddle.device.get_device() != "cpu", reason="CPU fallback facts")
+@pytest.mark.parametrize("name, named", [
+    ("pure_bf16", "param_dtype = 'bfloat16'"),
+    ("custom", "overrides[0].compute_dtype = 'bfloat16'"),
+])
+def test_error_mode_names_params_or_override_and_the_fix(kit, name, named):
+    policy = unimp.load(unimp.conformance.CUSTOM_MOVED_OPS if name == "custom" else name)
+    assert policy.on_unsupported == "error"
+    model = kit.build_probe(probe_weights())
+    with pytest.raises(unimp.UnsupportedError) as e:
+        unimp.apply(policy, model, kit.make_optimizer(model))
+    assert named in str(e.value) and "on_unsupported" in str(e.value) and "fix:" in str(e.value)
+    unimp.apply(_fallback("fp32"), model, kit.make_optimizer(model)).remove()  # nothing was left applied
+
+
+@pytest.mark.skipif(paddle.device.get_device() != "cpu", reason="CPU fallback facts")
+def test_fallback_plan_declares_params_and_overrides_and_they_hold(kit):
+    """pure_bf16 + a bf16 override: the Plan says float32 for both, and float32 is what ran."""
+    policy = _fallback("pure_bf16").replace(overrides=[{"modules": ["hea*"], "compute_dtype": "bfloat16"}])
+    model = kit.build_probe(probe_weights())
+    amp = unimp.apply(policy, model, kit.make_optimizer(model))
+    assert amp.plan.param_fallback == "float32" and dict(amp.plan.override_fallbacks) == {0: "float32"}
+    assert amp.plan.to_dict()["param_fallback"] == "float32"
+    seen = amp.observe(paddle.to_tensor(probe_batches(1)[0].tokens.astype("int64")))
+    assert {obs["param"] for _k, obs in seen.values() if obs["param"]} == {"float32"}
+    assert seen["head"][1]["output"] == "float32"
+    notes = " ".join(amp.report().notes)
+    assert "param_dtype" in notes and "overrides[0]" in notes
+    amp.remove()
+
+
+def test_kit_applies_honourable_policies_unchanged(kit):
+    """fp32-based policies keep their fingerprint (so another backend's checkpoint loads strictly);
+    only a policy Paddle cannot run here gets the declared fallback variant."""
+    model = kit.build_probe(probe_weights())
+    fp32 = unimp.load("fp32")
+    amp = kit.apply(fp32, model, kit.make_optimizer(model))
+    assert amp.policy.fingerprint == fp32.fingerprint
+    amp.remove()
+    amp = kit.apply(unimp.load("mixed_bf16"), model, kit.make_optimizer(model))
+    assert amp.policy.on_unsupported == ("fallback" if paddle.device.get_device() == "cpu" else "error")
+    amp.remove()
+
+
+# ---------------------------------------------------------------- export_weights
+def test_export_weights_is_the_probe_layout(kit):
+    weights = probe_weights(3)
+    model = kit.build_probe(weights)
+    amp = kit.apply(unimp.load("fp32"), model, kit.make_optimizer(model))
+    out = kit.export_weights(amp)
+    assert set(out) == set(weights)
+    for k, v in weights.items():
+        assert out[k].dtype == np.float32 and np.array_equal(out[k], v), k
+
+
+def test_exported_weights_rebuild_the_trained_model(kit):
+    model = kit.build_probe(probe_weights())
+    amp = kit.apply(unimp.load("fp32"), model, kit.make_optimizer(model))
+    b = probe_batches(3)
+    kit.step(amp, b[0])
+    kit.step(amp, b[1])
+    rebuilt = kit.build_probe(kit.export_weights(amp))
+    assert not np.array_equal(kit.export_weights(amp)["fc1.weight"], probe_weights()["fc1.weight"])
+    np.testing.assert_array_equal(kit.forward_fingerprint(rebuilt, b[2]), kit.forward_fingerprint(amp.model, b[2]))
+    amp.remove()

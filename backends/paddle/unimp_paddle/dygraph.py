@@ -90,10 +90,11 @@ class DygraphAmp(Amp):
         if lay.channels_last:
             self.findings += channels_last_findings(model)
 
-    def _auto_cast_args(self, lists: OpLists) -> dict[str, Any]:
+    def _auto_cast_args(self, lists: OpLists, low: str | None = None) -> dict[str, Any]:
         from paddle.amp import amp_lists
 
-        dtype = self.amp_dtype if self.amp_dtype != "float32" else "bfloat16"
+        low = low if low in ("float16", "bfloat16") else self.amp_dtype
+        dtype = low if low != "float32" else "bfloat16"
         white, black = lists.exact(amp_lists.white_list()[dtype][self.level],
                                    amp_lists.black_list()[dtype][self.level])
         return {"enable": self.amp_dtype != "float32", "custom_white_list": sorted(white),
@@ -114,7 +115,7 @@ class DygraphAmp(Amp):
             moved = self.lists.moved(target, d.compute_dtype)
             if d.override is None and moved == self.lists:
                 continue
-            out[id(layer)] = self._auto_cast_args(moved)
+            out[id(layer)] = self._auto_cast_args(moved, d.compute_dtype)  # an override's own dtype
         return out
 
     def _decorate(self, model: Any, optimizer: Any) -> None:

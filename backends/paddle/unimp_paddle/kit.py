@@ -1,10 +1,13 @@
 """The Paddle conformance kit (dygraph path): the shared probe as a ``paddle.nn.Layer``.
 
-On CPU Paddle's dygraph AMP does nothing, so the kit applies each policy with
-``on_unsupported = "fallback"`` and the checks expect the Plan's fallback dtypes. Requests whose
-fallback the core's expectations cannot express (low-precision params, low-precision overrides:
-see backends/paddle/CORE_REQUESTS.md) are declared unsupported, and the checks then verify the clear
-``UnsupportedError``.
+On CPU Paddle's dygraph AMP does nothing. A policy Paddle can run as written (``fp32``, the
+trajectory rules) is applied unchanged. A policy it cannot (anything low precision, with the
+presets' ``on_unsupported = "error"``) raises a clear ``UnsupportedError`` from ``unimp.apply`` --
+``backends/paddle/tests/test_dygraph.py`` checks that -- so the kit declares what it does instead:
+it applies ``policy.replace(on_unsupported="fallback")`` (:meth:`PaddleKit.apply`), and the checks
+expect exactly the Plan's reported fallbacks (ops: ``OpDecision.dtype``; params:
+``Plan.param_fallback``; overrides: ``Plan.override_fallbacks``), all ``float32`` on CPU. On a GPU
+the kit applies every policy unchanged.
 
 >>> from unimp.conformance import probe_weights
 >>> kit = PaddleKit()
@@ -19,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from unimp.conformance import Kit, Observation
+from unimp.errors import UnsupportedError
 from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, ProbeBatch
 from unimp.policy import Policy
 
@@ -58,18 +62,28 @@ class PaddleKit(Kit):
         return "gpu" if paddle.device.get_device().startswith("gpu") else "cpu"
 
     def supports(self, policy: Policy) -> str | None:
-        plan = compile_dygraph(policy.replace(on_unsupported="fallback"), self._place())
-        hidden = [n for n in plan.notes if n.startswith("fallback:")]
-        if hidden:
-            return ("Paddle cannot run " + "; ".join(h[len("fallback: "):] for h in hidden)
-                    + " (a fallback the core's expectations cannot express; see CORE_REQUESTS.md)")
+        """On CPU every request has an expressible fallback (see :meth:`apply`); on a GPU a policy
+        Paddle cannot run as written is unsupported (its UnsupportedError is then checked)."""
+        if self._place() == "cpu":
+            return None
+        try:
+            compile_dygraph(policy, self._place())
+        except UnsupportedError as e:
+            return str(e)
         return None
 
     def apply(self, policy: Policy, model: Any, optimizer: Any) -> Any:
+        """``unimp.apply`` with the policy as written when Paddle can honour it here; on CPU, else,
+        with ``on_unsupported = "fallback"`` (the same policy otherwise, so the Plan reports every
+        fallback). The variant is visible as ``amp.policy.on_unsupported``."""
         import unimp
 
-        mode = "error" if self.supports(policy) else "fallback"
-        return unimp.apply(policy.replace(on_unsupported=mode), model, optimizer, backend="paddle")
+        if self._place() == "cpu" and policy.on_unsupported == "error":
+            try:
+                compile_dygraph(policy, "cpu")
+            except UnsupportedError:
+                policy = policy.replace(on_unsupported="fallback")
+        return unimp.apply(policy, model, optimizer, backend="paddle")
 
     def build_probe(self, weights: dict[str, Any]) -> Any:
         import paddle
@@ -132,6 +146,18 @@ class PaddleKit(Kit):
         for name, p in amp.model.named_parameters():
             if p.name in masters:
                 out.append((name, p.astype("float32").numpy(), masters[p.name].numpy()))
+        return out
+
+    def export_weights(self, amp: Any) -> dict[str, Any]:
+        """Current probe weights as float32 numpy in the probe layout (Linear ``(in, out)`` as Paddle
+        stores it; Conv1D ``(out, in, width)`` back to ``(width, in, out)``), from the fp32 masters
+        where Paddle keeps them (O2)."""
+        masters = getattr(amp.optimizer.inner, "_master_weights", {}) or {}
+        out = {}
+        for name, p in amp.model.named_parameters():
+            value = masters[p.name] if p.name in masters else p
+            out[name] = np.asarray(value.astype("float32").numpy(), np.float32)
+        out["conv.weight"] = np.ascontiguousarray(np.transpose(out["conv.weight"], (2, 1, 0)))
         return out
 
     def model_state(self, model: Any) -> dict[str, tuple[str, Any]]:

@@ -13,6 +13,8 @@ error or reported fallback). The static path runs bf16 on CPU for the ops measur
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from unimp.dtypes import is_low
@@ -62,7 +64,8 @@ def _raise_or_note(policy: Policy, problems: list[str], exc: UnsupportedError | 
 
 def _compile(policy: Policy, low: str, reason: str, active: bool, why: str,
              fixed_extra: dict[str, tuple[str | None, str]], problems: list[str],
-             details: dict[str, Any], notes: tuple[str, ...]) -> Plan:
+             details: dict[str, Any], notes: tuple[str, ...], param_fallback: str | None = None,
+             override_fallbacks: Mapping[int, str] | None = None) -> Plan:
     fixed = dict(fixed_extra)
     if not active:
         for op in CANONICAL_OPS:
@@ -80,8 +83,8 @@ def _compile(policy: Policy, low: str, reason: str, active: bool, why: str,
     extra = _raise_or_note(policy, problems, exc)
     if plan is None:  # on_unsupported == "error" already raised; keep the type checker calm
         raise AssertionError("unreachable")
-    return Plan(plan.backend, plan.policy, plan.compute_dtype, plan.compute_reason, plan.ops,
-                plan.notes + tuple(extra), plan.details)
+    return dataclasses.replace(plan, notes=plan.notes + tuple(extra), param_fallback=param_fallback,
+                               override_fallbacks=dict(override_fallbacks or {}))
 
 
 def _override_problems(policy: Policy, what: str) -> list[str]:
@@ -120,24 +123,36 @@ def compile_dygraph(policy: Policy, place: str) -> Plan:
     active, why = amp_support(place, low)
     lists = compile_lists(policy)
     problems = []
+    param_fallback: str | None = None  # what low-precision params really hold, when not lowered
+    override_fallbacks: dict[int, str] = {}  # override index -> dtype its layers really compute in
     if not active and is_low(policy.param_dtype):
         problems.append(f"param_dtype = {policy.param_dtype!r} (O2): {why}; params stay float32")
+        param_fallback = "float32"
+    o2 = active and is_low(policy.param_dtype)
     for i, o in enumerate(policy.overrides):
         for key in ("compute_dtype", "param_dtype"):
             value = low if getattr(o, key) == "auto" else getattr(o, key)
             if not is_low(value):
                 continue
             ok, reason = amp_support(place, value)
+            if key == "param_dtype" and ok and active and not o2:
+                ok, reason = False, ("unimp-paddle lowers params only at O2 (policy param_dtype low, "
+                                     "paddle.amp.decorate)")
             if not ok or not active:
                 reason = reason if not ok else "unimp-paddle enables AMP only when compute_dtype is low"
                 problems.append(f"overrides[{i}].{key} = {value!r}: {reason}; the matched layers run float32")
+                if key == "compute_dtype":
+                    override_fallbacks[i] = "float32"
+                else:
+                    param_fallback = "float32"
     level = "O2" if is_low(policy.param_dtype) else "O1"
     details = {"mode": "dygraph", "place": place, "amp_active": active, "level": level,
                "amp_dtype": low, "param_dtype": policy.param_dtype if active else "float32",
                "white": sorted(lists.white), "black": sorted(lists.black), "gray": sorted(lists.gray)}
     notes = ("Paddle has no 'follow inputs' list: ops in neither list (promote and follow-inputs) are "
              "Paddle's gray ops, which run in the promoted dtype of their inputs",)
-    return _compile(policy, low, reason, active, why, {}, problems, details, notes)
+    return _compile(policy, low, reason, active, why, {}, problems, details, notes,
+                    param_fallback, override_fallbacks)
 
 
 def compile_static(policy: Policy) -> Plan:
@@ -146,6 +161,7 @@ def compile_static(policy: Policy) -> Plan:
     if low == "auto":
         low, reason = "bfloat16", "auto: the legacy static bf16 rewrite runs bfloat16 on CPU"
     problems = []
+    param_fallback = None
     active, why = low == "bfloat16", ""
     if low == "float16":
         why = ("the static path rewrites to bfloat16 only (decorate_bf16); Paddle has no CPU float16 "
@@ -159,6 +175,7 @@ def compile_static(policy: Policy) -> Plan:
     if is_low(policy.param_dtype):
         problems.append(f"param_dtype = {policy.param_dtype!r}: unimp-paddle's static path keeps float32 "
                         f"params (pure bf16 Programs are not supported yet); params stay float32")
+        param_fallback = "float32"
     if policy.loss_scale.mode != "none":
         problems.append(f"loss_scale.mode = {policy.loss_scale.mode!r}: unimp-paddle does not insert loss "
                         f"scaling into static Programs (bf16 does not need it); no scaling is applied")
@@ -168,4 +185,4 @@ def compile_static(policy: Policy) -> Plan:
                "param_dtype": "float32", "loss_scaling": "none",
                "bf16": sorted(lists.white), "fp32": sorted(lists.black), "gray": sorted(lists.gray)}
     notes = ("static gray ops run float32 if any producer is float32, else bfloat16 if any is bfloat16",)
-    return _compile(policy, low, reason, active, why, fixed_extra, problems, details, notes)
+    return _compile(policy, low, reason, active, why, fixed_extra, problems, details, notes, param_fallback)
