@@ -3,7 +3,8 @@
     python bench/tensorflow_bench.py [--steps 40] [--rounds 8]
 
 Both models have the same architecture and the same per-layer dtypes: the native one is built
-with ``dtype="mixed_bfloat16"`` on Dense/Conv1D, ``"float32"`` on LayerNormalization and a final
+with ``dtype="mixed_bfloat16"`` on Dense/Conv1D and the pooling that follows them (unimp: an
+activation-following layer), ``"float32"`` on LayerNormalization and a final
 float32 ``Activation("linear")`` (the Keras mixed-precision guide's recipe); the unimp one is
 built in float32 and gets the ``mixed_bf16`` preset through ``unimp.apply``. Each is trained with
 ``compile`` + ``train_on_batch`` (Adam); the float32 model is timed too. Steps are interleaved in
@@ -38,7 +39,7 @@ def build(low: str | None) -> keras.Model:
     x = ly.Conv1D(D, 3, padding="same", name="conv", dtype=pol)(x)
     x = ly.LayerNormalization(name="norm", dtype="float32")(x)
     x = ly.Dense(H, activation="relu", name="fc2", dtype=pol)(x)
-    x = ly.GlobalAveragePooling1D(name="pool", dtype="float32")(x)
+    x = ly.GlobalAveragePooling1D(name="pool", dtype=pol)(x)  # follows fc2's output dtype
     x = ly.Dense(C, name="head", dtype=pol)(x)
     if low:
         x = ly.Activation("linear", dtype="float32", name="out")(x)  # float32 outputs, as Keras' guide says
