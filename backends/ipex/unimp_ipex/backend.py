@@ -1,0 +1,66 @@
+"""The ipex backend class (the ``unimp.backends`` entry point). Importing it imports neither torch nor IPEX.
+
+Chosen over the torch backend for torch models on CPU (``priority``); runs them through IPEX
+where it can be imported and through torch's CPU autocast otherwise, and the Plan says which.
+
+>>> IpexBackend.name, IpexBackend.priority > 0
+('ipex', True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from unimp.plan import Plan
+from unimp.policy import Policy
+from unimp_torch.backend import TorchBackend
+
+
+class IpexBackend(TorchBackend):
+    """``unimp.apply(policy, model, optimizer)`` for ``torch.nn.Module`` models on CPU.
+
+    ``apply`` options: ``engine`` = ``"auto"`` (IPEX when installed for this torch, else torch),
+    ``"ipex"`` or ``"torch"``; ``on_skip`` as in unimp-torch.
+    """
+
+    name: ClassVar[str] = "ipex"
+    distribution: ClassVar[str] = "unimp-ipex"
+    model_types: ClassVar[str] = "torch.nn.Module on CPU"
+    priority: ClassVar[int] = 10
+
+    def accepts(self, model: Any) -> bool:
+        if not super().accepts(model):
+            return False
+        return all(t.device.type == "cpu" for t in (*model.parameters(), *model.buffers()))
+
+    def compile(self, policy: Policy, model: Any = None, *, engine: str = "auto") -> Plan:
+        from .engine import find_engine
+        from .hardware import CpuFeatures
+        from .plan import compile_plan
+
+        return compile_plan(policy, model, find_engine(engine), CpuFeatures.here())
+
+    def apply(self, plan: Plan, model: Any, optimizer: Any = None, *, engine: str = "auto",
+              on_skip: Callable[[], Any] | None = None, **options: Any) -> Any:
+        """Bind ``plan`` (recompiled for ``model`` and ``engine``); see the class docstring."""
+        from unimp_torch.validate import check_inputs
+
+        from .amp import apply_plan
+
+        if options:
+            raise TypeError(f"unimp.apply(...) for ipex got unknown options {sorted(options)}; it accepts "
+                            f"engine='auto'|'ipex'|'torch' and on_skip=callable")
+        device = check_inputs(model, optimizer, on_skip)
+        if device != "cpu":
+            from unimp.errors import UnsupportedError
+
+            raise UnsupportedError(f"model: backend 'ipex' runs CPU models, this one is on {device}; "
+                                   f"use backend='torch' (or model.to('cpu'))")
+        plan = self.compile(plan.policy, model, engine=engine)
+        return apply_plan(plan, model, optimizer, on_skip)
+
+    def conformance_kit(self) -> Any:
+        from .kit import IpexKit
+
+        return IpexKit()

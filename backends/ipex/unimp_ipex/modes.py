@@ -1,0 +1,88 @@
+"""How ``ipex.optimize`` is called for a policy and a model: IPEX's bf16 weights, or float32.
+
+IPEX's bf16 path (``dtype=torch.bfloat16``) makes Linear/Conv/Embedding weights bf16 (prepacked
+for oneDNN) and keeps fp32 masters in its optimizer. unimp takes it only when that is exactly what
+the policy asks for every layer and there is no loss scaling (IPEX's master step re-reads the
+bf16 grads, so nothing can unscale or skip in between). Otherwise IPEX runs float32 weights and
+unimp-torch does params, masters and scaling; weight prepacking then stays off under autocast
+(measured: IPEX 2.8 fp32-prepacked Conv2d + bf16 autocast aborts in backward with heap corruption).
+
+>>> import torch, unimp
+>>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+>>> choose(unimp.load("pure_bf16"), "bfloat16", m).dtype
+'bfloat16'
+>>> choose(unimp.load("mixed_bf16"), "bfloat16", m).weights_prepack
+False
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from unimp.dtypes import is_low
+from unimp.policy import Policy
+from unimp_torch.layers import kind, type_names
+
+# the layer types IPEX 2.8 casts to bf16 under ipex.optimize(dtype=torch.bfloat16): exact types,
+# subclasses are left float32 (measured; see README). Other layers the policy wants in bf16 get
+# unimp-torch's params and masters next to IPEX's.
+BF16_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
+
+
+@dataclass(frozen=True)
+class IpexMode:
+    """The ``ipex.optimize`` arguments unimp uses, and why."""
+
+    dtype: str  # "bfloat16" (IPEX bf16 weights + IPEX masters) | "float32"
+    weights_prepack: bool
+    reason: str
+
+    def kwargs(self) -> dict:
+        import torch
+
+        kw = {"dtype": getattr(torch, self.dtype), "weights_prepack": self.weights_prepack, "inplace": False}
+        if self.dtype == "bfloat16":
+            kw["split_master_weight_for_bf16"] = False  # True gives truncated bf16, not round-to-nearest
+        return kw
+
+
+def _layer_conflicts(policy: Policy, compute: str, model: nn.Module | None) -> list[str]:
+    """Layers whose policy dtypes differ from what IPEX's bf16 path gives them."""
+    if model is None:
+        return []
+    out = []
+    for path, m in model.named_modules():
+        if not any(True for _ in m.parameters(recurse=False)):
+            continue
+        d = policy.decide(path, kind(m), type_names(m), compute)
+        name = path or "<model>"
+        if type(m) not in BF16_LAYERS:
+            continue
+        sets_compute = d.override is not None and policy.overrides[d.override].compute_dtype is not None
+        if d.param_dtype != "bfloat16" or d.compute_dtype not in (None, "bfloat16") or sets_compute:
+            out.append(f"{name} ({type(m).__name__}): policy asks params {d.param_dtype}, compute "
+                       f"{d.compute_dtype or 'inputs'}; IPEX would make it bf16")
+    return out
+
+
+def choose(policy: Policy, compute: str, model: nn.Module | None) -> IpexMode:
+    """The IPEX mode for ``policy`` at resolved ``compute`` dtype on ``model`` (None: not known yet)."""
+    low_override = any(is_low(o.compute_dtype) or o.compute_dtype == "auto" for o in policy.overrides)
+    autocast = is_low(compute) or low_override
+    fp32 = IpexMode("float32", not autocast, "float32 weights; " + (
+        "prepacking off: IPEX 2.8 fp32-prepacked convolutions abort in backward under bf16 autocast"
+        if autocast else "oneDNN weight prepacking on"))
+    if compute != "bfloat16" or policy.param_dtype != "bfloat16":
+        return fp32
+    ls = policy.loss_scale
+    if ls.mode != "none" or ls.skip_nonfinite:
+        return IpexMode(fp32.dtype, fp32.weights_prepack, "IPEX's bf16 master-weight step cannot be "
+                        "unscaled or skipped; loss scaling runs in unimp-torch with its masters; " + fp32.reason)
+    conflicts = _layer_conflicts(policy, compute, model)
+    if conflicts:
+        return IpexMode(fp32.dtype, fp32.weights_prepack, "IPEX's bf16 weights do not fit this policy ("
+                        + "; ".join(conflicts) + "); masters in unimp-torch; " + fp32.reason)
+    return IpexMode("bfloat16", True, "IPEX bf16 weights (prepacked Linear/Conv2d) with its fp32 master "
+                    "weights (split_master_weight_for_bf16=False: round-to-nearest bf16 copies)")

@@ -1,0 +1,57 @@
+"""A policy compiled for an Intel CPU: unimp-torch's CPU plan plus the engine, hardware and IPEX mode.
+
+The op table, autocast dtype and op moves are unimp-torch's (``details`` keeps its keys, so its
+``bind`` runs the plan); this module adds which engine runs it and why, what the CPU can do, and
+how ``ipex.optimize`` is called.
+
+>>> import unimp
+>>> from unimp_ipex.engine import Engine
+>>> from unimp_ipex.hardware import CpuFeatures
+>>> plan = compile_plan(unimp.load({"compute_dtype": "auto"}), None, Engine("torch", "demo"),
+...                     CpuFeatures(frozenset()))
+>>> plan.compute_dtype, plan.compute_reason
+('float32', 'auto: this CPU (no AVX512-BF16/AMX/AVX512-FP16) has no fast bfloat16 or float16, float32 is fastest')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from unimp.dtypes import is_low
+from unimp.plan import Plan
+from unimp.policy import Policy
+from unimp_torch.compile import compile_plan as torch_plan
+
+from .engine import Engine
+from .hardware import CpuFeatures
+
+
+def resolve_compute(policy: Policy, cpu: CpuFeatures) -> tuple[str, str]:
+    """``compute_dtype`` on this CPU (``auto`` resolved, with the reason); warns or refuses slow dtypes."""
+    if policy.compute_dtype == "auto":
+        return cpu.resolve_auto()
+    cpu.check(policy.compute_dtype, "compute_dtype")
+    for i, o in enumerate(policy.overrides):
+        if is_low(o.compute_dtype):
+            cpu.check(o.compute_dtype, f"overrides[{i}].compute_dtype")
+    return policy.compute_dtype, "as the policy says"
+
+
+def compile_plan(policy: Policy, model: Any, engine: Engine, cpu: CpuFeatures) -> Plan:
+    """The Plan of backend ``ipex`` for ``policy`` (``model`` decides IPEX's mode when given)."""
+    compute, reason = resolve_compute(policy, cpu)
+    resolved = policy if policy.compute_dtype == compute else policy.replace(compute_dtype=compute)
+    base = torch_plan(resolved, "cpu")
+    notes = [f"engine: {engine.name} ({engine.reason})", f"cpu: {cpu.describe()}", *base.notes]
+    details = {**base.details, "engine": engine.name, "engine_reason": engine.reason,
+               "cpu_flags": sorted(cpu.flags), "ipex": None}
+    if engine.name == "ipex":
+        from .modes import choose
+
+        mode = choose(policy, compute, model)
+        details["ipex"] = {"version": engine.ipex_version, "dtype": mode.dtype,
+                           "weights_prepack": mode.weights_prepack, "reason": mode.reason}
+        notes.insert(1, f"ipex.optimize(dtype={mode.dtype}, weights_prepack={mode.weights_prepack}): {mode.reason}")
+    return dataclasses.replace(base, backend="ipex", policy=policy, compute_dtype=compute,
+                               compute_reason=reason, notes=tuple(notes), details=details)
