@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import unimp
 from unimp.loss_scale import LossScale
-from unimp_paddle.scaler import TensorLossScale
+from unimp_paddle.scaler import HostRuleLossScale, TensorLossScale
 
 KNOBS = st.fixed_dictionaries({
     "mode": st.sampled_from(["dynamic", "static", "none"]),
@@ -44,6 +44,60 @@ def test_tensor_scaler_matches_reference_for_every_knob(knobs, finites):
         state = out.state
         assert ours.state() == state, f"step {i}"
         assert skip == out.skipped, f"skip at step {i}"
+
+
+@settings(max_examples=40, deadline=None)
+@given(knobs=KNOBS, finites=st.lists(st.booleans(), min_size=1, max_size=40))
+def test_step_scaler_tensor_follows_the_reference_for_every_knob(knobs, finites):
+    """What amp.optimizer.step() uses: the float32 scale tensor (it multiplies the loss and unscales
+    the grads) always holds the reference's scale; state and skips are the reference's."""
+    if knobs["min"] > knobs["initial"] or knobs["initial"] > knobs["max"]:
+        knobs = {**knobs, "min": 0.0, "max": float("inf")}
+    spec = unimp.load({"loss_scale": knobs}).loss_scale
+    ours, ref = HostRuleLossScale(spec), LossScale(spec)
+    state = ref.initial_state()
+    for i, finite in enumerate(finites):
+        out = ref.update(state, finite)
+        assert ours.update(finite) == out.skipped, f"skip at step {i}"
+        state = out.state
+        assert ours.state() == state and ours.scale.dtype == paddle.float32
+        assert float(ours.scale.numpy()[0]) == state.scale, f"scale tensor at step {i}"
+
+
+def test_backward_scales_and_step_unscales_the_real_grads(kit):
+    """amp.backward multiplies by the current scale; step() divides the grads back exactly."""
+    from unimp.conformance import probe_batches, probe_weights
+
+    policy = unimp.load({"extends": "fp32", "loss_scale": {"mode": "dynamic", "initial": 1024.0,
+                                                           "growth_interval": 1}})
+    b = probe_batches(3)
+    plain = kit.build_probe(probe_weights())
+    model = kit.build_probe(probe_weights())
+    amp = kit.apply(policy, model, kit.make_optimizer(model))
+    ref = LossScale(policy.loss_scale)
+    state = ref.initial_state()
+    for batch in b:
+        x = paddle.to_tensor(batch.tokens.astype("int64"))
+        y = paddle.to_tensor(batch.targets.astype("int64")).unsqueeze(-1)
+        plain.set_state_dict(model.state_dict())
+        for p in plain.parameters():
+            p.clear_gradient()
+        (-paddle.take_along_axis(plain(x), y, axis=-1).mean()).backward()
+        amp.backward(-paddle.take_along_axis(amp.model(x), y, axis=-1).mean())
+        grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+        for n, p in plain.named_parameters():
+            np.testing.assert_array_equal(grads[n], p.grad.numpy() * np.float32(state.scale), err_msg=n)
+        amp.optimizer.found_inf()  # unscale only (the test's view of step()'s first half)
+        for n, p in plain.named_parameters():
+            np.testing.assert_array_equal(dict(model.named_parameters())[n].grad.numpy(), p.grad.numpy())
+        amp.optimizer.clear_grad()
+        amp.backward(-paddle.take_along_axis(amp.model(x), y, axis=-1).mean())
+        amp.optimizer.step()
+        amp.optimizer.clear_grad()
+        state = ref.update(state, True).state
+        assert amp.scale == state.scale == float(amp.scaler.scale.numpy()[0])
+    assert amp.scale == 1024.0 * 2 ** 3
+    amp.remove()
 
 
 def test_at_min_error_raises_like_the_reference():

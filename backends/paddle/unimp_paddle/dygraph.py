@@ -28,7 +28,7 @@ from unimp.report import Report, ReportRow
 from .layout import alignment_findings, channels_last_findings
 from .lists import OpLists, compile_lists
 from .optimizer import AmpOptimizer
-from .scaler import TensorLossScale
+from .scaler import HostRuleLossScale
 
 DTYPES = {"paddle.float32": "float32", "paddle.bfloat16": "bfloat16", "paddle.float16": "float16",
           "paddle.float64": "float64", "paddle.int64": "int64", "paddle.int32": "int32"}
@@ -71,7 +71,8 @@ class DygraphAmp(Amp):
         self._wrapped = self._wrap_forwards(model)
         params = [p for p in model.parameters() if not p.stop_gradient]
         place = params[0].place if params else None
-        self.scaler = TensorLossScale(self.policy.loss_scale, place)
+        self.scaler = HostRuleLossScale(plan.loss_scale, place)
+        self._scaling = plan.loss_scale.mode != "none"
         self._user_optimizer = optimizer
         self.optimizer = AmpOptimizer(optimizer, self.scaler, params) if optimizer is not None else None
 
@@ -139,7 +140,7 @@ class DygraphAmp(Amp):
 
         with paddle.amp.auto_cast(**args):
             tracer = paddle.base.framework._dygraph_tracer()
-            tracer._set_amp_op_list(set(args["custom_white_list"]), set(args["custom_black_list"]))
+            tracer._set_amp_op_list(*_list_sets(args))
             yield
 
     def _wrap_forwards(self, model: Any) -> list[tuple[Any, Any]]:
@@ -155,12 +156,25 @@ class DygraphAmp(Amp):
         return wrapped
 
     def _forward(self, original: Any, args: dict[str, Any], top: bool) -> Any:
+        import paddle
+
         out_dtype = self.policy.output_dtype
+        want = _pd_dtype(out_dtype)
+        white, black = _list_sets(args)
+        call = _call_args(args)
+        exact = _needs_exact_lists(call, white, black)
+        tracer_of = paddle.base.framework._dygraph_tracer
+        auto_cast = paddle.amp.auto_cast
 
         def forward(*a: Any, **kw: Any) -> Any:
-            with self.guard(args):
+            # self.guard(args) inlined for the per-step path: no generator, the list sets built once,
+            # auto_cast given only the differences from Paddle's defaults (its _update_list scans
+            # custom lists element by element); the tracer then gets exactly ``args``' lists.
+            with auto_cast(**call):
+                if exact:  # some canonical op Paddle lists by default is gray in the policy
+                    tracer_of()._set_amp_op_list(white, black)
                 out = original(*a, **kw)
-            if top and hasattr(out, "dtype") and out.dtype != _pd_dtype(out_dtype) and out.is_floating_point():
+            if top and getattr(out, "dtype", want) != want and out.is_floating_point():
                 out = out.astype(out_dtype)
             return out
 
@@ -169,13 +183,14 @@ class DygraphAmp(Amp):
     # ------------------------------------------------------------------ verbs
     def backward(self, loss: Any) -> None:
         """``loss.backward()`` on the loss times the current scale (when scaling is on)."""
-        if self.policy.loss_scale.mode != "none":
-            loss = loss * self.scaler.scale.astype(loss.dtype)
-        loss.backward()
+        self.scale_loss(loss).backward()
 
     def scale_loss(self, loss: Any) -> Any:
         """The loss times the current loss scale (for custom loops)."""
-        return loss * self.scaler.scale.astype(loss.dtype) if self.policy.loss_scale.mode != "none" else loss
+        if not self._scaling:
+            return loss
+        scale = self.scaler.scale
+        return loss * (scale if loss.dtype == scale.dtype else scale.astype(loss.dtype))
 
     # ------------------------------------------------------------------ contract
     def loss_scale_state(self) -> LossScaleState:
@@ -232,6 +247,33 @@ class DygraphAmp(Amp):
         with paddle.no_grad():
             for k, (dtype, value) in self._saved.items():
                 state[k].set_value(paddle.to_tensor(value, dtype=dtype))
+
+
+def _list_sets(args: dict[str, Any]) -> tuple[set[str], set[str]]:
+    """The white/black sets handed to the tracer (Paddle copies them into the C++ tracer)."""
+    return set(args["custom_white_list"]), set(args["custom_black_list"])
+
+
+def _call_args(args: dict[str, Any]) -> dict[str, Any]:
+    """``args`` with the custom lists reduced to what differs from Paddle's defaults (as sets)."""
+    from paddle.amp import amp_lists
+
+    if not args["enable"]:
+        return {**args, "custom_white_list": None, "custom_black_list": None}
+    white, black = _list_sets(args)
+    d_white = amp_lists.white_list()[args["dtype"]][args["level"]]
+    d_black = amp_lists.black_list()[args["dtype"]][args["level"]]
+    return {**args, "custom_white_list": white - set(d_white), "custom_black_list": black - set(d_black)}
+
+
+def _needs_exact_lists(call: dict[str, Any], white: set[str], black: set[str]) -> bool:
+    """False when auto_cast(**call) alone already gives the tracer exactly ``white``/``black``."""
+    if not call["enable"]:
+        return True
+    from paddle.amp.auto_cast import _update_list
+
+    got = _update_list(call["custom_white_list"], call["custom_black_list"], call["level"], call["dtype"])
+    return (set(got[0]), set(got[1])) != (white, black)
 
 
 def _pd_dtype(name: str) -> Any:

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from unimp.conformance import Kit, Observation
-from unimp.errors import UnsupportedError
 from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, ProbeBatch
+from unimp.errors import UnsupportedError
 from unimp.policy import Policy
 
 from .dygraph import dtype_name
@@ -155,7 +155,7 @@ class PaddleKit(Kit):
         masters = getattr(amp.optimizer.inner, "_master_weights", {}) or {}
         out = {}
         for name, p in amp.model.named_parameters():
-            value = masters[p.name] if p.name in masters else p
+            value = masters.get(p.name, p)
             out[name] = np.asarray(value.astype("float32").numpy(), np.float32)
         out["conv.weight"] = np.ascontiguousarray(np.transpose(out["conv.weight"], (2, 1, 0)))
         return out

@@ -1,27 +1,31 @@
 """The optimizer wrapper of the dygraph path: unscale, finiteness check, skip, scale update.
 
-``amp.optimizer.step()`` unscales the gradients (when the loss was scaled), checks them, skips the
-inner step on non-finite gradients (nothing of the params, masters or optimizer state changes) and
-advances :class:`~unimp_paddle.scaler.TensorLossScale`. Everything else is delegated.
+``amp.optimizer.step()`` unscales the gradients and checks them in one fused Paddle kernel
+(``_C_ops.check_finite_and_unscale_``, what ``GradScaler`` runs), reads the flag once (the one
+host sync Paddle's own ``GradScaler.step`` also makes), skips the inner step on non-finite
+gradients (nothing of the params, masters or optimizer state changes) and advances
+:class:`~unimp_paddle.scaler.HostRuleLossScale`. With no scaling and no skipping there is no check
+and no sync at all. Everything else is delegated.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .scaler import TensorLossScale
+from .scaler import HostRuleLossScale
 
 
 class AmpOptimizer:
     """Wraps a Paddle optimizer: ``step()``, ``clear_grad()``; other attributes pass through."""
 
-    def __init__(self, inner: Any, scaler: TensorLossScale, params: list[Any]) -> None:
+    def __init__(self, inner: Any, scaler: HostRuleLossScale, params: list[Any]) -> None:
         self._inner = inner
         self._scaler = scaler
-        self._params = params
+        self._params = tuple(params)
         spec = scaler.spec
         self._scaled = spec.mode != "none"
         self._check = spec.skip_nonfinite or spec.mode == "dynamic"
+        self._ones: Any = None
 
     @property
     def inner(self) -> Any:
@@ -32,18 +36,25 @@ class AmpOptimizer:
         """Unscale grads in place (if scaled) and return a bool tensor [1]: any grad non-finite."""
         import paddle
 
-        grads = [p.grad for p in self._params if p.grad is not None]
+        grads = [g for g in (p.grad for p in self._params) if g is not None]
         if not grads or not (self._scaled or self._check):
             return paddle.zeros([1], dtype="bool")
-        scale = self._scaler.scale if self._scaled else paddle.ones([1], dtype="float32")
+        if self._scaled:
+            scale = self._scaler.scale
+        else:
+            if self._ones is None:
+                self._ones = paddle.ones([1], dtype="float32")
+            scale = self._ones
         # Paddle's fused kernel (what GradScaler uses): grads /= scale in place, any non-finite -> flag
         _, found_inf = paddle._C_ops.check_finite_and_unscale_(grads, scale)
         return found_inf
 
     def step(self) -> bool:
         """One optimizer step under the policy; returns True when the step was skipped."""
-        inf = self.found_inf()
-        skip = bool(self._scaler.update(inf).numpy()[0])
+        finite = True
+        if self._check or self._scaled:
+            finite = not bool(self.found_inf().item())
+        skip = self._scaler.update(finite)
         if not skip:
             self._inner.step()
         return skip

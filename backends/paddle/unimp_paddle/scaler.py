@@ -1,14 +1,22 @@
-"""unimp's loss-scale rule in Paddle tensors: every knob of :mod:`unimp.loss_scale`, on device.
+"""Loss scaling for the dygraph path: the scale as a float32 Paddle tensor, and the rule.
 
-The state lives in Paddle tensors (scale in float32, counters in int64) and is updated with tensor
-ops only (no host sync), so the same code runs on CPU and CUDA. Products are formed in float64 and
-rounded once to float32, as the reference does.
+:class:`HostRuleLossScale` is what ``amp.optimizer.step()`` uses. Deciding whether to call a
+Paddle optimizer's ``step()`` needs the found-inf flag on the host (Paddle's own dygraph
+``GradScaler.step`` does ``if self._found_inf:``, and dygraph Adam ignores ``found_inf``), so the
+step syncs once anyway; after that sync the core's reference rule (:class:`unimp.loss_scale.
+LossScale`, plain Python, ~5 us) advances the canonical state and the scale tensor is rewritten only
+when the scale changes. No tensor op per step, exact for every knob by construction, and reading
+``amp.scale`` / ``state_dict()`` needs no device sync.
+
+:class:`TensorLossScale` is the same rule in Paddle tensor ops with no host sync (scale in float32,
+counters in int64, products formed in float64 and rounded once), for loops that keep the skip
+decision on the device (a fused optimizer taking ``skip_update``, static graphs, CUDA graphs).
 
 >>> import unimp, paddle
 >>> spec = unimp.load({"loss_scale": {"growth_interval": 2, "initial": 8.0}}).loss_scale
 >>> s = TensorLossScale(spec)
 >>> for finite in (True, True, False):
-...     s.update(paddle.to_tensor([not finite]))
+...     _ = s.update(paddle.to_tensor([not finite]))
 >>> s.state().scale
 8.0
 """
@@ -19,6 +27,43 @@ from typing import Any
 
 from unimp.loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState
 from unimp.policy import LossScaleSpec
+
+
+class HostRuleLossScale:
+    """The scale tensor (multiplies the loss, unscales the grads) + the core's rule on the host.
+
+    >>> import unimp
+    >>> s = HostRuleLossScale(unimp.load({"loss_scale": {"initial": 8.0, "growth_interval": 1}}).loss_scale)
+    >>> s.update(True), float(s.scale.numpy()[0]), s.update(False), s.state().skipped
+    (False, 16.0, True, 1)
+    """
+
+    def __init__(self, spec: LossScaleSpec, place: Any = None) -> None:
+        self.spec = spec
+        self.place = place
+        self._rule = LossScale(spec)
+        self.load(self._rule.initial_state())
+
+    def load(self, st: LossScaleState) -> None:
+        self._state = st
+        self._write(st.scale)
+
+    def state(self) -> LossScaleState:
+        """The canonical state (plain numbers; no device sync)."""
+        return self._state
+
+    def update(self, finite: bool) -> bool:
+        """Advance one step; returns True when the step is skipped."""
+        out = self._rule.update(self._state, finite)
+        if out.state.scale != self._state.scale:
+            self._write(out.state.scale)
+        self._state = out.state
+        return out.skipped
+
+    def _write(self, value: float) -> None:
+        import paddle
+
+        self.scale = paddle.to_tensor([value], dtype="float32", place=self.place)
 
 
 class TensorLossScale:
