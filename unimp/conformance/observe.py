@@ -45,7 +45,7 @@ TRAJECTORY_RULES: dict[str, dict[str, Any]] = {
                        "max": _INF},
 }
 RESUME_RULE = "torch_rule"
-RESUME_AT = 6
+RESUME_AT = 7  # an unpoisoned step of overflow_pattern(), so the first resumed loss is finite
 LOSS_STEPS = 8
 
 

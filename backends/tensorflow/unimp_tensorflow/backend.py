@@ -65,6 +65,12 @@ class TensorFlowBackend(Backend):
         reset_compiled_functions(model)
         return TensorFlowAmp(plan, model, wrapper, optimizer, binding)
 
+    def scope(self, policy: Policy) -> Any:
+        """``unimp.scope(policy)``: build new Keras models under ``policy`` (see :mod:`.building`)."""
+        from .building import scope
+
+        return scope(policy)
+
     def conformance_kit(self) -> Any:
         from .kit import TensorFlowKit
 

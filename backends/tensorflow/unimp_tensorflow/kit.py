@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from unimp.conformance import Kit, Observation, ProbeBatch
-from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, TIME, VOCAB
+from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, PROBE, TIME, VOCAB
 from unimp.policy import Policy
 
 from .layers import walk
@@ -26,6 +26,9 @@ def nll(logp: Any, targets: Any) -> tf.Tensor:
     """Mean negative log-likelihood of integer targets, in float32."""
     picked = tf.gather(tf.cast(logp, tf.float32), tf.cast(targets, tf.int32), batch_dims=2)
     return -tf.reduce_mean(picked)
+
+
+_PROBE_PARAM = {"embeddings": "weight", "kernel": "weight", "gamma": "weight", "bias": "bias", "beta": "bias"}
 
 
 class TensorFlowKit(Kit):
@@ -87,6 +90,16 @@ class TensorFlowKit(Kit):
 
     def master_pairs(self, amp: Any) -> list[tuple[str, Any, Any]]:
         return amp.master_pairs()
+
+    def export_weights(self, amp: Any) -> dict[str, Any]:
+        masters = {name: master for name, _, master in amp.master_pairs()}
+        out = {}
+        for layer in PROBE:
+            for w in amp.model.get_layer(layer.path).weights:
+                short = w.path.split("/")[-1]
+                value = masters.get(f"{layer.path}.{short}", w.numpy())
+                out[f"{layer.path}.{_PROBE_PARAM[short]}"] = np.asarray(value, np.float32)
+        return out
 
     def model_state(self, model: Any) -> dict[str, tuple[str, Any]]:
         out = {f"{i}:{w.path}": (w.dtype, w.numpy()) for i, w in enumerate(model.weights)}
