@@ -110,6 +110,12 @@ def apply_plan(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | 
     target, opt = model, optimizer
     ipex = plan.details.get("ipex")
     if ipex is not None:
+        if optimizer is None and model.training:
+            from unimp.errors import UnsupportedError
+
+            raise UnsupportedError("optimizer: ipex.optimize treats a model in training mode as training and "
+                                   "needs its optimizer; pass the optimizer, call model.eval() first for "
+                                   "inference, or pass engine='torch'")
         mode = IpexMode(ipex["dtype"], ipex["weights_prepack"], ipex["reason"])
         target, opt = optimize(model, optimizer, mode.kwargs())
         if optimizer is None:
