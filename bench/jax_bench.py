@@ -95,7 +95,7 @@ class GPT(nnx.Module):
     def __init__(self, cfg: Config, dtype: Any = None, impl: str | None = None, seed: int = 0) -> None:
         rngs = nnx.Rngs(seed)
         self.embed = nnx.Embed(cfg.vocab, cfg.d, rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, dtype, impl, rngs) for _ in range(cfg.layers)])
+        self.blocks = getattr(nnx, "List", list)([Block(cfg, dtype, impl, rngs) for _ in range(cfg.layers)])
         self.ln_f = nnx.LayerNorm(cfg.d, rngs=rngs)
         self.head = nnx.Linear(cfg.d, cfg.vocab, dtype=dtype, rngs=rngs)
 

@@ -118,7 +118,10 @@ def attrs_set(obj: Any, **values: Any) -> Iterator[None]:
 def run_layer(lp: LayerPlan, module: Any, call: Any, args: tuple, kwargs: dict, param_dtype: str | None,
               record: dict[str, ReportRow] | None) -> Any:
     """Call one layer under its plan: inputs, ``dtype`` attribute and outputs in the compute dtype."""
-    dt = lp.compute_dtype(first_float_dtype((args, kwargs)), param_dtype)
+    x_dtype = first_float_dtype((args, kwargs))
+    dt = lp.compute_dtype(x_dtype, param_dtype)
+    # batch_norm in float32 (core semantics, as torch/Keras): fp32 math, output in the activation dtype
+    out_dt = x_dtype if lp.kind == "batch_norm" and lp.decision.category == "float32" and x_dtype else dt
     args, kwargs = cast_floats((args, kwargs), dt)
     extra: dict[str, Any] = {}
     if "dtype" in module.__dict__ or hasattr(type(module), "dtype"):
@@ -127,7 +130,7 @@ def run_layer(lp: LayerPlan, module: Any, call: Any, args: tuple, kwargs: dict, 
         extra["force_fp32_for_softmax"] = True
     with attrs_set(module, **extra):
         out = call(*args, **kwargs)
-    out = cast_floats(out, dt)
+    out = cast_floats(out, out_dt)
     if record is not None:
         record[lp.path] = ReportRow(lp.path, lp.kind, dt, param_dtype, first_float_dtype(out))
     return out
