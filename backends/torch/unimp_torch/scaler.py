@@ -119,8 +119,7 @@ class DeviceLossScale:
             hyst_ok = torch.where(grow, s.hysteresis, hyst_ok)
         # non-finite step
         absorb = hyst > 1
-        backed = torch.maximum((scale.double() * s.backoff_factor).float(),
-                               torch.tensor(f32(s.min), dtype=torch.float32, device=scale.device))
+        backed = (scale.double() * s.backoff_factor).float().clamp_min(f32(s.min))  # no host->device copy
         if s.at_min == "error" and bool((bad & ~absorb & (scale <= s.min)).item()):  # host read: this knob
             raise LossScaleAtMinimumError(
                 f"loss scale already at its minimum ({s.min:g}) and gradients are still not finite; "

@@ -1,0 +1,311 @@
+"""Training-step time and peak memory: hand-written native torch AMP vs ``unimp.apply``.
+
+    python bench/torch_gpu.py            # H200: ResNet-50 b128 224^2 and a GPT block d2048 T2048 b8
+    python bench/torch_gpu.py --smoke    # tiny shapes on CPU, to check the script runs
+
+For each policy the native step is what a careful user writes by hand with torch's own tools
+(autocast, GradScaler, channels_last, explicit casts where the policy moves an op, fp32 master
+copies); the unimp step is the same model through ``unimp.apply``. Median of >= 20 timed steps
+after warm-up, CUDA events (no host sync inside the timed steps). Prints a markdown table and,
+when $OUT is set, writes $OUT/torch_gpu.json. bench/torch_cpu.py reuses this file on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import unimp
+
+# ---------------------------------------------------------------- models (no torchvision needed)
+
+
+class Norm(nn.LayerNorm):
+    """LayerNorm whose *native* variant casts by hand the way a policy asks (``mode``)."""
+
+    mode: str | None = None  # None: as is | "float32": x.float() | "low": x.to(bf16), autocast off
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "float32":
+            return super().forward(x.float())
+        if self.mode == "low":
+            with torch.autocast(x.device.type, enabled=False):
+                return F.layer_norm(x.to(torch.bfloat16), self.normalized_shape, self.weight, self.bias, self.eps)
+        return super().forward(x)
+
+
+class Block(nn.Module):
+    """GPT-style pre-norm block: causal SDPA attention + GELU MLP."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = Norm(d), Norm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(a)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = width * 4
+        self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet(nn.Module):
+    """ResNet-50 v1.5 (``layers=(3, 4, 6, 3)``, ``base=64``); smaller settings for CPU."""
+
+    def __init__(self, layers: tuple[int, ...] = (3, 4, 6, 3), base: int = 64, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, base, 7, 2, 3, bias=False), nn.BatchNorm2d(base), nn.ReLU(),
+                                  nn.MaxPool2d(3, 2, 1))
+        blocks, cin = [], base
+        for i, n in enumerate(layers):
+            for j in range(n):
+                blocks.append(Bottleneck(cin, base * 2**i, 2 if j == 0 and i > 0 else 1))
+                cin = base * 2**i * 4
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1), 1))
+
+
+# ---------------------------------------------------------------- policies and their native steps
+
+CUSTOM = {"name": "custom_lowered_norms", "extends": "mixed_bf16",
+          "ops": {"lower": ["matmul", "linear", "conv", "attention", "rnn", "layer_norm"]}}
+POLICIES = {"fp32": "fp32", "mixed_bf16": "mixed_bf16", "mixed_fp16": "mixed_fp16", "pure_bf16": "pure_bf16",
+            "custom_lowered_norms": CUSTOM}
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    out = out.float()
+    return F.cross_entropy(out, target) if target.dtype == torch.long else F.mse_loss(out, target)
+
+
+def native_step(name: str, model: nn.Module, device: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """The hand-written torch AMP step for policy ``name`` (sets the model up as it must be)."""
+    policy = unimp.load(POLICIES[name])
+    conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
+    cl = policy.layout.channels_last and conv
+    if cl:
+        model.to(memory_format=torch.channels_last)
+    low = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(policy.compute_dtype)
+    # where the policy and torch's native list differ for LayerNorm on this device, cast by hand
+    ln = policy.ops.category("layer_norm")
+    Norm.mode = {("float32", "cpu"): "float32", ("lower", "cpu"): "low", ("lower", "cuda"): "low"}.get(
+        (ln, device)) if low else None
+    masters: list[tuple[nn.Parameter, torch.Tensor]] = []
+    if policy.param_dtype != "float32":
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm | nn.BatchNorm2d):
+                continue
+            for p in m.parameters(recurse=False):
+                masters.append((p, p.detach().clone()))
+                p.data = p.data.to(low)
+    params = [mst for _, mst in masters] if masters else list(model.parameters())
+    if masters:
+        for _, mst in masters:
+            mst.requires_grad_(True)
+        params += [p for m in model.modules() if isinstance(m, nn.LayerNorm | nn.BatchNorm2d)
+                   for p in m.parameters(recurse=False)]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    scaler = torch.amp.GradScaler(device) if policy.loss_scale.mode == "dynamic" else None
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        if cl:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(device, dtype=low, enabled=low is not None):
+            out = model(x)
+        loss = _loss(out, y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if masters:
+            for p, mst in masters:
+                mst.grad = p.grad.float()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if masters:
+            torch._foreach_copy_([p.data for p, _ in masters], [m for _, m in masters])
+            for p, _ in masters:
+                p.grad = None
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def unimp_step(name: str, model: nn.Module) -> tuple[Callable[[torch.Tensor, torch.Tensor], None], Any]:
+    Norm.mode = None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    amp = unimp.apply(POLICIES[name], model, opt)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        amp.backward(_loss(amp.model(x), y))
+        amp.optimizer.step()
+        amp.optimizer.zero_grad()
+
+    return step, amp
+
+
+# ---------------------------------------------------------------- timing
+
+
+def _timed(step: Callable, x: torch.Tensor, y: torch.Tensor, device: str) -> Callable[[], float | Any]:
+    if device == "cuda":
+        def run() -> Any:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step(x, y)
+            end.record()
+            return (start, end)
+    else:
+        def run() -> float:
+            t = time.perf_counter()
+            step(x, y)
+            return (time.perf_counter() - t) * 1e3
+    return run
+
+
+def _ms(samples: list) -> list[float]:
+    if samples and isinstance(samples[0], tuple):
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in samples]
+    return samples
+
+
+def measure(build: Callable[[], nn.Module], data: Callable[[], tuple], name: str, device: str,
+            warmup: int, steps: int, interleave: bool) -> dict[str, Any]:
+    """Median step ms and peak memory for native vs unimp under policy ``name``."""
+    x, y = data()
+    result: dict[str, Any] = {"policy": name}
+    if interleave:  # CPU: both alive, alternate step by step (the machine's load hits both alike)
+        torch.manual_seed(0)
+        m1 = build().to(device)
+        torch.manual_seed(0)
+        m2 = build().to(device)
+        nat = _timed(native_step(name, m1, device), x, y, device)
+        ours_step, amp = unimp_step(name, m2)
+        ours = _timed(ours_step, x, y, device)
+        for _ in range(warmup):
+            nat(), ours()
+        a, b = [], []
+        for i in range(steps):
+            if i % 2:
+                a.append(nat()), b.append(ours())
+            else:
+                b.append(ours()), a.append(nat())
+        result.update(native_ms=statistics.median(_ms(a)), unimp_ms=statistics.median(_ms(b)))
+        amp.remove()
+        return result
+    for label in ("native", "unimp"):
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.manual_seed(0)
+        model = build().to(device)
+        if label == "native":
+            run = _timed(native_step(name, model, device), x, y, device)
+        else:
+            s, amp = unimp_step(name, model)
+            run = _timed(s, x, y, device)
+        for _ in range(warmup):
+            run()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        samples = _ms([run() for _ in range(steps)])
+        result[f"{label}_ms"] = statistics.median(samples)
+        result[f"{label}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        del model, run
+    Norm.mode = None
+    return result
+
+
+def workloads(smoke: bool, device: str) -> dict[str, tuple[Callable, Callable]]:
+    dev = device
+    if smoke:
+        rn = (lambda: ResNet((1, 1, 1, 1), 8, 10), lambda: (torch.randn(4, 3, 32, 32, device=dev),
+                                                           torch.randint(0, 10, (4,), device=dev)))
+        gpt = (lambda: Block(64, 4), lambda: (torch.randn(2, 32, 64, device=dev), torch.randn(2, 32, 64, device=dev)))
+    else:
+        rn = (lambda: ResNet(), lambda: (torch.randn(128, 3, 224, 224, device=dev),
+                                         torch.randint(0, 1000, (128,), device=dev)))
+        gpt = (lambda: Block(2048, 16), lambda: (torch.randn(8, 2048, 2048, device=dev),
+                                                 torch.randn(8, 2048, 2048, device=dev)))
+    return {"resnet50": rn, "gpt_block": gpt}
+
+
+def table(rows: list[dict[str, Any]], fp32: dict[str, float]) -> str:
+    head = ("| model | policy | native ms | unimp ms | unimp/native | speed-up vs fp32 (unimp) | "
+            "peak GiB native | peak GiB unimp |")
+    lines = [head, "|" + "---|" * 8]
+    for r in rows:
+        peak = (f"{r['native_peak_gib']:.2f} | {r['unimp_peak_gib']:.2f}" if "native_peak_gib" in r else "n/a | n/a")
+        lines.append(f"| {r['model']} | {r['policy']} | {r['native_ms']:.2f} | {r['unimp_ms']:.2f} | "
+                     f"{r['unimp_ms'] / r['native_ms']:.3f} | {fp32[r['model']] / r['unimp_ms']:.2f}x | {peak} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, device: str | None = None, smoke_default: bool = False,
+         out_name: str = "torch_gpu.json") -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", default=smoke_default, help="tiny shapes (CPU ok)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per variant (>= 20)")
+    ap.add_argument("--models", default="resnet50,gpt_block")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    args = ap.parse_args(argv)
+    device = device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    steps = args.steps or (20 if args.smoke else 30)
+    warmup = 3 if args.smoke else 5
+    rows = []
+    for model_name, (build, data) in workloads(args.smoke, device).items():
+        if model_name not in args.models.split(","):
+            continue
+        for name in args.policies.split(","):
+            r = measure(build, data, name, device, warmup, steps, interleave=device != "cuda")
+            r["model"] = model_name
+            rows.append(r)
+            print(f"{model_name:10s} {name:22s} native {r['native_ms']:8.2f} ms  unimp {r['unimp_ms']:8.2f} ms  "
+                  f"ratio {r['unimp_ms'] / r['native_ms']:.3f}", flush=True)
+    fp32 = {r["model"]: r["native_ms"] for r in rows if r["policy"] == "fp32"}
+    fp32 = {m: fp32.get(m, float("nan")) for m in {r["model"] for r in rows}}
+    print(f"\ntorch {torch.__version__}, device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
+          f"median of {steps} steps after {warmup} warm-up\n")
+    print(table(rows, fp32))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], out_name), "w") as f:
+            json.dump({"torch": torch.__version__, "device": device, "steps": steps, "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
