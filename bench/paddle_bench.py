@@ -190,7 +190,12 @@ def measure(pairs, steps: int, warmup: int = 5) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--tiny", action="store_true",
+                    help="an 8x16->16->4 MLP: compute ~0, so the columns show per-step framework + unimp overhead")
     args = ap.parse_args()
+    global B, D, H, C
+    if args.tiny:
+        B, D, H, C = 8, 16, 16, 4
     cases = {
         "dygraph mixed_bf16": lambda: (dygraph_native("bfloat16", False), dygraph_unimp("mixed_bf16")),
         "dygraph paddle_o1": lambda: (dygraph_native("float16", True), dygraph_unimp("paddle_o1")),
@@ -198,7 +203,8 @@ def main() -> None:
         "  vs scaler by hand": lambda: (dygraph_hand_scaler(), dygraph_unimp("paddle_o1")),
         "static mixed_bf16": lambda: (static(False), static(True)),  # leaves static mode on
     }
-    print(f"paddle {paddle.__version__}, CPU, MLP {B}x{D}->{H}->{C}, median of {args.steps} steps (ms)")
+    print(f"paddle {paddle.__version__}, CPU ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}), "
+          f"MLP {B}x{D}->{H}->{C}, median of {args.steps} steps (ms)")
     print(f"{'case':24s} {'native':>8s} {'unimp':>8s} {'ratio':>6s} {'paired':>6s}")
     for name, build in cases.items():
         native, ours = build()
