@@ -71,6 +71,7 @@ def _dtypes(kit: Kit, policy: Policy) -> dict[str, Any]:
         return {"layers": {k: [v.compute_dtype, v.param_dtype, v.output_dtype] for k, v in obs.items()},
                 "control": {d.op: d.control for d in amp.plan.ops},
                 "honoured": {d.op: d.honoured for d in amp.plan.ops},
+                "fallback": bool(amp.plan.fallbacks or amp.plan.param_fallback or amp.plan.override_fallbacks),
                 "compute_dtype": amp.plan.compute_dtype}
     finally:
         amp.remove()
