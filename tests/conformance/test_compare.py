@@ -1,0 +1,57 @@
+"""The comparison itself: disagreements are found and named (backend, policy, layer/step, values)."""
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from unimp.conformance.compare import compare_dtypes, compare_losses, compare_trajectories, regressions
+
+OBS = Path(os.environ.get("OBS_DIR", ".obs"))
+
+
+def observations():
+    found = {p.stem: json.loads(p.read_text()) for p in sorted(OBS.glob("*.json")) if "-" not in p.stem}
+    if not found:
+        pytest.skip(f"no backend observations in {OBS} (the backend tox envs write them)")
+    return found
+
+
+def test_a_backend_that_lowers_log_softmax_is_named():
+    obs = observations()
+    name, good = next(iter(obs.items()))
+    bad = copy.deepcopy(good)
+    bad["dtypes"]["mixed_bf16"]["layers"]["logp"][0] = "bfloat16"
+    problems = compare_dtypes({name: good, "broken": bad})
+    assert any("layer logp" in p and "broken observed ['bfloat16'" in p and "core expects ['float32'" in p
+               for p in problems), problems
+
+
+def test_a_scaler_that_grows_one_step_late_is_named():
+    obs = observations()
+    name, good = next(iter(obs.items()))
+    bad = copy.deepcopy(good)
+    t = bad["trajectories"]["torch_rule"]
+    first_growth = next(i for i in range(1, len(t["scales"])) if t["scales"][i] > t["scales"][i - 1])
+    t["scales"][first_growth] = t["scales"][first_growth - 1]
+    problems = compare_trajectories({"broken": bad})
+    assert any(p.startswith(f"trajectory: broken, torch_rule, step {first_growth}: expected") for p in problems)
+    assert compare_trajectories({name: good}) == []
+
+
+def test_losses_that_drift_are_named():
+    obs = observations()
+    name, good = next(iter(obs.items()))
+    bad = copy.deepcopy(good)
+    bad["losses"]["fp32"][3] += 0.5
+    problems = compare_losses({name: good, "broken": bad})
+    assert any("policy fp32, step 3" in p for p in problems), problems
+
+
+def test_regressions_against_the_baseline():
+    assert regressions({"torch:check_x[fp32]": "pass"}, {"torch:check_x[fp32]": "fail"}) == [
+        "regression: torch:check_x[fp32] passed before, now fail"]
+    assert regressions({"torch:check_x[fp32]": "pass"}, {}) == [
+        "regression: torch:check_x[fp32] passed before, now missing"]
