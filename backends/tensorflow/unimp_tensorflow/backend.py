@@ -9,6 +9,7 @@ This module imports no framework: unimp only looks at it once ``keras``/``tensor
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any, ClassVar
 
@@ -48,16 +49,22 @@ class TensorFlowBackend(Backend):
             raise TypeError(f"unimp.apply (tensorflow): unknown option(s) {unknown}; valid: {list(OPTIONS)}")
         from .amp import TensorFlowAmp
         from .binding import apply_layers, check_inputs, patch_output, reset_compiled_functions, wrap_optimizer
+        from .distributed import strategy_of
 
         check_inputs(model, optimizer)
-        binding = apply_layers(plan, model)
-        try:
-            wrapper = wrap_optimizer(plan, optimizer, binding, options.get("native_loss_scale"))
-        except Exception:
-            from .binding import undo
+        strategy = strategy_of(model, optimizer)  # tf.distribute: variables unimp creates are mirrored
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            binding = apply_layers(plan, model)
+            wrapper = None
+            try:
+                wrapper = wrap_optimizer(plan, optimizer, binding, options.get("native_loss_scale"))
+                if wrapper is not None and strategy is not None:
+                    wrapper.build(model.trainable_variables)  # mirrored state before strategy.run
+            except Exception:
+                from .binding import undo
 
-            undo(model, optimizer, None, binding, masters_on=False)
-            raise
+                undo(model, optimizer, wrapper, binding, masters_on=False)
+                raise
         patch_output(model, plan.policy.output_dtype, binding)
         if wrapper is not None and getattr(model, "optimizer", None) is optimizer:
             binding.compiled_optimizer = optimizer

@@ -26,6 +26,7 @@ from unimp.dtypes import is_low
 from unimp.errors import UnsupportedError
 from unimp.plan import Plan
 
+from .distributed import is_distributed, unhook_inner
 from .dtype_policies import FollowInputs, keras_policy
 from .layers import Unit, descendants, walk
 from .layout import data_formats, layout_findings, misaligned
@@ -150,15 +151,22 @@ def wrap_optimizer(plan: Plan, optimizer: Any, binding: Binding, native: bool | 
     spec = plan.policy.loss_scale
     masters = {id(s.low): s.original for s in binding.swaps
                if s.low.trainable and plan.policy.master_weights.enabled}
-    use_keras = keras_rule(spec) and not binding.swaps if native is None else native
+    distributed = is_distributed(getattr(optimizer, "_distribution_strategy", None))
+    use_keras = keras_rule(spec) and not binding.swaps and not distributed if native is None else native
     if use_keras:
         if not keras_rule(spec) or binding.swaps:
             raise UnsupportedError("unimp (tensorflow): native_loss_scale=True needs the policy's loss_scale "
                                    "to be Keras' fixed rule (dynamic, x2 / x0.5, hysteresis 1, min 0, max inf, "
                                    "growth_requires_finite false) and no low-precision params; fix: drop "
                                    "native_loss_scale or use the keras_mixed_float16 preset's loss_scale")
+        if distributed:
+            raise UnsupportedError("unimp (tensorflow): native_loss_scale=True under a tf.distribute strategy: "
+                                   "Keras' LossScaleOptimizer takes replica 0's finiteness (a non-finite gradient "
+                                   "on another replica is applied) and reduces in the gradients' dtype, not "
+                                   "distributed.reduce_dtype; fix: drop native_loss_scale (unimp's wrapper runs "
+                                   "the same rule, agreed across replicas)")
         return KerasLossScaleOptimizer(optimizer, spec)
-    return LossScaleOptimizer(optimizer, spec, masters=masters)
+    return LossScaleOptimizer(optimizer, spec, masters=masters, reduce_dtype=plan.policy.distributed.reduce_dtype)
 
 
 def undo(model: Any, optimizer: Any, wrapper: Any, binding: Binding, masters_on: bool) -> None:
@@ -167,6 +175,7 @@ def undo(model: Any, optimizer: Any, wrapper: Any, binding: Binding, masters_on:
         model.optimizer = binding.compiled_optimizer
     if wrapper is not None:
         optimizer.loss_scale_factor = wrapper._saved_factor
+        unhook_inner(optimizer)
     if binding.call_patched:
         del model.__dict__["call"]
     for s in reversed(binding.swaps):

@@ -25,9 +25,11 @@ from unimp.errors import StateError
 from unimp.loss_scale import LossScale, LossScaleState
 from unimp.policy import LossScaleSpec
 
+from .distributed import all_reduce, hook_inner, refuse_xla
 from .scaler import State, all_finite, next_state
 
 KerasLSO = keras.optimizers.LossScaleOptimizer
+ONLY_FIRST = "only_first_replica"
 
 
 def _unscale(grads: list, scale: tf.Tensor | None) -> list:
@@ -49,8 +51,8 @@ class _Counters:
 
     @tracking.no_automatic_dependency_tracking
     def _make_counters(self) -> None:
-        self._skipped = self.add_variable((), "zeros", "int64", name="unimp_skipped")
-        self._steps = self.add_variable((), "zeros", "int64", name="unimp_steps")
+        self._skipped = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST, name="unimp_skipped")
+        self._steps = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST, name="unimp_steps")
 
 
 class LossScaleOptimizer(_Counters, KerasLSO):
@@ -61,23 +63,28 @@ class LossScaleOptimizer(_Counters, KerasLSO):
     """
 
     def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, masters: dict[int, Any] | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, reduce_dtype: str = "float32") -> None:
         saved_factor = inner_optimizer.loss_scale_factor
         super().__init__(inner_optimizer, initial_scale=LossScale(spec).initial_state().scale,
                          dynamic_growth_steps=spec.growth_interval, name=name or "unimp_loss_scale")
         self._saved_factor = saved_factor  # Keras clears the inner factor; remove() puts it back
         self.spec = spec
+        self.reduce_dtype = reduce_dtype  # dtype of the cross-replica gradient sum (tf.distribute)
         self._masters = dict(masters or {})
         self._make_state()
+        hook_inner(inner_optimizer)  # this wrapper sums gradients across replicas itself
 
     @tracking.no_automatic_dependency_tracking
     def _make_state(self) -> None:
         init = LossScale(self.spec).initial_state()
+        # Under tf.distribute these are mirrored variables, written only in the cross-replica context
+        # (one update, every replica's copy set to the same value).
         self.dynamic_scale = self.add_variable((), keras.initializers.Constant(init.scale), "float32",
-                                               name="unimp_scale")
-        self.step_counter = self.add_variable((), "zeros", "int64", name="unimp_growth_tracker")
+                                               aggregation=ONLY_FIRST, name="unimp_scale")
+        self.step_counter = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST,
+                                              name="unimp_growth_tracker")
         self._hysteresis = self.add_variable((), keras.initializers.Constant(init.hysteresis_left),
-                                             "int64", name="unimp_hysteresis_left")
+                                             "int64", aggregation=ONLY_FIRST, name="unimp_hysteresis_left")
         self._make_counters()
 
     # ------------------------------------------------------------------ state
@@ -86,9 +93,8 @@ class LossScaleOptimizer(_Counters, KerasLSO):
                      self._skipped.value, self._steps.value)
 
     def loss_scale_state(self) -> LossScaleState:
-        s = self._state()
-        return LossScaleState(float(s.scale), int(s.growth_tracker), int(s.hysteresis_left),
-                              int(s.skipped), int(s.steps))
+        s = [tf.convert_to_tensor(v) for v in self._state()]  # a mirrored variable reads its primary copy
+        return LossScaleState(float(s[0]), int(s[1]), int(s[2]), int(s[3]), int(s[4]))
 
     def set_loss_scale_state(self, state: LossScaleState) -> None:
         for var, value in zip((self.dynamic_scale, self.step_counter, self._hysteresis, self._skipped,
@@ -111,7 +117,7 @@ class LossScaleOptimizer(_Counters, KerasLSO):
     def check_finite(self, grads: list) -> tf.Tensor:
         return all_finite(grads)
 
-    def _apply_inner(self, grads: list, trainable_variables: list | None) -> None:
+    def _apply_inner(self, grads: list, trainable_variables: list | None, sync_masters: bool = True) -> None:
         tvs = list(trainable_variables or self._trainable_variables)
         scale = None if self.spec.mode == "none" else self.dynamic_scale
         if not self._masters:
@@ -120,9 +126,10 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         grads32 = [g if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32) for g in grads]
         targets = [self._masters.get(id(v), v) for v in tvs]
         self.inner_optimizer.apply(_unscale(grads32, scale), trainable_variables=targets)
-        for v, m in zip(tvs, targets, strict=True):
-            if m is not v:
-                v.assign(tf.cast(m, v.dtype))
+        if sync_masters:
+            for v, m in zip(tvs, targets, strict=True):
+                if m is not v:
+                    v.assign(tf.cast(m, v.dtype))
 
     def _update(self, finite: tf.Tensor) -> None:
         new = next_state(self.spec, self._state(), finite)
@@ -147,8 +154,53 @@ class LossScaleOptimizer(_Counters, KerasLSO):
             self._apply_inner(grads, trainable_variables)
         self._update(finite)
 
+    # ------------------------------------------------------------------ tf.distribute
+    def _tf_apply(self, grads: list, trainable_variables: list | None = None) -> None:
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError("unimp LossScaleOptimizer.apply() must be called in a replica context "
+                             "(inside strategy.run(...)), as Keras optimizers require")
+        if not tf.distribute.has_strategy():
+            self._common_apply(grads, trainable_variables)
+            return
+        self._distributed_apply(list(grads), trainable_variables)
+
+    def _distributed_apply(self, grads: list, trainable_variables: list | None) -> None:
+        """Replica context: reduce in ``reduce_dtype``, vote on finiteness, step or skip together."""
+        refuse_xla()
+        tvs = list(trainable_variables or self._trainable_variables)
+        ctx = tf.distribute.get_replica_context()
+        out = [tf.float32 if id(v) in self._masters else g.dtype if g is not None else None
+               for g, v in zip(grads, tvs, strict=True)]
+        reduced = all_reduce(ctx, grads, self.reduce_dtype, out)
+        checking = self.spec.mode != "none" or self.spec.skip_nonfinite
+        finite = self.check_finite(reduced) if checking else tf.constant(True)
+        ctx.merge_call(self._cross_replica_step, args=(reduced, finite, tvs))
+
+    def _cross_replica_step(self, distribution: Any, reduced: list, finite: Any, tvs: list) -> None:
+        # Every replica's flag (identical after the sum, since inf/nan propagate through it) is
+        # combined explicitly: one decision, taken once, for all replicas.
+        agreed = tf.reduce_all(tf.stack([tf.convert_to_tensor(f) for f in
+                                         distribution.experimental_local_results(finite)]))
+
+        def step() -> None:
+            distribution.extended.call_for_each_replica(self._apply_inner, args=(reduced, tvs),
+                                                        kwargs={"sync_masters": False})
+            for v in tvs:
+                m = self._masters.get(id(v))
+                if m is not None:
+                    distribution.extended.update(v.value, _assign_cast, args=(m.value,), group=False)
+
+        if self.spec.skip_nonfinite:
+            tf.cond(agreed, step, lambda: None)
+        else:
+            step()
+        if self.spec.mode == "none" and not self.spec.skip_nonfinite:
+            self._steps.assign_add(1)
+        else:
+            self._update(agreed)
+
     def _stateful_handle_finite_grads(self, grads: list, trainable_variables: list | None) -> None:
-        self._apply_inner(list(grads), trainable_variables)  # cross-replica path of Keras' _tf_apply
+        self._apply_inner(list(grads), trainable_variables)  # not reached: _tf_apply is unimp's
         self._update(tf.constant(True))
 
     def _stateful_handle_non_finite_grads(self) -> None:
@@ -161,6 +213,7 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         config = super().get_config()
         config["loss_scale"] = {k: list(v) if isinstance(v, tuple) else v
                                 for k, v in asdict(self.spec).items()}
+        config["reduce_dtype"] = self.reduce_dtype
         return config
 
     @classmethod
@@ -171,7 +224,12 @@ class LossScaleOptimizer(_Counters, KerasLSO):
                                                            custom_objects=custom_objects)
         ls = dict(config["loss_scale"])
         ls["hysteresis_refill"] = tuple(ls["hysteresis_refill"])
-        return cls(inner, LossScaleSpec(**ls), name=config.get("name"))
+        return cls(inner, LossScaleSpec(**ls), name=config.get("name"),
+                   reduce_dtype=config.get("reduce_dtype", "float32"))
+
+
+def _assign_cast(var: Any, master: Any) -> Any:
+    return var.assign(tf.cast(master, var.dtype))
 
 
 class KerasLossScaleOptimizer(_Counters, KerasLSO):

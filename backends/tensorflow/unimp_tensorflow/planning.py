@@ -63,6 +63,20 @@ def loss_scaler(policy: Policy) -> str:
     return f"loss scaling: unimp LossScaleOptimizer ({spec.mode}, the core reference rule)"
 
 
+def distributed_note(policy: Policy) -> str:
+    """How tf.distribute runs under the policy (the Keras 3 facts this backend works around)."""
+    rd = policy.distributed.reduce_dtype
+    how = ("in float32" if rd == "float32" else
+           f"in {rd}: each replica casts its scaled gradients to {rd} before the sum, back after")
+    return (f"tf.distribute (MirroredStrategy): unimp's optimizer wrapper all-reduces gradients (SUM) {how} "
+            "(Keras has no reduce-dtype hook: its optimizer sums in the gradients' dtype; the wrapped "
+            "optimizer's own sum is bypassed); finiteness is checked on the reduced gradients and agreed "
+            "across replicas, so all replicas skip together; loss-scale state is mirrored and updated once. "
+            "Keras' LossScaleOptimizer is not used under a strategy (it takes replica 0's finiteness). "
+            "Gradient clipping of the inner optimizer sees the reduced gradients. jit_compile=True is refused "
+            "(keras#21366)")
+
+
 def compile_plan(policy: Policy) -> Plan:
     """The Plan for ``policy`` on Keras 3 / TensorFlow."""
     compute, reason = policy.compute_dtype, "as the policy says"
@@ -80,6 +94,7 @@ def compile_plan(policy: Policy) -> Plan:
                      f"{policy.param_dtype} params get {policy.param_dtype} copies while applied; the "
                      "original float32 variables are the masters the optimizer wrapper updates")
     notes.append(loss_scaler(policy))
+    notes.append(distributed_note(policy))
     return compile_ops(BACKEND, policy, control=control, native=native, compute_dtype=compute,
                        compute_reason=reason, fixed=fixed, notes=tuple(notes),
-                       details={"loss_scaler": loss_scaler(policy)})
+                       details={"loss_scaler": loss_scaler(policy), "distributed": distributed_note(policy)})
