@@ -25,6 +25,7 @@ from unimp.ops import kind_of
 from unimp.plan import Plan
 from unimp.report import Report, ReportRow
 
+from .distributed import data_parallel, refuse_data_parallel
 from .layout import alignment_findings, channels_last_findings
 from .lists import OpLists, compile_lists
 from .optimizer import AmpOptimizer
@@ -51,10 +52,13 @@ class DygraphAmp(Amp):
 
         if not isinstance(model, paddle.nn.Layer):
             raise TypeError(f"unimp.apply: model must be a paddle.nn.Layer, got {type(model).__name__}")
+        refuse_data_parallel(model)
         if optimizer is not None and not hasattr(optimizer, "step"):
             raise TypeError(f"unimp.apply: optimizer must be a paddle.optimizer.Optimizer (with step()), "
                             f"got {type(optimizer).__name__}")
         super().__init__(plan, model, optimizer)
+        self._layer = model  # the user's layer (amp.model becomes the DataParallel after data_parallel())
+        self._dp: Any = None
         d = plan.details
         self.active: bool = d["amp_active"]
         self.level: str = d["level"]
@@ -185,6 +189,15 @@ class DygraphAmp(Amp):
         """``loss.backward()`` on the loss times the current scale (when scaling is on)."""
         self.scale_loss(loss).backward()
 
+    def data_parallel(self, **kwargs: Any) -> Any:
+        """``paddle.DataParallel(layer, **kwargs)`` in Paddle's order (after decorate), under the policy.
+
+        Sets and returns ``amp.model``; ``amp.optimizer.step()`` then agrees the non-finite decision
+        across ranks and all-reduces gradients in ``policy.distributed.reduce_dtype``
+        (:mod:`unimp_paddle.distributed`). ``amp.remove()`` returns the plain layer.
+        """
+        return data_parallel(self, **kwargs)
+
     def scale_loss(self, loss: Any) -> Any:
         """The loss times the current loss scale (for custom loops)."""
         if not self._scaling:
@@ -214,7 +227,7 @@ class DygraphAmp(Amp):
         """Run one forward of ``amp.model`` with hooks; per layer path its kind and dtypes."""
         seen: dict[str, tuple[str | None, dict[str, str | None]]] = {}
         handles = []
-        for path, layer in self.model.named_sublayers():
+        for path, layer in self._layer.named_sublayers():
             def hook(layer: Any, _in: Any, out: Any, path: str = path) -> None:
                 params = list(layer.parameters(include_sublayers=False))
                 first = out[0] if isinstance(out, tuple | list) else out
@@ -226,7 +239,7 @@ class DygraphAmp(Amp):
             import paddle
 
             with paddle.no_grad():
-                self.model(*inputs)
+                self._layer(*inputs)
         finally:
             for h in handles:
                 h.remove()
@@ -235,6 +248,9 @@ class DygraphAmp(Amp):
     def _restore(self) -> None:
         import paddle
 
+        if self._dp is not None:
+            self._dp.grad_need_sync = True
+            self.model = self._layer  # remove() returns the user's layer, not the DataParallel
         for layer, original in self._wrapped:
             if original is None:
                 del layer.__dict__["forward"]

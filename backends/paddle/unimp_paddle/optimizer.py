@@ -6,6 +6,10 @@ host sync Paddle's own ``GradScaler.step`` also makes), skips the inner step on 
 gradients (nothing of the params, masters or optimizer state changes) and advances
 :class:`~unimp_paddle.scaler.HostRuleLossScale`. With no scaling and no skipping there is no check
 and no sync at all. Everything else is delegated.
+
+Under ``amp.data_parallel()`` (:mod:`unimp_paddle.distributed`) ``step()`` first all-reduces the
+gradients in ``reduce_dtype`` when Paddle's reducer cannot, and agrees the found-inf flag across
+ranks (all_reduce max) before the rule runs, so all ranks skip the same steps.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ class AmpOptimizer:
         self._scaled = spec.mode != "none"
         self._check = spec.skip_nonfinite or spec.mode == "dynamic"
         self._ones: Any = None
+        self._group: Any = None
+        self._nranks = 1
+        self._reduce: Any = None  # GradReducer when unimp all-reduces the grads itself
+        self._warned = False
+
+    def distribute(self, group: Any, nranks: int, reduce: Any = None) -> None:
+        """Called by ``amp.data_parallel()``: agree found-inf over ``group``; ``reduce`` the grads."""
+        self._group, self._nranks, self._reduce, self._warned = group, nranks, reduce, True
 
     @property
     def inner(self) -> Any:
@@ -51,13 +63,37 @@ class AmpOptimizer:
 
     def step(self) -> bool:
         """One optimizer step under the policy; returns True when the step was skipped."""
+        if not self._warned:
+            self._warn_if_distributed()
+        if self._reduce is not None:
+            self._reduce(self._params)
         finite = True
         if self._check or self._scaled:
-            finite = not bool(self.found_inf().item())
+            found = self.found_inf()
+            if self._nranks > 1:
+                from .distributed import agree_found_inf
+
+                found = agree_found_inf(found, self._group, self._nranks)
+            finite = not bool(found.item())
         skip = self._scaler.update(finite)
         if not skip:
             self._inner.step()
         return skip
+
+    def _warn_if_distributed(self) -> None:
+        import warnings
+
+        from unimp.backend import UnimpWarning
+
+        from .distributed import world_size
+
+        self._warned = True
+        if (self._check or self._scaled) and world_size(None) > 1:
+            warnings.warn(
+                "unimp (paddle): amp.optimizer.step() in a multi-process job without amp.data_parallel(): "
+                "the non-finite decision is local to each rank (ranks may skip different steps) and "
+                "distributed.reduce_dtype is not applied. fix: model = amp.data_parallel() instead of "
+                "paddle.DataParallel(amp.model)", UnimpWarning, stacklevel=3)
 
     def clear_grad(self, set_to_zero: bool = True) -> None:
         self._inner.clear_grad(set_to_zero=set_to_zero)
