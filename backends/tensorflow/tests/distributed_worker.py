@@ -20,6 +20,7 @@ tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU"
                                            [tf.config.LogicalDeviceConfiguration()] * 2)
 
 import keras  # noqa: E402
+import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 import unimp  # noqa: E402
@@ -32,6 +33,8 @@ STEPS = 8
 POISON_STEP = 3  # 0-based step whose gradients are made non-finite (on replica 1 only when mirrored)
 POLICY = {"name": "dist-fp16", "extends": "mixed_fp16",
           "loss_scale": {"initial": 1024.0, "growth_interval": 2}, "layout": {"on_misaligned": "ignore"}}
+PURE = {"name": "dist-pure-bf16", "extends": "pure_bf16", "layout": {"on_misaligned": "ignore"},
+        "loss_scale": {"mode": "dynamic", "initial": 1024.0, "growth_interval": 2, "skip_nonfinite": True}}
 rng = np.random.default_rng(0)
 X = rng.normal(size=(GLOBAL, 12)).astype("float32")
 Y = rng.integers(0, 4, size=(GLOBAL,)).astype("int32")
@@ -103,22 +106,45 @@ def custom_loop(mirrored, poison, policy=POLICY, steps=STEPS):
         out["scales"].append([float(c.numpy()) for c in components(amp.optimizer.dynamic_scale)])
         out["skipped"].append([int(c.numpy()) for c in components(amp.optimizer._skipped)])
         out["model"].append(digest(tvs))
-        out["opt"].append(digest(amp.optimizer.variables))
+        out["opt"].append(digest(amp.optimizer.inner_optimizer.variables))  # slots, iterations
     out["state"] = amp.loss_scale_state().to_dict()
     out["wrapper"] = type(amp.optimizer).__name__
+    out["masters"] = [[hashlib.sha256(np.asarray(lo.numpy()).tobytes()).hexdigest(),  # bf16 param
+                       hashlib.sha256(np.asarray(ma.numpy()).astype(ml_dtypes.bfloat16).tobytes()).hexdigest()]
+                      for v, m in getattr(amp.optimizer, "_masters", {}).items()
+                      for lo, ma in zip(components(_by_id(tvs, v)), components(m), strict=True)]
     return out
 
 
-def fit(mirrored, steps=6):
-    strategy = MIRRORED if mirrored else tf.distribute.get_strategy()
-    with strategy.scope():
+def _by_id(variables, key):
+    return next(v for v in variables if id(v) == key)
+
+
+class StepLoss(keras.callbacks.Callback):
+    """Per-step losses from fit: the loss tracker is reset before each batch (one epoch, many steps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.model._loss_tracker.reset_state()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
+def fit(steps=6):
+    """model.fit under MirroredStrategy: one epoch of ``steps`` global batches (the same 16 rows)."""
+    with MIRRORED.scope():
         model = make_model()
         amp = unimp.apply(POLICY, model, keras.optimizers.Adam(1e-2))
         amp.model.compile(optimizer=amp.optimizer,
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    hist = amp.model.fit(X, Y, batch_size=GLOBAL, epochs=steps, shuffle=False, verbose=0)
-    return {"losses": [float(v) for v in hist.history["loss"]],
-            "scales": [float(c.numpy()) for c in components(amp.optimizer.dynamic_scale)],
+    cb = StepLoss()
+    amp.model.fit(np.tile(X, (steps, 1)), np.tile(Y, steps), batch_size=GLOBAL, epochs=1, shuffle=False,
+                  verbose=0, callbacks=[cb])
+    return {"losses": cb.losses, "scales": [float(c.numpy()) for c in components(amp.optimizer.dynamic_scale)],
             "state": amp.loss_scale_state().to_dict(), "model": digest(amp.model.trainable_variables),
             "jit_compile": bool(amp.model.jit_compile)}
 
@@ -180,10 +206,12 @@ def errors():
 
 
 def main(path):
-    res = {"replicas": len(tf.config.list_logical_devices("CPU")),
+    res = {"replicas": len(tf.config.list_logical_devices("CPU")), "policy": POLICY, "pure_policy": PURE,
+           "poison_step": POISON_STEP, "global_batch": GLOBAL,
            "single": custom_loop(False, False), "mirrored": custom_loop(True, False),
            "single_poison": custom_loop(False, True), "mirrored_poison": custom_loop(True, True),
-           "fit_single": fit(False), "fit_mirrored": fit(True),
+           "pure_single": custom_loop(False, True, PURE, 5), "pure_mirrored": custom_loop(True, True, PURE, 5),
+           "fit_mirrored": fit(),
            "reduce": {d: reduce_dtype(d) for d in ("float32", "bfloat16", "float16")},
            "errors": errors()}
     with open(path, "w") as f:
