@@ -33,14 +33,16 @@ import unimp
 class Norm(nn.LayerNorm):
     """LayerNorm whose *native* variant casts by hand the way a policy asks (``mode``)."""
 
-    mode: str | None = None  # None: as is | "float32": x.float() | "low": x.to(bf16), autocast off
+    mode: str | None = None  # None: as is | "float32": x.float() | "low": all args to bf16 (as autocast lowers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "float32":
             return super().forward(x.float())
         if self.mode == "low":
             with torch.autocast(x.device.type, enabled=False):
-                return F.layer_norm(x.to(torch.bfloat16), self.normalized_shape, self.weight, self.bias, self.eps)
+                low = torch.bfloat16
+                return F.layer_norm(x.to(low), self.normalized_shape, self.weight.to(low), self.bias.to(low),
+                                    self.eps)
         return super().forward(x)
 
 
@@ -122,8 +124,11 @@ def native_step(name: str, model: nn.Module, device: str) -> Callable[[torch.Ten
     low = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(policy.compute_dtype)
     # where the policy and torch's native list differ for LayerNorm on this device, cast by hand
     ln = policy.ops.category("layer_norm")
-    Norm.mode = {("float32", "cpu"): "float32", ("lower", "cpu"): "low", ("lower", "cuda"): "low"}.get(
+    mode = {("float32", "cpu"): "float32", ("lower", "cpu"): "low", ("lower", "cuda"): "low"}.get(
         (ln, device)) if low else None
+    for m in model.modules():
+        if isinstance(m, Norm):
+            m.mode = mode  # this model's own hand-written casts
     masters: list[tuple[nn.Parameter, torch.Tensor]] = []
     if policy.param_dtype != "float32":
         for m in model.modules():
@@ -166,7 +171,6 @@ def native_step(name: str, model: nn.Module, device: str) -> Callable[[torch.Ten
 
 
 def unimp_step(name: str, model: nn.Module) -> tuple[Callable[[torch.Tensor, torch.Tensor], None], Any]:
-    Norm.mode = None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     amp = unimp.apply(POLICIES[name], model, opt)
 
@@ -246,7 +250,6 @@ def measure(build: Callable[[], nn.Module], data: Callable[[], tuple], name: str
         result[f"{label}_ms"] = statistics.median(samples)
         result[f"{label}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         del model, run
-    Norm.mode = None
     return result
 
 
