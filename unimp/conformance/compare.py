@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     current = {f"{b}:{r['check']}[{r['policy']}]": r["status"] for b, o in obs.items() for r in o["results"]}
     current.update({f"resume:{a}->{b}": s for (a, b), s in resume.items()})
     docs = Path(args.docs)
+    docs.mkdir(parents=True, exist_ok=True)
     baseline_file = docs / "conformance.json"
     baseline = json.loads(baseline_file.read_text()) if baseline_file.exists() else {}
     problems += regressions(baseline, current)
