@@ -119,6 +119,15 @@ class TorchKit(Kit):
     def master_pairs(self, amp: Any) -> list[tuple[str, Any, Any]]:
         return [(n, _np(low), _np(m).astype(np.float32)) for n, low, m in amp.master_weights]
 
+    def export_weights(self, amp: Any) -> dict[str, Any]:
+        masters = {n: m for n, _, m in amp.master_weights}
+        p = {n: _np(masters.get(n, t)).astype(np.float32) for n, t in amp.model.named_parameters()}
+        out = {"embed.weight": p["embed.weight"], "conv.weight": p["conv.weight"].transpose(2, 1, 0),
+               "conv.bias": p["conv.bias"], "norm.weight": p["norm.weight"], "norm.bias": p["norm.bias"]}
+        for name in ("fc1", "head"):
+            out[f"{name}.weight"], out[f"{name}.bias"] = p[f"{name}.weight"].T, p[f"{name}.bias"]
+        return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
     def model_state(self, model: nn.Module) -> dict[str, tuple[str, Any]]:
         out = {}
         for n, t in (*model.named_parameters(), *model.named_buffers()):
