@@ -7,10 +7,16 @@
 torch.float32
 >>> _ = amp.remove()
 
+Distributed: ``amp.ddp(...)`` (or ``unimp.apply(policy, DDP(model), opt)``) and, for FSDP2,
+``unimp_torch.fully_shard(model, policy, units=...)`` then ``unimp.apply(policy, model, opt)``;
+``unimp_torch.mixed_precision_policy(policy)`` is the compiled ``MixedPrecisionPolicy``.
+
 Importing this package does not import torch; the modules that need it import it lazily.
 """
 
-__all__ = ["TorchBackend"]
+__all__ = ["TorchBackend", "fully_shard", "mixed_precision_policy", "reduce_hook", "ReduceState"]
+
+_DISTRIBUTED = {"fully_shard", "mixed_precision_policy", "reduce_hook", "ReduceState"}
 
 
 def __getattr__(name: str):
@@ -18,4 +24,8 @@ def __getattr__(name: str):
         from .backend import TorchBackend
 
         return TorchBackend
+    if name in _DISTRIBUTED:
+        from . import distributed
+
+        return getattr(distributed, name)
     raise AttributeError(name)

@@ -50,6 +50,10 @@ class TorchAmp(Amp):
         self._ops_handle = 0
         self._observed: dict[str, dict[str, Any]] | None = None
         self._observe_next = True
+        # set when the model is data-parallel or sharded (unimp_torch.distributed): engine, world
+        # size, reduce dtype, how found-inf is agreed; ``agree(found_inf)`` all-reduces it (MAX)
+        self.distributed: dict[str, Any] | None = None
+        self.agree: Callable[[torch.Tensor], None] | None = None
 
     # ------------------------------------------------------------------ training verbs
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -71,6 +75,18 @@ class TorchAmp(Amp):
             self.optimizer.unscale_()
             params = self.optimizer.master_params()
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, **kwargs)
+
+    def ddp(self, **kwargs: Any) -> nn.Module:
+        """``DistributedDataParallel(amp.model, **kwargs)`` under the policy; sets and returns ``amp.model``.
+
+        Gradients are all-reduced in ``[distributed] reduce_dtype`` (a comm hook when they are not
+        already in it), masters are broadcast from rank 0 like DDP's parameters, and
+        ``amp.optimizer.step()`` agrees the non-finite decision across ranks. ``amp.remove()``
+        returns the plain model. See :mod:`unimp_torch.distributed`.
+        """
+        from .distributed import make_ddp
+
+        return make_ddp(self, **kwargs)
 
     @property
     def master_weights(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
@@ -134,16 +150,29 @@ def _first_device(model: nn.Module) -> torch.device:
 
 
 def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: str,
-         on_skip: Callable[[], Any] | None) -> TorchAmp:
-    """Apply ``plan`` to ``model``; on any error, everything done so far is undone."""
+         on_skip: Callable[[], Any] | None, fsdp: bool = False) -> TorchAmp:
+    """Apply ``plan`` to ``model``; on any error, everything done so far is undone.
+
+    ``fsdp``: the model is sharded with FSDP2, which owns parameter dtypes (checked against the
+    policy) and the masters (its sharded parameters); see :mod:`unimp_torch.distributed`.
+    """
     amp = TorchAmp(plan, model, optimizer, device)
     policy = plan.policy
     try:
         amp.findings = check_alignment(model, policy.layout)
-        if policy.layout.channels_last and has_conv2d(model):
+        if fsdp:
+            from .distributed import check_fsdp
+
+            check_fsdp(model, policy, plan.compute_dtype)
+            if policy.layout.channels_last and has_conv2d(model):
+                amp.findings.append("layout: channels_last not applied to an FSDP2-sharded model (its "
+                                    "parameters are DTensor shards); call model.to(memory_format="
+                                    "torch.channels_last) before fully_shard")
+        elif policy.layout.channels_last and has_conv2d(model):
             amp._layout = to_channels_last(model)
         optimized = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
-        amp.params = cast_params(model, policy, plan.compute_dtype, optimized)
+        if not fsdp:
+            amp.params = cast_params(model, policy, plan.compute_dtype, optimized)
         _wrap_layers(amp, model, plan, device)
         details = plan.details
         if details["op_moves"]:
@@ -156,6 +185,10 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         amp._undo.append(lambda: model.__dict__.__setitem__("forward", plain))
         if optimizer is not None:
             amp.optimizer = AmpOptimizer(optimizer, amp.scaler, amp.params, on_skip)
+        if fsdp:
+            from .distributed import attach_fsdp
+
+            attach_fsdp(amp, model)
     except BaseException:
         amp._restore()
         raise

@@ -38,6 +38,7 @@ class TorchBackend(Backend):
               on_skip: Callable[[], Any] | None = None, **options: Any) -> Any:
         """Bind ``plan``; ``on_skip()`` is called after every skipped optimizer step."""
         from .amp import bind
+        from .distributed import attach_ddp, check_ddp_order, is_ddp, is_fsdp
         from .validate import check_inputs
 
         if options:
@@ -46,7 +47,26 @@ class TorchBackend(Backend):
         device = check_inputs(model, optimizer, on_skip)
         if plan.details.get("device") != device:
             plan = self.compile(plan.policy, model)
-        return bind(plan, model, optimizer, device, on_skip)
+        if is_ddp(model):  # DDP built first: bind the inner module, hook the DDP
+            from unimp.registry import is_applied
+
+            ddp, inner = model, model.module
+            if is_applied(inner):
+                raise RuntimeError("unimp.apply: the module inside this DistributedDataParallel already has "
+                                   "a unimp policy applied; use that Amp (amp.ddp() wraps it)")
+            check_ddp_order(plan.policy, ddp, plan.compute_dtype)
+            amp = bind(plan, inner, optimizer, device, on_skip)
+            try:
+                attach_ddp(amp, ddp, owned=False)
+            except BaseException:
+                amp._restore()
+                raise
+            from .distributed import _remember
+
+            _remember(amp, inner)
+            amp.model = ddp
+            return amp
+        return bind(plan, model, optimizer, device, on_skip, fsdp=is_fsdp(model))
 
     def conformance_kit(self) -> Any:
         from .kit import TorchKit

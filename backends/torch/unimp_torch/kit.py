@@ -82,6 +82,9 @@ class TorchKit(Kit):
     def make_optimizer(self, model: nn.Module, lr: float = 1e-2) -> torch.optim.Optimizer:
         return torch.optim.Adam(model.parameters(), lr=lr)
 
+    def make_sgd(self, model: nn.Module, lr: float = 0.1) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=lr)
+
     def _tokens(self, batch: ProbeBatch) -> torch.Tensor:
         return torch.from_numpy(batch.tokens.astype(np.int64)).to(self.device)
 

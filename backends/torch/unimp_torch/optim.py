@@ -42,6 +42,9 @@ class AmpOptimizer(torch.optim.Optimizer):
         self.found_inf: torch.Tensor | None = None  # this step's flag (device tensor), once unscaled
         self.last_skipped: torch.Tensor | None = None  # device bool of the last step (no sync)
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        # set by unimp_torch.distributed: all-reduce found_inf (MAX) so every rank skips alike
+        self.agree: Callable[[torch.Tensor], None] | None = None
+        self._checked_dist = False
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
 
@@ -93,9 +96,14 @@ class AmpOptimizer(torch.optim.Optimizer):
             return self.found_inf
         for _, low, master in self.params.masters:
             master.grad = None if low.grad is None else low.grad.to(master.dtype)
-        grads = [p.grad for p in self.master_params() if p.grad is not None and not p.grad.is_sparse]
-        self.found_inf = self.scaler.unscale_(grads)
-        return self.found_inf
+        # FSDP2 grads are DTensors: check and unscale each rank's local shard in place
+        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in self.master_params()
+                 if p.grad is not None and not p.grad.is_sparse]
+        found = self.scaler.unscale_(grads)
+        if self.agree is not None:
+            self.agree(found)  # on the device, no host read
+        self.found_inf = found
+        return found
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -110,6 +118,12 @@ class AmpOptimizer(torch.optim.Optimizer):
             raise UnsupportedError("amp.optimizer.step(closure): closures re-run forward and backward "
                                    "inside step, which loss scaling cannot see; call amp.backward(loss) "
                                    "then amp.optimizer.step()")
+        if not self._checked_dist:
+            self._checked_dist = True
+            if self.agree is None:
+                from .distributed import warn_undistributed
+
+                warn_undistributed()
         if not self.scaler.checks:  # no scaling, no skipping: the plain step
             if self.params.masters:
                 for _, low, master in self.params.masters:
