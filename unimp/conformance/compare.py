@@ -24,7 +24,7 @@ from .expect import expected_layers
 from .observe import RESUME_RULE, observation_policy
 from .probe import PROBE
 
-FP32_CROSS_TOLERANCE = 1e-3
+FP32_CROSS_TOLERANCE = 1e-4  # fp32 loss curves of the five frameworks agree to ~1e-6 under plain SGD
 ENV_OF = {"torch": "torch", "jax": "jax", "tensorflow": "tensorflow", "paddle": "paddle", "ipex": "ipex"}
 
 
@@ -141,7 +141,8 @@ def compare_resumes(obs_dir: Path, obs: dict[str, dict]) -> tuple[list[str], dic
             for poison in pattern:
                 state = LossScale(spec).update(state, not poison).state
                 expected.append(state.scale)
-            src_loss = obs[a]["trajectories"][RESUME_RULE]["losses"][ckpt["at"]]
+            src = obs[a]["trajectories"][RESUME_RULE]
+            src_loss = None if src["pattern"][ckpt["at"]] else src["losses"][ckpt["at"]]  # poisoned: no loss
             ok = r["scales"] == expected
             close = src_loss is None or abs(r["first_loss"] - src_loss) <= FP32_CROSS_TOLERANCE * max(1, abs(src_loss))
             matrix[(a, b)] = "pass" if ok and close else "fail"

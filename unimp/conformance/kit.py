@@ -40,6 +40,11 @@ class Kit(abc.ABC):
     def make_optimizer(self, model: Any, lr: float = 1e-2) -> Any:
         """An Adam optimizer (with moments, so skipped steps are visible) over the model."""
 
+    def make_sgd(self, model: Any, lr: float = 0.1) -> Any:
+        """Plain SGD (no momentum): the same update rule in every framework, used for the
+        cross-framework loss curves (Adam's epsilon placement differs, e.g. in Keras)."""
+        raise NotImplementedError(f"{type(self).__name__}.make_sgd")
+
     def apply(self, policy: Policy, model: Any, optimizer: Any) -> Any:
         import unimp
 

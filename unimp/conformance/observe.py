@@ -27,7 +27,7 @@ from ..loading import load
 from ..policy import Policy
 from .checks import STANDARD_POLICIES, NotApplicable, run, setup, standard_policy
 from .kit import Kit
-from .probe import probe_batches
+from .probe import probe_batches, probe_weights
 
 OBS_POLICIES = (*STANDARD_POLICIES, "custom_overrides")
 CUSTOM_OVERRIDES = {"name": "custom_overrides", "extends": "mixed_bf16",
@@ -92,7 +92,12 @@ def _trajectory(kit: Kit, policy: Policy, pattern: list[bool]) -> dict[str, Any]
 
 
 def _losses(kit: Kit, policy: Policy) -> list[float]:
-    amp = setup(kit, policy)
+    """Per-step losses under plain SGD (the same update rule in every framework)."""
+    reason = kit.supports(policy)
+    if reason:
+        raise NotApplicable(reason)
+    model = kit.build_probe(probe_weights(0))
+    amp = kit.apply(policy, model, kit.make_sgd(model))
     try:
         return [kit.step(amp, b) for b in probe_batches(LOSS_STEPS)]
     finally:

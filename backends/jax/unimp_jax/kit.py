@@ -94,7 +94,7 @@ class _JaxKit(Kit):
     backend = "jax"
 
     def __init__(self) -> None:
-        self._txs: dict[float, Any] = {}
+        self._txs: dict[Any, Any] = {}
         self._steps: dict[str, Any] = {}
 
     def supports(self, policy: Policy) -> str | None:
@@ -102,6 +102,9 @@ class _JaxKit(Kit):
 
     def make_optimizer(self, model: Any, lr: float = 1e-2) -> Any:
         return self._txs.setdefault(lr, optax.adam(lr))  # one object: compiled steps are reused
+
+    def make_sgd(self, model: Any, lr: float = 0.1) -> Any:
+        return self._txs.setdefault(("sgd", lr), optax.sgd(lr))
 
     def dtype_name(self, value: Any) -> str:
         return jnp.dtype(value.dtype).name

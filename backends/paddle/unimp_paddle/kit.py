@@ -102,6 +102,11 @@ class PaddleKit(Kit):
 
         return paddle.optimizer.Adam(learning_rate=lr, parameters=model.parameters())
 
+    def make_sgd(self, model: Any, lr: float = 0.1) -> Any:
+        import paddle
+
+        return paddle.optimizer.SGD(learning_rate=lr, parameters=model.parameters())
+
     def _tokens(self, batch: ProbeBatch) -> Any:
         import paddle
 

@@ -59,6 +59,9 @@ class TensorFlowKit(Kit):
     def make_optimizer(self, model: Any, lr: float = 1e-2) -> Any:
         return keras.optimizers.Adam(lr)
 
+    def make_sgd(self, model: Any, lr: float = 0.1) -> Any:
+        return keras.optimizers.SGD(lr)
+
     def observe(self, amp: Any, batch: ProbeBatch) -> dict[str, Observation]:
         rep = amp.report(batch.tokens)
         return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype) for r in rep.rows if r.path}
