@@ -32,6 +32,10 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(STEPS, GLOBAL_BATCH, 16, generator=g), torch.randn(STEPS, GLOBAL_BATCH, 8, generator=g)
 
 
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
 def scaled_policy(**distributed):
     import unimp
 
@@ -81,14 +85,15 @@ def run_ddp(rank: int, res: dict) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # (1) losses vs single process: amp.ddp() order and DDP-first order, mixed_bf16 (float32 reduce)
+    for policy in ("fp32", "mixed_bf16"):
+        m = model()
+        amp = unimp.apply(policy, m, sgd(m.parameters()))
+        amp.ddp()
+        res[f"ddp_{policy}"] = train(amp, rank, {}, None)
+        res[f"ddp_{policy}_info"] = dict(amp.distributed)
+        amp.remove()
     m = model()
-    amp = unimp.apply("mixed_bf16", m, torch.optim.AdamW(m.parameters(), lr=1e-2))
-    amp.ddp()
-    res["ddp_mixed_bf16"] = train(amp, rank, {}, None)
-    res["ddp_mixed_bf16_info"] = dict(amp.distributed)
-    amp.remove()
-    m = model()
-    amp = unimp.apply("mixed_bf16", DDP(m), torch.optim.AdamW(m.parameters(), lr=1e-2))
+    amp = unimp.apply("mixed_bf16", DDP(m), sgd(m.parameters()))
     res["ddp_first_mixed_bf16"] = train(amp, rank, {}, None)
     amp.remove()
     # (2) overflow on rank 1 only: a poisoned loss (step 1) and a poisoned post-all-reduce grad (step 3)
