@@ -105,8 +105,8 @@ class ResNet(nn.Module):
 
 CUSTOM = {"name": "custom_lowered_norms", "extends": "mixed_bf16",
           "ops": {"lower": ["matmul", "linear", "conv", "attention", "rnn", "layer_norm"]}}
-POLICIES = {"fp32_strict": "fp32", "fp32": "fp32", "mixed_bf16": "mixed_bf16", "mixed_fp16": "mixed_fp16", "pure_bf16": "pure_bf16",
-            "custom_lowered_norms": CUSTOM}
+POLICIES = {"fp32_strict": "fp32", "fp32": "fp32", "mixed_bf16": "mixed_bf16", "mixed_fp16": "mixed_fp16",
+            "pure_bf16": "pure_bf16", "custom_lowered_norms": CUSTOM}
 
 
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -213,27 +213,8 @@ def measure(build: Callable[[], nn.Module], data: Callable[[], tuple], name: str
     """Median step ms and peak memory for native vs unimp under policy ``name``."""
     x, y = data()
     result: dict[str, Any] = {"policy": name}
-    if interleave:  # CPU: both alive, alternate step by step (the machine's load hits both alike)
-        torch.manual_seed(0)
-        m1 = build().to(device)
-        torch.manual_seed(0)
-        m2 = build().to(device)
-        nat = _timed(native_step(name, m1, device), x, y, device)
-        ours_step, amp = unimp_step(name, m2)
-        ours = _timed(ours_step, x, y, device)
-        for _ in range(warmup):
-            nat(), ours()
-        a, b = [], []
-        for i in range(steps):
-            if i % 2:
-                a.append(nat()), b.append(ours())
-            else:
-                b.append(ours()), a.append(nat())
-        result.update(native_ms=statistics.median(_ms(a)), unimp_ms=statistics.median(_ms(b)))
-        amp.remove()
-        return result
-    # GPU timing: both models alive, alternating blocks of steps in both orders (clock and cache
-    # effects hit both alike); then a separate pass per variant for peak memory.
+    # both models alive, native and unimp alternating (the machine's load, clocks and caches hit
+    # both alike): step by step on CPU, in blocks of steps in both orders on GPU
     torch.manual_seed(0)
     m1 = build().to(device)
     torch.manual_seed(0)
@@ -243,14 +224,19 @@ def measure(build: Callable[[], nn.Module], data: Callable[[], tuple], name: str
     ours = _timed(ours_step, x, y, device)
     for _ in range(warmup):
         nat(), ours()
-    a, b, rounds = [], [], 6
-    for r in range(rounds):
+    block = 1 if interleave else max(steps // 6, 4)
+    a: list = []
+    b: list = []
+    for r in range(max(steps // block, 2)):
         order = ((nat, a), (ours, b)) if r % 2 == 0 else ((ours, b), (nat, a))
         for fn, acc in order:
-            acc += _ms([fn() for _ in range(max(steps // rounds, 4))])
+            acc += _ms([fn() for _ in range(block)])
     result.update(native_ms=statistics.median(a), unimp_ms=statistics.median(b))
     amp.remove()
     del m1, m2, nat, ours, ours_step, amp
+    if interleave:
+        return result
+    # peak memory: a separate pass per variant
     for label in ("native", "unimp"):
         gc.collect()
         torch.cuda.empty_cache()
@@ -259,7 +245,7 @@ def measure(build: Callable[[], nn.Module], data: Callable[[], tuple], name: str
         if label == "native":
             run = _timed(native_step(name, model, device), x, y, device)
         else:
-            s, amp = unimp_step(name, model)
+            s, _amp = unimp_step(name, model)  # the Amp stays alive while it runs
             run = _timed(s, x, y, device)
         for _ in range(2):
             run()
