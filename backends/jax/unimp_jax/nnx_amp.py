@@ -35,7 +35,7 @@ from unimp.report import Report, ReportRow
 
 from .amp import JaxAmp
 from .layers import LayerPlan, cast_floats, dtype_name, misaligned, run_layer
-from .optim import apply_updates, find_state
+from .optim import apply_updates, find_state, may_skip
 
 _RECORDERS: list[dict[str, ReportRow]] = []
 _LAST_INPUTS: dict[str, Any] = {}
@@ -51,6 +51,9 @@ class AmpOptimizer(nnx.Optimizer):
         updates, new = self.tx.update(grad_arrays, old, params, **nnx.as_pure(kwargs))
         nnx.update(model, apply_updates(params, updates, new))
         nnx.update(self.opt_state, nnx.state(new))
+        if not may_skip(self.tx):  # no loss scaling and no skipping: every step applies, as nnx.Optimizer
+            self.step[...] += 1
+            return updates
         before, after = find_state(old).loss_scale, find_state(new).loss_scale
         applied = (after.skipped == before.skipped) & ~after.at_min_error
         self.step[...] += applied.astype(self.step[...].dtype)

@@ -65,7 +65,23 @@ def wrap(tx: Any, policy: Policy) -> Any:
         return hit[1]
     out = _build(tx, policy)
     _WRAPPED[key] = (tx, out)  # keeps tx alive so its id stays unique
+    _MAY_SKIP[id(out)] = (out, can_skip(policy))
     return out
+
+
+_MAY_SKIP: dict[int, tuple[Any, bool]] = {}
+
+
+def can_skip(policy: Policy) -> bool:
+    """Whether ``policy`` can ever skip a step (dynamic scaling, ``skip_nonfinite``); else no checks run."""
+    spec = policy.loss_scale
+    return spec.skip_nonfinite or spec.mode == "dynamic"
+
+
+def may_skip(tx: Any) -> bool:
+    """Whether the transformation ``tx`` (from :func:`wrap`) can skip a step (unknown tx: True)."""
+    hit = _MAY_SKIP.get(id(tx))
+    return True if hit is None or hit[0] is not tx else hit[1]
 
 
 def _build(tx: Any, policy: Policy) -> Any:
@@ -75,7 +91,7 @@ def _build(tx: Any, policy: Policy) -> Any:
 
     spec = policy.loss_scale
     masters = policy.uses_master_weights
-    checks = spec.skip_nonfinite or spec.mode == "dynamic"
+    checks = can_skip(policy)  # False (mode none/static, skip_nonfinite off): no finiteness check, no selects
     f32 = jnp.float32
 
     def init(params: Any) -> AmpOptState:

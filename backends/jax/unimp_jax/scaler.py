@@ -84,6 +84,8 @@ def update_tree(spec: LossScaleSpec, t: LossScaleTree, finite: Any) -> LossScale
     """One step of :meth:`unimp.loss_scale.LossScale.update`, in float32/int32 jnp (jit-able)."""
     import jax.numpy as jnp
 
+    if spec.mode != "dynamic" and not spec.skip_nonfinite:  # nothing but the step counter moves
+        return t._replace(steps=t.steps + 1)
     finite = jnp.asarray(finite, bool)
     skipped = jnp.logical_not(finite) if spec.skip_nonfinite else jnp.asarray(False)
     if spec.mode != "dynamic":
