@@ -27,12 +27,12 @@ from typing import Any
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
-import unimp  # noqa: E402
+import unimp
 
 # ---------------------------------------------------------------------------------- model, process group
 

@@ -26,18 +26,17 @@ import warnings
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import torch_fsdp_gpu as common  # noqa: E402  (sets NCCL_NVLS_ENABLE=0 before torch starts NCCL)
+import torch
+import torch.distributed as dist
+import torch_fsdp_gpu as common
+from torch import nn
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-import unimp  # noqa: E402
+import unimp
 
 DT = common.DT
 
 
-def _gloo_bf16_hook(process_group, bucket):  # noqa: ANN001 - DDP checks annotations
+def _gloo_bf16_hook(process_group, bucket):
     """torch's bf16_compress_hook body (the hook itself refuses gloo)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

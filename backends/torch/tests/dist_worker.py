@@ -81,8 +81,9 @@ def poison_first_grad(amp) -> None:
 
 
 def run_ddp(rank: int, res: dict) -> None:
-    import unimp
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import unimp
 
     # (1) losses vs single process: amp.ddp() order and DDP-first order, mixed_bf16 (float32 reduce)
     for policy in ("fp32", "mixed_bf16"):
@@ -129,14 +130,15 @@ def run_ddp(rank: int, res: dict) -> None:
     try:
         unimp.apply("pure_bf16", DDP(m), torch.optim.AdamW(m.parameters()))
         res["wrong_order"] = None
-    except Exception as e:  # noqa: BLE001 - recorded for the test
+    except Exception as e:
         res["wrong_order"] = f"{type(e).__name__}: {e}"
 
 
 def run_fsdp(rank: int, res: dict) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     import unimp
     import unimp_torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     for name, opt in (("adamw_fused", lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)),
                       ("adam", lambda ps: torch.optim.Adam(ps, lr=1e-2))):
@@ -157,7 +159,7 @@ def run_fsdp(rank: int, res: dict) -> None:
     try:
         unimp.apply("mixed_bf16", m, torch.optim.AdamW(m.parameters()))
         res["fsdp_mismatch"] = None
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         res["fsdp_mismatch"] = f"{type(e).__name__}: {e}"
 
 

@@ -41,6 +41,7 @@ class TorchAmp(Amp):
                  device: str) -> None:
         super().__init__(plan, model, optimizer)
         self.device = device
+        self.module = model  # the user's module itself (amp.model may be its DDP wrapper)
         self.inner_optimizer = optimizer
         self.scaler = DeviceLossScale(plan.policy.loss_scale, _first_device(model))
         self.params = ParamState()
@@ -104,7 +105,7 @@ class TorchAmp(Amp):
         """Per module path: kind, observed compute/param/output dtype. With inputs, runs a fresh
         no-grad forward on them; without, uses the first forward after apply."""
         if args or kwargs:
-            observed = observe(self.model, args, kwargs)
+            observed = observe(self.module, args, kwargs)
         elif self._observed is not None:
             observed = self._observed
         else:
@@ -112,7 +113,7 @@ class TorchAmp(Amp):
                                "amp.report(x)")
         rows = [ReportRow(path or "<model>", r["kind"], r["compute_dtype"], r["param_dtype"], r["output_dtype"])
                 for path, r in observed.items()
-                if not path or r["kind"] or not any(True for _ in self.model.get_submodule(path).children())]
+                if not path or r["kind"] or not any(True for _ in self.module.get_submodule(path).children())]
         notes = [f"wrapped per layer: {', '.join(self.wrapped)}"] if self.wrapped else []
         return self.report_header(rows, notes)
 

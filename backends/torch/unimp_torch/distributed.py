@@ -65,7 +65,8 @@ class ReduceState:
 
 
 def reduce_hook(state, bucket):  # no annotations: DDP checks them against the real (non-string) types
-    """DDP comm hook ``(ReduceState, dist.GradBucket) -> Future[Tensor]``: all-reduce the bucket's mean in ``state.dtype``, result in the bucket's dtype.
+    """DDP comm hook ``(ReduceState, dist.GradBucket) -> Future[Tensor]``: the bucket's mean, reduced
+    in ``state.dtype``, back in the bucket's dtype.
 
     Same steps as torch's ``_compress_hook`` (``buffer.to(dtype).div_(world)``, all-reduce, copy
     back); a bucket already in ``state.dtype`` is divided and all-reduced in place (``allreduce_hook``).
@@ -323,7 +324,8 @@ def _agree_over(amp: Any, groups: list[Any]) -> None:
 
 
 def _remember(amp: Any, *models: nn.Module) -> None:
-    from unimp.registry import _remember as remember, release
+    from unimp.registry import _remember as remember
+    from unimp.registry import release
 
     ids = remember(*models)
     amp._undo.append(lambda: release(ids))
