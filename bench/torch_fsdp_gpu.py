@@ -69,7 +69,10 @@ def init(smoke: bool) -> tuple[str, int, int]:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        if device == "cuda":
+            dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+        else:
+            dist.init_process_group("gloo")
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.get_world_size()))
     return device, dist.get_rank(), dist.get_world_size()
