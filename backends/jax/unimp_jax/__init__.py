@@ -5,7 +5,8 @@
 'jax'
 
 Framework modules load lazily: ``unimp_jax.Op``, ``unimp_jax.LinenOp``, ``unimp_jax.wrap`` (the
-optax wrapper), ``unimp_jax.apply_updates``, ``unimp_jax.LossScaleTree``.
+optax wrapper), ``unimp_jax.apply_updates``, ``unimp_jax.LossScaleTree``, ``unimp_jax.reduce_gradients`` /
+``unimp_jax.data_parallel`` (data parallel in ``shard_map``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .backend import JaxBackend
 
 _LAZY = {"Op": "op", "LinenOp": "op", "wrap": "optim", "apply_updates": "optim", "AmpOptState": "optim",
          "all_finite": "optim", "LossScaleTree": "scaler", "NnxAmp": "nnx_amp", "AmpOptimizer": "nnx_amp",
-         "LinenAmp": "linen_amp"}
+         "LinenAmp": "linen_amp", "reduce_gradients": "distributed", "data_parallel": "distributed"}
 
 __all__ = ["JaxBackend", *_LAZY]
 

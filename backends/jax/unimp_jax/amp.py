@@ -29,9 +29,23 @@ class JaxAmp(Amp):
         self.tx = wrap(tx, plan.policy)
 
     # ------------------------------------------------------------------ gradients
-    def value_and_grad(self, loss_fn: Callable[..., Any], has_aux: bool = False) -> Callable[..., Any]:
-        """``grad_fn(state, *args) -> (loss, grads, finite)`` (``((loss, aux), grads, finite)`` with aux)."""
-        return make_value_and_grad(self.policy.loss_scale.mode, loss_fn, has_aux)
+    def value_and_grad(self, loss_fn: Callable[..., Any], has_aux: bool = False,
+                       axis_name: Any = None) -> Callable[..., Any]:
+        """``grad_fn(state, *args) -> (loss, grads, finite)`` (``((loss, aux), grads, finite)`` with aux).
+
+        ``axis_name`` (inside ``shard_map``/``pmap``): gradients are all-reduced (mean) over that axis in
+        ``policy.distributed.reduce_dtype``, the loss is averaged over it, and ``finite`` is agreed by
+        every device (see :mod:`unimp_jax.distributed`).
+        """
+        return make_value_and_grad(self.policy.loss_scale.mode, loss_fn, has_aux, axis_name=axis_name,
+                                   reduce_dtype=self.policy.distributed.reduce_dtype)
+
+    def data_parallel(self, step_fn: Callable[..., Any], mesh: Any = None, axis_name: str = "data",
+                      donate: bool = True, out_specs: Any = None) -> Callable[..., Any]:
+        """``step_fn`` as a jitted data-parallel ``shard_map`` step (:func:`unimp_jax.distributed.data_parallel`)."""
+        from .distributed import data_parallel
+
+        return data_parallel(self, step_fn, mesh=mesh, axis_name=axis_name, donate=donate, out_specs=out_specs)
 
     def apply_updates(self, params: Any, updates: Any, opt_state: Any) -> Any:
         """New params after ``amp.optimizer.update``: ``cast(master)`` with masters, else ``params + updates``."""
@@ -55,13 +69,48 @@ class JaxAmp(Amp):
             is_leaf=lambda x: isinstance(x, AmpOptState))
 
 
-def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, axis_name: Any = None,
+                        reduce_dtype: str = "float32") -> Callable[..., Any]:
     """The loss-scaled value_and_grad for a policy whose loss-scale mode is ``mode``."""
     import jax
     import jax.numpy as jnp
 
+    from . import distributed
+
     def grad_fn(state: Any, target: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
         scale = None if mode == "none" else find_state(state).loss_scale.scale
+        if axis_name is not None:
+            return _distributed(state, target, scale, args, kwargs)
+        out, grads = _local(target, scale, args, kwargs)
+        if scale is not None:
+            grads = jax.tree_util.tree_map(
+                lambda g: g.astype(jnp.float32) / scale if jnp.issubdtype(g.dtype, jnp.floating) else g, grads)
+        return out, grads, all_finite(grads)
+
+    def _distributed(state: Any, target: Any, scale: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+        if _is_nnx_module(target):  # differentiate a device-varying view of the params (local grads)
+            from flax import nnx
+
+            replicated = nnx.as_pure(nnx.state(target, nnx.Param))
+            nnx.update(target, distributed.to_varying(replicated, axis_name))
+            try:
+                out, grads = _local(target, scale, args, kwargs)
+            finally:
+                nnx.update(target, replicated)
+        else:
+            out, grads = _local(distributed.to_varying(target, axis_name), scale, args, kwargs)
+        grads = distributed.reduce_gradients(grads, axis_name, reduce_dtype,
+                                             out_dtype=None if scale is None else "float32")
+        if scale is not None:
+            grads = jax.tree_util.tree_map(lambda g: g / scale if _is_float(g) else g, grads)
+        finite = distributed.agree(all_finite(grads), axis_name)
+        if has_aux:
+            out = (distributed.mean_over(out[0], axis_name), *out[1:])
+        else:
+            out = distributed.mean_over(out, axis_name)
+        return out, grads, finite
+
+    def _local(target: Any, scale: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
 
         def scaled(t: Any, *a: Any, **k: Any) -> tuple[Any, Any]:
             out = loss_fn(t, *a, **k)
@@ -78,12 +127,15 @@ def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool) -
             (_, out), grads = nnx.value_and_grad(scaled, has_aux=True)(target, *args, **kwargs)
         else:
             (_, out), grads = jax.value_and_grad(scaled, has_aux=True)(target, *args, **kwargs)
-        if scale is not None:
-            grads = jax.tree_util.tree_map(
-                lambda g: g.astype(jnp.float32) / scale if jnp.issubdtype(g.dtype, jnp.floating) else g, grads)
-        return out, grads, all_finite(grads)
+        return out, grads
 
     return grad_fn
+
+
+def _is_float(x: Any) -> bool:
+    import jax.numpy as jnp
+
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def _is_nnx_module(x: Any) -> bool:

@@ -31,8 +31,10 @@ NOTES = (
     "softmax inside attention: linen MultiHeadDotProductAttention gets force_fp32_for_softmax when the "
     "policy lists softmax as float32; nnx MultiHeadAttention computes it in the layer's dtype (Flax decides)",
     "layout.channels_last: not applicable on XLA (the compiler picks layouts; Flax convs are NHWC already)",
-    "distributed.reduce_dtype: gradients are reduced by your pmean / XLA SPMD in their dtype (float32 "
-    "from value_and_grad when loss scaling is on, else the params' dtype)",
+    "distributed.reduce_dtype: honoured inside shard_map/pmap through amp.value_and_grad(loss_fn, "
+    "axis_name=...) or amp.data_parallel(step): gradients all-reduced in reduce_dtype, finiteness agreed by "
+    "every device; a plain jit over NamedSharding inputs lets XLA's partitioner reduce in the dtype it "
+    "meets (often the compute dtype)",
 )
 
 

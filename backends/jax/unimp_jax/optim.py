@@ -95,7 +95,8 @@ def _build(tx: Any, policy: Policy) -> Any:
     f32 = jnp.float32
 
     def init(params: Any) -> AmpOptState:
-        master = jax.tree_util.tree_map(lambda p: jnp.asarray(p, f32) if _is_float(p) else p,
+        # a copy even where a param is float32 already (norms): donating both must not donate one buffer twice
+        master = jax.tree_util.tree_map(lambda p: jnp.array(p, f32, copy=True) if _is_float(p) else p,
                                         params) if masters else None
         return AmpOptState(tx.init(master if masters else params), initial_tree(spec), master)
 
