@@ -149,3 +149,15 @@ def test_fixed_op_the_backend_cannot_honour():
         unimp.apply("mixed_bf16", Model(), backend="stubborn")
     amp = unimp.apply(unimp.load("mixed_bf16").replace(on_unsupported="fallback"), Model(), backend="stubborn")
     assert not amp.plan.op("softmax").honoured and "fallback" in str(amp.plan)
+
+
+def test_remember_binds_a_wrapper_made_after_apply():
+    from unimp.registry import remember
+
+    m, wrapper = Model(), Model()
+    amp = unimp.apply("mixed_bf16", m)
+    remember(amp, wrapper)
+    with pytest.raises(RuntimeError, match="already"):
+        unimp.apply("mixed_bf16", wrapper)
+    amp.remove()
+    unimp.apply("mixed_bf16", wrapper).remove()

@@ -118,6 +118,12 @@ def _remember(*models: Any) -> list[int]:
     return [id(m) for m in models if m is not None]
 
 
+def remember(amp: Amp, *models: Any) -> None:
+    """Mark more objects as bound to ``amp`` (e.g. a DDP wrapper made after ``apply``), so a second
+    ``unimp.apply`` on them is refused; ``amp.remove()`` releases them."""
+    amp._applied_ids = [*getattr(amp, "_applied_ids", []), *_remember(*models)]
+
+
 def _alive(ref: Any) -> Any:
     return ref() if isinstance(ref, weakref.ref) else ref
 

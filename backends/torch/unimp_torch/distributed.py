@@ -324,11 +324,9 @@ def _agree_over(amp: Any, groups: list[Any]) -> None:
 
 
 def _remember(amp: Any, *models: nn.Module) -> None:
-    from unimp.registry import _remember as remember
-    from unimp.registry import release
+    from unimp.registry import remember
 
-    ids = remember(*models)
-    amp._undo.append(lambda: release(ids))
+    remember(amp, *models)
 
 
 def warn_undistributed() -> None:
