@@ -301,3 +301,20 @@ def test_example_runs():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "skipped on both devices" in out.stdout, out.stdout
 
+
+
+def test_has_aux_gives_the_mean_loss_and_per_device_aux():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnimpWarning)
+        amp = unimp.apply(policy("fp32").replace(layout={"on_misaligned": "ignore"}), Linear1(), optax.sgd(0.0))
+    grad_fn = amp.value_and_grad(lambda m, x: (m(x).mean(), x[:, 0]), has_aux=True, axis_name="data")
+
+    def body(model, optimizer, x):
+        (loss, aux), grads, _ = grad_fn(optimizer, model, x)
+        optimizer.update(model, grads)
+        return loss, aux
+
+    step = amp.data_parallel(body, out_specs=(P(), P("data")))
+    loss, aux = step(amp.model, amp.optimizer, jnp.asarray([[2.0], [4.0]]))
+    assert [float(s.data) for s in loss.addressable_shards] == [3.0, 3.0]  # mean of the device losses 2, 4
+    np.testing.assert_array_equal(np.asarray(aux), [2.0, 4.0])
