@@ -122,6 +122,8 @@ def test_op_in_two_lists_of_one_file_is_an_error():
     ({"overrides": [{"types": ["layernorm"], "compute_dtype": "float32"}]}, "overrides[0].types[0]",
      "did you mean 'layer_norm'"),
     ({"extends": "mixed_bf17"}, "extends", "did you mean 'mixed_bf16'"),
+    ({"extends": "mixed_bf16", "loss_scale": {"mode": "dynamic", "skip_nonfinite": False}},
+     "loss_scale.skip_nonfinite", "set skip_nonfinite = true"),
 ])
 def test_errors_name_source_key_path_and_fix(bad, where, what):
     with pytest.raises(PolicyError) as e:
@@ -191,3 +193,10 @@ def test_presets_ship_a_source_comment():
     root = Path(unimp.loading.preset_path("fp32")).parent
     for f in root.glob("*.toml"):
         assert f.read_text().startswith("# "), f"{f.name} needs a comment saying what it reproduces"
+
+
+def test_dynamic_mode_turns_skipping_on_unless_the_file_says_otherwise():
+    assert unimp.load({"extends": "mixed_bf16", "loss_scale": {"mode": "dynamic"}}).loss_scale.skip_nonfinite
+    assert unimp.load("mixed_bf16").replace(loss_scale={"mode": "dynamic"}).loss_scale.skip_nonfinite
+    assert not unimp.load({"extends": "mixed_fp16", "loss_scale": {"mode": "static", "skip_nonfinite": False}}
+                          ).loss_scale.skip_nonfinite

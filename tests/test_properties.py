@@ -189,6 +189,7 @@ def valid_policies(draw):
         "param_dtype": draw(dtype), "output_dtype": draw(dtype),
         "ops": {"lower": ops[:a], "float32": ops[a:b], "promote": ops[b:c]},
         "loss_scale": {"mode": draw(st.sampled_from(["none", "static", "dynamic"])), "initial": initial,
+                       "skip_nonfinite": True,
                        "min": mn, "max": mx, "growth_factor": draw(st.floats(1.01, 10)),
                        "backoff_factor": draw(st.floats(0.01, 0.99)), "growth_interval": draw(st.integers(1, 10**6)),
                        "hysteresis": draw(st.integers(1, 10)),

@@ -85,13 +85,20 @@ def _resolve(layer: Any, parent: dict[str, Any] | None, source: str, base: Path,
 
 
 def merge(parent: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
-    """Tables merge key by key, lists replace; an op the child lists leaves the parent's other lists."""
+    """Tables merge key by key, lists replace; an op the child lists leaves the parent's other lists.
+
+    A child that sets ``loss_scale.mode = "dynamic"`` gets ``skip_nonfinite = true`` unless it says
+    otherwise (a parent like ``mixed_bf16`` turns skipping off for its ``none`` mode).
+    """
     out = copy.deepcopy(parent)
     for key, value in child.items():
         if key in TABLES:
             out[key] = {**out[key], **copy.deepcopy(value)}
         else:
             out[key] = copy.deepcopy(value)
+    ls = child.get("loss_scale", {})
+    if ls.get("mode") == "dynamic" and "skip_nonfinite" not in ls:
+        out["loss_scale"]["skip_nonfinite"] = True  # dynamic scaling backs off *and skips*; never inherit false
     if "ops" in child:
         given = child["ops"]
         moved = {op for ops in given.values() for op in ops}

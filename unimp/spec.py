@@ -294,6 +294,10 @@ def check_resolved(policy: dict[str, Any], problems: Problems) -> None:
     ls = policy["loss_scale"]
     if ls["min"] > ls["initial"]:
         problems.add("loss_scale.min", f"min ({ls['min']:g}) is above initial ({ls['initial']:g})")
+    if ls["mode"] == "dynamic" and not ls["skip_nonfinite"]:
+        problems.add("loss_scale.skip_nonfinite", "false with mode = 'dynamic' would apply the non-finite steps "
+                                                  "that make the scale back off (parameters become NaN); set "
+                                                  "skip_nonfinite = true")
     if ls["initial"] > ls["max"]:
         problems.add("loss_scale.initial", f"initial ({ls['initial']:g}) is above max ({ls['max']:g})")
 
