@@ -122,8 +122,6 @@ def test_op_in_two_lists_of_one_file_is_an_error():
     ({"overrides": [{"types": ["layernorm"], "compute_dtype": "float32"}]}, "overrides[0].types[0]",
      "did you mean 'layer_norm'"),
     ({"extends": "mixed_bf17"}, "extends", "did you mean 'mixed_bf16'"),
-    ({"extends": "mixed_bf16", "loss_scale": {"mode": "dynamic", "skip_nonfinite": False}},
-     "loss_scale.skip_nonfinite", "set skip_nonfinite = true"),
 ])
 def test_errors_name_source_key_path_and_fix(bad, where, what):
     with pytest.raises(PolicyError) as e:
@@ -200,3 +198,8 @@ def test_dynamic_mode_turns_skipping_on_unless_the_file_says_otherwise():
     assert unimp.load("mixed_bf16").replace(loss_scale={"mode": "dynamic"}).loss_scale.skip_nonfinite
     assert not unimp.load({"extends": "mixed_fp16", "loss_scale": {"mode": "static", "skip_nonfinite": False}}
                           ).loss_scale.skip_nonfinite
+
+
+def test_dynamic_without_skipping_warns():
+    with pytest.warns(unimp.UnimpWarning, match="loss_scale.skip_nonfinite: false with mode = 'dynamic'"):
+        unimp.load({"extends": "mixed_bf16", "loss_scale": {"mode": "dynamic", "skip_nonfinite": False}})

@@ -15,17 +15,13 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from .errors import StateError
+from .errors import StateError, UnimpWarning
 from .loss_scale import STATE_KEYS, LossScaleState
 from .plan import Plan
 from .policy import Policy
 from .report import Report
 
 STATE_FORMAT = "unimp.amp/1"
-
-
-class UnimpWarning(UserWarning):
-    """Warnings about precision (slow dtype on this hardware, misaligned dims, fallbacks)."""
 
 
 class Backend(abc.ABC):

@@ -23,5 +23,9 @@ class UnsupportedError(RuntimeError):
     """A request a backend, the framework or the hardware cannot honour (names the fix)."""
 
 
+class UnimpWarning(UserWarning):
+    """Warnings about precision (slow dtype on this hardware, misaligned dims, fallbacks, risky knobs)."""
+
+
 class StateError(ValueError):
     """A ``state_dict`` that does not belong to this policy or has the wrong keys."""

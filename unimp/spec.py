@@ -295,9 +295,13 @@ def check_resolved(policy: dict[str, Any], problems: Problems) -> None:
     if ls["min"] > ls["initial"]:
         problems.add("loss_scale.min", f"min ({ls['min']:g}) is above initial ({ls['initial']:g})")
     if ls["mode"] == "dynamic" and not ls["skip_nonfinite"]:
-        problems.add("loss_scale.skip_nonfinite", "false with mode = 'dynamic' would apply the non-finite steps "
-                                                  "that make the scale back off (parameters become NaN); set "
-                                                  "skip_nonfinite = true")
+        import warnings
+
+        from .errors import UnimpWarning
+
+        warnings.warn(f"{problems.source}: loss_scale.skip_nonfinite: false with mode = 'dynamic' applies the "
+                      f"non-finite steps that make the scale back off (parameters become NaN); set "
+                      f"skip_nonfinite = true unless that is what you want", UnimpWarning, stacklevel=2)
     if ls["initial"] > ls["max"]:
         problems.add("loss_scale.initial", f"initial ({ls['initial']:g}) is above max ({ls['max']:g})")
 
