@@ -117,8 +117,11 @@ PAIRS = (("unimp ipex torch_autocast_cpu", "native torch autocast bf16"),
 def bench(name: str, base: nn.Module, x: torch.Tensor, steps: int, warmup: int) -> dict[str, float]:
     runs = dict(variants(base))
     times: dict[str, list[float]] = {k: [] for k in runs}
+    labels = list(runs)
     for i in range(warmup + steps):
-        for label, step in runs.items():
+        k = i % len(labels)  # rotate the order so no variant always follows the same one
+        for label in labels[k:] + labels[:k]:
+            step = runs[label]
             t0 = time.perf_counter()
             step(x)
             if i >= warmup:
@@ -146,7 +149,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, IPEX {ipex.__version__}, {torch.get_num_threads()} threads, "
           f"CPU: {CpuFeatures.here().describe()}")
-    bench("transformer block d=256 T=64 b=4", Block(), torch.randn(4, 64, 256), args.steps, args.warmup)
+    bench("transformer block d=256 T=128 b=8", Block(), torch.randn(8, 128, 256), args.steps, args.warmup)
     bench("small CNN b=16 3x32x32", cnn(), torch.randn(16, 3, 32, 32), args.steps, args.warmup)
 
 
