@@ -21,8 +21,9 @@ import argparse
 import json
 import os
 import statistics
-import time
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -33,6 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import unimp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch_gpu
 
 # ---------------------------------------------------------------------------------- model, process group
 
@@ -145,28 +149,8 @@ def unimp_fsdp(policy: unimp.Policy, model: nn.Module) -> tuple[Step, Any]:
 # ---------------------------------------------------------------------------------- timing
 
 
-def timed(step: Step, x: torch.Tensor, y: torch.Tensor, device: str) -> Callable[[], Any]:
-    if device == "cuda":
-        def run() -> Any:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step(x, y)
-            b.record()
-            return a, b
-        return run
-
-    def run_cpu() -> float:
-        t = time.perf_counter()
-        step(x, y)
-        return (time.perf_counter() - t) * 1e3
-    return run_cpu
-
-
-def to_ms(samples: list) -> list[float]:
-    if samples and isinstance(samples[0], tuple):
-        torch.cuda.synchronize()
-        return [a.elapsed_time(b) for a, b in samples]
-    return samples
+timed = torch_gpu._timed  # one timing harness for every torch bench (CUDA events / perf_counter)
+to_ms = torch_gpu._ms
 
 
 def interleaved(runs: dict[str, Callable[[], Any]], warmup: int, steps: int, rounds: int = 6) -> dict[str, float]:

@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--reduce", default="float32,bfloat16")
     args = ap.parse_args(argv)
     device, rank, world = common.init(args.smoke)
+    if world < 2:
+        raise SystemExit("bench/torch_multigpu.py needs 2 ranks: torchrun --nproc_per_node 2 bench/torch_multigpu.py"
+                         " [--smoke for CPU/gloo]")
     s = common.shapes(args.smoke)
     x, y = common.batch(s, device, rank)
     with warnings.catch_warnings():  # rank 0 alone, on purpose: not data-parallel
