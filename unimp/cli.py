@@ -68,8 +68,8 @@ def _diff(args: argparse.Namespace) -> int:
         except (KeyError, UnsupportedError, ImportError) as e:
             print(f"\nbackend {name}: cannot compile ({e})")
             continue
-        ops = [(x.op, f"{x.dtype or 'inputs'}", f"{y.dtype or 'inputs'}")
-               for x, y in zip(pa.ops, pb.ops, strict=True) if (x.dtype, x.honoured) != (y.dtype, y.honoured)]
+        ops = [(x.op, x.runs_in, y.runs_in) for x, y in zip(pa.ops, pb.ops, strict=True)
+               if (x.runs_in, x.honoured) != (y.runs_in, y.honoured)]
         print("\n" + format_table(("op", a.name, b.name), ops,
                                   title=f"backend {name}: {len(ops)} ops run differently"))
     return 0

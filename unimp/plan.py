@@ -40,6 +40,11 @@ class OpDecision:
     honoured: bool = True
     note: str = ""
 
+    @property
+    def runs_in(self) -> str:
+        """The dtype, or how it is chosen: ``widest input`` (promote) or ``inputs``."""
+        return self.dtype or ("widest input" if self.requested == "promote" else "inputs")
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -91,7 +96,7 @@ class Plan:
         rows = []
         for d in self.ops:
             native = ", ".join(d.native[:4]) + (" ..." if len(d.native) > 4 else "")
-            runs = (d.dtype or "inputs") + ("" if d.honoured else " (fallback)")
+            runs = d.runs_in + ("" if d.honoured else " (fallback)")
             rows.append((d.op, d.requested, runs, d.control, native))
         notes = [f"note: {n}" for n in self.notes] + [f"fallback: {d.op}: {d.note}" for d in self.fallbacks]
         return head + format_table(("op", "policy", "runs in", "control", "native"), rows, footer=notes)
