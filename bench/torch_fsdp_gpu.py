@@ -41,22 +41,11 @@ import torch_gpu
 # ---------------------------------------------------------------------------------- model, process group
 
 
-class Block(nn.Module):
-    """GPT-style pre-norm block: causal SDPA attention + GELU MLP (as bench/torch_gpu.py)."""
+class Block(torch_gpu.Block):
+    """bench/torch_gpu.py's GPT-style block with plain nn.LayerNorm (FSDP2 shards per Block)."""
 
     def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(a)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        super().__init__(d, heads, norm=nn.LayerNorm)
 
 
 def shapes(smoke: bool) -> dict[str, int]:

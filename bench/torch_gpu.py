@@ -49,10 +49,11 @@ class Norm(nn.LayerNorm):
 class Block(nn.Module):
     """GPT-style pre-norm block: causal SDPA attention + GELU MLP."""
 
-    def __init__(self, d: int, heads: int) -> None:
+    def __init__(self, d: int, heads: int, norm: Callable[[int], nn.Module] | None = None) -> None:
         super().__init__()
         self.heads = heads
-        self.ln1, self.ln2 = Norm(d), Norm(d)
+        norm = norm or Norm
+        self.ln1, self.ln2 = norm(d), norm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
