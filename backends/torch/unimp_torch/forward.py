@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .layers import install_forward
 from .op_overrides import active
 
 
@@ -62,13 +63,4 @@ def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, t
             args = tuple(_nhwc(a) for a in args)
         return cast_output(run(args, kwargs), output)
 
-    forward.__unimp_wrapped__ = inner  # type: ignore[attr-defined]
-    model.forward = forward
-
-    def undo() -> None:
-        if had_own:
-            model.forward = inner
-        else:
-            model.__dict__.pop("forward", None)
-
-    return undo
+    return install_forward(model, forward, inner, had_own)

@@ -124,6 +124,11 @@ def wrap(module: nn.Module, rule: Rule, device: str) -> Callable[[], None]:
             with torch.autocast(device, enabled=False), params_as(module, dtype):
                 return inner(*args, **kwargs)
 
+    return install_forward(module, forward, inner, had_own)
+
+
+def install_forward(module: nn.Module, forward: Callable, inner: Callable, had_own: bool) -> Callable[[], None]:
+    """Put ``forward`` on the instance; the returned undo restores exactly what was there before."""
     forward.__unimp_wrapped__ = inner  # type: ignore[attr-defined]
     module.forward = forward
 
