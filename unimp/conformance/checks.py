@@ -33,6 +33,17 @@ POISON_PATTERN = (False, False, True, False, False, False, True, True, False, Fa
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.05, "float16": 0.02}
 
 
+def loss_tolerance(policy: Policy) -> float:
+    """Relative loss tolerance of a policy vs fp32: that of the lowest precision any probe layer or param uses."""
+    dtypes = {e.compute_dtype for e in expected_layers(policy).values()} | {policy.param_dtype}
+    return max(TOLERANCE.get(d, 1e-4) for d in dtypes)
+
+
+def close(x: float, y: float, tol: float) -> bool:
+    """``x`` within ``tol`` of ``y``, relative to ``max(1, |y|)``."""
+    return abs(x - y) <= tol * max(1.0, abs(y))
+
+
 class ConformanceFailure(AssertionError):
     pass
 
@@ -261,13 +272,12 @@ def check_numerics(kit: Kit, policy: Policy) -> None:
     fp32 = load("fp32")
     base = _losses(kit, fp32, 10)
     ref = reference_loss(reference_forward(probe_weights(0), probe_batches(1)[0]), probe_batches(1)[0])
-    if abs(base[0] - ref) > 1e-4 * max(1.0, abs(ref)):
+    if not close(base[0], ref, 1e-4):
         raise _fail(kit, fp32, "first fp32 loss vs the numpy probe", ref, base[0])
     got = _losses(kit, policy, 10)
-    low = {d.compute_dtype for d in expected_layers(policy).values()} | {policy.param_dtype}
-    tol = max(TOLERANCE.get(d, 1e-4) for d in low)
+    tol = loss_tolerance(policy)
     for i, (a, b) in enumerate(zip(got, base, strict=True)):
-        if abs(a - b) > tol * max(1.0, abs(b)):
+        if not close(a, b, tol):
             raise _fail(kit, policy, f"loss at step {i} (tolerance {tol})", b, a)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..loss_scale import LossScale, LossScaleState
 from ..report import format_table
-from .checks import TOLERANCE
+from .checks import close, loss_tolerance
 from .expect import expected_layers
 from .observe import RESUME_RULE, observation_policy
 from .probe import PROBE
@@ -74,9 +74,7 @@ def compare_trajectories(obs: dict[str, dict]) -> list[str]:
 
 
 def _tol(pol: str) -> float:
-    exp = expected_layers(observation_policy(pol))
-    dtypes = {e.compute_dtype for e in exp.values()} | {observation_policy(pol).param_dtype}
-    return max(TOLERANCE.get(d, 1e-4) for d in dtypes)
+    return loss_tolerance(observation_policy(pol))
 
 
 def compare_losses(obs: dict[str, dict]) -> list[str]:
@@ -89,7 +87,7 @@ def compare_losses(obs: dict[str, dict]) -> list[str]:
                 continue
             tol = max(_tol(pol), FP32_CROSS_TOLERANCE)
             for i, (x, y) in enumerate(zip(la, lb, strict=True)):
-                if abs(x - y) > tol * max(1.0, abs(y)):
+                if not close(x, y, tol):
                     problems.append(f"losses: policy {pol}, step {i}: {a} {x:.6f} vs {b} {y:.6f} "
                                     f"(tolerance {tol})")
                     break
@@ -98,7 +96,7 @@ def compare_losses(obs: dict[str, dict]) -> list[str]:
         for pol, la in o["losses"].items():
             if _ok(la) and _ok(base):
                 tol = _tol(pol)
-                bad = [i for i, (x, y) in enumerate(zip(la, base, strict=True)) if abs(x - y) > tol * max(1, abs(y))]
+                bad = [i for i, (x, y) in enumerate(zip(la, base, strict=True)) if not close(x, y, tol)]
                 if bad:
                     problems.append(f"losses: {backend}, policy {pol}, step {bad[0]}: {la[bad[0]]:.6f} vs fp32 "
                                     f"{base[bad[0]]:.6f} (tolerance {tol})")
@@ -144,11 +142,11 @@ def compare_resumes(obs_dir: Path, obs: dict[str, dict]) -> tuple[list[str], dic
             src = obs[a]["trajectories"][RESUME_RULE]
             src_loss = None if src["pattern"][ckpt["at"]] else src["losses"][ckpt["at"]]  # poisoned: no loss
             ok = r["scales"] == expected
-            close = src_loss is None or abs(r["first_loss"] - src_loss) <= FP32_CROSS_TOLERANCE * max(1, abs(src_loss))
-            matrix[(a, b)] = "pass" if ok and close else "fail"
+            near = src_loss is None or close(r["first_loss"], src_loss, FP32_CROSS_TOLERANCE)
+            matrix[(a, b)] = "pass" if ok and near else "fail"
             if not ok:
                 problems.append(f"resume {a} -> {b}: expected scales {expected}, observed {r['scales']}")
-            if not close:
+            if not near:
                 problems.append(f"resume {a} -> {b}: first loss {r['first_loss']:.6f}, {a} had {src_loss:.6f}")
     return problems, matrix
 
