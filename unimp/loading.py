@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import tomllib
@@ -27,6 +28,7 @@ FORMATS = {".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json"}
 MAX_EXTENDS_DEPTH = 32
 
 
+@functools.cache
 def _preset_dir() -> Path:
     """``policies/``: installed as the package ``unimp.policies``, or beside ``unimp/`` in a checkout."""
     try:
@@ -37,7 +39,12 @@ def _preset_dir() -> Path:
 
 def preset_names() -> list[str]:
     """Names of the shipped presets (files in ``policies/``)."""
-    return sorted(p.stem for p in _preset_dir().glob("*.toml"))
+    return list(_preset_names())
+
+
+@functools.cache
+def _preset_names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in _preset_dir().glob("*.toml")))
 
 
 def preset_path(name: str) -> Path:
