@@ -23,12 +23,10 @@ from unimp.loss_scale import LossScaleState
 from unimp.plan import Plan
 from unimp.report import Report, ReportRow
 
-from . import op_overrides
-from .forward import patch_forward
+from .forward import PolicyForward, patch_forward
 from .layers import DTYPES, Rule, kind, type_names, wrap
 from .layout import check_alignment, has_conv2d, restore_layout, to_channels_last
-from .native import layer_ops
-from .observe import observe
+from .observe import Observer, observe
 from .optim import AmpOptimizer
 from .params import ParamState, cast_params
 from .scaler import DeviceLossScale
@@ -48,9 +46,7 @@ class TorchAmp(Amp):
         self.wrapped: list[str] = []  # module paths with a layer-level forward
         self._undo: list[Callable[[], None]] = []
         self._layout: list[tuple[torch.Tensor, bool]] = []
-        self._ops_handle = 0
-        self._observed: dict[str, dict[str, Any]] | None = None
-        self._observe_next = True
+        self._observer = Observer()  # filled by the first eager forward after apply
         # set when the model is data-parallel or sharded (unimp_torch.distributed): engine, world
         # size, reduce dtype, how found-inf is agreed; ``agree(found_inf)`` all-reduces it (MAX)
         self.distributed: dict[str, Any] | None = None
@@ -106,11 +102,12 @@ class TorchAmp(Amp):
         no-grad forward on them; without, uses the first forward after apply."""
         if args or kwargs:
             observed = observe(self.module, args, kwargs)
-        elif self._observed is not None:
-            observed = self._observed
+        elif self._observer.rows is not None:
+            observed = self._observer.rows
         else:
             raise RuntimeError("amp.report(): run amp.model(x) once first, or pass an example input: "
-                               "amp.report(x)")
+                               "amp.report(x) (a compiled forward is not observed: under torch.compile, "
+                               "pass the input)")
         rows = [ReportRow(path or "<model>", r["kind"], r["compute_dtype"], r["param_dtype"], r["output_dtype"])
                 for path, r in observed.items()
                 if not path or r["kind"] or not any(True for _ in self.module.get_submodule(path).children())]
@@ -123,25 +120,6 @@ class TorchAmp(Amp):
         self._undo.clear()
         self.params.restore(trained=self.scaler.steps > 0)
         restore_layout(self._layout)
-        op_overrides.release(self._ops_handle)
-        self._ops_handle = 0
-
-    # ------------------------------------------------------------------ first-forward observation
-    def _observing_forward(self) -> None:
-        model = self.model
-        plain = model.forward
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            model.forward = plain  # observe only once, then the plain patched forward
-            if self._observe_next:
-                self._observe_next = False
-                try:
-                    self._observed = observe(model, args, kwargs)
-                except Exception:
-                    self._observed = None
-            return plain(*args, **kwargs)
-
-        model.forward = forward
 
 
 def _first_device(model: nn.Module) -> torch.device:
@@ -157,6 +135,10 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     ``fsdp``: the model is sharded with FSDP2, which owns parameter dtypes (checked against the
     policy) and the masters (its sharded parameters); see :mod:`unimp_torch.distributed`.
     """
+    if isinstance(model.__dict__.get("forward"), PolicyForward):
+        raise RuntimeError(f"unimp.apply: this {type(model).__name__} is a copy of a model with a unimp "
+                           f"policy applied (its forward already runs under that policy); apply the policy "
+                           f"to a fresh model, or use the copy as it is")
     amp = TorchAmp(plan, model, optimizer, device)
     policy = plan.policy
     try:
@@ -176,14 +158,10 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
             amp.params = cast_params(model, policy, plan.compute_dtype, optimized)
         _wrap_layers(amp, model, plan, device)
         details = plan.details
-        if details["op_moves"]:
-            amp._ops_handle = op_overrides.acquire(tuple(details["op_moves"]), device)
         autocast = DTYPES[details["autocast"]] if details["autocast"] else None
         amp._undo.append(patch_forward(model, device, autocast, details["op_moves"],
                                        DTYPES[policy.output_dtype], bool(amp._layout)))
-        plain = model.__dict__["forward"]
-        amp._observing_forward()
-        amp._undo.append(lambda: model.__dict__.__setitem__("forward", plain))
+        model.__dict__["forward"].observer = amp._observer
         if optimizer is not None:
             amp.optimizer = AmpOptimizer(optimizer, amp.scaler, amp.params, on_skip)
         if fsdp:
@@ -198,7 +176,6 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
 
 def _wrap_layers(amp: TorchAmp, model: nn.Module, plan: Plan, device: str) -> None:
     policy, low = plan.policy, plan.compute_dtype
-    layer_moved = set(plan.details["layer_moves"])
     autocast_on = plan.details["autocast"] is not None
     low_override = any(o.compute_dtype in ("float16", "bfloat16", "auto") for o in policy.overrides)
     for path, module in model.named_modules():
@@ -210,8 +187,6 @@ def _wrap_layers(amp: TorchAmp, model: nn.Module, plan: Plan, device: str) -> No
             dtype = decision.compute_dtype
             composite = any(True for _ in module.children()) and dtype != "float32"
             rule = Rule(dtype, composite)
-        elif k and layer_moved & set(layer_ops(names, k)):
-            rule = Rule(decision.compute_dtype or category)
         elif not autocast_on and low_override and k and category in ("lower", "float32"):
             rule = Rule("float32")
         if rule is not None:

@@ -1,15 +1,16 @@
 """A policy compiled for torch on one device: the Plan, and what apply must add to torch.autocast.
 
-``details`` of the Plan carry the mechanism: ``autocast`` (the dtype torch.autocast runs, or None),
-``op_moves`` (aten op -> category, done by unimp's Autocast kernels), ``layer_moves`` (aten ops
-torch already has C++ kernels for: done per layer). Both empty = plain torch.autocast.
+``details`` of the Plan carry the mechanism: ``autocast`` (the dtype torch.autocast runs, or None)
+and ``op_moves`` (torch function name -> category, run by unimp's ``PolicyMode`` whether or not
+torch has a C++ Autocast kernel for it). Empty = plain torch.autocast.
 
 >>> import unimp
 >>> plan = compile_plan(unimp.load("torch_autocast_cpu"), "cpu")
->>> plan.details["op_moves"], plan.details["layer_moves"]
-({}, {})
->>> sorted(compile_plan(unimp.load("mixed_bf16"), "cpu").details["op_moves"])[:3]
-['acos', 'asin', 'cosh']
+>>> plan.details["op_moves"]
+{}
+>>> moves = compile_plan(unimp.load("mixed_bf16"), "cpu").details["op_moves"]
+>>> moves["softmax"], moves["exp"]
+('float32', 'float32')
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from unimp.ops import CANONICAL_OPS
 from unimp.plan import Plan, compile_ops
 from unimp.policy import Policy
 
-from .native import aten_names, has_kernel, moves, native_category, same
+from .native import aten_names, function_names, moves, native_category, same
 
 BATCH_NORM_NOTE = ("batch_norm: torch's kernels take low-precision activations with float32 weights "
                    "and compute statistics and normalisation in float32; activations keep their dtype "
@@ -73,11 +74,11 @@ def compile_plan(policy: Policy, device: str) -> Plan:
         if o.compute_dtype not in (None, "auto"):
             check_dtype(o.compute_dtype, device, f"overrides[{i}].compute_dtype")
     autocast = compute if is_low(compute) else None
-    control, native, op_moves, layer_moves, notes = {}, {}, {}, {}, []
+    control, native, op_moves, notes = {}, {}, {}, []
     for op in CANONICAL_OPS:
         wanted = policy.ops.category(op)
-        names = aten_names(op, device)
-        native[op] = names
+        names = function_names(op, device)
+        native[op] = aten_names(op, device)
         control[op] = "op"
         if autocast is None:
             continue  # no autocast: nothing is lowered, float32 ops run in float32, the rest follow inputs
@@ -85,17 +86,11 @@ def compile_plan(policy: Policy, device: str) -> Plan:
             notes.append(BATCH_NORM_NOTE)
             continue
         moved = moves(op, wanted, device)
-        for name in moved:
-            (layer_moves if has_kernel(name, device) else op_moves)[name] = wanted
-        if any(has_kernel(n, device) for n in moved):
-            control[op] = "layer"
-            notes.append(f"{op}: torch {device} autocast has fixed kernels for "
-                         f"{', '.join(n for n in moved if has_kernel(n, device))}; unimp sets the dtype "
-                         f"per layer, functional calls keep torch's choice")
+        op_moves.update(dict.fromkeys(moved, wanted))
         kept = [n for n in names if n not in moved and not same(native_category(n, device), wanted, n)]
         if kept:
             notes.append(f"{op}: torch keeps its own choice for {', '.join(kept)} "
                          f"({native_category(kept[0], device)} on {device})")
-    details = {"device": device, "autocast": autocast, "op_moves": op_moves, "layer_moves": layer_moves}
+    details = {"device": device, "autocast": autocast, "op_moves": op_moves}
     return compile_ops("torch", policy, control=control, native=native, compute_dtype=compute,
                        compute_reason=reason, notes=tuple(notes), details=details)

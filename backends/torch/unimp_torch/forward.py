@@ -1,7 +1,9 @@
 """The model's forward under the compiled plan: autocast, unimp's op rules, layout, output dtype.
 
 With no op moves this is exactly ``with torch.autocast(device, dtype): model(x)`` plus the
-policy's output cast.
+policy's output cast. The forward is a :class:`PolicyForward` object on the instance (not a
+closure): ``copy.deepcopy(model)`` gives a copy that runs its own weights under the policy,
+``pickle``/``torch.save(model)`` work, and ``torch.compile`` traces it without a graph break.
 
 >>> import torch
 >>> m = torch.nn.Linear(4, 4)
@@ -13,6 +15,7 @@ torch.float32
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,19 +23,22 @@ import torch
 from torch import nn
 
 from .layers import install_forward
-from .op_overrides import active
+from .op_overrides import PolicyMode
 
 
 def cast_output(out: Any, dtype: torch.dtype) -> Any:
-    """Floating tensors in ``out`` (nested tuples/lists/dicts) cast to ``dtype``."""
+    """Floating tensors in ``out`` (nested tuples/lists/dicts, HF ``ModelOutput``) cast to ``dtype``."""
     if isinstance(out, torch.Tensor):
         return out.to(dtype) if out.is_floating_point() and out.dtype != dtype else out
     if isinstance(out, tuple) and hasattr(out, "_fields"):
-        return type(out)(*(cast_output(o, dtype) for o in out))
+        return type(out)(*[cast_output(o, dtype) for o in out])
     if isinstance(out, list | tuple):
-        return type(out)(cast_output(o, dtype) for o in out)
+        return type(out)([cast_output(o, dtype) for o in out])
     if isinstance(out, dict):
-        return type(out)((k, cast_output(v, dtype)) for k, v in out.items())
+        items = {k: cast_output(v, dtype) for k, v in out.items()}
+        if dataclasses.is_dataclass(out):  # HF ModelOutput: an ordered dict built from its fields
+            return type(out)(**items)
+        return type(out)(items)
     return out
 
 
@@ -42,25 +48,47 @@ def _nhwc(x: Any) -> Any:
     return x
 
 
+class PolicyForward:
+    """``model.forward`` under the policy. Holds the model (not a closure over it), so copies and
+    pickles of the model bring their own; ``observer`` (the first-forward report) is not copied."""
+
+    def __init__(self, module: nn.Module, inner: Callable | None, device: str, autocast: torch.dtype | None,
+                 table: Mapping[str, str], output: torch.dtype, channels_last: bool) -> None:
+        self.module = module
+        self.inner = inner  # the instance forward that was there before, else None (the class's)
+        self.device = device
+        self.autocast = autocast
+        self.mode = PolicyMode(table, device) if table and autocast is not None else None
+        self.output = output
+        self.channels_last = channels_last
+        self.observer: Any = None  # observe.Observer until the first eager forward has run
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        inner = self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+        if self.autocast is None:
+            return inner(*args, **kwargs)
+        with torch.autocast(self.device, dtype=self.autocast):
+            if self.mode is None:
+                return inner(*args, **kwargs)
+            with self.mode:
+                return inner(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.channels_last:
+            args = tuple(_nhwc(a) for a in args)
+        if not torch.compiler.is_compiling() and self.observer is not None:
+            observer, self.observer = self.observer, None  # the first eager forward, observed as it runs
+            return observer.run(self.module, lambda: cast_output(self._run(*args, **kwargs), self.output))
+        return cast_output(self._run(*args, **kwargs), self.output)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "observer": None}
+
+
 def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, table: Mapping[str, str],
                   output: torch.dtype, channels_last: bool) -> Callable[[], None]:
-    """Replace ``model.forward`` (on the instance); returns the undo."""
+    """Put a :class:`PolicyForward` on the instance; returns the undo."""
     had_own = "forward" in model.__dict__
-    inner = model.forward
-    table = dict(table) or None
-
-    def run(args: tuple, kwargs: dict) -> Any:
-        if autocast is None:
-            return inner(*args, **kwargs)
-        with torch.autocast(device, dtype=autocast):
-            if table is None:
-                return inner(*args, **kwargs)
-            with active(table):
-                return inner(*args, **kwargs)
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if channels_last:
-            args = tuple(_nhwc(a) for a in args)
-        return cast_output(run(args, kwargs), output)
-
+    inner = model.__dict__.get("forward")
+    forward = PolicyForward(model, inner, device, autocast, table, output, channels_last)
     return install_forward(model, forward, inner, had_own)

@@ -103,33 +103,47 @@ def _target(rule: Rule, module: nn.Module, args: tuple, kwargs: dict) -> torch.d
     return out
 
 
+class LayerForward:
+    """``module.forward`` computing as ``rule`` says (an object, not a closure: copies and pickles
+    of the model run their own layer; ``torch.compile`` traces it)."""
+
+    def __init__(self, module: nn.Module, inner: Callable | None, rule: Rule, device: str) -> None:
+        self.module = module
+        self.inner = inner  # the instance forward that was there before, else None (the class's)
+        self.rule = rule
+        self.device = device
+        # BatchNorm keeps float32 weights and running statistics (torch's kernels take low
+        # activations with them, as under autocast): only its input is cast
+        self.cast_params = kind(module) != "batch_norm"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, rule = self.module, self.rule
+        inner = self.inner if self.inner is not None else type(module).forward.__get__(module)
+        if rule.composite:
+            with torch.autocast(self.device, dtype=DTYPES[rule.dtype]):
+                return inner(*args, **kwargs)
+        dtype = _target(rule, module, args, kwargs)
+        if dtype is None:
+            return inner(*args, **kwargs)
+        args = tuple(_cast(a, dtype) for a in args)
+        kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+        with torch.autocast(self.device, enabled=False):
+            if not self.cast_params:
+                return inner(*args, **kwargs)
+            with params_as(module, dtype):
+                return inner(*args, **kwargs)
+
+
 def wrap(module: nn.Module, rule: Rule, device: str) -> Callable[[], None]:
     """Make ``module`` compute as ``rule`` says; returns the function that undoes it."""
     had_own = "forward" in module.__dict__
-    inner = module.forward
-
-    if rule.composite:
-        dtype = DTYPES[rule.dtype]
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with torch.autocast(device, dtype=dtype):
-                return inner(*args, **kwargs)
-    else:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            dtype = _target(rule, module, args, kwargs)
-            if dtype is None:
-                return inner(*args, **kwargs)
-            args = tuple(_cast(a, dtype) for a in args)
-            kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
-            with torch.autocast(device, enabled=False), params_as(module, dtype):
-                return inner(*args, **kwargs)
-
-    return install_forward(module, forward, inner, had_own)
+    inner = module.__dict__.get("forward")
+    return install_forward(module, LayerForward(module, inner, rule, device), inner, had_own)
 
 
-def install_forward(module: nn.Module, forward: Callable, inner: Callable, had_own: bool) -> Callable[[], None]:
+def install_forward(module: nn.Module, forward: Callable, inner: Callable | None,
+                    had_own: bool) -> Callable[[], None]:
     """Put ``forward`` on the instance; the returned undo restores exactly what was there before."""
-    forward.__unimp_wrapped__ = inner  # type: ignore[attr-defined]
     module.forward = forward
 
     def undo() -> None:

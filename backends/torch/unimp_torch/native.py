@@ -35,18 +35,11 @@ COMPOSITE = {("cross_entropy_loss", "cuda"): "float32",
 # ops that exist for one device only (never reached on the other, so never moved there)
 DEVICE_ONLY = {"mkldnn_rnn_layer": "cpu", "_native_multi_head_attention": "cpu"}
 
-# the aten ops a layer class runs (to know which layers a moved op touches)
-LAYER_OPS = {
-    "Linear": ("linear",), "Bilinear": ("bilinear",), "Embedding": ("embedding",),
-    "EmbeddingBag": ("embedding_bag",), "LayerNorm": ("layer_norm",), "GroupNorm": ("group_norm",),
-    "RMSNorm": ("rms_norm",), "Softmax": ("softmax",), "Softmin": ("softmax",),
-    "LogSoftmax": ("log_softmax",), "ReLU": ("relu",), "GELU": ("gelu",), "SiLU": ("silu",),
-    "Tanh": ("tanh",), "Sigmoid": ("sigmoid",), "PReLU": ("prelu",), "LeakyReLU": ("leaky_relu",),
-    "ELU": ("elu",), "BatchNorm1d": ("batch_norm",), "BatchNorm2d": ("batch_norm",),
-    "BatchNorm3d": ("batch_norm",), "SyncBatchNorm": ("batch_norm",),
-    **{f"Conv{d}d": (f"conv{d}d",) for d in (1, 2, 3)},
-    **{f"ConvTranspose{d}d": (f"conv_transpose{d}d",) for d in (1, 2, 3)},
-}
+# torch functions that are not aten ops (or not under that name): the aten op whose autocast
+# handling they get, so their native category is that op's
+PY_FUNCTIONS = {"cross_entropy": "cross_entropy_loss", "softmin": "softmax", "normalize": "norm",
+                "__matmul__": "matmul", "__pow__": "pow", "__rpow__": "pow", "__rdiv__": "reciprocal",
+                "__rtruediv__": "reciprocal"}
 
 
 def _aten():
@@ -74,6 +67,13 @@ def aten_names(op: str, device: str | None = None) -> tuple[str, ...]:
             continue
         out.append(name)
     return tuple(out)
+
+
+@functools.cache
+def function_names(op: str, device: str) -> tuple[str, ...]:
+    """The torch function names (``func.__name__`` in a ``TorchFunctionMode``) of canonical ``op``."""
+    extra = tuple(n for n in OPS[op].torch if n in PY_FUNCTIONS)
+    return aten_names(op, device) + extra
 
 
 @functools.cache
@@ -129,19 +129,12 @@ def native_category(name: str, device: str) -> str:
     """``lower`` | ``float32`` | ``promote`` | ``inputs``: what torch autocast does to aten ``name``."""
     if device not in AUTOCAST_KEYS:
         return "inputs"
+    name = PY_FUNCTIONS.get(name, name)
     if (name, device) in COMPOSITE:
         return COMPOSITE[name, device]
     if has_kernel(name, device):
         return KERNEL_CATEGORY.get(canonical_of(name) or "", "float32")
     return "promote" if name in TYPE_PROMOTING else "inputs"
-
-
-def layer_ops(type_names: tuple[str, ...], kind: str | None) -> tuple[str, ...]:
-    """The aten ops a layer runs: from its class (or a base class), else every op of its kind."""
-    for name in type_names:
-        if name in LAYER_OPS:
-            return LAYER_OPS[name]
-    return aten_names(kind) if kind else ()
 
 
 def same(native: str, wanted: str, name: str) -> bool:
@@ -158,7 +151,7 @@ def moves(op: str, wanted: str, device: str) -> tuple[str, ...]:
     finer than the vocabulary (CPU lowers ``mm`` but not ``mv``); when the primary op already
     does what the policy asks, torch's per-op choices are kept (and reported as such).
     """
-    names = aten_names(op, device)
+    names = function_names(op, device)
     if not names or same(native_category(names[0], device), wanted, names[0]):
         return ()
     return tuple(n for n in names if not same(native_category(n, device), wanted, n))

@@ -2,7 +2,8 @@
 
 A ``TorchDispatchMode`` (below autocast, so it sees the casts autocast and unimp made) records
 the output dtype of the first compute op each module runs itself; forward hooks record output
-dtypes. Cast and view ops do not count as compute.
+dtypes. Cast and view ops do not count as compute. The first forward after ``apply`` is observed
+as it runs (:class:`Observer`); ``amp.report(x)`` runs :func:`observe` on an example input.
 
 >>> import torch
 >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))
@@ -14,6 +15,7 @@ dtypes. Cast and view ops do not count as compute.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,32 +57,63 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+class Observer:
+    """Records what one forward really ran, while it runs (the model runs once: no extra pass).
+
+    ``run(model, fn)`` calls ``fn()`` (the model's forward) with hooks on every submodule and the
+    recorder on; ``rows`` holds the result afterwards. Hooks are removed however ``fn`` ends.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[str, dict[str, Any]] | None = None
+
+    def run(self, model: nn.Module, fn: Callable[[], Any]) -> Any:
+        rec = _Recorder()
+        rows: dict[str, dict[str, Any]] = {}
+        handles = []
+        for path, m in model.named_modules():
+            params = [p for p in m.parameters(recurse=False) if p.is_floating_point()]
+            rows[path] = {"kind": kind(m), "param_dtype": _dtype(params[0]) if params else None,
+                          "compute_dtype": None, "output_dtype": None, "types": type_names(m)}
+            if not path:
+                continue  # the root: recorded around fn (its own hooks are decided before it runs)
+
+            def pre(_m: nn.Module, _a: Any, path: str = path) -> None:
+                rec.stack.append(path)
+
+            def post(_m: nn.Module, _a: Any, out: Any, path: str = path) -> None:
+                rec.stack.pop()
+                rows[path]["output_dtype"] = _dtype(out)
+
+            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+        rec.stack.append("")
+        try:
+            with rec:
+                out = fn()
+        finally:
+            for h in handles:
+                h.remove()
+        rows[""]["output_dtype"] = _dtype(out)
+        for path, row in rows.items():
+            row["compute_dtype"] = rec.compute.get(path)
+            if row["kind"] == "batch_norm" and row["param_dtype"] == "float32" and row["compute_dtype"]:
+                row["compute_dtype"] = "float32"  # torch's batch_norm computes in its fp32 params' dtype
+        self.rows = rows
+        return out
+
+
 def observe(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, dict[str, Any]]:
-    """Run ``model(*args, **kwargs)`` without grad; per module path: kind and observed dtypes."""
-    rec = _Recorder()
-    rows: dict[str, dict[str, Any]] = {}
-    handles = []
-    for path, m in model.named_modules():
-        params = [p for p in m.parameters(recurse=False) if p.is_floating_point()]
-        rows[path] = {"kind": kind(m), "param_dtype": _dtype(params[0]) if params else None,
-                      "compute_dtype": None, "output_dtype": None, "types": type_names(m)}
-
-        def pre(_m: nn.Module, _a: Any, path: str = path) -> None:
-            rec.stack.append(path)
-
-        def post(_m: nn.Module, _a: Any, out: Any, path: str = path) -> None:
-            rec.stack.pop()
-            rows[path]["output_dtype"] = _dtype(out)
-
-        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    """Run ``model(*args, **kwargs)`` once more, without grad and leaving no trace (buffers such as
+    BatchNorm statistics and the RNG are restored); per module path: kind and observed dtypes."""
+    obs = Observer()
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = sorted({b.device.index or 0 for b, _ in buffers if b.device.type == "cuda"})
     try:
-        with torch.no_grad(), rec:
-            model(*args, **kwargs)
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            obs.run(model, lambda: model(*args, **kwargs))
     finally:
-        for h in handles:
-            h.remove()
-    for path, row in rows.items():
-        row["compute_dtype"] = rec.compute.get(path)
-        if row["kind"] == "batch_norm" and row["param_dtype"] == "float32" and row["compute_dtype"]:
-            row["compute_dtype"] = "float32"  # torch's batch_norm computes in its fp32 params' dtype
-    return rows
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    assert obs.rows is not None
+    return obs.rows

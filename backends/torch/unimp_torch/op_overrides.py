@@ -1,134 +1,87 @@
-"""Op-level control: unimp's own Autocast kernels for the aten ops a policy moves.
+"""Op-level control: a ``TorchFunctionMode`` that runs the ops a policy moves the policy's way.
 
-torch registers Autocast kernels in C++ for a fixed list of ops per device; every other op falls
-through the Autocast key. For a moved op *without* a native kernel on that device (CPU softmax,
-layer_norm, exp, sum, ...), unimp registers a small kernel on ``AutocastCPU``/``AutocastCUDA``
-through ``torch.library``. It casts only while a unimp forward is running (a thread-local table
-set by :mod:`unimp_torch.forward`); anywhere else it simply falls through, exactly as before.
-Kernels are registered once per process and dropped when the last Amp using them is removed.
+torch's autocast decides per aten op in C++, with fixed lists per device. For every torch
+function whose canonical op the policy treats differently from torch (``op_moves`` of the Plan:
+function name -> category), unimp's forward runs the model under :class:`PolicyMode`: a moved
+call gets its floating inputs cast (``float32``; ``lower`` = the autocast dtype; ``promote`` = the
+widest input; ``inputs`` = as they are) and runs with autocast off for that call, exactly what
+torch's own C++ Autocast kernels do. Every other call goes straight through, and autocast handles
+it. This covers functional calls (``torch.matmul``, ``q @ k.T``, ``F.scaled_dot_product_attention``,
+``F.conv2d``) in both directions, needs no process-wide registration (other models and copies are
+unaffected), and ``torch.compile`` traces it into the graph (no graph break, zero cost compiled).
+
+Calls inside autocast-disabled regions are left alone (as torch's kernels are), and so are the
+inner calls of a torch function implemented in Python that the policy does not move (torch runs
+a mode's handler with the mode off).
 
 >>> import torch
->>> handle = acquire({"softmax": "float32"}, "cpu")
->>> with torch.autocast("cpu", dtype=torch.bfloat16), active({"softmax": "float32"}):
+>>> mode = PolicyMode({"softmax": "float32"}, "cpu")
+>>> with torch.autocast("cpu", dtype=torch.bfloat16), mode:
 ...     torch.randn(2, 4, dtype=torch.bfloat16).softmax(-1).dtype
 torch.float32
->>> release(handle)
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from .native import AUTOCAST_KEYS, overloads
-
-_state = threading.local()
-_lib: Any = None
-_registered: set[tuple[str, str]] = set()  # (qualified overload, device)
-_users: dict[int, tuple[tuple[str, str], ...]] = {}
-
-
-@contextlib.contextmanager
-def active(table: Mapping[str, str] | None) -> Iterator[None]:
-    """Make ``table`` (aten name -> category) the rules of unimp's kernels in this thread."""
-    previous = getattr(_state, "table", None)
-    _state.table = table
-    try:
-        yield
-    finally:
-        _state.table = previous
-
-
-def _target(args: tuple, kwargs: dict, category: str, device: str) -> Any:
-    import torch
-
-    if category == "float32":
-        return torch.float32
-    if category == "lower":
-        return torch.get_autocast_dtype(device)
-    found = [t.dtype for t in _tensors(args, kwargs, device)]  # promote: the widest
-    return _widest(found) if found else None
-
-
-def _widest(dtypes: list) -> Any:
-    import torch
-
-    out = dtypes[0]
-    for d in dtypes[1:]:
-        out = torch.promote_types(out, d)
-    return out
+import torch
+from torch.overrides import TorchFunctionMode
 
 
 def _eligible(x: Any, device: str) -> bool:
-    import torch
-
     return (isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type == device
             and x.dtype != torch.float64)
 
 
-def _tensors(args: tuple, kwargs: dict, device: str) -> list:
-    out = []
+def _widest(args: tuple, kwargs: dict, device: str) -> torch.dtype | None:
+    out = None
     for a in (*args, *kwargs.values()):
-        items = a if isinstance(a, list | tuple) else (a,)
-        out.extend(t for t in items if _eligible(t, device))
+        for t in (a if isinstance(a, list | tuple) else (a,)):
+            if _eligible(t, device):
+                out = t.dtype if out is None else torch.promote_types(out, t.dtype)
     return out
 
 
-def _cast(x: Any, dtype: Any, device: str) -> Any:
+def _cast(x: Any, dtype: torch.dtype, device: str) -> Any:
     if isinstance(x, list | tuple):
-        return type(x)(_cast(t, dtype, device) for t in x)
+        return type(x)([_cast(t, dtype, device) for t in x])
     return x.to(dtype) if _eligible(x, device) and x.dtype != dtype else x
 
 
-def _kernel(op: Any, name: str, device: str) -> Any:
-    import torch
+class PolicyMode(TorchFunctionMode):
+    """Run torch functions named in ``rules`` (name -> category) as the policy says, on ``device``.
 
-    keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, AUTOCAST_KEYS[device]))
+    Picklable and copyable (a plain table), so a copied or pickled model keeps its policy.
+    """
 
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        table = getattr(_state, "table", None)
-        category = table.get(name) if table else None
-        if category is not None:
-            dtype = _target(args, kwargs, category, device)
-            if dtype is not None:
-                args = tuple(_cast(a, dtype, device) for a in args)
-                kwargs = {k: _cast(v, dtype, device) for k, v in kwargs.items()}
-        with torch._C._ExcludeDispatchKeyGuard(keys):
-            return op(*args, **kwargs)
+    def __init__(self, rules: Mapping[str, str], device: str) -> None:
+        super().__init__()
+        self.device = device
+        # in-place variants (``add_``) follow their op
+        self.rules = {**{f"{n}_": c for n, c in rules.items() if not n.startswith("__")}, **rules}
 
-    return kernel
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        category = self.rules.get(getattr(func, "__name__", ""))
+        if category is None or not torch.is_autocast_enabled(self.device):
+            return func(*args, **kwargs)
+        if category == "float32":
+            dtype = torch.float32
+        elif category == "lower":
+            dtype = torch.get_autocast_dtype(self.device)
+        else:
+            dtype = _widest(args, kwargs, self.device) if category == "promote" else None
+        if dtype is not None:
+            args = tuple(_cast(a, dtype, self.device) for a in args)
+            kwargs = {k: _cast(v, dtype, self.device) for k, v in kwargs.items()}
+        with torch.autocast(self.device, enabled=False):
+            return func(*args, **kwargs)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {"device": self.device, "rules": self.rules}
 
-def acquire(names: Mapping[str, str] | tuple[str, ...], device: str) -> int:
-    """Register kernels for aten ``names`` on ``device`` (once per process); returns a handle."""
-    import torch
-
-    global _lib
-    if _lib is None:
-        _lib = torch.library.Library("aten", "IMPL")
-    mine = []
-    for name in names:
-        for q in overloads(name):
-            if (q, device) not in _registered:
-                packet = getattr(torch.ops.aten, name)
-                op = getattr(packet, q.split(".")[1] if "." in q else "default")
-                _lib.impl(q, _kernel(op, name, device), AUTOCAST_KEYS[device])
-                _registered.add((q, device))
-            mine.append((q, device))
-    if not mine:
-        return 0
-    handle = max(_users, default=0) + 1
-    _users[handle] = tuple(mine)
-    return handle
-
-
-def release(handle: int) -> None:
-    """Drop a handle; the kernels go away with the last user (torch's own behaviour returns)."""
-    global _lib
-    _users.pop(handle, None)
-    if not _users and _lib is not None:
-        _lib._destroy()
-        _lib = None
-        _registered.clear()
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        TorchFunctionMode.__init__(self)
+        self.__dict__.update(state)
