@@ -47,6 +47,17 @@ class TorchBackend(Backend):
         device = check_inputs(model, optimizer, on_skip)
         if plan.details.get("device") != device:
             plan = self.compile(plan.policy, model)
+        compiled = _compiled_inner(model)
+        if compiled is not None:  # torch.compile(model) made first: bind the module it wraps
+            from unimp.registry import is_applied, remember
+
+            if is_applied(compiled):
+                raise RuntimeError("unimp.apply: the module inside this torch.compile wrapper already has a "
+                                   "unimp policy applied; use that Amp (its amp.model can be compiled)")
+            amp = self.apply(plan, compiled, optimizer, on_skip=on_skip)
+            remember(amp, compiled)
+            amp.model = model  # calls go through the compiled wrapper, which traces the policy's forward
+            return amp
         if is_ddp(model):  # DDP built first: bind the inner module, hook the DDP
             from unimp.registry import is_applied
 
@@ -72,3 +83,10 @@ class TorchBackend(Backend):
         from .kit import TorchKit
 
         return TorchKit()
+
+
+def _compiled_inner(model: Any) -> Any:
+    """The module a ``torch.compile(module)`` wrapper (``OptimizedModule``) holds, else None."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return model._orig_mod if isinstance(model, OptimizedModule) else None
