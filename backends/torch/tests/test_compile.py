@@ -1,0 +1,87 @@
+"""torch.compile traces the policy's forward: zero graph breaks, eager's outputs, other models unaffected."""
+
+import pytest
+import torch
+from models import Block, ConvNet
+from torch import nn
+from torch._dynamo.utils import counters
+
+import unimp
+
+CUSTOM = {"extends": "mixed_bf16", "ops": {"lower": ["softmax", "conv"], "float32": ["matmul", "linear"]},
+          "overrides": [{"modules": ["head"], "compute_dtype": "float32"}]}
+
+
+def _check(amp, *args, backend="inductor", **kwargs):
+    """Compiled first (right after apply, as a user would), then eager: the same outputs."""
+    explained = torch._dynamo.explain(amp.model)(*args, **kwargs)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+    compiled = torch.compile(amp.model, backend=backend)(*args, **kwargs)
+    eager = amp.model(*args, **kwargs)
+    return eager, compiled
+
+
+@pytest.mark.parametrize("policy", ["mixed_bf16", "pure_bf16", CUSTOM], ids=["mixed_bf16", "pure_bf16", "custom"])
+def test_convnet_and_block_compile_without_graph_breaks(policy):
+    torch._dynamo.reset()
+    for model, x in ((ConvNet(), torch.randn(2, 3, 8, 8)), (Block(), torch.randn(2, 4, 16))):
+        amp = unimp.apply(policy, model, torch.optim.AdamW(model.parameters()))
+        eager, compiled = _check(amp, x)
+        assert compiled.dtype == eager.dtype == torch.float32
+        torch.testing.assert_close(compiled, eager, atol=2e-2, rtol=2e-2)
+        amp.remove()
+
+
+def test_hf_llama_compiles_without_graph_breaks():
+    transformers = pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config)
+    amp = unimp.apply("mixed_bf16", model, torch.optim.AdamW(model.parameters()))
+    ids = torch.randint(0, 64, (2, 8))
+    eager, compiled = _check(amp, ids, labels=ids, backend="aot_eager")  # autocast traced by AOT; no C++ build
+    assert type(compiled) is type(eager) and compiled.logits.dtype == torch.float32
+    torch.testing.assert_close(compiled.logits, eager.logits, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(compiled.loss, eager.loss, atol=1e-3, rtol=1e-3)
+    amp.remove()
+
+
+def test_compiled_training_then_other_models_still_compile():
+    torch._dynamo.reset()
+    model = ConvNet()
+    amp = unimp.apply("mixed_bf16", model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    amp.model.compile()  # in place, right after apply (the first forward is compiled, not observed)
+    x = torch.randn(2, 3, 8, 8)
+    losses = []
+    counters.clear()
+    for _ in range(3):
+        loss = amp.model(x).square().mean()
+        amp.backward(loss)
+        amp.optimizer.step()
+        amp.optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]  # compiled once, whole
+    assert amp.report(x).row("conv").compute_dtype == "bfloat16"
+    amp.remove()
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 4))
+    explained = torch._dynamo.explain(plain)(x)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    torch.testing.assert_close(torch.compile(plain)(x), plain(x))
+
+
+def test_apply_on_a_compiled_module():
+    torch._dynamo.reset()
+    model = Block()
+    compiled = torch.compile(model)
+    amp = unimp.apply("mixed_bf16", compiled, torch.optim.AdamW(model.parameters()))
+    assert amp.model is compiled
+    out = amp.model(torch.randn(2, 4, 16))
+    assert out.dtype == torch.float32 and model.seen["softmax"] == torch.float32  # the policy runs
+    with pytest.raises(RuntimeError, match="already has a unimp policy"):
+        unimp.apply("mixed_bf16", model)
+    amp.remove()
+    assert "forward" not in model.__dict__
