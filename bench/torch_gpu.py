@@ -2,6 +2,11 @@
 
     python bench/torch_gpu.py            # H200: ResNet-50 b128 224^2 and a GPT block d2048 T2048 b8
     python bench/torch_gpu.py --smoke    # tiny shapes on CPU, to check the script runs
+    python bench/torch_gpu.py --suite compiled   # torch.compile: torchvision ResNet-50 b128, HF Llama
+
+The ``compiled`` suite times, interleaved and with every model alive: native autocast eager,
+native + ``torch.compile``, a second native + compile build (the A/A control: the noise), unimp
+eager, unimp + compile, and a custom-list policy (op-level moves) eager and compiled.
 
 For each policy the native step is what a careful user writes by hand with torch's own tools
 (autocast, GradScaler, channels_last, explicit casts where the policy moves an op, fp32 master
@@ -110,8 +115,12 @@ POLICIES = {"fp32_strict": "fp32", "fp32": "fp32", "mixed_bf16": "mixed_bf16", "
             "pure_bf16": "pure_bf16", "custom_lowered_norms": CUSTOM}
 
 
-def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):  # an HF ModelOutput: next-token loss on the logits
+        out = out.logits
     out = out.float()
+    if target.dtype == torch.long and target.dim() > 1:
+        return F.cross_entropy(out.flatten(0, -2), target.flatten())
     return F.cross_entropy(out, target) if target.dtype == torch.long else F.mse_loss(out, target)
 
 
@@ -171,12 +180,14 @@ def native_step(name: str, model: nn.Module, device: str) -> Callable[[torch.Ten
     return step
 
 
-def unimp_step(name: str, model: nn.Module) -> tuple[Callable[[torch.Tensor, torch.Tensor], None], Any]:
+def unimp_step(name: str, model: nn.Module, compile_backend: str | None = None
+               ) -> tuple[Callable[[torch.Tensor, torch.Tensor], None], Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     amp = unimp.apply(POLICIES[name], model, opt)
+    forward = torch.compile(amp.model, backend=compile_backend) if compile_backend else amp.model
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        amp.backward(_loss(amp.model(x), y))
+        amp.backward(_loss(forward(x), y))
         amp.optimizer.step()
         amp.optimizer.zero_grad()
 
@@ -283,6 +294,128 @@ def table(rows: list[dict[str, Any]], fp32: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- torch.compile suite
+
+
+def compiled_workloads(smoke: bool, device: str) -> dict[str, tuple[Callable, Callable]]:
+    """torchvision's ResNet-50 (this file's when torchvision is missing) and HF LlamaForCausalLM."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dev = device
+    try:
+        from torchvision.models import resnet50
+    except ImportError:  # same architecture, written here
+        resnet50 = None
+    if smoke:
+        cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4, vocab_size=128)
+        batch, seq = 2, 32
+        rn = (lambda: ResNet((1, 1, 1, 1), 8, 10), lambda: (torch.randn(4, 3, 32, 32, device=dev),
+                                                           torch.randint(0, 10, (4,), device=dev)))
+    else:
+        cfg = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
+                   num_key_value_heads=16, vocab_size=32000)
+        batch, seq = 4, 2048
+        rn = (lambda: resnet50() if resnet50 else ResNet(),
+              lambda: (torch.randn(128, 3, 224, 224, device=dev), torch.randint(0, 1000, (128,), device=dev)))
+    config = LlamaConfig(**cfg, max_position_embeddings=seq, use_cache=False)
+
+    def ids() -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.randint(0, cfg["vocab_size"], (batch, seq + 1), device=dev)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+    return {"resnet50": rn, "hf_llama": (lambda: LlamaForCausalLM(config), ids)}
+
+
+def _variants(compile_backend: str) -> dict[str, Callable[[nn.Module, str], Callable]]:
+    def native(compiled: bool) -> Callable[[nn.Module, str], Callable]:
+        def make(model: nn.Module, device: str) -> Callable:
+            return native_step("mixed_bf16", torch.compile(model, backend=compile_backend) if compiled else model,
+                               device)
+        return make
+
+    def ours(name: str, compiled: bool) -> Callable[[nn.Module, str], Callable]:
+        def make(model: nn.Module, device: str) -> Callable:
+            step, amp = unimp_step(name, model, compile_backend if compiled else None)
+            step.amp = amp  # type: ignore[attr-defined]  (alive as long as the step)
+            return step
+        return make
+
+    return {"native": native(False), "native+compile": native(True), "native2+compile (A/A)": native(True),
+            "unimp": ours("mixed_bf16", False), "unimp+compile": ours("mixed_bf16", True),
+            "custom": ours("custom_lowered_norms", False), "custom+compile": ours("custom_lowered_norms", True)}
+
+
+def measure_variants(build: Callable[[], nn.Module], data: Callable[[], tuple], device: str, warmup: int,
+                     steps: int, compile_backend: str) -> dict[str, dict[str, float]]:
+    """Median step ms (all variants alive, rounds in rotating order) and peak GiB (cuda) per variant."""
+    x, y = data()
+    variants = _variants(compile_backend)
+    runs = {}
+    for label, make in variants.items():
+        torch.manual_seed(0)
+        runs[label] = _timed(make(build().to(device), device), x, y, device)
+    for run in runs.values():  # compiles here
+        for _ in range(warmup):
+            run()
+    block = 1 if device != "cuda" else 4
+    samples: dict[str, list] = {k: [] for k in runs}
+    labels = list(runs)
+    for r in range(max(steps // block, 2)):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            samples[label] += _ms([runs[label]() for _ in range(block)])
+    out = {k: {"ms": statistics.median(v)} for k, v in samples.items()}
+    del runs
+    if device == "cuda":
+        for label, make in variants.items():  # peak memory: one variant alive at a time
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.manual_seed(0)
+            run = _timed(make(build().to(device), device), x, y, device)
+            for _ in range(warmup):
+                run()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            _ms([run() for _ in range(3)])
+            out[label]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            del run
+    return out
+
+
+def compiled_table(results: dict[str, dict[str, dict[str, float]]]) -> str:
+    lines = ["| model | variant | ms | / native eager | / native+compile | peak GiB |", "|" + "---|" * 6]
+    for model, res in results.items():
+        nat, natc = res["native"]["ms"], res["native+compile"]["ms"]
+        for label, r in res.items():
+            peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "n/a"
+            lines.append(f"| {model} | {label} | {r['ms']:.2f} | {r['ms'] / nat:.3f} | {r['ms'] / natc:.3f} | {peak} |")
+    lines += ["", "| model | unimp+compile / native+compile | A/A | unimp eager / unimp+compile | "
+                  "custom / native | custom+compile / native+compile |", "|" + "---|" * 6]
+    for model, res in results.items():
+        ms = {k: v["ms"] for k, v in res.items()}
+        lines.append(f"| {model} | {ms['unimp+compile'] / ms['native+compile']:.3f} | "
+                     f"{ms['native2+compile (A/A)'] / ms['native+compile']:.3f} | "
+                     f"{ms['unimp'] / ms['unimp+compile']:.2f}x | {ms['custom'] / ms['native']:.3f} | "
+                     f"{ms['custom+compile'] / ms['native+compile']:.3f} |")
+    return "\n".join(lines)
+
+
+def compiled_main(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    steps = args.steps or (6 if args.smoke else 30)
+    warmup = 2 if args.smoke else 5
+    backend = args.compile_backend or ("aot_eager" if args.smoke else "inductor")
+    results = {}
+    for model_name, (build, data) in compiled_workloads(args.smoke, device).items():
+        if model_name not in args.compiled_models.split(","):
+            continue
+        results[model_name] = measure_variants(build, data, device, warmup, steps, backend)
+        print(model_name, {k: round(v["ms"], 2) for k, v in results[model_name].items()}, flush=True)
+    print(f"\ntorch {torch.__version__}, device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
+          f"torch.compile backend {backend}, median of {steps} steps after {warmup} warm-up\n")
+    print(compiled_table(results))
+    return {"backend": backend, "steps": steps, "results": results}
+
+
 def main(argv: list[str] | None = None, device: str | None = None, smoke_default: bool = False,
          out_name: str = "torch_gpu.json") -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -290,8 +423,18 @@ def main(argv: list[str] | None = None, device: str | None = None, smoke_default
     ap.add_argument("--steps", type=int, default=None, help="timed steps per variant (>= 20)")
     ap.add_argument("--models", default="resnet50,gpt_block")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--suite", choices=("policies", "compiled", "all"), default="policies")
+    ap.add_argument("--compiled-models", default="resnet50,hf_llama")
+    ap.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; "
+                    "aot_eager with --smoke)")
     args = ap.parse_args(argv)
     device = device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    compiled = compiled_main(args, device) if args.suite in ("compiled", "all") else None
+    if compiled is not None and os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], out_name.replace(".json", "_compiled.json")), "w") as f:
+            json.dump({"torch": torch.__version__, "device": device, **compiled}, f, indent=1)
+    if args.suite == "compiled":
+        return []
     steps = args.steps or (20 if args.smoke else 30)
     warmup = 3 if args.smoke else 5
     rows = []
