@@ -169,15 +169,25 @@ def matrix_markdown(obs: dict[str, dict], resume: dict[tuple[str, str], str], pr
              "## Checks (backend x check[policy])", "", "| check | " + " | ".join(backends) + " |",
              "|---|" + "---|" * len(backends)]
     lines += [f"| {c} | " + " | ".join(cells.get((c, b), "-") for b in backends) + " |" for c in checks]
-    lines += ["", "## Control level per canonical op", "", "| op | " + " | ".join(backends) + " |",
-              "|---|" + "---|" * len(backends)]
-    ops = next((o["dtypes"]["mixed_bf16"]["control"] for o in obs.values() if _ok(o["dtypes"].get("mixed_bf16"))), {})
-    for op in ops:
-        row = []
-        for b in backends:
-            d = obs[b]["dtypes"].get("mixed_bf16")
-            row.append(d["control"].get(op, "-") if _ok(d) else "-")
-        lines.append(f"| {op} | " + " | ".join(row) + " |")
+    def control(b: str, policy: str) -> dict:
+        d = obs[b]["dtypes"].get(policy)
+        return d["control"] if _ok(d) else {}
+
+    # mixed_bf16, then each policy whose control levels differ from it in some backend
+    policies = sorted({p for o in obs.values() for p, d in o["dtypes"].items() if _ok(d) and d.get("control")},
+                      key=lambda p: (p != "mixed_bf16", p))
+    policies = [p for p in policies if p == "mixed_bf16"
+                or any(control(b, p) != control(b, "mixed_bf16") for b in backends)]
+    for policy in policies:
+        lines += ["", f"## Control level per canonical op: {policy}", "",
+                  "| op | " + " | ".join(backends) + " |", "|---|" + "---|" * len(backends)]
+        ops = next((o["dtypes"][policy]["control"] for o in obs.values() if _ok(o["dtypes"].get(policy))), {})
+        for op in ops:
+            row = []
+            for b in backends:
+                d = obs[b]["dtypes"].get(policy)
+                row.append(d["control"].get(op, "-") if _ok(d) else "-")
+            lines.append(f"| {op} | " + " | ".join(row) + " |")
     lines += ["", "## Cross-framework resume (row saved, column resumed)", "",
               "| from \\ to | " + " | ".join(backends) + " |", "|---|" + "---|" * len(backends)]
     for a in backends:

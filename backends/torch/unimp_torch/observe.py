@@ -1,8 +1,8 @@
 """What really ran: per module path, the dtypes seen in one real forward.
 
-A ``TorchDispatchMode`` (below autocast, so it sees the casts autocast and unimp made) records
-the output dtype of the first compute op each module runs itself; forward hooks record output
-dtypes. Cast and view ops do not count as compute. The first forward after ``apply`` is observed
+A ``TorchFunctionMode`` records the output dtype of the first compute function each module calls
+itself (after autocast and unimp's op rules acted on it); forward hooks record output dtypes.
+Casts, views and factories do not count as compute. The first forward after ``apply`` is observed
 as it runs (:class:`Observer`); ``amp.report(x)`` runs :func:`observe` on an example input.
 
 >>> import torch
@@ -20,12 +20,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
 from .layers import NAMES, kind, type_names
 
-NOT_COMPUTE = frozenset({"_to_copy", "copy_", "clone", "detach", "contiguous", "empty_like", "empty",
-                         "zeros_like", "ones_like", "lift_fresh", "_unsafe_view", "alias", "t"})
+# torch functions that move, view, describe or create data: not where a module computes
+NOT_COMPUTE = frozenset({
+    "to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone", "detach", "detach_",
+    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose",
+    "permute", "t", "expand", "expand_as", "__getitem__", "__setitem__", "chunk", "split", "narrow", "select",
+    "unbind", "__get__", "__set__", "size", "dim", "numel", "cpu", "cuda", "requires_grad_", "zeros_like",
+    "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor",
+    "tensor", "as_tensor", "arange", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "copy_",
+    "repeat", "tile", "masked_fill", "masked_fill_", "fill_", "zero_", "item", "tolist", "is_floating_point",
+    "__len__", "__iter__", "__hash__", "__eq__", "__bool__", "_has_compatible_shallow_copy_type"})
 
 
 def _dtype(x: Any) -> str | None:
@@ -41,18 +49,24 @@ def _dtype(x: Any) -> str | None:
     return None
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder(TorchFunctionMode):
+    """Output dtype of the first compute function each module (top of ``stack``) calls itself.
+
+    A function-level mode: transparent to autograd and to every dispatcher kernel (a dispatch
+    mode would change how some backends' kernels record gradients in the observed forward).
+    """
+
     def __init__(self) -> None:
         super().__init__()
         self.stack: list[str] = []
         self.compute: dict[str, str] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.stack and not func.is_view and func._overloadpacket.__name__ not in NOT_COMPUTE:
-            path = self.stack[-1]
+        path = self.stack[-1] if self.stack else None
+        if path is not None and path not in self.compute and getattr(func, "__name__", "") not in NOT_COMPUTE:
             d = _dtype(out)
-            if path not in self.compute and d and d in NAMES.values():
+            if d and d in NAMES.values():
                 self.compute[path] = d
         return out
 
