@@ -173,11 +173,11 @@ def matrix_markdown(obs: dict[str, dict], resume: dict[tuple[str, str], str], pr
         d = obs[b]["dtypes"].get(policy)
         return d["control"] if _ok(d) else {}
 
-    # mixed_bf16, then each policy whose control levels differ from it in some backend
+    # mixed_bf16, the custom op-list policy, and each other policy whose control levels differ
     policies = sorted({p for o in obs.values() for p, d in o["dtypes"].items() if _ok(d) and d.get("control")},
                       key=lambda p: (p != "mixed_bf16", p))
-    policies = [p for p in policies if p == "mixed_bf16"
-                or any(control(b, p) != control(b, "mixed_bf16") for b in backends)]
+    policies = [p for p in policies if p in ("mixed_bf16", "custom_moved_ops") or any(
+        control(b, p) and control(b, "mixed_bf16") and control(b, p) != control(b, "mixed_bf16") for b in backends)]
     for policy in policies:
         lines += ["", f"## Control level per canonical op: {policy}", "",
                   "| op | " + " | ".join(backends) + " |", "|---|" + "---|" * len(backends)]
