@@ -86,3 +86,39 @@ def test_apply_on_a_compiled_module():
         unimp.apply("mixed_bf16", model)
     amp.remove()
     assert "forward" not in model.__dict__
+
+
+class Attention(nn.Module):
+    """nn.MultiheadAttention (F.multi_head_attention_forward is written in Python) and Tensor
+    methods written in Python (unflatten, split, norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.seen: dict[str, torch.dtype] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, weights = self.mha(x, x, x, need_weights=True)
+        self.seen["weights"] = weights.dtype  # a softmax inside F.multi_head_attention_forward
+        h = out.unflatten(-1, (4, 4)).flatten(-2).split(8, -1)[0]
+        return h.norm(dim=-1)
+
+
+def test_torch_functions_written_in_python_follow_the_policy_eager_and_compiled():
+    torch._dynamo.reset()
+    model = Attention()
+    x = torch.randn(2, 5, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # torch's CPU autocast leaves softmax in bf16
+        model(x)
+    assert model.seen["weights"] == torch.bfloat16
+    amp = unimp.apply("mixed_bf16", model)
+    assert amp.policy.decide("mha", "softmax").compute_dtype == "float32"
+    explained = torch._dynamo.explain(amp.model)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    compiled = torch.compile(amp.model, backend="aot_eager")(x)
+    assert model.seen["weights"] == torch.float32  # compiled: the policy's softmax
+    model.seen.clear()
+    eager = amp.model(x)
+    assert model.seen["weights"] == torch.float32  # eager: the same
+    torch.testing.assert_close(compiled, eager)
+    amp.remove()

@@ -10,9 +10,11 @@ it. This covers functional calls (``torch.matmul``, ``q @ k.T``, ``F.scaled_dot_
 ``F.conv2d``) in both directions, needs no process-wide registration (other models and copies are
 unaffected), and ``torch.compile`` traces it into the graph (no graph break, zero cost compiled).
 
-Calls inside autocast-disabled regions are left alone (as torch's kernels are), and so are the
-inner calls of a torch function implemented in Python that the policy does not move (torch runs
-a mode's handler with the mode off).
+Calls inside autocast-disabled regions are left alone (as torch's kernels are).
+``F.multi_head_attention_forward`` (written in Python, the policy does not move it as a whole)
+runs with the mode re-entered, through a copy that skips its own ``__torch_function__`` check, so
+its inner calls (``softmax``, ``bmm``) follow the policy as they would at the aten level; other
+torch functions written in Python wrap one C op, which the mode sees as that op.
 
 >>> import torch
 >>> mode = PolicyMode({"softmax": "float32"}, "cpu")
@@ -23,6 +25,7 @@ torch.float32
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,6 +53,41 @@ def _cast(x: Any, dtype: torch.dtype, device: str) -> Any:
     return x.to(dtype) if _eligible(x, device) and x.dtype != dtype else x
 
 
+# torch functions written in Python whose inner calls include ops a policy decides on (the rest
+# are thin wrappers of one C op, which the mode sees as that op)
+REENTER = ("multi_head_attention_forward",)
+
+
+def _unchecked_copies() -> dict[Any, Any]:
+    """For each function of :data:`REENTER`, a copy that skips its own ``__torch_function__``
+    check, so a mode re-entered around it sees its inner calls (``softmax``, ``bmm``, ``linear``)."""
+    import torch.nn.functional
+
+    no_check = {"has_torch_function": lambda *a: False, "has_torch_function_unary": lambda *a: False,
+                "has_torch_function_variadic": lambda *a: False}
+    scope = {**vars(torch.nn.functional), **no_check}
+    out = {}
+    for name in REENTER:
+        f = getattr(torch.nn.functional, name)
+        copy = types.FunctionType(f.__code__, scope, f.__name__, f.__defaults__, f.__closure__)
+        copy.__kwdefaults__ = f.__kwdefaults__
+        out[f] = copy
+    return out
+
+
+UNCHECKED = _unchecked_copies()
+
+
+def _call(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)``; a Tensor method (``x.size()``, or one written in Python such as
+    ``Tensor.unflatten``) is called as a method, which torch.compile traces as the op it is."""
+    if args and isinstance(args[0], torch.Tensor) and (
+            getattr(func, "__objclass__", None) is torch._C.TensorBase
+            or getattr(func, "__module__", None) == "torch._tensor"):
+        return getattr(args[0], func.__name__)(*args[1:], **kwargs)
+    return func(*args, **kwargs)
+
+
 class PolicyMode(TorchFunctionMode):
     """Run torch functions named in ``rules`` (name -> category) as the policy says, on ``device``.
 
@@ -66,7 +104,11 @@ class PolicyMode(TorchFunctionMode):
         kwargs = kwargs or {}
         category = self.rules.get(getattr(func, "__name__", ""))
         if category is None or not torch.is_autocast_enabled(self.device):
-            return func(*args, **kwargs)
+            inner = UNCHECKED.get(func) if category is None else None
+            if inner is None:
+                return _call(func, args, kwargs)
+            with self:  # a Python-level torch function: its inner calls follow the policy too
+                return inner(*args, **kwargs)
         if category == "float32":
             dtype = torch.float32
         elif category == "lower":
@@ -77,7 +119,7 @@ class PolicyMode(TorchFunctionMode):
             args = tuple(_cast(a, dtype, self.device) for a in args)
             kwargs = {k: _cast(v, dtype, self.device) for k, v in kwargs.items()}
         with torch.autocast(self.device, enabled=False):
-            return func(*args, **kwargs)
+            return _call(func, args, kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"device": self.device, "rules": self.rules}
