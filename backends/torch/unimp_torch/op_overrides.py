@@ -105,10 +105,12 @@ class PolicyMode(TorchFunctionMode):
         category = self.rules.get(getattr(func, "__name__", ""))
         if category is None or not torch.is_autocast_enabled(self.device):
             inner = UNCHECKED.get(func) if category is None else None
-            if inner is None:
+            if inner is not None:
+                with self:  # a Python-level torch function: its inner calls follow the policy too
+                    return inner(*args, **kwargs)
+            if torch.compiler.is_compiling():
                 return _call(func, args, kwargs)
-            with self:  # a Python-level torch function: its inner calls follow the policy too
-                return inner(*args, **kwargs)
+            return func(*args, **kwargs)  # eager fast path: most calls end here
         if category == "float32":
             dtype = torch.float32
         elif category == "lower":
