@@ -122,3 +122,14 @@ def test_torch_functions_written_in_python_follow_the_policy_eager_and_compiled(
     assert model.seen["weights"] == torch.float32  # eager: the same
     torch.testing.assert_close(compiled, eager)
     amp.remove()
+
+
+def test_every_preset_traces_without_graph_breaks():
+    torch._dynamo.reset()
+    x = torch.randn(2, 4, 16)
+    for preset in unimp.preset_names():
+        model = Block()
+        amp = unimp.apply(preset, model, torch.optim.AdamW(model.parameters()))
+        explained = torch._dynamo.explain(amp.model)(x)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), (preset, explained.break_reasons)
+        amp.remove()
