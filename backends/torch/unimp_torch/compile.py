@@ -41,10 +41,15 @@ def resolve_compute(dtype: str, device: str) -> tuple[str, str]:
             if not torch.cuda.is_available() or torch.cuda.is_bf16_supported():
                 return "bfloat16", "auto: this GPU has native bfloat16"
             return "float16", "auto: this GPU has no bfloat16; float16 with dynamic loss scaling"
-        if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
-            return "bfloat16", "auto: this CPU has native bfloat16 (AVX512-BF16/AMX)"
-        return "float32", "auto: this CPU has no native bfloat16, where it is slower than float32"
+        from unimp.hardware import resolve_cpu_auto
+
+        return resolve_cpu_auto("torch")  # CPU autocast float16 would need loss scaling: never auto on CPU
     check_dtype(dtype, device, "compute_dtype")
+    if device == "cpu" and is_low(dtype):
+        from unimp.hardware import cpu
+
+        if cpu().emulated(dtype):
+            return dtype, f"as the policy says (emulated on this CPU, slower than float32: {cpu().describe()})"
     return dtype, "as the policy says"
 
 
@@ -64,6 +69,9 @@ def check_dtype(dtype: str, device: str, key: str) -> None:
         if not ok or any("not supported" in str(w.message) for w in caught):
             raise UnsupportedError(f"{key} = {dtype!r}: torch {torch.__version__} CPU autocast does not "
                                    f"support it; use 'bfloat16' or 'float32', or run on cuda")
+        from unimp.hardware import warn_emulated
+
+        warn_emulated(dtype, key, "torch's CPU autocast")
 
 
 def compile_plan(policy: Policy, device: str) -> Plan:
