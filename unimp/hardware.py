@@ -163,7 +163,8 @@ class CpuFacts:
     def record(self) -> dict:
         """The facts as plain data (for Plans, reports and the conformance matrix)."""
         return {"arch": self.arch, "model": self.model, "features": sorted(self.features),
-                "simulated": self.simulated, "native_bf16": self.native_bf16, "native_fp16": self.native_fp16}
+                "simulated": self.simulated, "native_bf16": self.native_bf16, "native_fp16": self.native_fp16,
+                "describe": self.describe()}
 
 
 @functools.lru_cache(maxsize=1)
