@@ -21,8 +21,11 @@ commas or spaces, applied left to right)::
 e.g. ``avx2`` (an AVX2-only x86-64 CPU), ``avx512`` (AVX512 without BF16), ``avx512_bf16``,
 ``amx``, ``host,-avx512_bf16``, ``arm64,bf16``. Frameworks only see the simulation through their
 own variables: ``simulated_env("avx2")`` gives ``UNIMP_CPU_FEATURES`` plus ``ONEDNN_MAX_CPU_ISA``
-(oneDNN in torch, IPEX, Paddle, TensorFlow), ``ATEN_CPU_CAPABILITY`` (torch's vectorised kernels)
-and ``XLA_FLAGS=--xla_cpu_max_isa`` (JAX/XLA:CPU). Launch a process under it with
+(oneDNN in torch, IPEX and Paddle), ``ATEN_CPU_CAPABILITY`` (torch's vectorised kernels) and
+``XLA_FLAGS=--xla_cpu_max_isa`` (JAX/XLA:CPU). TensorFlow decides from its own CPUID check whether
+to use oneDNN's bf16 kernels and aborts the process when oneDNN is capped below them, so for a
+CPU without them the simulation also sets ``TF_ENABLE_ONEDNN_OPTS=0`` (TF then runs its Eigen
+kernels, as it does for bf16 on such a CPU). Launch a process under it with
 ``python -m unimp.hardware --simulate avx2 -- COMMAND``; ``python -m unimp.hardware`` prints the facts.
 A simulation can only take features away: a framework cannot run instructions the CPU lacks.
 
@@ -262,6 +265,8 @@ def simulated_env(spec: str, base: Mapping[str, str] | None = None) -> dict[str,
     if isa is not None:
         env["ONEDNN_MAX_CPU_ISA"] = env["DNNL_MAX_CPU_ISA"] = isa
         env["ATEN_CPU_CAPABILITY"] = "avx512" if facts.avx512_core else "avx2" if "avx2" in flags else "default"
+        if not facts.bf16_kernels:  # TF checks CPUID itself, then oneDNN refuses: terminate() (measured)
+            env["TF_ENABLE_ONEDNN_OPTS"] = "0"
         xla = "AVX512" if facts.avx512_core else "AVX2" if "avx2" in flags else "SSE4_2"
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_cpu_max_isa={xla}".strip()
     return env
@@ -354,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         rest = rest[1:] if rest[:1] == ["--"] else rest
         env = simulated_env(spec)
         if not rest:
-            for k in (ENV, "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "XLA_FLAGS"):
+            for k in (ENV, "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "XLA_FLAGS",
+                      "TF_ENABLE_ONEDNN_OPTS"):
                 if k in env:
                     print(f"{k}={env[k]}")
             return 0
