@@ -37,6 +37,7 @@ class DeviceLossScale:
         self.device = torch.device(device)
         self.native = torch_rule(spec)
         self.checks = spec.mode != "none" or spec.skip_nonfinite  # finiteness is needed at all
+        self.losses = 0  # losses scaled so far: new gradients may have arrived since this changed
         self.set_state(LossScale(spec).initial_state())
 
     # ------------------------------------------------------------------ state
@@ -57,6 +58,7 @@ class DeviceLossScale:
 
     # ------------------------------------------------------------------ per step
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        self.losses += 1
         if self.spec.mode == "none":
             return loss
         return loss.float() * self.scale
