@@ -49,7 +49,7 @@ class TorchAmp(Amp):
         self.params = ParamState()
         self.wrapped: list[str] = []  # module paths with a layer-level forward
         self._undo: list[Callable[[], None]] = []
-        self._layout: list[tuple[torch.Tensor, bool]] = []
+        self._layout: list[tuple[torch.Tensor, tuple[int, ...]]] = []
         self._ops_handle = 0
         self._observed: dict[str, dict[str, Any]] | None = None
         self._observe_next = True
@@ -93,6 +93,7 @@ class TorchAmp(Amp):
         """
         from .distributed import make_ddp
 
+        self._check_live("amp.ddp()")
         return make_ddp(self, **kwargs)
 
     @property
