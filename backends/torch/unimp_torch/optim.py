@@ -206,8 +206,9 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     def _fused_step(self, found: torch.Tensor) -> tuple[Any, bool | None]:
         """The kernel skips on ``found``; state it allocated for a skipped first step is dropped."""
-        state = self.optimizer.state
-        fresh = [p for p in self.master_params() if p.grad is not None and not state.get(p)]
+        state, params = self.optimizer.state, self.master_params()
+        # params without state yet (none once every param has some: no per-param loop then)
+        fresh = [p for p in params if p.grad is not None and not state.get(p)] if len(state) < len(params) else []
         self.optimizer.grad_scale, self.optimizer.found_inf = None, found
         try:
             out = self.optimizer.step()
