@@ -260,3 +260,14 @@ def test_garbage_optimizer_state_is_refused_whole(how):
     assert after["param_groups"] == good["param_groups"]
     amp.optimizer.load_state_dict(good)  # the real one still loads
     amp.remove()
+
+
+def test_loss_scale_state_that_does_not_fit_the_device_is_refused_whole():
+    """A counter beyond the device's int32: StateError naming the key, the old state kept."""
+    model = _mlp()
+    amp = unimp.apply(SCALED, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    good = amp.state_dict()
+    with pytest.raises(StateError, match="growth_tracker"):
+        amp.load_state_dict(dict(good, scale=8.0, growth_tracker=2**40))
+    assert amp.state_dict() == good
+    amp.remove()
