@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from unimp.backend import Amp
-from unimp.errors import UnsupportedError
+from unimp.errors import StateError
 from unimp.loss_scale import LossScaleState
 from unimp.plan import Plan
 from unimp.report import Report, ReportRow
@@ -121,12 +121,10 @@ class TorchAmp(Amp):
         return self.params.originals_in_model()
 
     def _check_live(self, verb: str) -> None:
-        """Refuse ``verb`` once :meth:`remove` has run."""
+        """Refuse ``verb`` once :meth:`remove` has run (the core's check, until it is in the base)."""
         if self._removed:
-            raise UnsupportedError(
-                f"{verb}: this Amp was removed (amp.remove()); the model and optimizer are plain torch "
-                f"again. Train them without unimp, or call unimp.apply(policy, model, optimizer) again "
-                f"for a new Amp")
+            raise StateError(f"{verb}: this Amp was removed (amp.remove() restored the model); apply the "
+                             f"policy again to use it: amp = unimp.apply(policy, model, optimizer)")
 
     # ------------------------------------------------------------------ Amp contract
     def loss_scale_state(self) -> LossScaleState:
