@@ -49,7 +49,7 @@ class TorchAmp(Amp):
         self.params = ParamState()
         self.wrapped: list[str] = []  # module paths with a layer-level forward
         self._undo: list[Callable[[], None]] = []
-        self._layout: list[tuple[torch.Tensor, tuple[int, ...]]] = []
+        self._layout: list[tuple[torch.Tensor, bool]] = []
         self._ops_handle = 0
         self._observed: dict[str, dict[str, Any]] | None = None
         self._observe_next = True
