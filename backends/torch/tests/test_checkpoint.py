@@ -213,3 +213,32 @@ def test_masters_in_model_for_saving():
     for _, low, master in amp.master_weights:
         assert torch.equal(low, master.to(low.dtype))
     amp.remove()
+
+
+def test_copy_of_the_model_saves_its_own_weights_and_a_copied_amp_its_own_masters():
+    """``copy.deepcopy(model)`` (an EMA/teacher copy) saves the copy's own parameters, never the
+    original's masters; ``copy.deepcopy(amp)`` gives a copy whose model saves the copy's masters."""
+    import copy
+
+    model = _model(0)
+    amp = _apply("pure_bf16", model, "adamw")
+    _train(amp, range(2))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    for name, value in twin.state_dict().items():  # the copy's own (halved, low-precision) parameters
+        own = twin.get_parameter(name)
+        assert value.dtype == own.dtype and torch.equal(value, own), name
+    if not hasattr(unimp.Amp, "__deepcopy__"):
+        amp.remove()
+        pytest.skip("copy.deepcopy(amp) is the core's (Amp.__deepcopy__)")
+    other = copy.deepcopy(amp)
+    _train(other, range(2, 4))
+    masters = {name: m for name, _, m in other.master_weights}
+    sd = other.model.state_dict()
+    for name, m in masters.items():
+        assert sd[name].dtype == torch.float32 and torch.equal(sd[name], m), name
+    assert not torch.equal(sd["body.0.weight"], model.state_dict()["body.0.weight"])  # amp's own, untouched
+    other.remove()
+    amp.remove()

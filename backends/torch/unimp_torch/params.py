@@ -21,6 +21,7 @@ True
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -78,8 +79,22 @@ class ParamState:
     def link(self) -> None:
         """Hook every module holding a low-precision copy: its state dict is the fp32 original."""
         for module in {id(m): m for m, *_ in self.swapped}.values():
+            for hooks in (module._state_dict_hooks, module._load_state_dict_pre_hooks):
+                for key, hook in list(hooks.items()):  # inert hooks a copy of the model brought along
+                    if isinstance(getattr(hook, "hook", hook), _Hook) and getattr(hook, "hook", hook).state is None:
+                        del hooks[key]
             self.hooks.append(module.register_state_dict_post_hook(_Hook(self, load=False)))
             self.hooks.append(module.register_load_state_dict_pre_hook(_Hook(self, load=True)))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ParamState:
+        """A copy over the copied parameters (part of copying the whole Amp), hooked to them."""
+        new = ParamState(masters=copy.deepcopy(self.masters, memo), swapped=copy.deepcopy(self.swapped, memo),
+                         in_place=copy.deepcopy(self.in_place, memo))
+        memo[id(self)] = new
+        new.home = {id(low): (low, original) for low, original in
+                    (copy.deepcopy(pair, memo) for pair in self.home.values())}
+        new.link()
+        return new
 
     @contextmanager
     def originals_in_model(self) -> Iterator[None]:
