@@ -120,6 +120,13 @@ class AmpOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"AmpOptimizer({self.optimizer!r})"
 
+    # torch.optim.Optimizer pickles only defaults/state/param_groups; this wrapper is its attributes
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     # ------------------------------------------------------------------ the step
     def master_params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
