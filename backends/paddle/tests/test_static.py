@@ -130,3 +130,33 @@ def test_auto_is_bf16_only_with_native_units_and_explicit_bf16_never_reaches_one
     exe = paddle.static.Executor(paddle.CPUPlace())
     exe.run(start)
     assert np.isfinite(exe.run(main, feed=feed, fetch_list=[loss])[0])  # no 'could not create a primitive'
+
+
+BACKSTOP = """
+import numpy as np, paddle, unimp
+paddle.enable_static()
+main, start = paddle.static.Program(), paddle.static.Program()
+with paddle.static.program_guard(main, start):
+    x = paddle.static.data("x", [4, 16], "float32")
+    out = paddle.static.nn.fc(x, 8)
+amp = unimp.apply(unimp.load("mixed_bf16").replace(on_unsupported="fallback"), main)
+exe = paddle.static.Executor(paddle.CPUPlace())
+exe.run(start)
+try:
+    amp.op_dtypes(exe, {"x": np.ones((4, 16), np.float32)})
+except unimp.UnsupportedError as e:
+    print("UnsupportedError:", e)
+"""
+
+
+@pytest.mark.skipif(not hardware.host().bf16_kernels, reason="needs a CPU whose oneDNN has bf16 kernels to cap")
+def test_onednn_failing_anyway_is_a_unimp_error_not_paddles_runtime_error():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}  # oneDNN capped, unimp's facts not told
+    env.pop(hardware.ENV, None)
+    out = subprocess.run([sys.executable, "-c", BACKSTOP], env=env, capture_output=True, text=True, timeout=300)
+    assert "UnsupportedError: Paddle's oneDNN has no kernel" in out.stdout, out.stderr[-2000:]
+    assert 'compute_dtype = "auto"' in out.stdout
