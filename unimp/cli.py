@@ -18,16 +18,32 @@ from .report import format_table
 from .spec import json_schema
 
 
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: control characters, escape sequences and lone surrogates escaped.
+
+    >>> printable("a\x1b[31mb\udc80")
+    'a\\x1b[31mb\\udc80'
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in text)
+
+
+def _say(text: str, file: Any = None) -> None:
+    print("\n".join(printable(line) for line in text.split("\n")), file=file or sys.stdout)
+
+
 def _validate(args: argparse.Namespace) -> int:
     bad = 0
     for f in args.files:
         try:
             p = load(f)
-            print(f"ok  {f}  ({p.name}, fingerprint {p.fingerprint})")
+            _say(f"ok  {f}  ({p.name}, fingerprint {p.fingerprint})")
         except PolicyError as e:
             bad += 1
             for line in e.problems:
-                print(line, file=sys.stderr)
+                _say(line, file=sys.stderr)
     return 1 if bad else 0
 
 
@@ -123,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except (PolicyError, UnsupportedError) as e:
-        print(str(e), file=sys.stderr)
+        _say(str(e), file=sys.stderr)
         return 1
     except BrokenPipeError:  # `unimp presets | head`
         sys.stderr.close()

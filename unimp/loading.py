@@ -12,8 +12,8 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
 import math
+import os
 import re
 import tomllib
 from collections.abc import Iterable
@@ -188,7 +188,8 @@ def _check_inside(name: str, path: Path, base: Path, roots: tuple[Path, ...]) ->
         raise PolicyError(f"{short(name)}: extends may not read {real.parts[1]} files")
     trees = (base.resolve(), *roots)
     if not any(real == t or t in real.parents for t in trees):
-        where = "an absolute path" if Path(name).is_absolute() else "outside the directory tree of the file that names it"
+        where = ("an absolute path" if Path(name).is_absolute()
+                 else "outside the directory tree of the file that names it")
         raise PolicyError(f"{short(name)}: extends names {where} (after following links); use a preset name or a "
                           f"path inside {base}, or opt that directory in: unimp.load(..., extends_roots=[dir]) "
                           f"or {EXTENDS_ROOTS_ENV}=dir")

@@ -73,7 +73,8 @@ TABLES: dict[str, dict[str, Field]] = {
     },
     "loss_scale": {
         "mode": _enum(("none", "static", "dynamic"), "dynamic", "loss scaling mode"),
-        "initial": Field("float", 65536.0, "initial (or static) scale", exclusive_minimum=0.0, minimum=FLT_TINY, maximum=FLT_MAX),
+        "initial": Field("float", 65536.0, "initial (or static) scale", exclusive_minimum=0.0, minimum=FLT_TINY,
+                         maximum=FLT_MAX),
         "growth_factor": Field("float", 2.0, "scale multiplier on growth", exclusive_minimum=1.0,
                                maximum=FLT_MAX),
         "backoff_factor": Field("float", 0.5, "scale multiplier on backoff",
@@ -301,7 +302,7 @@ def _check_number(field: Field, value: Any, path: str, problems: Problems) -> An
                    INT32_MAX: "the largest int32 every backend's counter holds"}.get(bound)
             tail = f", {why}" if why else ""
             inf = "; use inf for no cap" if field.allow_inf and op == "<=" else ""
-            problems.add(path, lambda: f"must be {op} {bound:g}{tail}; got {show(value)}{inf}")
+            problems.add(path, f"must be {op} {bound:g}{tail}; got {show(value)}{inf}")
             return None
     return float(value) if field.kind == "float" else value
 
