@@ -33,7 +33,7 @@ EXTENDS_ROOTS_ENV = "UNIMP_EXTENDS_ROOTS"
 PSEUDO_FS = {("/", "proc"), ("/", "sys"), ("/", "dev")}
 MAX_KEY_PARTS = 16  # dotted TOML keys deeper than this are refused before parsing (tomllib is quadratic)
 _KEY_PART = r"""(?:[A-Za-z0-9_-]+|"[^"\n]*"|'[^'\n]*')"""
-_DEEP_KEY = re.compile(rf"(?<![A-Za-z0-9_-]){_KEY_PART}(?:[ \t]*\.[ \t]*{_KEY_PART}){{{MAX_KEY_PARTS},}}")
+_DEEP_KEY = re.compile(rf"(?:^|[\[{{,])[ \t]*{_KEY_PART}(?:[ \t]*\.[ \t]*{_KEY_PART}){{{MAX_KEY_PARTS},}}", re.MULTILINE)
 
 
 @functools.cache
@@ -226,7 +226,7 @@ def parse_text(text: str, fmt: str) -> Any:
         text = text[1:]
     try:
         if fmt == "toml":
-            deep = _DEEP_KEY.search(text)
+            deep = _DEEP_KEY.search(text)  # a key starts a line, or follows [ { or ,
             if deep:
                 line = text.count("\n", 0, deep.start()) + 1
                 raise PolicyError(f"line {line}: a dotted key of more than {MAX_KEY_PARTS} parts; policy keys "

@@ -302,7 +302,8 @@ def _check_number(field: Field, value: Any, path: str, problems: Problems) -> An
                    INT32_MAX: "the largest int32 every backend's counter holds"}.get(bound)
             tail = f", {why}" if why else ""
             inf = "; use inf for no cap" if field.allow_inf and op == "<=" else ""
-            problems.add(path, f"must be {op} {bound:g}{tail}; got {show(value)}{inf}")
+            shown = bound if isinstance(bound, int) else f"{bound:g}"
+            problems.add(path, f"must be {op} {shown}{tail}; got {show(value)}{inf}")
             return None
     return float(value) if field.kind == "float" else value
 
