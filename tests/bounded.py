@@ -25,7 +25,7 @@ def answer(fn: Callable[..., Any], *args: Any, seconds: float = SECONDS, megabyt
     def once() -> Any:
         try:
             return fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - the caller decides which exceptions are fine
+        except Exception as e:
             return e
 
     wall, cpu = time.perf_counter(), time.process_time()

@@ -133,7 +133,8 @@ def test_deep_toml_dotted_keys_are_refused_before_parsing(write, shape):
 
 
 def test_dotted_keys_a_policy_uses_still_load(write):
-    p = write("ok.toml", 'loss_scale.initial = 1024.0\n"ops".lower = ["matmul"]\nname = "a.b.c.d.e.f.g.h.i.j.k.l.m.n.o.p.q.r"\n')
+    p = write("ok.toml", 'loss_scale.initial = 1024.0\n"ops".lower = ["matmul"]\n'
+                         'name = "a.b.c.d.e.f.g.h.i.j.k.l.m.n.o.p.q.r"\n')
     assert unimp.load(p).loss_scale.initial == 1024.0
 
 
@@ -166,7 +167,8 @@ NUMBERS = {(t, k): f for t, fields in TABLES.items() for k, f in fields.items() 
 
 @SETTINGS
 @given(key=st.sampled_from(sorted(NUMBERS)), value=st.one_of(
-    st.integers(-2**70, 2**70), st.floats(allow_nan=True), st.sampled_from([2**31 - 1, 2**31, FLT_MAX, 3.5e38, 10**400])))
+    st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+    st.sampled_from([2**31 - 1, 2**31, FLT_MAX, 3.5e38, 10**400])))
 def test_every_number_loads_only_within_its_bounds_and_every_backend_can_hold_it(key, value):
     field = NUMBERS[key]
     base = ({"min": 0.0, "initial": FLT_MAX if key[1] == "min" else 2.0**-126, "max": math.inf}
@@ -174,7 +176,7 @@ def test_every_number_loads_only_within_its_bounds_and_every_backend_can_hold_it
     out = loaded_or_refused({key[0]: {**base, key[1]: value}})
     inside = (not (isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and not (
         field.allow_inf and value > 0)))) and (field.kind == "float" or isinstance(value, int))
-        and (isinstance(value, float) and math.isinf(value) or all(ok for ok in [
+        and ((isinstance(value, float) and math.isinf(value)) or all(ok for ok in [
             field.minimum is None or value >= field.minimum, field.maximum is None or value <= field.maximum,
             field.exclusive_minimum is None or value > field.exclusive_minimum,
             field.exclusive_maximum is None or value < field.exclusive_maximum])))
@@ -347,7 +349,8 @@ def test_the_cli_prints_no_traceback_for_any_of_them(write, capsys):
 # ---------------------------------------------------------------- 17: surrogates and terminal escapes
 
 
-@pytest.mark.parametrize("source", [{"name": "a\ud800b"}, {"overrides": [{"modules": ["\udc80"], "compute_dtype": "float32"}]}])
+@pytest.mark.parametrize("source", [{"name": "a\ud800b"},
+                                    {"overrides": [{"modules": ["\udc80"], "compute_dtype": "float32"}]}])
 def test_lone_surrogates_are_refused(source):
     refused(source, "surrogate")
 

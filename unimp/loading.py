@@ -33,7 +33,8 @@ EXTENDS_ROOTS_ENV = "UNIMP_EXTENDS_ROOTS"
 PSEUDO_FS = {("/", "proc"), ("/", "sys"), ("/", "dev")}
 MAX_KEY_PARTS = 16  # dotted TOML keys deeper than this are refused before parsing (tomllib is quadratic)
 _KEY_PART = r"""(?:[A-Za-z0-9_-]+|"[^"\n]*"|'[^'\n]*')"""
-_DEEP_KEY = re.compile(rf"(?:^|[\[{{,])[ \t]*{_KEY_PART}(?:[ \t]*\.[ \t]*{_KEY_PART}){{{MAX_KEY_PARTS},}}", re.MULTILINE)
+_DEEP_KEY = re.compile(rf"(?:^|[\[{{,])[ \t]*{_KEY_PART}(?:[ \t]*\.[ \t]*{_KEY_PART}){{{MAX_KEY_PARTS},}}",
+                       re.MULTILINE)
 
 
 @functools.cache
