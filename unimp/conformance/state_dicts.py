@@ -84,3 +84,31 @@ def check_round_trip(amp: Any) -> None:
     state = extreme_state(amp)
     amp.load_state_dict(state)
     assert amp.state_dict() == state, f"{amp.backend}: {state} read back as {amp.state_dict()}"
+
+
+def check_copy(amp: Any) -> None:
+    """``copy.deepcopy(amp)`` gives an Amp with the same state, or a clear UnsupportedError naming the fix."""
+    import copy
+
+    from ..errors import UnsupportedError
+
+    try:
+        twin = copy.deepcopy(amp)
+    except UnsupportedError as e:
+        assert "new.load_state_dict(amp.state_dict())" in str(e), str(e)
+        return
+    assert twin is not amp and twin.state_dict() == amp.state_dict()
+    twin.remove()
+
+
+def check_removed(amp: Any) -> None:
+    """After ``amp.remove()`` the base verbs refuse with a StateError that says to apply again."""
+    sd = amp.state_dict()
+    amp.remove()
+    for verb in (amp.state_dict, lambda: amp.load_state_dict(sd), lambda: amp.scale):
+        try:
+            verb()
+        except StateError as e:
+            assert "was removed" in str(e), str(e)
+        else:
+            raise AssertionError(f"{amp.backend}: a removed Amp still answered")
