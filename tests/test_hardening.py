@@ -409,3 +409,18 @@ def test_show_json_is_valid_json_and_loads_back(name, tmp_path, capsys):
     p = tmp_path / "back.json"
     p.write_text(text)
     assert unimp.load(p).fingerprint == unimp.load(name).fingerprint
+
+
+def test_cli_warnings_are_escaped_too(write, capsys):
+    p = write("w\x1b[31m.toml", '[loss_scale]\nmode = "dynamic"\nskip_nonfinite = false\n')
+    assert cli.main(["validate", str(p)]) == 0
+    err = capsys.readouterr().err
+    assert "skip_nonfinite" in err and "\x1b" not in err
+
+
+def test_an_extends_chain_is_bounded_like_one_file(write):
+    filler = "# " + "x" * (100 * 1024) + "\n"
+    write("c.toml", 'extends = "mixed_fp16"\n' + filler)
+    write("b.toml", 'extends = "c.toml"\n' + filler)
+    refused(write("a.toml", 'extends = "b.toml"\n' + filler), "with the files it extends")
+    assert unimp.load(write("ok.toml", 'extends = "c.toml"\n')).compute_dtype == "float16"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,10 +20,10 @@ from .spec import json_schema
 
 
 def printable(text: str) -> str:
-    """``text`` safe for a terminal: control characters, escape sequences and lone surrogates escaped.
+    r"""``text`` safe for a terminal: control characters, escape sequences and lone surrogates escaped.
 
-    >>> printable("a\x1b[31mb\udc80")
-    'a\\x1b[31mb\\udc80'
+    >>> print(printable("a\x1b[31mb\udc80"))
+    a\x1b[31mb\udc80
     """
     if text.isprintable():
         return text
@@ -134,10 +135,16 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _warn(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+    _say(f"warning: {message}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return args.run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warn  # warnings name files and values too: escaped like the rest
+            return args.run(args)
     except (PolicyError, UnsupportedError) as e:
         _say(str(e), file=sys.stderr)
         return 1

@@ -77,7 +77,7 @@ def load(source: Any, *, extends_roots: Iterable[str | os.PathLike] = ()) -> Pol
         name = os.fspath(source)
         if not isinstance(name, str) or _bad_name(name):
             raise PolicyError(f"<argument>: {show(name)} is not a usable policy path or preset name")
-        return _load_named(name, base=Path.cwd(), chain=(), roots=roots, named_by_user=True)
+        return _load_named(name, base=Path.cwd(), chain=(), roots=roots, named_by_user=True, spent=[0])
     raise PolicyError(f"<argument>: expected a policy file path, preset name, dict or unimp.Policy, "
                       f"got {type(source).__name__}")
 
@@ -102,14 +102,14 @@ def resolve_dict(layer: Any, parent: dict[str, Any] | None, source: str,
 
 
 def _resolve(layer: Any, parent: dict[str, Any] | None, source: str, base: Path,
-             chain: tuple[str, ...], roots: tuple[Path, ...] = ()) -> dict[str, Any]:
+             chain: tuple[str, ...], roots: tuple[Path, ...] = (), spent: list[int] | None = None) -> dict[str, Any]:
     problems = Problems(source)
     checked = check_layer(layer, problems)
     problems.raise_if_any()
     extends = checked.pop("extends", None)
     if extends is not None:
         try:
-            parent = _load_named(extends, base=base, chain=chain, roots=roots).to_dict()
+            parent = _load_named(extends, base=base, chain=chain, roots=roots, spent=spent).to_dict()
         except PolicyError as e:
             raise PolicyError([f"{source}: extends: {p}" for p in e.problems]) from None
     merged = merge(parent if parent is not None else DEFAULTS, checked)
@@ -143,7 +143,9 @@ def merge(parent: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load_named(name: str, base: Path, chain: tuple[str, ...], roots: tuple[Path, ...] = (),
-                named_by_user: bool = False) -> Policy:
+                named_by_user: bool = False, spent: list[int] | None = None) -> Policy:
+    """Load a file or preset; ``spent`` counts the bytes read along one ``extends`` chain, which
+    together stay within ``MAX_FILE_BYTES`` (so a chain is as bounded as one file)."""
     path = _locate(name, base, roots, named_by_user)
     try:
         key = str(path.resolve())
@@ -154,8 +156,9 @@ def _load_named(name: str, base: Path, chain: tuple[str, ...], roots: tuple[Path
         raise PolicyError(f"{path}: extends: cycle ({cycle}); remove one of the `extends`")
     if len(chain) >= MAX_EXTENDS_DEPTH:
         raise PolicyError(f"{path}: extends: more than {MAX_EXTENDS_DEPTH} levels deep")
-    raw = read_file(path)
-    return Policy.from_resolved(_resolve(raw, None, str(path), path.parent, (*chain, key), roots), str(path))
+    spent = [0] if spent is None else spent
+    raw = read_file(path, limit=MAX_FILE_BYTES - spent[0], spent=spent)
+    return Policy.from_resolved(_resolve(raw, None, str(path), path.parent, (*chain, key), roots, spent), str(path))
 
 
 def _locate(name: str, base: Path, roots: tuple[Path, ...] = (), named_by_user: bool = True) -> Path:
@@ -196,21 +199,24 @@ def _check_inside(name: str, path: Path, base: Path, roots: tuple[Path, ...]) ->
                           f"or {EXTENDS_ROOTS_ENV}=dir")
 
 
-def read_file(path: Path) -> Any:
+def read_file(path: Path, limit: int = MAX_FILE_BYTES, spent: list[int] | None = None) -> Any:
     """Parse a TOML/YAML/JSON file into plain data; every failure is a located PolicyError.
 
-    At most ``MAX_FILE_BYTES`` are read, whatever the file claims its size is (``/proc`` files say 0).
+    At most ``limit`` bytes are read, whatever the file claims its size is (``/proc`` files say 0).
     """
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise PolicyError(f"{path}: unknown file type {short(path.suffix)} (use .toml, .yaml, .yml or .json)")
     try:
         with path.open("rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
+            data = f.read(max(limit, 0) + 1)
     except OSError as e:
         raise PolicyError(f"{path}: cannot read ({e.strerror or e})") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise PolicyError(f"{path}: over {MAX_FILE_BYTES} bytes; a policy file is at most {MAX_FILE_BYTES} bytes")
+    if len(data) > limit:
+        whole = "" if limit == MAX_FILE_BYTES else " (with the files it extends)"
+        raise PolicyError(f"{path}: over {limit} bytes; a policy file{whole} is at most {MAX_FILE_BYTES} bytes")
+    if spent is not None:
+        spent[0] += len(data)
     try:
         text = data.decode("utf-8-sig")  # a leading byte-order mark is fine
     except UnicodeDecodeError as e:

@@ -165,7 +165,7 @@ def show(value: Any) -> str:
     """A short description of any value for a message, built in bounded time and memory.
 
     >>> show("x" * 100), show(10**400), show([[1]] * 9)
-    ("a string 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...'", 'an integer of 401 digits', 'a list of 9 items')
+    ("a string 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'...", 'an integer of 401 digits', 'a list of 9 items')
     """
     if value is None:
         return "null"
