@@ -424,3 +424,12 @@ def test_an_extends_chain_is_bounded_like_one_file(write):
     write("b.toml", 'extends = "c.toml"\n' + filler)
     refused(write("a.toml", 'extends = "b.toml"\n' + filler), "with the files it extends")
     assert unimp.load(write("ok.toml", 'extends = "c.toml"\n')).compute_dtype == "float16"
+
+
+def test_the_documented_bounds_are_the_spec_table():
+    from pathlib import Path
+
+    from unimp.spec import bounds_table
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "guarantees.md").read_text()
+    assert bounds_table() in doc, "docs/guarantees.md: paste unimp.spec.bounds_table() again"

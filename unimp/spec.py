@@ -505,3 +505,45 @@ def json_schema() -> dict[str, Any]:
     props["overrides"] = {"type": "array", "items": override, "maxItems": MAX_ITEMS}
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "unimp policy",
             "type": "object", "additionalProperties": False, "properties": props}
+
+
+# ---------------------------------------------------------------- the bounds, for people
+
+
+def bounds_table() -> str:
+    """The bounds of every number, string and list of the format, as a Markdown table.
+
+    >>> print(bounds_table().splitlines()[2])
+    | `name` | string | 1 to 256 characters |
+    """
+    rows = ["| key | kind | accepted |", "|---|---|---|"]
+
+    names = {FLT_MAX: "3.4028235e38 (largest float32)", FLT_TINY: "2^-126 (smallest normal float32)",
+             INT32_MAX: "2147483647 (largest int32)"}
+
+    def num(x: float) -> str:
+        return names.get(x, f"{x:g}")
+
+    def number(f: Field) -> str:
+        lo = f">= {num(f.minimum)}" if f.minimum is not None else f"> {num(f.exclusive_minimum or 0)}"
+        hi = f"< {num(f.exclusive_maximum)}" if f.exclusive_maximum is not None else f"<= {num(f.maximum or 0)}"
+        return f"{lo}, {hi}" + ", or inf (\"inf\" in JSON)" if f.allow_inf else f"{lo}, {hi}"
+
+    def row(path: str, f: Field) -> None:
+        if f.kind == "str":
+            rows.append(f"| `{path}` | string | 1 to {f.max_len} characters |")
+        elif f.kind in ("int", "float"):
+            rows.append(f"| `{path}` | {'integer' if f.kind == 'int' else 'number'} | {number(f)} |")
+        elif f.kind in ("oplist", "strlist", "enumlist"):
+            rows.append(f"| `{path}` | list | at most {f.max_items} distinct items"
+                        + (f" of at most {f.max_len} characters |" if f.kind == "strlist" else " |"))
+
+    for k, f in TOP.items():
+        row(k, f)
+    for t, fields in TABLES.items():
+        for k, f in fields.items():
+            row(f"{t}.{k}", f)
+    rows.append(f"| `overrides` | list | at most {MAX_ITEMS} tables |")
+    for k, f in OVERRIDE.items():
+        row(f"overrides[].{k}", f)
+    return "\n".join(rows)
