@@ -433,3 +433,12 @@ def test_the_documented_bounds_are_the_spec_table():
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "guarantees.md").read_text()
     assert bounds_table() in doc, "docs/guarantees.md: paste unimp.spec.bounds_table() again"
+
+
+def test_pipes_and_symlink_loops_are_refused_not_waited_on(tmp_path):
+    os.mkfifo(tmp_path / "fifo.toml")
+    os.symlink(tmp_path / "loop.toml", tmp_path / "loop.toml")
+    refused(tmp_path / "fifo.toml", "not a regular file")
+    for name in ("fifo.toml", "loop.toml"):
+        (tmp_path / "p.toml").write_text(f'extends = "{name}"\n')
+        refused(tmp_path / "p.toml", name)

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Iterable
 from importlib import resources
@@ -172,11 +173,14 @@ def _locate(name: str, base: Path, roots: tuple[Path, ...] = (), named_by_user: 
         path = Path(name) if Path(name).is_absolute() else base / name
         if not named_by_user:
             _check_inside(name, path, base, roots)
-        found = path.is_file()
-    except (OSError, ValueError) as e:
+        found, exists = path.is_file(), os.path.lexists(path)
+    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python 3.11)
         raise PolicyError(f"{short(name)}: cannot use this path ({getattr(e, 'strerror', None) or e})") from None
     if found:
         return path
+    if exists:
+        raise PolicyError(f"{short(name)}: not a regular file (a directory, device, pipe or broken link); "
+                          f"name a policy file")
     if looks_like_path:
         raise PolicyError(f"{name}: no such file (looked in {base})")
     h = hint(name, names)
@@ -207,8 +211,11 @@ def read_file(path: Path, limit: int = MAX_FILE_BYTES, spent: list[int] | None =
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise PolicyError(f"{path}: unknown file type {short(path.suffix)} (use .toml, .yaml, .yml or .json)")
-    try:
-        with path.open("rb") as f:
+    try:  # non-blocking open + fstat: a pipe or device swapped in after the check cannot hang the read
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise PolicyError(f"{path}: not a regular file; name a policy file")
             data = f.read(max(limit, 0) + 1)
     except OSError as e:
         raise PolicyError(f"{path}: cannot read ({e.strerror or e})") from None

@@ -299,7 +299,7 @@ def _check_number(field: Field, value: Any, path: str, problems: Problems) -> An
     for bound, ok, op in bounds:
         if bound is not None and not ok(value, bound):  # int/float comparison is exact: no overflow
             why = {FLT_MAX: "the largest float32", FLT_TINY: "the smallest normal float32",
-                   INT32_MAX: "the largest int32 every backend's counter holds"}.get(bound)
+                   INT32_MAX: "the largest int32 (counters are int32 on device)"}.get(bound)
             tail = f", {why}" if why else ""
             inf = "; use inf for no cap" if field.allow_inf and op == "<=" else ""
             shown = bound if isinstance(bound, int) else f"{bound:g}"
