@@ -97,7 +97,9 @@ def test_every_base_verb_refuses_after_remove(amp):
     amp.remove()
     for verb, call in [("amp.state_dict()", amp.state_dict), ("amp.load_state_dict()", lambda: amp.load_state_dict(sd)),
                        ("amp.scale", lambda: amp.scale), ("amp.skipped_steps", lambda: amp.skipped_steps),
-                       ("amp.report()", amp.report), ("copy.deepcopy(amp)", lambda: copy.deepcopy(amp))]:
+                       ("amp.report()", amp.report), ("copy.deepcopy(amp)", lambda: copy.deepcopy(amp)),
+                       ("amp.loss_scale_state()", amp.loss_scale_state),  # a backend's own methods: guarded
+                       ("amp.set_loss_scale_state()", lambda: amp.set_loss_scale_state(LossScaleState(1.0)))]:
         with pytest.raises(StateError, match=r"was removed.*unimp.apply") as e:
             call()
         assert str(e.value).startswith(verb)

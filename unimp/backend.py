@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import functools
 import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -57,10 +58,30 @@ class Backend(abc.ABC):
         raise NotImplementedError(f"backend {self.name} ships no conformance kit")
 
 
+def _live_only(method: Any, verb: str) -> Any:
+    @functools.wraps(method)
+    def guarded(self: Amp, *args: Any, **kwargs: Any) -> Any:
+        self._check_live(verb)
+        return method(self, *args, **kwargs)
+
+    guarded._live_checked = True  # type: ignore[attr-defined]
+    return guarded
+
+
 class Amp(abc.ABC):
     """The policy bound to one model (+ optimizer); the same attributes in every backend."""
 
     backend: str
+
+    _GUARDED: ClassVar[tuple[str, ...]] = ("loss_scale_state", "set_loss_scale_state", "report")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A backend's own contract methods refuse after :meth:`remove` too (see :meth:`_check_live`)."""
+        super().__init_subclass__(**kwargs)
+        for name in cls._GUARDED:
+            method = cls.__dict__.get(name)
+            if callable(method) and not getattr(method, "_live_checked", False):
+                setattr(cls, name, _live_only(method, f"amp.{name}()"))
 
     def __init__(self, plan: Plan, model: Any, optimizer: Any = None) -> None:
         self.plan = plan
@@ -94,7 +115,7 @@ class Amp(abc.ABC):
 
         Every verb of an Amp and of the handles it gave out (optimizer, step functions) calls this first.
         """
-        if self._removed:
+        if getattr(self, "_removed", False):
             raise StateError(f"{verb}: this Amp was removed (amp.remove() restored the model); apply the policy "
                              f"again to use it: amp = unimp.apply(policy, model, optimizer)")
 

@@ -19,7 +19,7 @@ import math
 from typing import Any
 
 from ..errors import StateError
-from ..loss_scale import STATE_KEYS
+from ..loss_scale import STATE_KEYS, LossScaleState
 from ..spec import FLT_MAX, INT32_MAX
 
 BAD_SCALES = (math.nan, math.inf, -math.inf, -1.0, 0.0, -0.0, 1e39, 3.5e38, 10**400, 1e-50, "65536", None, True,
@@ -105,7 +105,8 @@ def check_removed(amp: Any) -> None:
     """After ``amp.remove()`` the base verbs refuse with a StateError that says to apply again."""
     sd = amp.state_dict()
     amp.remove()
-    for verb in (amp.state_dict, lambda: amp.load_state_dict(sd), lambda: amp.scale):
+    for verb in (amp.state_dict, lambda: amp.load_state_dict(sd), lambda: amp.scale, amp.loss_scale_state,
+                 lambda: amp.set_loss_scale_state(LossScaleState(1.0)), amp.report):
         try:
             verb()
         except StateError as e:
