@@ -144,11 +144,11 @@ def main() -> None:
     args = ap.parse_args()
     import intel_extension_for_pytorch as ipex
 
-    from unimp_ipex.hardware import CpuFeatures
+    from unimp_ipex.hardware import here
 
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, IPEX {ipex.__version__}, {torch.get_num_threads()} threads, "
-          f"CPU: {CpuFeatures.here().describe()}")
+          f"CPU: {here().describe()}")
     bench("transformer block d=256 T=128 b=8", Block(), torch.randn(8, 128, 256), args.steps, args.warmup)
     bench("small CNN b=16 3x32x32", cnn(), torch.randn(16, 3, 32, 32), args.steps, args.warmup)
 

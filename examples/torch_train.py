@@ -1,9 +1,11 @@
 """Train a small CNN + transformer on synthetic data under a unimp policy (vs fp32), on CPU or CUDA.
 
-    python examples/torch_train.py [POLICY]     # default: examples/team_policy.toml
+    python examples/torch_train.py [POLICY] [--auto]   # default: examples/team_policy.toml
 
 Prints the unimp report (what ran in which dtype), the loss curves, time per step and memory
-(tensors saved for backward + parameters/grads/optimizer state) against float32.
+(tensors saved for backward + parameters/grads/optimizer state) against float32. ``--auto`` runs
+the policy with ``compute_dtype = "auto"`` (the fastest dtype this machine has native units for);
+on a CPU without native units for the policy's dtype the demo says it is emulated there.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import unimp
+from unimp import hardware
 
 STEPS, BATCH, CLASSES = 30, 32, 10
 
@@ -63,11 +66,11 @@ def memory(amp: unimp.Amp | None, model: nn.Module, opt: torch.optim.Optimizer, 
     return (sum(saved) + sum(t.numel() * t.element_size() for t in held)) / 2**20
 
 
-def train(policy: str | None, device: str) -> dict:
+def train(policy: unimp.Policy | None, device: str) -> dict:
     torch.manual_seed(0)
     model = ConvTransformer().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    amp = unimp.apply(policy, model, opt) if policy else None
+    amp = unimp.apply(policy, model, opt) if policy is not None else None
     x, y = data(device)
     losses, times = [], []
     for _ in range(STEPS):
@@ -94,9 +97,14 @@ def train(policy: str | None, device: str) -> dict:
 
 
 def main() -> None:
-    policy = sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).with_name("team_policy.toml"))
+    args = [a for a in sys.argv[1:] if a != "--auto"]
+    source = args[0] if args else str(Path(__file__).with_name("team_policy.toml"))
+    policy = unimp.load(source)
+    if "--auto" in sys.argv[1:]:
+        policy = policy.replace(compute_dtype="auto")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(unimp.get_backend("torch").compile(unimp.load(policy), ConvTransformer().to(device)))
+    plan = unimp.get_backend("torch").compile(policy, ConvTransformer().to(device))
+    print(plan)
     base, ours = train(None, device), train(policy, device)
     print()
     print(ours["report"])
@@ -107,6 +115,11 @@ def main() -> None:
           f"({base['ms'] / ours['ms']:.2f}x)")
     print(f"memory (saved for backward + params/grads/optimizer state): fp32 {base['mib']:.1f} MiB, "
           f"policy {ours['mib']:.1f} MiB")
+    if device == "cpu" and hardware.cpu().emulated(plan.compute_dtype):
+        print(f"\nnote: this CPU, {hardware.cpu().describe()}, has no native {plan.compute_dtype} units: the "
+              f"policy's {plan.compute_dtype} is emulated here ({base['ms'] / ours['ms']:.2f}x the speed of "
+              f"float32 above). Run the fastest dtype this machine has with compute_dtype = \"auto\":\n"
+              f"  python {sys.argv[0]} {source} --auto")
 
 
 if __name__ == "__main__":

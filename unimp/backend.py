@@ -11,12 +11,14 @@ time (detection only looks at frameworks already in ``sys.modules``).
 from __future__ import annotations
 
 import abc
+import copy
+import functools
 import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from .errors import StateError, UnimpWarning
-from .loss_scale import STATE_KEYS, LossScaleState
+from .errors import StateError, UnimpWarning, UnsupportedError
+from .loss_scale import STATE_KEYS, LossScale, LossScaleState, check_state
 from .plan import Plan
 from .policy import Policy
 from .report import Report
@@ -56,10 +58,30 @@ class Backend(abc.ABC):
         raise NotImplementedError(f"backend {self.name} ships no conformance kit")
 
 
+def _live_only(method: Any, verb: str) -> Any:
+    @functools.wraps(method)
+    def guarded(self: Amp, *args: Any, **kwargs: Any) -> Any:
+        self._check_live(verb)
+        return method(self, *args, **kwargs)
+
+    guarded._live_checked = True  # type: ignore[attr-defined]
+    return guarded
+
+
 class Amp(abc.ABC):
     """The policy bound to one model (+ optimizer); the same attributes in every backend."""
 
     backend: str
+
+    _GUARDED: ClassVar[tuple[str, ...]] = ("loss_scale_state", "set_loss_scale_state", "report")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A backend's own contract methods refuse after :meth:`remove` too (see :meth:`_check_live`)."""
+        super().__init_subclass__(**kwargs)
+        for name in cls._GUARDED:
+            method = cls.__dict__.get(name)
+            if callable(method) and not getattr(method, "_live_checked", False):
+                setattr(cls, name, _live_only(method, f"amp.{name}()"))
 
     def __init__(self, plan: Plan, model: Any, optimizer: Any = None) -> None:
         self.plan = plan
@@ -88,33 +110,82 @@ class Amp(abc.ABC):
         """Undo everything ``apply`` did to the user's objects."""
 
     # ------------------------------------------------------------------ shared
+    def _check_live(self, verb: str) -> None:
+        """Refuse ``verb`` (e.g. ``"amp.optimizer.step()"``) once :meth:`remove` has run.
+
+        Every verb of an Amp and of the handles it gave out (optimizer, step functions) calls this first.
+        """
+        if getattr(self, "_removed", False):
+            raise StateError(f"{verb}: this Amp was removed (amp.remove() restored the model); apply the policy "
+                             f"again to use it: amp = unimp.apply(policy, model, optimizer)")
+
     @property
     def scale(self) -> float:
+        self._check_live("amp.scale")
         return self.loss_scale_state().scale
 
     @property
     def skipped_steps(self) -> int:
+        self._check_live("amp.skipped_steps")
         return self.loss_scale_state().skipped
 
     def state_dict(self) -> dict[str, Any]:
         """Canonical, framework-free state: plain numbers plus the policy fingerprint."""
+        self._check_live("amp.state_dict()")
         return {"format": STATE_FORMAT, "policy_fingerprint": self.policy.fingerprint,
                 **self.loss_scale_state().to_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
-        """Restore state saved by any backend; ``strict`` refuses another policy's state."""
+        """Restore state saved by any backend; ``strict`` refuses another policy's state.
+
+        The whole dict is checked first (one :class:`StateError` naming every bad key, its value and the
+        fix); then it is applied all at once: a backend that fails half-way is rolled back.
+        """
+        self._check_live("amp.load_state_dict()")
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
-            raise StateError(f"not an unimp state_dict (expected format {STATE_FORMAT!r} and keys "
-                             f"{', '.join(STATE_KEYS)})")
+            got = f"format {state.get('format')!r:.60}" if isinstance(state, Mapping) else type(state).__name__
+            raise StateError(f"amp.load_state_dict(): not an unimp state_dict (got {got}; expected format "
+                             f"{STATE_FORMAT!r} and keys {', '.join(STATE_KEYS)}); pass what amp.state_dict() "
+                             f"returned")
+        problems = check_state(state)
         fp = state.get("policy_fingerprint")
+        if not problems and strict and fp == self.policy.fingerprint:
+            problems = self._policy_problems(LossScaleState.from_dict(state))
+        if problems:
+            raise StateError("amp.load_state_dict(): " + "; ".join(problems))
         if fp != self.policy.fingerprint:
-            msg = (f"state_dict was saved under policy fingerprint {fp}, this Amp uses "
+            msg = (f"state_dict was saved under policy fingerprint {fp!r:.60}, this Amp uses "
                    f"{self.policy.fingerprint} ({self.policy.name}); load the same policy, or pass "
                    f"strict=False to take the loss-scale state anyway")
             if strict:
                 raise StateError(msg)
             warnings.warn(msg, UnimpWarning, stacklevel=2)
-        self.set_loss_scale_state(LossScaleState.from_dict(dict(state)))
+        self._apply_state(LossScaleState.from_dict(state))
+
+    def _policy_problems(self, st: LossScaleState) -> list[str]:
+        """What in a well-formed state this policy can never produce."""
+        spec, out = self.policy.loss_scale, []
+        fixed = LossScale(spec).initial_state().scale
+        if spec.mode != "dynamic" and st.scale != fixed:
+            out.append(f"scale: {st.scale!r}, but loss_scale.mode = {spec.mode!r} keeps the scale at {fixed!r}")
+        if st.hysteresis_left > spec.hysteresis:
+            out.append(f"hysteresis_left: {st.hysteresis_left} is above loss_scale.hysteresis ({spec.hysteresis})")
+        return out
+
+    def _apply_state(self, new: LossScaleState) -> None:
+        """``set_loss_scale_state(new)`` all or nothing: on failure the previous state is put back."""
+        old = self.loss_scale_state()
+        try:
+            self.set_loss_scale_state(new)
+        except Exception as e:
+            try:
+                self.set_loss_scale_state(old)
+            except Exception:  # pragma: no cover - the backend cannot even restore what it reported
+                pass
+            if isinstance(e, StateError):
+                raise
+            raise StateError(f"amp.load_state_dict(): the {self.backend} backend cannot hold {new} "
+                             f"({type(e).__name__}: {e}); nothing was changed") from e
 
     def remove(self) -> Any:
         """Undo ``apply``: the model's forward, dtypes and parameters are restored exactly."""
@@ -126,8 +197,33 @@ class Amp(abc.ABC):
             self._removed = True
         return self.model
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Amp:
+        """An independent Amp over deep copies of the model and optimizer (same state).
+
+        Refused with :class:`UnsupportedError` (naming the fix) when the backend's objects cannot be copied.
+        """
+        from .registry import remember
+
+        self._check_live("copy.deepcopy(amp)")
+        cls = type(self)
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        try:
+            state = copy.deepcopy({k: v for k, v in vars(self).items() if k != "_applied_ids"}, memo)
+        except Exception as e:
+            raise UnsupportedError(
+                f"copy.deepcopy(amp): the {self.backend} backend's objects cannot be copied "
+                f"({type(e).__name__}: {str(e)[:200]}); fix: copy the unwrapped model and apply again: "
+                f"new = unimp.apply(amp.policy, model_copy, new_optimizer); "
+                f"new.load_state_dict(amp.state_dict())") from None
+        vars(new).update(state)
+        copies = [memo[i] for i in getattr(self, "_applied_ids", [id(self.model)]) if i in memo]
+        remember(new, *(copies or [new.model]))
+        return new
+
     def report_header(self, rows: list, notes: list[str] | None = None) -> Report:
         """A Report with the counters filled from the loss-scale state."""
+        self._check_live("amp.report()")
         st = self.loss_scale_state()
         return Report(rows=rows, backend=self.backend, policy=self.policy.name,
                       fingerprint=self.policy.fingerprint, scale=st.scale, skipped_steps=st.skipped,

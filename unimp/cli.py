@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,16 +19,32 @@ from .report import format_table
 from .spec import json_schema
 
 
+def printable(text: str) -> str:
+    r"""``text`` safe for a terminal: control characters, escape sequences and lone surrogates escaped.
+
+    >>> print(printable("a\x1b[31mb\udc80"))
+    a\x1b[31mb\udc80
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in text)
+
+
+def _say(text: str, file: Any = None) -> None:
+    print("\n".join(printable(line) for line in text.split("\n")), file=file or sys.stdout)
+
+
 def _validate(args: argparse.Namespace) -> int:
     bad = 0
     for f in args.files:
         try:
             p = load(f)
-            print(f"ok  {f}  ({p.name}, fingerprint {p.fingerprint})")
+            _say(f"ok  {f}  ({p.name}, fingerprint {p.fingerprint})")
         except PolicyError as e:
             bad += 1
             for line in e.problems:
-                print(line, file=sys.stderr)
+                _say(line, file=sys.stderr)
     return 1 if bad else 0
 
 
@@ -118,12 +135,18 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _warn(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+    _say(f"warning: {message}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return args.run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warn  # warnings name files and values too: escaped like the rest
+            return args.run(args)
     except (PolicyError, UnsupportedError) as e:
-        print(str(e), file=sys.stderr)
+        _say(str(e), file=sys.stderr)
         return 1
     except BrokenPipeError:  # `unimp presets | head`
         sys.stderr.close()

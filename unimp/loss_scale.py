@@ -12,13 +12,15 @@ The scale is held as a float32 value, as every framework holds it on device.
 from __future__ import annotations
 
 import math
+import numbers
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from .errors import StateError
 from .policy import LossScaleSpec
+from .spec import FLT_MAX, INT32_MAX
 
 STATE_KEYS = ("scale", "growth_tracker", "hysteresis_left", "skipped", "steps")
 
@@ -51,11 +53,70 @@ class LossScaleState:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LossScaleState:
-        missing = [k for k in STATE_KEYS if k not in d]
-        if missing:
-            raise StateError(f"loss-scale state: missing keys {missing}; expected {list(STATE_KEYS)}")
+    def from_dict(cls, d: Any) -> LossScaleState:
+        """Validate a whole saved state, then build it; every problem is one :class:`StateError`.
+
+        >>> LossScaleState.from_dict({"scale": 1024.0, "growth_tracker": 3, "hysteresis_left": 1,
+        ...                           "skipped": 0, "steps": 9}).scale
+        1024.0
+        """
+        problems = check_state(d)
+        if problems:
+            raise StateError("loss-scale state: " + "; ".join(problems))
         return cls(scale=float(d["scale"]), **{k: int(d[k]) for k in STATE_KEYS[1:]})
+
+
+def _show(value: Any) -> str:
+    from .spec import show
+
+    return show(value)
+
+
+def check_state(d: Any) -> list[str]:
+    """Every problem of a loss-scale state (a mapping of :data:`STATE_KEYS`), each naming the key,
+    the value and the fix; ``[]`` when it is usable. Bounds: the scale is a positive finite float32,
+    counters are int32 (what every backend holds on device) and ``skipped <= steps``."""
+    if not isinstance(d, Mapping):
+        return [f"expected a mapping with keys {', '.join(STATE_KEYS)}, got {_show(d)}"]
+    problems = []
+    missing = [k for k in STATE_KEYS if k not in d]
+    if missing:
+        problems.append(f"missing keys {missing}; expected {list(STATE_KEYS)} (save it with amp.state_dict())")
+    if "scale" in d:
+        v = d["scale"]
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            problems.append(f"scale: expected a number, got {_show(v)}; pass a Python float")
+        elif not _finite(v) or not 0 < f32(float(v)) <= FLT_MAX:
+            problems.append(f"scale: {v!r} is not a positive finite float32 (between {2.0**-149:g} and "
+                            f"{FLT_MAX:g}); a dynamic scale starts at loss_scale.initial, 65536.0 by default")
+    counters = {}
+    for key in STATE_KEYS[1:]:
+        if key not in d:
+            continue
+        v = d[key]
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not _integral(v):
+            problems.append(f"{key}: expected a whole number, got {_show(v)}; counters are integers")
+        elif not 0 <= v <= INT32_MAX:
+            problems.append(f"{key}: {_show(v)} is out of range; a counter is between 0 and {INT32_MAX} (int32)")
+        else:
+            counters[key] = int(v)
+    if counters.get("hysteresis_left") == 0:
+        problems.append("hysteresis_left: 0 is out of range; it is at least 1 (the steps left to absorb)")
+    if "skipped" in counters and "steps" in counters and counters["skipped"] > counters["steps"]:
+        problems.append(f"skipped ({counters['skipped']}) is more than steps ({counters['steps']}); a step is "
+                        f"skipped at most once")
+    return problems
+
+
+def _finite(v: Any) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
+def _integral(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) or (_finite(v) and float(v).is_integer())
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ both read this table, so the two can never disagree.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +22,12 @@ from .ops import CANONICAL_OPS, OP_LISTS, suggest
 
 GROWTH_SCHEDULES = ("interval", "interval_plus_one", "window")
 HYSTERESIS_EVENTS = ("finite", "growth", "backoff")
-FLT_MAX = 3.4028234663852886e38
+FLT_MAX = 3.4028234663852886e38  # largest float32: every backend holds the scale in float32
+FLT_TINY = 2.0 ** -126  # smallest normal float32: a smaller scale or factor rounds towards 0
+INT32_MAX = 2**31 - 1  # counters are int32 on device (JAX, TensorFlow); a larger interval wraps
+MAX_NAME = 256  # characters of a name, a glob or a type name
+MAX_PATH = 1024  # characters of an `extends` value
+MAX_ITEMS = 256  # globs/types per override, and overrides per policy: bounds the work of matching
 
 
 @dataclass(frozen=True)
@@ -34,7 +41,10 @@ class Field:
     minimum: float | None = None
     exclusive_minimum: float | None = None
     exclusive_maximum: float | None = None
-    allow_inf: bool = False
+    maximum: float | None = None
+    allow_inf: bool = False  # +inf allowed (written ``inf``; the string "inf" in JSON)
+    max_len: int = MAX_NAME  # characters of a string / of each list item
+    max_items: int = MAX_ITEMS  # items of a list
 
 
 def _enum(choices: tuple[str, ...], default: str, doc: str) -> Field:
@@ -43,7 +53,8 @@ def _enum(choices: tuple[str, ...], default: str, doc: str) -> Field:
 
 TOP: dict[str, Field] = {
     "name": Field("str", "custom", "a name for people; not part of the fingerprint"),
-    "extends": Field("str", None, "a preset name or a path relative to this file"),
+    "extends": Field("str", None, "a preset name or a path inside this file's directory tree",
+                     max_len=MAX_PATH),
     "compute_dtype": _enum(COMPUTE_DTYPES, "bfloat16", "dtype of ops in the `lower` list"),
     "param_dtype": _enum(FLOAT_DTYPES, "float32", "dtype parameters hold in forward"),
     "output_dtype": _enum(FLOAT_DTYPES, "float32", "dtype of the model's outputs"),
@@ -62,15 +73,18 @@ TABLES: dict[str, dict[str, Field]] = {
     },
     "loss_scale": {
         "mode": _enum(("none", "static", "dynamic"), "dynamic", "loss scaling mode"),
-        "initial": Field("float", 65536.0, "initial (or static) scale", exclusive_minimum=0.0),
-        "growth_factor": Field("float", 2.0, "scale multiplier on growth", exclusive_minimum=1.0),
+        "initial": Field("float", 65536.0, "initial (or static) scale", exclusive_minimum=0.0, minimum=FLT_TINY,
+                         maximum=FLT_MAX),
+        "growth_factor": Field("float", 2.0, "scale multiplier on growth", exclusive_minimum=1.0,
+                               maximum=FLT_MAX),
         "backoff_factor": Field("float", 0.5, "scale multiplier on backoff",
-                                exclusive_minimum=0.0, exclusive_maximum=1.0),
-        "growth_interval": Field("int", 2000, "finite steps between growths", minimum=1),
-        "hysteresis": Field("int", 1, "non-finite steps absorbed before a backoff", minimum=1),
-        "min": Field("float", 1.0, "floor of the scale (0 = none)", minimum=0.0),
+                                exclusive_minimum=0.0, minimum=FLT_TINY, exclusive_maximum=1.0),
+        "growth_interval": Field("int", 2000, "finite steps between growths", minimum=1, maximum=INT32_MAX),
+        "hysteresis": Field("int", 1, "non-finite steps absorbed before a backoff", minimum=1,
+                            maximum=INT32_MAX),
+        "min": Field("float", 1.0, "floor of the scale (0 = none)", minimum=0.0, maximum=FLT_MAX),
         "max": Field("float", 16777216.0, "cap of the scale (inf = none)", exclusive_minimum=0.0,
-                     allow_inf=True),
+                     maximum=FLT_MAX, allow_inf=True),
         "skip_nonfinite": Field("bool", True, "skip optimizer steps whose gradients are not finite"),
         "growth_schedule": _enum(GROWTH_SCHEDULES, "interval",
                                  "interval: grow on the N-th consecutive finite step (torch, Keras, jmp, "
@@ -91,7 +105,7 @@ TABLES: dict[str, dict[str, Field]] = {
     },
     "layout": {
         "channels_last": Field("bool", True, "NHWC for convolution nets"),
-        "align": Field("int", 8, "dims that should be multiples of this", minimum=1),
+        "align": Field("int", 8, "dims that should be multiples of this", minimum=1, maximum=INT32_MAX),
         "on_misaligned": _enum(("ignore", "warn", "error"), "warn", "what to do with misaligned dims"),
     },
     "distributed": {
@@ -115,52 +129,129 @@ DEFAULTS: dict[str, Any] = {
 
 # ---------------------------------------------------------------- validation of one file's layer
 
+Message = str | Callable[[], str]
+
 
 class Problems:
-    """Collects located problems (capped so hostile input stays fast)."""
+    """Collects located problems. Past ``LIMIT`` a problem is only counted (its message is never
+    built, so hostile input stays fast); :meth:`lines` ends with "... and N more"."""
 
     LIMIT = 20
 
     def __init__(self, source: str) -> None:
         self.source = source
         self.items: list[str] = []
+        self.count = 0
 
-    def add(self, path: str, message: str) -> None:
+    def add(self, path: str, message: Message) -> None:
+        self.count += 1
         if len(self.items) < self.LIMIT:
-            self.items.append(f"{self.source}: {path}: {message}" if path else f"{self.source}: {message}")
+            text = message() if callable(message) else message
+            self.items.append(f"{self.source}: {path}: {text}" if path else f"{self.source}: {text}")
+
+    def lines(self) -> list[str]:
+        more = self.count - len(self.items)
+        return self.items + ([f"{self.source}: ... and {more} more problem{'s' if more > 1 else ''} "
+                              f"(fix the ones above first)"] if more else [])
+
+    def raise_if_any(self) -> None:
+        if self.count:
+            from .errors import PolicyError
+
+            raise PolicyError(self.lines())
+
+
+def show(value: Any) -> str:
+    """A short description of any value for a message, built in bounded time and memory.
+
+    >>> show("x" * 100), show(10**400), show([[1]] * 9)
+    ("a string 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'...", 'an integer of 401 digits', 'a list of 9 items')
+    """
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean {'true' if value else 'false'}"
+    if isinstance(value, str):
+        return f"a string {value[:40]!r}{'...' if len(value) > 40 else ''}"
+    if isinstance(value, int):
+        if value.bit_length() > 128:
+            return f"an integer of {len(str(abs(value))) if value.bit_length() < 13000 else 'over 4000'} digits"
+        return f"an integer {value}"
+    if isinstance(value, float):
+        return f"a number {value!r}"
+    if isinstance(value, list | tuple):
+        return f"a list of {len(value)} items"
+    if isinstance(value, dict):
+        return f"a table of {len(value)} keys"
+    return f"a {type(value).__name__[:40]}"
+
+
+def short(value: Any) -> str:
+    """``value`` as it would be quoted in a message (strings truncated, anything else :func:`show`)."""
+    if isinstance(value, str):
+        return f"{value[:40]!r}{'...' if len(value) > 40 else ''}"
+    return show(value)
+
+
+def hint(word: Any, choices: Any) -> str | None:
+    """:func:`unimp.ops.suggest` for short strings only (difflib is slow on long ones)."""
+    return suggest(word, choices) if isinstance(word, str) and len(word) <= 64 else None
 
 
 def _type_name(value: Any) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            list: "a list", dict: "a table"}.get(type(value), type(value).__name__)
+            list: "a list", dict: "a table"}.get(type(value), f"a {type(value).__name__[:40]}")
 
 
 def _unknown_key(key: Any, known: list[str], path: str, problems: Problems) -> None:
-    hint = suggest(key, known) if isinstance(key, str) else None
-    fix = f"did you mean '{hint}'?" if hint else f"valid keys: {', '.join(known)}"
-    problems.add(path, f"unknown key {key!r} ({fix})")
+    def message() -> str:
+        h = hint(key, known)
+        fix = f"did you mean '{h}'?" if h else f"valid keys: {', '.join(known)}"
+        return f"unknown key {short(key)} ({fix})"
+
+    problems.add(path, message)
+
+
+def _bad_string(value: str, field: Field, blank_ok: bool = False) -> str | None:
+    """Why a string cannot be used (too long, blank, unencodable), or None."""
+    if len(value) > field.max_len:
+        return f"{len(value)} characters; at most {field.max_len}"
+    if not blank_ok and not value.strip():
+        return "expected a non-empty string, got a blank one"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"contains a lone surrogate (\\u{ord(value[e.start]):04x} at character {e.start}); not valid text"
+    return None
 
 
 def check_value(field: Field, value: Any, path: str, problems: Problems) -> Any:
     """Check one value against its field; returns the normalised value (or None when bad)."""
     kind = field.kind
     if kind == "str":
-        if not isinstance(value, str) or not value.strip():
-            problems.add(path, f"expected a non-empty string, got {_type_name(value)}")
+        if not isinstance(value, str):
+            problems.add(path, lambda: f"expected a non-empty string, got {show(value)}")
+            return None
+        why = _bad_string(value, field)
+        if why:
+            problems.add(path, why)
             return None
         return value
     if kind == "bool":
         if not isinstance(value, bool):
-            problems.add(path, f"expected true or false, got {_type_name(value)} {value!r:.40}")
+            problems.add(path, lambda: f"expected true or false, got {show(value)}")
             return None
         return value
     if kind == "enum":
         if value is None and field.default is None:
             return None
         if not isinstance(value, str) or value not in field.choices:
-            hint = suggest(value, field.choices) if isinstance(value, str) else None
-            tail = f" (did you mean '{hint}'?)" if hint else ""
-            problems.add(path, f"{value!r:.40} is not one of {', '.join(field.choices)}{tail}")
+            def message() -> str:
+                h = hint(value, field.choices)
+                tail = f" (did you mean '{h}'?)" if h else ""
+                return f"{short(value)} is not one of {', '.join(field.choices)}{tail}"
+
+            problems.add(path, message)
             return None
         return value
     if kind in ("int", "float"):
@@ -170,60 +261,108 @@ def check_value(field: Field, value: Any, path: str, problems: Problems) -> Any:
     raise AssertionError(kind)
 
 
+def _number_in_string(value: str) -> str:
+    """A hint for a number written as a string (YAML 1.1 reads ``6.5e4`` as one)."""
+    try:
+        if len(value) > 64:
+            return ""
+        float(value)
+    except ValueError:
+        return ""
+    if "e" in value.lower():
+        return (" (a number written as a string: YAML 1.1 reads 6.5e4 as a string; write it with a dot and "
+                "a signed exponent, 6.5e+4, or plainly, 65000.0)")
+    return " (a number written as a string: remove the quotes)"
+
+
 def _check_number(field: Field, value: Any, path: str, problems: Problems) -> Any:
+    word = "an integer" if field.kind == "int" else "a number"
+    if field.allow_inf and isinstance(value, str) and value in ("inf", "+inf"):
+        value = math.inf  # JSON has no infinity: `unimp show --format json` writes "inf"
     if isinstance(value, bool) or not isinstance(value, int | float):
-        problems.add(path, f"expected {'an integer' if field.kind == 'int' else 'a number'}, "
-                           f"got {_type_name(value)} {value!r:.40}")
+        tail = _number_in_string(value) if isinstance(value, str) else ""
+        problems.add(path, lambda: f"expected {word}, got {show(value)}{tail}")
         return None
     if field.kind == "int" and not isinstance(value, int):
-        problems.add(path, f"expected an integer, got {value!r}")
+        problems.add(path, lambda: f"expected an integer, got {show(value)}")
         return None
     if isinstance(value, float) and math.isnan(value):
         problems.add(path, "NaN is not allowed")
         return None
-    if isinstance(value, float) and math.isinf(value) and not (field.allow_inf and value > 0):
-        problems.add(path, "must be finite")
+    if isinstance(value, float) and math.isinf(value):
+        if field.allow_inf and value > 0:
+            return value
+        problems.add(path, "must be finite" + (" (or inf)" if field.allow_inf else ""))
         return None
-    bounds = [(field.minimum, lambda v, b: v >= b, ">="), (field.exclusive_minimum, lambda v, b: v > b, ">"),
-              (field.exclusive_maximum, lambda v, b: v < b, "<")]
-    for bound, ok, word in bounds:
-        if bound is not None and not ok(value, bound):
-            problems.add(path, f"must be {word} {bound:g}, got {value!r}")
+    bounds = [(field.exclusive_minimum, lambda v, b: v > b, ">"), (field.minimum, lambda v, b: v >= b, ">="),
+              (field.maximum, lambda v, b: v <= b, "<="), (field.exclusive_maximum, lambda v, b: v < b, "<")]
+    for bound, ok, op in bounds:
+        if bound is not None and not ok(value, bound):  # int/float comparison is exact: no overflow
+            why = {FLT_MAX: "the largest float32", FLT_TINY: "the smallest normal float32",
+                   INT32_MAX: "the largest int32 (counters are int32 on device)"}.get(bound)
+            tail = f", {why}" if why else ""
+            inf = "; use inf for no cap" if field.allow_inf and op == "<=" else ""
+            shown = bound if isinstance(bound, int) else f"{bound:g}"
+            problems.add(path, f"must be {op} {shown}{tail}; got {show(value)}{inf}")
             return None
     return float(value) if field.kind == "float" else value
 
 
 def _check_list(field: Field, value: Any, path: str, problems: Problems) -> Any:
     if not isinstance(value, list):
-        problems.add(path, f"expected a list, got {_type_name(value)}")
+        problems.add(path, lambda: f"expected a list, got {show(value)}")
+        return None
+    if len(value) > field.max_items:
+        problems.add(path, f"{len(value)} items; a list here holds at most {field.max_items}")
         return None
     out: list[str] = []
+    seen: set[str] = set()
     for i, item in enumerate(value):
         where = f"{path}[{i}]"
         if not isinstance(item, str) or not item:
-            problems.add(where, f"expected a non-empty string, got {_type_name(item)}")
+            problems.add(where, lambda item=item: f"expected a non-empty string, got {show(item)}")
+            continue
+        why = _bad_string(item, field, blank_ok=True) if field.kind == "strlist" else None
+        if why:
+            problems.add(where, why)
             continue
         if field.kind == "oplist" and item not in CANONICAL_OPS:
-            hint = suggest(item, CANONICAL_OPS)
-            tail = f"did you mean '{hint}'?" if hint else "`unimp ops` lists the canonical ops"
-            problems.add(where, f"unknown op {item!r} ({tail})")
+            def message(item: str = item) -> str:
+                h = hint(item, CANONICAL_OPS)
+                tail = f"did you mean '{h}'?" if h else "`unimp ops` lists the canonical ops"
+                return f"unknown op {short(item)} ({tail})"
+
+            problems.add(where, message)
             continue
         if field.kind == "enumlist" and item not in field.choices:
-            problems.add(where, f"{item!r} is not one of {', '.join(field.choices)}")
+            problems.add(where, lambda item=item: f"{short(item)} is not one of {', '.join(field.choices)}")
             continue
-        if item in out:
-            problems.add(where, f"{item!r} is listed twice")
+        if item in seen:
+            problems.add(where, lambda item=item: f"{short(item)} is listed twice")
             continue
+        seen.add(item)
         out.append(item)
     return out
+
+
+def _too_many_keys(value: dict[Any, Any], known: list[str], path: str, problems: Problems) -> bool:
+    """Refuse a table with far more keys than the format has, naming a few, without a full scan."""
+    if len(value) <= 2 * len(known) + 8:
+        return False
+    unknown = [short(k) for k in itertools.islice((k for k in value if k not in known), 3)]
+    problems.add(path, f"{len(value)} keys; this table has at most {len(known)} (unknown: "
+                       f"{', '.join(unknown)}, ...; valid keys: {', '.join(known)})")
+    return True
 
 
 def check_layer(raw: Any, problems: Problems) -> dict[str, Any]:
     """Validate one file's own content (before `extends` is applied); returns it normalised."""
     if not isinstance(raw, dict):
-        problems.add("", f"a policy must be a table of keys, got {_type_name(raw)}")
+        problems.add("", lambda: f"a policy must be a table of keys, got {show(raw)}")
         return {}
     known = [*TOP, *TABLES, "overrides"]
+    if _too_many_keys(raw, known, "", problems):
+        return {}
     out: dict[str, Any] = {}
     for key, value in raw.items():
         if key in TOP:
@@ -249,7 +388,9 @@ def check_layer(raw: Any, problems: Problems) -> dict[str, Any]:
 
 def _check_table(fields: dict[str, Field], value: Any, path: str, problems: Problems) -> dict[str, Any]:
     if not isinstance(value, dict):
-        problems.add(path, f"expected a table, got {_type_name(value)}")
+        problems.add(path, lambda: f"expected a table, got {show(value)}")
+        return {}
+    if _too_many_keys(value, list(fields), path, problems):
         return {}
     out = {}
     for key, item in value.items():
@@ -262,9 +403,18 @@ def _check_table(fields: dict[str, Field], value: Any, path: str, problems: Prob
     return out
 
 
+def _class_name(t: str) -> bool:
+    """A native layer class name: an identifier starting upper-case (``Linear``, ``BatchNorm2d``)."""
+    return t.isidentifier() and t[0].isupper()
+
+
 def _check_overrides(value: Any, problems: Problems) -> list[dict[str, Any]]:
     if not isinstance(value, list):
-        problems.add("overrides", f"expected a list of tables ([[overrides]]), got {_type_name(value)}")
+        problems.add("overrides", lambda: f"expected a list of tables ([[overrides]]), got {show(value)}")
+        return []
+    if len(value) > MAX_ITEMS:
+        problems.add("overrides", f"{len(value)} overrides; a policy holds at most {MAX_ITEMS} "
+                                  f"(merge them: one override takes many globs and types)")
         return []
     out = []
     for i, item in enumerate(value):
@@ -277,11 +427,16 @@ def _check_overrides(value: Any, problems: Problems) -> list[dict[str, Any]]:
         if table.get("compute_dtype") is None and table.get("param_dtype") is None:
             problems.add(path, "changes nothing: give compute_dtype and/or param_dtype")
         for j, t in enumerate(table.get("types", [])):
-            if t[0].islower() and t not in CANONICAL_OPS:
-                hint = suggest(t, CANONICAL_OPS)
-                tail = f" (did you mean '{hint}'?)" if hint else ""
-                problems.add(f"{path}.types[{j}]", f"{t!r} is neither a canonical op nor a native class "
-                                                   f"name (class names start upper-case){tail}")
+            if t in CANONICAL_OPS or _class_name(t):
+                continue
+
+            def message(t: str = t) -> str:
+                h = hint(t, CANONICAL_OPS)
+                tail = f" (did you mean '{h}'?)" if h and t[:1].islower() else ""
+                return (f"{short(t)} is neither a canonical op nor a native class name (an identifier "
+                        f"starting upper-case, e.g. 'Linear'), so it matches nothing{tail}")
+
+            problems.add(f"{path}.types[{j}]", message)
         for j, g in enumerate(table.get("modules", [])):
             if not g.strip():
                 problems.add(f"{path}.modules[{j}]", "an empty glob matches nothing")
@@ -312,7 +467,7 @@ def check_resolved(policy: dict[str, Any], problems: Problems) -> None:
 def _field_schema(field: Field) -> dict[str, Any]:
     k = field.kind
     if k == "str":
-        return {"type": "string", "minLength": 1, "description": field.doc}
+        return {"type": "string", "minLength": 1, "maxLength": field.max_len, "description": field.doc}
     if k == "bool":
         return {"type": "boolean", "description": field.doc}
     if k == "enum":
@@ -323,12 +478,17 @@ def _field_schema(field: Field) -> dict[str, Any]:
             s["minimum"] = field.minimum
         if field.exclusive_minimum is not None:
             s["exclusiveMinimum"] = field.exclusive_minimum
+        if field.maximum is not None and not field.allow_inf:  # a file's inf must pass: no finite maximum
+            s["maximum"] = field.maximum
         if field.exclusive_maximum is not None:
             s["exclusiveMaximum"] = field.exclusive_maximum
+        if field.allow_inf:  # JSON has no infinity: the string "inf" stands for it
+            return {"anyOf": [s, {"const": "inf"}], "description": field.doc}
         return s
     items = {"oplist": {"enum": list(CANONICAL_OPS)}, "enumlist": {"enum": list(field.choices)},
-             "strlist": {"type": "string", "minLength": 1}}[k]
-    return {"type": "array", "items": items, "uniqueItems": True, "description": field.doc}
+             "strlist": {"type": "string", "minLength": 1, "maxLength": field.max_len}}[k]
+    return {"type": "array", "items": items, "uniqueItems": True, "maxItems": field.max_items,
+            "description": field.doc}
 
 
 def _object(fields: dict[str, Field]) -> dict[str, Any]:
@@ -342,6 +502,48 @@ def json_schema() -> dict[str, Any]:
     override["anyOf"] = [{"required": ["modules"]}, {"required": ["types"]}]
     props = {k: _field_schema(f) for k, f in TOP.items()}
     props.update({t: _object(f) for t, f in TABLES.items()})
-    props["overrides"] = {"type": "array", "items": override}
+    props["overrides"] = {"type": "array", "items": override, "maxItems": MAX_ITEMS}
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "unimp policy",
             "type": "object", "additionalProperties": False, "properties": props}
+
+
+# ---------------------------------------------------------------- the bounds, for people
+
+
+def bounds_table() -> str:
+    """The bounds of every number, string and list of the format, as a Markdown table.
+
+    >>> print(bounds_table().splitlines()[2])
+    | `name` | string | 1 to 256 characters |
+    """
+    rows = ["| key | kind | accepted |", "|---|---|---|"]
+
+    names = {FLT_MAX: "3.4028235e38 (largest float32)", FLT_TINY: "2^-126 (smallest normal float32)",
+             INT32_MAX: "2147483647 (largest int32)"}
+
+    def num(x: float) -> str:
+        return names.get(x, f"{x:g}")
+
+    def number(f: Field) -> str:
+        lo = f">= {num(f.minimum)}" if f.minimum is not None else f"> {num(f.exclusive_minimum or 0)}"
+        hi = f"< {num(f.exclusive_maximum)}" if f.exclusive_maximum is not None else f"<= {num(f.maximum or 0)}"
+        return f"{lo}, {hi}" + ", or inf (\"inf\" in JSON)" if f.allow_inf else f"{lo}, {hi}"
+
+    def row(path: str, f: Field) -> None:
+        if f.kind == "str":
+            rows.append(f"| `{path}` | string | 1 to {f.max_len} characters |")
+        elif f.kind in ("int", "float"):
+            rows.append(f"| `{path}` | {'integer' if f.kind == 'int' else 'number'} | {number(f)} |")
+        elif f.kind in ("oplist", "strlist", "enumlist"):
+            rows.append(f"| `{path}` | list | at most {f.max_items} distinct items"
+                        + (f" of at most {f.max_len} characters |" if f.kind == "strlist" else " |"))
+
+    for k, f in TOP.items():
+        row(k, f)
+    for t, fields in TABLES.items():
+        for k, f in fields.items():
+            row(f"{t}.{k}", f)
+    rows.append(f"| `overrides` | list | at most {MAX_ITEMS} tables |")
+    for k, f in OVERRIDE.items():
+        row(f"overrides[].{k}", f)
+    return "\n".join(rows)

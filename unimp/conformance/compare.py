@@ -151,6 +151,27 @@ def compare_resumes(obs_dir: Path, obs: dict[str, dict]) -> tuple[list[str], dic
     return problems, matrix
 
 
+HARDWARE_KEY = "_hardware"  # the baseline's record of the CPU it was produced on (unimp.hardware)
+
+
+def hardware_lines(obs: dict[str, dict]) -> list[str]:
+    """Where the observations were made: one line per distinct CPU (model, features, simulation)."""
+    seen: dict[str, list[str]] = {}
+    for b, o in sorted(obs.items()):
+        hw = o.get("hardware")
+        text = (f"{hw['describe']}; features: {' '.join(hw['features']) or '(none read)'}" if hw
+                else "not recorded")
+        seen.setdefault(text, []).append(b)
+    if len(seen) == 1:
+        return [f"Produced on: {next(iter(seen))}."]
+    return [f"Produced on ({', '.join(bs)}): {text}." for text, bs in seen.items()]
+
+
+def same_hardware(a: dict | None, b: dict | None) -> bool:
+    """Whether two hardware records are the same CPU for low precision (architecture and features)."""
+    return bool(a and b) and (a["arch"], sorted(a["features"])) == (b["arch"], sorted(b["features"]))
+
+
 def matrix_markdown(obs: dict[str, dict], resume: dict[tuple[str, str], str], problems: list[str]) -> str:
     backends = sorted(obs)
     cells: dict[tuple[str, str], str] = {}
@@ -166,6 +187,7 @@ def matrix_markdown(obs: dict[str, dict], resume: dict[tuple[str, str], str], pr
              "observations on this CPU machine. n/a carries the reason the backend gave; \"pass (fallback)\"",
              "means the check passed against the backend's reported fallback (the Plan says which ops or params",
              "could not run in low precision here, e.g. Paddle dygraph on CPU), not low precision.", "",
+             *hardware_lines(obs), "",
              "## Checks (backend x check[policy])", "", "| check | " + " | ".join(backends) + " |",
              "|---|" + "---|" * len(backends)]
     lines += [f"| {c} | " + " | ".join(cells.get((c, b), "-") for b in backends) + " |" for c in checks]
@@ -197,10 +219,16 @@ def matrix_markdown(obs: dict[str, dict], resume: dict[tuple[str, str], str], pr
     return "\n".join(lines) + "\n"
 
 
-def regressions(baseline: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Checks that passed in the baseline and do not pass now (a missing backend counts)."""
+def regressions(baseline: dict[str, Any], current: dict[str, Any], hardware: dict | None = None) -> list[str]:
+    """Checks that passed in the baseline and do not pass now (a missing backend counts).
+
+    Like with like: on other hardware than the baseline's (``hardware`` vs its ``_hardware`` record),
+    a check that is n/a here (e.g. float16 on a CPU without float16 units) is not a regression.
+    """
+    like = same_hardware(baseline.get(HARDWARE_KEY), hardware)
     return [f"regression: {k} passed before, now {current.get(k, 'missing')}"
-            for k, v in baseline.items() if v == "pass" and current.get(k) != "pass"]
+            for k, v in baseline.items() if v == "pass" and current.get(k) != "pass"
+            and (like or current.get(k) != "n/a")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,10 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     docs.mkdir(parents=True, exist_ok=True)
     baseline_file = docs / "conformance.json"
     baseline = json.loads(baseline_file.read_text()) if baseline_file.exists() else {}
-    problems += regressions(baseline, current)
+    hardware = next((o["hardware"] for o in obs.values() if o.get("hardware")), None)
+    problems += regressions(baseline, current, hardware)
     (docs / "conformance.md").write_text(matrix_markdown(obs, resume, problems))
     if args.update_baseline:
-        baseline_file.write_text(json.dumps(current, indent=1, sort_keys=True) + "\n")
+        baseline_file.write_text(json.dumps({**current, HARDWARE_KEY: hardware}, indent=1, sort_keys=True) + "\n")
     summary = [(b, str(sum(r["status"] == "pass" for r in o["results"])),
                 str(sum(r["status"] == "n/a" for r in o["results"])),
                 str(sum(r["status"] == "fail" for r in o["results"]))) for b, o in sorted(obs.items())]

@@ -130,9 +130,12 @@ def _guard(fn: Any, *args: Any) -> Any:
 
 def observe(kit: Kit) -> dict[str, Any]:
     """Everything the cross-backend comparison needs from one backend."""
+    from unimp.hardware import cpu
+
     pattern = overflow_pattern()
     return {
         "backend": kit.backend,
+        "hardware": cpu().record(),
         "results": [r.__dict__ for r in run(kit)],
         "dtypes": {p: _guard(_dtypes, kit, observation_policy(p)) for p in OBS_POLICIES},
         "losses": {p: _guard(_losses, kit, observation_policy(p)) for p in OBS_POLICIES},

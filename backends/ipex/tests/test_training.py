@@ -1,16 +1,23 @@
-"""Hardware awareness, IPEX's modes, training through the DESIGN §5 loop, and remove() after training."""
+"""Hardware awareness, IPEX's modes, training through the documented loop, and remove() after training.
+
+Hardware expectations come from unimp.hardware (`tox -e hwsim` reruns this file on a simulated
+AVX2-only CPU, where IPEX's bf16 weight prepack is not available).
+"""
 
 import pytest
 import torch
 
 import unimp
+from unimp import hardware
 from unimp.conformance import cast_like
+from unimp.hardware import LEVELS, CpuFacts
 from unimp.loss_scale import LossScale
 from unimp_ipex.engine import find_engine
-from unimp_ipex.hardware import CpuFeatures
+from unimp_ipex.hardware import bf16_prepack
 from unimp_ipex.plan import compile_plan
 
-NO_BF16 = CpuFeatures(frozenset({"avx2"}))
+pytestmark = pytest.mark.hardware
+NO_BF16 = CpuFacts("x86_64", "test CPU", frozenset(LEVELS["avx2"]))
 
 
 def mlp():
@@ -29,24 +36,42 @@ def step(amp, x, poison=False):
 def test_auto_is_float32_with_a_reason_on_a_cpu_without_bf16():
     plan = compile_plan(unimp.load({"extends": "mixed_bf16", "compute_dtype": "auto"}), None,
                         find_engine("torch"), NO_BF16)
-    assert plan.compute_dtype == "float32" and "no fast bfloat16" in plan.compute_reason
+    assert plan.compute_dtype == "float32" and "no native bfloat16" in plan.compute_reason
     assert plan.details["autocast"] is None
 
 
-def test_auto_is_bfloat16_on_this_cpu():
-    assert CpuFeatures.here().fast_bf16  # this machine reports avx512_bf16
+def test_auto_follows_this_cpus_facts():
     model = mlp()
     amp = unimp.apply({"extends": "mixed_bf16", "compute_dtype": "auto"}, model,
                       torch.optim.SGD(model.parameters(), lr=0.1))
-    assert amp.plan.compute_dtype == "bfloat16" and "AVX512-BF16" in amp.plan.compute_reason
+    facts = hardware.cpu()
+    assert amp.plan.compute_dtype == ("bfloat16" if facts.native_bf16 else "float32")
+    assert facts.describe() in amp.plan.compute_reason
     amp.remove()
 
 
 def test_explicit_bf16_on_a_cpu_without_bf16_warns_it_is_slow():
-    with pytest.warns(unimp.UnimpWarning, match="emulated there and slower than float32"):
-        compile_plan(unimp.load("mixed_bf16"), None, find_engine("torch"), NO_BF16)
+    with pytest.warns(unimp.UnimpWarning, match="emulates bfloat16 and runs slower than float32") as caught:
+        plan = compile_plan(unimp.load("mixed_bf16"), None, find_engine("torch"), NO_BF16)
+    assert [w.filename for w in caught] == [__file__] and "emulated" in plan.compute_reason
 
 
+def test_bf16_weights_are_prepacked_only_where_ipex_can_and_the_plan_says_so():
+    plan = compile_plan(unimp.load("pure_bf16"), mlp(), find_engine("ipex"), NO_BF16)
+    assert plan.details["ipex"]["dtype"] == "bfloat16" and plan.details["ipex"]["weights_prepack"] is False
+    assert "AVX512 BW/VL/DQ or AVX-NE-CONVERT" in plan.details["ipex"]["reason"]
+
+
+@pytest.mark.skipif(bf16_prepack(hardware.cpu()), reason="IPEX accepts bf16 weight prepack on this CPU")
+def test_ipex_refusing_this_cpu_is_a_unimp_error_not_its_assertion():
+    from unimp_ipex.optimize import optimize
+
+    model = mlp()
+    with pytest.raises(unimp.UnsupportedError, match="refused this CPU.*engine='torch'"):
+        optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"dtype": torch.bfloat16, "weights_prepack": True})
+
+
+@pytest.mark.skipif(hardware.cpu().native_fp16, reason="this CPU has float16 units")
 def test_fp16_without_avx512_fp16_is_a_clear_error():
     with pytest.raises(unimp.UnsupportedError, match="compute_dtype = 'float16'.*use 'bfloat16' or 'auto'"):
         unimp.apply("mixed_fp16", mlp(), backend="ipex")
@@ -56,6 +81,7 @@ def test_pure_bf16_uses_ipex_masters_and_remove_writes_them_back():
     model = mlp()
     amp = unimp.apply("pure_bf16", model, torch.optim.Adam(model.parameters(), lr=1e-2))
     assert amp.plan.details["ipex"]["dtype"] == "bfloat16" and amp.model is not model
+    assert amp.plan.details["ipex"]["weights_prepack"] is bf16_prepack(hardware.cpu())
     assert model[0].weight.dtype == torch.float32  # the user's module is not touched
     x = torch.randn(8, 16)
     for _ in range(3):

@@ -58,6 +58,7 @@ class IpexAmp(Amp):
         """Clip unscaled gradients; under IPEX masters the grads live on the bf16 params."""
         if not self._masters:
             return self.inner.clip_grad_norm_(max_norm, norm_type, **kwargs)
+        self.inner._check_live("amp.clip_grad_norm_()")
         params = [p for p in self.model.parameters() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, **kwargs)
 
@@ -96,8 +97,7 @@ class IpexAmp(Amp):
         self.inner.remove()
         if self.inner.model is not self.original and trained:
             write_back(self.original, self.inner.model)
-        self.model = self.original
-        self.optimizer = None
+        self.model = self.original  # amp.optimizer stays: its verbs refuse once removed
 
 
 def apply_plan(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None,

@@ -36,10 +36,10 @@ class IpexBackend(TorchBackend):
 
     def compile(self, policy: Policy, model: Any = None, *, engine: str = "auto") -> Plan:
         from .engine import find_engine
-        from .hardware import CpuFeatures
+        from .hardware import here
         from .plan import compile_plan
 
-        return compile_plan(policy, model, find_engine(engine), CpuFeatures.here())
+        return compile_plan(policy, model, find_engine(engine), here())
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, *, engine: str = "auto",
               on_skip: Callable[[], Any] | None = None, **options: Any) -> Any:

@@ -11,7 +11,7 @@ from typing import Any
 from unimp.policy import Policy
 from unimp_torch.kit import TorchKit
 
-from .hardware import CpuFeatures
+from .hardware import here
 
 
 class IpexKit(TorchKit):
@@ -24,9 +24,9 @@ class IpexKit(TorchKit):
         self.engine = engine
 
     def supports(self, policy: Policy) -> str | None:
-        cpu = CpuFeatures.here()
+        cpu = here()
         wants = {policy.compute_dtype, *(o.compute_dtype for o in policy.overrides)}
-        if "float16" in wants and not cpu.fast_fp16:
+        if "float16" in wants and not cpu.native_fp16:
             return f"float16 on a CPU without AVX512-FP16/AMX-FP16 ({cpu.describe()})"
         return None
 

@@ -6,12 +6,17 @@ the policy asks for every layer and there is no loss scaling (IPEX's master step
 bf16 grads, so nothing can unscale or skip in between). Otherwise IPEX runs float32 weights and
 unimp-torch does params, masters and scaling; weight prepacking then stays off under autocast
 (measured: IPEX 2.8 fp32-prepacked Conv2d + bf16 autocast aborts in backward with heap corruption).
+IPEX's bf16 weights are prepacked only where its oneDNN has bf16 kernels (AVX512 BW/VL/DQ or
+AVX-NE-CONVERT, from ``unimp.hardware``): elsewhere ``ipex.optimize`` asserts, so they stay unpacked.
 
 >>> import torch, unimp
+>>> from unimp.hardware import LEVELS, CpuFacts
 >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
->>> choose(unimp.load("pure_bf16"), "bfloat16", m).dtype
-'bfloat16'
->>> choose(unimp.load("mixed_bf16"), "bfloat16", m).weights_prepack
+>>> avx2, zen4 = (CpuFacts("x86_64", "demo", frozenset(LEVELS[c])) for c in ("avx2", "avx512_bf16"))
+>>> [(mode.dtype, mode.weights_prepack) for mode in (choose(unimp.load("pure_bf16"), "bfloat16", m, cpu)
+...                                                  for cpu in (zen4, avx2))]
+[('bfloat16', True), ('bfloat16', False)]
+>>> choose(unimp.load("mixed_bf16"), "bfloat16", m, zen4).weights_prepack
 False
 """
 
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from unimp.dtypes import is_low
+from unimp.hardware import CpuFacts
 from unimp.policy import Policy
 from unimp_torch.layers import kind, type_names
 
@@ -67,8 +73,8 @@ def _layer_conflicts(policy: Policy, compute: str, model: nn.Module | None) -> l
     return out
 
 
-def choose(policy: Policy, compute: str, model: nn.Module | None) -> IpexMode:
-    """The IPEX mode for ``policy`` at resolved ``compute`` dtype on ``model`` (None: not known yet)."""
+def choose(policy: Policy, compute: str, model: nn.Module | None, cpu: CpuFacts) -> IpexMode:
+    """The IPEX mode for ``policy`` at resolved ``compute`` dtype on ``model`` (None: not known yet) and ``cpu``."""
     low_override = any(is_low(o.compute_dtype) or o.compute_dtype == "auto" for o in policy.overrides)
     autocast = is_low(compute) or low_override
     fp32 = IpexMode("float32", not autocast, "float32 weights; " + (
@@ -84,5 +90,10 @@ def choose(policy: Policy, compute: str, model: nn.Module | None) -> IpexMode:
     if conflicts:
         return IpexMode(fp32.dtype, fp32.weights_prepack, "IPEX's bf16 weights do not fit this policy ("
                         + "; ".join(conflicts) + "); masters in unimp-torch; " + fp32.reason)
-    return IpexMode("bfloat16", True, "IPEX bf16 weights (prepacked Linear/Conv2d) with its fp32 master "
-                    "weights (split_master_weight_for_bf16=False: round-to-nearest bf16 copies)")
+    masters = "with its fp32 master weights (split_master_weight_for_bf16=False: round-to-nearest bf16 copies)"
+    from .hardware import bf16_prepack
+
+    if not bf16_prepack(cpu):
+        return IpexMode("bfloat16", False, f"IPEX bf16 weights, not prepacked: IPEX's bf16 weight prepack needs "
+                        f"AVX512 BW/VL/DQ or AVX-NE-CONVERT, which this CPU lacks ({cpu.describe()}); " + masters)
+    return IpexMode("bfloat16", True, "IPEX bf16 weights (prepacked Linear/Conv2d) " + masters)

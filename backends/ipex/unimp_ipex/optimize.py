@@ -41,6 +41,13 @@ def optimize(model: nn.Module, optimizer: torch.optim.Optimizer | None, kwargs: 
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             out = ipex.optimize(model, optimizer=optimizer, **kwargs)
+    except AssertionError as e:  # IPEX's own CPU checks (unimp.hardware decides before; this is the backstop)
+        from unimp.errors import UnsupportedError
+        from unimp.hardware import cpu
+
+        raise UnsupportedError(f"ipex.optimize({', '.join(f'{k}={v}' for k, v in kwargs.items())}) refused this "
+                               f"CPU ({cpu().describe()}): {e}. Pass engine='torch' to unimp.apply, or set "
+                               f"compute_dtype = \"auto\" (float32 where bf16 is not native)") from None
     finally:
         quiet.setLevel(level)
         for p, data in kept:

@@ -6,50 +6,56 @@ how ``ipex.optimize`` is called.
 
 >>> import unimp
 >>> from unimp_ipex.engine import Engine
->>> from unimp_ipex.hardware import CpuFeatures
+>>> from unimp.hardware import LEVELS, CpuFacts
 >>> plan = compile_plan(unimp.load({"compute_dtype": "auto"}), None, Engine("torch", "demo"),
-...                     CpuFeatures(frozenset()))
->>> plan.compute_dtype, plan.compute_reason
-('float32', 'auto: this CPU (no AVX512-BF16/AMX/AVX512-FP16) has no fast bfloat16 or float16, float32 is fastest')
+...                     CpuFacts("x86_64", "demo", frozenset(LEVELS["avx2"])))
+>>> plan.compute_dtype, plan.details["cpu"]["native_bf16"]
+('float32', False)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 from unimp.dtypes import is_low
+from unimp.hardware import CpuFacts
 from unimp.plan import Plan
 from unimp.policy import Policy
 from unimp_torch.compile import compile_plan as torch_plan
 
 from .engine import Engine
-from .hardware import CpuFeatures
+from .hardware import check, resolve_auto
 
 
-def resolve_compute(policy: Policy, cpu: CpuFeatures) -> tuple[str, str]:
+def resolve_compute(policy: Policy, cpu: CpuFacts) -> tuple[str, str]:
     """``compute_dtype`` on this CPU (``auto`` resolved, with the reason); warns or refuses slow dtypes."""
     if policy.compute_dtype == "auto":
-        return cpu.resolve_auto()
-    cpu.check(policy.compute_dtype, "compute_dtype")
+        return resolve_auto(cpu)
+    emulated = check(cpu, policy.compute_dtype, "compute_dtype")
     for i, o in enumerate(policy.overrides):
         if is_low(o.compute_dtype):
-            cpu.check(o.compute_dtype, f"overrides[{i}].compute_dtype")
+            check(cpu, o.compute_dtype, f"overrides[{i}].compute_dtype")
+    if emulated:
+        return policy.compute_dtype, f"as the policy says (emulated on this CPU, slower than float32: {cpu.describe()})"
     return policy.compute_dtype, "as the policy says"
 
 
-def compile_plan(policy: Policy, model: Any, engine: Engine, cpu: CpuFeatures) -> Plan:
+def compile_plan(policy: Policy, model: Any, engine: Engine, cpu: CpuFacts) -> Plan:
     """The Plan of backend ``ipex`` for ``policy`` (``model`` decides IPEX's mode when given)."""
     compute, reason = resolve_compute(policy, cpu)
     resolved = policy if policy.compute_dtype == compute else policy.replace(compute_dtype=compute)
-    base = torch_plan(resolved, "cpu")
+    with warnings.catch_warnings():  # the emulation warning came from `check` above, on these facts
+        warnings.filterwarnings("ignore", message="unimp: .* emulates ")
+        base = torch_plan(resolved, "cpu")
     notes = [f"engine: {engine.name} ({engine.reason})", f"cpu: {cpu.describe()}", *base.notes]
     details = {**base.details, "engine": engine.name, "engine_reason": engine.reason,
-               "cpu_flags": sorted(cpu.flags), "ipex": None}
+               "cpu": cpu.record(), "ipex": None}
     if engine.name == "ipex":
         from .modes import choose
 
-        mode = choose(policy, compute, model)
+        mode = choose(policy, compute, model, cpu)
         details["ipex"] = {"version": engine.ipex_version, "dtype": mode.dtype,
                            "weights_prepack": mode.weights_prepack, "reason": mode.reason}
         notes.insert(1, f"ipex.optimize(dtype={mode.dtype}, weights_prepack={mode.weights_prepack}): {mode.reason}")

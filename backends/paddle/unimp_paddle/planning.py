@@ -3,7 +3,9 @@
 What Paddle can run decides the Plan, never the wish list: on CPU, dygraph ``auto_cast`` and
 ``decorate`` do nothing (Paddle 3.x has no CPU low-precision dygraph kernels), so every op the
 policy wants in low precision is reported as running in float32 (``on_unsupported`` decides:
-error or reported fallback). The static path runs bf16 on CPU for the ops measured to work.
+error or reported fallback). The static path runs bf16 on CPU for the ops measured to work, where
+Paddle's oneDNN has bf16 kernels (``unimp.hardware``: AVX512 BW/VL/DQ or AVX-NE-CONVERT); on other
+CPUs it runs float32 the same way.
 
 >>> import unimp
 >>> plan = compile_dygraph(unimp.load({"extends": "mixed_bf16", "on_unsupported": "fallback"}), "cpu")
@@ -17,6 +19,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from unimp import hardware
 from unimp.dtypes import is_low
 from unimp.errors import UnsupportedError
 from unimp.ops import CANONICAL_OPS
@@ -158,11 +161,18 @@ def compile_dygraph(policy: Policy, place: str) -> Plan:
 def compile_static(policy: Policy) -> Plan:
     """The Plan for a legacy-IR ``paddle.static.Program`` (bf16 rewrite, runs on CPU)."""
     low, reason = policy.compute_dtype, "as the policy says"
+    facts = hardware.cpu()
     if low == "auto":
-        low, reason = "bfloat16", "auto: the legacy static bf16 rewrite runs bfloat16 on CPU"
+        low, reason = hardware.resolve_cpu_auto("Paddle's static bf16 rewrite (oneDNN)", facts)
     problems = []
     param_fallback = None
     active, why = low == "bfloat16", ""
+    if active and not facts.bf16_kernels:
+        active, why = False, (f"Paddle's oneDNN has no bfloat16 matmul kernel on this CPU, {facts.describe()} "
+                              f"(it needs AVX512 BW/VL/DQ or AVX-NE-CONVERT; Paddle would fail with 'could not "
+                              f"create a primitive descriptor'), so unimp runs it in float32")
+    elif policy.compute_dtype == "bfloat16" and hardware.warn_emulated(low, "compute_dtype", "Paddle (oneDNN)"):
+        reason += f" (emulated on this CPU, slower than float32: {facts.describe()})"
     if low == "float16":
         why = ("the static path rewrites to bfloat16 only (decorate_bf16); Paddle has no CPU float16 "
                "kernels, so Paddle runs it in float32")
@@ -181,7 +191,7 @@ def compile_static(policy: Policy) -> Plan:
                         f"scaling into static Programs (bf16 does not need it); no scaling is applied")
     problems += _override_problems(policy, "static overrides (by parameter name) can only keep ops float32")
     lists = compile_lists(policy)
-    details = {"mode": "static", "place": "cpu", "amp_active": active, "amp_dtype": low,
+    details = {"mode": "static", "place": "cpu", "amp_active": active, "amp_dtype": low, "cpu": facts.record(),
                "param_dtype": "float32", "loss_scaling": "none",
                "bf16": sorted(lists.white), "fp32": sorted(lists.black), "gray": sorted(lists.gray)}
     notes = ("static gray ops run float32 if any producer is float32, else bfloat16 if any is bfloat16",)

@@ -153,7 +153,16 @@ class StaticAmp(Amp):
         wanted = [(op.type, op.output_arg_names[0]) for op in block.ops
                   if canonical_of(op.type) and op.output_arg_names and not op.type.endswith("_grad")]
         names = [v for _, v in wanted]
-        values = executor.run(self.model, feed=feed, fetch_list=names, scope=scope)
+        try:
+            values = executor.run(self.model, feed=feed, fetch_list=names, scope=scope)
+        except RuntimeError as e:  # the Plan decided from unimp.hardware; this is the backstop
+            if "primitive descriptor" not in str(e):
+                raise
+            from unimp.hardware import cpu
+
+            raise UnsupportedError(f"Paddle's oneDNN has no kernel for this bf16 Program on this CPU, "
+                                   f"{cpu().describe()}: {str(e).strip().splitlines()[-1]}; set compute_dtype = "
+                                   f"\"auto\" (float32 where bf16 is not native)") from None
         return [(t, v, NUMPY_DTYPES.get(str(x.dtype), str(x.dtype))) for (t, v), x in zip(wanted, values)]
 
     def report(self, executor: Any = None, feed: dict[str, Any] | None = None, scope: Any = None) -> Report:

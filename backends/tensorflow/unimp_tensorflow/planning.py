@@ -1,8 +1,8 @@
 """Compile a policy for Keras: per canonical op the layer classes that carry it. No TF import.
 
 Keras decides dtypes per layer, so every op with a Keras layer class is ``layer``-controlled;
-``loss`` is ``fixed`` (Keras losses compute in float32). ``auto`` imports TensorFlow to look
-at the devices.
+``loss`` is ``fixed`` (Keras losses compute in float32). ``auto`` (and a low-precision dtype on a
+CPU without native units) imports TensorFlow to look for GPUs; the CPU facts are ``unimp.hardware``'s.
 
 >>> import unimp
 >>> plan = compile_plan(unimp.load("mixed_bf16"))
@@ -12,6 +12,7 @@ at the devices.
 
 from __future__ import annotations
 
+from unimp import hardware
 from unimp.dtypes import is_low
 from unimp.ops import CANONICAL_OPS, OPS
 from unimp.plan import Plan, compile_ops, requested_dtype
@@ -43,17 +44,33 @@ def keras_rule(spec: LossScaleSpec) -> bool:
             and not spec.growth_requires_finite and spec.at_min == "clamp")
 
 
-def resolve_auto() -> tuple[str, str]:
-    """``auto`` on this machine: bf16 on CPUs and Ampere+ GPUs, fp16 (+ dynamic scaling) before."""
+def _gpus() -> list:
     import tensorflow as tf
 
-    gpus = tf.config.list_physical_devices("GPU")
+    return tf.config.list_physical_devices("GPU")
+
+
+def resolve_auto() -> tuple[str, str]:
+    """``auto`` on this machine: bf16 on Ampere+ GPUs (fp16 + dynamic scaling before); on CPU from its facts."""
+    import tensorflow as tf
+
+    gpus = _gpus()
     if not gpus:
-        return "bfloat16", "auto: CPU — Keras/oneDNN bf16 matmul ~2x faster than fp32 here (DESIGN §8)"
+        return hardware.resolve_cpu_auto("Keras (oneDNN)")
     cc = tf.config.experimental.get_device_details(gpus[0]).get("compute_capability", (0, 0))
     if tuple(cc) >= (8, 0):
         return "bfloat16", f"auto: GPU compute capability {cc[0]}.{cc[1]} has bf16 tensor cores"
     return "float16", f"auto: GPU compute capability {cc[0]}.{cc[1]} has no fast bf16; fp16 + dynamic scaling"
+
+
+def warn_emulated(policy: Policy, compute: str) -> str | None:
+    """Warn (at the user's call) for low-precision compute a CPU-only machine emulates; the message or None."""
+    wanted = [("compute_dtype", compute)] + [(f"overrides[{i}].compute_dtype", o.compute_dtype)
+                                             for i, o in enumerate(policy.overrides)]
+    slow = [(k, d) for k, d in wanted if is_low(d) and hardware.cpu().emulated(d)]
+    if not slow or _gpus():
+        return None
+    return hardware.warn_emulated(slow[0][1], slow[0][0], "Keras (oneDNN)")
 
 
 def loss_scaler(policy: Policy) -> str:
@@ -82,6 +99,8 @@ def compile_plan(policy: Policy) -> Plan:
     compute, reason = policy.compute_dtype, "as the policy says"
     if compute == "auto":
         compute, reason = resolve_auto()
+    elif warn_emulated(policy, compute):
+        reason += f" (emulated on this CPU, slower than float32: {hardware.cpu().describe()})"
     want = requested_dtype(policy, "loss", compute)
     follows_f32 = want is None and policy.output_dtype == "float32"
     fixed = {"loss": (None, LOSS_WHY + "; it takes the float32 model output, so it follows its inputs")

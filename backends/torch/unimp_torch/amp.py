@@ -12,13 +12,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import nn
 
 from unimp.backend import Amp
+from unimp.errors import StateError
 from unimp.loss_scale import LossScaleState
 from unimp.plan import Plan
 from unimp.report import Report, ReportRow
@@ -55,17 +57,21 @@ class TorchAmp(Amp):
     # ------------------------------------------------------------------ training verbs
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` on the scaled loss (call several times to accumulate)."""
+        self._check_live("amp.backward()")
         self.scaler.scale_loss(loss).backward(**kwargs)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        self._check_live("amp.scale_loss()")
         return self.scaler.scale_loss(loss)
 
     def unscale_(self) -> torch.Tensor | None:
         """Unscale this step's grads now (e.g. before inspecting them); returns found_inf."""
+        self._check_live("amp.unscale_()")
         return self.optimizer.unscale_() if self.optimizer is not None else None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> torch.Tensor:
         """Clip the unscaled gradients (of the masters, when there are masters); returns the norm."""
+        self._check_live("amp.clip_grad_norm_()")
         if self.optimizer is None:
             params = list(self.model.parameters())
         else:
@@ -83,23 +89,60 @@ class TorchAmp(Amp):
         """
         from .distributed import make_ddp
 
+        self._check_live("amp.ddp()")
         return make_ddp(self, **kwargs)
 
     @property
     def master_weights(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
         """``(name, low-precision param, fp32 master)`` for every parameter with a master."""
+        self._check_live("amp.master_weights")
         return list(self.params.masters)
+
+    def masters_in_model(self) -> AbstractContextManager[None]:
+        """The fp32 masters (and fp32 originals of frozen params) in the model for a ``with`` block,
+        e.g. to export or ``save_pretrained`` the full-precision weights; then the low-precision
+        copies again, recast from the masters.
+
+        >>> import torch, unimp
+        >>> m = torch.nn.Linear(2, 2)
+        >>> amp = unimp.apply("pure_bf16", m, torch.optim.SGD(m.parameters(), lr=0.1))
+        >>> with amp.masters_in_model():
+        ...     m.weight.dtype
+        torch.float32
+        >>> m.weight.dtype
+        torch.bfloat16
+        >>> _ = amp.remove()
+        """
+        self._check_live("amp.masters_in_model()")
+        return self.params.originals_in_model()
+
+    def _check_live(self, verb: str) -> None:
+        """Refuse ``verb`` once :meth:`remove` has run (the core's check, until it is in the base)."""
+        if self._removed:
+            raise StateError(f"{verb}: this Amp was removed (amp.remove() restored the model); apply the "
+                             f"policy again to use it: amp = unimp.apply(policy, model, optimizer)")
 
     # ------------------------------------------------------------------ Amp contract
     def loss_scale_state(self) -> LossScaleState:
+        self._check_live("amp.loss_scale_state() (amp.scale, amp.skipped_steps)")
         return self.scaler.state()
 
     def set_loss_scale_state(self, state: LossScaleState) -> None:
+        self._check_live("amp.set_loss_scale_state()")
         self.scaler.set_state(state)
+
+    def state_dict(self) -> dict[str, Any]:
+        self._check_live("amp.state_dict()")
+        return super().state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
+        self._check_live("amp.load_state_dict()")
+        super().load_state_dict(state, strict=strict)
 
     def report(self, *args: Any, **kwargs: Any) -> Report:
         """Per module path: kind, observed compute/param/output dtype. With inputs, runs a fresh
         no-grad forward on them; without, uses the first forward after apply."""
+        self._check_live("amp.report()")
         if args or kwargs:
             observed = observe(self.module, args, kwargs)
         elif self._observer.rows is not None:
@@ -118,7 +161,7 @@ class TorchAmp(Amp):
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
-        self.params.restore(trained=self.scaler.steps > 0)
+        self.params.restore()
         restore_layout(self._layout)
 
 
@@ -163,7 +206,8 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
                                        DTYPES[policy.output_dtype], bool(amp._layout)))
         model.__dict__["forward"].observer = amp._observer
         if optimizer is not None:
-            amp.optimizer = AmpOptimizer(optimizer, amp.scaler, amp.params, on_skip)
+            names = {id(p): n for n, p in model.named_parameters()} | {id(m): n for n, _, m in amp.params.masters}
+            amp.optimizer = AmpOptimizer(optimizer, amp.scaler, amp.params, on_skip, amp._check_live, names)
         if fsdp:
             from .distributed import attach_fsdp
 

@@ -38,14 +38,22 @@ def resolve_compute(dtype: str, device: str) -> tuple[str, str]:
         raise UnsupportedError(f"unimp-torch runs models on cpu or cuda; this model is on {device!r} "
                                f"(move it with model.to('cuda') or model.to('cpu'))")
     if dtype == "auto":
+        from unimp.hardware import resolve_auto, resolve_cpu_auto
+
         if device == "cuda":
-            if not torch.cuda.is_available() or torch.cuda.is_bf16_supported():
-                return "bfloat16", "auto: this GPU has native bfloat16"
-            return "float16", "auto: this GPU has no bfloat16; float16 with dynamic loss scaling"
-        if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
-            return "bfloat16", "auto: this CPU has native bfloat16 (AVX512-BF16/AMX)"
-        return "float32", "auto: this CPU has no native bfloat16, where it is slower than float32"
+            if not torch.cuda.is_available():
+                return "bfloat16", "auto: cuda (no GPU visible to check; bf16 GPUs are the common case)"
+            # bf16 tensor cores from compute capability 8.0 (torch.cuda.is_bf16_supported() counts emulation)
+            cc, name = torch.cuda.get_device_capability(), torch.cuda.get_device_name()
+            return resolve_auto(fast_bf16=cc >= (8, 0), fast_fp16=True,
+                                where=f"this GPU ({name}, compute capability {cc[0]}.{cc[1]})")
+        return resolve_cpu_auto("torch")  # CPU autocast float16 would need loss scaling: never auto on CPU
     check_dtype(dtype, device, "compute_dtype")
+    if device == "cpu" and is_low(dtype):
+        from unimp.hardware import cpu
+
+        if cpu().emulated(dtype):
+            return dtype, f"as the policy says (emulated on this CPU, slower than float32: {cpu().describe()})"
     return dtype, "as the policy says"
 
 
@@ -65,6 +73,9 @@ def check_dtype(dtype: str, device: str, key: str) -> None:
         if not ok or any("not supported" in str(w.message) for w in caught):
             raise UnsupportedError(f"{key} = {dtype!r}: torch {torch.__version__} CPU autocast does not "
                                    f"support it; use 'bfloat16' or 'float32', or run on cuda")
+        from unimp.hardware import warn_emulated
+
+        warn_emulated(dtype, key, "torch's CPU autocast")
 
 
 def compile_plan(policy: Policy, device: str) -> Plan:

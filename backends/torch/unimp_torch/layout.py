@@ -51,14 +51,17 @@ def has_conv2d(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d | nn.ConvTranspose2d) for m in model.modules())
 
 
-def to_channels_last(model: nn.Module) -> list[tuple[torch.Tensor, bool]]:
-    """Convert 4-D params/buffers to channels_last in place; returns what restore needs."""
-    seen = [(t, t.is_contiguous()) for t in (*model.parameters(), *model.buffers()) if t.dim() == 4]
+def to_channels_last(model: nn.Module) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """Convert 4-D params/buffers to channels_last in place; returns what restore needs (their strides)."""
+    seen = [(t, t.stride()) for t in (*model.parameters(), *model.buffers()) if t.dim() == 4]
     model.to(memory_format=torch.channels_last)
     return seen
 
 
-def restore_layout(seen: list[tuple[torch.Tensor, bool]]) -> None:
-    for t, contiguous in seen:
-        if contiguous and not t.is_contiguous():
-            t.data = t.data.contiguous()
+def restore_layout(seen: list[tuple[torch.Tensor, tuple[int, ...]]]) -> None:
+    """Give every tensor back its exact strides (``is_contiguous()`` alone cannot tell a 1x1 conv
+    weight in channels_last from a contiguous one, and kernels pick different paths for them)."""
+    for t, stride in seen:
+        if t.stride() != stride:
+            with torch.no_grad():
+                t.data = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t.data)

@@ -4,23 +4,34 @@ With master weights, the user's fp32 ``Parameter`` objects stay in the optimizer
 the model gets new low-precision parameters (weight ties kept); without them, parameters are
 cast in place. ``restore()`` puts everything back (after training, the masters' values).
 
+While applied, the model's ``state_dict()`` holds the fp32 originals (the masters, and the
+originals of frozen parameters) in place of their low-precision copies, and
+``load_state_dict()`` loads into them too: a checkpoint of the model is its full-precision
+weights, and loading one resumes the masters exactly.
+
 >>> import torch, unimp
 >>> m = torch.nn.Linear(4, 4)
 >>> w = m.weight
 >>> st = cast_params(m, unimp.load("pure_bf16"), "bfloat16", {id(w), id(m.bias)})
->>> m.weight.dtype, st.masters[0][2] is w
-(torch.bfloat16, True)
->>> st.restore(trained=False); m.weight is w
+>>> m.weight.dtype, st.masters[0][2] is w, m.state_dict()["weight"].dtype
+(torch.bfloat16, True, torch.float32)
+>>> st.restore(); m.weight is w
 True
 """
 
 from __future__ import annotations
 
+import copy
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from unimp.errors import UnsupportedError
 from unimp.policy import Policy
 
 from .layers import DTYPES, kind, type_names
@@ -28,11 +39,18 @@ from .layers import DTYPES, kind, type_names
 
 @dataclass
 class ParamState:
-    """What :func:`cast_params` changed; ``masters`` is ``(name, low param, fp32 master)``."""
+    """What :func:`cast_params` changed; ``masters`` is ``(name, low param, fp32 master)``.
+
+    ``swapped`` is ``(module, name, original, low)`` for every parameter slot given a new
+    low-precision ``Parameter`` (tied slots once each); ``home`` maps ``id(low)`` to
+    ``(low, original)``: the fp32 tensor that is the parameter's true value.
+    """
 
     masters: list[tuple[str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
-    swapped: list[tuple[nn.Module, str, nn.Parameter]] = field(default_factory=list)
+    swapped: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
     in_place: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    home: dict[int, tuple[nn.Parameter, nn.Parameter]] = field(default_factory=dict)
+    hooks: list[Any] = field(default_factory=list)
 
     def sync_low(self) -> None:
         """Low-precision params := cast(master), after every optimizer step."""
@@ -40,14 +58,96 @@ class ParamState:
             lows = [low.data for _, low, _ in self.masters]
             torch._foreach_copy_(lows, [m.data for _, _, m in self.masters])
 
-    def restore(self, trained: bool) -> None:
-        for module, name, original in reversed(self.swapped):
+    def restore(self) -> None:
+        """Put the user's parameters back: originals (with the masters' values), exact dtypes.
+
+        An in-place cast parameter gets its original tensor back when its value did not change
+        (bit-exact undo), else its current value cast back.
+        """
+        for handle in self.hooks:
+            handle.remove()
+        for module, name, original, _ in reversed(self.swapped):
             module._parameters[name] = original
         for p, original in reversed(self.in_place):
-            p.data = p.data.to(original.dtype) if trained else original
+            p.data = original if torch.equal(p.data, original.to(p.dtype)) else p.data.to(original.dtype)
+        self.hooks.clear()
         self.swapped.clear()
         self.in_place.clear()
         self.masters.clear()
+        self.home.clear()
+
+    def link(self) -> None:
+        """Hook every module holding a low-precision copy: its state dict is the fp32 original."""
+        for module in {id(m): m for m, *_ in self.swapped}.values():
+            for hooks in (module._state_dict_hooks, module._load_state_dict_pre_hooks):
+                for key, hook in list(hooks.items()):  # inert hooks a copy of the model brought along
+                    if isinstance(getattr(hook, "hook", hook), _Hook) and getattr(hook, "hook", hook).state is None:
+                        del hooks[key]
+            self.hooks.append(module.register_state_dict_post_hook(_Hook(self, load=False)))
+            self.hooks.append(module.register_load_state_dict_pre_hook(_Hook(self, load=True)))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ParamState:
+        """A copy over the copied parameters (part of copying the whole Amp), hooked to them."""
+        new = ParamState(masters=copy.deepcopy(self.masters, memo), swapped=copy.deepcopy(self.swapped, memo),
+                         in_place=copy.deepcopy(self.in_place, memo))
+        memo[id(self)] = new
+        new.home = {id(low): (low, original) for low, original in
+                    (copy.deepcopy(pair, memo) for pair in self.home.values())}
+        new.link()
+        return new
+
+    @contextmanager
+    def originals_in_model(self) -> Iterator[None]:
+        """The fp32 originals in the model's parameter slots for the block; then the low copies
+        again, recast from the originals (which the block may have changed)."""
+        for module, name, original, _ in self.swapped:
+            module._parameters[name] = original
+        try:
+            yield
+        finally:
+            for module, name, _, low in self.swapped:
+                module._parameters[name] = low
+            with torch.no_grad():
+                for low, original in self.home.values():
+                    low.copy_(original)
+
+
+class _Hook:
+    """A module's state-dict hook that stands the fp32 originals in for their low copies.
+
+    Holds the :class:`ParamState` weakly and matches parameters by identity, so a copy of the
+    model (``copy.deepcopy``, pickle) saves and loads its own parameters, untouched.
+    """
+
+    def __init__(self, state: ParamState | None, load: bool) -> None:
+        self.state = weakref.ref(state) if state is not None else None
+        self.load = load
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Hook, (None, self.load))
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                 local_metadata: dict[str, Any], *_: Any) -> None:
+        state = self.state() if self.state is not None else None
+        if state is None:
+            return
+        for name, p in module._parameters.items():
+            low, original = state.home.get(id(p), (None, None))
+            key = prefix + name
+            if low is not p or key not in state_dict:
+                continue
+            value = state_dict[key]
+            if not self.load:
+                state_dict[key] = original if value is p else original.detach()
+                continue
+            if local_metadata.get("assign_to_params_buffers", False):
+                raise UnsupportedError(
+                    f"load_state_dict(assign=True): '{key}' is a low-precision copy whose fp32 master the "
+                    f"optimizer steps; assigning would cut it off. Load without assign=True, or load before "
+                    f"unimp.apply (or after amp.remove())")
+            if isinstance(value, torch.Tensor) and value.shape == original.shape:  # else torch refuses it
+                with torch.no_grad():
+                    original.copy_(value)
 
 
 def cast_params(model: nn.Module, policy: Policy, low: str, optimized: set[int]) -> ParamState:
@@ -63,23 +163,21 @@ def cast_params(model: nn.Module, policy: Policy, low: str, optimized: set[int])
                 continue
             if id(p) in done:  # a tied weight: same object as before
                 module._parameters[name] = done[id(p)]
-                state.swapped.append((module, name, p))
+                state.swapped.append((module, name, p, done[id(p)]))
                 continue
             if p.dtype == dtype:
                 continue
             qualified = f"{path}.{name}" if path else name
-            if masters and id(p) in optimized:
+            if masters:  # a master when optimized; frozen: no master, the original kept for restore
                 new = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
                 module._parameters[name] = new
                 done[id(p)] = new
-                state.swapped.append((module, name, p))
-                state.masters.append((qualified, new, p))
-            elif masters:  # frozen: no master needed, but keep the original for restore
-                new = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-                module._parameters[name] = new
-                done[id(p)] = new
-                state.swapped.append((module, name, p))
+                state.swapped.append((module, name, p, new))
+                state.home[id(new)] = (new, p)
+                if id(p) in optimized:
+                    state.masters.append((qualified, new, p))
             else:
                 state.in_place.append((p, p.data))
                 p.data = p.data.to(dtype)
+    state.link()
     return state

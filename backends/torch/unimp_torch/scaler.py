@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 import torch
 
+from unimp.errors import StateError
 from unimp.loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState, f32
 from unimp.policy import LossScaleSpec
 
@@ -37,15 +38,23 @@ class DeviceLossScale:
         self.device = torch.device(device)
         self.native = torch_rule(spec)
         self.checks = spec.mode != "none" or spec.skip_nonfinite  # finiteness is needed at all
+        self.losses = 0  # losses scaled so far: new gradients may have arrived since this changed
         self.set_state(LossScale(spec).initial_state())
 
     # ------------------------------------------------------------------ state
     def set_state(self, st: LossScaleState) -> None:
-        dev = self.device
-        self.scale = torch.full((), f32(st.scale), dtype=torch.float32, device=dev)
-        self.tracker = torch.full((), st.growth_tracker, dtype=torch.int32, device=dev)
-        self.hysteresis = torch.full((), st.hysteresis_left, dtype=torch.int32, device=dev)
-        self.skipped = torch.full((), st.skipped, dtype=torch.int64, device=dev)
+        """Replace the state: every tensor is built first, so a value that does not fit changes nothing."""
+        tensors = []
+        for key, value, dtype in (("scale", st.scale, torch.float32),
+                                  ("growth_tracker", st.growth_tracker, torch.int32),
+                                  ("hysteresis_left", st.hysteresis_left, torch.int32),
+                                  ("skipped", st.skipped, torch.int64)):
+            try:
+                tensors.append(torch.full((), f32(value) if key == "scale" else value, dtype=dtype, device=self.device))
+            except (TypeError, ValueError, OverflowError, RuntimeError) as e:
+                raise StateError(f"loss-scale state: {key} = {str(value)[:40]} does not fit the device's "
+                                 f"{str(dtype)[6:]} counter ({e}); load a state_dict saved by unimp") from None
+        self.scale, self.tracker, self.hysteresis, self.skipped = tensors
         self.steps = st.steps
         self._inv = None
 
@@ -57,6 +66,7 @@ class DeviceLossScale:
 
     # ------------------------------------------------------------------ per step
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        self.losses += 1
         if self.spec.mode == "none":
             return loss
         return loss.float() * self.scale

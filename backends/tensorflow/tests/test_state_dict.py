@@ -1,0 +1,60 @@
+"""Garbage state dicts through the TensorFlow/Keras Amp (unimp's and Keras' own loss-scale optimizer,
+before and after the optimizer is built): one StateError, nothing applied (issue 14, item 13)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import unimp
+from unimp.conformance.state_dicts import (
+    check_copy,
+    check_refused,
+    check_removed,
+    check_round_trip,
+    garbage_state_dicts,
+)
+
+X = np.random.default_rng(0).normal(size=(8, 8)).astype("float32")
+CASES = [("mixed_fp16", True), ("mixed_fp16", False), ("keras_mixed_float16", True), ("keras_mixed_float16", False),
+         ("mixed_bf16", True)]
+
+
+def _apply(policy, stepped):
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8)])
+    amp = unimp.apply(policy, model, keras.optimizers.SGD(0.1))
+    if stepped:  # builds the optimizer: the state lives in its variables
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.cast(amp.model(X), tf.float32) ** 2)
+            scaled = amp.scale_loss(loss)
+        variables = amp.model.trainable_variables
+        amp.apply_gradients(zip(tape.gradient(scaled, variables), variables))
+    return amp
+
+
+@pytest.fixture(scope="module", params=CASES, ids=str)
+def amp(request):
+    a = _apply(*request.param)
+    yield a
+    a.remove()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_garbage_state_dicts_are_refused_and_change_nothing(amp, data):
+    check_refused(amp, data.draw(garbage_state_dicts(amp.state_dict())))
+
+
+def test_the_largest_valid_state_round_trips(amp):
+    check_round_trip(amp)
+
+
+def test_deepcopy_of_the_amp_works_or_is_refused_clearly(amp):
+    check_copy(amp)
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=str)
+def test_a_removed_amp_refuses(case):
+    check_removed(_apply(*case))

@@ -1,0 +1,273 @@
+"""The optimizer wrapper under faults: sparse gradients, a skipped first step, an exception inside
+``step()``, garbage optimizer state. Expected values come from torch itself: ``torch.amp.GradScaler``
+or plain float32 training on the same batches (a power-of-two loss scale is exact in float32)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import unimp
+from unimp.errors import StateError
+
+# compute in float32 so the only difference to plain torch is unimp's loss scaling / skipping
+SCALED = unimp.load("torch_autocast_cuda").replace(compute_dtype="float32", loss_scale={"growth_interval": 3})
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.LayerNorm(32), nn.Linear(32, 8))
+
+
+def _batch(i: int) -> torch.Tensor:
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y), (x - y).abs().max()
+
+
+def _plain_run(make_opt, batches) -> list[torch.Tensor]:
+    """Plain float32 training, no unimp: the reference."""
+    model = _mlp()
+    opt = make_opt(model.parameters())
+    for i in batches:
+        model(_batch(i)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return _params(model)
+
+
+# ---------------------------------------------------------------- 14.3 sparse gradients
+class SparseNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8, sparse=True)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, idx: torch.Tensor, poison: bool = False) -> torch.Tensor:
+        e = self.emb(idx)
+        if poison:  # a real non-finite gradient that reaches the embedding (sparse) grad only
+            e.register_hook(lambda g: g * float("inf"))
+        return self.head(e).sum(1)
+
+
+def test_sparse_gradients_match_gradscaler():
+    """Sparse grads are unscaled and checked like torch.amp.GradScaler does it: same params, same
+    scale, same skips, including steps where only the sparse gradient is non-finite."""
+    torch.manual_seed(0)
+    ref, ours = SparseNet(), SparseNet()
+    ours.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0, growth_interval=3)
+    amp = unimp.apply(SCALED, ours, torch.optim.SGD(ours.parameters(), lr=0.1))
+    for i in range(10):
+        idx = torch.randint(0, 20, (4, 6), generator=torch.Generator().manual_seed(i))
+        poison = i in (2, 6)
+        scaler.scale(ref(idx, poison).square().mean()).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_opt.zero_grad()
+        amp.backward(amp.model(idx, poison).square().mean())
+        assert ours.emb.weight.grad.is_sparse
+        amp.optimizer.step()
+        amp.optimizer.zero_grad()
+        assert amp.scale == scaler.get_scale(), i
+        _assert_same(_params(ours), _params(ref))
+    assert amp.skipped_steps == 2
+    amp.remove()
+
+
+# ---------------------------------------------------------------- 14.4 skipped steps change nothing
+OPTIMIZERS = {
+    f"{name}_{impl}": (lambda ps, cls=cls, kw=kw, impl=impl: cls(ps, **kw, **{impl: True}) if impl != "plain"
+                       else cls(ps, **kw, foreach=False))
+    for name, cls, kw in (("sgd_momentum", torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+                          ("adam", torch.optim.Adam, {"lr": 1e-2}),
+                          ("adamw", torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}))
+    for impl in ("fused", "foreach", "plain")
+}
+
+
+def _opt_state(opt: torch.optim.Optimizer) -> dict:
+    return copy.deepcopy(opt.state_dict()["state"])
+
+
+def _assert_state_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for i in a:
+        assert a[i].keys() == b[i].keys()
+        for k in a[i]:
+            assert torch.equal(torch.as_tensor(a[i][k]), torch.as_tensor(b[i][k])), (i, k)
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_skipped_first_and_later_steps_change_nothing(opt_name):
+    make = OPTIMIZERS[opt_name]
+    model = _mlp()
+    opt = make(model.parameters())
+    amp = unimp.apply(SCALED, model, opt)
+    before = _params(model)
+    amp.backward(amp.model(_batch(0)).square().mean() * float("inf"))  # overflow on the very first step
+    amp.optimizer.step()
+    amp.optimizer.zero_grad()
+    assert amp.skipped_steps == 1
+    assert opt.state_dict()["state"] == {}  # "no state yet" stays so
+    _assert_same(_params(model), before)
+    for i in (1, 2, 3):
+        amp.backward(amp.model(_batch(i)).square().mean())
+        amp.optimizer.step()
+        amp.optimizer.zero_grad()
+    state, params = _opt_state(opt), _params(model)
+    amp.backward(amp.model(_batch(4)).square().mean() * float("nan"))  # a later skip
+    amp.optimizer.step()
+    amp.optimizer.zero_grad()
+    _assert_state_equal(_opt_state(opt), state)
+    _assert_same(_params(model), params)
+    amp.backward(amp.model(_batch(5)).square().mean())
+    amp.optimizer.step()
+    assert amp.skipped_steps == 2
+    # the skipped steps never happened: plain float32 training on the clean batches
+    _assert_same(_params(model), _plain_run(make, [1, 2, 3, 5]))
+    amp.remove()
+
+
+# ---------------------------------------------------------------- 14.5 exceptions inside step()
+class _InterruptOnce:
+    """A step pre-hook on the user's optimizer: a Ctrl-C at the start of its next step."""
+
+    def __init__(self) -> None:
+        self.armed = False
+
+    def __call__(self, *_):
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum_plain", "adam_fused"])
+@pytest.mark.parametrize("retry", [False, True], ids=["next_batch", "retry_step"])
+def test_interrupted_step_leaves_no_stale_state(opt_name, retry):
+    """An exception inside amp.optimizer.step() (caught, as in a notebook): the next step unscales
+    its own gradients (not x65536), and retrying the step does not unscale twice."""
+    make = OPTIMIZERS[opt_name]
+    model = _mlp()
+    opt = make(model.parameters())
+    interrupt = _InterruptOnce()
+    opt.register_step_pre_hook(interrupt)
+    amp = unimp.apply(SCALED, model, opt)
+    done = []
+    for i in range(4):
+        amp.backward(amp.model(_batch(i)).square().mean())
+        interrupt.armed = i == 1
+        try:
+            amp.optimizer.step()
+            done.append(i)
+        except KeyboardInterrupt:
+            assert i == 1 and amp.state_dict()["steps"] == 1  # the scaler did not count it
+            if retry:
+                amp.optimizer.step()
+                done.append(i)
+        amp.optimizer.zero_grad()
+    assert amp.state_dict()["steps"] == len(done) and amp.skipped_steps == 0
+    _assert_same(_params(model), _plain_run(make, done))
+    amp.remove()
+
+
+def test_unscale_then_clip_then_step_unscales_once():
+    """amp.clip_grad_norm_ (unscale, clip in place) then step: the clipped grads are used as they are."""
+    model, ref = _mlp(), _mlp()
+    amp = unimp.apply(SCALED, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(3):
+        amp.backward(amp.model(_batch(i)).square().mean())
+        amp.clip_grad_norm_(0.01)
+        amp.optimizer.step()
+        amp.optimizer.zero_grad()
+        ref(_batch(i)).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _assert_same(_params(model), _params(ref))
+    amp.remove()
+
+
+# ---------------------------------------------------------------- 14.13 garbage optimizer state
+def _corrupt(sd: dict, how: str) -> object:
+    sd = copy.deepcopy(sd)
+    last = max(sd["state"])
+    if how == "not_a_dict":
+        return [1, 2]
+    if how == "no_state":
+        del sd["state"]
+    elif how == "no_groups":
+        del sd["param_groups"]
+    elif how == "extra_group":
+        sd["param_groups"].append(copy.deepcopy(sd["param_groups"][0]))
+    elif how == "missing_param":
+        sd["param_groups"][0]["params"].pop()
+    elif how == "unknown_state_key":
+        sd["state"][99] = sd["state"][last]
+    elif how == "wrong_shape":
+        sd["state"][last]["exp_avg"] = torch.zeros(3, 3)
+    elif how == "nan_moment":
+        sd["state"][last]["exp_avg_sq"] = torch.full_like(sd["state"][last]["exp_avg_sq"], float("nan"))
+    elif how == "negative_step":
+        sd["state"][last]["step"] = torch.tensor(-3.0)
+    elif how == "fractional_step":
+        sd["state"][last]["step"] = torch.tensor(2.5)
+    elif how == "string_moment":
+        sd["state"][last]["exp_avg"] = "zeros"
+    elif how == "lr_string":
+        sd["param_groups"][0]["lr"] = "fast"
+    elif how == "lr_nan":
+        sd["param_groups"][0]["lr"] = float("nan")
+    elif how == "betas_short":
+        sd["param_groups"][0]["betas"] = (0.9,)
+    elif how == "amsgrad_number":
+        sd["param_groups"][0]["amsgrad"] = 3
+    return sd
+
+
+GARBAGE = ["not_a_dict", "no_state", "no_groups", "extra_group", "missing_param", "unknown_state_key",
+           "wrong_shape", "nan_moment", "negative_step", "fractional_step", "string_moment", "lr_string",
+           "lr_nan", "betas_short", "amsgrad_number"]
+
+
+@pytest.mark.parametrize("how", GARBAGE)
+def test_garbage_optimizer_state_is_refused_whole(how):
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    amp = unimp.apply("pure_bf16", model, opt)
+    for i in range(2):
+        amp.backward(amp.model(_batch(i)).float().square().mean())
+        amp.optimizer.step()
+        amp.optimizer.zero_grad()
+    good = copy.deepcopy(opt.state_dict())
+    with pytest.raises(StateError, match=r"amp\.optimizer\.load_state_dict") as err:
+        amp.optimizer.load_state_dict(_corrupt(good, how))
+    if how in ("wrong_shape", "nan_moment", "negative_step", "string_moment"):
+        assert "3.weight" in str(err.value) or "3.bias" in str(err.value)  # names the parameter
+    after = opt.state_dict()
+    _assert_state_equal(after["state"], good["state"])  # nothing applied
+    assert after["param_groups"] == good["param_groups"]
+    amp.optimizer.load_state_dict(good)  # the real one still loads
+    amp.remove()
+
+
+def test_loss_scale_state_that_does_not_fit_the_device_is_refused_whole():
+    """A counter beyond the device's int32: StateError naming the key, the old state kept."""
+    model = _mlp()
+    amp = unimp.apply(SCALED, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    good = amp.state_dict()
+    with pytest.raises(StateError, match="growth_tracker"):
+        amp.load_state_dict(dict(good, scale=8.0, growth_tracker=2**40))
+    assert amp.state_dict() == good
+    amp.remove()

@@ -1,0 +1,115 @@
+"""Garbage ``state_dict`` s for any backend's ``Amp.load_state_dict`` (a hypothesis property test).
+
+Every backend inherits :meth:`unimp.Amp.load_state_dict`: the whole dict is checked first and one
+:class:`unimp.StateError` names each bad key; nothing is applied unless everything is good. A
+backend's tests run the same property against its own Amp::
+
+    from hypothesis import given, settings
+    from unimp.conformance.state_dicts import check_refused, garbage_state_dicts
+
+    @settings(max_examples=40, deadline=None)
+    @given(data=st.data())
+    def test_garbage(data):
+        check_refused(amp, data.draw(garbage_state_dicts(amp.state_dict())))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..errors import StateError
+from ..loss_scale import STATE_KEYS, LossScaleState
+from ..spec import FLT_MAX, INT32_MAX
+
+BAD_SCALES = (math.nan, math.inf, -math.inf, -1.0, 0.0, -0.0, 1e39, 3.5e38, 10**400, 1e-50, "65536", None, True,
+              [1.0], {"scale": 1.0})
+BAD_COUNTERS = (-1, -(2**40), 2**31, 10**30, 1.5, 0.5, True, False, "3", None, math.nan, math.inf, [], 2.0**40)
+
+
+def garbage_state_dicts(valid: dict[str, Any]) -> Any:
+    """A hypothesis strategy: ``valid`` with 1-3 keys made bad (and maybe others changed validly)."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def build(draw: Any) -> dict[str, Any]:
+        d = dict(valid)
+        changes = draw(st.dictionaries(st.sampled_from(STATE_KEYS[1:4]), st.integers(0, 3), max_size=2))
+        for key, value in changes.items():
+            d[key] = value + (1 if key == "hysteresis_left" and value == 0 else 0)  # valid changes
+        if draw(st.booleans()):
+            d["scale"] = draw(st.sampled_from([1.0, 2.0**10, FLT_MAX]))
+        how = draw(st.sampled_from(["value", "value", "missing", "skipped>steps", "not a mapping"]))
+        if how == "missing":
+            for key in draw(st.lists(st.sampled_from(STATE_KEYS), min_size=1, max_size=3, unique=True)):
+                d.pop(key)
+        elif how == "skipped>steps":
+            d["steps"] = draw(st.integers(0, 100))
+            d["skipped"] = d["steps"] + draw(st.integers(1, 100))
+        elif how == "not a mapping":
+            return draw(st.sampled_from([None, [], "state", 1.0, [("scale", 1.0)]]))
+        else:
+            for key in draw(st.lists(st.sampled_from(STATE_KEYS), min_size=1, max_size=3, unique=True)):
+                d[key] = draw(st.sampled_from(BAD_SCALES if key == "scale" else BAD_COUNTERS))
+        return d
+
+    return build()
+
+
+def extreme_state(amp: Any) -> dict[str, Any]:
+    """The largest state every backend must hold: scale = the largest float32, counters int32."""
+    sd = amp.state_dict()
+    return {**sd, "scale": FLT_MAX if amp.policy.loss_scale.mode == "dynamic" else sd["scale"],
+            "growth_tracker": INT32_MAX, "skipped": INT32_MAX, "steps": INT32_MAX,
+            "hysteresis_left": amp.policy.loss_scale.hysteresis}
+
+
+def check_refused(amp: Any, bad: Any) -> None:
+    """``amp.load_state_dict(bad)`` raises StateError and leaves the state exactly as it was."""
+    before = amp.state_dict()
+    try:
+        amp.load_state_dict(bad)
+    except StateError as e:
+        assert str(e), "a StateError without a message"
+    except Exception as e:
+        raise AssertionError(f"{amp.backend}: load_state_dict({bad!r:.200}) raised {type(e).__name__}: {e}") from e
+    else:
+        raise AssertionError(f"{amp.backend}: load_state_dict accepted garbage {bad!r:.200}")
+    after = amp.state_dict()
+    assert after == before, f"{amp.backend}: a refused load changed the state: {before} -> {after}"
+
+
+def check_round_trip(amp: Any) -> None:
+    """The extreme valid state loads and reads back exactly (every bound is holdable)."""
+    state = extreme_state(amp)
+    amp.load_state_dict(state)
+    assert amp.state_dict() == state, f"{amp.backend}: {state} read back as {amp.state_dict()}"
+
+
+def check_copy(amp: Any) -> None:
+    """``copy.deepcopy(amp)`` gives an Amp with the same state, or a clear UnsupportedError naming the fix."""
+    import copy
+
+    from ..errors import UnsupportedError
+
+    try:
+        twin = copy.deepcopy(amp)
+    except UnsupportedError as e:
+        assert "new.load_state_dict(amp.state_dict())" in str(e), str(e)
+        return
+    assert twin is not amp and twin.state_dict() == amp.state_dict()
+    twin.remove()
+
+
+def check_removed(amp: Any) -> None:
+    """After ``amp.remove()`` the base verbs refuse with a StateError that says to apply again."""
+    sd = amp.state_dict()
+    amp.remove()
+    for verb in (amp.state_dict, lambda: amp.load_state_dict(sd), lambda: amp.scale, amp.loss_scale_state,
+                 lambda: amp.set_loss_scale_state(LossScaleState(1.0)), amp.report):
+        try:
+            verb()
+        except StateError as e:
+            assert "was removed" in str(e), str(e)
+        else:
+            raise AssertionError(f"{amp.backend}: a removed Amp still answered")
