@@ -1,9 +1,8 @@
-"""Layer-level control: per-module forwards for what torch's op lists cannot express.
+"""Layer-level control: per-module forwards for overrides (module globs, layer types).
 
-A module gets a wrapper only when it must: an override that sets its compute dtype, or its ops
-are moved by the policy but torch already has a C++ Autocast kernel for them on this device (so
-the op-level kernels of :mod:`unimp_torch.op_overrides` cannot take over). Every other module
-runs untouched.
+A module gets a wrapper only when it must: an override that sets its compute dtype (ops a
+policy moves are handled per call by :mod:`unimp_torch.op_overrides`). Every other module runs
+untouched.
 
 >>> import torch
 >>> layer = torch.nn.Linear(4, 4)
