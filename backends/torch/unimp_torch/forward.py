@@ -16,6 +16,7 @@ torch.float32
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -64,7 +65,9 @@ class PolicyForward:
         self.observer: Any = None  # observe.Observer until the first eager forward has run
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
-        inner = self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+        # the class's forward through functools.partial, not function.__get__ (dynamo in torch 2.11
+        # cannot trace __get__ and breaks the graph there)
+        inner = self.inner if self.inner is not None else functools.partial(type(self.module).forward, self.module)
         if self.autocast is None:
             return inner(*args, **kwargs)
         with torch.autocast(self.device, dtype=self.autocast):

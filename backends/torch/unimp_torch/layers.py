@@ -16,6 +16,7 @@ torch.float32
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -117,7 +118,7 @@ class LayerForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, rule = self.module, self.rule
-        inner = self.inner if self.inner is not None else type(module).forward.__get__(module)
+        inner = self.inner if self.inner is not None else functools.partial(type(module).forward, module)
         if rule.composite:
             with torch.autocast(self.device, dtype=DTYPES[rule.dtype]):
                 return inner(*args, **kwargs)
