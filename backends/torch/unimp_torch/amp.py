@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from unimp.backend import Amp
-from unimp.errors import StateError
 from unimp.loss_scale import LossScaleState
 from unimp.plan import Plan
 from unimp.report import Report, ReportRow
@@ -47,7 +46,7 @@ class TorchAmp(Amp):
         self.params = ParamState()
         self.wrapped: list[str] = []  # module paths with a layer-level forward
         self._undo: list[Callable[[], None]] = []
-        self._layout: list[tuple[torch.Tensor, bool]] = []
+        self._layout: list[tuple[torch.Tensor, tuple[int, ...]]] = []  # (param, original strides)
         self._observer = Observer()  # filled by the first eager forward after apply
         # set when the model is data-parallel or sharded (unimp_torch.distributed): engine, world
         # size, reduce dtype, how found-inf is agreed; ``agree(found_inf)`` all-reduces it (MAX)
@@ -116,12 +115,6 @@ class TorchAmp(Amp):
         self._check_live("amp.masters_in_model()")
         return self.params.originals_in_model()
 
-    def _check_live(self, verb: str) -> None:
-        """Refuse ``verb`` once :meth:`remove` has run (the core's check, until it is in the base)."""
-        if self._removed:
-            raise StateError(f"{verb}: this Amp was removed (amp.remove() restored the model); apply the "
-                             f"policy again to use it: amp = unimp.apply(policy, model, optimizer)")
-
     # ------------------------------------------------------------------ Amp contract
     def loss_scale_state(self) -> LossScaleState:
         self._check_live("amp.loss_scale_state() (amp.scale, amp.skipped_steps)")
@@ -130,14 +123,6 @@ class TorchAmp(Amp):
     def set_loss_scale_state(self, state: LossScaleState) -> None:
         self._check_live("amp.set_loss_scale_state()")
         self.scaler.set_state(state)
-
-    def state_dict(self) -> dict[str, Any]:
-        self._check_live("amp.state_dict()")
-        return super().state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
-        self._check_live("amp.load_state_dict()")
-        super().load_state_dict(state, strict=strict)
 
     def report(self, *args: Any, **kwargs: Any) -> Report:
         """Per module path: kind, observed compute/param/output dtype. With inputs, runs a fresh
