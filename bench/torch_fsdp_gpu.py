@@ -9,7 +9,7 @@ preset). Native is what a careful user writes by hand for the same policy: ``ful
 ``MixedPrecisionPolicy`` (param dtype as the policy's, ``reduce_dtype`` float32, float32 output;
 for ``pure_bf16`` the two LayerNorms as float32 units of their own), ``torch.autocast(bf16)``
 around the forward, fused AdamW. unimp: ``unimp_torch.fully_shard(model, policy)`` +
-``unimp.apply(policy, model, opt)`` and the DESIGN §5 loop. Both models alive, interleaved rounds
+``unimp.apply(policy, model, opt)`` and the training loop of docs/design.md. Both models alive, interleaved rounds
 of steps in alternating order, CUDA events, median of >= 20 steps each after warm-up. Prints the
 ratio (contract <= 1.01) and writes ``$OUT/torch_fsdp_gpu.json`` when ``OUT`` is set.
 NVLink multicast is left off (``NCCL_NVLS_ENABLE=0``).

@@ -1,4 +1,4 @@
-"""Train a small Paddle model under the team's shared unimp policy (the DESIGN.md §5 loop).
+"""Train a small Paddle model under the team's shared unimp policy (the training loop of docs/design.md).
 
     python examples/paddle_train.py [policy.toml]
 

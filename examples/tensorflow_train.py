@@ -1,4 +1,4 @@
-"""Train a small Keras model under the team's shared unimp policy (the DESIGN.md §5 loop).
+"""Train a small Keras model under the team's shared unimp policy (the training loop of docs/design.md).
 
     python examples/tensorflow_train.py [policy.toml]
 
@@ -45,7 +45,7 @@ def data() -> tuple[np.ndarray, np.ndarray]:
 
 
 def custom_loop(amp: unimp.Amp, x: np.ndarray, y: np.ndarray, steps: int) -> tuple[list[float], float]:
-    """The DESIGN.md §5 TensorFlow loop: scale_loss -> tape.gradient -> apply_gradients."""
+    """The TensorFlow training loop of docs/design.md: scale_loss -> tape.gradient -> apply_gradients."""
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     variables = amp.model.trainable_variables
 

@@ -34,7 +34,7 @@ from .scaler import DeviceLossScale
 
 
 class TorchAmp(Amp):
-    """The handle :func:`unimp.apply` returns for torch models (DESIGN.md §5)."""
+    """The handle :func:`unimp.apply` returns for torch models."""
 
     def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  device: str) -> None:
