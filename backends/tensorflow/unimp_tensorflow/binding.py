@@ -112,7 +112,7 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
         if not u.has_params:
             param = "float32" if compute is None else compute
         if compute is None:
-            kp = FollowInputs(param, promote=category == "promote")
+            kp = FollowInputs(param, promote=category == "promote" and u.has_params)  # paramless: widest input
         else:
             kp = keras_policy(compute, param)  # may refuse before anything changed
         plans.append((u, kp, param))

@@ -17,6 +17,7 @@ torch.float32
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -130,6 +131,7 @@ def wrap(module: nn.Module, rule: Rule, device: str) -> Callable[[], None]:
 def install_forward(module: nn.Module, forward: Callable, inner: Callable, had_own: bool) -> Callable[[], None]:
     """Put ``forward`` on the instance; the returned undo restores exactly what was there before."""
     forward.__unimp_wrapped__ = inner  # type: ignore[attr-defined]
+    forward.__signature__ = inspect.signature(inner)  # type: ignore[attr-defined]  # HF Trainer reads it
     module.forward = forward
 
     def undo() -> None:
