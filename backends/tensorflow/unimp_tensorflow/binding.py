@@ -157,13 +157,13 @@ def patch_save(layer: Any, binding: Binding) -> None:
         return s.original if id(s.low) in binding.master_ids else tf.cast(s.low.value, s.original.dtype)
 
     originals = {id(s.low): (lambda s=s: original_value(s)) for s in binding.swaps if s.layer is layer}
-    save = layer.save_own_variables
+    own, save = layer.__dict__.get("save_own_variables"), layer.save_own_variables
 
     def save_own_variables(store: Any) -> None:
         save(_SaveStore(store, originals))
 
     object.__setattr__(layer, "save_own_variables", save_own_variables)
-    binding.instance_methods.append((layer, None, "save_own_variables"))
+    binding.instance_methods.append((layer, own, "save_own_variables"))
 
 
 def patch_stream(layer: Any, parent: Any, binding: Binding) -> None:
