@@ -1,5 +1,6 @@
 """Flax nnx MiniGPT and a linen CNN (as Flax's examples write them) under every JAX preset."""
 
+import functools
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -82,9 +83,10 @@ def lm_loss(model, tokens):
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def native_nnx(dtype, params):
-    model = MiniGPT(nnx.Rngs(0), dtype=dtype)
-    nnx.update(model, params)
+@functools.cache
+def native_nnx(dtype):
+    """Losses of the hand-written run (one per dtype, shared by the presets that compare with it)."""
+    model = MiniGPT(nnx.Rngs(0), dtype=dtype)  # same seed: the same initial params as the applied model
     opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
 
     @nnx.jit
@@ -133,7 +135,7 @@ def test_nnx_minigpt(preset, cell):
         return loss
 
     losses = [float(step(amp.model, amp.optimizer)) for _ in range(STEPS)]
-    compare(c, preset, losses, native_nnx(NATIVE[preset][0], params))
+    compare(c, preset, losses, native_nnx(NATIVE[preset][0]))
 
     policy = unimp.load(preset)
     rows = {r.path: r for r in amp.report(TOKENS[:, :-1]).rows}
@@ -155,8 +157,11 @@ def test_nnx_minigpt(preset, cell):
     amp.remove()
 
 
-def linen_losses(module, params):
+@functools.cache
+def linen_losses(dtype):
     """Flax's own mixed precision written by hand: the layers' dtype, fp32 params, plain optax."""
+    module = CNN(dtype=dtype)
+    params = module.init(jax.random.key(0), IMAGES)["params"]
     tx = optax.adam(1e-3)
 
     def loss_fn(p):
@@ -197,7 +202,7 @@ def test_linen_cnn(preset, cell):
     for _ in range(STEPS):
         amp.params, amp.opt_state, loss = step(amp.params, amp.opt_state)
         losses.append(float(loss))
-    compare(c, preset, losses, linen_losses(CNN(dtype=NATIVE[preset][0]), params))
+    compare(c, preset, losses, linen_losses(NATIVE[preset][0]))
 
     # report rows vs the outputs linen itself captures (capture_intermediates)
     report = {r.path: r for r in amp.report(IMAGES).rows}

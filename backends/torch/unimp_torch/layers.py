@@ -131,7 +131,8 @@ def wrap(module: nn.Module, rule: Rule, device: str) -> Callable[[], None]:
 def install_forward(module: nn.Module, forward: Callable, inner: Callable, had_own: bool) -> Callable[[], None]:
     """Put ``forward`` on the instance; the returned undo restores exactly what was there before."""
     forward.__unimp_wrapped__ = inner  # type: ignore[attr-defined]
-    forward.__signature__ = inspect.signature(inner)  # type: ignore[attr-defined]  # HF Trainer reads it
+    with contextlib.suppress(TypeError, ValueError):  # HF Trainer reads it (remove_unused_columns)
+        forward.__signature__ = inspect.signature(inner)  # type: ignore[attr-defined]
     module.forward = forward
 
     def undo() -> None:
