@@ -58,9 +58,9 @@ def build(name, policy="float32"):
 
 def fit(model, optimizer, name):
     _, x, y = DATA[name]
-    # eager is faster than tracing for the small keras_hub models; MobileNetV2's 150 layers trace once
+    # 10 eager steps cost less than tracing a train function (measured: MobileNetV2 cell 27 s vs 37 s)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  run_eagerly=name != "mobilenet_v2")
+                  run_eagerly=True)
     return model.fit(x, y, batch_size=len(y), epochs=STEPS, verbose=0, shuffle=False).history["loss"]
 
 
