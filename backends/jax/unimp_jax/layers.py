@@ -24,6 +24,8 @@ from unimp.ops import kind_of
 from unimp.policy import LayerDecision, Policy
 from unimp.report import ReportRow
 
+from .attention import attention, needs_cpu_attention
+
 EXTRA_KINDS = {"Einsum": "matmul", "MultiHeadDotProductAttention": "attention", "SelfAttention": "attention",
                "SimpleCell": "rnn", "MGUCell": "rnn", "ConvLSTMCell": "rnn"}
 DIM_PARAMS = ("kernel", "embedding")
@@ -128,6 +130,8 @@ def run_layer(lp: LayerPlan, module: Any, call: Any, args: tuple, kwargs: dict, 
         extra["dtype"] = dt
     if lp.softmax_fp32 and hasattr(module, "force_fp32_for_softmax"):
         extra["force_fp32_for_softmax"] = True
+    if lp.kind == "attention" and needs_cpu_attention(module, dt):
+        extra["attention_fn"] = attention  # nnx: JAX's fp16 attention algorithm does not lower on XLA:CPU
     with attrs_set(module, **extra):
         out = call(*args, **kwargs)
     out = cast_floats(out, out_dt)

@@ -28,7 +28,7 @@ from unimp.plan import Plan
 
 from .distributed import is_distributed, unhook_inner
 from .dtype_policies import FollowInputs, keras_policy
-from .layers import Unit, descendants, walk
+from .layers import Unit, descendants, is_graph, walk
 from .layout import data_formats, layout_findings, misaligned
 from .optimizer import KerasLossScaleOptimizer, LossScaleOptimizer
 from .params import Swap, swap_params
@@ -43,6 +43,8 @@ class Binding:
     policies: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # id -> (layer, original)
     swaps: list[Swap] = field(default_factory=list)
     call_patched: bool = False
+    instance_methods: list[tuple[Any, Any, str]] = field(default_factory=list)  # (layer, own method|None, name)
+    master_ids: set[int] = field(default_factory=set)  # low copies whose original is a trained master
     compiled_optimizer: Any = None
     findings: list[str] = field(default_factory=list)
     formats: dict[str, str] = field(default_factory=dict)
@@ -69,7 +71,7 @@ def check_inputs(model: Any, optimizer: Any) -> None:
 
 def _set_policy(binding: Binding, layer: Any, policy: Any) -> None:
     binding.policies.setdefault(id(layer), (layer, layer._dtype_policy))
-    layer._dtype_policy = policy
+    layer._dtype_policy = policy.for_layer(binding.policies[id(layer)][1])  # saves as the original
 
 
 def _decide(plan: Plan, unit: Unit) -> tuple[str | None, str, str]:
@@ -110,7 +112,7 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
         if not u.has_params:
             param = "float32" if compute is None else compute
         if compute is None:
-            kp = FollowInputs(param, promote=category == "promote")
+            kp = FollowInputs(param, promote=category == "promote" and u.has_params)  # paramless: widest input
         else:
             kp = keras_policy(compute, param)  # may refuse before anything changed
         plans.append((u, kp, param))
@@ -122,7 +124,68 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
         if param is not None and is_low(param) and u.has_params:
             for layer in (u.layer, *descendants(u.layer)):
                 binding.swaps += swap_params(layer, param)
+    for u in units:
+        if u.parent is not None and not is_graph(u.parent):
+            patch_stream(u.layer, u.parent, binding)
+    for layer in {id(s.layer): s.layer for s in binding.swaps}.values():
+        patch_save(layer, binding)
     return binding
+
+
+class _SaveStore:
+    """The store ``save_own_variables`` writes to, with each low-precision copy saved as its original."""
+
+    def __init__(self, store: Any, originals: dict[int, Any]) -> None:
+        self._store, self._originals = store, originals
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._store[key] = self._originals[id(value)]() if id(value) in self._originals else value
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def patch_save(layer: Any, binding: Binding) -> None:
+    """``model.save`` writes float32 weights for a layer holding low-precision copies.
+
+    The saved value is the trained master where the optimizer keeps one, else the low copy in the
+    original dtype — what ``remove()`` leaves in the model.
+    """
+    import tensorflow as tf
+
+    def original_value(s: Any) -> Any:
+        return s.original if id(s.low) in binding.master_ids else tf.cast(s.low.value, s.original.dtype)
+
+    originals = {id(s.low): (lambda s=s: original_value(s)) for s in binding.swaps if s.layer is layer}
+    own, save = layer.__dict__.get("save_own_variables"), layer.save_own_variables
+
+    def save_own_variables(store: Any) -> None:
+        save(_SaveStore(store, originals))
+
+    object.__setattr__(layer, "save_own_variables", save_own_variables)
+    binding.instance_methods.append((layer, own, "save_own_variables"))
+
+
+def patch_stream(layer: Any, parent: Any, binding: Binding) -> None:
+    """Hand ``layer``'s float results back in the dtype its subclassed container runs in.
+
+    The container follows its inputs (``FollowInputs``), and its own ops — the residual
+    ``x + attention(norm(x))`` of a transformer block — see one dtype: TensorFlow does not promote
+    ``bfloat16 + float32``. The layer itself still computes in its own dtype; only its result is cast
+    (to the container's input dtype, e.g. float32 when the residual stream is float32, as torch's
+    promotion keeps it; float16 when the stream is float16, as Keras' own mixed policies keep it).
+    """
+    own = layer.__dict__.get("call")
+    original = layer.call
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        out = call.inner(*args, **kwargs)  # type: ignore[attr-defined]
+        stream = parent.dtype_policy.compute_dtype
+        return keras.tree.map_structure(lambda t: _cast_float(t, stream), out)
+
+    call.inner = original  # type: ignore[attr-defined]  # the report looks at the result before the cast
+    object.__setattr__(layer, "call", call)
+    binding.instance_methods.append((layer, own, "call"))
 
 
 def patch_output(model: Any, dtype: str, binding: Binding) -> None:
@@ -151,6 +214,7 @@ def wrap_optimizer(plan: Plan, optimizer: Any, binding: Binding, native: bool | 
     spec = plan.policy.loss_scale
     masters = {id(s.low): s.original for s in binding.swaps
                if s.low.trainable and plan.policy.master_weights.enabled}
+    binding.master_ids = set(masters)
     distributed = is_distributed(getattr(optimizer, "_distribution_strategy", None))
     use_keras = keras_rule(spec) and not binding.swaps and not distributed if native is None else native
     if use_keras:
@@ -178,6 +242,11 @@ def undo(model: Any, optimizer: Any, wrapper: Any, binding: Binding, masters_on:
         unhook_inner(optimizer)
     if binding.call_patched:
         del model.__dict__["call"]
+    for layer, own, name in reversed(binding.instance_methods):
+        if own is None:
+            del layer.__dict__[name]
+        else:
+            object.__setattr__(layer, name, own)
     for s in reversed(binding.swaps):
         s.undo(write_back=not (masters_on and s.low.trainable))
     for layer, original in binding.policies.values():

@@ -6,6 +6,10 @@ A fixed decision (``lower``, ``float32``, an override) is a plain Keras ``DTypeP
 activation that actually arrives (promote: the widest of it and the variables), so the rule
 holds in Sequential, functional and subclassed models alike.
 
+Saving while applied (``model.save("m.keras")``) writes each layer's *original* Keras policy as a
+plain ``keras.DTypePolicy``: the file is a standard Keras model that ``keras.models.load_model``
+reads without unimp (apply the policy again after loading).
+
 >>> keras_policy("bfloat16", "float32").name
 'mixed_bfloat16'
 >>> keras_policy("float32", "bfloat16").compute_dtype
@@ -24,16 +28,33 @@ from keras import backend as K
 from unimp.dtypes import widest
 
 
-def keras_policy(compute: str, param: str) -> keras.DTypePolicy:
+class Applied(keras.DTypePolicy):
+    """A policy unimp set on a layer; it saves as the layer's original policy (``saved``)."""
+
+    saved: dict[str, Any] | None = None  # the original policy's config, set when applied to a layer
+
+    def get_config(self) -> dict[str, Any]:
+        return dict(self.saved) if self.saved is not None else {"name": self.variable_dtype}
+
+    def for_layer(self, original: Any) -> Applied:
+        """A copy of this policy for one layer, saving as that layer's ``original`` policy."""
+        import copy
+
+        mine = copy.copy(self)
+        mine.saved = original.get_config() if type(original) is keras.DTypePolicy else None
+        return mine
+
+
+def keras_policy(compute: str, param: str) -> Applied:
     """The Keras policy computing in ``compute`` over variables in ``param``."""
     if compute == param:
-        return keras.DTypePolicy(compute)
+        return Applied(compute)
     if param == "float32" and compute in ("float16", "bfloat16"):
-        return keras.DTypePolicy(f"mixed_{compute}")
+        return Applied(f"mixed_{compute}")
     return Explicit(compute, param)
 
 
-class Explicit(keras.DTypePolicy):
+class Explicit(Applied):
     """Any compute dtype over any variable dtype (Keras' names only cover ``mixed_<low>`` over fp32).
 
     Keras' ``AutocastScope`` casts float variables to the compute dtype in both directions, so
@@ -44,14 +65,11 @@ class Explicit(keras.DTypePolicy):
         super().__init__(variable)
         self._compute_dtype = compute
 
-    def get_config(self) -> dict[str, Any]:
-        return {"name": self.variable_dtype}
-
     def __repr__(self) -> str:
         return f"<Explicit compute={self.compute_dtype} variables={self.variable_dtype}>"
 
 
-class FollowInputs(keras.DTypePolicy):
+class FollowInputs(Applied):
     """Compute in the incoming activation's dtype (``promote``: widest of it and the variables)."""
 
     def __init__(self, param_dtype: str = "float32", promote: bool = False) -> None:
@@ -75,8 +93,20 @@ class FollowInputs(keras.DTypePolicy):
         self._seen = target
         return x if target == x_dtype else keras.ops.cast(x, target)
 
-    def get_config(self) -> dict[str, Any]:
-        return {"name": self.variable_dtype}  # saved models load it as a plain policy
-
     def __repr__(self) -> str:
         return f"<FollowInputs variables={self.variable_dtype} promote={self._promote}>"
+
+
+def _save_as_keras_policy() -> None:
+    """Serialize unimp's policies under Keras' public name ``keras.DTypePolicy`` (their config is one).
+
+    Keras writes a class's public API name when it has one and otherwise its module, which a
+    loader without unimp could not import; unimp's classes have no public name of their own.
+    """
+    from keras.src import api_export
+
+    for cls in (Applied, Explicit, FollowInputs):
+        api_export.REGISTERED_OBJS_TO_NAMES.setdefault(cls, "keras.DTypePolicy")
+
+
+_save_as_keras_policy()

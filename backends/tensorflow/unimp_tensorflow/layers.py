@@ -33,6 +33,7 @@ class Unit:
     kind: str | None
     type_names: tuple[str, ...]
     container: bool = False  # walked into; its own dtype follows its inputs
+    parent: Any = None  # the enclosing container layer (None: a direct child of the model)
 
     @property
     def has_params(self) -> bool:
@@ -78,16 +79,28 @@ def walk(model: Any) -> list[Unit]:
     return list(_walk(model, ""))
 
 
-def _walk(layer: Any, prefix: str) -> Iterator[Unit]:
+def _walk(layer: Any, prefix: str, parent: Any = None) -> Iterator[Unit]:
     for sub in sublayers(layer):
         path = f"{prefix}.{sub.name}" if prefix else sub.name
         kind = kind_of_layer(sub)
         children = sublayers(sub)
         if kind is None and children:
-            yield Unit(path, sub, None, type_names(sub), container=True)
-            yield from _walk(sub, path)
+            yield Unit(path, sub, None, type_names(sub), container=True, parent=parent)
+            yield from _walk(sub, path, sub)
         else:
-            yield Unit(path, sub, kind, type_names(sub))
+            yield Unit(path, sub, kind, type_names(sub), parent=parent)
+
+
+def is_graph(layer: Any) -> bool:
+    """Whether ``layer`` is a Sequential/functional model: its sublayers are joined by layers only.
+
+    Any other container (a subclassed layer or model) may join its sublayers' results with raw
+    TensorFlow ops (``x + residual``), which do not promote mixed dtypes.
+    """
+    import keras
+    from keras.src.models.functional import Functional
+
+    return isinstance(layer, (Functional, keras.Sequential))
 
 
 def descendants(layer: Any) -> list[Any]:

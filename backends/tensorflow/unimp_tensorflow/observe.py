@@ -48,17 +48,29 @@ def param_dtype(layer: Any) -> str | None:
 def observe(model: Any, units: Iterable[Unit], x: Any) -> tuple[dict[str, Seen], str | None]:
     """``({path: (compute, param, output)}, model output dtype)`` from one eager forward on ``x``."""
     seen: dict[str, Seen] = {}
-    patched = []
+    produced: dict[str, str | None] = {}  # a layer's own result dtype, before unimp's cast to its block's
+    patched, inners = [], []
     for u in units:
         if u.container:
             continue
         layer, original = u.layer, u.layer.call
+        inner = getattr(original, "inner", None)
+        if inner is not None:  # results cast to the enclosing block's dtype (binding.patch_stream)
+
+            def inner_recorder(*args: Any, _p: str = u.path, _inner: Any = inner, **kwargs: Any) -> Any:
+                out = _inner(*args, **kwargs)
+                outs = _float_dtypes(out)
+                produced.setdefault(_p, outs[0] if outs else None)
+                return out
+
+            original.inner = inner_recorder
+            inners.append((original, inner))
 
         def recorder(*args: Any, _u: Unit = u, _orig: Any = original, **kwargs: Any) -> Any:
             out = _orig(*args, **kwargs)
             ins, outs = _float_dtypes((args, kwargs)), _float_dtypes(out)
             output = outs[0] if outs else None
-            compute = widest(ins) if ins and _u.layer.autocast else output
+            compute = widest(ins) if ins and _u.layer.autocast else produced.get(_u.path, output)
             seen.setdefault(_u.path, (compute, None, output))
             return out
 
@@ -68,6 +80,8 @@ def observe(model: Any, units: Iterable[Unit], x: Any) -> tuple[dict[str, Seen],
     try:
         out = model(x, training=False)
     finally:
+        for call, inner in inners:
+            call.inner = inner
         for layer, had, original in patched:
             if had:
                 object.__setattr__(layer, "call", original)

@@ -1,4 +1,4 @@
-"""The training loop of docs/design.md (section 5) on real models: accumulation, clipping, skips, masters, remove, state."""
+"""The training loop of docs/design.md on real models: accumulation, clipping, skips, masters, remove, state."""
 
 import json
 
@@ -128,7 +128,7 @@ def test_loop_learns_and_lr_scheduler_accepts_the_wrapper():
 
 
 def test_state_dict_roundtrip_fp16_resumes_exactly():
-    """The state-dict round trip under float16 at a scale fp16 can hold (the conformance check uses a small initial scale)."""
+    """State-dict round trip under float16 at a scale fp16 can hold (the conformance check uses a small scale)."""
     policy = unimp.load("mixed_fp16").replace(loss_scale={"growth_interval": 2, "initial": 256.0})
     pattern = [False, False, True, False, False, False, True, True, False, False, False]
     rule = unimp.LossScale(policy.loss_scale)

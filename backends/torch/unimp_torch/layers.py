@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -144,6 +145,8 @@ def wrap(module: nn.Module, rule: Rule, device: str) -> Callable[[], None]:
 def install_forward(module: nn.Module, forward: Callable, inner: Callable | None,
                     had_own: bool) -> Callable[[], None]:
     """Put ``forward`` on the instance; the returned undo restores exactly what was there before."""
+    with contextlib.suppress(TypeError, ValueError):  # HF Trainer reads it (remove_unused_columns)
+        forward.__signature__ = inspect.signature(module.forward)  # type: ignore[attr-defined]
     module.forward = forward
 
     def undo() -> None:

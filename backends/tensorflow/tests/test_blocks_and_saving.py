@@ -1,0 +1,98 @@
+"""Subclassed transformer blocks (raw residual adds) and `.keras` files saved while applied."""
+
+import keras
+import numpy as np
+import pytest
+
+import unimp
+
+RNG = np.random.default_rng(0)
+TOKENS = RNG.integers(0, 32, (8, 10)).astype("int32")
+LABELS = RNG.integers(0, 32, (8, 10)).astype("int32")
+
+
+class Block(keras.layers.Layer):
+    """A keras_hub-style transformer block: `x + attn(norm(x))`, `x + ffn(norm(x))` with raw adds."""
+
+    def __init__(self, dim, post_norm=False, **kw):
+        super().__init__(**kw)
+        self.post_norm = post_norm
+        self.norm1 = keras.layers.LayerNormalization(name="norm1")
+        self.attn = keras.layers.MultiHeadAttention(2, dim // 2, name="attn")
+        self.drop = keras.layers.Dropout(0.0, name="drop")
+        self.norm2 = keras.layers.LayerNormalization(name="norm2")
+        self.fc1 = keras.layers.Dense(2 * dim, activation="gelu", name="fc1")
+        self.fc2 = keras.layers.Dense(dim, name="fc2")
+
+    def call(self, x, training=None):
+        h = x if self.post_norm else self.norm1(x)
+        x = x + self.drop(self.attn(h, h, use_causal_mask=True), training=training)
+        if self.post_norm:
+            x = self.norm1(x)
+        h = x if self.post_norm else self.norm2(x)
+        x = self.fc2(self.fc1(h)) + x
+        return self.norm2(x) if self.post_norm else x
+
+
+def lm(post_norm=False):
+    inp = keras.Input((10,), dtype="int32")
+    x = keras.layers.Embedding(32, 16, name="embed")(inp)
+    x = Block(16, post_norm, name="block0")(x)
+    x = Block(16, post_norm, name="block1")(x)
+    return keras.Model(inp, keras.layers.Dense(32, name="head")(x), name="lm")
+
+
+def fit(model, policy, steps=4):
+    amp = unimp.apply(policy, model, keras.optimizers.Adam(1e-3))
+    model.compile(optimizer=amp.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    hist = model.fit(TOKENS, LABELS, batch_size=8, epochs=steps, verbose=0, shuffle=False)
+    return amp, hist.history["loss"]
+
+
+@pytest.mark.parametrize("post_norm", [False, True], ids=["pre_norm", "post_norm"])
+@pytest.mark.parametrize("preset", ["mixed_bf16", "keras_mixed_float16", "pure_bf16"])
+def test_residual_blocks_train(preset, post_norm):
+    model = lm(post_norm)
+    amp, losses = fit(model, preset)
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    rows = {r.path: r for r in amp.report(TOKENS[:2]).rows}
+    low = unimp.load(preset).compute_dtype
+    assert rows["block0.attn"].compute_dtype == low and rows["block0.fc1"].compute_dtype == low
+    assert rows["block0.norm1"].compute_dtype == "float32"
+    # each result comes back in the block's dtype (its input's), so the raw residual add sees one dtype
+    stream = rows["embed"].output_dtype
+    assert {rows[f"block0.{n}"].output_dtype for n in ("attn", "norm1", "fc2", "drop")} == {stream}
+    amp.remove()
+    assert all("call" not in vars(layer) for layer in model._flatten_layers())
+
+
+def test_keras_mixed_float16_matches_keras_own_policy():
+    """The residual stream in float16 as Keras' own mixed_float16 runs it: the same logits bit for bit."""
+    model = lm()
+    weights = [w.numpy() for w in model.weights]
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        native = lm()
+    finally:
+        keras.config.set_dtype_policy("float32")
+    native.set_weights(weights)
+    amp = unimp.apply("keras_mixed_float16", model)
+    np.testing.assert_array_equal(np.asarray(model(TOKENS), np.float32), np.asarray(native(TOKENS), np.float32))
+    amp.remove()
+
+
+@pytest.mark.parametrize("preset", ["mixed_bf16", "pure_bf16"])
+def test_keras_file_saved_while_applied_loads_without_unimp(tmp_path, preset):
+    model = lm()
+    amp, _ = fit(model, preset, steps=2)
+    path = str(tmp_path / "lm.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path, custom_objects={"Block": Block}, compile=False)
+    assert {layer.dtype_policy.name for layer in loaded._flatten_layers()} == {"float32"}
+    assert {w.dtype for w in loaded.weights} == {"float32"}
+    amp.remove()  # the trained model in float32 (masters where the policy keeps them)
+    for a, b in zip(model.weights, loaded.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    again = unimp.apply(preset, loaded)  # and it can be applied again
+    assert np.isfinite(np.asarray(loaded(TOKENS), np.float32)).all()
+    again.remove()

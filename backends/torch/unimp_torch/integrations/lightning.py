@@ -1,0 +1,86 @@
+"""PyTorch Lightning with a unimp policy: ``Trainer(plugins=[UnimpPrecision(policy)])``.
+
+The plugin applies the policy when Lightning connects the model and its optimizer, scales the
+loss before ``backward``, unscales the gradients (onto the fp32 masters when the policy keeps
+them) before gradient clipping, and steps or skips through unimp's optimizer wrapper. The
+loss-scale state is part of Lightning's checkpoints (the precision plugin's state). Call the model
+(``self(x)``) in ``training_step``: the policy's autocast and op rules run inside ``forward``.
+
+>>> import torch, lightning as L
+>>> from unimp_torch.integrations.lightning import UnimpPrecision
+>>> class Net(L.LightningModule):
+...     def __init__(self):
+...         super().__init__(); self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+...                                                            torch.nn.Linear(16, 2))
+...     def forward(self, x): return self.net(x)
+...     def training_step(self, batch, i): return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+...     def configure_optimizers(self): return torch.optim.SGD(self.parameters(), 0.1)
+>>> data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 8),
+...                                    torch.randint(0, 2, (16,))), batch_size=4)
+>>> plugin = UnimpPrecision("mixed_bf16")
+>>> trainer = L.Trainer(plugins=[plugin], max_steps=3, accelerator="cpu", logger=False,
+...                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+>>> trainer.fit(Net(), data)
+>>> plugin.amp.report().row("net.0").compute_dtype
+'bfloat16'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+
+import unimp
+from unimp.errors import UnsupportedError
+
+
+class UnimpPrecision(Precision):
+    """A Lightning precision plugin running a unimp policy (a preset name, a file, a dict or a Policy)."""
+
+    precision = "unimp"
+
+    def __init__(self, policy: Any) -> None:
+        super().__init__()
+        self.policy = unimp.load(policy) if not isinstance(policy, unimp.Policy) else policy
+        self.amp: Any = None
+        self._pending_state: dict[str, Any] | None = None
+
+    def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> Any:
+        if len(optimizers) > 1:
+            raise UnsupportedError(f"UnimpPrecision: configure_optimizers returned {len(optimizers)} optimizers; "
+                                   "unimp binds one optimizer per model; fix: return one optimizer (with several "
+                                   "param groups if needed)")
+        self.amp = unimp.apply(self.policy, model, optimizers[0] if optimizers else None)
+        if self._pending_state is not None:
+            self.amp.load_state_dict(self._pending_state)
+            self._pending_state = None
+        wrapped = [self.amp.optimizer] if optimizers else []
+        return model, wrapped, lr_schedulers
+
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        return super().pre_backward(self.amp.scale_loss(tensor), module)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],  # type: ignore[override]
+                       **kwargs: Any) -> Any:
+        result = closure()  # training_step + backward of the scaled loss
+        skip = result is None and getattr(model, "automatic_optimization", True)
+        if not skip:
+            self.amp.unscale_()  # gradient clipping and on_before_optimizer_step see true gradients
+        self._after_closure(model, optimizer)
+        if skip:
+            return result
+        return optimizer.step(**kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.amp.state_dict() if self.amp is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if self.amp is None:
+            self._pending_state = dict(state_dict)  # restored when the model is connected
+        else:
+            self.amp.load_state_dict(state_dict)
