@@ -31,7 +31,7 @@ from torch import nn
 
 from .layers import install_forward
 from .native import kernel_table
-from .op_overrides import PolicyMode, acquire, active, release
+from .op_overrides import EagerPolicyMode, PolicyMode, acquire, active, release
 
 
 def cast_output(out: Any, dtype: torch.dtype) -> Any:
@@ -66,9 +66,10 @@ class PolicyForward:
         self.inner = inner  # the instance forward that was there before, else None (the class's)
         self.device = device
         self.autocast = autocast
-        self.mode = PolicyMode(table, device) if table and autocast is not None else None
-        # eager: aten name -> category for unimp's Autocast kernels, None where PolicyMode runs
+        self.mode = PolicyMode(table, device) if table and autocast is not None else None  # traced
+        # eager: aten name -> category for unimp's Autocast kernels, else the mode's eager variant
         self.kernels = kernel_table(dict(table), device) if self.mode is not None else None
+        self.eager_mode = EagerPolicyMode(table, device) if self.mode is not None and self.kernels is None else None
         self.output = output
         self.channels_last = channels_last
         self.observer: Any = None  # observe.Observer until the first eager forward has run
@@ -94,8 +95,11 @@ class PolicyForward:
         with torch.autocast(self.device, dtype=self.autocast):
             if self.mode is None:
                 return inner(*args, **kwargs)
-            if self.kernels is not None and not compiling:
-                with active(self.kernels):
+            if not compiling:
+                if self.kernels is not None:
+                    with active(self.kernels):
+                        return inner(*args, **kwargs)
+                with self.eager_mode:
                     return inner(*args, **kwargs)
             with self.mode:
                 return inner(*args, **kwargs)

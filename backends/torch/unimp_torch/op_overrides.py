@@ -149,6 +149,32 @@ class PolicyMode(TorchFunctionMode):
         self.__dict__.update(state)
 
 
+class EagerPolicyMode(PolicyMode):
+    """:class:`PolicyMode` for eager forwards only (not traceable): whether the policy leaves a
+    torch function alone is decided once per function object, so such a call (most calls) costs
+    one dict look-up on top of torch's own ``__torch_function__`` handling."""
+
+    def __init__(self, rules: Mapping[str, str], device: str) -> None:
+        super().__init__(rules, device)
+        self.passes: dict[Any, bool] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        try:
+            passes = self.passes[func]
+        except KeyError:
+            passes = self.passes[func] = (self.rules.get(getattr(func, "__name__", "")) is None
+                                          and func not in UNCHECKED)
+        except TypeError:  # an unhashable callable: decided per call
+            passes = False
+        if passes:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.passes = {}
+
+
 # ---------------------------------------------------------------- unimp's Autocast kernels (eager)
 
 _state = threading.local()  # .table: aten name -> category while a unimp forward runs in this thread
