@@ -15,8 +15,9 @@ C++ Autocast kernels do. The forward (:mod:`unimp_torch.forward`) picks the mech
 * :class:`PolicyMode`, a ``TorchFunctionMode`` (under ``torch.compile``, always: traced into the
   graph, zero cost; in eager when a moved op has a C++ kernel, e.g. a custom list that keeps
   ``linear`` in float32: a C++ kernel cannot be overridden per call). It covers functional calls
-  (``torch.matmul``, ``q @ k.T``, ``F.scaled_dot_product_attention``) in both directions, and costs
-  a Python call on every torch call of the forward in eager.
+  (``torch.matmul``, ``q @ k.T``, ``F.scaled_dot_product_attention``) in both directions. In eager
+  (:class:`EagerPolicyMode`) every torch call of the forward pays torch's ``__torch_function__``
+  dispatch plus one dict look-up.
 
 Calls inside autocast-disabled regions are left alone (as torch's kernels are).
 ``F.multi_head_attention_forward`` (written in Python, the policy does not move it as a whole)
