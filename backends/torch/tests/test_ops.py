@@ -131,6 +131,9 @@ def test_custom_list_moving_an_op_with_a_cpp_kernel_runs_the_function_mode():
     amp.model(x)
     assert len(model.modes) == 1 and isinstance(model.modes[0], PolicyMode)
     assert model.seen["matmul"] == F32 and model.seen["softmax"] == F32  # `@` moved, and the preset's moves
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # copies bring their own mode
+        clone(x)
+        assert clone.seen["matmul"] == F32 and isinstance(clone.modes[0], PolicyMode)
     amp.remove()
 
 
