@@ -1,11 +1,16 @@
 """Op lists really take effect per device; native-equal policies are plain torch.autocast."""
 
+import copy
+import gc
+import pickle
+
 import pytest
 import torch
 from models import Block
 
 import unimp
 from unimp_torch.compile import compile_plan
+from unimp_torch.op_overrides import PolicyMode
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -54,7 +59,9 @@ def cuda_rms_norm_move() -> dict:
 def test_mixed_bf16_on_cuda_is_plain_autocast():
     # planned here from the CUDA kernels registered in this torch build (no GPU needed)
     plan = compile_plan(unimp.load("mixed_bf16"), "cuda")
-    assert plan.details == {"device": "cuda", "autocast": "bfloat16", "op_moves": cuda_rms_norm_move()}
+    moves = cuda_rms_norm_move()
+    assert plan.details == {"device": "cuda", "autocast": "bfloat16", "op_moves": moves,
+                            "eager_mechanism": "autocast_kernels" if moves else None}
 
 
 def test_moved_ops_both_directions():
@@ -64,6 +71,69 @@ def test_moved_ops_both_directions():
     assert seen["matmul"] == F32  # torch CPU autocast lowers matmul in C++: unimp keeps it float32
     assert amp.report().row("qkv").compute_dtype == "float32"
     assert amp.plan.op("linear").control == "op" and amp.wrapped == []  # op level, no layer wrappers
+    # torch's CPU autocast has a C++ kernel for matmul: the eager forward runs PolicyMode
+    assert amp.plan.details["eager_mechanism"] == "function_mode"
+    amp.remove()
+
+
+class ModeSpy(Block):
+    """A Block that records the torch function modes active while its forward runs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.modes = list(torch.overrides._get_current_function_mode_stack())
+        return super().forward(x)
+
+
+def _autocast_kernel(op: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op, "AutocastCPU")
+
+
+def test_presets_move_ops_through_autocast_kernels_not_a_function_mode():
+    # CPU autocast has no C++ kernel for softmax/exp/sum/log_softmax: unimp's Autocast kernels move
+    # them, and nothing else in the forward pays for it (no TorchFunctionMode runs)
+    gc.collect()  # copies left by other tests hold their kernels until collected
+    assert not _autocast_kernel("aten::softmax.int")  # torch's own CPU list
+    model = ModeSpy()
+    amp = unimp.apply("mixed_bf16", model)
+    assert amp.plan.details["eager_mechanism"] == "autocast_kernels"
+    x = torch.randn(2, 4, 16)
+    amp.model(x)  # the first forward is observed (the report's recorder mode runs then)
+    model.seen.clear()
+    amp.model(x)
+    assert model.modes == []
+    for op, canonical in {"softmax": "softmax", "exp": "transcendental", "sum": "reduction",
+                          "log_softmax": "log_softmax"}.items():
+        assert amp.policy.decide("x", canonical).compute_dtype == "float32"  # expected: from the core
+        assert model.seen[op] == F32, op
+    assert model.seen["matmul"] == BF16
+    # a copy holds the kernels itself: it keeps the policy after the original's remove
+    ema, data = copy.deepcopy(model), pickle.dumps(model)
+    amp.remove()
+    ema(x)
+    assert ema.seen["softmax"] == F32 and ema.modes == []
+    del ema
+    gc.collect()
+    assert not _autocast_kernel("aten::softmax.int")  # the last holder gone: torch's own behaviour
+    loaded = pickle.loads(data)  # as in a fresh process: unpickling registers them again
+    loaded(x)
+    assert loaded.seen["softmax"] == F32 and loaded.modes == []
+    del loaded
+    gc.collect()
+    with torch.autocast("cpu", dtype=BF16):
+        assert torch.randn(3, dtype=BF16).softmax(-1).dtype == BF16
+
+
+def test_custom_list_moving_an_op_with_a_cpp_kernel_runs_the_function_mode():
+    model = ModeSpy()
+    amp = unimp.apply({"extends": "mixed_bf16", "ops": {"float32": ["matmul"]}}, model)
+    x = torch.randn(2, 4, 16)
+    amp.model(x)
+    amp.model(x)
+    assert len(model.modes) == 1 and isinstance(model.modes[0], PolicyMode)
+    assert model.seen["matmul"] == F32 and model.seen["softmax"] == F32  # `@` moved, and the preset's moves
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # copies bring their own mode
+        clone(x)
+        assert clone.seen["matmul"] == F32 and isinstance(clone.modes[0], PolicyMode)
     amp.remove()
 
 

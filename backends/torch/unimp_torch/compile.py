@@ -1,8 +1,11 @@
 """A policy compiled for torch on one device: the Plan, and what apply must add to torch.autocast.
 
-``details`` of the Plan carry the mechanism: ``autocast`` (the dtype torch.autocast runs, or None)
-and ``op_moves`` (torch function name -> category, run by unimp's ``PolicyMode`` whether or not
-torch has a C++ Autocast kernel for it). Empty = plain torch.autocast.
+``details`` of the Plan carry the mechanism: ``autocast`` (the dtype torch.autocast runs, or None),
+``op_moves`` (torch function name -> category: the ops unimp runs differently from torch's lists;
+empty = plain torch.autocast) and ``eager_mechanism``, how an eager forward moves them:
+``autocast_kernels`` (unimp's Autocast kernels on just those ops: no moved op has a C++ Autocast
+kernel on the device), ``function_mode`` (``PolicyMode`` on every call: some moved op has one)
+or None (no moves). Under ``torch.compile`` the moves are always traced through ``PolicyMode``.
 
 >>> import unimp
 >>> plan = compile_plan(unimp.load("torch_autocast_cpu"), "cpu")
@@ -11,6 +14,8 @@ torch has a C++ Autocast kernel for it). Empty = plain torch.autocast.
 >>> moves = compile_plan(unimp.load("mixed_bf16"), "cpu").details["op_moves"]
 >>> moves["softmax"], moves["exp"]
 ('float32', 'float32')
+>>> compile_plan(unimp.load("mixed_bf16"), "cpu").details["eager_mechanism"]
+'autocast_kernels'
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from unimp.ops import CANONICAL_OPS
 from unimp.plan import Plan, compile_ops
 from unimp.policy import Policy
 
-from .native import aten_names, function_names, moves, native_category, same
+from .native import aten_names, function_names, kernel_table, moves, native_category, same
 
 BATCH_NORM_NOTE = ("batch_norm: torch's kernels take low-precision activations with float32 weights "
                    "and compute statistics and normalisation in float32; activations keep their dtype "
@@ -102,6 +107,8 @@ def compile_plan(policy: Policy, device: str) -> Plan:
         if kept:
             notes.append(f"{op}: torch keeps its own choice for {', '.join(kept)} "
                          f"({native_category(kept[0], device)} on {device})")
-    details = {"device": device, "autocast": autocast, "op_moves": op_moves}
+    mechanism = None if not op_moves else "autocast_kernels" if kernel_table(op_moves, device) is not None \
+        else "function_mode"
+    details = {"device": device, "autocast": autocast, "op_moves": op_moves, "eager_mechanism": mechanism}
     return compile_ops("torch", policy, control=control, native=native, compute_dtype=compute,
                        compute_reason=reason, notes=tuple(notes), details=details)

@@ -1,9 +1,14 @@
 """The model's forward under the compiled plan: autocast, unimp's op rules, layout, output dtype.
 
 With no op moves this is exactly ``with torch.autocast(device, dtype): model(x)`` plus the
-policy's output cast. The forward is a :class:`PolicyForward` object on the instance (not a
-closure): ``copy.deepcopy(model)`` gives a copy that runs its own weights under the policy,
-``pickle``/``torch.save(model)`` work, and ``torch.compile`` traces it without a graph break.
+policy's output cast. With moves, the ops run the policy's way (:mod:`unimp_torch.op_overrides`):
+in eager through unimp's Autocast kernels when no moved op has a C++ Autocast kernel on the device
+(every other call costs nothing), else through :class:`PolicyMode`; under ``torch.compile``
+always through :class:`PolicyMode` (traced into the graph; the kernels stay inactive).
+The forward is a :class:`PolicyForward` object on the instance (not a closure):
+``copy.deepcopy(model)`` gives a copy that runs its own weights under the policy (holding the
+kernels it needs itself), ``pickle``/``torch.save(model)`` work, and ``torch.compile`` traces it
+without a graph break.
 
 >>> import torch
 >>> m = torch.nn.Linear(4, 4)
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,7 +30,8 @@ import torch
 from torch import nn
 
 from .layers import install_forward
-from .op_overrides import PolicyMode
+from .native import kernel_table
+from .op_overrides import EagerPolicyMode, PolicyMode, acquire, active, release
 
 
 def cast_output(out: Any, dtype: torch.dtype) -> Any:
@@ -59,12 +66,27 @@ class PolicyForward:
         self.inner = inner  # the instance forward that was there before, else None (the class's)
         self.device = device
         self.autocast = autocast
-        self.mode = PolicyMode(table, device) if table and autocast is not None else None
+        self.mode = PolicyMode(table, device) if table and autocast is not None else None  # traced
+        # eager: aten name -> category for unimp's Autocast kernels, else the mode's eager variant
+        self.kernels = kernel_table(dict(table), device) if self.mode is not None else None
+        self.eager_mode = EagerPolicyMode(table, device) if self.mode is not None and self.kernels is None else None
         self.output = output
         self.channels_last = channels_last
         self.observer: Any = None  # observe.Observer until the first eager forward has run
+        self._hold: weakref.finalize | None = None
+        self._acquire()
 
-    def _run(self, *args: Any, **kwargs: Any) -> Any:
+    def _acquire(self) -> None:
+        """Hold the kernels this forward needs (each copy its own hold: released when it is collected)."""
+        if self.kernels:
+            self._hold = weakref.finalize(self, release, acquire(self.kernels, self.device))
+
+    def close(self) -> None:
+        """Release the kernels now (the undo of :func:`patch_forward`)."""
+        if self._hold is not None:
+            self._hold()
+
+    def _run(self, compiling: bool, args: tuple, kwargs: dict) -> Any:
         # the class's forward through functools.partial, not function.__get__ (dynamo in torch 2.11
         # cannot trace __get__ and breaks the graph there)
         inner = self.inner if self.inner is not None else functools.partial(type(self.module).forward, self.module)
@@ -73,19 +95,30 @@ class PolicyForward:
         with torch.autocast(self.device, dtype=self.autocast):
             if self.mode is None:
                 return inner(*args, **kwargs)
+            if not compiling:
+                if self.kernels is not None:
+                    with active(self.kernels):
+                        return inner(*args, **kwargs)
+                with self.eager_mode:
+                    return inner(*args, **kwargs)
             with self.mode:
                 return inner(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.channels_last:
             args = tuple(_nhwc(a) for a in args)
-        if not torch.compiler.is_compiling() and self.observer is not None:
+        compiling = torch.compiler.is_compiling()  # decided once per forward
+        if not compiling and self.observer is not None:
             observer, self.observer = self.observer, None  # the first eager forward, observed as it runs
-            return observer.run(self.module, lambda: cast_output(self._run(*args, **kwargs), self.output))
-        return cast_output(self._run(*args, **kwargs), self.output)
+            return observer.run(self.module, lambda: cast_output(self._run(False, args, kwargs), self.output))
+        return cast_output(self._run(compiling, args, kwargs), self.output)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "observer": None}
+        return {**self.__dict__, "observer": None, "_hold": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._acquire()  # a copy or an unpickled model (maybe in another process) holds its own kernels
 
 
 def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, table: Mapping[str, str],
@@ -94,4 +127,10 @@ def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, t
     had_own = "forward" in model.__dict__
     inner = model.__dict__.get("forward")
     forward = PolicyForward(model, inner, device, autocast, table, output, channels_last)
-    return install_forward(model, forward, inner, had_own)
+    undo = install_forward(model, forward, inner, had_own)
+
+    def undo_and_release() -> None:
+        undo()
+        forward.close()
+
+    return undo_and_release

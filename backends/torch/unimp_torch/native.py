@@ -40,6 +40,9 @@ DEVICE_ONLY = {"mkldnn_rnn_layer": "cpu", "_native_multi_head_attention": "cpu"}
 PY_FUNCTIONS = {"cross_entropy": "cross_entropy_loss", "softmin": "softmax", "normalize": "norm",
                 "__matmul__": "matmul", "__pow__": "pow", "__rpow__": "pow", "__rdiv__": "reciprocal",
                 "__rtruediv__": "reciprocal"}
+# torch functions that run an aten op of another name (``torch.norm``/``Tensor.norm`` run
+# ``linalg_vector_norm``): unimp's Autocast kernels move those aten ops with them
+ATEN_ALIASES = {"norm": ("linalg_vector_norm",)}
 
 
 def _aten():
@@ -155,3 +158,28 @@ def moves(op: str, wanted: str, device: str) -> tuple[str, ...]:
     if not names or same(native_category(names[0], device), wanted, names[0]):
         return ()
     return tuple(n for n in names if not same(native_category(n, device), wanted, n))
+
+
+def kernel_table(op_moves: dict[str, str], device: str) -> dict[str, str] | None:
+    """``op_moves`` (torch function name -> category) as aten op name -> category for unimp's
+    Autocast kernels, or None when a kernel cannot carry them: a moved op has a C++ Autocast kernel
+    on ``device`` (a second kernel on that key would replace torch's for every caller), or a moved
+    Python-level function's aten op is not moved the same way.
+
+    >>> kernel_table({"softmax": "float32", "softmin": "float32"}, "cpu")
+    {'softmax': 'float32'}
+    >>> kernel_table({"linear": "float32"}, "cpu") is None
+    True
+    """
+    out = {}
+    for name, category in op_moves.items():
+        aten = PY_FUNCTIONS.get(name)
+        if aten is not None:
+            if op_moves.get(aten) != category:
+                return None
+            continue
+        for aten_name in (name, *ATEN_ALIASES.get(name, ())):
+            if device not in AUTOCAST_KEYS or has_kernel(aten_name, device):
+                return None
+            out[aten_name] = category
+    return out

@@ -1,14 +1,23 @@
-"""Op-level control: a ``TorchFunctionMode`` that runs the ops a policy moves the policy's way.
+"""Op-level control: the ops a policy moves run the policy's way, by one of two mechanisms.
 
-torch's autocast decides per aten op in C++, with fixed lists per device. For every torch
-function whose canonical op the policy treats differently from torch (``op_moves`` of the Plan:
-function name -> category), unimp's forward runs the model under :class:`PolicyMode`: a moved
-call gets its floating inputs cast (``float32``; ``lower`` = the autocast dtype; ``promote`` = the
-widest input; ``inputs`` = as they are) and runs with autocast off for that call, exactly what
-torch's own C++ Autocast kernels do. Every other call goes straight through, and autocast handles
-it. This covers functional calls (``torch.matmul``, ``q @ k.T``, ``F.scaled_dot_product_attention``,
-``F.conv2d``) in both directions, needs no process-wide registration (other models and copies are
-unaffected), and ``torch.compile`` traces it into the graph (no graph break, zero cost compiled).
+torch's autocast decides per aten op in C++, with fixed lists per device. ``op_moves`` of the
+Plan (torch function name -> category) says which ops unimp runs differently. A moved call gets
+its floating inputs cast (``float32``; ``lower`` = the autocast dtype; ``promote`` = the widest
+input; ``inputs`` = as they are) and runs with autocast off for that call, exactly what torch's own
+C++ Autocast kernels do. The forward (:mod:`unimp_torch.forward`) picks the mechanism per Plan:
+
+* **Autocast kernels** (eager, when no moved op has a C++ Autocast kernel on the device: every
+  preset): unimp registers a small kernel on ``AutocastCPU``/``AutocastCUDA`` through
+  ``torch.library`` for each moved aten op. It acts only while a unimp forward runs in this thread
+  (:func:`active` sets the table; a copy of the model sets its own), falls through anywhere else,
+  and costs nothing on the other ops. Kernels are process-wide, held by :func:`acquire` handles and
+  dropped with the last one.
+* :class:`PolicyMode`, a ``TorchFunctionMode`` (under ``torch.compile``, always: traced into the
+  graph, zero cost; in eager when a moved op has a C++ kernel, e.g. a custom list that keeps
+  ``linear`` in float32: a C++ kernel cannot be overridden per call). It covers functional calls
+  (``torch.matmul``, ``q @ k.T``, ``F.scaled_dot_product_attention``) in both directions. In eager
+  (:class:`EagerPolicyMode`) every torch call of the forward pays torch's ``__torch_function__``
+  dispatch plus one dict look-up.
 
 Calls inside autocast-disabled regions are left alone (as torch's kernels are).
 ``F.multi_head_attention_forward`` (written in Python, the policy does not move it as a whole)
@@ -21,16 +30,26 @@ torch functions written in Python wrap one C op, which the mode sees as that op.
 >>> with torch.autocast("cpu", dtype=torch.bfloat16), mode:
 ...     torch.randn(2, 4, dtype=torch.bfloat16).softmax(-1).dtype
 torch.float32
+>>> handle = acquire({"softmax": "float32"}, "cpu")
+>>> with torch.autocast("cpu", dtype=torch.bfloat16), active({"softmax": "float32"}):
+...     torch.randn(2, 4, dtype=torch.bfloat16).softmax(-1).dtype
+torch.float32
+>>> release(handle)
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import threading
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from .native import AUTOCAST_KEYS, overloads
 
 
 def _eligible(x: Any, device: str) -> bool:
@@ -129,3 +148,103 @@ class PolicyMode(TorchFunctionMode):
     def __setstate__(self, state: dict[str, Any]) -> None:
         TorchFunctionMode.__init__(self)
         self.__dict__.update(state)
+
+
+class EagerPolicyMode(PolicyMode):
+    """:class:`PolicyMode` for eager forwards only (not traceable): whether the policy leaves a
+    torch function alone is decided once per function object, so such a call (most calls) costs
+    one dict look-up on top of torch's own ``__torch_function__`` handling."""
+
+    def __init__(self, rules: Mapping[str, str], device: str) -> None:
+        super().__init__(rules, device)
+        self.passes: dict[Any, bool] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        try:
+            passes = self.passes[func]
+        except KeyError:
+            passes = self.passes[func] = (self.rules.get(getattr(func, "__name__", "")) is None
+                                          and func not in UNCHECKED)
+        except TypeError:  # an unhashable callable: decided per call
+            passes = False
+        if passes:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.passes = {}
+
+
+# ---------------------------------------------------------------- unimp's Autocast kernels (eager)
+
+_state = threading.local()  # .table: aten name -> category while a unimp forward runs in this thread
+_lock = threading.Lock()
+_lib: Any = None
+_registered: set[tuple[str, str]] = set()  # (qualified overload, device)
+_users: dict[int, tuple[tuple[str, str], ...]] = {}
+_handles = itertools.count(1)
+
+
+@contextlib.contextmanager
+def active(table: Mapping[str, str] | None) -> Iterator[None]:
+    """Make ``table`` (aten name -> category) the rules of unimp's kernels in this thread."""
+    previous = getattr(_state, "table", None)
+    _state.table = table
+    try:
+        yield
+    finally:
+        _state.table = previous
+
+
+def _kernel(op: Any, name: str, device: str) -> Any:
+    keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, AUTOCAST_KEYS[device]))
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        table = getattr(_state, "table", None)
+        category = table.get(name) if table else None
+        if category is not None:
+            if category == "float32":
+                dtype = torch.float32
+            elif category == "lower":
+                dtype = torch.get_autocast_dtype(device)
+            else:
+                dtype = _widest(args, kwargs, device) if category == "promote" else None
+            if dtype is not None:
+                args = tuple(_cast(a, dtype, device) for a in args)
+                kwargs = {k: _cast(v, dtype, device) for k, v in kwargs.items()}
+        with torch._C._ExcludeDispatchKeyGuard(keys):  # autocast off for this call, as torch's kernels do
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def acquire(names: Mapping[str, str] | tuple[str, ...], device: str) -> int:
+    """Register unimp's kernels for aten ``names`` on ``device`` (once per process); returns a handle."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            _lib = torch.library.Library("aten", "IMPL")
+        mine = []
+        for name in names:
+            for q in overloads(name):
+                if (q, device) not in _registered:
+                    ov = q.split(".")[1] if "." in q else "default"
+                    _lib.impl(q, _kernel(getattr(getattr(torch.ops.aten, name), ov), name, device),
+                              AUTOCAST_KEYS[device])
+                    _registered.add((q, device))
+                mine.append((q, device))
+        handle = next(_handles)
+        _users[handle] = tuple(mine)
+        return handle
+
+
+def release(handle: int) -> None:
+    """Drop a handle; the kernels go away with the last one (torch's own behaviour returns)."""
+    global _lib
+    with _lock:
+        _users.pop(handle, None)
+        if not _users and _lib is not None:
+            _lib._destroy()
+            _lib = None
+            _registered.clear()
