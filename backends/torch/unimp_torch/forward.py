@@ -10,6 +10,12 @@ The forward is a :class:`PolicyForward` object on the instance (not a closure):
 kernels it needs itself), ``pickle``/``torch.save(model)`` work, and ``torch.compile`` traces it
 without a graph break.
 
+Gradient checkpointing (``torch.utils.checkpoint``, both ``use_reentrant`` modes, and HF
+``gradient_checkpointing_enable()``): torch re-enters autocast for the recompute but knows nothing
+of unimp's rules, so while an eager forward with op moves runs, torch's checkpoint hands the
+function it will recompute through :func:`_under_rules`, and the recompute (in backward) runs
+under the same rules as the forward did. Outside a unimp forward torch is left untouched.
+
 >>> import torch
 >>> m = torch.nn.Linear(4, 4)
 >>> undo = patch_forward(m, "cpu", torch.bfloat16, {}, torch.float32, channels_last=False)
@@ -20,10 +26,12 @@ torch.float32
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -56,6 +64,64 @@ def _nhwc(x: Any) -> Any:
     return x
 
 
+_local = threading.local()  # .forward: the PolicyForward whose rules are active in this thread
+_patch_lock = threading.Lock()
+_patch_users = 0
+_originals: dict[str, Any] = {}  # torch.utils.checkpoint's own, while patched
+
+
+def _under_rules(function: Callable) -> Callable:
+    """``function`` to be recomputed by torch's checkpoint, run under the rules of the unimp forward
+    that checkpoints it (``function`` itself where none runs in this thread)."""
+    forward = getattr(_local, "forward", None)
+    if forward is None:
+        return function
+
+    def recompute(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_local, "forward", None) is forward:  # still inside that forward: rules on already
+            return function(*args, **kwargs)
+        with forward.rules():
+            return function(*args, **kwargs)
+
+    return recompute
+
+
+class _ReentrantCheckpoint:
+    """Stands in for ``torch.utils.checkpoint.CheckpointFunction`` (checkpoint uses only ``apply``)."""
+
+    @staticmethod
+    def apply(function: Callable, preserve: bool, *args: Any) -> Any:
+        return _originals["CheckpointFunction"].apply(_under_rules(function), preserve, *args)
+
+
+def _non_reentrant(function: Callable, *rest: Any, **kwargs: Any) -> Any:
+    return _originals["_checkpoint_without_reentrant_generator"](_under_rules(function), *rest, **kwargs)
+
+
+@contextlib.contextmanager
+def _checkpoint_under_rules() -> Iterator[None]:
+    """While held (by any thread's unimp forward): torch's checkpoint recomputes under unimp's rules."""
+    global _patch_users
+    import torch.utils.checkpoint as ckpt
+
+    with _patch_lock:
+        if _patch_users == 0:
+            _originals.update(CheckpointFunction=ckpt.CheckpointFunction,
+                              _checkpoint_without_reentrant_generator=ckpt._checkpoint_without_reentrant_generator)
+            ckpt.CheckpointFunction = _ReentrantCheckpoint
+            ckpt._checkpoint_without_reentrant_generator = _non_reentrant
+        _patch_users += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                ckpt.CheckpointFunction = _originals["CheckpointFunction"]
+                ckpt._checkpoint_without_reentrant_generator = _originals["_checkpoint_without_reentrant_generator"]
+                _originals.clear()
+
+
 class PolicyForward:
     """``model.forward`` under the policy. Holds the model (not a closure over it), so copies and
     pickles of the model bring their own; ``observer`` (the first-forward report) is not copied."""
@@ -86,6 +152,21 @@ class PolicyForward:
         if self._hold is not None:
             self._hold()
 
+    @contextlib.contextmanager
+    def rules(self) -> Iterator[None]:
+        """unimp's eager op rules of this forward (inside autocast), marked as this thread's."""
+        previous = getattr(_local, "forward", None)
+        _local.forward = self
+        try:
+            if self.kernels is not None:
+                with active(self.kernels):
+                    yield
+            else:
+                with self.eager_mode:
+                    yield
+        finally:
+            _local.forward = previous
+
     def _run(self, compiling: bool, args: tuple, kwargs: dict) -> Any:
         # the class's forward through functools.partial, not function.__get__ (dynamo in torch 2.11
         # cannot trace __get__ and breaks the graph there)
@@ -96,10 +177,7 @@ class PolicyForward:
             if self.mode is None:
                 return inner(*args, **kwargs)
             if not compiling:
-                if self.kernels is not None:
-                    with active(self.kernels):
-                        return inner(*args, **kwargs)
-                with self.eager_mode:
+                with self.rules(), _checkpoint_under_rules():
                     return inner(*args, **kwargs)
             with self.mode:
                 return inner(*args, **kwargs)
