@@ -142,3 +142,16 @@ def test_mean_on_cuda_keeps_torchs_choice_and_says_so():
     assert "mean" not in plan.details["op_moves"]
     assert any(n.startswith("reduction: torch keeps its own choice for mean") for n in plan.notes)
     assert compile_plan(unimp.load("mixed_bf16"), "cpu").details["op_moves"]["mean"] == "float32"
+
+
+def test_hf_attention_is_visible_in_reports_without_changing_decisions():
+    model = _llama()
+    amp = unimp.apply("mixed_bf16", model, torch.optim.AdamW(model.parameters()))
+    assert amp.wrapped == []  # the annotation wraps nothing
+    q = torch.randn(1, 2, 4, 8)
+    with torch.autocast("cpu", dtype=LOW):  # what torch's autocast makes of the block's SDPA
+        want = str(nn.functional.scaled_dot_product_attention(q, q, q).dtype).removeprefix("torch.")
+    row = amp.report(torch.randint(0, 64, (2, 8))).row("model.layers.0.self_attn")
+    assert row.kind == "attention" and row.param_dtype is None
+    assert row.compute_dtype == want == "bfloat16"  # its attention op's, not its rotary embedding's (float32)
+    amp.remove()

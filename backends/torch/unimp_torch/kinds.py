@@ -78,3 +78,16 @@ def extra_kind(module: nn.Module) -> str | None:
         if k:
             return k
     return None
+
+
+def report_kind(module: nn.Module) -> str | None:
+    """A report-only label for a module with no kind: ``attention`` for an attention block (a class
+    named ``...Attention``, as HF's and timm's are). It changes no decision: attention blocks are
+    composite, their projections and softmax keep their own kinds.
+
+    >>> report_kind(nn.Module()) is None
+    True
+    """
+    if any(c.__name__.endswith("Attention") for c in type(module).__mro__ if c not in (nn.Module, object)):
+        return "attention"
+    return None
