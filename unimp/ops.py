@@ -150,8 +150,8 @@ _OPS: tuple[OpInfo, ...] = (
         keras=_t(), flax=_t("exp", "log", "power", "rsqrt"),
     ),
     OpInfo(
-        "reduction", "sums, means, cumulative ops and norms",
-        torch=_t("sum", "prod", "cumsum", "cumprod", "norm", "normalize", "dist", "cdist", "pdist",
+        "reduction", "sums, means, cumulative ops and norms (windowed pooling follows its inputs)",
+        torch=_t("sum", "mean", "prod", "cumsum", "cumprod", "norm", "normalize", "dist", "cdist", "pdist",
                  "renorm", "cosine_similarity"),
         paddle=_t("reduce_sum", "sum", "mean", "reduce_mean", "reduce_prod", "cumsum", "cumprod",
                   "p_norm", "frobenius_norm", "dist", "renorm"),

@@ -27,6 +27,8 @@ from torch import nn
 
 from unimp.ops import kind_of
 
+from .kinds import extra_kind
+
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -42,12 +44,13 @@ def type_names(module: nn.Module) -> tuple[str, ...]:
 
 
 def kind(module: nn.Module) -> str | None:
-    """The canonical op of a layer (``Linear`` -> ``linear``; subclasses count as their base)."""
+    """The canonical op of a layer (``Linear`` -> ``linear``; subclasses count as their base;
+    third-party leaf layers such as HF ``LlamaRMSNorm`` through :mod:`unimp_torch.kinds`)."""
     for name in type_names(module):
         k = kind_of(name, "torch")
         if k:
             return k
-    return None
+    return extra_kind(module)
 
 
 @dataclass(frozen=True)

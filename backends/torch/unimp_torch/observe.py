@@ -22,6 +22,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from unimp.ops import OPS
+
+from .kinds import report_kind
 from .layers import NAMES, kind, type_names
 
 # torch functions that move, view, describe or create data: not where a module computes
@@ -34,6 +37,7 @@ NOT_COMPUTE = frozenset({
     "tensor", "as_tensor", "arange", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "copy_",
     "repeat", "tile", "masked_fill", "masked_fill_", "fill_", "zero_", "item", "tolist", "is_floating_point",
     "__len__", "__iter__", "__hash__", "__eq__", "__bool__", "_has_compatible_shallow_copy_type"})
+ATTENTION_OPS = frozenset(OPS["attention"].torch)
 
 
 def _dtype(x: Any) -> str | None:
@@ -60,10 +64,13 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.stack: list[str] = []
         self.compute: dict[str, str] = {}
+        self.attention: dict[str, str] = {}  # path -> dtype of the attention op it calls itself
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         path = self.stack[-1] if self.stack else None
+        if path is not None and getattr(func, "__name__", "") in ATTENTION_OPS and path not in self.attention:
+            self.attention[path] = _dtype(out)
         if path is not None and path not in self.compute and getattr(func, "__name__", "") not in NOT_COMPUTE:
             d = _dtype(out)
             if d and d in NAMES.values():
@@ -87,7 +94,7 @@ class Observer:
         handles = []
         for path, m in model.named_modules():
             params = [p for p in m.parameters(recurse=False) if p.is_floating_point()]
-            rows[path] = {"kind": kind(m), "param_dtype": _dtype(params[0]) if params else None,
+            rows[path] = {"kind": kind(m) or report_kind(m), "param_dtype": _dtype(params[0]) if params else None,
                           "compute_dtype": None, "output_dtype": None, "types": type_names(m)}
             if not path:
                 continue  # the root: recorded around fn (its own hooks are decided before it runs)
@@ -110,6 +117,8 @@ class Observer:
         rows[""]["output_dtype"] = _dtype(out)
         for path, row in rows.items():
             row["compute_dtype"] = rec.compute.get(path)
+            if row["kind"] == "attention" and path in rec.attention:  # a block: its attention op's dtype
+                row["compute_dtype"] = rec.attention[path]
             if row["kind"] == "batch_norm" and row["param_dtype"] == "float32" and row["compute_dtype"]:
                 row["compute_dtype"] = "float32"  # torch's batch_norm computes in its fp32 params' dtype
         self.rows = rows
