@@ -72,6 +72,20 @@ def _cast(x: Any, dtype: torch.dtype, device: str) -> Any:
     return x.to(dtype) if _eligible(x, device) and x.dtype != dtype else x
 
 
+def _cast_inputs(category: str, args: tuple, kwargs: dict, device: str) -> tuple[tuple, dict]:
+    """The call's floating inputs as ``category`` says: ``float32``, ``lower`` (the autocast dtype),
+    ``promote`` (the widest input); ``inputs`` leaves them as they are."""
+    if category == "float32":
+        dtype = torch.float32
+    elif category == "lower":
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = _widest(args, kwargs, device) if category == "promote" else None
+    if dtype is None:
+        return args, kwargs
+    return tuple(_cast(a, dtype, device) for a in args), {k: _cast(v, dtype, device) for k, v in kwargs.items()}
+
+
 # torch functions written in Python whose inner calls include ops a policy decides on (the rest
 # are thin wrappers of one C op, which the mode sees as that op)
 REENTER = ("multi_head_attention_forward",)
@@ -130,15 +144,7 @@ class PolicyMode(TorchFunctionMode):
             if torch.compiler.is_compiling():
                 return _call(func, args, kwargs)
             return func(*args, **kwargs)  # eager fast path: most calls end here
-        if category == "float32":
-            dtype = torch.float32
-        elif category == "lower":
-            dtype = torch.get_autocast_dtype(self.device)
-        else:
-            dtype = _widest(args, kwargs, self.device) if category == "promote" else None
-        if dtype is not None:
-            args = tuple(_cast(a, dtype, self.device) for a in args)
-            kwargs = {k: _cast(v, dtype, self.device) for k, v in kwargs.items()}
+        args, kwargs = _cast_inputs(category, args, kwargs, self.device)
         with torch.autocast(self.device, enabled=False):
             return _call(func, args, kwargs)
 
@@ -204,15 +210,7 @@ def _kernel(op: Any, name: str, device: str) -> Any:
         table = getattr(_state, "table", None)
         category = table.get(name) if table else None
         if category is not None:
-            if category == "float32":
-                dtype = torch.float32
-            elif category == "lower":
-                dtype = torch.get_autocast_dtype(device)
-            else:
-                dtype = _widest(args, kwargs, device) if category == "promote" else None
-            if dtype is not None:
-                args = tuple(_cast(a, dtype, device) for a in args)
-                kwargs = {k: _cast(v, dtype, device) for k, v in kwargs.items()}
+            args, kwargs = _cast_inputs(category, args, kwargs, device)
         with torch._C._ExcludeDispatchKeyGuard(keys):  # autocast off for this call, as torch's kernels do
             return op(*args, **kwargs)
 
