@@ -2,15 +2,12 @@
 
 Every backend inherits :meth:`unimp.Amp.load_state_dict`: the whole dict is checked first and one
 :class:`unimp.StateError` names each bad key; nothing is applied unless everything is good. A
-backend's tests run the same property against its own Amp::
+backend's tests define an ``amp`` fixture (its own Amps, parametrized) and take the checks::
 
-    from hypothesis import given, settings
-    from unimp.conformance.state_dicts import check_refused, garbage_state_dicts
+    from unimp.conformance.state_dicts import amp_checks
 
-    @settings(max_examples=40, deadline=None)
-    @given(data=st.data())
-    def test_garbage(data):
-        check_refused(amp, data.draw(garbage_state_dicts(amp.state_dict())))
+    (test_garbage_state_dicts_are_refused_and_change_nothing, test_the_largest_valid_state_round_trips,
+     test_deepcopy_of_the_amp_works_or_is_refused_clearly) = amp_checks()
 """
 
 from __future__ import annotations
@@ -113,3 +110,24 @@ def check_removed(amp: Any) -> None:
             assert "was removed" in str(e), str(e)
         else:
             raise AssertionError(f"{amp.backend}: a removed Amp still answered")
+
+
+def amp_checks(max_examples: int = 30) -> tuple[Any, Any, Any]:
+    """The checks every backend runs over its ``amp`` fixture, as pytest test functions: garbage state
+    dicts refused with nothing applied (hypothesis), the extreme valid state round trip, deepcopy."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=max_examples, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def test_garbage_state_dicts_are_refused_and_change_nothing(amp: Any, data: Any) -> None:
+        check_refused(amp, data.draw(garbage_state_dicts(amp.state_dict())))
+
+    def test_the_largest_valid_state_round_trips(amp: Any) -> None:
+        check_round_trip(amp)  # counters are int32 on device: INT32_MAX must not wrap
+
+    def test_deepcopy_of_the_amp_works_or_is_refused_clearly(amp: Any) -> None:
+        check_copy(amp)
+
+    return (test_garbage_state_dicts_are_refused_and_change_nothing, test_the_largest_valid_state_round_trips,
+            test_deepcopy_of_the_amp_works_or_is_refused_clearly)

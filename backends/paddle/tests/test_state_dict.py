@@ -5,17 +5,9 @@ import contextlib
 
 import paddle
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import unimp
-from unimp.conformance.state_dicts import (
-    check_copy,
-    check_refused,
-    check_removed,
-    check_round_trip,
-    garbage_state_dicts,
-)
+from unimp.conformance.state_dicts import amp_checks, check_removed
 
 CASES = [("dygraph", "mixed_fp16"), ("dygraph", "paddle_o2"), ("dygraph", "mixed_bf16"), ("static", "paddle_static_o1")]
 
@@ -56,18 +48,8 @@ def amp(request):
         a.remove()
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.data())
-def test_garbage_state_dicts_are_refused_and_change_nothing(amp, data):
-    check_refused(amp, data.draw(garbage_state_dicts(amp.state_dict())))
-
-
-def test_the_largest_valid_state_round_trips(amp):
-    check_round_trip(amp)
-
-
-def test_deepcopy_of_the_amp_works_or_is_refused_clearly(amp):
-    check_copy(amp)
+(test_garbage_state_dicts_are_refused_and_change_nothing, test_the_largest_valid_state_round_trips,
+ test_deepcopy_of_the_amp_works_or_is_refused_clearly) = amp_checks()
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

@@ -5,17 +5,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import unimp
-from unimp.conformance.state_dicts import (
-    check_copy,
-    check_refused,
-    check_removed,
-    check_round_trip,
-    garbage_state_dicts,
-)
+from unimp.conformance.state_dicts import amp_checks, check_removed
 
 X = np.random.default_rng(0).normal(size=(8, 8)).astype("float32")
 CASES = [("mixed_fp16", True), ("mixed_fp16", False), ("keras_mixed_float16", True), ("keras_mixed_float16", False),
@@ -41,18 +33,8 @@ def amp(request):
     a.remove()
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.data())
-def test_garbage_state_dicts_are_refused_and_change_nothing(amp, data):
-    check_refused(amp, data.draw(garbage_state_dicts(amp.state_dict())))
-
-
-def test_the_largest_valid_state_round_trips(amp):
-    check_round_trip(amp)
-
-
-def test_deepcopy_of_the_amp_works_or_is_refused_clearly(amp):
-    check_copy(amp)
+(test_garbage_state_dicts_are_refused_and_change_nothing, test_the_largest_valid_state_round_trips,
+ test_deepcopy_of_the_amp_works_or_is_refused_clearly) = amp_checks()
 
 
 @pytest.mark.parametrize("case", CASES[:3], ids=str)

@@ -2,17 +2,9 @@
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import unimp
-from unimp.conformance.state_dicts import (
-    check_copy,
-    check_refused,
-    check_removed,
-    check_round_trip,
-    garbage_state_dicts,
-)
+from unimp.conformance.state_dicts import amp_checks, check_removed
 
 POLICIES = ["mixed_fp16", "fp16_master", "mixed_bf16", "deepspeed_fp16"]
 
@@ -32,18 +24,8 @@ def amp(request):
     a.remove()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.data())
-def test_garbage_state_dicts_are_refused_and_change_nothing(amp, data):
-    check_refused(amp, data.draw(garbage_state_dicts(amp.state_dict())))
-
-
-def test_the_largest_valid_state_round_trips(amp):
-    check_round_trip(amp)
-
-
-def test_deepcopy_of_the_amp_works_or_is_refused_clearly(amp):
-    check_copy(amp)
+(test_garbage_state_dicts_are_refused_and_change_nothing, test_the_largest_valid_state_round_trips,
+ test_deepcopy_of_the_amp_works_or_is_refused_clearly) = amp_checks(max_examples=40)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
