@@ -358,3 +358,16 @@ def run(kit: Kit, policies: tuple[str, ...] = STANDARD_POLICIES) -> list[Result]
         except Exception as e:
             out.append(Result(case.check.__name__, case.policy, "fail", f"{type(e).__name__}: {e}"))
     return out
+
+
+def check_emulation_warning(caught: list, amp: Any, caller: str, dtype: str = "bfloat16") -> None:
+    """An explicit ``dtype`` policy warns (at the caller's line ``caller``, naming the fix) exactly
+    where :func:`unimp.hardware.cpu` says the CPU emulates ``dtype``, and the Plan's reason agrees."""
+    from .. import hardware
+
+    emulated = [w for w in caught if f"emulates {dtype}" in str(w.message)]
+    if hardware.cpu().emulated(dtype):
+        assert emulated and all(w.filename == caller for w in emulated), [str(w.message) for w in caught]
+        assert 'compute_dtype = "auto"' in str(emulated[0].message) and "emulated" in amp.plan.compute_reason
+    else:
+        assert not emulated and amp.plan.compute_reason == "as the policy says", amp.plan.compute_reason

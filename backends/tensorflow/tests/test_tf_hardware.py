@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import unimp
 from unimp import hardware
+from unimp.conformance.checks import check_emulation_warning
 
 pytestmark = pytest.mark.hardware
 CPU_ONLY = not tf.config.list_physical_devices("GPU")
@@ -37,12 +38,7 @@ def test_explicit_bf16_runs_and_warns_at_the_callers_line_only_where_it_is_emula
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         amp = unimp.apply("mixed_bf16", model(), keras.optimizers.SGD(0.1))
-    emulated = [w for w in caught if "emulates bfloat16" in str(w.message)]
-    if hardware.cpu().emulated("bfloat16"):
-        assert emulated and all(w.filename == __file__ for w in emulated)
-        assert 'compute_dtype = "auto"' in str(emulated[0].message) and "emulated" in amp.plan.compute_reason
-    else:
-        assert not emulated and amp.plan.compute_reason == "as the policy says"
+    check_emulation_warning(caught, amp, __file__)
     assert amp.model.layers[0].compute_dtype == "bfloat16"  # it runs as asked
     x, y = np.random.default_rng(0).random((8, 16), np.float32), np.zeros((8, 8), np.float32)
     amp.model.compile(optimizer=amp.optimizer, loss="mse")

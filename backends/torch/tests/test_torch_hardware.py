@@ -10,6 +10,7 @@ import torch
 
 import unimp
 from unimp import hardware
+from unimp.conformance.checks import check_emulation_warning
 
 pytestmark = pytest.mark.hardware
 
@@ -43,12 +44,7 @@ def test_explicit_bf16_runs_and_warns_at_the_callers_line_only_where_it_is_emula
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         amp = unimp.apply("mixed_bf16", model, torch.optim.SGD(model.parameters(), lr=0.1), backend="torch")
-    emulated = [w for w in caught if "emulates bfloat16" in str(w.message)]
-    if hardware.cpu().emulated("bfloat16"):
-        assert emulated and all(w.filename == __file__ for w in emulated)
-        assert 'compute_dtype = "auto"' in str(emulated[0].message) and "emulated" in amp.plan.compute_reason
-    else:
-        assert not emulated and amp.plan.compute_reason == "as the policy says"
+    check_emulation_warning(caught, amp, __file__)
     loss = amp.model(torch.randn(4, 16)).float().square().mean()
     amp.backward(loss)
     amp.optimizer.step()
