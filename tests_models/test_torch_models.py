@@ -132,3 +132,39 @@ def test_vision_models_need_torchvision(name, cell):
             cell("torch", name, preset).data.update(status="n/a", why=NO_TORCHVISION)
         pytest.skip(NO_TORCHVISION)
     pytest.fail("a working torchvision is installed: write the timm/torchvision cells")
+
+
+def test_float16_storage_float32_compute_gpt2():
+    """``param_dtype`` float16 with ``compute_dtype`` float32 (``fp16_master`` so overridden): the
+    forward computes in float32 with the float16 parameters cast up (loss and gradients equal a
+    float32 GPT-2 holding the same float16-rounded weights), and training runs."""
+    model, batch = gpt2()
+    ref = copy.deepcopy(model)
+    policy = unimp.load("fp16_master").replace(compute_dtype="float32")
+    amp = unimp.apply(policy, model, torch.optim.AdamW(model.parameters(), 1e-3))
+    low = dict(model.named_parameters())
+    assert low["transformer.h.0.mlp.c_fc.weight"].dtype == torch.float16
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(low[name].float())
+    loss = amp.model(**batch).loss
+    want = ref(**batch).loss
+    assert loss.dtype == torch.float32 and torch.equal(loss, want), (loss, want)
+    amp.backward(loss)
+    want.backward()
+    for name, p in ref.named_parameters():
+        assert low[name].grad.dtype == low[name].dtype
+        scaled = (p.grad * amp.scale).to(low[name].dtype)
+        assert torch.equal(low[name].grad, scaled), name
+    amp.optimizer.step()
+    amp.optimizer.zero_grad()
+    rows = {r.path: r for r in amp.report().rows}
+    assert (rows["transformer.h.0.mlp.c_fc"].compute_dtype, rows["transformer.h.0.mlp.c_fc"].param_dtype) \
+        == ("float32", "float16")
+    for _ in range(3):
+        loss = amp.model(**batch).loss
+        amp.backward(loss)
+        amp.optimizer.step()
+        amp.optimizer.zero_grad()
+    assert torch.isfinite(loss)
+    amp.remove()

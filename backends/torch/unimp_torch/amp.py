@@ -187,8 +187,12 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         _wrap_layers(amp, model, plan, device)
         details = plan.details
         autocast = DTYPES[details["autocast"]] if details["autocast"] else None
+        compute = DTYPES[plan.compute_dtype]
+        params_up = compute if autocast is None and any(
+            p.is_floating_point() and p.dtype != torch.float64 and p.itemsize < compute.itemsize
+            for p in model.parameters()) else None  # e.g. float16 storage, float32 compute
         amp._undo.append(patch_forward(model, device, autocast, details["op_moves"],
-                                       DTYPES[policy.output_dtype], bool(amp._layout)))
+                                       DTYPES[policy.output_dtype], bool(amp._layout), params_up))
         model.__dict__["forward"].observer = amp._observer
         if optimizer is not None:
             names = {id(p): n for n, p in model.named_parameters()} | {id(m): n for n, _, m in amp.params.masters}
