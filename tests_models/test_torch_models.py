@@ -14,7 +14,10 @@ IDS = torch.randint(0, 64, (4, 12), generator=G)
 CLS = torch.randint(0, 3, (4,), generator=G)
 # preset -> (hand-written torch AMP: autocast dtype or None for plain fp32; relative loss tolerance; 0 = bit-identical)
 NATIVE = {"fp32": (None, 0.0), "torch_autocast_cpu": (torch.bfloat16, 0.0), "mixed_bf16": (torch.bfloat16, 2e-2),
-          "mixed_fp16": (torch.float16, 1e-3)}
+          "mixed_fp16": (torch.float16, 1e-3), "pure_bf16": (torch.bfloat16, 1e-3),
+          "fp16_master": (torch.float16, 1e-3)}
+# presets with low-precision parameters: the hand-written reference keeps fp32 masters by hand
+LOW_PARAMS = {"pure_bf16": torch.bfloat16, "fp16_master": torch.float16}
 NO_TORCHVISION = ("needs torchvision: PyPI's only torchvision for torch 2.13 (0.28.0) is the CUDA build; with CPU "
                   "torch its ops library does not load (`operator torchvision::nms does not exist`) and it breaks "
                   "`import transformers`")
@@ -38,18 +41,37 @@ def bert():
 MODELS = {"hf_gpt2_lm": gpt2, "hf_bert_classifier": bert}
 
 
-def train_native(model, batch, dtype):
-    """torch's own AMP written by hand: autocast, and a GradScaler for float16."""
-    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+def train_native(model, batch, dtype, params=None):
+    """torch's own AMP written by hand: autocast, and a GradScaler for float16. With ``params``
+    (a low dtype): the model's parameters in that dtype except the LayerNorms', and fp32 master
+    copies that the optimizer steps (apex O2 style: grads copied onto the masters, the masters
+    copied back)."""
+    unique = list({id(p): p for p in model.parameters()}.values())
+    masters = unique
+    if params is not None:
+        masters = [torch.nn.Parameter(p.detach().clone()) for p in unique]
+        keep = {id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
+        for p in unique:
+            if id(p) not in keep:
+                p.data = p.data.to(params)
+    opt = torch.optim.AdamW(masters, 1e-3)
     scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
     losses = []
     for _ in range(STEPS):
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
             loss = model(**batch).loss
         scaler.scale(loss).backward()
+        if params is not None:
+            for p, m in zip(unique, masters):
+                m.grad = p.grad.float()
+                p.grad = None
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
+        if params is not None:
+            with torch.no_grad():
+                for p, m in zip(unique, masters):
+                    p.copy_(m)
         losses.append(loss.item())
     return losses
 
@@ -83,9 +105,11 @@ def test_hf_model(name, preset, cell, tmp_path):
         amp.optimizer.zero_grad()
         losses.append(loss.item())
     dtype, tol = NATIVE[preset]
-    want = train_native(native, batch, dtype)
+    low = LOW_PARAMS.get(preset)
+    want = train_native(native, batch, dtype, low)
     what = "plain float32" if dtype is None else f"hand-written torch.autocast('cpu', {dtype})"
     what += " + GradScaler" if dtype == torch.float16 else ""
+    what += f" with {low} weights (LayerNorms fp32) and fp32 masters by hand" if low else ""
     if tol == 0.0:
         assert losses == want, (losses, want)
         c.check("loss", f"{STEPS} steps, bit-identical to {what}")
@@ -113,13 +137,18 @@ def test_hf_model(name, preset, cell, tmp_path):
         [(r.path, r.output_dtype, seen[r.path]) for r in rows]
     c.check("report", f"{len(rows)} rows = output dtypes seen by forward hooks")
 
-    # save_pretrained while applied -> from_pretrained equals the model after remove()
+    # save_pretrained while applied (a plain call) -> from_pretrained equals the model after remove():
+    # the fp32 masters for presets with low-precision parameters, config dtype float32
     model.save_pretrained(tmp_path)
     amp.remove()
     loaded = type(model).from_pretrained(tmp_path)
     mine = model.state_dict()
-    assert all(torch.equal(v, mine[k]) for k, v in loaded.state_dict().items())
-    c.check("save/load", "save_pretrained while applied -> from_pretrained = the model after remove()")
+    assert loaded.config.dtype == torch.float32, loaded.config.dtype
+    assert all(v.dtype == torch.float32 and torch.equal(v, mine[k]) for k, v in loaded.state_dict().items())
+    if low:
+        assert any(not torch.equal(v, v.to(low).float()) for v in loaded.state_dict().values())
+    c.check("save/load", "save_pretrained while applied -> from_pretrained = the model after remove()"
+            + (" (the fp32 masters, config dtype float32)" if low else ""))
 
 
 @pytest.mark.parametrize("name", ["timm_vit", "timm_resnet", "torchvision_resnet"])

@@ -25,6 +25,7 @@ from unimp.plan import Plan
 from unimp.report import Report, ReportRow
 
 from .forward import PolicyForward, patch_forward
+from .integrations.save_pretrained import save_full_precision
 from .layers import DTYPES, Rule, kind, type_names, wrap
 from .layout import check_alignment, has_conv2d, restore_layout, to_channels_last
 from .observe import Observer, observe
@@ -194,6 +195,7 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         amp._undo.append(patch_forward(model, device, autocast, details["op_moves"],
                                        DTYPES[policy.output_dtype], bool(amp._layout), params_up))
         model.__dict__["forward"].observer = amp._observer
+        amp._undo.append(save_full_precision(amp, model))  # HF save_pretrained: the fp32 masters
         if optimizer is not None:
             names = {id(p): n for n, p in model.named_parameters()} | {id(m): n for n, _, m in amp.params.masters}
             amp.optimizer = AmpOptimizer(optimizer, amp.scaler, amp.params, on_skip, amp._check_live, names)
