@@ -43,18 +43,24 @@ from .op_overrides import EagerPolicyMode, PolicyMode, acquire, active, release
 
 
 def cast_output(out: Any, dtype: torch.dtype) -> Any:
-    """Floating tensors in ``out`` (nested tuples/lists/dicts, HF ``ModelOutput``) cast to ``dtype``."""
+    """Floating tensors in ``out`` (nested tuples/lists/dicts, HF ``ModelOutput``) cast to ``dtype``;
+    a container is rebuilt only when something in it changed (``out`` itself otherwise)."""
     if isinstance(out, torch.Tensor):
-        return out.to(dtype) if out.is_floating_point() and out.dtype != dtype else out
-    if isinstance(out, tuple) and hasattr(out, "_fields"):
-        return type(out)(*[cast_output(o, dtype) for o in out])
+        return out.to(dtype) if out.dtype != dtype and out.is_floating_point() else out
     if isinstance(out, list | tuple):
-        return type(out)([cast_output(o, dtype) for o in out])
+        items = [cast_output(o, dtype) for o in out]
+        if all(a is b for a, b in zip(items, out)):
+            return out
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
     if isinstance(out, dict):
-        items = {k: cast_output(v, dtype) for k, v in out.items()}
-        if dataclasses.is_dataclass(out):  # HF ModelOutput: an ordered dict built from its fields
-            return type(out)(**items)
-        return type(out)(items)
+        changed = {k: c for k, v in out.items() if (c := cast_output(v, dtype)) is not v}
+        if not changed:
+            return out
+        if dataclasses.is_dataclass(out):  # HF ModelOutput (made by this forward): its fields set in place
+            for k, v in changed.items():
+                out[k] = v
+            return out
+        return type(out)({**out, **changed})
     return out
 
 
