@@ -61,6 +61,6 @@ class IpexBackend(TorchBackend):
         return apply_plan(plan, model, optimizer, on_skip)
 
     def conformance_kit(self) -> Any:
-        from .kit import IpexKit
+        from .testing import IpexKit
 
         return IpexKit()

@@ -16,7 +16,7 @@ from unimp.backend import Amp
 from unimp.loss_scale import LossScaleState
 from unimp.plan import Plan
 
-from .optim import AmpOptState, all_finite, apply_updates, find_state, wrap
+from .optimizer import AmpOptState, all_finite, apply_updates, find_state, wrap
 from .scaler import check, initial_tree, to_state
 
 

@@ -71,7 +71,7 @@ class JaxBackend(Backend):
         return is_nnx(model) or is_linen(model)
 
     def compile(self, policy: Policy, model: Any = None) -> Plan:
-        from .platform import platform_of, resolve
+        from .hardware import platform_of, resolve
         from .scaler import validate
 
         validate(policy.loss_scale, f"policy {policy.name!r} ({policy.source})")
@@ -117,7 +117,7 @@ class JaxBackend(Backend):
         return LinenAmp(plan, model, optimizer, **options)
 
     def conformance_kit(self) -> Any:
-        from .kit import NnxKit
+        from .testing import NnxKit
 
         return NnxKit()
 

@@ -35,7 +35,7 @@ from unimp.report import Report, ReportRow
 
 from .amp import JaxAmp
 from .layers import LayerPlan, cast_floats, dtype_name, misaligned, run_layer
-from .optim import find_state
+from .optimizer import find_state
 
 
 def _own_params(m: Any) -> dict[str, Any]:

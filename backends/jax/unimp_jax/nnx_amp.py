@@ -35,7 +35,7 @@ from unimp.report import Report, ReportRow
 
 from .amp import JaxAmp
 from .layers import LayerPlan, cast_floats, dtype_name, misaligned, run_layer
-from .optim import apply_updates, find_state, may_skip
+from .optimizer import apply_updates, find_state, may_skip
 
 _RECORDERS: list[dict[str, ReportRow]] = []
 _LAST_INPUTS: dict[str, Any] = {}

@@ -43,7 +43,7 @@ class PaddleBackend(Backend):
         return isinstance(model, paddle.nn.Layer) or _is_program(model)
 
     def compile(self, policy: Policy, model: Any = None) -> Plan:
-        from .planning import compile_dygraph, compile_static
+        from .plan import compile_dygraph, compile_static
 
         if model is not None and _is_program(model):
             return compile_static(policy)
@@ -55,12 +55,12 @@ class PaddleBackend(Backend):
             from .static import StaticAmp
 
             return StaticAmp(plan, model, optimizer, **options)
-        from .dygraph import DygraphAmp
+        from .amp import DygraphAmp
 
         return DygraphAmp(plan, model, optimizer, **options)
 
     def conformance_kit(self) -> Any:
-        from .kit import PaddleKit
+        from .testing import PaddleKit
 
         return PaddleKit()
 

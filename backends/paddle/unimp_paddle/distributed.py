@@ -107,7 +107,7 @@ class GradReducer:
 
 
 def grad_dtypes(params: tuple[Any, ...]) -> set[str]:
-    from .dygraph import dtype_name
+    from .amp import dtype_name
 
     return {dtype_name(p.dtype) for p in params}
 

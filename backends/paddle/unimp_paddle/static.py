@@ -28,7 +28,7 @@ from unimp.ops import CANONICAL_OPS
 from unimp.plan import Plan
 from unimp.report import Report, ReportRow
 
-from .lists import compile_lists, op_types
+from .ops import compile_lists, op_types
 
 NUMPY_DTYPES = {"uint16": "bfloat16", "float32": "float32", "float16": "float16", "float64": "float64"}
 RANK2_ONLY = {"matmul_v2": "X", "layer_norm": "X"}  # bf16 CPU kernels that mis-read rank > 2 inputs

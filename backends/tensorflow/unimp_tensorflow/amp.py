@@ -28,8 +28,8 @@ from unimp.loss_scale import LossScale, LossScaleState
 from unimp.plan import Plan
 from unimp.report import Report, ReportRow
 
-from .binding import Binding, undo
-from .observe import observe
+from .bind import Binding, undo
+from .trace import observe
 
 
 class TensorFlowAmp(Amp):

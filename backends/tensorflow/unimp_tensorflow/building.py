@@ -27,7 +27,7 @@ import unimp
 from unimp.dtypes import is_low
 from unimp.policy import Policy
 
-from .planning import compile_plan
+from .plan import compile_plan
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ from unimp.report import Report, ReportRow
 from .forward import PolicyForward, patch_forward
 from .layers import DTYPES, Rule, kind, type_names, wrap
 from .layout import check_alignment, has_conv2d, restore_layout, to_channels_last
-from .observe import Observer, observe
-from .optim import AmpOptimizer
+from .optimizer import AmpOptimizer
 from .params import ParamState, cast_params
 from .scaler import DeviceLossScale
+from .trace import Observer, observe
 
 
 class TorchAmp(Amp):

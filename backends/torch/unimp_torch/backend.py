@@ -29,7 +29,7 @@ class TorchBackend(Backend):
         return isinstance(model, torch.nn.Module)
 
     def compile(self, policy: Policy, model: Any = None) -> Plan:
-        from .compile import compile_plan
+        from .plan import compile_plan
         from .validate import device_of
 
         return compile_plan(policy, device_of(model))
@@ -80,7 +80,7 @@ class TorchBackend(Backend):
         return bind(plan, model, optimizer, device, on_skip, fsdp=is_fsdp(model))
 
     def conformance_kit(self) -> Any:
-        from .kit import TorchKit
+        from .testing import TorchKit
 
         return TorchKit()
 

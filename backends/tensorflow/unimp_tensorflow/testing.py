@@ -19,7 +19,7 @@ from unimp.conformance import Kit, Observation, ProbeBatch
 from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, PROBE, TIME, VOCAB
 from unimp.policy import Policy
 
-from .layers import walk
+from .index import walk
 
 
 def nll(logp: Any, targets: Any) -> tf.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from unimp.policy import Policy
-from unimp_torch.kit import TorchKit
+from unimp_torch.testing import TorchKit
 
 from .hardware import here
 

@@ -26,8 +26,8 @@ from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, V
 from unimp.errors import UnsupportedError
 from unimp.policy import Policy
 
-from .dygraph import dtype_name
-from .planning import compile_dygraph
+from .amp import dtype_name
+from .plan import compile_dygraph
 
 
 def _probe_class() -> Any:

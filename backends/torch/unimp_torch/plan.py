@@ -28,7 +28,7 @@ from unimp.ops import CANONICAL_OPS
 from unimp.plan import Plan, compile_ops
 from unimp.policy import Policy
 
-from .native import aten_names, function_names, kernel_table, moves, native_category, same
+from .autocast import aten_names, function_names, kernel_table, moves, native_category, same
 
 BATCH_NORM_NOTE = ("batch_norm: torch's kernels take low-precision activations with float32 weights "
                    "and compute statistics and normalisation in float32; activations keep their dtype "

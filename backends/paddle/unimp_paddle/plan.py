@@ -26,7 +26,7 @@ from unimp.ops import CANONICAL_OPS
 from unimp.plan import Plan, compile_ops, requested_dtype
 from unimp.policy import Policy
 
-from .lists import compile_lists, layer_types, op_types
+from .ops import compile_lists, layer_types, op_types
 
 BACKEND = "paddle"
 CPU_WHY = ("Paddle 3.x dygraph has no CPU float16/bfloat16 kernels: auto_cast/decorate are no-ops on "

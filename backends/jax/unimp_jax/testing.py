@@ -23,7 +23,7 @@ from unimp.conformance.probe import CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, Prob
 from unimp.policy import Policy
 
 from .op import LinenOp, Op
-from .optim import AmpOptState, find_state
+from .optimizer import AmpOptState, find_state
 
 # probe name -> Flax param name
 FLAX_NAMES = {"embed.weight": ("embed", "embedding"), "norm.weight": ("norm", "scale")}

@@ -27,7 +27,7 @@ from unimp.report import Report, ReportRow
 
 from .distributed import data_parallel, refuse_data_parallel
 from .layout import alignment_findings, channels_last_findings
-from .lists import OpLists, compile_lists
+from .ops import OpLists, compile_lists
 from .optimizer import AmpOptimizer
 from .scaler import HostRuleLossScale
 

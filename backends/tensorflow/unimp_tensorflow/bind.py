@@ -28,11 +28,11 @@ from unimp.plan import Plan
 
 from .distributed import is_distributed, unhook_inner
 from .dtype_policies import FollowInputs, keras_policy
-from .layers import Unit, descendants, is_graph, walk
+from .index import Unit, descendants, is_graph, walk
 from .layout import data_formats, layout_findings, misaligned
 from .optimizer import KerasLossScaleOptimizer, LossScaleOptimizer
 from .params import Swap, swap_params
-from .planning import keras_rule
+from .plan import keras_rule
 
 
 @dataclass
