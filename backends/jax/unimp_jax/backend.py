@@ -11,11 +11,7 @@ import sys
 import warnings
 from typing import Any
 
-from unimp.backend import Amp, Backend, UnimpWarning
-from unimp.errors import UnsupportedError
-from unimp.ops import OPS
-from unimp.plan import Plan, compile_ops
-from unimp.policy import Policy
+from unimp.spi import OPS, Amp, Backend, Plan, Policy, UnimpWarning, UnsupportedError, compile_ops
 
 LAYER_OPS = ("matmul", "linear", "conv", "attention", "rnn", "embedding", "layer_norm", "rms_norm",
              "batch_norm", "group_norm")

@@ -29,9 +29,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from unimp.loss_scale import LossScaleState
-from unimp.plan import Plan
-from unimp.report import Report, ReportRow
+from unimp.spi import LossScaleState, Plan, Report, ReportRow
 
 from .amp import JaxAmp
 from .layers import LayerPlan, cast_floats, dtype_name, misaligned, run_layer

@@ -10,9 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from unimp.backend import Amp, Backend
-from unimp.plan import Plan
-from unimp.policy import Policy
+from unimp.spi import Amp, Backend, Plan, Policy
 
 
 def _is_program(model: Any) -> bool:

@@ -23,10 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from unimp.backend import Amp
-from unimp.loss_scale import LossScale, LossScaleState
-from unimp.plan import Plan
-from unimp.report import Report, ReportRow
+from unimp.spi import Amp, LossScale, LossScaleState, Plan, Report, ReportRow
 
 from .bind import Binding, undo
 from .trace import observe

@@ -13,9 +13,7 @@ import contextlib
 import sys
 from typing import Any, ClassVar
 
-from unimp.backend import Amp, Backend
-from unimp.plan import Plan
-from unimp.policy import Policy
+from unimp.spi import Amp, Backend, Plan, Policy
 
 from .plan import compile_plan
 

@@ -21,10 +21,7 @@ from typing import Any
 
 import keras
 
-from unimp.backend import UnimpWarning
-from unimp.dtypes import is_low
-from unimp.errors import UnsupportedError
-from unimp.plan import Plan
+from unimp.spi import Plan, UnimpWarning, UnsupportedError, is_low
 
 from .distributed import is_distributed, unhook_inner
 from .dtype_policies import FollowInputs, keras_policy

@@ -20,7 +20,7 @@ from typing import Any
 
 import keras
 
-from unimp.dtypes import widest
+from unimp.spi import widest
 
 from .index import Unit
 

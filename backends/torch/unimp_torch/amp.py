@@ -19,10 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.backend import Amp
-from unimp.loss_scale import LossScaleState
-from unimp.plan import Plan
-from unimp.report import Report, ReportRow
+from unimp.spi import Amp, LossScaleState, Plan, Report, ReportRow
 
 from .forward import PolicyForward, patch_forward
 from .layers import DTYPES, Rule, kind, type_names, wrap
