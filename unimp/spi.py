@@ -23,6 +23,7 @@ What is here, by job:
 
 from __future__ import annotations
 
+from .applied import is_applied
 from .backend import Amp, Backend
 from .conformance.kit import Kit, Observation
 from .conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, PROBE, TIME, VOCAB, ProbeBatch
@@ -34,7 +35,7 @@ from .loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState, f32
 from .ops import CANONICAL_OPS, OPS, kind_of
 from .plan import Plan, compile_ops, requested_dtype
 from .policy import LayerDecision, Layout, LossScaleSpec, Policy
-from .registry import apply, is_applied, remember
+from .registry import apply, remember
 from .report import Report, ReportRow
 
 __all__ = [

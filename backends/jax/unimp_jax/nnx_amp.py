@@ -195,7 +195,7 @@ class NnxAmp(JaxAmp):
         self._saved, self._params = [], []
 
     def report_findings(self) -> None:
-        from .backend import act_on_findings
+        from .layout import act_on_findings
 
         act_on_findings(self.findings, self.policy)
 
