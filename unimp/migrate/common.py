@@ -299,7 +299,7 @@ def unexpressed(policy: Policy, native: Policy, system: str) -> tuple[str, ...]:
     lines = []
     for key in sorted({*ours, *theirs}):
         a, b = ours.get(key), theirs.get(key)
-        if a != b:
+        if a is not None and a != b:
             lines.append(f"{key} = {_fmt(a)}: {system} cannot express it (its configuration gives {_fmt(b)})")
     return tuple(lines)
 
