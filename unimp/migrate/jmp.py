@@ -5,7 +5,8 @@ Read from jmp/_src/policy.py (``get_policy``: params default float32, compute fo
 output follows compute; names full/f32/float32, f16/float16, bf16/bfloat16, half = float16 off
 TPU) and jmp/_src/loss_scale.py (``DynamicLossScale(loss_scale, counter=0, period=2000,
 factor=2, min_loss_scale=1)``: x factor on the period-th finite step kept only if finite,
-max(min_loss_scale, scale / factor) on a non-finite step; float32 arithmetic).
+max(min_loss_scale, scale / factor) on a non-finite step; float32 arithmetic; its pytree keeps
+loss_scale, counter, period and factor only, so under ``jax.jit`` the floor is always 1).
 
 >>> imp = import_policy("p=f32,c=f16,o=f32", {"loss_scale": 1024.0, "period": 10})
 >>> imp.policy.compute_dtype, imp.policy.loss_scale.growth_interval
@@ -86,7 +87,13 @@ def import_policy(policy: str = "params=float32,compute=float16,output=float32",
     take(d, "loss_scale.growth_interval", kw, "period", 2000, kind=int, prefix=p)
     factor = take(d, "loss_scale.growth_factor", kw, "factor", 2.0, prefix=p)
     d.set("loss_scale.backoff_factor", 1.0 / factor if factor > 1 else factor, f"{p}factor: backoff is 1 / factor")
-    take(d, "loss_scale.min", kw, "min_loss_scale", 1.0, prefix=p)
+    floor = number(source, f"{p}min_loss_scale", kw.get("min_loss_scale", 1.0))
+    if floor != 1.0:
+        d.note(f"{p}min_loss_scale = {floor!r} is lost when the loss scale passes through jax.jit or any "
+               f"transformation (jmp's tree_unflatten rebuilds it with the default 1): imported as 1, what a jitted "
+               f"training step runs; set loss_scale.min in this file to keep another floor", warn=True)
+    d.set("loss_scale.min", 1.0, f"{p}min_loss_scale" + (" (1 inside jax.jit, see above)" if floor != 1.0 else
+                                                         "" if "min_loss_scale" in kw else " not given: jmp default"))
     if has_knob("loss_scale.factor_arithmetic"):
         d.set("loss_scale.factor_arithmetic", "float32", "jmp multiplies in float32")
     return d.build()
