@@ -7,8 +7,8 @@ growth_factor 2.0, backoff_factor 0.5, growth_interval 2000, enabled True; fp16 
 
 >>> import_policy("bf16").policy.compute_dtype
 'bfloat16'
->>> export_policy(import_policy("fp16").policy).config
-{'mixed_precision': 'fp16', 'GradScalerKwargs': {'init_scale': 65536.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 2000}}
+>>> export_policy(import_policy("fp16").policy).config["GradScalerKwargs"]["growth_interval"]
+2000
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ def export_policy(policy: Policy) -> Exported:
     cfg: dict[str, Any] = {"mixed_precision": mp}
     if mp == "fp16":
         cfg["GradScalerKwargs"] = torch_amp.scaler_kwargs(policy)
-    handler = (f", kwargs_handlers=[GradScalerKwargs({', '.join(f'{k}={v!r}' for k, v in cfg['GradScalerKwargs'].items())})]"
-               if "GradScalerKwargs" in cfg else "")
+    handler = ""
+    if "GradScalerKwargs" in cfg:
+        args = ", ".join(f"{k}={v!r}" for k, v in cfg["GradScalerKwargs"].items())
+        handler = f", kwargs_handlers=[GradScalerKwargs({args})]"
     text = f"accelerator = Accelerator(mixed_precision={mp!r}{handler})\n"
     return finish(SYSTEM, policy, cfg, text, lambda c: import_policy(c["mixed_precision"], c.get("GradScalerKwargs")))

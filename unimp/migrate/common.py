@@ -15,7 +15,7 @@ import json
 import math
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PolicyError, UnimpWarning, UnsupportedError
@@ -128,7 +128,7 @@ class Draft:
                  *(f"# {n}" for n in self.notes)]
         if self.ignored:
             lines.append(f"# Not precision settings (ignored): {', '.join(self.ignored)}")
-        lines += [f'name = "imported-{self.system}"',
+        lines += [f'name = "imported-{self.system}"  # unimp import --from {self.system}',
                   f'extends = "{self.extends}"  # {self.why}']
         tables: dict[str, list[str]] = {}
         for path, (value, origin) in self.keys.items():

@@ -25,8 +25,20 @@ from typing import Any
 
 from ..loading import preset_names
 from ..policy import Policy
-from .common import (Draft, Exported, Imported, bad, check_keys, finish, flag, has_knob, number, power_of_two,
-                     refuse, take)
+from .common import (
+    Draft,
+    Exported,
+    Imported,
+    bad,
+    check_keys,
+    finish,
+    flag,
+    has_knob,
+    number,
+    power_of_two,
+    refuse,
+    take,
+)
 
 SYSTEM = "deepspeed"
 FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",

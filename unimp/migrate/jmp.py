@@ -21,8 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..policy import Policy
-from .common import (Draft, Exported, Imported, bad, check_keys, finish, has_knob, kwargs_of, number, refuse,
-                     take)
+from .common import Draft, Exported, Imported, bad, check_keys, finish, has_knob, kwargs_of, number, refuse, take
 
 SYSTEM = "jmp"
 NAMES = {"full": "float32", "f32": "float32", "float32": "float32", "f16": "float16", "float16": "float16",
@@ -129,8 +128,8 @@ def export_policy(policy: Policy) -> Exported:
     ls = policy.loss_scale
     cfg: dict[str, Any] = {"policy": name}
     if ls.mode == "dynamic":
-        cfg["DynamicLossScale"] = {"loss_scale": ls.initial, "period": ls.growth_interval,
-                                   "factor": int(ls.growth_factor) if ls.growth_factor.is_integer() else ls.growth_factor,
+        factor = int(ls.growth_factor) if ls.growth_factor.is_integer() else ls.growth_factor
+        cfg["DynamicLossScale"] = {"loss_scale": ls.initial, "period": ls.growth_interval, "factor": factor,
                                    "min_loss_scale": ls.min}
         kw = cfg["DynamicLossScale"]
         scale = (f"jmp.DynamicLossScale(jnp.float32({kw['loss_scale']!r}), period={kw['period']}, "

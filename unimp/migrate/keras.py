@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..policy import Policy
-from .common import Draft, Exported, Imported, bad, check_keys, finish, kwargs_of, refuse, take
+from .common import Draft, Exported, Imported, bad, check_keys, finish, kwargs_of, take
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
 
@@ -43,7 +43,7 @@ def import_policy(policy: str = "float32", loss_scale_optimizer: Mapping[str, An
         d = Draft(system, source, "fp32", f"{where}: full precision")
     else:
         d = Draft(system, source, preset, f"{where}: Keras layer dtypes")
-        low = "float16" if policy.endswith("float16") else "bfloat16"
+        low = "bfloat16" if policy.endswith("bfloat16") else "float16"
         d.set("compute_dtype", low, where)
         if not policy.startswith("mixed_"):
             d.set("param_dtype", low, f"{where}: variables in {low}")
@@ -80,6 +80,9 @@ def _rule(preset: str) -> dict[str, Any]:
 def from_cli(raw: Any, source: str, tf_keras: bool = False) -> Imported:
     if isinstance(raw, str) and "=" not in raw and "(" not in raw:
         return import_policy(raw.strip().strip("'\""), tf_keras=tf_keras, source=source)
+    if isinstance(raw, Mapping) and isinstance(raw.get("policy"), str):  # what export_policy writes
+        check_keys(raw, ("policy", "LossScaleOptimizer"), source)
+        return import_policy(raw["policy"], raw.get("LossScaleOptimizer"), tf_keras=tf_keras, source=source)
     kw = kwargs_of(raw, source, {"DTypePolicy": "policy", "Policy": "policy", "set_dtype_policy": "policy",
                                  "LossScaleOptimizer": "lso"})
     pol = kw.get("policy", {})

@@ -24,8 +24,7 @@ from typing import Any
 from ..loading import load
 from ..ops import CANONICAL_OPS, OPS, kind_of
 from ..policy import Policy
-from .common import (Draft, Exported, Imported, bad, check_keys, finish, flag, has_knob, kwargs_of, number, refuse,
-                     take)
+from .common import Draft, Exported, Imported, bad, check_keys, finish, flag, has_knob, kwargs_of, refuse, take
 
 SYSTEM = "paddle"
 AUTO_CAST_KEYS = ("enable", "custom_white_list", "custom_black_list", "level", "dtype", "use_promote")

@@ -47,7 +47,7 @@ def add_scaler(d: Draft, kwargs: dict[str, Any], prefix: str = "") -> None:
         take(d, "loss_scale.backoff_factor", kwargs, "backoff_factor", 0.5, prefix=prefix)
         take(d, "loss_scale.growth_interval", kwargs, "growth_interval", 2000, kind=int, prefix=prefix)
         d.set("loss_scale.min", 0.0, "torch GradScaler has no floor")
-        d.set("loss_scale.max", float("inf"), "torch GradScaler has no cap (a grown scale that is not finite is dropped)")
+        d.set("loss_scale.max", float("inf"), "torch GradScaler has no cap (a non-finite grown scale is dropped)")
     else:
         d.set("loss_scale.skip_nonfinite", False, f"{prefix}enabled=False: no scaler, every step is taken")
 

@@ -62,7 +62,7 @@ def test_custom_lists_round_trip_through_auto_cast():
     out = exporters.paddle(imp.policy)
     ac = out.config["auto_cast"]
     assert "softmax" in ac["custom_white_list"] and "matmul_v2" in ac["custom_black_list"]
-    white, black = sys.modules["paddle.amp.auto_cast"]._update_list(ac["custom_white_list"], ac["custom_black_list"], "O1",
-                                                     "float16")
+    update_list = sys.modules["paddle.amp.auto_cast"]._update_list
+    white, black = update_list(ac["custom_white_list"], ac["custom_black_list"], "O1", "float16")
     assert "softmax" in white and "matmul_v2" in black and "matmul_v2" not in white
     assert importers.paddle(ac).policy.ops == imp.policy.ops

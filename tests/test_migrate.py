@@ -1,0 +1,127 @@
+"""`unimp import` / `unimp export` in the core: every system's import, the commented policy file,
+located errors, DeepSpeed's ZeRO awareness and import -> export -> import identity."""
+
+import json
+
+import pytest
+
+import unimp
+from unimp import exporters, importers
+from unimp.cli import main
+from unimp.loss_scale import LossScaleAtMinimumError, trajectory
+from unimp.migrate import export_to, import_from
+from unimp.migrate.common import effective
+
+ROUND_TRIPS = [
+    ("torch", "GradScaler(init_scale=2**10, growth_interval=50, backoff_factor=0.25)"),
+    ("accelerate", "fp16"), ("accelerate", "bf16"), ("accelerate", "no"),
+    ("lightning", "16-mixed"), ("lightning", "bf16-true"), ("lightning", "32"),
+    ("keras", "mixed_float16"), ("keras", "mixed_bfloat16"), ("tf_keras", "mixed_float16"),
+    ("jmp", "p=f32,c=f16,o=f32; DynamicLossScale(loss_scale=1024.0, period=100)"), ("jmp", "bf16"),
+    ("flax", "DynamicScale(growth_interval=10, scale=256.0)"),
+    ("paddle", "auto_cast(level='O2', custom_white_list=['softmax']); GradScaler(decr_every_n_nan_or_inf=2)"),
+    ("deepspeed", '{"fp16": {"enabled": true, "loss_scale_window": 200}, "zero_optimization": {"stage": 3}}'),
+    ("deepspeed", '{"fp16": {"enabled": true, "initial_scale_power": 12}}'),
+    ("deepspeed", '{"bf16": {"enabled": true}}'),
+]
+
+
+@pytest.mark.parametrize(("system", "raw"), ROUND_TRIPS)
+def test_import_export_import_is_identity(system, raw):
+    first = import_from(system, raw).policy
+    out = export_to(system, first)
+    assert out.unexpressed == (), out.unexpressed
+    again = import_from(system, out.config).policy
+    assert effective(again) == effective(first)
+
+
+@pytest.mark.parametrize(("system", "raw"), ROUND_TRIPS)
+def test_every_key_of_the_file_names_its_source(system, raw):
+    text = import_from(system, raw).text
+    body = [line for line in text.splitlines() if "=" in line and not line.startswith("#")]
+    assert body and all("  # " in line for line in body)
+    assert unimp.load(_write(text)).fingerprint == import_from(system, raw).policy.fingerprint
+
+
+def _write(text, _n=[0]):  # noqa: B006
+    import tempfile
+    from pathlib import Path
+
+    _n[0] += 1
+    p = Path(tempfile.mkdtemp()) / f"imported{_n[0]}.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_deepspeed_plain_engine_vs_zero():
+    """Without ZeRO FP16_Optimizer has no hysteresis and stays at the floor; ZeRO's DynamicLossScaler
+    absorbs `hysteresis` overflows and raises at the floor (deepspeed/runtime/fp16)."""
+    cfg = {"fp16": {"enabled": True, "initial_scale_power": 1, "loss_scale_window": 2, "min_loss_scale": 1}}
+    finites = [False, False, False, True]
+    with pytest.warns(unimp.UnimpWarning, match="hysteresis"):
+        plain = importers.deepspeed({**cfg, "fp16": {**cfg["fp16"], "hysteresis": 2}}).policy
+    assert trajectory(plain.loss_scale, finites)[0] == [1.0, 1.0, 1.0, 1.0]
+    zero = importers.deepspeed({**cfg, "zero_optimization": {"stage": 2}}).policy
+    assert zero.loss_scale.hysteresis == 2
+    with pytest.raises(LossScaleAtMinimumError):
+        trajectory(zero.loss_scale, finites)
+    consecutive = importers.deepspeed({**cfg, "fp16": {**cfg["fp16"], "consecutive_hysteresis": True},
+                                       "zero_optimization": {"stage": 1}}).policy
+    assert "finite" in consecutive.loss_scale.hysteresis_refill
+
+
+def test_deepspeed_ignores_and_lists_non_precision_keys():
+    imp = importers.deepspeed({"train_batch_size": 8, "optimizer": {"type": "Adam"}, "fp16": {"enabled": True}})
+    assert imp.ignored == ("train_batch_size", "optimizer")
+    assert "Not precision settings (ignored): train_batch_size, optimizer" in imp.text
+
+
+@pytest.mark.parametrize(("system", "raw", "where"), [
+    ("deepspeed", '{"fp16": {"enabled": true, "loss_scale_windw": 10}}', "fp16.loss_scale_windw"),
+    ("deepspeed", '{"fp16": {"enabled": true, "auto_cast": true}}', "fp16.auto_cast"),
+    ("accelerate", "fp8", "mixed_precision"),
+    ("lightning", "transformer-engine", "precision"),
+    ("lightning", "64-true", "precision"),
+    ("paddle", "auto_cast(custom_white_list=['not_an_op'])", "auto_cast.custom_white_list[0]"),
+    ("torch", "GradScaler(init_scal=3.0)", "init_scal"),
+    ("torch", "GradScaler(growth_interval=0)", "growth_interval"),
+    ("flax", "DynamicScale(fin_steps=3)", "fin_steps"),
+    ("jmp", "params=float64", "policy.params"),
+    ("keras", "int8", "policy"),
+])
+def test_what_cannot_be_expressed_is_a_located_error(system, raw, where, capsys):
+    assert main(["import", raw, "--from", system]) == 1
+    err = capsys.readouterr().err
+    assert f": {where}:" in err and "Traceback" not in err
+
+
+def test_cli_import_file_and_export(tmp_path, capsys):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"fp16": {"enabled": True, "loss_scale_window": 500}, "zero_optimization": {"stage": 1}}))
+    out = tmp_path / "team.toml"
+    assert main(["import", str(cfg), "--from", "deepspeed", "-o", str(out)]) == 0
+    assert "growth_interval = 500  # fp16.loss_scale_window" in out.read_text()
+    assert unimp.load(str(out)).loss_scale.growth_interval == 500
+    capsys.readouterr()
+    assert main(["export", str(out), "--to", "deepspeed", "--strict"]) == 0
+    assert json.loads(capsys.readouterr().out)["fp16"]["loss_scale_window"] == 500
+
+
+def test_export_lists_what_the_target_cannot_express(capsys):
+    assert main(["export", "mixed_fp16", "--to", "torch"]) == 0
+    assert "not expressed: loss_scale.max = 16777216.0" in capsys.readouterr().err
+    assert main(["export", "mixed_fp16", "--to", "torch", "--strict"]) == 1
+    assert "loss_scale.max" in capsys.readouterr().err
+
+
+def test_paddle_lists_move_canonical_ops_and_export_writes_them_back():
+    imp = importers.paddle({"custom_white_list": ["softmax"], "custom_black_list": ["matmul_v2"]})
+    assert imp.policy.ops.category("softmax") == "lower" and imp.policy.ops.category("matmul") == "float32"
+    ac = exporters.paddle(imp.policy).config["auto_cast"]
+    assert "softmax" in ac["custom_white_list"] and "matmul_v2" in ac["custom_black_list"]
+
+
+def test_paddle_amp_configs_defaults_are_fleets():
+    ls = importers.paddle_amp_configs({}).policy.loss_scale
+    assert (ls.initial, ls.growth_interval, ls.hysteresis, ls.min) == (32768.0, 1000, 2, 1.0)
+    assert ls.backoff_factor == pytest.approx(0.8)
