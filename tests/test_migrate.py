@@ -23,6 +23,10 @@ ROUND_TRIPS = [
     ("deepspeed", '{"fp16": {"enabled": true, "loss_scale_window": 200}, "zero_optimization": {"stage": 3}}'),
     ("deepspeed", '{"fp16": {"enabled": true, "initial_scale_power": 12}}'),
     ("deepspeed", '{"bf16": {"enabled": true}}'),
+    ("apex", "O1"), ("apex", "O2, keep_batchnorm_fp32=False, loss_scale=512.0"), ("apex", "O3"), ("apex", "O0"),
+    ("apex", "opt_level='O2', min_loss_scale=1.0, max_loss_scale=2.0**30"),
+    ("megatron", "--fp16 --initial-loss-scale 65536 --loss-scale-window 100 --hysteresis 4"),
+    ("megatron", "--bf16"), ("megatron", "--fp16 --loss-scale 1024 --accumulate-allreduce-grads-in-fp32"),
 ]
 
 
@@ -88,6 +92,11 @@ def test_deepspeed_ignores_and_lists_non_precision_keys():
     ("flax", "DynamicScale(fin_steps=3)", "fin_steps"),
     ("jmp", "params=float64", "policy.params"),
     ("keras", "int8", "policy"),
+    ("apex", "O4", "opt_level"),
+    ("apex", "O1, keep_batchnorm_fp32=True", "keep_batchnorm_fp32"),
+    ("apex", "O2, cast_model_type='torch.float16'", "cast_model_type"),
+    ("megatron", "--fp16 --loss-scale-window ten", "--loss-scale-window"),
+    ("megatron", "--fp16 --bf16", "--bf16"),
 ])
 def test_what_cannot_be_expressed_is_a_located_error(system, raw, where, capsys):
     assert main(["import", raw, "--from", system]) == 1
@@ -125,3 +134,20 @@ def test_paddle_amp_configs_defaults_are_fleets():
     ls = importers.paddle_amp_configs({}).policy.loss_scale
     assert (ls.initial, ls.growth_interval, ls.hysteresis, ls.min) == (32768.0, 1000, 2, 1.0)
     assert ls.backoff_factor == pytest.approx(0.8)
+
+
+def test_apex_overrides_move_ops_and_export_writes_them_back():
+    imp = importers.apex("O2", keep_batchnorm_fp32=False, master_weights=False)
+    assert imp.policy.ops.category("batch_norm") == "lower" and not imp.policy.master_weights.enabled
+    assert "keep_batchnorm_fp32=False" in imp.text
+    o2 = importers.apex("O2").policy
+    assert o2.ops.category("batch_norm") == "float32" and o2.master_weights.enabled
+    assert exporters.apex(importers.apex("O2", keep_batchnorm_fp32=False).policy).config == {
+        "opt_level": "O2", "keep_batchnorm_fp32": False}
+
+
+def test_megatron_lists_other_arguments_and_reduces_in_param_dtype():
+    imp = importers.megatron("--fp16 --num-layers 2 --lr=1e-4")
+    assert imp.ignored == ("--num-layers", "--lr")
+    assert imp.policy.distributed.reduce_dtype == "float16"
+    assert imp.policy.loss_scale.initial == 2.0**32 and imp.policy.loss_scale.hysteresis == 2

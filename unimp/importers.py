@@ -15,13 +15,16 @@ naming the source key and the fix; malformed input a ``PolicyError``.
 from __future__ import annotations
 
 from .migrate.accelerate import import_policy as accelerate
+from .migrate.apex import import_policy as apex
 from .migrate.deepspeed import import_policy as deepspeed
 from .migrate.flax import import_policy as flax
 from .migrate.jmp import import_policy as jmp
 from .migrate.keras import import_policy as keras
 from .migrate.lightning import import_policy as lightning
+from .migrate.megatron import import_policy as megatron
 from .migrate.paddle import import_amp_configs as paddle_amp_configs
 from .migrate.paddle import import_policy as paddle
 from .migrate.torch import import_policy as torch
 
-__all__ = ["accelerate", "deepspeed", "flax", "jmp", "keras", "lightning", "paddle", "paddle_amp_configs", "torch"]
+__all__ = ["accelerate", "apex", "deepspeed", "flax", "jmp", "keras", "lightning", "megatron", "paddle",
+           "paddle_amp_configs", "torch"]
