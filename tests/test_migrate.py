@@ -151,3 +151,19 @@ def test_megatron_lists_other_arguments_and_reduces_in_param_dtype():
     assert imp.ignored == ("--num-layers", "--lr")
     assert imp.policy.distributed.reduce_dtype == "float16"
     assert imp.policy.loss_scale.initial == 2.0**32 and imp.policy.loss_scale.hysteresis == 2
+
+
+def test_every_readme_migration_command_runs(tmp_path, monkeypatch, capsys):
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Migrating from"):]
+    section = section[:section.index("\n## ", 1)]
+    (tmp_path / "ds_config.json").write_text(json.dumps({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
+    monkeypatch.chdir(tmp_path)
+    commands = [c for c in re.findall(r"`(unimp import [^`]*--from \w+)`", section)]
+    assert len(commands) == 11
+    for command in commands:
+        assert main(shlex.split(command)[1:]) == 0, (command, capsys.readouterr().err)

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..policy import Policy
 from . import torch as torch_amp
-from .common import Draft, Exported, Imported, bad, check_keys, finish, kwargs_of, refuse
+from .common import Draft, Exported, Imported, bad, check_keys, finish, kwargs_of, leading_name, refuse
 
 SYSTEM = "accelerate"
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
@@ -56,8 +56,10 @@ def import_policy(mixed_precision: str = "no", grad_scaler_kwargs: Mapping[str, 
 
 
 def from_cli(raw: Any, source: str) -> Imported:
-    if isinstance(raw, str) and "=" not in raw and "(" not in raw:
-        return import_policy(raw.strip(), source=source)
+    name, raw = leading_name(raw)
+    if name is not None:
+        scaler = kwargs_of(raw, source, {"GradScalerKwargs": "scaler"}).get("scaler") if raw.strip() else None
+        return import_policy(name, scaler, source=source)
     if isinstance(raw, Mapping) and "mixed_precision" in raw:  # an `accelerate config` file
         rest = tuple(k for k in raw if k not in ("mixed_precision", "GradScalerKwargs"))
         return import_policy(raw["mixed_precision"], raw.get("GradScalerKwargs"), source=source, ignored=rest)

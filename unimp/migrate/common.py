@@ -191,6 +191,21 @@ def parse_calls(text: str, source: str) -> list[tuple[str | None, dict[str, Any]
     return out
 
 
+def leading_name(raw: Any) -> tuple[str | None, Any]:
+    """``("fp16", "GradScalerKwargs(...)")`` from ``"fp16; GradScalerKwargs(...)"``: a bare first part
+    (no ``=``, no call) is the system's name for a precision; anything else is left as it is.
+
+    >>> leading_name("mixed_float16; LossScaleOptimizer(initial_scale=8.0)")
+    ('mixed_float16', 'LossScaleOptimizer(initial_scale=8.0)')
+    """
+    if not isinstance(raw, str):
+        return None, raw
+    first, _, rest = raw.replace("\n", ";").partition(";")
+    if "=" in first or "(" in first:
+        return None, raw
+    return first.strip().strip("'\""), rest
+
+
 def _power(node: ast.AST) -> float | int | None:
     """``2**16`` / ``2.0**-3`` (how scales are usually written) without evaluating anything else."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):

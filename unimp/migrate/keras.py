@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..policy import Policy
-from .common import Draft, Exported, Imported, bad, check_keys, finish, kwargs_of, take
+from .common import Draft, Exported, Imported, bad, check_keys, finish, kwargs_of, leading_name, take
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
 
@@ -78,8 +78,10 @@ def _rule(preset: str) -> dict[str, Any]:
 
 
 def from_cli(raw: Any, source: str, tf_keras: bool = False) -> Imported:
-    if isinstance(raw, str) and "=" not in raw and "(" not in raw:
-        return import_policy(raw.strip().strip("'\""), tf_keras=tf_keras, source=source)
+    name, raw = leading_name(raw)
+    if name is not None:
+        lso = kwargs_of(raw, source, {"LossScaleOptimizer": "lso"}).get("lso") if raw.strip() else None
+        return import_policy(name, lso, tf_keras=tf_keras, source=source)
     if isinstance(raw, Mapping) and isinstance(raw.get("policy"), str):  # what export_policy writes
         check_keys(raw, ("policy", "LossScaleOptimizer"), source)
         return import_policy(raw["policy"], raw.get("LossScaleOptimizer"), tf_keras=tf_keras, source=source)
