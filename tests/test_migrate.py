@@ -74,6 +74,17 @@ def test_deepspeed_plain_engine_vs_zero():
     assert "finite" in consecutive.loss_scale.hysteresis_refill
 
 
+def test_deepspeed_plain_engine_fixture():
+    """Fixture (DeepSpeed is not installed in the matrix): FP16_Optimizer._update_scale by hand, with
+    loss_scale_window 2, initial_scale_power 4, min_loss_scale 1 -- growth when
+    (cur_iter - last_overflow_iter) - 1 is a positive multiple of the window, max(scale / 2, min) on
+    overflow, no hysteresis, no error at the floor."""
+    cfg = {"fp16": {"enabled": True, "initial_scale_power": 4, "loss_scale_window": 2}}
+    finites = [True, True, True, False, True, True, True, True, True] + [False] * 7
+    expected = [16, 16, 32, 16, 16, 16, 32, 32, 64, 32, 16, 8, 4, 2, 1, 1]
+    assert trajectory(importers.deepspeed(cfg).policy.loss_scale, finites)[0] == expected
+
+
 def test_deepspeed_ignores_and_lists_non_precision_keys():
     imp = importers.deepspeed({"train_batch_size": 8, "optimizer": {"type": "Adam"}, "fp16": {"enabled": True}})
     assert imp.ignored == ("train_batch_size", "optimizer")

@@ -43,8 +43,7 @@ from .common import (
 SYSTEM = "deepspeed"
 FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads")
-BF16_KEYS = ("enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
-             "bf16_optimizer_states")
+BF16_KEYS = ("enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads")
 PRECISION = ("fp16", "bf16", "bfloat16", "zero_optimization", "communication_data_type", "amp", "torch_autocast")
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "bf16": "bfloat16",
           "bfloat16": "bfloat16"}
@@ -73,6 +72,10 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
     bf16_on = flag(source, "bf16.enabled", bf16.get("enabled", False))
     if fp16_on and bf16_on:
         raise bad(source, "fp16.enabled", "fp16 and bf16 are both enabled (DeepSpeed refuses this); enable one")
+    for sec, key in (("fp16", "fp16_master_weights_and_grads"), ("bf16", "bf16_master_weights_and_grads")):
+        if (fp16 if sec == "fp16" else bf16).get(key):
+            raise refuse(source, f"{sec}.{key}", "master weights in the low dtype are not expressible (unimp keeps "
+                         "float32 masters)", f"remove {key}")
     if fp16.get("auto_cast"):
         raise refuse(source, "fp16.auto_cast", "casting the model's inputs is not a policy key",
                      "remove it: unimp casts the inputs of each op to the policy's dtype")
@@ -83,6 +86,9 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
         d.set("compute_dtype", "bfloat16", "bf16.enabled")
         d.set("param_dtype", "bfloat16", "bf16.enabled")
         d.set("master_weights.enabled", True, "bf16.enabled: fp32 masters")
+        check = flag(source, "bf16.check_grad_overflow", bf16.get("check_grad_overflow", False))
+        d.set("loss_scale.skip_nonfinite", check, "bf16.check_grad_overflow" if "check_grad_overflow" in bf16 else
+              "bf16.check_grad_overflow not given: false (every step is taken)")
     else:
         d = Draft(SYSTEM, source, "fp32", "neither fp16 nor bf16 enabled: full precision")
     if "communication_data_type" in config and config["communication_data_type"] is not None:
@@ -169,7 +175,7 @@ def export_policy(policy: Policy) -> Exported:
             cfg["zero_optimization"] = {"stage": 1 if zero else 0}
         cfg = {"fp16": sec, **cfg}
     elif policy.compute_dtype == "bfloat16":
-        cfg["bf16"] = {"enabled": True}
+        cfg["bf16"] = {"enabled": True, **({"check_grad_overflow": True} if ls.skip_nonfinite else {})}
     if policy.distributed.reduce_dtype != "float32":
         cfg["communication_data_type"] = {"float16": "fp16", "bfloat16": "bf16"}[policy.distributed.reduce_dtype]
     return finish(SYSTEM, policy, cfg, json.dumps(cfg, indent=2) + "\n", import_policy)
