@@ -203,7 +203,7 @@ def leading_name(raw: Any) -> tuple[str | None, Any]:
     first, _, rest = raw.replace("\n", ";").partition(";")
     if "=" in first or "(" in first:
         return None, raw
-    return first.strip().strip("'\""), rest
+    return first.strip().strip("'\""), rest.strip()
 
 
 def _power(node: ast.AST) -> float | int | None:
