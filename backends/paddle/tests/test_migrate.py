@@ -66,3 +66,37 @@ def test_custom_lists_round_trip_through_auto_cast():
     white, black = update_list(ac["custom_white_list"], ac["custom_black_list"], "O1", "float16")
     assert "softmax" in white and "matmul_v2" in black and "matmul_v2" not in white
     assert importers.paddle(ac).policy.ops == imp.policy.ops
+
+
+def _static_kernel(cfg, finites):
+    """Paddle's static-graph update_loss_scaling op (what fleet amp_configs trains with) on CPU."""
+    x = [paddle.ones([2])]
+    scale = paddle.to_tensor(np.array([cfg["init_loss_scaling"]], np.float32))
+    good, bad = paddle.zeros([1], "int32"), paddle.zeros([1], "int32")
+    out = []
+    for f in finites:
+        paddle._C_ops.update_loss_scaling_(x, paddle.to_tensor([not f]), scale, good, bad, cfg["incr_every_n_steps"],
+                                           cfg["decr_every_n_nan_or_inf"], cfg["incr_ratio"], cfg["decr_ratio"], False)
+        out.append(float(scale.numpy()[0]))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_imported_amp_configs_replay_like_the_static_kernel(seed):
+    rng = random.Random(seed)
+    cfg = {"init_loss_scaling": 2.0 ** rng.randint(0, 6), "incr_ratio": 2.0, "decr_ratio": 0.5,
+           "incr_every_n_steps": rng.randint(1, 4), "decr_every_n_nan_or_inf": rng.randint(1, 3)}
+    policy = importers.paddle_amp_configs(cfg).policy
+    finites = _finites(seed + 20, p_bad=0.45)
+    assert trajectory(policy.loss_scale, finites)[0] == _static_kernel(cfg, finites)
+
+
+def test_imported_amp_configs_defaults_replay_like_the_static_kernel():
+    """fleet's defaults (decr_ratio 0.8 is a float32 proto field) through the real kernel."""
+    policy = importers.paddle_amp_configs({"incr_every_n_steps": 2}).policy
+    ls = policy.loss_scale
+    cfg = {"init_loss_scaling": ls.initial, "incr_ratio": ls.growth_factor, "decr_ratio": ls.backoff_factor,
+           "incr_every_n_steps": 2, "decr_every_n_nan_or_inf": ls.hysteresis}
+    assert (ls.initial, ls.hysteresis, np.float32(ls.backoff_factor)) == (32768.0, 2, np.float32(0.8))
+    finites = _finites(30, n=120, p_bad=0.5)
+    assert trajectory(ls, finites)[0] == _static_kernel(cfg, finites)
