@@ -20,6 +20,7 @@ from typing import Any
 
 from ..errors import PolicyError, UnimpWarning, UnsupportedError
 from ..loading import load, preset_names
+from ..loss_scale import f32
 from ..policy import Policy
 from ..spec import TABLES, short, show
 
@@ -294,7 +295,8 @@ _DYNAMIC_ONLY = ("initial", "growth_factor", "backoff_factor", "growth_interval"
 
 
 def effective(policy: Policy) -> dict[str, Any]:
-    """The policy's keys that change behaviour (``name`` and knobs of an unused mode left out)."""
+    """The policy's keys that change behaviour (``name``, knobs of an unused mode, and the factor
+    arithmetic when both factors are float32 values, left out)."""
     from ..cli import _flatten
 
     flat = _flatten(policy.to_dict())
@@ -303,6 +305,9 @@ def effective(policy: Policy) -> dict[str, Any]:
     for k in _DYNAMIC_ONLY:
         if mode != "dynamic" and not (mode == "static" and k == "initial"):
             flat.pop(f"loss_scale.{k}", None)
+    factors = (flat.get("loss_scale.growth_factor"), flat.get("loss_scale.backoff_factor"))
+    if all(f is None or f32(f) == f for f in factors):
+        flat.pop("loss_scale.factor_arithmetic", None)  # float32 factors: both arithmetics round the same product
     if flat.get("param_dtype") == "float32":
         flat = {k: v for k, v in flat.items() if not k.startswith("master_weights.")}
     return {k: tuple(v) if isinstance(v, list) else v for k, v in flat.items()}
