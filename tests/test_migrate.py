@@ -178,3 +178,12 @@ def test_every_readme_migration_command_runs(tmp_path, monkeypatch, capsys):
     assert len(commands) == 11
     for command in commands:
         assert main(shlex.split(command)[1:]) == 0, (command, capsys.readouterr().err)
+
+
+def test_paddle_amp_configs_file(tmp_path, capsys):
+    f = tmp_path / "amp.yaml"
+    f.write_text("init_loss_scaling: 1024.0\ncustom_black_list: [matmul_v2]\n")
+    assert main(["import", str(f), "--from", "paddle"]) == 0
+    text = capsys.readouterr().out
+    assert "initial = 1024.0  # amp_configs.init_loss_scaling" in text
+    assert "matmul <- amp_configs.custom_black_list[0]" in text

@@ -155,8 +155,11 @@ def _scaler(d: Draft, kw: dict[str, Any], defaults: Mapping[str, Any], prefix: s
 
 
 def from_cli(raw: Any, source: str) -> Imported:
-    if isinstance(raw, Mapping) and any(k in raw for k in ("use_pure_fp16", "incr_every_n_steps", "amp_configs")):
-        return import_amp_configs(raw.get("amp_configs", raw), source=source)
+    if isinstance(raw, Mapping) and "amp_configs" in raw:
+        return import_amp_configs(raw["amp_configs"], source=source)
+    roles = {"auto_cast", "amp_guard", "GradScaler"}
+    if isinstance(raw, Mapping) and raw and not roles & set(raw) and not set(raw) <= set(AUTO_CAST_KEYS):
+        return import_amp_configs(raw, source=source)  # a file holding fleet's amp_configs
     kw = kwargs_of(raw, source, {"auto_cast": "auto_cast", "amp_guard": "auto_cast", "GradScaler": "scaler",
                                  "amp_configs": "amp_configs"})
     if "amp_configs" in kw:
