@@ -187,3 +187,18 @@ def test_paddle_amp_configs_file(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "initial = 1024.0  # amp_configs.init_loss_scaling" in text
     assert "matmul <- amp_configs.custom_black_list[0]" in text
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["import", "fp16", "--from", "deepspeeed"], "did you mean 'deepspeed'?"),
+    (["import", "GradScaler(init_scale=" + "[" * 5000 + ")", "--from", "torch"], "cannot read"),
+    (["import", "init_scale=__import__('os')", "--from", "torch"], "is not a literal"),
+    (["import", "x" * 70000, "--from", "flax"], "at most 65536"),
+    (["import", '{"fp16": {"enabled": true, "initial_scale_power": 400}}', "--from", "deepspeed"],
+     "fp16.initial_scale_power"),
+    (["export", "mixed_fp16", "--to", "nope"], "unknown system"),
+])
+def test_bad_input_is_one_located_message(args, message, capsys):
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
