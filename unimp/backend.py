@@ -45,7 +45,8 @@ class Backend(abc.ABC):
 
     ``native_ops``: canonical op -> the framework's native names for it (the backend's own table, see
     :func:`unimp.ops.native_table`); ``tags``: the capabilities it declares (from :data:`TAGS`), from
-    which the conformance suite selects the checks it must pass.
+    which the conformance suite selects the checks it must pass (a backend that declares none is held
+    to every check).
     """
 
     name: ClassVar[str]
@@ -54,7 +55,7 @@ class Backend(abc.ABC):
     model_types: ClassVar[str]  # for messages, e.g. "torch.nn.Module"
     priority: ClassVar[int] = 0  # among backends that accept a model, the highest wins
     native_ops: ClassVar[Mapping[str, tuple[str, ...]]] = {}
-    tags: ClassVar[frozenset[str]] = frozenset()
+    tags: ClassVar[frozenset[str]] = TAGS
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -13,14 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..backend import UnimpWarning
-from ..errors import UnsupportedError
+from ..backend import NoForwardError, UnimpWarning
+from ..errors import StateError, UnsupportedError
 from ..loading import load
 from ..loss_scale import STATE_KEYS, LossScale, LossScaleState
 from ..policy import Policy
 from .expect import expected_layers
 from .kit import Kit
 from .probe import PROBE, probe_batches, probe_weights, reference_forward, reference_loss
+from .select import reason as tag_reason
 
 STANDARD_POLICIES = ("fp32", "mixed_bf16", "pure_bf16", "mixed_fp16", "custom_moved_ops")
 CUSTOM_MOVED_OPS = {
@@ -314,6 +315,48 @@ def check_remove_restores(kit: Kit, policy: Policy) -> None:
     kit.apply(policy, restored, opt).remove()  # applying again after remove works
 
 
+def check_amp_surface(kit: Kit, policy: Policy) -> None:
+    """The Amp surface is the same everywhere: ``amp.report()`` without inputs reports a forward (before
+    any, rows from an example or one :class:`NoForwardError`, never an empty report); after ``amp.model(x)``
+    it has a row per probe layer with params; ``state_dict`` is canonical JSON that loads back; after
+    ``remove()`` (which returns the model and may run twice) every verb raises :class:`StateError`."""
+    amp = setup(kit, policy)
+    removed = False
+    try:
+        try:
+            early = amp.report()
+        except NoForwardError:
+            pass
+        else:
+            if not early.rows:
+                raise _fail(kit, policy, "amp.report() before any forward", "rows or NoForwardError", "no rows")
+        kit.output(amp, probe_batches(1)[0])
+        rows = {r.path for r in amp.report().rows}
+        want = [layer.path for layer in PROBE if layer.params]
+        if not set(want) <= rows:
+            raise _fail(kit, policy, "amp.report() after amp.model(x)", f"rows for {want}", sorted(rows))
+        sd = json.loads(json.dumps(amp.state_dict()))
+        if sd.get("format") != "unimp.amp/1" or sd.get("policy_fingerprint") != policy.fingerprint:
+            raise _fail(kit, policy, "state_dict format/fingerprint", ("unimp.amp/1", policy.fingerprint),
+                        (sd.get("format"), sd.get("policy_fingerprint")))
+        amp.load_state_dict(sd)
+        model = amp.remove()
+        removed = True
+        if model is None or amp.remove() is not model:
+            raise _fail(kit, policy, "amp.remove() twice", "the same restored model both times", model)
+        for verb, call in (("report", amp.report), ("state_dict", amp.state_dict),
+                           ("load_state_dict", lambda: amp.load_state_dict(sd)),
+                           ("scale", lambda: amp.scale)):
+            try:
+                call()
+            except StateError:
+                continue
+            raise _fail(kit, policy, f"amp.{verb} after remove()", "StateError", "it ran")
+    finally:
+        if not removed:
+            amp.remove()
+
+
 CHECKS: tuple[Callable[[Kit, Policy], None], ...] = (
     check_layer_dtypes, check_output_dtype, check_master_weights, check_loss_scale_trajectory,
     check_state_dict_roundtrip, check_overrides, check_alignment_findings, check_numerics,
@@ -330,6 +373,9 @@ class Case:
         return f"{self.check.__name__}[{self.policy}]"
 
     def run(self, kit: Kit) -> None:
+        why = tag_reason(kit.tags, self.check.__name__, self.policy)
+        if why:
+            raise NotApplicable(why)
         self.check(kit, standard_policy(self.policy))
 
 
