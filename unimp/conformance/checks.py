@@ -7,6 +7,7 @@ the layer/op or step, expected and observed; :class:`NotApplicable` carries the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from ..policy import Policy
 from .expect import expected_layers
 from .kit import Kit
 from .probe import PROBE, probe_batches, probe_weights, reference_forward, reference_loss
+from .select import CHECK_POLICIES
 from .select import reason as tag_reason
 
 STANDARD_POLICIES = ("fp32", "mixed_bf16", "pure_bf16", "mixed_fp16", "custom_moved_ops")
@@ -357,6 +359,43 @@ def check_amp_surface(kit: Kit, policy: Policy) -> None:
             amp.remove()
 
 
+def check_loss_scale_follows_plan(kit: Kit, policy: Policy) -> None:
+    """The loss scale a backend runs is ``plan.loss_scale``, not the policy's raw knobs: ``auto`` resolved to
+    float16 with ``loss_scale.mode = "none"`` runs dynamic scaling (the Plan is forced to float16 here, as
+    on a GPU without fast bf16), so the first scale and a poisoned step follow the dynamic rule."""
+    from ..registry import get_backend
+
+    pol = policy.replace(compute_dtype="auto", loss_scale={"mode": "none"})
+    backend = get_backend(kit.backend)
+    model = kit.build_probe(probe_weights(0))
+    plan = dataclasses.replace(backend.compile(pol, model), compute_dtype="float16")
+    if plan.loss_scale.mode != "dynamic":
+        raise _fail(kit, pol, "Plan.loss_scale of auto resolved to float16", "dynamic", plan.loss_scale.mode)
+    amp = backend.apply(plan, model, kit.make_optimizer(model))
+    try:
+        rule = LossScale(plan.loss_scale)
+        state = rule.initial_state()
+        if amp.scale != state.scale:
+            raise _fail(kit, pol, "initial loss scale", f"{state.scale} (plan.loss_scale)", amp.scale)
+        kit.step(amp, probe_batches(1)[0], poison=True)
+        state = rule.update(state, False).state
+        if (amp.scale, amp.skipped_steps) != (state.scale, state.skipped):
+            raise _fail(kit, pol, "(scale, skipped) after a poisoned step", (state.scale, state.skipped),
+                        (amp.scale, amp.skipped_steps))
+    finally:
+        amp.remove()
+
+
+def check_auto_policy(kit: Kit, policy: Policy) -> None:
+    """``compute_dtype = "auto"`` with an ``auto`` override and a type override: every layer runs in the dtype
+    the Plan resolved (a backend deciding a layer without the resolved dtype fails here)."""
+    pol = policy.replace(compute_dtype="auto", overrides=[{"modules": ["hea*"], "compute_dtype": "auto"},
+                                                           {"types": ["activation"], "compute_dtype": "float32"}])
+    if kit.supports(pol):
+        raise NotApplicable(kit.supports(pol))
+    check_layer_dtypes(kit, pol)
+
+
 CHECKS: tuple[Callable[[Kit, Policy], None], ...] = (
     check_layer_dtypes, check_output_dtype, check_master_weights, check_loss_scale_trajectory,
     check_state_dict_roundtrip, check_overrides, check_alignment_findings, check_numerics,
@@ -388,8 +427,9 @@ class Result:
 
 
 def cases(policies: tuple[str, ...] = STANDARD_POLICIES) -> list[Case]:
-    """Every (check, policy) pair, for ``pytest.mark.parametrize``."""
-    return [Case(c, p) for p in policies for c in CHECKS]
+    """Every (check, policy) pair, for ``pytest.mark.parametrize`` (a check of one aspect of the Plan runs
+    under the policies :data:`unimp.conformance.select.CHECK_POLICIES` names)."""
+    return [Case(c, p) for p in policies for c in CHECKS if p in CHECK_POLICIES.get(c.__name__, (p,))]
 
 
 def run(kit: Kit, policies: tuple[str, ...] = STANDARD_POLICIES) -> list[Result]:

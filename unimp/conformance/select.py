@@ -28,6 +28,14 @@ CHECK_TAGS: dict[str, frozenset[str]] = {
     "check_numerics": frozenset({"training"}),
     "check_remove_restores": frozenset({"remove"}),
     "check_amp_surface": frozenset({"remove"}),
+    "check_loss_scale_follows_plan": frozenset({"fp16", "training", "loss_scaling"}),
+    "check_auto_policy": frozenset({"overrides"}),
+}
+# checks of one aspect of the Plan run under these policies only (the others under every standard policy)
+CHECK_POLICIES: dict[str, tuple[str, ...]] = {
+    "check_amp_surface": ("fp32", "mixed_bf16", "mixed_fp16"),
+    "check_loss_scale_follows_plan": ("fp32",),
+    "check_auto_policy": ("mixed_bf16",),
 }
 POLICY_TAGS: dict[str, frozenset[str]] = {
     "fp32": frozenset(),
