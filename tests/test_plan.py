@@ -29,6 +29,8 @@ def test_decision_table_is_compiled_once_with_the_resolved_dtype():
     assert plan.layer("head").decision.override == 0
     assert plan.decide("fc1", "linear", ("Linear",)) is plan.layer("fc1").decision
     assert plan.decide("late", "linear").compute_dtype == "float16"  # a layer met at run time
+    bare = compile_ops("demo", unimp.load(pol), control={}, native={}, compute_dtype="float16")
+    assert bare.layers == () and bare.with_index(INDEX) == plan
     with pytest.raises(ValueError, match="'auto' is not resolved.*plan.decide"):
         unimp.load(pol).decide("head", "linear")
 

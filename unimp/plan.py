@@ -129,6 +129,13 @@ class Plan:
                 return row.decision
         return self.policy.decide(path, kind, names, self.compute_dtype)
 
+    def with_index(self, index: Iterable[LayerInfo]) -> Plan:
+        """This Plan with the decision table and layout findings of a model's index (a backend binding a
+        Plan compiled without the model calls this once, with the model it binds)."""
+        index = tuple(index)
+        return dataclasses.replace(self, layers=compile_layers(self.policy, self.compute_dtype, index),
+                                   layout=compile_layout(self.policy, index))
+
     def layer(self, path: str) -> LayerRow:
         """The decision-table row of ``path`` (KeyError when the Plan did not index it)."""
         for row in self.layers:
