@@ -100,6 +100,16 @@ def _resolve(layer: Any, parent: dict[str, Any] | None, source: str, base: Path,
     return merged
 
 
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested tables as dotted keys: ``{"loss_scale": {"mode": "none"}}`` -> ``{"loss_scale.mode": "none"}``."""
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else k))
+        return out
+    return {prefix: d}
+
+
 def merge(parent: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
     """Tables merge key by key, lists replace; an op the child lists leaves the parent's other lists.
 
