@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import unimp.spi
 from imports import BACKEND_DIRS, ROOT, imports
+
+import unimp.spi
 
 
 def test_every_backend_package_is_seen():
