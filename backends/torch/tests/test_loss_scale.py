@@ -7,16 +7,10 @@ import torch
 from models import mlp
 
 import unimp
-from unimp.loss_scale import LossScale
+from unimp.conformance.loss_scale import Replay, check_loss_scale_replay
+from unimp.loss_scale import LossScale, LossScaleAtMinimumError
 from unimp_torch.scaler import DeviceLossScale
 
-KNOBS = [
-    {}, {"growth_schedule": "interval_plus_one", "on_max": "clamp", "max": 64.0, "initial": 8.0},
-    {"growth_schedule": "window", "hysteresis": 2, "hysteresis_refill": ["growth"]},
-    {"hysteresis": 3, "hysteresis_refill": ["backoff"], "min": 2.0},
-    {"growth_requires_finite": False, "max": float("inf"), "initial": 1e38, "growth_factor": 10.0},
-    {"backoff_factor": 0.3, "growth_factor": 1.7, "min": 0.001, "initial": 3.0},
-]
 PRESETS = ["mixed_fp16", "torch_autocast_cuda", "deepspeed_fp16", "megatron_fp16", "flax_dynamic_scale",
            "keras_mixed_float16", "jmp_float16", "paddle_o1", "apex_o1"]
 
@@ -26,16 +20,27 @@ def _sequence(seed, n=120, p_bad=0.3):
     return [rng.random() > p_bad for _ in range(n)]
 
 
-@pytest.mark.parametrize("knobs", KNOBS, ids=str)
-def test_device_rule_equals_reference(knobs):
-    spec = unimp.load({"loss_scale": {"mode": "dynamic", "growth_interval": 3, **knobs}}).loss_scale
-    for seed in range(4):
-        rule, dev = LossScale(spec), DeviceLossScale(spec, "cpu")
-        state = rule.initial_state()
-        for i, finite in enumerate(_sequence(seed)):
-            state = rule.update(state, finite).state
-            dev.update(torch.tensor(0.0 if finite else 1.0))
-            assert dev.state() == state, (i, knobs)
+def _device_runner(spec, seqs):
+    """unimp_torch's DeviceLossScale (fused kernel or the core rule through TorchOps), per sequence."""
+    out = []
+    for seq in seqs:
+        dev, scales, skips, error_at = DeviceLossScale(spec, "cpu"), [], [], None
+        for i, finite in enumerate(seq):
+            before = int(dev.skipped)
+            try:
+                dev.update(torch.tensor(0.0 if finite else 1.0))
+            except LossScaleAtMinimumError:
+                error_at = i
+                break
+            scales.append(dev.scale.item())
+            skips.append(int(dev.skipped) > before)
+        out.append(Replay(scales, skips, error_at, None if error_at is not None else dev.state()))
+    return out
+
+
+def test_device_rule_replays_the_reference_for_every_knob():
+    """The conformance replay: every knob (float64 scales and subnormals included: torch holds both)."""
+    assert check_loss_scale_replay(_device_runner, n_sequences=4, max_len=160) >= 4 * 24
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -1,0 +1,177 @@
+"""The loss-scale replay every backend runs: its scaler against the reference, every knob, the same
+seeded random sequences (floors, caps, the subnormal range, ``growth_interval = 1``, hysteresis).
+
+A backend's tests give a *runner*: ``run(spec, sequences)`` drives the backend's scaler over each
+sequence of finite/non-finite steps and returns one :class:`Replay` per sequence (scale and skip
+decision after each step, where ``at_min = "error"`` stopped it, the final state). Runners may
+vectorise (a batch of sequences in one tensor) as long as each sequence is replayed on its own::
+
+    from unimp.conformance.loss_scale import check_loss_scale_replay
+
+    def test_loss_scale_replay():
+        check_loss_scale_replay(my_runner, effective=my_backend.scaler.device_spec)
+
+``effective(spec)`` is the spec the backend really runs (its Plan's fallbacks for knobs it cannot
+honour on this device); the trajectory must equal the reference's for *that* spec, bit for bit.
+
+>>> from unimp.loss_scale import LossScale, LossScaleAtMinimumError
+>>> def python_runner(spec, seqs):
+...     return [reference(spec, s) for s in seqs]
+>>> check_loss_scale_replay(python_runner, n_specs=4, n_sequences=2, max_len=50) > 0
+True
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..loading import load
+from ..loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState
+from ..policy import LossScaleSpec
+from ..spec import FLT_MAX
+
+#: Edge cases every backend replays (on top of seeded random knobs): the float32 cap (item: growth
+#: at FLT_MAX clamps, the finiteness check must not override it), floors, the subnormal range,
+#: growth every step, hysteresis, non-power-of-two factors, each knob's every value.
+EDGE_KNOBS: tuple[dict, ...] = (
+    {},
+    {"initial": 2.0 ** 127, "growth_interval": 1, "max": FLT_MAX, "on_max": "clamp", "min": 2.0 ** -126},
+    {"initial": 2.0 ** 126, "growth_interval": 1, "max": float("inf"), "growth_requires_finite": True},
+    {"initial": 2.0 ** 126, "growth_interval": 1, "max": float("inf"), "growth_requires_finite": False},
+    {"initial": 2.0 ** -120, "min": 0.0, "growth_interval": 3, "max": float("inf")},
+    {"initial": 2.0 ** -120, "min": 0.0, "growth_interval": 3, "subnormal": "flush", "max": float("inf")},
+    {"initial": 2.0 ** -120, "min": 0.0, "backoff_factor": 0.3, "growth_factor": 1.5, "max": float("inf")},
+    {"initial": 2.0 ** -120, "min": 0.0, "backoff_factor": 0.3, "factor_arithmetic": "float32",
+     "max": float("inf")},
+    {"initial": 2.0 ** 127, "growth_interval": 1, "scale_dtype": "float64", "max": float("inf"),
+     "growth_requires_finite": False},
+    {"initial": 2.0 ** -120, "min": 0.0, "scale_dtype": "float64", "max": float("inf")},
+    {"growth_schedule": "window", "hysteresis": 2, "hysteresis_refill": ["growth"], "at_min": "error",
+     "initial": 64.0, "min": 1.0, "growth_interval": 2},
+    {"growth_schedule": "interval_plus_one", "on_max": "clamp", "max": 100.3, "growth_factor": 3.0,
+     "backoff_factor": 0.25, "initial": 8.0, "growth_interval": 1},
+    {"hysteresis": 3, "hysteresis_refill": ["finite", "backoff"], "min": 2.5, "initial": 40.0},
+    {"hysteresis": 2, "hysteresis_refill": [], "on_max": "keep", "max": 300.0, "initial": 16.0},
+    {"growth_factor": 1.1, "backoff_factor": 0.9, "factor_arithmetic": "float32", "initial": 3.0, "min": 0.5},
+    {"mode": "static", "initial": 128.0},
+    {"mode": "none", "skip_nonfinite": False},
+    {"mode": "dynamic", "skip_nonfinite": False, "initial": 8.0},
+)
+
+_CHOICES = {
+    "initial": (1.0, 3.0, 8.0, 65536.0, 2.0 ** 100, 1.5e38, 2.0 ** -100, 2.0 ** -125),
+    "growth_factor": (1.5, 2.0, 3.7, 1.1),
+    "backoff_factor": (0.5, 0.3, 0.999, 0.125),
+    "growth_interval": (1, 1, 2, 3, 5),
+    "hysteresis": (1, 1, 2, 3),
+    "min": (0.0, 0.0, 1.0, 2.5, 2.0 ** -130),
+    "max": (float("inf"), 1e4, FLT_MAX, 3.0e38),
+    "growth_schedule": ("interval", "interval_plus_one", "window"),
+    "on_max": ("keep", "clamp"),
+    "growth_requires_finite": (True, False),
+    "at_min": ("clamp", "clamp", "error"),
+    "scale_dtype": ("float32", "float32", "float64"),
+    "subnormal": ("keep", "flush"),
+    "factor_arithmetic": ("float64", "float32"),
+}
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One sequence replayed: ``scales[i]`` / ``skips[i]`` after step i; ``error_at``: the step at
+    which ``at_min = "error"`` stopped it (its entries stop before it) or None; ``final``: the state
+    after the last replayed step (None: the runner does not report it)."""
+
+    scales: Sequence[float]
+    skips: Sequence[bool]
+    error_at: int | None = None
+    final: LossScaleState | None = None
+
+
+Runner = Callable[[LossScaleSpec, list[list[bool]]], list[Replay]]
+
+
+def reference(spec: LossScaleSpec, finites: Sequence[bool]) -> Replay:
+    """The reference's :class:`Replay` of one sequence."""
+    rule = LossScale(spec)
+    st, scales, skips = rule.initial_state(), [], []
+    for i, f in enumerate(finites):
+        try:
+            out = rule.update(st, bool(f))
+        except LossScaleAtMinimumError:
+            return Replay(scales, skips, i, st)
+        st = out.state
+        scales.append(out.scale)
+        skips.append(out.skipped)
+    return Replay(scales, skips, None, st)
+
+
+def knob_specs(n_specs: int = 24, seed: int = 0) -> list[LossScaleSpec]:
+    """The edge cases, then seeded random knob combinations, ``n_specs`` in all (each validated)."""
+    rng = random.Random(seed)
+    out = [_spec(k) for k in EDGE_KNOBS]
+    while len(out) < n_specs:
+        knobs = {k: rng.choice(v) for k, v in _CHOICES.items()}
+        knobs["hysteresis_refill"] = [e for e in ("finite", "growth", "backoff") if rng.random() < 0.5]
+        if knobs["min"] > knobs["initial"] or knobs["initial"] > knobs["max"]:
+            knobs["min"], knobs["max"] = 0.0, float("inf")
+        out.append(_spec(knobs))
+    return out[:n_specs]
+
+
+def _spec(knobs: dict) -> LossScaleSpec:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # skip_nonfinite = false with dynamic scaling warns
+        return load({"loss_scale": {"mode": "dynamic", **knobs}}).loss_scale
+
+
+def sequences(n: int, min_len: int = 50, max_len: int = 300, seed: int = 0) -> list[list[bool]]:
+    """``n`` seeded sequences of finite (True) / non-finite steps: segments of random length and
+    overflow rate (1% to 99.5%), so scales reach their floor, their cap and the subnormal range."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length, seq = rng.randint(min_len, max_len), []
+        while len(seq) < length:
+            p_bad = rng.choice((0.01, 0.05, 0.3, 0.6, 0.9, 0.995))
+            seq += [rng.random() >= p_bad for _ in range(rng.randint(1, max(2, length // 4)))]
+        out.append(seq[:length])
+    return out
+
+
+def check_loss_scale_replay(run: Runner, *, effective: Callable[[LossScaleSpec], LossScaleSpec] = lambda s: s,
+                            specs: Sequence[LossScaleSpec] | None = None, n_specs: int = 24,
+                            n_sequences: int = 8, min_len: int = 50, max_len: int = 300, seed: int = 0) -> int:
+    """Replay every spec over the same seeded sequences through ``run`` and the reference (of
+    ``effective(spec)``); raise AssertionError naming the spec, sequence and step of the first
+    difference. Returns the number of sequences compared."""
+    specs = list(specs) if specs is not None else knob_specs(n_specs, seed)
+    seqs = sequences(n_sequences, min_len, max_len, seed)
+    count = 0
+    for spec in specs:
+        want_spec = effective(spec)
+        got = run(spec, seqs)
+        assert len(got) == len(seqs), f"runner returned {len(got)} replays for {len(seqs)} sequences"
+        for j, (seq, rep) in enumerate(zip(seqs, got, strict=True)):
+            _compare(want_spec, j, reference(want_spec, seq), rep)
+            count += 1
+    return count
+
+
+def _compare(spec: LossScaleSpec, j: int, want: Replay, got: Replay) -> None:
+    where = f"sequence {j} under {spec}"
+    n = len(want.scales)
+    assert len(got.scales) >= n and len(got.skips) >= n, f"{len(got.scales)} steps replayed, reference {n}; {where}"
+    for i in range(n):
+        a, b = float(got.scales[i]), want.scales[i]
+        if not (a == b or (a != a and b != b)):
+            raise AssertionError(f"step {i}: scale {a!r} != reference {b!r}; {where}")
+        if bool(got.skips[i]) != want.skips[i]:
+            raise AssertionError(f"step {i}: skipped {bool(got.skips[i])} != reference {want.skips[i]}; {where}")
+    assert got.error_at == want.error_at, f"at_min error at {got.error_at} != reference {want.error_at}; {where}"
+    if got.final is not None:
+        assert got.final == want.final, f"final state {got.final} != reference {want.final}; {where}"
