@@ -52,8 +52,12 @@ def encode(x: tf.Tensor) -> tf.Tensor:
     """A float64 value on the float32 grid as float32, subnormals built from their bits (a cast
     would flush them to 0)."""
     sub = x < FLT_TINY
-    bits = tf.cast(tf.where(sub, x, 0.0) * _TWO_149, tf.int32)
-    return tf.where(sub, tf.bitcast(bits, tf.float32), tf.cast(tf.where(sub, FLT_TINY, x), tf.float32))
+    bits = tf.cast(tf.where(sub, x, tf.zeros_like(x)) * _TWO_149, tf.int32)
+    return tf.where(sub, tf.bitcast(bits, tf.float32), tf.cast(tf.where(sub, _tiny(x), x), tf.float32))
+
+
+def _tiny(x: tf.Tensor) -> tf.Tensor:
+    return tf.fill(tf.shape(x), tf.constant(FLT_TINY, x.dtype))
 
 
 class TfOps:
@@ -73,8 +77,8 @@ class TfOps:
     def mul(self, scale: tf.Tensor, factor: float) -> tf.Tensor:
         p = scale * factor
         sub = p < FLT_TINY
-        rounded_sub = tf.math.rint(tf.where(sub, p, 0.0) * _TWO_149) / _TWO_149  # exact in float64
-        return tf.where(sub, rounded_sub, tf.cast(tf.cast(tf.where(sub, FLT_TINY, p), tf.float32), tf.float64))
+        rounded_sub = tf.math.rint(tf.where(sub, p, tf.zeros_like(p)) * _TWO_149) / _TWO_149  # exact in float64
+        return tf.where(sub, rounded_sub, tf.cast(tf.cast(tf.where(sub, _tiny(p), p), tf.float32), tf.float64))
 
     where, isfinite = staticmethod(tf.where), staticmethod(tf.math.is_finite)
     logical_and, logical_not = staticmethod(tf.logical_and), staticmethod(tf.logical_not)
@@ -96,17 +100,24 @@ def device_spec(spec: LossScaleSpec) -> LossScaleSpec:
 
 def next_state(spec: LossScaleSpec, st: State, finite: tf.Tensor) -> State:
     """The state after one step whose gradients were (not) all finite (``finite``: scalar bool):
-    the core's rule (:func:`unimp.scaling.step`) on tensors, no host sync."""
+    the core's rule (:func:`unimp.scaling.step`) on tensors, no host sync; ``at_min = "error"``
+    hit is a ``tf.debugging.Assert``."""
+    new, error = transition(spec, st, finite)
+    if error is not None:
+        tf.debugging.Assert(tf.reduce_all(tf.logical_not(error)), [
+            f"unimp: loss scale already at its minimum ({spec.min:g}) and gradients are still not "
+            f"finite; set loss_scale.at_min = 'clamp' to keep training at the floor"])
+    return new
+
+
+def transition(spec: LossScaleSpec, st: State, finite: tf.Tensor) -> tuple[State, tf.Tensor | None]:
+    """(next state, ``at_min = "error"`` flag or None) of :func:`next_state`, without the assertion."""
     spec = device_spec(spec)
     if spec.mode != "dynamic":
         new, _, _ = step(TfOps(), spec, Arrays(*st), finite)
-        return State(*new)
+        return State(*new), None
     new, _, error = step(TfOps(), spec, Arrays(decode(st.scale), *st[1:]), finite)
-    if error is not None:
-        tf.debugging.Assert(tf.logical_not(error), [
-            f"unimp: loss scale already at its minimum ({spec.min:g}) and gradients are still not "
-            f"finite; set loss_scale.at_min = 'clamp' to keep training at the floor"])
-    return State(encode(new.scale), *new[1:])
+    return State(encode(new.scale), *new[1:]), error
 
 
 def all_finite(grads: list) -> tf.Tensor:
