@@ -175,3 +175,66 @@ def _compare(spec: LossScaleSpec, j: int, want: Replay, got: Replay) -> None:
     assert got.error_at == want.error_at, f"at_min error at {got.error_at} != reference {want.error_at}; {where}"
     if got.final is not None:
         assert got.final == want.final, f"final state {got.final} != reference {want.final}; {where}"
+
+
+# ---------------------------------------------------------------- replays against the real systems
+
+#: Growth intervals the system replays cycle through (small, so that scales reach their cap).
+SYSTEM_INTERVALS = (1, 2, 3, 7)
+FULL_REPLAY = "UNIMP_FULL_REPLAY"  # set to 1: 200 sequences of 50-4,200 steps per system
+
+
+def replay_size() -> tuple[int, int]:
+    """(sequences, longest) of a system replay: 200 x 4,200 with ``UNIMP_FULL_REPLAY=1``, else 16 x 600."""
+    import os
+
+    return (200, 4200) if os.environ.get(FULL_REPLAY) else (16, 600)
+
+
+def system_cases(spec: LossScaleSpec, n: int = 200, max_len: int = 4200, seed: int = 19,
+                 min_len: int = 50) -> list[tuple[LossScaleSpec, list[bool]]]:
+    """``n`` seeded sequences for one system's preset, each with a growth interval from
+    :data:`SYSTEM_INTERVALS` (long overflow runs drive scales to the floor and the subnormal
+    range; small intervals drive them to the cap and past float32's max)."""
+    import dataclasses
+
+    seqs = sequences(n, min_len, max_len, seed)
+    return [(dataclasses.replace(spec, growth_interval=SYSTEM_INTERVALS[j % len(SYSTEM_INTERVALS)]), s)
+            for j, s in enumerate(seqs)]
+
+
+def digest(rep: Replay) -> str:
+    """A bit-exact fingerprint of a replay (every scale's float64 bits, every skip, the error step)."""
+    import hashlib
+    import struct
+
+    h = hashlib.sha256()
+    h.update(struct.pack(f"<{len(rep.scales)}d", *map(float, rep.scales)))
+    h.update(bytes(bool(x) for x in rep.skips))
+    h.update(repr(rep.error_at).encode())
+    return h.hexdigest()[:16]
+
+
+def check_system_replay(native: Callable[[LossScaleSpec, list[bool]], Replay], spec: LossScaleSpec, *,
+                        n: int | None = None, max_len: int | None = None, seed: int = 19,
+                        backend: Runner | None = None,
+                        effective: Callable[[LossScaleSpec], LossScaleSpec] = lambda s: s) -> int:
+    """The real system (``native(spec, sequence)``, driving the system's own object) against the
+    reference of its preset ``spec``, bit for bit, on every sequence of :func:`system_cases`; then
+    the backend's scaler (``backend``, a :data:`Runner`) on the same sequences. Returns how many
+    sequences matched (all of them, or an AssertionError locates the first difference)."""
+    if n is None or max_len is None:
+        n, max_len = replay_size()
+    cases = system_cases(spec, n, max_len, seed)
+    for j, (s, seq) in enumerate(cases):
+        _compare(s, j, reference(s, seq), native(s, seq))  # native: the system's own object
+    if backend is not None:
+        groups: dict[LossScaleSpec, list[int]] = {}
+        for j, (s, _) in enumerate(cases):
+            groups.setdefault(s, []).append(j)
+        for s, idx in groups.items():
+            got = backend(s, [cases[j][1] for j in idx])
+            want_spec = effective(s)
+            for j, rep in zip(idx, got, strict=True):
+                _compare(want_spec, j, reference(want_spec, cases[j][1]), rep)
+    return len(cases)
