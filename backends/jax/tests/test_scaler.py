@@ -1,14 +1,13 @@
 """The jitted scaler against the core reference, Flax DynamicScale and jmp (expected values from them)."""
 
 import os
-import random
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from unimp.conformance.loss_scale import EDGE_KNOBS, Replay, check_loss_scale_replay
+from unimp.conformance.loss_scale import EDGE_KNOBS, Replay, check_loss_scale_replay, check_system_replay
 from unimp.errors import UnsupportedError
 from unimp.loading import load
 from unimp.loss_scale import LossScale, LossScaleAtMinimumError
@@ -141,12 +140,34 @@ def _ours(spec, finites):
     return [float(np.float32(t.scale)) for t in _run(spec, finites)]
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_flax_dynamic_scale_preset_replays_flax(seed):
-    spec = load("flax_dynamic_scale").replace(loss_scale={"growth_interval": 3}).loss_scale
-    rng = random.Random(seed)
-    finites = [rng.random() > 0.25 for _ in range(80)]
-    assert _ours(spec, finites) == _flax_scales(spec, finites)
+def _flax(spec, seq):
+    return Replay(_flax_scales(spec, seq), [not f for f in seq])
+
+
+def _jmp(spec, seq):
+    import jmp
+
+    ls = jmp.DynamicLossScale(jnp.float32(spec.initial), period=spec.growth_interval,
+                              factor=int(spec.growth_factor), min_loss_scale=jnp.float32(spec.min))
+    adjust = jax.jit(lambda ls, f: ls.adjust(f))
+    scales = []
+    for f in seq:
+        ls = adjust(ls, jnp.asarray(f))
+        scales.append(float(ls.loss_scale))
+    return Replay(scales, [not f for f in seq])
+
+
+def test_flax_dynamic_scale_replays_its_preset_and_the_jitted_rule():
+    """Flax DynamicScale (driven through its own value_and_grad) = flax_dynamic_scale reference =
+    unimp_jax's jitted rule, on the system replay sequences (floor at float32 tiny, cap FLT_MAX)."""
+    assert check_system_replay(_flax, load("flax_dynamic_scale").loss_scale, backend=_jit_runner,
+                               effective=device_spec) >= 16
+
+
+def test_jmp_dynamic_loss_scale_replays_its_preset_and_the_jitted_rule():
+    pytest.importorskip("jmp")
+    assert check_system_replay(_jmp, load("jmp_float16").loss_scale, backend=_jit_runner,
+                               effective=device_spec) >= 16
 
 
 def test_flax_dynamic_scale_preset_at_the_float32_cap():
@@ -157,19 +178,3 @@ def test_flax_dynamic_scale_preset_at_the_float32_cap():
     flax = _flax_scales(base.loss_scale, finites)
     assert flax[-1] == float(np.finfo(np.float32).max)
     assert _ours(base.loss_scale, finites) == flax
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_jmp_float16_preset_replays_jmp(seed):
-    jmp = pytest.importorskip("jmp")
-    spec = load("jmp_float16").replace(loss_scale={"growth_interval": 3}).loss_scale
-    rng = random.Random(seed)
-    finites = [rng.random() > 0.25 for _ in range(80)]
-    ls = jmp.DynamicLossScale(jnp.float32(spec.initial), period=spec.growth_interval,
-                              factor=int(spec.growth_factor), min_loss_scale=jnp.float32(spec.min))
-    adjust = jax.jit(lambda ls, f: ls.adjust(f))
-    theirs = []
-    for f in finites:
-        ls = adjust(ls, jnp.asarray(f))
-        theirs.append(float(ls.loss_scale))
-    assert _ours(spec, finites) == theirs

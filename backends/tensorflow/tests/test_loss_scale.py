@@ -9,9 +9,15 @@ import pytest
 import tensorflow as tf
 
 import unimp
-from unimp.conformance.loss_scale import Replay, check_loss_scale_replay
+from unimp.conformance.loss_scale import (
+    Replay,
+    check_loss_scale_replay,
+    check_system_replay,
+    reference,
+    replay_size,
+)
 from unimp.loss_scale import LossScale, LossScaleState, trajectory
-from unimp_tensorflow.optimizer import KerasLossScaleOptimizer, LossScaleOptimizer
+from unimp_tensorflow.optimizer import LossScaleOptimizer
 from unimp_tensorflow.scaler import State, decode, device_spec, transition
 
 KNOBS = [
@@ -144,17 +150,38 @@ def _replay_keras(opt, seq):
     return scales
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_keras_loss_scale_optimizer_is_the_keras_mixed_float16_preset(seed):
-    """Random overflow sequences through the real keras.optimizers.LossScaleOptimizer."""
-    preset = unimp.load("keras_mixed_float16").replace(loss_scale={"growth_interval": 3})
-    for seq in _sequences(seed=seed):
-        expected, _ = trajectory(preset.loss_scale, seq)
-        native = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), dynamic_growth_steps=3)
-        assert _replay_keras(native, seq) == expected
-        ours = KerasLossScaleOptimizer(keras.optimizers.SGD(0.1), preset.loss_scale)
-        assert _replay_keras(ours, seq) == expected
-        assert ours.loss_scale_state().skipped == sum(not f for f in seq)
+def _keras3(spec, seq):
+    """Keras 3's own LossScaleOptimizer, real gradients. Once its scale is 0 (flushed), every
+    gradient unscales to inf/NaN, so it is driven only up to there (the scale stays 0 either way)."""
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=spec.initial,
+                                              dynamic_growth_steps=spec.growth_interval)
+    w = _tiny()
+    step = _step_fn(opt, w)
+    scales, skips = [], []
+    for i, finite in enumerate(seq):
+        if scales and scales[-1] == 0.0:
+            return Replay(scales, skips, stop=i)
+        before = int(opt.inner_optimizer.iterations.numpy()) if opt.built else 0
+        step(tf.constant(not finite))
+        skips.append(int(opt.inner_optimizer.iterations.numpy()) == before)
+        scales.append(float(opt.dynamic_scale.numpy()))
+    return Replay(scales, skips)
+
+
+def test_keras3_replays_its_preset_and_the_tf_rule():
+    """keras.optimizers.LossScaleOptimizer = keras_mixed_float16 (subnormal = "flush": TensorFlow's
+    kernels flush its float32 scale) = unimp_tensorflow's rule, on the system replay sequences."""
+    spec = unimp.load("keras_mixed_float16").loss_scale
+    n, longest = replay_size()
+    assert check_system_replay(_keras3, spec, n=n // 2, max_len=longest // 2, backend=_tf_runner,
+                               effective=device_spec) == n // 2
+
+
+@pytest.mark.parametrize("preset", ["tf_keras_mixed_float16", "torch_autocast_cuda", "paddle_o1"])
+def test_tf_rule_replays_other_presets_on_the_system_sequences(preset):
+    """The rule keeps subnormal scales (torch, Paddle: min 0) although TensorFlow's kernels flush them."""
+    spec = unimp.load(preset).loss_scale
+    check_system_replay(lambda s, seq: reference(s, seq), spec, backend=_tf_runner, effective=device_spec)
 
 
 def test_keras_rule_is_not_the_torch_rule():
