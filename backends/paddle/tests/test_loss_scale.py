@@ -7,7 +7,7 @@ import paddle
 import pytest
 
 import unimp
-from unimp.conformance.loss_scale import Replay, check_loss_scale_replay
+from unimp.conformance.loss_scale import Replay, check_loss_scale_replay, check_system_replay
 from unimp.loss_scale import LossScale, LossScaleAtMinimumError
 from unimp.scaling import f32
 from unimp_paddle.scaler import HostRuleLossScale
@@ -157,3 +157,34 @@ def test_dygraph_gradscaler_has_no_floor_unlike_the_static_kernel():
         st_state = static.update(st_state, False).state
     assert st_state.scale == 1.0
     assert float(s._scale.numpy()) == state.scale == 65536.0 * 0.5 ** 20
+
+
+def _paddle_gradscaler(spec, seq):
+    s = _gradscaler(spec, spec.hysteresis)
+    scales, skips = [], []
+    for finite in seq:
+        s._cache_found_inf = not finite
+        s._update()
+        scales.append(float(s._scale.numpy()))
+        skips.append(not finite)  # GradScaler.step skips exactly when _found_inf
+    return Replay(scales, skips)
+
+
+def _static_kernel(spec, seq):
+    x = [paddle.ones([2])]
+    scale = paddle.to_tensor(np.array([spec.initial], np.float32))
+    good, bad = paddle.zeros([1], "int32"), paddle.zeros([1], "int32")
+    scales = []
+    for finite in seq:
+        paddle._C_ops.update_loss_scaling_(x, paddle.to_tensor([not finite]), scale, good, bad, spec.growth_interval,
+                                           spec.hysteresis, spec.growth_factor, spec.backoff_factor, False)
+        scales.append(float(scale.numpy()[0]))
+    return Replay(scales, [not f for f in seq])
+
+
+@pytest.mark.parametrize(("preset", "native"), [("paddle_o1", _paddle_gradscaler),
+                                               ("paddle_static_o1", _static_kernel)])
+def test_paddle_scalers_replay_their_presets_and_the_step_scaler(preset, native):
+    """paddle.amp.GradScaler._update (no floor: scales reach the subnormal range and 0) and the static
+    update_loss_scaling kernel = their presets = HostRuleLossScale, on the system replay sequences."""
+    assert check_system_replay(native, unimp.load(preset).loss_scale, backend=_host_runner) >= 16
