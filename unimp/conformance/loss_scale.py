@@ -188,11 +188,12 @@ SYSTEM_INTERVALS = (1, 2, 3, 7)
 FULL_REPLAY = "UNIMP_FULL_REPLAY"  # set to 1: 200 sequences of 50-4,200 steps per system
 
 
-def replay_size() -> tuple[int, int]:
-    """(sequences, longest) of a system replay: 200 x 4,200 with ``UNIMP_FULL_REPLAY=1``, else 16 x 600."""
+def replay_size(fraction: float = 1.0) -> tuple[int, int]:
+    """(sequences, longest) of a system replay: 200 x 4,200 with ``UNIMP_FULL_REPLAY=1``, else
+    16 x 600 times ``fraction`` (for systems whose own object is slow to drive)."""
     import os
 
-    return (200, 4200) if os.environ.get(FULL_REPLAY) else (16, 600)
+    return (200, 4200) if os.environ.get(FULL_REPLAY) else (max(1, int(16 * fraction)), int(600 * fraction))
 
 
 def system_cases(spec: LossScaleSpec, n: int = 200, max_len: int = 4200, seed: int = 19,

@@ -166,16 +166,16 @@ def _jmp(spec, seq):
 def test_flax_dynamic_scale_replays_its_preset_and_the_jitted_rule():
     """Flax DynamicScale (driven through its own value_and_grad) = flax_dynamic_scale reference =
     unimp_jax's jitted rule, on the system replay sequences (floor at float32 tiny, cap FLT_MAX)."""
-    n, longest = replay_size()  # one jitted step per real step: half the default replay
-    assert check_system_replay(_flax, load("flax_dynamic_scale").loss_scale, n=n // 2, max_len=longest // 2,
-                               backend=_jit_runner, effective=device_spec) == n // 2
+    n, longest = replay_size(0.5)  # one jitted step per real step: half the default replay
+    assert check_system_replay(_flax, load("flax_dynamic_scale").loss_scale, n=n, max_len=longest,
+                               backend=_jit_runner, effective=device_spec) == n
 
 
 def test_jmp_dynamic_loss_scale_replays_its_preset_and_the_jitted_rule():
     pytest.importorskip("jmp")
-    n, longest = replay_size()
-    assert check_system_replay(_jmp, load("jmp_float16").loss_scale, n=n // 2, max_len=longest // 2,
-                               backend=_jit_runner, effective=device_spec) == n // 2
+    n, longest = replay_size(0.5)
+    assert check_system_replay(_jmp, load("jmp_float16").loss_scale, n=n, max_len=longest,
+                               backend=_jit_runner, effective=device_spec) == n
 
 
 def test_flax_dynamic_scale_preset_at_the_float32_cap():

@@ -172,9 +172,9 @@ def test_keras3_replays_its_preset_and_the_tf_rule():
     """keras.optimizers.LossScaleOptimizer = keras_mixed_float16 (subnormal = "flush": TensorFlow's
     kernels flush its float32 scale) = unimp_tensorflow's rule, on the system replay sequences."""
     spec = unimp.load("keras_mixed_float16").loss_scale
-    n, longest = replay_size()
-    assert check_system_replay(_keras3, spec, n=n // 2, max_len=longest // 2, backend=_tf_runner,
-                               effective=device_spec) == n // 2
+    n, longest = replay_size(0.5)
+    assert check_system_replay(_keras3, spec, n=n, max_len=longest, backend=_tf_runner,
+                               effective=device_spec) == n
 
 
 @pytest.mark.parametrize("preset", ["tf_keras_mixed_float16", "torch_autocast_cuda", "paddle_o1"])
