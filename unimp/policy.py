@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .dtypes import is_low
+from .resolve import resolve, to_text
 
 
 @dataclass(frozen=True)
@@ -160,9 +161,8 @@ class Policy:
 
     def replace(self, **changes: Any) -> Policy:
         """A new, re-validated policy; table keys merge (``loss_scale={"mode": "static"}``)."""
-        from .loading import resolve_dict
-
-        return resolve_dict(changes, parent=self.to_dict(), source=f"{self.source} (replace)")
+        source = f"{self.source} (replace)"
+        return Policy.from_resolved(resolve(changes, parent=self.to_dict(), source=source), source)
 
     # ---------------------------------------------------------------- queries backends share
     @property
@@ -182,11 +182,17 @@ class Policy:
                 return i, o
         return None
 
+    def overrides_matching(self, path: str, type_names: Iterable[str] = ()) -> tuple[int, ...]:
+        """Indices of every override matching a module path or one of its type names."""
+        names = tuple(type_names)
+        return tuple(i for i, o in enumerate(self.overrides) if o.matches(path, names))
+
     def decide(self, path: str, kind: str | None, type_names: Iterable[str] = (),
                compute_dtype: str | None = None) -> LayerDecision:
         """What this policy asks of one layer of canonical ``kind`` at ``path``.
 
-        ``compute_dtype`` is the resolved compute dtype (``auto`` resolved by the backend).
+        ``compute_dtype`` is the resolved compute dtype: backends use :meth:`unimp.Plan.decide`, which
+        passes the Plan's. A decision that depends on an unresolved ``auto`` is refused (ValueError).
         """
         low = compute_dtype or self.compute_dtype
         category = self.ops.category(kind) if kind else "inputs"
@@ -195,14 +201,17 @@ class Policy:
         names = (*tuple(type_names), *((kind,) if kind else ()))
         hit = self.override_for(path, names)
         if hit is None:
-            return LayerDecision(category, dtype, param)
-        i, o = hit
-        c = o.compute_dtype
-        if c == "auto":
-            c = low
-        return LayerDecision("override", c or dtype, o.param_dtype or param, override=i)
+            decision = LayerDecision(category, dtype, param)
+        else:
+            i, o = hit
+            c = o.compute_dtype
+            if c == "auto":
+                c = low
+            decision = LayerDecision("override", c or dtype, o.param_dtype or param, override=i)
+        if decision.compute_dtype == "auto":
+            raise ValueError(f"Policy.decide({path!r}): compute_dtype 'auto' is not resolved; pass the Plan's "
+                             f"compute dtype (plan.decide(path, kind, type_names) does)")
+        return decision
 
     def __str__(self) -> str:
-        from .loading import dumps
-
-        return dumps(self, "toml")
+        return to_text(self.to_dict(), "toml")

@@ -19,11 +19,8 @@ import dataclasses
 import warnings
 from typing import Any
 
-from unimp.dtypes import is_low
-from unimp.hardware import CpuFacts
-from unimp.plan import Plan
-from unimp.policy import Policy
-from unimp_torch.compile import compile_plan as torch_plan
+from unimp.spi import CpuFacts, Plan, Policy, is_low
+from unimp_torch.extension import compile_plan as torch_plan
 
 from .engine import Engine
 from .hardware import check, resolve_auto

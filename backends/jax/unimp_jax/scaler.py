@@ -22,11 +22,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from unimp.errors import UnsupportedError
-from unimp.loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState
-from unimp.policy import LossScaleSpec
-from unimp.scaling import Arrays, f32, step
-from unimp.spec import FLT_TINY
+from unimp.spi import (
+    FLT_TINY,
+    Arrays,
+    LossScale,
+    LossScaleAtMinimumError,
+    LossScaleSpec,
+    LossScaleState,
+    UnsupportedError,
+    f32,
+    step,
+)
 
 
 class LossScaleTree(NamedTuple):

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unimp.loss_scale import LossScale, LossScaleState
-from unimp.policy import LossScaleSpec
-from unimp.scaling import f32
+from unimp.spi import LossScale, LossScaleSpec, LossScaleState, f32
 
 
 class HostRuleLossScale:

@@ -21,9 +21,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from unimp.policy import LossScaleSpec
-from unimp.scaling import Arrays, step
-from unimp.spec import FLT_TINY
+from unimp.spi import FLT_TINY, Arrays, LossScaleSpec, step
 
 
 class State(NamedTuple):

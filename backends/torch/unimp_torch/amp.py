@@ -19,18 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.backend import Amp
-from unimp.loss_scale import LossScaleState
-from unimp.plan import Plan
-from unimp.report import Report, ReportRow
+from unimp.spi import Amp, LossScaleState, Plan, Report, ReportRow
 
 from .forward import PolicyForward, patch_forward
 from .layers import DTYPES, Rule, kind, type_names, wrap
 from .layout import check_alignment, has_conv2d, restore_layout, to_channels_last
-from .observe import Observer, observe
-from .optim import AmpOptimizer
+from .optimizer import AmpOptimizer
 from .params import ParamState, cast_params
 from .scaler import DeviceLossScale
+from .trace import Observer, observe
 
 
 class TorchAmp(Amp):

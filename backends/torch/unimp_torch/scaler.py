@@ -20,10 +20,7 @@ from collections.abc import Iterable
 
 import torch
 
-from unimp.errors import StateError
-from unimp.loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState
-from unimp.policy import LossScaleSpec
-from unimp.scaling import Arrays, held, step
+from unimp.spi import Arrays, LossScale, LossScaleAtMinimumError, LossScaleSpec, LossScaleState, StateError, held, step
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
