@@ -55,6 +55,9 @@ class LossScaleSpec:
     growth_requires_finite: bool
     hysteresis_refill: tuple[str, ...]
     at_min: str
+    scale_dtype: str = "float32"
+    subnormal: str = "keep"
+    factor_arithmetic: str = "float64"
 
 
 @dataclass(frozen=True)

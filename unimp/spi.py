@@ -40,6 +40,8 @@ from .plan import LayerInfo, Plan, compile_ops, requested_dtype
 from .policy import LayerDecision, Layout, LossScaleSpec, Policy
 from .registry import apply, remember
 from .report import Report, ReportRow
+from .scaling import ArrayOps, Arrays, held, step
+from .spec import FLT_TINY
 
 __all__ = [
     # the plug-in
@@ -52,6 +54,8 @@ __all__ = [
     # shared algorithms and facts
     "CpuFacts", "LossScale", "LossScaleAtMinimumError", "LossScaleState", "cpu", "dtype_name", "f32", "is_low",
     "resolve_auto", "resolve_cpu_auto", "warn_emulated", "widest",
+    # the loss-scale rule, written once over an array adapter (unimp.scaling)
+    "ArrayOps", "Arrays", "FLT_TINY", "held", "step",
     # the output, errors, warnings
     "PolicyError", "Report", "ReportRow", "StateError", "UnimpWarning", "UnsupportedError",
     # the conformance kit base and the probe

@@ -50,7 +50,7 @@ class JaxBackend(Backend):
         from .hardware import platform_of, resolve
         from .scaler import validate
 
-        validate(policy.loss_scale, f"policy {policy.name!r} ({policy.source})")
+        scale_notes = validate(policy.loss_scale, f"policy {policy.name!r} ({policy.source})", policy.on_unsupported)
         tree = None
         if is_nnx(model):
             from flax import nnx
@@ -61,7 +61,7 @@ class JaxBackend(Backend):
         control = {op: "layer" for op in (*LAYER_OPS, *FUNCTION_OPS)}
         native = {op: OPS[op].flax + (("unimp_jax.Op",) if op in FUNCTION_OPS else ()) for op in OPS}
         fixed = {op: (None, PROMOTION) for op in ("elementwise", "concat")}
-        notes = (*NOTES, *((warning,) if warning else ()))
+        notes = (*NOTES, *((warning,) if warning else ()), *scale_notes)
         details = {"platform": platform, "master_weights": policy.uses_master_weights,
                    "slow_dtype_warning": warning}
         return compile_ops(self.name, policy, control=control, native=native, compute_dtype=dtype,

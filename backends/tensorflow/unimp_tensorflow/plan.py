@@ -18,6 +18,7 @@ from unimp.spi import (
     LossScaleSpec,
     Plan,
     Policy,
+    UnsupportedError,
     compile_ops,
     cpu,
     is_low,
@@ -51,7 +52,8 @@ def keras_rule(spec: LossScaleSpec) -> bool:
     return (spec.mode == "dynamic" and spec.growth_factor == 2.0 and spec.backoff_factor == 0.5
             and spec.hysteresis == 1 and spec.min == 0.0 and spec.max == float("inf")
             and spec.skip_nonfinite and spec.growth_schedule == "interval"
-            and not spec.growth_requires_finite and spec.at_min == "clamp")
+            and not spec.growth_requires_finite and spec.at_min == "clamp"
+            and spec.subnormal == "flush" and spec.scale_dtype == "float32")  # it flushes on TF's CPU kernels
 
 
 def _gpus() -> list:
@@ -90,6 +92,19 @@ def loss_scaler(policy: Policy) -> str:
     return f"loss scaling: unimp LossScaleOptimizer ({spec.mode}, the core reference rule)"
 
 
+def scale_fallbacks(policy: Policy) -> list[str]:
+    """Loss-scale knobs this backend cannot honour: an UnsupportedError, or Plan notes (fallback)."""
+    from .scaler import unsupported
+
+    problems = unsupported(policy.loss_scale)
+    if problems and policy.on_unsupported == "error":
+        raise UnsupportedError(f"policy {policy.name!r} ({policy.source}): " + "; ".join(
+            f"loss_scale.{k} = {getattr(policy.loss_scale, k)!r} cannot be honoured: {why}"
+            for k, (_, why) in problems.items()) + " (or on_unsupported = 'fallback')")
+    return [f"loss_scale.{k} = {getattr(policy.loss_scale, k)!r} runs as {v!r}: {why}"
+            for k, (v, why) in problems.items()]
+
+
 def distributed_note(policy: Policy) -> str:
     """How tf.distribute runs under the policy (the Keras 3 facts this backend works around)."""
     rd = policy.distributed.reduce_dtype
@@ -123,6 +138,7 @@ def compile_plan(policy: Policy) -> Plan:
                      f"{policy.param_dtype} params get {policy.param_dtype} copies while applied; the "
                      "original float32 variables are the masters the optimizer wrapper updates")
     notes.append(loss_scaler(policy))
+    notes.extend(scale_fallbacks(policy))
     notes.append(distributed_note(policy))
     return compile_ops(BACKEND, policy, control=control, native=native, compute_dtype=compute,
                        compute_reason=reason, fixed=fixed, notes=tuple(notes),

@@ -39,7 +39,7 @@ class TorchAmp(Amp):
         self.device = device
         self.module = model  # the user's module itself (amp.model may be its DDP wrapper)
         self.inner_optimizer = optimizer
-        self.scaler = DeviceLossScale(plan.policy.loss_scale, _first_device(model))
+        self.scaler = DeviceLossScale(plan.loss_scale, _first_device(model))
         self.params = ParamState()
         self.wrapped: list[str] = []  # module paths with a layer-level forward
         self._undo: list[Callable[[], None]] = []
