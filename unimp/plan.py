@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UnsupportedError
+from .fp8 import Fp8Plan, Fp8Support, plan_fp8
 from .ops import CANONICAL_OPS
 from .policy import LossScaleSpec, Policy
 from .report import format_table
@@ -59,6 +60,7 @@ class Plan:
     details: Mapping[str, Any] = field(default_factory=dict)
     param_fallback: str | None = None  # dtype low-precision params really hold, when the backend cannot lower them
     override_fallbacks: Mapping[int, str] = field(default_factory=dict)  # override index -> dtype that runs
+    fp8: Fp8Plan | None = None  # the [fp8] part (unimp.fp8); None = built without FP8 support declared
 
     def op(self, name: str) -> OpDecision:
         for d in self.ops:
@@ -88,6 +90,7 @@ class Plan:
             "notes": list(self.notes), "details": {k: _plain(v) for k, v in self.details.items()},
             "param_fallback": self.param_fallback,
             "override_fallbacks": {str(k): v for k, v in self.override_fallbacks.items()},
+            "fp8": self.fp8.to_dict() if self.fp8 is not None else None,
         }
 
     def __str__(self) -> str:
@@ -99,6 +102,7 @@ class Plan:
             runs = d.runs_in + ("" if d.honoured else " (fallback)")
             rows.append((d.op, d.requested, runs, d.control, native))
         notes = [f"note: {n}" for n in self.notes] + [f"fallback: {d.op}: {d.note}" for d in self.fallbacks]
+        notes += self.fp8.describe() if self.fp8 is not None else []
         return head + format_table(("op", "policy", "runs in", "control", "native"), rows, footer=notes)
 
 
@@ -119,13 +123,16 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
                 native: Mapping[str, tuple[str, ...]], compute_dtype: str | None = None,
                 compute_reason: str = "as the policy says",
                 fixed: Mapping[str, tuple[str | None, str]] | None = None,
-                notes: tuple[str, ...] = (), details: Mapping[str, Any] | None = None) -> Plan:
+                notes: tuple[str, ...] = (), details: Mapping[str, Any] | None = None,
+                fp8: Fp8Support | None = None) -> Plan:
     """Build a Plan, applying the policy's ``on_unsupported`` to what the backend cannot honour.
 
     ``control[op]`` is ``op`` or ``layer`` for ops the backend controls (missing = ``fixed``);
     ``fixed[op] = (dtype the framework uses or None for inputs, why)`` for ops it does not.
     A fixed op whose framework dtype differs from the request is an :class:`UnsupportedError`
-    (``on_unsupported = "error"``) or a reported fallback.
+    (``on_unsupported = "error"``) or a reported fallback. ``fp8``: what the backend can run in
+    FP8 (None: nothing); the policy's ``[fp8]`` request is checked against it the same way
+    (:func:`unimp.fp8.plan_fp8`).
     """
     low = compute_dtype or policy.compute_dtype
     fixed = fixed or {}
@@ -152,4 +159,5 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
             + "\n  ".join(problems)
             + "\nfix: change the policy's op lists, or set on_unsupported = \"fallback\" to run these "
               "as reported in the Plan")
-    return Plan(backend, policy, low, compute_reason, tuple(decisions), tuple(notes), dict(details or {}))
+    return Plan(backend, policy, low, compute_reason, tuple(decisions), tuple(notes), dict(details or {}),
+                fp8=plan_fp8(policy, backend, fp8))
