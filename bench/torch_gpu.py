@@ -349,10 +349,12 @@ def _variants(compile_backend: str) -> dict[str, Callable[[nn.Module, str], Call
 
 
 def measure_variants(build: Callable[[], nn.Module], data: Callable[[], tuple], device: str, warmup: int,
-                     steps: int, compile_backend: str) -> dict[str, dict[str, float]]:
-    """Median step ms (all variants alive, rounds in rotating order) and peak GiB (cuda) per variant."""
+                     steps: int, compile_backend: str, only: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
+    """Median step ms (all variants alive, rounds in rotating order) and peak GiB (cuda) per variant.
+
+    ``only`` keeps just those variants alive (fewer graphs and allocations: a quieter comparison)."""
     x, y = data()
-    variants = _variants(compile_backend)
+    variants = {k: v for k, v in _variants(compile_backend).items() if not only or k in only}
     runs = {}
     for label, make in variants.items():
         torch.manual_seed(0)
@@ -387,18 +389,22 @@ def measure_variants(build: Callable[[], nn.Module], data: Callable[[], tuple], 
 def compiled_table(results: dict[str, dict[str, dict[str, float]]]) -> str:
     lines = ["| model | variant | ms | / native eager | / native+compile | peak GiB |", "|" + "---|" * 6]
     for model, res in results.items():
-        nat, natc = res["native"]["ms"], res["native+compile"]["ms"]
+        nat, natc = res.get("native", {}).get("ms"), res.get("native+compile", {}).get("ms")
         for label, r in res.items():
             peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "n/a"
-            lines.append(f"| {model} | {label} | {r['ms']:.2f} | {r['ms'] / nat:.3f} | {r['ms'] / natc:.3f} | {peak} |")
+            rel = [f"{r['ms'] / b:.3f}" if b else "n/a" for b in (nat, natc)]
+            lines.append(f"| {model} | {label} | {r['ms']:.2f} | {rel[0]} | {rel[1]} | {peak} |")
     lines += ["", "| model | unimp+compile / native+compile | A/A | unimp eager / unimp+compile | "
                   "custom / native | custom+compile / native+compile |", "|" + "---|" * 6]
     for model, res in results.items():
         ms = {k: v["ms"] for k, v in res.items()}
-        lines.append(f"| {model} | {ms['unimp+compile'] / ms['native+compile']:.3f} | "
-                     f"{ms['native2+compile (A/A)'] / ms['native+compile']:.3f} | "
-                     f"{ms['unimp'] / ms['unimp+compile']:.2f}x | {ms['custom'] / ms['native']:.3f} | "
-                     f"{ms['custom+compile'] / ms['native+compile']:.3f} |")
+
+        def ratio(a: str, b: str, fmt: str = ".3f", ms: dict[str, float] = ms) -> str:
+            return format(ms[a] / ms[b], fmt) + ("x" if fmt == ".2f" else "") if a in ms and b in ms else "n/a"
+        lines.append(f"| {model} | {ratio('unimp+compile', 'native+compile')} | "
+                     f"{ratio('native2+compile (A/A)', 'native+compile')} | "
+                     f"{ratio('unimp', 'unimp+compile', '.2f')} | {ratio('custom', 'native')} | "
+                     f"{ratio('custom+compile', 'native+compile')} |")
     return "\n".join(lines)
 
 
@@ -410,7 +416,8 @@ def compiled_main(args: argparse.Namespace, device: str) -> dict[str, Any]:
     for model_name, (build, data) in compiled_workloads(args.smoke, device).items():
         if model_name not in args.compiled_models.split(","):
             continue
-        results[model_name] = measure_variants(build, data, device, warmup, steps, backend)
+        only = tuple(v for v in args.variants.split(",") if v) if args.variants else ()
+        results[model_name] = measure_variants(build, data, device, warmup, steps, backend, only)
         print(model_name, {k: round(v["ms"], 2) for k, v in results[model_name].items()}, flush=True)
     print(f"\ntorch {torch.__version__}, device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
           f"torch.compile backend {backend}, median of {steps} steps after {warmup} warm-up\n")
@@ -427,6 +434,8 @@ def main(argv: list[str] | None = None, device: str | None = None, smoke_default
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--suite", choices=("policies", "compiled", "all"), default="policies")
     ap.add_argument("--compiled-models", default="resnet50,hf_llama")
+    ap.add_argument("--variants", default="", help="compiled suite: keep only these variants alive "
+                    "(comma-separated labels, e.g. 'native+compile,native2+compile (A/A),unimp+compile')")
     ap.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; "
                     "aot_eager with --smoke)")
     args = ap.parse_args(argv)
