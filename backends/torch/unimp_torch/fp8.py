@@ -106,13 +106,23 @@ def config(plan: Plan, device: str, fsdp: bool = False) -> Any:
     return cfg
 
 
+def _own_class(module: nn.Module) -> type:
+    """The module's class, seen through FSDP2's per-module subclass (``FSDPLinear`` -> ``Linear``)."""
+    cls = type(module)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return cls
+    return cls.__bases__[1] if cls.__bases__[:1] == (FSDPModule,) and len(cls.__bases__) == 2 else cls
+
+
 def decisions(plan: Plan, model: nn.Module) -> list[Fp8Decision]:
     """The core's decision for every ``nn.Linear`` of ``model`` (the candidates for FP8)."""
     out = []
     for path, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        if type(module) is not nn.Linear and type(module).__name__ != "Float8Linear":
+        if _own_class(module) is not nn.Linear and _own_class(module).__name__ != "Float8Linear":
             out.append(Fp8Decision(path, False, None, f"{type(module).__name__} is a subclass of nn.Linear (its "
                                                       f"forward may not be Linear's); torchao swaps plain "
                                                       f"nn.Linear only"))
