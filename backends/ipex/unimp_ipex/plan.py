@@ -19,12 +19,8 @@ import dataclasses
 import warnings
 from typing import Any
 
-from unimp.dtypes import is_low
-from unimp.fp8 import Fp8Support, plan_fp8
-from unimp.hardware import CpuFacts
-from unimp.plan import Plan
-from unimp.policy import Policy
-from unimp_torch.compile import compile_plan as torch_plan
+from unimp.spi import CpuFacts, Fp8Support, Plan, Policy, is_low, plan_fp8
+from unimp_torch.plan import compile_plan as torch_plan
 
 from .engine import Engine
 from .hardware import check, resolve_auto

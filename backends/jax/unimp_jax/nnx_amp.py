@@ -28,14 +28,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from unimp.errors import StateError
-from unimp.loss_scale import LossScaleState
-from unimp.plan import Plan
-from unimp.report import Report, ReportRow
+from unimp.spi import LossScaleState, Plan, Report, ReportRow, StateError
 
 from .amp import JaxAmp
 from .layers import LayerPlan, cast_floats, dtype_name, misaligned, run_layer
-from .optim import apply_updates, find_state, may_skip
+from .optimizer import apply_updates, find_state, may_skip
 
 _RECORDERS: list[dict[str, ReportRow]] = []
 _LAST_INPUTS: dict[str, Any] = {}

@@ -19,20 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.backend import Amp
-from unimp.fp8 import report_notes
-from unimp.loss_scale import LossScaleState
-from unimp.plan import Plan
-from unimp.report import Report, ReportRow
+from unimp.spi import Amp, LossScaleState, Plan, Report, ReportRow, fp8_report_notes
 
 from .forward import PolicyForward, patch_forward
 from .fp8 import Fp8Binding
 from .layers import DTYPES, Rule, kind, type_names, wrap
 from .layout import check_alignment, has_conv2d, restore_layout, to_channels_last
-from .observe import Observer, observe
-from .optim import AmpOptimizer
+from .optimizer import AmpOptimizer
 from .params import ParamState, cast_params
 from .scaler import DeviceLossScale
+from .trace import Observer, observe
 
 
 class TorchAmp(Amp):
@@ -151,7 +147,7 @@ class TorchAmp(Amp):
                 for path, r in observed.items()
                 if not path or r["kind"] or not any(True for _ in self.module.get_submodule(path).children())]
         notes = [f"wrapped per layer: {', '.join(self.wrapped)}"] if self.wrapped else []
-        notes += report_notes(self.fp8.decisions) if self.fp8 is not None else []
+        notes += fp8_report_notes(self.fp8.decisions) if self.fp8 is not None else []
         return self.report_header(rows, notes)
 
     def _restore(self) -> None:

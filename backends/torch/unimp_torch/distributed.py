@@ -40,10 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import unimp
-from unimp.backend import UnimpWarning
-from unimp.errors import UnsupportedError
-from unimp.policy import Policy
+from unimp.spi import Policy, UnimpWarning, UnsupportedError, load
 
 from .layers import DTYPES, NAMES, kind, type_names
 
@@ -168,7 +165,7 @@ def mixed_precision_policy(policy: Any, param_dtype: str | None = None, *, root:
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    policy = unimp.load(policy)
+    policy = load(policy)
     return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype or policy.param_dtype],
                                 reduce_dtype=DTYPES[policy.distributed.reduce_dtype],
                                 output_dtype=DTYPES[policy.output_dtype] if root else None,
@@ -213,11 +210,11 @@ def fully_shard(model: nn.Module, policy: Any, *, units: Units = None, **kwargs:
     """
     from torch.distributed.fsdp import fully_shard as shard
 
-    policy = unimp.load(policy)
+    policy = load(policy)
     if is_fsdp(model):
         raise RuntimeError("unimp_torch.fully_shard: the model is already sharded; call it on the plain "
                            "model (it shards the units and the root itself)")
-    from unimp.fp8 import requests_fp8
+    from unimp.spi import requests_fp8
 
     if requests_fp8(policy):
         from .backend import TorchBackend
@@ -336,7 +333,7 @@ def _agree_over(amp: Any, groups: list[Any]) -> None:
 
 
 def _remember(amp: Any, *models: nn.Module) -> None:
-    from unimp.registry import remember
+    from unimp.spi import remember
 
     remember(amp, *models)
 

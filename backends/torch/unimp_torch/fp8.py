@@ -31,9 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.errors import UnsupportedError
-from unimp.fp8 import FORMATS, Fp8Decision, Fp8Support, decide_fp8
-from unimp.plan import Plan
+from unimp.spi import FP8_FORMATS, Fp8Decision, Fp8Support, Plan, UnsupportedError, decide_fp8
 
 from .layers import DTYPES, type_names
 
@@ -96,7 +94,7 @@ def config(plan: Plan, device: str, fsdp: bool = False) -> Any:
     fp8 = plan.fp8
     assert fp8 is not None and fp8.active
     cfg = float8.Float8LinearConfig.from_recipe_name(RECIPES[fp8.recipe])
-    grad = getattr(torch, FORMATS[fp8.gradient_format])
+    grad = getattr(torch, FP8_FORMATS[fp8.gradient_format])
     cfg = dataclasses.replace(
         cfg, emulate=device == "cpu",
         cast_config_grad_output=dataclasses.replace(cfg.cast_config_grad_output, target_dtype=grad),

@@ -15,11 +15,22 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from unimp.conformance import Kit, Observation, ProbeBatch
-from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, PROBE, TIME, VOCAB
-from unimp.policy import Policy
+from unimp.spi import (
+    CHANNELS,
+    CLASSES,
+    HIDDEN,
+    KERNEL,
+    LN_EPS,
+    PROBE,
+    TIME,
+    VOCAB,
+    Kit,
+    Observation,
+    Policy,
+    ProbeBatch,
+)
 
-from .layers import walk
+from .index import walk
 
 
 def nll(logp: Any, targets: Any) -> tf.Tensor:

@@ -18,12 +18,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from unimp.conformance import Kit, Observation
-from unimp.conformance.probe import CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, ProbeBatch
-from unimp.policy import Policy
+from unimp.spi import CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, Kit, Observation, Policy, ProbeBatch
 
 from .op import LinenOp, Op
-from .optim import AmpOptState, find_state
+from .optimizer import AmpOptState, find_state
 
 # probe name -> Flax param name
 FLAX_NAMES = {"embed.weight": ("embed", "embedding"), "norm.weight": ("norm", "scale")}
@@ -202,11 +200,11 @@ class LinenKit(_JaxKit):
         return model if isinstance(model, LinenProbe) else self._probes[id(model)]
 
     def apply(self, policy: Policy, model: Any, optimizer: Any) -> Any:
-        import unimp
+        from unimp.spi import apply
 
         probe = self._probe(model)
         tokens = jnp.zeros((1, 1), jnp.int32)
-        return unimp.apply(policy, probe.module, optimizer, backend=self.backend, params=probe.params,
+        return apply(policy, probe.module, optimizer, backend=self.backend, params=probe.params,
                            inputs=tokens)
 
     def output(self, amp: Any, batch: ProbeBatch) -> Any:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from unimp.errors import UnsupportedError
+from unimp.spi import UnsupportedError
 
 from .params import ParamState
 from .scaler import DeviceLossScale

@@ -21,13 +21,22 @@ from typing import Any
 
 import numpy as np
 
-from unimp.conformance import Kit, Observation
-from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, ProbeBatch
-from unimp.errors import UnsupportedError
-from unimp.policy import Policy
+from unimp.spi import (
+    CHANNELS,
+    CLASSES,
+    HIDDEN,
+    KERNEL,
+    LN_EPS,
+    VOCAB,
+    Kit,
+    Observation,
+    Policy,
+    ProbeBatch,
+    UnsupportedError,
+)
 
-from .dygraph import dtype_name
-from .planning import compile_dygraph
+from .amp import dtype_name
+from .plan import compile_dygraph
 
 
 def _probe_class() -> Any:
@@ -76,14 +85,14 @@ class PaddleKit(Kit):
         """``unimp.apply`` with the policy as written when Paddle can honour it here; on CPU, else,
         with ``on_unsupported = "fallback"`` (the same policy otherwise, so the Plan reports every
         fallback). The variant is visible as ``amp.policy.on_unsupported``."""
-        import unimp
+        from unimp.spi import apply
 
         if self._place() == "cpu" and policy.on_unsupported == "error":
             try:
                 compile_dygraph(policy, "cpu")
             except UnsupportedError:
                 policy = policy.replace(on_unsupported="fallback")
-        return unimp.apply(policy, model, optimizer, backend="paddle")
+        return apply(policy, model, optimizer, backend="paddle")
 
     def build_probe(self, weights: dict[str, Any]) -> Any:
         import paddle

@@ -15,9 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from unimp.conformance import Kit, Observation, ProbeBatch
-from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB
-from unimp.policy import Policy
+from unimp.spi import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, Kit, Observation, Policy, ProbeBatch
 
 from .layers import NAMES
 

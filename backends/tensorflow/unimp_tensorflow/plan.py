@@ -12,11 +12,21 @@ CPU without native units) imports TensorFlow to look for GPUs; the CPU facts are
 
 from __future__ import annotations
 
-from unimp import hardware
-from unimp.dtypes import is_low
-from unimp.ops import CANONICAL_OPS, OPS
-from unimp.plan import Plan, compile_ops, requested_dtype
-from unimp.policy import LossScaleSpec, Policy
+from unimp.spi import (
+    CANONICAL_OPS,
+    OPS,
+    LossScaleSpec,
+    Plan,
+    Policy,
+    compile_ops,
+    cpu,
+    is_low,
+    requested_dtype,
+    resolve_cpu_auto,
+)
+from unimp.spi import (
+    warn_emulated as warn_cpu_emulated,
+)
 
 BACKEND = "tensorflow"
 EXTRA_NATIVE = {
@@ -56,7 +66,7 @@ def resolve_auto() -> tuple[str, str]:
 
     gpus = _gpus()
     if not gpus:
-        return hardware.resolve_cpu_auto("Keras (oneDNN)")
+        return resolve_cpu_auto("Keras (oneDNN)")
     cc = tf.config.experimental.get_device_details(gpus[0]).get("compute_capability", (0, 0))
     if tuple(cc) >= (8, 0):
         return "bfloat16", f"auto: GPU compute capability {cc[0]}.{cc[1]} has bf16 tensor cores"
@@ -67,10 +77,10 @@ def warn_emulated(policy: Policy, compute: str) -> str | None:
     """Warn (at the user's call) for low-precision compute a CPU-only machine emulates; the message or None."""
     wanted = [("compute_dtype", compute)] + [(f"overrides[{i}].compute_dtype", o.compute_dtype)
                                              for i, o in enumerate(policy.overrides)]
-    slow = [(k, d) for k, d in wanted if is_low(d) and hardware.cpu().emulated(d)]
+    slow = [(k, d) for k, d in wanted if is_low(d) and cpu().emulated(d)]
     if not slow or _gpus():
         return None
-    return hardware.warn_emulated(slow[0][1], slow[0][0], "Keras (oneDNN)")
+    return warn_cpu_emulated(slow[0][1], slow[0][0], "Keras (oneDNN)")
 
 
 def loss_scaler(policy: Policy) -> str:
@@ -100,7 +110,7 @@ def compile_plan(policy: Policy) -> Plan:
     if compute == "auto":
         compute, reason = resolve_auto()
     elif warn_emulated(policy, compute):
-        reason += f" (emulated on this CPU, slower than float32: {hardware.cpu().describe()})"
+        reason += f" (emulated on this CPU, slower than float32: {cpu().describe()})"
     want = requested_dtype(policy, "loss", compute)
     follows_f32 = want is None and policy.output_dtype == "float32"
     fixed = {"loss": (None, LOSS_WHY + "; it takes the float32 model output, so it follows its inputs")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from unimp.policy import Policy
+from unimp.spi import Policy
 
 from .scaler import LossScaleTree, initial_tree, update_tree
 

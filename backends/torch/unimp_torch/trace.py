@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from unimp.ops import OPS
+from unimp.spi import OPS
 
 from .kinds import report_kind
 from .layers import NAMES, kind, type_names

@@ -21,18 +21,15 @@ from typing import Any
 
 import keras
 
-from unimp.backend import UnimpWarning
-from unimp.dtypes import is_low
-from unimp.errors import UnsupportedError
-from unimp.plan import Plan
+from unimp.spi import Plan, UnimpWarning, UnsupportedError, is_low
 
 from .distributed import is_distributed, unhook_inner
 from .dtype_policies import FollowInputs, keras_policy
-from .layers import Unit, descendants, is_graph, walk
+from .index import Unit, descendants, is_graph, walk
 from .layout import data_formats, layout_findings, misaligned
 from .optimizer import KerasLossScaleOptimizer, LossScaleOptimizer
 from .params import Swap, swap_params
-from .planning import keras_rule
+from .plan import keras_rule
 
 
 @dataclass

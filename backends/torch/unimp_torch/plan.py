@@ -22,14 +22,9 @@ from __future__ import annotations
 
 import warnings
 
-from unimp.dtypes import is_low
-from unimp.errors import UnsupportedError
-from unimp.fp8 import Fp8Support, requests_fp8
-from unimp.ops import CANONICAL_OPS
-from unimp.plan import Plan, compile_ops
-from unimp.policy import Policy
+from unimp.spi import CANONICAL_OPS, Fp8Support, Plan, Policy, UnsupportedError, compile_ops, is_low, requests_fp8
 
-from .native import aten_names, function_names, kernel_table, moves, native_category, same
+from .autocast import aten_names, function_names, kernel_table, moves, native_category, same
 
 BATCH_NORM_NOTE = ("batch_norm: torch's kernels take low-precision activations with float32 weights "
                    "and compute statistics and normalisation in float32; activations keep their dtype "
@@ -44,7 +39,7 @@ def resolve_compute(dtype: str, device: str) -> tuple[str, str]:
         raise UnsupportedError(f"unimp-torch runs models on cpu or cuda; this model is on {device!r} "
                                f"(move it with model.to('cuda') or model.to('cpu'))")
     if dtype == "auto":
-        from unimp.hardware import resolve_auto, resolve_cpu_auto
+        from unimp.spi import resolve_auto, resolve_cpu_auto
 
         if device == "cuda":
             if not torch.cuda.is_available():
@@ -56,7 +51,7 @@ def resolve_compute(dtype: str, device: str) -> tuple[str, str]:
         return resolve_cpu_auto("torch")  # CPU autocast float16 would need loss scaling: never auto on CPU
     check_dtype(dtype, device, "compute_dtype")
     if device == "cpu" and is_low(dtype):
-        from unimp.hardware import cpu
+        from unimp.spi import cpu
 
         if cpu().emulated(dtype):
             return dtype, f"as the policy says (emulated on this CPU, slower than float32: {cpu().describe()})"
@@ -79,7 +74,7 @@ def check_dtype(dtype: str, device: str, key: str) -> None:
         if not ok or any("not supported" in str(w.message) for w in caught):
             raise UnsupportedError(f"{key} = {dtype!r}: torch {torch.__version__} CPU autocast does not "
                                    f"support it; use 'bfloat16' or 'float32', or run on cuda")
-        from unimp.hardware import warn_emulated
+        from unimp.spi import warn_emulated
 
         warn_emulated(dtype, key, "torch's CPU autocast")
 

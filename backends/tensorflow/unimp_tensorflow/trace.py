@@ -6,7 +6,7 @@ layers that cast by themselves (``autocast = False``: Embedding, normalisations)
 they produce.
 
 >>> import keras, numpy as np
->>> from unimp_tensorflow.layers import walk
+>>> from unimp_tensorflow.index import walk
 >>> m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="fc")])
 >>> seen, out = observe(m, walk(m), np.zeros((1, 3), "float32"))
 >>> seen["fc"], out
@@ -20,9 +20,9 @@ from typing import Any
 
 import keras
 
-from unimp.dtypes import widest
+from unimp.spi import widest
 
-from .layers import Unit
+from .index import Unit
 
 Seen = tuple[str | None, str | None, str | None]  # compute, param, output
 

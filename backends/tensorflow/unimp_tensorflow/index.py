@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from unimp.ops import kind_of
+from unimp.spi import kind_of
 
 # Activation functions that are canonical ops of their own (Activation("log_softmax")).
 ACTIVATION_KINDS = {"softmax": "softmax", "log_softmax": "log_softmax"}

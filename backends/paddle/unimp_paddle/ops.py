@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from unimp.ops import CANONICAL_OPS, OPS
-from unimp.policy import Policy
+from unimp.spi import CANONICAL_OPS, OPS, Policy
 
 
 def op_types(op: str) -> frozenset[str]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from unimp.policy import Policy
-from unimp_torch.kit import TorchKit
+from unimp.spi import Policy
+from unimp_torch.testing import TorchKit
 
 from .hardware import here
 
@@ -31,6 +31,6 @@ class IpexKit(TorchKit):
         return None
 
     def apply(self, policy: Policy, model: Any, optimizer: Any) -> Any:
-        import unimp
+        from unimp.spi import apply
 
-        return unimp.apply(policy, model, optimizer, backend="ipex", engine=self.engine)
+        return apply(policy, model, optimizer, backend="ipex", engine=self.engine)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unimp import hardware
+from unimp.spi import cpu, resolve_cpu_auto
 
 XLA_CPU_WHY = ("XLA:CPU does not use them: it runs bfloat16/float16 matmuls slower than float32 (2048² "
                "matmul on AVX512-BF16: bf16 120 ms vs fp32 73 ms, measured)")
@@ -43,14 +43,14 @@ def resolve(requested: str, platform: str, capability: str | None = None) -> tup
     """(compute dtype, reason, warning or None) for ``requested`` on ``platform``."""
     if requested == "auto":
         if platform == "cpu":
-            return (*hardware.resolve_cpu_auto("XLA:CPU", bf16=False, why_not=XLA_CPU_WHY), None)
+            return (*resolve_cpu_auto("XLA:CPU", bf16=False, why_not=XLA_CPU_WHY), None)
         if platform == "gpu" and capability is not None and float(capability) < 8.0:
             return "float16", (f"auto on a GPU of compute capability {capability} (no fast bf16): "
                                f"float16 with the policy's loss scaling"), None
         return "bfloat16", f"auto on {platform}: bfloat16 runs at full rate there", None
     warning = None
     if platform == "cpu" and requested in ("bfloat16", "float16"):
-        facts = hardware.cpu()
+        facts = cpu()
         units = (f"this CPU, {facts.describe()}, has no native {requested} units: XLA:CPU emulates it"
                  if facts.emulated(requested) else f"XLA:CPU does not use this CPU's {requested} units")
         warning = (f"compute_dtype = {requested!r} on XLA:CPU runs slower than float32 ({units}); it runs as "

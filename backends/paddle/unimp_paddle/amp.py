@@ -18,16 +18,11 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from unimp.backend import Amp, UnimpWarning
-from unimp.errors import UnsupportedError
-from unimp.loss_scale import LossScaleState
-from unimp.ops import kind_of
-from unimp.plan import Plan
-from unimp.report import Report, ReportRow
+from unimp.spi import Amp, LossScaleState, Plan, Report, ReportRow, UnimpWarning, UnsupportedError, kind_of
 
 from .distributed import data_parallel, refuse_data_parallel
 from .layout import alignment_findings, channels_last_findings
-from .lists import OpLists, compile_lists
+from .ops import OpLists, compile_lists
 from .optimizer import AmpOptimizer
 from .scaler import HostRuleLossScale
 

@@ -19,15 +19,21 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from unimp import hardware
-from unimp.dtypes import is_low
-from unimp.errors import UnsupportedError
-from unimp.fp8 import Fp8Support
-from unimp.ops import CANONICAL_OPS
-from unimp.plan import Plan, compile_ops, requested_dtype
-from unimp.policy import Policy
+from unimp.spi import (
+    CANONICAL_OPS,
+    Fp8Support,
+    Plan,
+    Policy,
+    UnsupportedError,
+    compile_ops,
+    cpu,
+    is_low,
+    requested_dtype,
+    resolve_cpu_auto,
+    warn_emulated,
+)
 
-from .lists import compile_lists, layer_types, op_types
+from .ops import compile_lists, layer_types, op_types
 
 BACKEND = "paddle"
 FP8_MISSING = ("unimp-paddle has no FP8 training path: paddle.amp (auto_cast/decorate) runs float16/bfloat16 "
@@ -166,9 +172,9 @@ def compile_dygraph(policy: Policy, place: str) -> Plan:
 def compile_static(policy: Policy) -> Plan:
     """The Plan for a legacy-IR ``paddle.static.Program`` (bf16 rewrite, runs on CPU)."""
     low, reason = policy.compute_dtype, "as the policy says"
-    facts = hardware.cpu()
+    facts = cpu()
     if low == "auto":
-        low, reason = hardware.resolve_cpu_auto("Paddle's static bf16 rewrite (oneDNN)", facts)
+        low, reason = resolve_cpu_auto("Paddle's static bf16 rewrite (oneDNN)", facts)
     problems = []
     param_fallback = None
     active, why = low == "bfloat16", ""
@@ -176,7 +182,7 @@ def compile_static(policy: Policy) -> Plan:
         active, why = False, (f"Paddle's oneDNN has no bfloat16 matmul kernel on this CPU, {facts.describe()} "
                               f"(it needs AVX512 BW/VL/DQ or AVX-NE-CONVERT; Paddle would fail with 'could not "
                               f"create a primitive descriptor'), so unimp runs it in float32")
-    elif policy.compute_dtype == "bfloat16" and hardware.warn_emulated(low, "compute_dtype", "Paddle (oneDNN)"):
+    elif policy.compute_dtype == "bfloat16" and warn_emulated(low, "compute_dtype", "Paddle (oneDNN)"):
         reason += f" (emulated on this CPU, slower than float32: {facts.describe()})"
     if low == "float16":
         why = ("the static path rewrites to bfloat16 only (decorate_bf16); Paddle has no CPU float16 "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from unimp.ops import OPS
+from unimp.spi import OPS
 
 AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 
