@@ -20,10 +20,14 @@ and timed in rotating order (CUDA events, median after warm-up):
 
 Curve (``--curve``, on by default): ``--curve-steps`` (300) AdamW steps of a small Llama (hidden 512,
 4 layers) on a fixed synthetic corpus (a seeded sparse Markov chain: learnable, with a known entropy
-floor), same init and data for bf16 / FP8 tensorwise / FP8 rowwise, all through ``unimp.apply``;
+floor), fp32 weights under bf16 autocast (``--curve-weights``), same init and data for bf16 /
+FP8 tensorwise / FP8 rowwise, all through ``unimp.apply`` (``mixed_bf16``, ``fp8_tensorwise``, ``fp8_rowwise``);
 losses every 25 steps and the FP8 / bf16 ratio of the final loss (mean of the last 10 steps).
-Prints timings as it goes; ``--out`` writes everything as JSON. Needs torchao (``unimp-torch[fp8]``)
-and, for speed, a GPU with FP8 tensor cores (compute capability 8.9+).
+Prints timings as it goes; ``--out`` writes everything as JSON. Needs transformers and torchao
+(``unimp-torch[fp8]``: torchao 0.18, built for torch 2.13; use the torchao release built for the
+installed torch) and, for speed, a GPU with FP8 tensor cores (compute capability 8.9+). Budget on
+one H200 with the defaults: 6 compiles of the 4-layer model (the A/A one hits inductor's cache)
+plus 3 x 300 eager curve steps; ``--layers 2`` / ``--variants`` / ``--no-curve`` shorten it.
 """
 
 from __future__ import annotations
@@ -229,14 +233,15 @@ def curve(args: argparse.Namespace, device: str) -> dict[str, Any]:
         c.update(heads=4, kv=4)
     data, floor = markov_corpus(args.curve_vocab, args.curve_seq, args.curve_batch, batches=32)
     data = data.to(device)
-    wdtype = torch.bfloat16 if args.weights == "bf16" else torch.float32
-    out: dict[str, Any] = {"shape": {**c, "batch": args.curve_batch, "steps": args.curve_steps},
+    wdtype = torch.bfloat16 if args.curve_weights == "bf16" else torch.float32
+    out: dict[str, Any] = {"shape": {**c, "batch": args.curve_batch, "steps": args.curve_steps,
+                                     "weights": args.curve_weights},
                            "entropy_floor": floor, "losses": {}}
     for name, preset in (("bf16", None), ("fp8_tensorwise", "fp8_tensorwise"), ("fp8_rowwise", "fp8_rowwise")):
         t = time.perf_counter()
         torch.manual_seed(0)
         model = llama(**c).to(device=device, dtype=wdtype)
-        step = unimp_step(model, device, preset, args.weights, args.curve_backend, lr=args.curve_lr)
+        step = unimp_step(model, device, preset, args.curve_weights, args.curve_backend, lr=args.curve_lr)
         losses = []
         for i in range(args.curve_steps):
             batch = data[i % data.shape[0]]
@@ -295,6 +300,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--curve-batch", type=int, default=16)
     ap.add_argument("--curve-vocab", type=int, default=256)
     ap.add_argument("--curve-lr", type=float, default=1e-3)
+    ap.add_argument("--curve-weights", choices=("bf16", "fp32"), default="fp32",
+                    help="fp32: fp32 parameters under bf16 autocast (mixed_bf16), the usual training setup")
     ap.add_argument("--curve-backend", default="none", help="torch.compile backend for the curves (none = eager)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)

@@ -199,15 +199,6 @@ def decide_fp8(source: Plan | Policy, path: str, kind: str | None, type_names: I
     return Fp8Decision(path, True, fp8.recipe, f"{fp8.recipe} ({fp8.forward_format}/{fp8.gradient_format})")
 
 
-def candidates(source: Plan | Policy, kind: str | None, type_names: Iterable[str] = (), path: str = "") -> bool:
-    """Whether a layer is worth a report line about FP8: an op FP8 could cover, under an active plan."""
-    policy, fp8, _ = _parts(source, None)
-    if not fp8.requested:
-        return False
-    names = (*tuple(type_names), *((kind,) if kind else ()))
-    return kind in fp8.ops or policy.override_for(path, names, sets="fp8") is not None
-
-
 def fp8_report_notes(decisions: Iterable[Fp8Decision]) -> list[str]:
     """The report's lines for the layers that asked FP8 and did not get it (the dims rule, overrides)."""
     return [f"fp8: {d.path or '<model>'} not FP8: {d.reason}" for d in decisions if not d.fp8]
