@@ -171,3 +171,16 @@ def test_delayed_scaling_is_refused_naming_torchao_or_falls_back():
     assert any(n.startswith("fp8: fallback to the compute dtype: fp8.recipe = 'delayed'") for n in report.notes)
     assert "fp8: fallback to the compute dtype" in str(amp.plan)
     amp.remove()
+
+
+def test_explain_names_torchaos_recipe_and_the_cpu_emulation():
+    from unimp_torch.backend import TorchBackend
+
+    plan = TorchBackend().compile(unimp.load("fp8_rowwise"))
+    text = str(plan)
+    assert (f"fp8: runs as torchao {torchao.__version__} convert_to_float8_training, "
+            f"Float8LinearConfig.from_recipe_name('rowwise'), emulate=True") in text
+    assert plan.to_dict()["fp8"]["recipe"] == "rowwise" and plan.fp8.capable == ("linear",)
+    with pytest.raises(unimp.UnsupportedError, match=r"fp8\.ops: 'attention': backend torch runs FP8 only for "
+                                                     r"linear"):
+        TorchBackend().compile(unimp.load({"extends": "fp8_rowwise", "fp8": {"ops": ["linear", "attention"]}}))
