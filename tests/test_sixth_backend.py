@@ -43,6 +43,14 @@ def test_amp_surface(policy):
     check_amp_surface(NumpyKit(), unimp.load(policy))
 
 
+def test_written_against_unimp_spi_only():
+    from imports import imports
+
+    pkg = Path(__file__).parent / "sixth_backend" / "unimp_numpy"
+    core = {mod for p in pkg.glob("*.py") for mod, _ in imports(p, pkg) if mod.split(".")[0] == "unimp"}
+    assert core == {"unimp.spi"}
+
+
 def test_detected_and_explained():
     import numpy as np
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .dtypes import is_low
+from .resolve import resolve, to_text
 
 
 @dataclass(frozen=True)
@@ -180,9 +181,8 @@ class Policy:
 
     def replace(self, **changes: Any) -> Policy:
         """A new, re-validated policy; table keys merge (``loss_scale={"mode": "static"}``)."""
-        from .loading import resolve_dict
-
-        return resolve_dict(changes, parent=self.to_dict(), source=f"{self.source} (replace)")
+        source = f"{self.source} (replace)"
+        return Policy.from_resolved(resolve(changes, parent=self.to_dict(), source=source), source)
 
     # ---------------------------------------------------------------- queries backends share
     @property
@@ -236,6 +236,4 @@ class Policy:
         return decision
 
     def __str__(self) -> str:
-        from .loading import dumps
-
-        return dumps(self, "toml")
+        return to_text(self.to_dict(), "toml")

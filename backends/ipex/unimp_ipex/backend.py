@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from unimp.spi import Plan, Policy
-from unimp_torch.backend import TorchBackend
+from unimp_torch.extension import TorchBackend
 
 
 class IpexBackend(TorchBackend):
@@ -43,7 +43,7 @@ class IpexBackend(TorchBackend):
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, *, engine: str = "auto",
               on_skip: Callable[[], Any] | None = None, **options: Any) -> Any:
         """Bind ``plan`` (recompiled for ``model`` and ``engine``); see the class docstring."""
-        from unimp_torch.validate import check_inputs
+        from unimp_torch.extension import check_inputs
 
         from .amp import apply_plan
 

@@ -20,7 +20,7 @@ import warnings
 from typing import Any
 
 from unimp.spi import CpuFacts, Fp8Support, Plan, Policy, is_low, plan_fp8
-from unimp_torch.plan import compile_plan as torch_plan
+from unimp_torch.extension import compile_plan as torch_plan
 
 from .engine import Engine
 from .hardware import check, resolve_auto

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from unimp.spi import Policy
-from unimp_torch.testing import TorchKit
+from unimp_torch.extension import TorchKit
 
 from .hardware import here
 

@@ -118,7 +118,7 @@ def test_flax_dynamic_scale_preset_replays_flax(seed):
 
 def test_flax_dynamic_scale_preset_at_the_float32_cap():
     """Growth past float32 max: Flax clamps to float32 max; the preset (growth_requires_finite=true)
-    keeps the old scale instead. Evidence for CORE_REQUESTS.md (2)."""
+    keeps the old scale instead."""
     base = load("flax_dynamic_scale").replace(loss_scale={"growth_interval": 1, "initial": 2.0 ** 126})
     finites = [True] * 4
     flax = _flax_scales(base.loss_scale, finites)

@@ -7,11 +7,12 @@
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any
 
-from unimp.spi import OPS, Amp, Backend, Plan, Policy, UnimpWarning, UnsupportedError, compile_ops
+from unimp.spi import OPS, Amp, Backend, Plan, Policy, UnimpWarning, compile_ops
+
+from .layers import is_linen, is_nnx
 
 LAYER_OPS = ("matmul", "linear", "conv", "attention", "rnn", "embedding", "layer_norm", "rms_norm",
              "batch_norm", "group_norm")
@@ -32,27 +33,6 @@ NOTES = (
     "every device; a plain jit over NamedSharding inputs lets XLA's partitioner reduce in the dtype it "
     "meets (often the compute dtype)",
 )
-
-
-def act_on_findings(findings: list[str], policy: Policy) -> None:
-    """Misaligned dims: ignore, warn (UnimpWarning) or raise (UnsupportedError naming every path)."""
-    if not findings or policy.layout.on_misaligned == "ignore":
-        return
-    text = "; ".join(findings)
-    if policy.layout.on_misaligned == "error":
-        raise UnsupportedError(f"policy {policy.name!r}: misaligned dims: {text}; fix: pad these dims to "
-                               f"multiples of {policy.layout.align} or set layout.on_misaligned = 'warn'")
-    warnings.warn(f"unimp: misaligned dims: {text}", UnimpWarning, stacklevel=4)
-
-
-def is_nnx(model: Any) -> bool:
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(model, nnx.Module)
-
-
-def is_linen(model: Any) -> bool:
-    linen = sys.modules.get("flax.linen")
-    return linen is not None and isinstance(model, linen.Module)
 
 
 class JaxBackend(Backend):

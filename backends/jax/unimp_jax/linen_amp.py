@@ -76,7 +76,7 @@ class LinenAmp(JaxAmp):
             finding = misaligned(path, lp.kind, shapes[path], self.policy.layout.align)
             if finding:
                 self.findings.append(finding)
-        from .backend import act_on_findings
+        from .layout import act_on_findings
 
         act_on_findings(self.findings, self.policy)
         self.params = self.cast_params(self.original_params)

@@ -20,19 +20,12 @@ from typing import Any
 
 from unimp.spi import Amp, LossScaleState, Plan, Report, ReportRow, UnimpWarning, UnsupportedError, kind_of
 
+from .device import dtype_name
 from .distributed import data_parallel, refuse_data_parallel
 from .layout import alignment_findings, channels_last_findings
 from .ops import OpLists, compile_lists
 from .optimizer import AmpOptimizer
 from .scaler import HostRuleLossScale
-
-DTYPES = {"paddle.float32": "float32", "paddle.bfloat16": "bfloat16", "paddle.float16": "float16",
-          "paddle.float64": "float64", "paddle.int64": "int64", "paddle.int32": "int32"}
-
-
-def dtype_name(dtype: Any) -> str:
-    """``paddle.bfloat16`` -> ``"bfloat16"``."""
-    return DTYPES.get(str(dtype), str(dtype).replace("paddle.", ""))
 
 
 def layer_kind(layer: Any) -> str | None:

@@ -12,19 +12,12 @@ from typing import Any
 
 from unimp.spi import Amp, Backend, Plan, Policy
 
+from .device import model_place
+
 
 def _is_program(model: Any) -> bool:
     static = sys.modules.get("paddle.static")
     return static is not None and isinstance(model, static.Program)
-
-
-def model_place(model: Any) -> str:
-    """``"gpu"`` when the layer's parameters (or Paddle's current device) are on a GPU, else ``"cpu"``."""
-    import paddle
-
-    for p in model.parameters():
-        return "gpu" if p.place.is_gpu_place() else "cpu"
-    return "gpu" if paddle.device.get_device().startswith("gpu") else "cpu"
 
 
 class PaddleBackend(Backend):

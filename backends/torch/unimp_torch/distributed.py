@@ -217,10 +217,11 @@ def fully_shard(model: nn.Module, policy: Any, *, units: Units = None, **kwargs:
     from unimp.spi import requests_fp8
 
     if requests_fp8(policy):
-        from .backend import TorchBackend
         from .fp8 import convert
+        from .plan import compile_plan
+        from .validate import device_of
 
-        plan = TorchBackend().compile(policy, model)
+        plan = compile_plan(policy, device_of(model))
         if plan.fp8 is not None and plan.fp8.active:
             convert(plan, model, plan.details["device"], fsdp=True)
     match = _matcher(units)

@@ -11,12 +11,19 @@ from __future__ import annotations
 import sys
 from typing import Any, ClassVar
 
-from unimp.backend import Amp, Backend
-from unimp.errors import UnsupportedError
-from unimp.hardware import resolve_cpu_auto
-from unimp.ops import class_names, kind_of_names, native_table
-from unimp.plan import LayerInfo, Plan, compile_ops
-from unimp.policy import Policy
+from unimp.spi import (
+    Amp,
+    Backend,
+    LayerInfo,
+    Plan,
+    Policy,
+    UnsupportedError,
+    class_names,
+    compile_ops,
+    kind_of_names,
+    native_table,
+    resolve_cpu_auto,
+)
 
 from .ops import NATIVE_OPS
 
