@@ -1,4 +1,4 @@
-"""The ``unimp`` command: validate, show, explain, diff, schema, presets, ops.
+"""The ``unimp`` command: validate, show, explain, diff, schema, presets, ops, import, export.
 
 Every failure is one located message per problem and exit status 1, never a traceback.
 """
@@ -16,6 +16,7 @@ from .errors import PolicyError, UnsupportedError
 from .loading import dumps, load, preset_names
 from .ops import OPS
 from .report import format_table
+from .resolve import flatten
 from .spec import json_schema
 
 
@@ -60,20 +61,11 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else k))
-        return out
-    return {prefix: d}
-
-
 def _diff(args: argparse.Namespace) -> int:
     from .registry import backends
 
     a, b = load(args.a), load(args.b)
-    fa, fb = _flatten(a.to_dict()), _flatten(b.to_dict())
+    fa, fb = flatten(a.to_dict()), flatten(b.to_dict())
     rows = [(k, json.dumps(fa.get(k)), json.dumps(fb.get(k))) for k in sorted({*fa, *fb})
             if k != "name" and fa.get(k) != fb.get(k)]
     print(format_table(("key", a.name, b.name), rows, title=f"policy: {len(rows)} differences"))
@@ -87,8 +79,69 @@ def _diff(args: argparse.Namespace) -> int:
             continue
         ops = [(x.op, x.runs_in, y.runs_in) for x, y in zip(pa.ops, pb.ops, strict=True)
                if (x.runs_in, x.honoured) != (y.runs_in, y.honoured)]
+        fa8, fb8 = _fp8_summary(pa), _fp8_summary(pb)
+        if fa8 != fb8:
+            ops.append(("fp8", fa8, fb8))
         print("\n" + format_table(("op", a.name, b.name), ops,
                                   title=f"backend {name}: {len(ops)} ops run differently"))
+    return 0
+
+
+def _fp8_summary(plan: Any) -> str:
+    """What a Plan runs in FP8, in one cell: ``off``, ``fallback (...)`` or the recipe, formats and ops."""
+    f = plan.fp8
+    if f is None or not f.requested:
+        return "off"
+    if not f.active:
+        return "fallback to the compute dtype"
+    history = f", history {f.amax_history}" if f.recipe == "delayed" else ""
+    return (f"{f.recipe} {f.forward_format}/{f.gradient_format}{history} on {'+'.join(f.ops) or 'overrides'}"
+            f" (dims % {f.dims_multiple})")
+
+
+def _read_source(text: str) -> tuple[object, str]:
+    """A config file's parsed content (JSON/TOML/YAML) or its text, or ``text`` itself (a pasted string)."""
+    from pathlib import Path
+
+    from .loading import FORMATS, read_file
+
+    path = Path(text) if len(text) < 4096 and "\n" not in text else None
+    try:
+        is_file = path is not None and path.is_file()
+    except (OSError, ValueError):
+        is_file = False
+    if not is_file:
+        return text, "<argument>"
+    if path.suffix.lower() in FORMATS:
+        return read_file(path), str(path)
+    try:
+        return path.read_text(encoding="utf-8")[:65537], str(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise PolicyError(f"{path}: cannot read ({e})") from None
+
+
+def _import(args: argparse.Namespace) -> int:
+    from .migrate import import_from
+
+    raw, source = _read_source(args.source)
+    imported = import_from(args.system, raw, source)
+    if args.output:
+        from pathlib import Path
+
+        Path(args.output).write_text(imported.text)
+        _say(f"wrote {args.output} ({imported.system}, fingerprint {imported.policy.fingerprint})", file=sys.stderr)
+    else:
+        print(imported.text, end="")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .migrate import export_to
+
+    exported = export_to(args.system, load(args.policy), strict=args.strict)
+    print(exported.text, end="")
+    for line in exported.unexpressed:
+        _say(f"not expressed: {line}", file=sys.stderr)
     return 0
 
 
@@ -100,8 +153,9 @@ def _schema(args: argparse.Namespace) -> int:
 def _presets(args: argparse.Namespace) -> int:
     for name in preset_names():
         p = load(name)
+        fp8 = f" fp8={p.fp8.recipe}" if p.fp8.enabled else ""
         print(f"{name:24} compute={p.compute_dtype:9} params={p.param_dtype:9} "
-              f"loss_scale={p.loss_scale.mode}")
+              f"loss_scale={p.loss_scale.mode}{fp8}")
     return 0
 
 
@@ -129,6 +183,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("b")
     p.add_argument("--backend")
     p.set_defaults(run=_diff)
+    from .migrate import SYSTEMS
+
+    p = sub.add_parser("import", help="a policy file from another system's AMP configuration")
+    p.add_argument("source", metavar="FILE|STRING")
+    p.add_argument("--from", dest="system", required=True, metavar="SYSTEM", help=", ".join(SYSTEMS))
+    p.add_argument("-o", "--output", help="write the policy here instead of printing it")
+    p.set_defaults(run=_import)
+    p = sub.add_parser("export", help="a policy as another system's AMP configuration")
+    p.add_argument("policy")
+    p.add_argument("--to", dest="system", required=True, metavar="SYSTEM", help=", ".join(SYSTEMS))
+    p.add_argument("--strict", action="store_true", help="fail when the system cannot express a key")
+    p.set_defaults(run=_export)
     sub.add_parser("schema", help="JSON Schema of the file format").set_defaults(run=_schema)
     sub.add_parser("presets", help="list shipped presets").set_defaults(run=_presets)
     sub.add_parser("ops", help="list canonical ops").set_defaults(run=_ops)

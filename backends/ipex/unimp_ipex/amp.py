@@ -18,13 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.backend import Amp
-from unimp.loss_scale import LossScaleState
-from unimp.plan import Plan
-from unimp.report import Report
-from unimp_torch.amp import TorchAmp, bind
-from unimp_torch.layers import kind
-from unimp_torch.layout import check_alignment
+from unimp.spi import Amp, LossScaleState, Plan, Report
+from unimp_torch.extension import TorchAmp, bind, check_alignment, kind
 
 from .modes import IpexMode
 from .optimize import ipex_masters, optimize, param_dtypes, write_back
@@ -111,7 +106,7 @@ def apply_plan(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | 
     ipex = plan.details.get("ipex")
     if ipex is not None:
         if optimizer is None and model.training:
-            from unimp.errors import UnsupportedError
+            from unimp.spi import UnsupportedError
 
             raise UnsupportedError("optimizer: ipex.optimize treats a model in training mode as training and "
                                    "needs its optimizer; pass the optimizer, call model.eval() first for "
@@ -128,7 +123,7 @@ def apply_plan(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | 
 
 def _verify_bf16(plan: Plan, original: nn.Module, optimized: nn.Module) -> None:
     """Every param IPEX made bf16 must be one the policy wants in bf16 (unimp-torch casts the rest)."""
-    from unimp_torch.layers import NAMES, type_names
+    from unimp_torch.extension import NAMES, type_names
 
     wrong = []
     for name, dtype in param_dtypes(optimized).items():

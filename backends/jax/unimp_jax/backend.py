@@ -7,15 +7,12 @@
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any
 
-from unimp.backend import Amp, Backend, UnimpWarning
-from unimp.errors import UnsupportedError
-from unimp.ops import OPS
-from unimp.plan import Plan, compile_ops
-from unimp.policy import Policy
+from unimp.spi import OPS, Amp, Backend, Plan, Policy, UnimpWarning, compile_ops
+
+from .layers import is_linen, is_nnx
 
 LAYER_OPS = ("matmul", "linear", "conv", "attention", "rnn", "embedding", "layer_norm", "rms_norm",
              "batch_norm", "group_norm")
@@ -38,27 +35,6 @@ NOTES = (
 )
 
 
-def act_on_findings(findings: list[str], policy: Policy) -> None:
-    """Misaligned dims: ignore, warn (UnimpWarning) or raise (UnsupportedError naming every path)."""
-    if not findings or policy.layout.on_misaligned == "ignore":
-        return
-    text = "; ".join(findings)
-    if policy.layout.on_misaligned == "error":
-        raise UnsupportedError(f"policy {policy.name!r}: misaligned dims: {text}; fix: pad these dims to "
-                               f"multiples of {policy.layout.align} or set layout.on_misaligned = 'warn'")
-    warnings.warn(f"unimp: misaligned dims: {text}", UnimpWarning, stacklevel=4)
-
-
-def is_nnx(model: Any) -> bool:
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(model, nnx.Module)
-
-
-def is_linen(model: Any) -> bool:
-    linen = sys.modules.get("flax.linen")
-    return linen is not None and isinstance(model, linen.Module)
-
-
 class JaxBackend(Backend):
     """Flax nnx and linen Modules with optax optimizers."""
 
@@ -71,10 +47,10 @@ class JaxBackend(Backend):
         return is_nnx(model) or is_linen(model)
 
     def compile(self, policy: Policy, model: Any = None) -> Plan:
-        from .platform import platform_of, resolve
+        from .hardware import platform_of, resolve
         from .scaler import validate
 
-        validate(policy.loss_scale, f"policy {policy.name!r} ({policy.source})")
+        scale_notes = validate(policy.loss_scale, f"policy {policy.name!r} ({policy.source})", policy.on_unsupported)
         tree = None
         if is_nnx(model):
             from flax import nnx
@@ -85,7 +61,7 @@ class JaxBackend(Backend):
         control = {op: "layer" for op in (*LAYER_OPS, *FUNCTION_OPS)}
         native = {op: OPS[op].flax + (("unimp_jax.Op",) if op in FUNCTION_OPS else ()) for op in OPS}
         fixed = {op: (None, PROMOTION) for op in ("elementwise", "concat")}
-        notes = (*NOTES, *((warning,) if warning else ()))
+        notes = (*NOTES, *((warning,) if warning else ()), *scale_notes)
         details = {"platform": platform, "master_weights": policy.uses_master_weights,
                    "slow_dtype_warning": warning}
         return compile_ops(self.name, policy, control=control, native=native, compute_dtype=dtype,
@@ -117,7 +93,7 @@ class JaxBackend(Backend):
         return LinenAmp(plan, model, optimizer, **options)
 
     def conformance_kit(self) -> Any:
-        from .kit import NnxKit
+        from .testing import NnxKit
 
         return NnxKit()
 

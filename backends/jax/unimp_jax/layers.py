@@ -15,14 +15,12 @@ dtype and its floating inputs and outputs are cast to it; params keep their stor
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from unimp.dtypes import widest
-from unimp.ops import kind_of
-from unimp.policy import LayerDecision, Policy
-from unimp.report import ReportRow
+from unimp.spi import LayerDecision, Policy, ReportRow, kind_of, widest
 
 from .attention import attention, needs_cpu_attention
 
@@ -155,3 +153,13 @@ def misaligned(path: str, kind: str, params: dict[str, Any], align: int) -> str 
                 return (f"{path}: {name} {shape}: dims {', '.join(map(str, bad))} are not multiples of "
                         f"{align} (layout.align)")
     return None
+
+
+def is_nnx(model: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(model, nnx.Module)
+
+
+def is_linen(model: Any) -> bool:
+    linen = sys.modules.get("flax.linen")
+    return linen is not None and isinstance(model, linen.Module)

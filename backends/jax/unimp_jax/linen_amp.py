@@ -29,13 +29,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from unimp.loss_scale import LossScaleState
-from unimp.plan import Plan
-from unimp.report import Report, ReportRow
+from unimp.spi import LossScaleState, Plan, Report, ReportRow
 
 from .amp import JaxAmp
 from .layers import LayerPlan, cast_floats, dtype_name, misaligned, run_layer
-from .optim import find_state
+from .optimizer import find_state
 
 
 def _own_params(m: Any) -> dict[str, Any]:
@@ -78,7 +76,7 @@ class LinenAmp(JaxAmp):
             finding = misaligned(path, lp.kind, shapes[path], self.policy.layout.align)
             if finding:
                 self.findings.append(finding)
-        from .backend import act_on_findings
+        from .layout import act_on_findings
 
         act_on_findings(self.findings, self.policy)
         self.params = self.cast_params(self.original_params)

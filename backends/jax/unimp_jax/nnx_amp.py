@@ -28,16 +28,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from unimp.errors import StateError
-from unimp.loss_scale import LossScaleState
-from unimp.plan import Plan
-from unimp.report import Report, ReportRow
+from unimp.spi import LossScaleState, Plan, Report, ReportRow, StateError
 
 from .amp import JaxAmp
 from .layers import LayerPlan, cast_floats, dtype_name, misaligned, run_layer
-from .optim import apply_updates, find_state, may_skip
+from .optimizer import apply_updates, find_state, may_skip
 
 _RECORDERS: list[dict[str, ReportRow]] = []
+# The last forward's input shapes per static token (model class + policy fingerprint), for
+# amp.report() without arguments. Keyed by the token, not by the model: under nnx.jit the layer
+# code runs only while tracing, and a compiled step traced for an equal token is reused by every
+# Amp with that token. It holds ShapeDtypeStructs only (no arrays, no model).
 _LAST_INPUTS: dict[str, Any] = {}
 
 
@@ -198,7 +199,7 @@ class NnxAmp(JaxAmp):
         self._saved, self._params = [], []
 
     def report_findings(self) -> None:
-        from .backend import act_on_findings
+        from .layout import act_on_findings
 
         act_on_findings(self.findings, self.policy)
 

@@ -23,13 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from unimp.backend import Amp
-from unimp.loss_scale import LossScale, LossScaleState
-from unimp.plan import Plan
-from unimp.report import Report, ReportRow
+from unimp.spi import Amp, LossScale, LossScaleState, Plan, Report, ReportRow
 
-from .binding import Binding, undo
-from .observe import observe
+from .bind import Binding, undo
+from .trace import observe
 
 
 class TensorFlowAmp(Amp):
