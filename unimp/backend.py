@@ -257,12 +257,14 @@ class Amp(abc.ABC):
                               "or pass an example input: amp.report(x)" + (f" ({hint})" if hint else ""))
 
     def report_header(self, rows: list, notes: list[str] | None = None) -> Report:
-        """A Report with the counters filled from the loss-scale state."""
+        """A Report with the counters filled from the loss-scale state (and the Plan's FP8 fallback, if any)."""
         self._check_live("amp.report()")
         st = self.loss_scale_state()
+        fp8 = self.plan.fp8
+        fallback = [f"fp8: fallback to the compute dtype: {fp8.fallback}"] if fp8 is not None and fp8.fallback else []
         return Report(rows=rows, backend=self.backend, policy=self.policy.name,
                       fingerprint=self.policy.fingerprint, scale=st.scale, skipped_steps=st.skipped,
-                      steps=st.steps, notes=list(notes or []) + list(self.findings))
+                      steps=st.steps, notes=list(notes or []) + fallback + list(self.findings))
 
     def __repr__(self) -> str:
         return f"<unimp.Amp backend={self.backend} policy={self.policy.name!r} removed={self._removed}>"

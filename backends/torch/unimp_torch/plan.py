@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import warnings
 
-from unimp.spi import CANONICAL_OPS, Plan, Policy, UnsupportedError, compile_ops, is_low
+from unimp.spi import CANONICAL_OPS, Fp8Support, Plan, Policy, UnsupportedError, compile_ops, is_low, requests_fp8
 
 from .autocast import aten_names, function_names, kernel_table, moves, native_category, same
 
@@ -79,8 +79,9 @@ def check_dtype(dtype: str, device: str, key: str) -> None:
         warn_emulated(dtype, key, "torch's CPU autocast")
 
 
-def compile_plan(policy: Policy, device: str) -> Plan:
-    """Plan ``policy`` for torch on ``device`` (``cpu`` | ``cuda``)."""
+def compile_plan(policy: Policy, device: str, fp8_missing: str | None = None) -> Plan:
+    """Plan ``policy`` for torch on ``device`` (``cpu`` | ``cuda``); ``fp8_missing``: why FP8 cannot run
+    (a backend built on this one without torchao's FP8, e.g. ipex), else torchao's support is checked."""
     compute, reason = resolve_compute(policy.compute_dtype, device)
     for i, o in enumerate(policy.overrides):
         if o.compute_dtype not in (None, "auto"):
@@ -106,5 +107,12 @@ def compile_plan(policy: Policy, device: str) -> Plan:
     mechanism = None if not op_moves else "autocast_kernels" if kernel_table(op_moves, device) is not None \
         else "function_mode"
     details = {"device": device, "autocast": autocast, "op_moves": op_moves, "eager_mechanism": mechanism}
+    fp8 = None
+    if fp8_missing is not None:
+        fp8 = Fp8Support(missing=fp8_missing)
+    elif requests_fp8(policy):  # torchao is imported only for a policy that asks FP8
+        from .fp8 import support
+
+        fp8 = support(device)
     return compile_ops("torch", policy, control=control, native=native, compute_dtype=compute,
-                       compute_reason=reason, notes=tuple(notes), details=details)
+                       compute_reason=reason, notes=tuple(notes), details=details, fp8=fp8)
