@@ -34,8 +34,9 @@ from .hardware import CpuFacts, cpu, resolve_auto, resolve_cpu_auto, warn_emulat
 from .layout import LayoutFindings
 from .loading import load
 from .loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState, f32
+from .migrate.paddle import PADDLE_NATIVE_OPS
 from .ops import CANONICAL_OPS, OPS, class_names, kind_of, kind_of_names, native_table
-from .plan import LayerInfo, Plan, compile_ops, requested_dtype
+from .plan import LayerInfo, Plan, compile_ops, requested_dtype, resolved_loss_scale
 from .policy import LayerDecision, Layout, LossScaleSpec, Policy
 from .registry import apply, is_applied, remember
 from .report import Report, ReportRow
@@ -47,7 +48,7 @@ __all__ = [
     "LayerDecision", "Layout", "LossScaleSpec", "Policy", "apply", "load",
     # the compiled contract and the op vocabulary
     "CANONICAL_OPS", "OPS", "LayerInfo", "LayoutFindings", "Plan", "class_names", "compile_ops", "kind_of",
-    "kind_of_names", "native_table", "requested_dtype",
+    "kind_of_names", "native_table", "requested_dtype", "resolved_loss_scale", "PADDLE_NATIVE_OPS",
     # shared algorithms and facts
     "CpuFacts", "LossScale", "LossScaleAtMinimumError", "LossScaleState", "cpu", "dtype_name", "f32", "is_low",
     "resolve_auto", "resolve_cpu_auto", "warn_emulated", "widest",

@@ -34,3 +34,13 @@ class IpexKit(TorchKit):
         from unimp.spi import apply
 
         return apply(policy, model, optimizer, backend="ipex", engine=self.engine)
+
+    def compile(self, policy: Policy, model: Any) -> Any:
+        from .backend import IpexBackend
+
+        return IpexBackend().compile(policy, model, engine=self.engine)
+
+    def apply_plan(self, plan: Any, model: Any, optimizer: Any) -> Any:
+        from .backend import IpexBackend
+
+        return IpexBackend().apply(plan, model, optimizer, engine=self.engine)
