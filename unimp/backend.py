@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from .applied import release, remember
 from .errors import StateError, UnimpWarning, UnsupportedError
 from .loss_scale import STATE_KEYS, LossScale, LossScaleState, check_state
 from .plan import Plan
@@ -197,7 +198,7 @@ class Amp(abc.ABC):
 
     def _policy_problems(self, st: LossScaleState) -> list[str]:
         """What in a well-formed state this policy can never produce."""
-        spec, out = self.policy.loss_scale, []
+        spec, out = self.plan.loss_scale, []
         fixed = LossScale(spec).initial_state().scale
         if spec.mode != "dynamic" and st.scale != fixed:
             out.append(f"scale: {st.scale!r}, but loss_scale.mode = {spec.mode!r} keeps the scale at {fixed!r}")
@@ -222,8 +223,6 @@ class Amp(abc.ABC):
 
     def remove(self) -> Any:
         """Undo ``apply``: the model's forward, dtypes and parameters are restored exactly."""
-        from .registry import release
-
         if not self._removed:
             self._restore()
             release(getattr(self, "_applied_ids", [id(self.model)]))
@@ -235,8 +234,6 @@ class Amp(abc.ABC):
 
         Refused with :class:`UnsupportedError` (naming the fix) when the backend's objects cannot be copied.
         """
-        from .registry import remember
-
         self._check_live("copy.deepcopy(amp)")
         cls = type(self)
         new = cls.__new__(cls)
@@ -251,7 +248,7 @@ class Amp(abc.ABC):
                 f"new.load_state_dict(amp.state_dict())") from None
         vars(new).update(state)
         copies = [memo[i] for i in getattr(self, "_applied_ids", [id(self.model)]) if i in memo]
-        remember(new, *(copies or [new.model]))
+        new._applied_ids = remember(*(copies or [new.model]))
         return new
 
     def no_forward(self, hint: str = "") -> NoForwardError:
@@ -260,12 +257,14 @@ class Amp(abc.ABC):
                               "or pass an example input: amp.report(x)" + (f" ({hint})" if hint else ""))
 
     def report_header(self, rows: list, notes: list[str] | None = None) -> Report:
-        """A Report with the counters filled from the loss-scale state."""
+        """A Report with the counters filled from the loss-scale state (and the Plan's FP8 fallback, if any)."""
         self._check_live("amp.report()")
         st = self.loss_scale_state()
+        fp8 = self.plan.fp8
+        fallback = [f"fp8: fallback to the compute dtype: {fp8.fallback}"] if fp8 is not None and fp8.fallback else []
         return Report(rows=rows, backend=self.backend, policy=self.policy.name,
                       fingerprint=self.policy.fingerprint, scale=st.scale, skipped_steps=st.skipped,
-                      steps=st.steps, notes=list(notes or []) + list(self.findings))
+                      steps=st.steps, notes=list(notes or []) + fallback + list(self.findings))
 
     def __repr__(self) -> str:
         return f"<unimp.Amp backend={self.backend} policy={self.policy.name!r} removed={self._removed}>"

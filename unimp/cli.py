@@ -16,6 +16,7 @@ from .errors import PolicyError, UnsupportedError
 from .loading import dumps, load, preset_names
 from .ops import OPS
 from .report import format_table
+from .resolve import flatten
 from .spec import json_schema
 
 
@@ -60,20 +61,11 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else k))
-        return out
-    return {prefix: d}
-
-
 def _diff(args: argparse.Namespace) -> int:
     from .registry import backends
 
     a, b = load(args.a), load(args.b)
-    fa, fb = _flatten(a.to_dict()), _flatten(b.to_dict())
+    fa, fb = flatten(a.to_dict()), flatten(b.to_dict())
     rows = [(k, json.dumps(fa.get(k)), json.dumps(fb.get(k))) for k in sorted({*fa, *fb})
             if k != "name" and fa.get(k) != fb.get(k)]
     print(format_table(("key", a.name, b.name), rows, title=f"policy: {len(rows)} differences"))
@@ -87,9 +79,24 @@ def _diff(args: argparse.Namespace) -> int:
             continue
         ops = [(x.op, x.runs_in, y.runs_in) for x, y in zip(pa.ops, pb.ops, strict=True)
                if (x.runs_in, x.honoured) != (y.runs_in, y.honoured)]
+        fa8, fb8 = _fp8_summary(pa), _fp8_summary(pb)
+        if fa8 != fb8:
+            ops.append(("fp8", fa8, fb8))
         print("\n" + format_table(("op", a.name, b.name), ops,
                                   title=f"backend {name}: {len(ops)} ops run differently"))
     return 0
+
+
+def _fp8_summary(plan: Any) -> str:
+    """What a Plan runs in FP8, in one cell: ``off``, ``fallback (...)`` or the recipe, formats and ops."""
+    f = plan.fp8
+    if f is None or not f.requested:
+        return "off"
+    if not f.active:
+        return "fallback to the compute dtype"
+    history = f", history {f.amax_history}" if f.recipe == "delayed" else ""
+    return (f"{f.recipe} {f.forward_format}/{f.gradient_format}{history} on {'+'.join(f.ops) or 'overrides'}"
+            f" (dims % {f.dims_multiple})")
 
 
 def _read_source(text: str) -> tuple[object, str]:
@@ -146,8 +153,9 @@ def _schema(args: argparse.Namespace) -> int:
 def _presets(args: argparse.Namespace) -> int:
     for name in preset_names():
         p = load(name)
+        fp8 = f" fp8={p.fp8.recipe}" if p.fp8.enabled else ""
         print(f"{name:24} compute={p.compute_dtype:9} params={p.param_dtype:9} "
-              f"loss_scale={p.loss_scale.mode}")
+              f"loss_scale={p.loss_scale.mode}{fp8}")
     return 0
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UnsupportedError
+from .fp8 import Fp8Plan, Fp8Support, plan_fp8
 from .layout import LayoutFindings
 from .ops import CANONICAL_OPS
 from .policy import LayerDecision, LossScaleSpec, Policy
@@ -109,6 +110,7 @@ class Plan:
     override_fallbacks: Mapping[int, str] = field(default_factory=dict)  # override index -> dtype that runs
     layers: tuple[LayerRow, ...] = ()  # the per-layer decision table (when compiled with a model index)
     layout: LayoutFindings = field(default=LayoutFindings(0, "ignore"))
+    fp8: Fp8Plan | None = None  # the [fp8] part (unimp.fp8); None = built without FP8 support declared
 
     def op(self, name: str) -> OpDecision:
         for d in self.ops:
@@ -165,6 +167,7 @@ class Plan:
             "notes": list(self.notes), "details": _details(self.details),
             "param_fallback": self.param_fallback,
             "override_fallbacks": {str(k): v for k, v in self.override_fallbacks.items()},
+            "fp8": self.fp8.to_dict() if self.fp8 is not None else None,
             "loss_scale": _plain(vars(self.loss_scale)),
             "layers": [{"path": r.path, "kind": r.kind, "compute_dtype": r.decision.compute_dtype,
                         "param_dtype": r.decision.param_dtype, "override": r.decision.override,
@@ -183,6 +186,7 @@ class Plan:
             rows.append((d.op, d.requested, runs, d.control, native))
         notes = ([f"note: {n}" for n in self.notes] + [f"fallback: {d.op}: {d.note}" for d in self.fallbacks]
                  + [f"ambiguous: {a}" for a in self.ambiguities])
+        notes += self.fp8.describe() if self.fp8 is not None else []
         return head + format_table(("op", "policy", "runs in", "control", "native"), rows, footer=notes)
 
 
@@ -211,14 +215,17 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
                 fixed: Mapping[str, tuple[str | None, str]] | None = None,
                 notes: tuple[str, ...] = (), details: Any = None, index: Iterable[LayerInfo] | None = None,
                 param_fallback: str | None = None,
-                override_fallbacks: Mapping[int, str] | None = None) -> Plan:
+                override_fallbacks: Mapping[int, str] | None = None,
+                fp8: Fp8Support | None = None) -> Plan:
     """Build a Plan, applying the policy's ``on_unsupported`` to what the backend cannot honour.
 
     ``control[op]`` is ``op`` or ``layer`` for ops the backend controls (missing = ``fixed``);
     ``fixed[op] = (dtype the framework uses or None for inputs, why)`` for ops it does not.
     A fixed op whose framework dtype differs from the request is an :class:`UnsupportedError`
     (``on_unsupported = "error"``) or a reported fallback. ``index`` (the model's layers) fills the
-    per-layer decision table and the layout findings.
+    per-layer decision table and the layout findings. ``fp8``: what the backend can run in FP8
+    (None: nothing); the policy's ``[fp8]`` request is checked against it the same way
+    (:func:`unimp.fp8.plan_fp8`).
     """
     low = compute_dtype or policy.compute_dtype
     fixed = fixed or {}
@@ -247,7 +254,8 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
               "as reported in the Plan")
     rows = compile_layers(policy, low, index or ())
     return Plan(backend, policy, low, compute_reason, tuple(decisions), tuple(notes), details,
-                param_fallback, dict(override_fallbacks or {}), rows, compile_layout(policy, index or ()))
+                param_fallback, dict(override_fallbacks or {}), rows, compile_layout(policy, index or ()),
+                plan_fp8(policy, backend, fp8))
 
 
 def compile_layers(policy: Policy, compute_dtype: str, index: Iterable[LayerInfo]) -> tuple[LayerRow, ...]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .dtypes import is_low
+from .resolve import resolve, to_text
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class LossScaleSpec:
     growth_requires_finite: bool
     hysteresis_refill: tuple[str, ...]
     at_min: str
+    scale_dtype: str = "float32"
+    subnormal: str = "keep"
+    factor_arithmetic: str = "float64"
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,19 @@ class Distributed:
 
 
 @dataclass(frozen=True)
+class Fp8Spec:
+    """The ``[fp8]`` table: which canonical ops run FP8 and how they are scaled (see :mod:`unimp.fp8`)."""
+
+    enabled: bool = False
+    ops: tuple[str, ...] = ("linear",)
+    recipe: str = "tensorwise"
+    amax_history: int = 16
+    forward_format: str = "e4m3"
+    gradient_format: str = "e5m2"
+    dims_multiple: int = 16
+
+
+@dataclass(frozen=True)
 class Override:
     """Per-module dtypes; matches a module whose path fits a glob OR whose type is listed."""
 
@@ -82,6 +99,12 @@ class Override:
     types: tuple[str, ...] = ()
     compute_dtype: str | None = None
     param_dtype: str | None = None
+    fp8: bool | None = None
+
+    @property
+    def sets_dtype(self) -> bool:
+        """Whether it changes dtypes (an override that only sets ``fp8`` leaves them to the rest)."""
+        return self.compute_dtype is not None or self.param_dtype is not None
 
     def matches(self, path: str, type_names: Iterable[str]) -> bool:
         if any(fnmatch.fnmatchcase(path, g) for g in self.modules):
@@ -114,6 +137,7 @@ class Policy:
     layout: Layout
     distributed: Distributed
     overrides: tuple[Override, ...] = ()
+    fp8: Fp8Spec = Fp8Spec()
     source: str = field(default="<dict>", compare=False)
 
     # ---------------------------------------------------------------- construction / export
@@ -130,6 +154,7 @@ class Policy:
             layout=Layout(**d["layout"]), distributed=Distributed(**d["distributed"]),
             overrides=tuple(Override(**{k: tuple(v) if isinstance(v, list) else v for k, v in o.items()})
                             for o in d["overrides"]),
+            fp8=Fp8Spec(**{k: tuple(v) if isinstance(v, list) else v for k, v in d["fp8"].items()}),
             source=source,
         )
 
@@ -144,7 +169,7 @@ class Policy:
             "output_dtype": self.output_dtype, "on_unsupported": self.on_unsupported,
             "ops": table(self.ops), "loss_scale": table(self.loss_scale),
             "master_weights": table(self.master_weights), "layout": table(self.layout),
-            "distributed": table(self.distributed), "overrides": overrides,
+            "distributed": table(self.distributed), "overrides": overrides, "fp8": table(self.fp8),
         }
 
     @property
@@ -152,14 +177,15 @@ class Policy:
         """Stable hash of everything that changes behaviour (not ``name``)."""
         d = self.to_dict()
         d.pop("name")
+        if self.fp8 == Fp8Spec():  # policies without FP8 keep the fingerprint they had before [fp8] existed
+            d.pop("fp8")
         text = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def replace(self, **changes: Any) -> Policy:
         """A new, re-validated policy; table keys merge (``loss_scale={"mode": "static"}``)."""
-        from .loading import resolve_dict
-
-        return resolve_dict(changes, parent=self.to_dict(), source=f"{self.source} (replace)")
+        source = f"{self.source} (replace)"
+        return Policy.from_resolved(resolve(changes, parent=self.to_dict(), source=source), source)
 
     # ---------------------------------------------------------------- queries backends share
     @property
@@ -171,18 +197,20 @@ class Policy:
         return self.master_weights.enabled and (
             is_low(self.param_dtype) or any(is_low(o.param_dtype) for o in self.overrides))
 
-    def override_for(self, path: str, type_names: Iterable[str] = ()) -> tuple[int, Override] | None:
-        """First override matching a module path or one of its type names (canonical or native)."""
+    def override_for(self, path: str, type_names: Iterable[str] = (), *,
+                     sets: str = "dtype") -> tuple[int, Override] | None:
+        """First override matching a module path or one of its type names (canonical or native)
+        among those that set ``sets``: ``"dtype"`` (compute or param dtype) or ``"fp8"``."""
         names = tuple(type_names)
         for i, o in enumerate(self.overrides):
-            if o.matches(path, names):
+            if (o.sets_dtype if sets == "dtype" else o.fp8 is not None) and o.matches(path, names):
                 return i, o
         return None
 
     def overrides_matching(self, path: str, type_names: Iterable[str] = ()) -> tuple[int, ...]:
-        """Indices of every override matching a module path or one of its type names."""
+        """Indices of every override that sets a dtype and matches a module path or one of its type names."""
         names = tuple(type_names)
-        return tuple(i for i, o in enumerate(self.overrides) if o.matches(path, names))
+        return tuple(i for i, o in enumerate(self.overrides) if o.sets_dtype and o.matches(path, names))
 
     def param_dtype_of(self, path: str, kind: str | None, type_names: Iterable[str] = ()) -> str:
         """The param dtype of one layer (it never depends on the compute dtype, so ``auto`` needs no
@@ -216,6 +244,4 @@ class Policy:
         return decision
 
     def __str__(self) -> str:
-        from .loading import dumps
-
-        return dumps(self, "toml")
+        return to_text(self.to_dict(), "toml")

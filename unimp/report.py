@@ -24,6 +24,7 @@ class ReportRow:
     compute_dtype: str | None
     param_dtype: str | None
     output_dtype: str | None
+    fp8: str | None = None  # the FP8 recipe the layer ran (unimp.fp8), None = not FP8
 
 
 @dataclass
@@ -68,7 +69,7 @@ class Report:
             if a is None or b is None:
                 out.append(f"{path}: only in {'other' if a is None else 'self'}")
                 continue
-            for f in ("kind", "compute_dtype", "param_dtype", "output_dtype"):
+            for f in ("kind", "compute_dtype", "param_dtype", "output_dtype", "fp8"):
                 if getattr(a, f) != getattr(b, f):
                     out.append(f"{path}: {f} {getattr(a, f)} != {getattr(b, f)}")
         for f in ("scale", "skipped_steps", "steps"):
@@ -77,10 +78,11 @@ class Report:
         return out
 
     def __str__(self) -> str:
+        fp8 = any(r.fp8 for r in self.rows)  # the column shows where some layer ran FP8
         return format_table(
-            ("path", "kind", "compute", "params", "output"),
+            ("path", "kind", "compute", "params", "output", *(("fp8",) if fp8 else ())),
             [(r.path or "<model>", r.kind or "-", r.compute_dtype or "-", r.param_dtype or "-",
-              r.output_dtype or "-") for r in self.rows],
+              r.output_dtype or "-", *((r.fp8 or "-",) if fp8 else ())) for r in self.rows],
             title=f"unimp report: {self.backend} / policy {self.policy!r} ({self.fingerprint})",
             footer=[f"loss scale {self.scale}, skipped {self.skipped_steps} of {self.steps} steps",
                     *self.notes])

@@ -21,6 +21,9 @@ from .dtypes import COMPUTE_DTYPES, FLOAT_DTYPES
 from .ops import CANONICAL_OPS, OP_LISTS, suggest
 
 GROWTH_SCHEDULES = ("interval", "interval_plus_one", "window")
+FP8_OPS = ("linear", "matmul", "attention")  # canonical ops an FP8 recipe can cover (a backend declares which)
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp", "delayed")
+MAX_AMAX_HISTORY = 1 << 16  # entries of a delayed-scaling amax history (Transformer Engine uses 1024)
 HYSTERESIS_EVENTS = ("finite", "growth", "backoff")
 FLT_MAX = 3.4028234663852886e38  # largest float32: every backend holds the scale in float32
 FLT_TINY = 2.0 ** -126  # smallest normal float32: a smaller scale or factor rounds towards 0
@@ -98,6 +101,15 @@ TABLES: dict[str, dict[str, Field]] = {
                                    choices=HYSTERESIS_EVENTS),
         "at_min": _enum(("clamp", "error"), "clamp",
                         "a backoff needed at the floor: stay there, or raise (DeepSpeed)"),
+        "scale_dtype": _enum(("float32", "float64"), "float32",
+                             "dtype the scale is held in: float32 (every framework's device tensor) or "
+                             "float64 (a Python float: DeepSpeed, apex)"),
+        "subnormal": _enum(("keep", "flush"), "keep",
+                           "a product below the smallest normal: keep the subnormal (IEEE: torch, "
+                           "Paddle) or flush it to 0 (Keras 3 on TensorFlow, XLA:CPU)"),
+        "factor_arithmetic": _enum(("float64", "float32"), "float64",
+                                   "scale x factor: formed in float64, rounded once (torch's kernel), or "
+                                   "the factor rounded to float32 first (jmp, Flax, Paddle, Megatron)"),
     },
     "master_weights": {
         "enabled": Field("bool", True, "keep float32 masters when params are lower precision"),
@@ -111,6 +123,20 @@ TABLES: dict[str, dict[str, Field]] = {
     "distributed": {
         "reduce_dtype": _enum(FLOAT_DTYPES, "float32", "dtype of the gradient all-reduce"),
     },
+    "fp8": {
+        "enabled": Field("bool", False, "run the layers of `ops` in FP8 (the rest stays in compute_dtype)"),
+        "ops": Field("enumlist", ["linear"], "canonical ops that run FP8 where the backend can",
+                     choices=FP8_OPS),
+        "recipe": _enum(FP8_RECIPES, "tensorwise",
+                        "scaling: tensorwise | rowwise | rowwise_gw_hp (rowwise, grad-weight in high "
+                        "precision) | delayed (scales from an amax history)"),
+        "amax_history": Field("int", 16, "amax history length (recipe = 'delayed' only)", minimum=1,
+                              maximum=MAX_AMAX_HISTORY),
+        "forward_format": _enum(("e4m3",), "e4m3", "FP8 format of activations and weights"),
+        "gradient_format": _enum(("e5m2", "e4m3"), "e5m2", "FP8 format of the gradients"),
+        "dims_multiple": Field("int", 16, "layers whose dims are not multiples of this stay in "
+                                          "compute_dtype (reported)", minimum=1, maximum=INT32_MAX),
+    },
 }
 
 OVERRIDE: dict[str, Field] = {
@@ -118,6 +144,7 @@ OVERRIDE: dict[str, Field] = {
     "types": Field("strlist", [], "canonical op names or native layer class names"),
     "compute_dtype": _enum(COMPUTE_DTYPES, None, "compute dtype of matched modules"),
     "param_dtype": _enum(FLOAT_DTYPES, None, "parameter dtype of matched modules"),
+    "fp8": Field("bool", None, "true: matched modules run FP8 ([fp8] recipe); false: never"),
 }
 
 DEFAULTS: dict[str, Any] = {
@@ -424,8 +451,8 @@ def _check_overrides(value: Any, problems: Problems) -> list[dict[str, Any]]:
             continue
         if not table.get("modules") and not table.get("types"):
             problems.add(path, "matches nothing: give `modules` (globs on module paths) and/or `types`")
-        if table.get("compute_dtype") is None and table.get("param_dtype") is None:
-            problems.add(path, "changes nothing: give compute_dtype and/or param_dtype")
+        if all(table.get(k) is None for k in ("compute_dtype", "param_dtype", "fp8")):
+            problems.add(path, "changes nothing: give compute_dtype, param_dtype and/or fp8")
         for j, t in enumerate(table.get("types", [])):
             if t in CANONICAL_OPS or _class_name(t):
                 continue
@@ -459,6 +486,11 @@ def check_resolved(policy: dict[str, Any], problems: Problems) -> None:
                       f"skip_nonfinite = true unless that is what you want", UnimpWarning, stacklevel=2)
     if ls["initial"] > ls["max"]:
         problems.add("loss_scale.initial", f"initial ({ls['initial']:g}) is above max ({ls['max']:g})")
+    fp8 = policy["fp8"]
+    if fp8["recipe"] != "delayed" and fp8["amax_history"] != TABLES["fp8"]["amax_history"].default:
+        problems.add("fp8.amax_history", f"applies to recipe = 'delayed' only (recipe is {fp8['recipe']!r}: its "
+                                         f"scales come from the current tensor); remove it or set "
+                                         f"recipe = 'delayed'")
 
 
 # ---------------------------------------------------------------- JSON Schema

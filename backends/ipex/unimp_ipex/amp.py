@@ -19,9 +19,7 @@ import torch
 from torch import nn
 
 from unimp.spi import Amp, LossScaleState, Plan, Report
-from unimp_torch.amp import TorchAmp, bind
-from unimp_torch.index import model_index
-from unimp_torch.layers import kind
+from unimp_torch.extension import TorchAmp, bind, kind, model_index
 
 from .modes import IpexMode
 from .optimize import ipex_masters, optimize, param_dtypes, write_back
@@ -126,7 +124,7 @@ def apply_plan(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | 
 
 def _verify_bf16(plan: Plan, original: nn.Module, optimized: nn.Module) -> None:
     """Every param IPEX made bf16 must be one the policy wants in bf16 (unimp-torch casts the rest)."""
-    from unimp_torch.layers import NAMES, type_names
+    from unimp_torch.extension import NAMES, type_names
 
     wrong = []
     for name, dtype in param_dtypes(optimized).items():

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from unimp.spi import Plan, Policy
-from unimp_torch.backend import TorchBackend
+from unimp_torch.extension import TorchBackend
 
 
 class IpexBackend(TorchBackend):
@@ -44,7 +44,7 @@ class IpexBackend(TorchBackend):
               on_skip: Callable[[], Any] | None = None, **options: Any) -> Any:
         """Bind ``plan`` (recompiled when it was compiled without ``model`` or for another engine); see the
         class docstring."""
-        from unimp_torch.validate import check_inputs
+        from unimp_torch.extension import check_inputs
 
         from .amp import apply_plan
 

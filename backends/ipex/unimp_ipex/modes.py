@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from unimp.spi import CpuFacts, Policy, is_low, resolved_loss_scale
-from unimp_torch.layers import kind, type_names
+from unimp_torch.extension import kind, type_names
 
 # the layer types IPEX 2.8 casts to bf16 under ipex.optimize(dtype=torch.bfloat16): exact types,
 # subclasses are left float32 (measured; see README). Other layers the policy wants in bf16 get

@@ -21,13 +21,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from unimp.spi import CpuFacts, Plan, Policy, is_low
-from unimp_torch.index import model_index
-from unimp_torch.plan import TorchDetails
-from unimp_torch.plan import compile_plan as torch_plan
+from unimp.spi import CpuFacts, Fp8Support, Plan, Policy, is_low, plan_fp8
+from unimp_torch.extension import TorchDetails, model_index
+from unimp_torch.extension import compile_plan as torch_plan
 
 from .engine import Engine
 from .hardware import check, resolve_auto
+
+FP8_MISSING = ("unimp-ipex drives ipex.optimize on CPU, which trains in bfloat16/float16 only (IPEX's FP8, "
+               "fp8_autocast, is for Intel GPUs); for FP8 training use the torch backend (torchao) on an "
+               "FP8 GPU")
 
 
 def resolve_compute(policy: Policy, cpu: CpuFacts) -> tuple[str, str]:
@@ -66,10 +69,11 @@ class IpexDetails(TorchDetails):
 def compile_plan(policy: Policy, model: Any, engine: Engine, cpu: CpuFacts) -> Plan:
     """The Plan of backend ``ipex`` for ``policy`` (``model`` decides IPEX's mode when given)."""
     compute, reason = resolve_compute(policy, cpu)
+    fp8 = plan_fp8(policy, "ipex", Fp8Support(missing=FP8_MISSING))  # refused here, or the reported fallback
     resolved = policy if policy.compute_dtype == compute else policy.replace(compute_dtype=compute)
     with warnings.catch_warnings():  # the emulation warning came from `check` above, on these facts
         warnings.filterwarnings("ignore", message="unimp: .* emulates ")
-        base = torch_plan(resolved, "cpu", model_index(model) if model is not None else None)
+        base = torch_plan(resolved, "cpu", model_index(model) if model is not None else None, fp8_missing=FP8_MISSING)
     notes = [f"engine: {engine.name} ({engine.reason})", f"cpu: {cpu.describe()}", *base.notes]
     settings = None
     if engine.name == "ipex":
@@ -79,6 +83,6 @@ def compile_plan(policy: Policy, model: Any, engine: Engine, cpu: CpuFacts) -> P
         settings = IpexSettings(engine.ipex_version, mode.dtype, mode.weights_prepack, mode.reason)
         notes.insert(1, f"ipex.optimize(dtype={mode.dtype}, weights_prepack={mode.weights_prepack}): {mode.reason}")
     return dataclasses.replace(base, backend="ipex", policy=policy, compute_dtype=compute,
-                               compute_reason=reason, notes=tuple(notes),
+                               compute_reason=reason, notes=tuple(notes), fp8=fp8,
                                details=IpexDetails(**vars(base.details), engine=engine.name,
                                                    engine_reason=engine.reason, cpu=cpu.record(), ipex=settings))

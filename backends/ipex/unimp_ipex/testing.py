@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from unimp.spi import Policy
-from unimp_torch.testing import TorchKit
+from unimp_torch.extension import TorchKit
 
 from .hardware import here
 
@@ -36,11 +36,7 @@ class IpexKit(TorchKit):
         return apply(policy, model, optimizer, backend="ipex", engine=self.engine)
 
     def compile(self, policy: Policy, model: Any) -> Any:
-        from .backend import IpexBackend
-
-        return IpexBackend().compile(policy, model, engine=self.engine)
+        return self.backend_instance().compile(policy, model, engine=self.engine)
 
     def apply_plan(self, plan: Any, model: Any, optimizer: Any) -> Any:
-        from .backend import IpexBackend
-
-        return IpexBackend().apply(plan, model, optimizer, engine=self.engine)
+        return self.backend_instance().apply(plan, model, optimizer, engine=self.engine)

@@ -15,6 +15,7 @@ from typing import Any
 
 from unimp.spi import Amp, LossScaleState, Plan
 
+from .layers import is_nnx
 from .optimizer import AmpOptState, all_finite, apply_updates, find_state, wrap
 from .scaler import check, initial_tree, to_state
 
@@ -90,7 +91,7 @@ def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, a
         return out, grads, all_finite(grads)
 
     def _distributed(state: Any, target: Any, scale: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
-        if _is_nnx_module(target):  # differentiate a device-varying view of the params (local grads)
+        if is_nnx(target):  # differentiate a device-varying view of the params (local grads)
             from flax import nnx
 
             replicated = nnx.as_pure(nnx.state(target, nnx.Param))
@@ -123,7 +124,7 @@ def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, a
             value = loss if scale is None else loss.astype(jnp.float32) * scale
             return value, out
 
-        if _is_nnx_module(target):
+        if is_nnx(target):
             from flax import nnx
 
             (_, out), grads = nnx.value_and_grad(scaled, has_aux=True)(target, *args, **kwargs)
@@ -138,10 +139,3 @@ def _is_float(x: Any) -> bool:
     import jax.numpy as jnp
 
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def _is_nnx_module(x: Any) -> bool:
-    import sys
-
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(x, nnx.Module)

@@ -7,13 +7,13 @@
 
 from __future__ import annotations
 
-import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from unimp.spi import CANONICAL_OPS, Amp, Backend, Plan, Policy, UnimpWarning, compile_ops, native_table
 
+from .layers import is_linen, is_nnx
 from .ops import NATIVE_OPS
 
 LAYER_OPS = ("matmul", "linear", "conv", "attention", "rnn", "embedding", "layer_norm", "rms_norm",
@@ -35,16 +35,6 @@ NOTES = (
     "every device; a plain jit over NamedSharding inputs lets XLA's partitioner reduce in the dtype it "
     "meets (often the compute dtype)",
 )
-
-
-def is_nnx(model: Any) -> bool:
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(model, nnx.Module)
-
-
-def is_linen(model: Any) -> bool:
-    linen = sys.modules.get("flax.linen")
-    return linen is not None and isinstance(model, linen.Module)
 
 
 @dataclass(frozen=True)
@@ -74,7 +64,7 @@ class JaxBackend(Backend):
         from .hardware import platform_of, resolve
         from .scaler import validate
 
-        validate(policy.loss_scale, f"policy {policy.name!r} ({policy.source})")
+        scale_notes = validate(policy.loss_scale, f"policy {policy.name!r} ({policy.source})", policy.on_unsupported)
         tree = None
         if is_nnx(model):
             from flax import nnx
@@ -86,7 +76,7 @@ class JaxBackend(Backend):
         native = {op: NATIVE_OPS.get(op, ()) + (("unimp_jax.Op",) if op in FUNCTION_OPS else ())
                   for op in CANONICAL_OPS}
         fixed = {op: (None, PROMOTION) for op in ("elementwise", "concat")}
-        notes = (*NOTES, *((warning,) if warning else ()))
+        notes = (*NOTES, *((warning,) if warning else ()), *scale_notes)
         details = JaxDetails(platform, policy.uses_master_weights, warning)
         return compile_ops(self.name, policy, control=control, native=native, compute_dtype=dtype,
                            compute_reason=reason, fixed=fixed, notes=notes, details=details)

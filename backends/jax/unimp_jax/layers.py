@@ -15,6 +15,7 @@ dtype and its floating inputs and outputs are cast to it; params keep their stor
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -152,3 +153,13 @@ def dims(kind: str, params: dict[str, Any]) -> tuple[tuple[str, int], ...]:
             unit = "channels" if kind == "conv" else "features"
             return ((f"in_{unit}", int(shape[-2])), (f"out_{unit}", int(shape[-1])))
     return ()
+
+
+def is_nnx(model: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(model, nnx.Module)
+
+
+def is_linen(model: Any) -> bool:
+    linen = sys.modules.get("flax.linen")
+    return linen is not None and isinstance(model, linen.Module)

@@ -35,6 +35,10 @@ from .layers import LayerPlan, cast_floats, dims, dtype_name, run_layer
 from .optimizer import apply_updates, find_state, may_skip
 
 _RECORDERS: list[dict[str, ReportRow]] = []
+# The last forward's input shapes per static token (model class + policy fingerprint), for
+# amp.report() without arguments. Keyed by the token, not by the model: under nnx.jit the layer
+# code runs only while tracing, and a compiled step traced for an equal token is reused by every
+# Amp with that token. It holds ShapeDtypeStructs only (no arrays, no model).
 _LAST_INPUTS: dict[str, Any] = {}
 
 

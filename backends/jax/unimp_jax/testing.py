@@ -211,11 +211,9 @@ class LinenKit(_JaxKit):
         return super().compile(policy, self._probe(model).module)
 
     def apply_plan(self, plan: Any, model: Any, optimizer: Any) -> Any:
-        from .backend import JaxBackend
-
         probe = self._probe(model)
-        return JaxBackend().apply(plan, probe.module, optimizer, params=probe.params,
-                                  inputs=jnp.zeros((1, 1), jnp.int32))
+        return self.backend_instance().apply(plan, probe.module, optimizer, params=probe.params,
+                                             inputs=jnp.zeros((1, 1), jnp.int32))
 
     def output(self, amp: Any, batch: ProbeBatch) -> Any:
         return amp.apply(amp.params, jnp.asarray(batch.tokens))

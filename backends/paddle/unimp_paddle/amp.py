@@ -26,18 +26,13 @@ from unimp.spi import (
     ReportRow,
     kind_of,
 )
-from unimp.spi import dtype_name as core_dtype_name
 
+from .device import dtype_name
 from .distributed import data_parallel, refuse_data_parallel
 from .layout import channels_last_findings, dims
 from .ops import NATIVE_OPS, OpLists, compile_lists
 from .optimizer import AmpOptimizer
 from .scaler import HostRuleLossScale
-
-
-def dtype_name(dtype: Any) -> str:
-    """``paddle.bfloat16`` -> ``"bfloat16"``."""
-    return core_dtype_name(dtype)
 
 
 def layer_kind(layer: Any) -> str | None:

@@ -12,21 +12,13 @@ from typing import Any, ClassVar
 
 from unimp.spi import Amp, Backend, Plan, Policy, native_table
 
+from .device import model_place
 from .ops import NATIVE_OPS
 
 
 def _is_program(model: Any) -> bool:
     static = sys.modules.get("paddle.static")
     return static is not None and isinstance(model, static.Program)
-
-
-def model_place(model: Any) -> str:
-    """``"gpu"`` when the layer's parameters (or Paddle's current device) are on a GPU, else ``"cpu"``."""
-    import paddle
-
-    for p in model.parameters():
-        return "gpu" if p.place.is_gpu_place() else "cpu"
-    return "gpu" if paddle.device.get_device().startswith("gpu") else "cpu"
 
 
 class PaddleBackend(Backend):

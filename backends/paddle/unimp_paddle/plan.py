@@ -22,6 +22,7 @@ from typing import Any
 
 from unimp.spi import (
     CANONICAL_OPS,
+    Fp8Support,
     LayerInfo,
     Plan,
     Policy,
@@ -39,6 +40,9 @@ from unimp.spi import (
 from .ops import compile_lists, layer_types, op_types
 
 BACKEND = "paddle"
+FP8_MISSING = ("unimp-paddle has no FP8 training path: paddle.amp (auto_cast/decorate) runs float16/bfloat16 "
+               "only, and Paddle's FP8 GEMMs are incubate GPU kernels with no layer-level training API; "
+               "for FP8 training use the torch backend (torchao) on an FP8 GPU")
 CPU_WHY = ("Paddle 3.x dygraph has no CPU float16/bfloat16 kernels: auto_cast/decorate are no-ops on "
            "CPUPlace, so Paddle runs it in float32")
 # Measured on this CPU (paddlepaddle 3.3.1, FLAGS_use_mkldnn=0, legacy IR): ops whose bf16 kernel fails.
@@ -105,7 +109,8 @@ def _compile(policy: Policy, low: str, reason: str, active: bool, why: str,
     control = {k: v for k, v in _control(active).items() if k not in fixed_extra}
     try:
         plan = compile_ops(BACKEND, policy, control=control, native=native, compute_dtype=low,
-                           compute_reason=reason, fixed=fixed, notes=notes, details=details, index=index)
+                           compute_reason=reason, fixed=fixed, notes=notes, details=details, index=index,
+                           fp8=Fp8Support(missing=FP8_MISSING))
         exc = None
     except UnsupportedError as e:
         exc, plan = e, None

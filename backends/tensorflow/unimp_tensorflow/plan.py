@@ -21,6 +21,7 @@ from unimp.spi import (
     LossScaleSpec,
     Plan,
     Policy,
+    UnsupportedError,
     compile_ops,
     cpu,
     is_low,
@@ -58,7 +59,8 @@ def keras_rule(spec: LossScaleSpec) -> bool:
     return (spec.mode == "dynamic" and spec.growth_factor == 2.0 and spec.backoff_factor == 0.5
             and spec.hysteresis == 1 and spec.min == 0.0 and spec.max == float("inf")
             and spec.skip_nonfinite and spec.growth_schedule == "interval"
-            and not spec.growth_requires_finite and spec.at_min == "clamp")
+            and not spec.growth_requires_finite and spec.at_min == "clamp"
+            and spec.subnormal == "flush" and spec.scale_dtype == "float32")  # it flushes on TF's CPU kernels
 
 
 def _gpus() -> list:
@@ -94,6 +96,19 @@ def loss_scaler(policy: Policy, spec: LossScaleSpec) -> str:
     if keras_rule(spec) and not policy.uses_master_weights:
         return "loss scaling: Keras' own LossScaleOptimizer (its fixed rule is exactly the policy's)"
     return f"loss scaling: unimp LossScaleOptimizer ({spec.mode}, the core reference rule)"
+
+
+def scale_fallbacks(policy: Policy) -> list[str]:
+    """Loss-scale knobs this backend cannot honour: an UnsupportedError, or Plan notes (fallback)."""
+    from .scaler import unsupported
+
+    problems = unsupported(policy.loss_scale)
+    if problems and policy.on_unsupported == "error":
+        raise UnsupportedError(f"policy {policy.name!r} ({policy.source}): " + "; ".join(
+            f"loss_scale.{k} = {getattr(policy.loss_scale, k)!r} cannot be honoured: {why}"
+            for k, (_, why) in problems.items()) + " (or on_unsupported = 'fallback')")
+    return [f"loss_scale.{k} = {getattr(policy.loss_scale, k)!r} runs as {v!r}: {why}"
+            for k, (v, why) in problems.items()]
 
 
 def distributed_note(policy: Policy) -> str:
@@ -137,6 +152,8 @@ def compile_plan(policy: Policy, index: Iterable[LayerInfo] | None = None) -> Pl
                      f"{policy.param_dtype} params get {policy.param_dtype} copies while applied; the "
                      "original float32 variables are the masters the optimizer wrapper updates")
     details = TensorFlowDetails(loss_scaler(policy, resolved_loss_scale(policy, compute)), distributed_note(policy))
-    notes += [details.loss_scaler, details.distributed]
+    notes.append(details.loss_scaler)
+    notes.extend(scale_fallbacks(policy))
+    notes.append(details.distributed)
     return compile_ops(BACKEND, policy, control=control, native=native, compute_dtype=compute,
                        compute_reason=reason, fixed=fixed, notes=tuple(notes), details=details, index=index)

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.spi import Amp, LossScaleState, Plan, Report, ReportRow
+from unimp.spi import Amp, LossScaleState, Plan, Report, ReportRow, fp8_report_notes
 
 from .forward import PolicyForward, patch_forward
+from .fp8 import Fp8Binding
 from .index import model_index
 from .layers import DTYPES, Rule, kind, type_names, wrap
 from .layout import has_conv2d, restore_layout, to_channels_last
@@ -50,6 +51,7 @@ class TorchAmp(Amp):
         # size, reduce dtype, how found-inf is agreed; ``agree(found_inf)`` all-reduces it (MAX)
         self.distributed: dict[str, Any] | None = None
         self.agree: Callable[[torch.Tensor], None] | None = None
+        self.fp8: Fp8Binding | None = None  # the layers running FP8 (unimp_torch.fp8), when the Plan has FP8
 
     # ------------------------------------------------------------------ training verbs
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -88,6 +90,12 @@ class TorchAmp(Amp):
 
         self._check_live("amp.ddp()")
         return make_ddp(self, **kwargs)
+
+    @property
+    def fp8_layers(self) -> dict[str, str]:
+        """``{module path: FP8 recipe}`` of the layers that run FP8 (the Plan's choice; empty if none)."""
+        self._check_live("amp.fp8_layers")
+        return dict(self.fp8.layers) if self.fp8 is not None else {}
 
     @property
     def master_weights(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
@@ -132,10 +140,13 @@ class TorchAmp(Amp):
             observed = self._observer.rows
         else:
             raise self.no_forward("a compiled forward is not observed: under torch.compile, pass the input")
-        rows = [ReportRow(path or "<model>", r["kind"], r["compute_dtype"], r["param_dtype"], r["output_dtype"])
+        fp8 = self.fp8.layers if self.fp8 is not None else {}
+        rows = [ReportRow(path or "<model>", r["kind"], r["compute_dtype"], r["param_dtype"], r["output_dtype"],
+                          fp8.get(path))
                 for path, r in observed.items()
                 if not path or r["kind"] or not any(True for _ in self.module.get_submodule(path).children())]
         notes = [f"wrapped per layer: {', '.join(self.wrapped)}"] if self.wrapped else []
+        notes += fp8_report_notes(self.fp8.decisions) if self.fp8 is not None else []
         return self.report_header(rows, notes)
 
     def _restore(self) -> None:
@@ -182,6 +193,11 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         optimized = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
         if not fsdp:
             amp.params = cast_params(model, plan, optimized)
+        if plan.fp8 is not None and plan.fp8.active:  # after the params' dtypes: Float8Linear shares them
+            from .fp8 import convert
+
+            amp.fp8, undo = convert(plan, model, device, fsdp)
+            amp._undo.append(undo)
         _wrap_layers(amp, model, plan, device)
         details = plan.details
         autocast = DTYPES[details.autocast] if details.autocast else None

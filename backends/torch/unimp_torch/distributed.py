@@ -205,6 +205,9 @@ def fully_shard(model: nn.Module, policy: Any, *, units: Units = None, **kwargs:
     (e.g. float32 norms inside a ``pure_bf16`` block) get a unit of their own. ``kwargs`` go to
     ``torch.distributed.fsdp.fully_shard`` (``mesh``, ``reshard_after_forward``, ...). Then build the
     optimizer on ``model.parameters()`` and call ``unimp.apply(policy, model, optimizer)``.
+    A policy with FP8 gets its FP8 layers (torchao ``Float8Linear``) before sharding, as torchao
+    requires; with the tensorwise recipe their weights are all-gathered in FP8
+    (``enable_fsdp_float8_all_gather``). They stay FP8 layers after ``amp.remove()`` (FSDP owns them).
     """
     from torch.distributed.fsdp import fully_shard as shard
 
@@ -212,6 +215,16 @@ def fully_shard(model: nn.Module, policy: Any, *, units: Units = None, **kwargs:
     if is_fsdp(model):
         raise RuntimeError("unimp_torch.fully_shard: the model is already sharded; call it on the plain "
                            "model (it shards the units and the root itself)")
+    from unimp.spi import requests_fp8
+
+    if requests_fp8(policy):
+        from .fp8 import convert
+        from .plan import compile_plan
+        from .validate import device_of
+
+        plan = compile_plan(policy, device_of(model))
+        if plan.fp8 is not None and plan.fp8.active:
+            convert(plan, model, plan.details.device, fsdp=True)
     match = _matcher(units)
     modules = dict(model.named_modules())
     roots = [p for p, m in modules.items() if p and match(p, m)] + [""]

@@ -24,7 +24,17 @@ import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from unimp.spi import CANONICAL_OPS, LayerInfo, Plan, Policy, UnsupportedError, compile_ops, is_low
+from unimp.spi import (
+    CANONICAL_OPS,
+    Fp8Support,
+    LayerInfo,
+    Plan,
+    Policy,
+    UnsupportedError,
+    compile_ops,
+    is_low,
+    requests_fp8,
+)
 
 from .autocast import aten_names, function_names, kernel_table, moves, native_category, same
 
@@ -91,8 +101,11 @@ class TorchDetails:
     eager_mechanism: str | None  # autocast_kernels | function_mode | None
 
 
-def compile_plan(policy: Policy, device: str, index: Iterable[LayerInfo] | None = None) -> Plan:
-    """Plan ``policy`` for torch on ``device`` (``cpu`` | ``cuda``); ``index``: the model's modules."""
+def compile_plan(policy: Policy, device: str, index: Iterable[LayerInfo] | None = None,
+                 fp8_missing: str | None = None) -> Plan:
+    """Plan ``policy`` for torch on ``device`` (``cpu`` | ``cuda``); ``index``: the model's modules;
+    ``fp8_missing``: why FP8 cannot run (a backend built on this one without torchao's FP8, e.g. ipex),
+    else torchao's support is checked."""
     compute, reason = resolve_compute(policy.compute_dtype, device)
     for i, o in enumerate(policy.overrides):
         if o.compute_dtype not in (None, "auto"):
@@ -118,5 +131,12 @@ def compile_plan(policy: Policy, device: str, index: Iterable[LayerInfo] | None 
     mechanism = None if not op_moves else "autocast_kernels" if kernel_table(op_moves, device) is not None \
         else "function_mode"
     details = TorchDetails(device, autocast, op_moves, mechanism)
+    fp8 = None
+    if fp8_missing is not None:
+        fp8 = Fp8Support(missing=fp8_missing)
+    elif requests_fp8(policy):  # torchao is imported only for a policy that asks FP8
+        from .fp8 import support
+
+        fp8 = support(device)
     return compile_ops("torch", policy, control=control, native=native, compute_dtype=compute,
-                       compute_reason=reason, notes=tuple(notes), details=details, index=index)
+                       compute_reason=reason, notes=tuple(notes), details=details, fp8=fp8, index=index)

@@ -10,7 +10,7 @@ import numpy as np
 
 from unimp.spi import Amp, LossScale, LossScaleState, Plan, Report, ReportRow, widest
 
-from .backend import model_index
+from .index import model_index
 
 
 class NumpyAmp(Amp):

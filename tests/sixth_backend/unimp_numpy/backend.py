@@ -14,18 +14,14 @@ from typing import Any, ClassVar
 from unimp.spi import (
     Amp,
     Backend,
-    LayerInfo,
     Plan,
     Policy,
     UnsupportedError,
-    class_names,
     compile_ops,
-    kind_of_names,
-    native_table,
     resolve_cpu_auto,
 )
 
-from .ops import NATIVE_OPS
+from .index import NATIVE, model_index
 
 
 class NumpyBackend(Backend):
@@ -33,7 +29,7 @@ class NumpyBackend(Backend):
     framework = "unimp_numpy.nn"
     distribution = "unimp-numpy"
     model_types = "unimp_numpy.nn.Model"
-    native_ops: ClassVar = native_table("numpy", NATIVE_OPS)
+    native_ops: ClassVar = NATIVE
     tags: ClassVar = frozenset({"fp16", "training", "loss_scaling", "overrides", "layout", "layer_level", "remove"})
 
     def accepts(self, model: Any) -> bool:
@@ -64,14 +60,3 @@ class NumpyBackend(Backend):
         if options:
             raise TypeError(f"unimp.apply: unknown options for the numpy backend: {sorted(options)}")
         return NumpyAmp(plan, model, optimizer)
-
-
-def model_index(model: Any) -> tuple[LayerInfo, ...]:
-    """The model's layers as the Plan's index: path, canonical kind, class names, tiling dims."""
-    from .nn import Layer
-
-    out = []
-    for path, layer in model.layers:
-        names = class_names(type(layer), stop=(Layer,))
-        out.append(LayerInfo(path, kind_of_names(names, NumpyBackend.native_ops), names, layer.dim_values()))
-    return tuple(out)
