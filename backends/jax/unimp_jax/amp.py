@@ -9,6 +9,7 @@ divided by the scale in float32, and one bool — all inside your jitted step, n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,10 @@ class JaxAmp(Amp):
     def __init__(self, plan: Plan, model: Any, tx: Any) -> None:
         super().__init__(plan, model, None)
         self.inner_tx = tx
-        self.tx = wrap(tx, plan.policy)
+        # the optax wrapper runs the Plan's loss scale (auto resolved to float16 turns "none" into dynamic)
+        runs = plan.policy if plan.loss_scale == plan.policy.loss_scale else \
+            dataclasses.replace(plan.policy, loss_scale=plan.loss_scale)
+        self.tx = wrap(tx, runs)
 
     # ------------------------------------------------------------------ gradients
     def value_and_grad(self, loss_fn: Callable[..., Any], has_aux: bool = False,
@@ -36,7 +40,7 @@ class JaxAmp(Amp):
         ``policy.distributed.reduce_dtype``, the loss is averaged over it, and ``finite`` is agreed by
         every device (see :mod:`unimp_jax.distributed`).
         """
-        return make_value_and_grad(self.policy.loss_scale.mode, loss_fn, has_aux, axis_name=axis_name,
+        return make_value_and_grad(self.plan.loss_scale.mode, loss_fn, has_aux, axis_name=axis_name,
                                    reduce_dtype=self.policy.distributed.reduce_dtype)
 
     def data_parallel(self, step_fn: Callable[..., Any], mesh: Any = None, axis_name: str = "data",
@@ -56,13 +60,13 @@ class JaxAmp(Amp):
 
     def loss_scale_state(self) -> LossScaleState:
         tree = find_state(self._opt_state_holder()).loss_scale
-        check(tree, self.policy.loss_scale)
+        check(tree, self.plan.loss_scale)
         return to_state(tree)
 
     def _with_loss_scale(self, opt_state: Any, state: LossScaleState) -> Any:
         import jax
 
-        tree = initial_tree(self.policy.loss_scale, state)
+        tree = initial_tree(self.plan.loss_scale, state)
         return jax.tree_util.tree_map(
             lambda x: x._replace(loss_scale=tree) if isinstance(x, AmpOptState) else x, opt_state,
             is_leaf=lambda x: isinstance(x, AmpOptState))
