@@ -13,6 +13,7 @@ from typing import Any
 
 from unimp.backend import Amp, Backend, UnimpWarning
 from unimp.errors import UnsupportedError
+from unimp.fp8 import Fp8Support
 from unimp.ops import OPS
 from unimp.plan import Plan, compile_ops
 from unimp.policy import Policy
@@ -47,6 +48,21 @@ def act_on_findings(findings: list[str], policy: Policy) -> None:
         raise UnsupportedError(f"policy {policy.name!r}: misaligned dims: {text}; fix: pad these dims to "
                                f"multiples of {policy.layout.align} or set layout.on_misaligned = 'warn'")
     warnings.warn(f"unimp: misaligned dims: {text}", UnimpWarning, stacklevel=4)
+
+
+def fp8_support(platform: str) -> Any:
+    """What this backend runs in FP8 (:class:`unimp.fp8.Fp8Support`) on ``platform``."""
+    notes = ("Flax Linear/Dense layers chosen by the Plan get a scaled FP8 dot_general for their call; "
+             "XLA lowers FP8 dots to cuBLASLt FP8 GEMMs on Hopper+ GPUs",)
+    if platform != "gpu":
+        notes += (f"XLA:{platform.upper()} has no FP8 units: the FP8 dots are emulated (numerics as on the "
+                  f"GPU, slower than the compute dtype)",)
+    why = "per-row scales are not implemented in unimp-jax; it runs tensorwise and delayed"
+    return Fp8Support(ops=("linear",),
+                      recipes={"delayed": "scaled FP8 dot_general, amax-history scales (flax.linen.fp8_ops rule)",
+                               "tensorwise": "scaled FP8 dot_general, scales from this step's amax"},
+                      gradient_formats=("e5m2", "e4m3"),
+                      why_not={"rowwise": why, "rowwise_gw_hp": why}, notes=notes)
 
 
 def is_nnx(model: Any) -> bool:
@@ -89,7 +105,8 @@ class JaxBackend(Backend):
         details = {"platform": platform, "master_weights": policy.uses_master_weights,
                    "slow_dtype_warning": warning}
         return compile_ops(self.name, policy, control=control, native=native, compute_dtype=dtype,
-                           compute_reason=reason, fixed=fixed, notes=notes, details=details)
+                           compute_reason=reason, fixed=fixed, notes=notes, details=details,
+                           fp8=fp8_support(platform))
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         if not self.accepts(model):
