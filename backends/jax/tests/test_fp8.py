@@ -13,6 +13,8 @@ import pytest
 from flax import nnx
 
 import unimp
+from unimp.conformance import run_case
+from unimp.conformance.fp8 import fp8_cases
 from unimp.errors import UnsupportedError
 from unimp_jax import fp8
 
@@ -209,3 +211,8 @@ def test_recipes_jax_lacks_are_refused_or_fall_back(recipe):
     assert not amp.plan.fp8.active and recipe in amp.plan.fp8.fallback
     assert all(r.fp8 is None for r in amp.report(jnp.ones((2, 32))).rows)
     amp.remove()
+
+
+@pytest.mark.parametrize("case", fp8_cases(), ids=str)
+def test_fp8_conformance(case, kit):
+    run_case(case, kit)

@@ -60,9 +60,10 @@ class Fp8Meta(nnx.Module):
 
 
 def init_state(amax_history: int) -> dict[str, Any]:
-    """Fresh delayed-scaling state: scales 1, histories 0 (float32, Flax's shapes)."""
-    ones, zeros = jnp.ones((1,), jnp.float32), jnp.zeros((amax_history,), jnp.float32)
-    return {**{n: ones for n in SCALES}, **{n: zeros for n in HISTORIES}}
+    """Fresh delayed-scaling state: scales 1, histories 0 (float32, Flax's shapes), one buffer each
+    (a donated step must not meet one buffer twice)."""
+    return {**{n: jnp.ones((1,), jnp.float32) for n in SCALES},
+            **{n: jnp.zeros((amax_history,), jnp.float32) for n in HISTORIES}}
 
 
 def is_state_path(path: Any) -> bool:

@@ -18,6 +18,8 @@ from unimp.ops import CANONICAL_OPS, OPS
 from unimp.plan import Plan, compile_ops, requested_dtype
 from unimp.policy import LossScaleSpec, Policy
 
+from .fp8 import support as fp8_support
+
 BACKEND = "tensorflow"
 EXTRA_NATIVE = {
     "softmax": ("Activation(softmax)",),
@@ -116,4 +118,5 @@ def compile_plan(policy: Policy) -> Plan:
     notes.append(distributed_note(policy))
     return compile_ops(BACKEND, policy, control=control, native=native, compute_dtype=compute,
                        compute_reason=reason, fixed=fixed, notes=tuple(notes),
-                       details={"loss_scaler": loss_scaler(policy), "distributed": distributed_note(policy)})
+                       details={"loss_scaler": loss_scaler(policy), "distributed": distributed_note(policy)},
+                       fp8=fp8_support())
