@@ -4,6 +4,7 @@ import numpy as np
 
 import unimp
 from unimp.conformance import (
+    CHECKS,
     CUSTOM_MOVED_OPS,
     PROBE,
     STANDARD_POLICIES,
@@ -16,6 +17,7 @@ from unimp.conformance import (
     reference_loss,
     standard_policy,
 )
+from unimp.conformance.select import CHECK_TAGS
 from unimp.plan import compile_ops
 
 
@@ -77,7 +79,8 @@ def test_cast_like_rounds_to_nearest_even():
 
 def test_cases_cover_every_check_and_policy():
     all_cases = cases()
-    assert len(all_cases) == len(STANDARD_POLICIES) * 9
+    assert len(all_cases) == len(STANDARD_POLICIES) * len(CHECKS) and len(CHECKS) == 9
+    assert {c.__name__ for c in CHECKS} <= set(CHECK_TAGS), "every check has a row in the tag table"
     assert standard_policy("custom_moved_ops").name == "custom_moved_ops"
 
 

@@ -26,14 +26,42 @@ from .report import Report
 STATE_FORMAT = "unimp.amp/1"
 
 
+TAGS = frozenset({
+    "fp16", "bf16",  # runs float16 / bfloat16 compute
+    "master_weights",  # keeps fp32 masters for low-precision params
+    "loss_scaling",  # runs the loss-scale rule in its training step
+    "training",  # a real training step (gradients, optimizer update)
+    "overrides",  # per-module overrides by path glob and type
+    "layout",  # reads layer dims for layout.align findings
+    "op_level", "layer_level",  # controls dtypes per op call / per layer
+    "static_graph",  # also binds static graphs (e.g. a paddle Program)
+    "distributed",  # reduces gradients in distributed.reduce_dtype
+    "remove",  # amp.remove() restores the model bit for bit
+})
+
+
 class Backend(abc.ABC):
-    """One framework's adapter. Subclasses set the class attributes and the three methods."""
+    """One framework's adapter: a declarative description plus the three methods.
+
+    ``native_ops``: canonical op -> the framework's native names for it (the backend's own table, see
+    :func:`unimp.ops.native_table`); ``tags``: the capabilities it declares (from :data:`TAGS`), from
+    which the conformance suite selects the checks it must pass (a backend that declares none is held
+    to every check).
+    """
 
     name: ClassVar[str]
     framework: ClassVar[str]  # top-level module that must be in sys.modules, e.g. "torch"
     distribution: ClassVar[str]  # pip name, e.g. "unimp-torch"
     model_types: ClassVar[str]  # for messages, e.g. "torch.nn.Module"
     priority: ClassVar[int] = 0  # among backends that accept a model, the highest wins
+    native_ops: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    tags: ClassVar[frozenset[str]] = TAGS
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        unknown = set(cls.__dict__.get("tags", ())) - TAGS
+        if unknown:
+            raise ValueError(f"backend {cls.__name__}: unknown tags {sorted(unknown)}; known: {sorted(TAGS)}")
 
     @abc.abstractmethod
     def accepts(self, model: Any) -> bool:
@@ -56,6 +84,10 @@ class Backend(abc.ABC):
     def conformance_kit(self) -> Any:
         """The backend's :class:`unimp.conformance.Kit` (optional)."""
         raise NotImplementedError(f"backend {self.name} ships no conformance kit")
+
+
+class NoForwardError(StateError, RuntimeError):
+    """``amp.report()`` without inputs before any forward ran under the Amp."""
 
 
 def _live_only(method: Any, verb: str) -> Any:
@@ -102,8 +134,9 @@ class Amp(abc.ABC):
         """Replace the loss-scale state."""
 
     @abc.abstractmethod
-    def report(self) -> Report:
-        """What actually ran, from a real forward."""
+    def report(self, *inputs: Any) -> Report:
+        """What actually ran, from a real forward: with ``inputs``, a forward on them; without, the
+        last forward run under this Amp (:meth:`no_forward` when there was none). Never empty rows."""
 
     @abc.abstractmethod
     def _restore(self) -> None:
@@ -221,13 +254,20 @@ class Amp(abc.ABC):
         remember(new, *(copies or [new.model]))
         return new
 
+    def no_forward(self, hint: str = "") -> NoForwardError:
+        """The one error of ``amp.report()`` without inputs when no forward has run under this Amp."""
+        return NoForwardError("amp.report(): no forward has run under this Amp yet; run amp.model(x) once first, "
+                              "or pass an example input: amp.report(x)" + (f" ({hint})" if hint else ""))
+
     def report_header(self, rows: list, notes: list[str] | None = None) -> Report:
-        """A Report with the counters filled from the loss-scale state."""
+        """A Report with the counters filled from the loss-scale state (and the Plan's FP8 fallback, if any)."""
         self._check_live("amp.report()")
         st = self.loss_scale_state()
+        fp8 = self.plan.fp8
+        fallback = [f"fp8: fallback to the compute dtype: {fp8.fallback}"] if fp8 is not None and fp8.fallback else []
         return Report(rows=rows, backend=self.backend, policy=self.policy.name,
                       fingerprint=self.policy.fingerprint, scale=st.scale, skipped_steps=st.skipped,
-                      steps=st.steps, notes=list(notes or []) + list(self.findings))
+                      steps=st.steps, notes=list(notes or []) + fallback + list(self.findings))
 
     def __repr__(self) -> str:
         return f"<unimp.Amp backend={self.backend} policy={self.policy.name!r} removed={self._removed}>"

@@ -1,4 +1,4 @@
-"""The ``unimp`` command: validate, show, explain, diff, schema, presets, ops.
+"""The ``unimp`` command: validate, show, explain, diff, schema, presets, ops, import, export.
 
 Every failure is one located message per problem and exit status 1, never a traceback.
 """
@@ -107,6 +107,52 @@ def _fp8_summary(plan: Any) -> str:
             f" (dims % {f.dims_multiple})")
 
 
+def _read_source(text: str) -> tuple[object, str]:
+    """A config file's parsed content (JSON/TOML/YAML) or its text, or ``text`` itself (a pasted string)."""
+    from pathlib import Path
+
+    from .loading import FORMATS, read_file
+
+    path = Path(text) if len(text) < 4096 and "\n" not in text else None
+    try:
+        is_file = path is not None and path.is_file()
+    except (OSError, ValueError):
+        is_file = False
+    if not is_file:
+        return text, "<argument>"
+    if path.suffix.lower() in FORMATS:
+        return read_file(path), str(path)
+    try:
+        return path.read_text(encoding="utf-8")[:65537], str(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise PolicyError(f"{path}: cannot read ({e})") from None
+
+
+def _import(args: argparse.Namespace) -> int:
+    from .migrate import import_from
+
+    raw, source = _read_source(args.source)
+    imported = import_from(args.system, raw, source)
+    if args.output:
+        from pathlib import Path
+
+        Path(args.output).write_text(imported.text)
+        _say(f"wrote {args.output} ({imported.system}, fingerprint {imported.policy.fingerprint})", file=sys.stderr)
+    else:
+        print(imported.text, end="")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .migrate import export_to
+
+    exported = export_to(args.system, load(args.policy), strict=args.strict)
+    print(exported.text, end="")
+    for line in exported.unexpressed:
+        _say(f"not expressed: {line}", file=sys.stderr)
+    return 0
+
+
 def _schema(args: argparse.Namespace) -> int:
     print(json.dumps(json_schema(), indent=2))
     return 0
@@ -145,6 +191,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("b")
     p.add_argument("--backend")
     p.set_defaults(run=_diff)
+    from .migrate import SYSTEMS
+
+    p = sub.add_parser("import", help="a policy file from another system's AMP configuration")
+    p.add_argument("source", metavar="FILE|STRING")
+    p.add_argument("--from", dest="system", required=True, metavar="SYSTEM", help=", ".join(SYSTEMS))
+    p.add_argument("-o", "--output", help="write the policy here instead of printing it")
+    p.set_defaults(run=_import)
+    p = sub.add_parser("export", help="a policy as another system's AMP configuration")
+    p.add_argument("policy")
+    p.add_argument("--to", dest="system", required=True, metavar="SYSTEM", help=", ".join(SYSTEMS))
+    p.add_argument("--strict", action="store_true", help="fail when the system cannot express a key")
+    p.set_defaults(run=_export)
     sub.add_parser("schema", help="JSON Schema of the file format").set_defaults(run=_schema)
     sub.add_parser("presets", help="list shipped presets").set_defaults(run=_presets)
     sub.add_parser("ops", help="list canonical ops").set_defaults(run=_ops)

@@ -2,11 +2,14 @@
 
 >>> widest(["bfloat16", "float32"])
 'float32'
+>>> dtype_name("torch.bfloat16"), dtype_name("<dtype: 'float16'>"), dtype_name("uint16", {"uint16": "bfloat16"})
+('bfloat16', 'float16', 'bfloat16')
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 COMPUTE_DTYPES = (*FLOAT_DTYPES, "auto")
@@ -30,3 +33,14 @@ def widest(dtypes: Iterable[str | None]) -> str | None:
     if len(tops) > 1:  # float16 with bfloat16
         return "float32"
     return tops.pop()
+
+
+def dtype_name(dtype: Any, aliases: Mapping[str, str] | None = None) -> str:
+    """unimp's name of a framework dtype object, from its text: ``torch.bfloat16`` / ``paddle.bfloat16`` /
+    ``<dtype: 'bfloat16'>`` / ``bfloat16`` -> ``"bfloat16"``. ``aliases`` maps a framework's own names
+    (e.g. Paddle stores bfloat16 as numpy ``uint16``)."""
+    text = str(dtype)
+    if text.startswith("<dtype: '"):
+        text = text[len("<dtype: '"):-2]
+    text = text.rsplit(".", 1)[-1]
+    return (aliases or {}).get(text, text)

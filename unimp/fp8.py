@@ -28,7 +28,7 @@ from .spec import FP8_OPS, FP8_RECIPES
 if TYPE_CHECKING:
     from .plan import Plan
 
-FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}  # the policy's names -> the framework dtypes
+FP8_FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}  # the policy's names -> the framework dtypes
 
 
 @dataclass(frozen=True)
@@ -152,8 +152,9 @@ def plan_fp8(policy: Policy, backend: str, support: Fp8Support | None) -> Fp8Pla
 
 
 def _parts(source: Plan | Policy, compute_dtype: str | None) -> tuple[Policy, Fp8Plan, str]:
-    if isinstance(source, Policy):
-        return source, plan_fp8(source, "policy", Fp8Support.everything()), compute_dtype or source.compute_dtype
+    if isinstance(source, Policy):  # `auto` resolves per backend: a bare policy stands in bfloat16 for it
+        low = compute_dtype or source.compute_dtype
+        return source, plan_fp8(source, "policy", Fp8Support.everything()), "bfloat16" if low == "auto" else low
     fp8 = source.fp8 if source.fp8 is not None else plan_fp8(source.policy, source.backend, None)
     return source.policy, fp8, compute_dtype or source.compute_dtype
 
@@ -198,15 +199,6 @@ def decide_fp8(source: Plan | Policy, path: str, kind: str | None, type_names: I
     return Fp8Decision(path, True, fp8.recipe, f"{fp8.recipe} ({fp8.forward_format}/{fp8.gradient_format})")
 
 
-def candidates(source: Plan | Policy, kind: str | None, type_names: Iterable[str] = (), path: str = "") -> bool:
-    """Whether a layer is worth a report line about FP8: an op FP8 could cover, under an active plan."""
-    policy, fp8, _ = _parts(source, None)
-    if not fp8.requested:
-        return False
-    names = (*tuple(type_names), *((kind,) if kind else ()))
-    return kind in fp8.ops or policy.override_for(path, names, sets="fp8") is not None
-
-
-def report_notes(decisions: Iterable[Fp8Decision]) -> list[str]:
+def fp8_report_notes(decisions: Iterable[Fp8Decision]) -> list[str]:
     """The report's lines for the layers that asked FP8 and did not get it (the dims rule, overrides)."""
     return [f"fp8: {d.path or '<model>'} not FP8: {d.reason}" for d in decisions if not d.fp8]

@@ -14,7 +14,7 @@ True
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -196,9 +196,60 @@ def suggest(word: str, choices: Iterable[str]) -> str | None:
     return found[0] if found else None
 
 
-def kind_of(native_name: str, framework: str) -> str | None:
-    """The canonical op a native layer/op name belongs to in ``framework`` (first match)."""
-    for op in _OPS:
-        if native_name in getattr(op, framework):
-            return op.name
+NativeTable = Mapping[str, tuple[str, ...]]  # canonical op -> a framework's native names for it
+
+
+def native_table(backend: str, names: Mapping[str, Iterable[str]]) -> dict[str, tuple[str, ...]]:
+    """Check a backend's native op-name table (canonical op -> native names) and freeze it.
+
+    >>> native_table("demo", {"matmul": ["MatMul"]})["matmul"]
+    ('MatMul',)
+    """
+    bad = [op for op in names if op not in OPS]
+    if bad:
+        hints = [f"{op!r}" + (f" (did you mean {s!r}?)" if (s := suggest(op, CANONICAL_OPS)) else "") for op in bad]
+        raise ValueError(f"backend {backend}: native op table names unknown canonical ops: {', '.join(hints)}; "
+                         f"the canonical ops are: {', '.join(CANONICAL_OPS)}")
+    return {op: tuple(names.get(op, ())) for op in CANONICAL_OPS}
+
+
+def kind_of(native_name: str, table: NativeTable | str) -> str | None:
+    """The canonical op ``native_name`` belongs to in a backend's native table (first match).
+
+    >>> kind_of("Dense", {"linear": ("Dense",)})
+    'linear'
+    """
+    if isinstance(table, str):  # a framework column of the legacy OPS table
+        return next((op.name for op in _OPS if native_name in getattr(op, table)), None)
+    return next((op for op, names in table.items() if native_name in names), None)
+
+
+def class_names(cls: type, stop: Iterable[type] = ()) -> tuple[str, ...]:
+    """``cls`` and its bases, most specific first, up to the first class in ``stop`` (or ``object``).
+
+    >>> class Base: ...
+    >>> class Mine(Base): ...
+    >>> class_names(Mine)
+    ('Mine', 'Base')
+    """
+    ends = (*tuple(stop), object)
+    out = []
+    for c in cls.__mro__:
+        if c in ends:
+            break
+        out.append(c.__name__)
+    return tuple(out)
+
+
+def kind_of_names(names: Iterable[str], table: NativeTable) -> str | None:
+    """The canonical op of the first name (most specific class first) the table knows: the
+    class -> op walk every backend shares (a subclass of ``Dense`` is a ``linear``).
+
+    >>> kind_of_names(("MyDense", "Dense"), {"linear": ("Dense",)})
+    'linear'
+    """
+    for name in names:
+        k = kind_of(name, table)
+        if k:
+            return k
     return None

@@ -1,25 +1,34 @@
-"""A policy compiled for one backend: per canonical op, what that backend will do and how.
+"""A policy compiled for one backend: the whole contract between the core and a backend.
 
-Backends build a Plan with :func:`compile_ops` from what they can control; the Plan prints as
-the table ``unimp explain`` shows.
+Backends build a Plan with :func:`compile_ops` from what they can control (control level and native
+names per canonical op) and, when a model is given, its index (:class:`LayerInfo` per layer: path,
+kind, class names, tiling dims). The Plan then carries, as typed fields, every decision a backend
+acts on: the resolved compute dtype and why, the per-op table, the per-layer decision table
+(overrides resolved once, ambiguous matches reported), the resolved loss-scale spec and the layout
+findings with their action. Backends read the Plan, never the policy's raw knobs; it prints as the
+table ``unimp explain`` shows.
 
 >>> import unimp
->>> plan = compile_ops("demo", unimp.load("mixed_bf16"), control={"matmul": "op"}, native={})
+>>> plan = compile_ops("demo", unimp.load("mixed_bf16"), control={"matmul": "op"}, native={},
+...                    index=[LayerInfo("fc", "linear", ("Dense",), (("units", 12),))])
 >>> plan.op("matmul").dtype, plan.op("softmax").control
 ('bfloat16', 'fixed')
+>>> plan.decide("fc", "linear").compute_dtype, plan.layout.findings
+('bfloat16', ('fc: units=12 is not a multiple of 8',))
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UnsupportedError
 from .fp8 import Fp8Plan, Fp8Support, plan_fp8
+from .layout import LayoutFindings, misaligned
 from .ops import CANONICAL_OPS
-from .policy import LossScaleSpec, Policy
+from .policy import LayerDecision, LossScaleSpec, Policy
 from .report import format_table
 
 CONTROL_LEVELS = ("op", "layer", "fixed")
@@ -48,8 +57,46 @@ class OpDecision:
 
 
 @dataclass(frozen=True)
+class LayerInfo:
+    """One layer of a model as its backend indexes it (plain data, no framework objects).
+
+    ``kind``: its canonical op (None: follows its inputs); ``type_names``: its class and bases, most
+    specific first (overrides match them); ``dims``: the tiling dims the alignment check reads.
+    """
+
+    path: str
+    kind: str | None
+    type_names: tuple[str, ...] = ()
+    dims: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One row of the Plan's per-layer decision table."""
+
+    path: str
+    kind: str | None
+    type_names: tuple[str, ...]
+    decision: LayerDecision
+    ambiguous: tuple[int, ...] = ()  # every matching override, when they disagree (the first wins)
+
+
+def resolved_loss_scale(policy: Policy, compute_dtype: str) -> LossScaleSpec:
+    """The loss-scale knobs to run: the policy's, except that ``auto`` resolved to float16 turns a
+    ``none`` mode into dynamic scaling (fp16 without scaling underflows)."""
+    spec = policy.loss_scale
+    if policy.compute_dtype == "auto" and compute_dtype == "float16" and spec.mode == "none":
+        return dataclasses.replace(spec, mode="dynamic", skip_nonfinite=True)
+    return spec
+
+
+@dataclass(frozen=True)
 class Plan:
-    """What one backend will do with one policy."""
+    """What one backend will do with one policy.
+
+    ``details``: the backend's own frozen dataclass of what it decided at compile time (e.g. the
+    torch backend's autocast dtype and op moves), read back by attribute, never by string key.
+    """
 
     backend: str
     policy: Policy
@@ -57,9 +104,11 @@ class Plan:
     compute_reason: str
     ops: tuple[OpDecision, ...]
     notes: tuple[str, ...] = ()
-    details: Mapping[str, Any] = field(default_factory=dict)
+    details: Any = None
     param_fallback: str | None = None  # dtype low-precision params really hold, when the backend cannot lower them
     override_fallbacks: Mapping[int, str] = field(default_factory=dict)  # override index -> dtype that runs
+    layers: tuple[LayerRow, ...] = ()  # the per-layer decision table (when compiled with a model index)
+    layout: LayoutFindings = field(default=LayoutFindings(0, "ignore"))
     fp8: Fp8Plan | None = None  # the [fp8] part (unimp.fp8); None = built without FP8 support declared
 
     def op(self, name: str) -> OpDecision:
@@ -70,12 +119,38 @@ class Plan:
 
     @property
     def loss_scale(self) -> LossScaleSpec:
-        """The loss-scale knobs to run: the policy's, except that ``auto`` resolved to float16
-        turns a ``none`` mode into dynamic scaling (fp16 without scaling underflows)."""
-        spec = self.policy.loss_scale
-        if self.policy.compute_dtype == "auto" and self.compute_dtype == "float16" and spec.mode == "none":
-            return dataclasses.replace(spec, mode="dynamic", skip_nonfinite=True)
-        return spec
+        """The resolved loss-scale spec every backend runs (see :func:`resolved_loss_scale`)."""
+        return resolved_loss_scale(self.policy, self.compute_dtype)
+
+    def decide(self, path: str, kind: str | None, type_names: tuple[str, ...] = ()) -> LayerDecision:
+        """The decision for one layer: the table's row when the Plan indexed it, else the policy's
+        decision with the Plan's resolved compute dtype (for layers a backend meets at run time)."""
+        names = tuple(type_names)
+        for row in self.layers:
+            if row.path == path and row.kind == kind and (not names or row.type_names == names):
+                return row.decision
+        return self.policy.decide(path, kind, names, self.compute_dtype)
+
+    def with_index(self, index: Iterable[LayerInfo]) -> Plan:
+        """This Plan with the decision table and layout findings of a model's index (a backend binding a
+        Plan compiled without the model calls this once, with the model it binds)."""
+        index = tuple(index)
+        return dataclasses.replace(self, layers=compile_layers(self.policy, self.compute_dtype, index),
+                                   layout=compile_layout(self.policy, index))
+
+    def layer(self, path: str) -> LayerRow:
+        """The decision-table row of ``path`` (KeyError when the Plan did not index it)."""
+        for row in self.layers:
+            if row.path == path:
+                return row
+        raise KeyError(path)
+
+    @property
+    def ambiguities(self) -> tuple[str, ...]:
+        """One line per layer matched by overrides that disagree (the first one wins)."""
+        return tuple(f"layer {r.path or '<model>'}: overrides {', '.join(f'#{i}' for i in r.ambiguous)} all "
+                     f"match and disagree; override #{r.ambiguous[0]} wins (make the globs/types disjoint)"
+                     for r in self.layers if r.ambiguous)
 
     @property
     def fallbacks(self) -> tuple[OpDecision, ...]:
@@ -87,10 +162,16 @@ class Plan:
             "compute_dtype": self.compute_dtype, "compute_reason": self.compute_reason,
             "ops": [{"op": d.op, "requested": d.requested, "dtype": d.dtype, "control": d.control,
                      "honoured": d.honoured, "native": list(d.native), "note": d.note} for d in self.ops],
-            "notes": list(self.notes), "details": {k: _plain(v) for k, v in self.details.items()},
+            "notes": list(self.notes), "details": _details(self.details),
             "param_fallback": self.param_fallback,
             "override_fallbacks": {str(k): v for k, v in self.override_fallbacks.items()},
             "fp8": self.fp8.to_dict() if self.fp8 is not None else None,
+            "loss_scale": _plain(vars(self.loss_scale)),
+            "layers": [{"path": r.path, "kind": r.kind, "compute_dtype": r.decision.compute_dtype,
+                        "param_dtype": r.decision.param_dtype, "override": r.decision.override,
+                        "ambiguous": list(r.ambiguous)} for r in self.layers],
+            "layout": {"align": self.layout.align, "action": self.layout.action,
+                       "findings": list(self.layout.findings)},
         }
 
     def __str__(self) -> str:
@@ -101,13 +182,20 @@ class Plan:
             native = ", ".join(d.native[:4]) + (" ..." if len(d.native) > 4 else "")
             runs = d.runs_in + ("" if d.honoured else " (fallback)")
             rows.append((d.op, d.requested, runs, d.control, native))
-        notes = [f"note: {n}" for n in self.notes] + [f"fallback: {d.op}: {d.note}" for d in self.fallbacks]
+        notes = ([f"note: {n}" for n in self.notes] + [f"fallback: {d.op}: {d.note}" for d in self.fallbacks]
+                 + [f"ambiguous: {a}" for a in self.ambiguities])
         notes += self.fp8.describe() if self.fp8 is not None else []
         return head + format_table(("op", "policy", "runs in", "control", "native"), rows, footer=notes)
 
 
+def _details(d: Any) -> Any:
+    if dataclasses.is_dataclass(d) and not isinstance(d, type):
+        return {f.name: _plain(getattr(d, f.name)) for f in dataclasses.fields(d)}
+    return _plain(d) if d is not None else {}
+
+
 def _plain(v: Any) -> Any:
-    if isinstance(v, dict):
+    if isinstance(v, Mapping):
         return {str(k): _plain(x) for k, x in v.items()}
     if isinstance(v, list | tuple | set | frozenset):
         return [_plain(x) for x in (sorted(v) if isinstance(v, set | frozenset) else v)]
@@ -123,15 +211,18 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
                 native: Mapping[str, tuple[str, ...]], compute_dtype: str | None = None,
                 compute_reason: str = "as the policy says",
                 fixed: Mapping[str, tuple[str | None, str]] | None = None,
-                notes: tuple[str, ...] = (), details: Mapping[str, Any] | None = None,
+                notes: tuple[str, ...] = (), details: Any = None, index: Iterable[LayerInfo] | None = None,
+                param_fallback: str | None = None,
+                override_fallbacks: Mapping[int, str] | None = None,
                 fp8: Fp8Support | None = None) -> Plan:
     """Build a Plan, applying the policy's ``on_unsupported`` to what the backend cannot honour.
 
     ``control[op]`` is ``op`` or ``layer`` for ops the backend controls (missing = ``fixed``);
     ``fixed[op] = (dtype the framework uses or None for inputs, why)`` for ops it does not.
     A fixed op whose framework dtype differs from the request is an :class:`UnsupportedError`
-    (``on_unsupported = "error"``) or a reported fallback. ``fp8``: what the backend can run in
-    FP8 (None: nothing); the policy's ``[fp8]`` request is checked against it the same way
+    (``on_unsupported = "error"``) or a reported fallback. ``index`` (the model's layers) fills the
+    per-layer decision table and the layout findings. ``fp8``: what the backend can run in FP8
+    (None: nothing); the policy's ``[fp8]`` request is checked against it the same way
     (:func:`unimp.fp8.plan_fp8`).
     """
     low = compute_dtype or policy.compute_dtype
@@ -159,5 +250,27 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
             + "\n  ".join(problems)
             + "\nfix: change the policy's op lists, or set on_unsupported = \"fallback\" to run these "
               "as reported in the Plan")
-    return Plan(backend, policy, low, compute_reason, tuple(decisions), tuple(notes), dict(details or {}),
-                fp8=plan_fp8(policy, backend, fp8))
+    rows = compile_layers(policy, low, index or ())
+    return Plan(backend, policy, low, compute_reason, tuple(decisions), tuple(notes), details,
+                param_fallback, dict(override_fallbacks or {}), rows, compile_layout(policy, index or ()),
+                plan_fp8(policy, backend, fp8))
+
+
+def compile_layers(policy: Policy, compute_dtype: str, index: Iterable[LayerInfo]) -> tuple[LayerRow, ...]:
+    """The per-layer decision table: each layer's decision with the resolved compute dtype, and the
+    overrides that match it when they disagree (ambiguous: the first one wins, the Plan says so)."""
+    rows = []
+    for info in index:
+        decision = policy.decide(info.path, info.kind, info.type_names, compute_dtype)
+        names = (*info.type_names, *((info.kind,) if info.kind else ()))
+        hits = policy.overrides_matching(info.path, names)
+        results = {(policy.overrides[i].compute_dtype, policy.overrides[i].param_dtype) for i in hits}
+        rows.append(LayerRow(info.path, info.kind, tuple(info.type_names), decision,
+                             hits if len(results) > 1 else ()))
+    return tuple(rows)
+
+
+def compile_layout(policy: Policy, index: Iterable[LayerInfo]) -> LayoutFindings:
+    """Dims of the indexed layers that are not a multiple of ``layout.align``, with the policy's action."""
+    lay = policy.layout
+    return LayoutFindings(lay.align, lay.on_misaligned, misaligned(((i.path, i.dims) for i in index), lay.align))

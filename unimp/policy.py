@@ -204,11 +204,17 @@ class Policy:
                 return i, o
         return None
 
+    def overrides_matching(self, path: str, type_names: Iterable[str] = ()) -> tuple[int, ...]:
+        """Indices of every override that sets a dtype and matches a module path or one of its type names."""
+        names = tuple(type_names)
+        return tuple(i for i, o in enumerate(self.overrides) if o.sets_dtype and o.matches(path, names))
+
     def decide(self, path: str, kind: str | None, type_names: Iterable[str] = (),
                compute_dtype: str | None = None) -> LayerDecision:
         """What this policy asks of one layer of canonical ``kind`` at ``path``.
 
-        ``compute_dtype`` is the resolved compute dtype (``auto`` resolved by the backend).
+        ``compute_dtype`` is the resolved compute dtype: backends use :meth:`unimp.Plan.decide`, which
+        passes the Plan's. A decision that depends on an unresolved ``auto`` is refused (ValueError).
         """
         low = compute_dtype or self.compute_dtype
         category = self.ops.category(kind) if kind else "inputs"
@@ -217,12 +223,17 @@ class Policy:
         names = (*tuple(type_names), *((kind,) if kind else ()))
         hit = self.override_for(path, names)
         if hit is None:
-            return LayerDecision(category, dtype, param)
-        i, o = hit
-        c = o.compute_dtype
-        if c == "auto":
-            c = low
-        return LayerDecision("override", c or dtype, o.param_dtype or param, override=i)
+            decision = LayerDecision(category, dtype, param)
+        else:
+            i, o = hit
+            c = o.compute_dtype
+            if c == "auto":
+                c = low
+            decision = LayerDecision("override", c or dtype, o.param_dtype or param, override=i)
+        if decision.compute_dtype == "auto":
+            raise ValueError(f"Policy.decide({path!r}): compute_dtype 'auto' is not resolved; pass the Plan's "
+                             f"compute dtype (plan.decide(path, kind, type_names) does)")
+        return decision
 
     def __str__(self) -> str:
         from .loading import dumps

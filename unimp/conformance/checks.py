@@ -7,20 +7,23 @@ the layer/op or step, expected and observed; :class:`NotApplicable` carries the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..backend import UnimpWarning
-from ..errors import UnsupportedError
+from ..backend import NoForwardError, UnimpWarning
+from ..errors import StateError, UnsupportedError
 from ..loading import load
 from ..loss_scale import STATE_KEYS, LossScale, LossScaleState
 from ..policy import Policy
 from .expect import expected_layers
 from .kit import Kit
 from .probe import PROBE, probe_batches, probe_weights, reference_forward, reference_loss
+from .select import CHECK_POLICIES
+from .select import reason as tag_reason
 
 STANDARD_POLICIES = ("fp32", "mixed_bf16", "pure_bf16", "mixed_fp16", "custom_moved_ops")
 CUSTOM_MOVED_OPS = {
@@ -314,6 +317,85 @@ def check_remove_restores(kit: Kit, policy: Policy) -> None:
     kit.apply(policy, restored, opt).remove()  # applying again after remove works
 
 
+def check_amp_surface(kit: Kit, policy: Policy) -> None:
+    """The Amp surface is the same everywhere: ``amp.report()`` without inputs reports a forward (before
+    any, rows from an example or one :class:`NoForwardError`, never an empty report); after ``amp.model(x)``
+    it has a row per probe layer with params; ``state_dict`` is canonical JSON that loads back; after
+    ``remove()`` (which returns the model and may run twice) every verb raises :class:`StateError`."""
+    amp = setup(kit, policy)
+    removed = False
+    try:
+        try:
+            early = amp.report()
+        except NoForwardError:
+            pass
+        else:
+            if not early.rows:
+                raise _fail(kit, policy, "amp.report() before any forward", "rows or NoForwardError", "no rows")
+        kit.output(amp, probe_batches(1)[0])
+        rows = {r.path for r in amp.report().rows}
+        want = [layer.path for layer in PROBE if layer.params]
+        if not set(want) <= rows:
+            raise _fail(kit, policy, "amp.report() after amp.model(x)", f"rows for {want}", sorted(rows))
+        sd = json.loads(json.dumps(amp.state_dict()))
+        if sd.get("format") != "unimp.amp/1" or sd.get("policy_fingerprint") != policy.fingerprint:
+            raise _fail(kit, policy, "state_dict format/fingerprint", ("unimp.amp/1", policy.fingerprint),
+                        (sd.get("format"), sd.get("policy_fingerprint")))
+        amp.load_state_dict(sd)
+        model = amp.remove()
+        removed = True
+        if model is None or amp.remove() is not model:
+            raise _fail(kit, policy, "amp.remove() twice", "the same restored model both times", model)
+        for verb, call in (("report", amp.report), ("state_dict", amp.state_dict),
+                           ("load_state_dict", lambda: amp.load_state_dict(sd)),
+                           ("scale", lambda: amp.scale)):
+            try:
+                call()
+            except StateError:
+                continue
+            raise _fail(kit, policy, f"amp.{verb} after remove()", "StateError", "it ran")
+    finally:
+        if not removed:
+            amp.remove()
+
+
+def check_loss_scale_follows_plan(kit: Kit, policy: Policy) -> None:
+    """The loss scale a backend runs is ``plan.loss_scale``, not the policy's raw knobs: ``auto`` resolved to
+    float16 with ``loss_scale.mode = "none"`` runs dynamic scaling (the Plan is forced to float16 here, as
+    on a GPU without fast bf16), so the first scale and a poisoned step follow the dynamic rule."""
+    from ..registry import get_backend
+
+    pol = policy.replace(compute_dtype="auto", loss_scale={"mode": "none"})
+    backend = get_backend(kit.backend)
+    model = kit.build_probe(probe_weights(0))
+    plan = dataclasses.replace(backend.compile(pol, model), compute_dtype="float16")
+    if plan.loss_scale.mode != "dynamic":
+        raise _fail(kit, pol, "Plan.loss_scale of auto resolved to float16", "dynamic", plan.loss_scale.mode)
+    amp = backend.apply(plan, model, kit.make_optimizer(model))
+    try:
+        rule = LossScale(plan.loss_scale)
+        state = rule.initial_state()
+        if amp.scale != state.scale:
+            raise _fail(kit, pol, "initial loss scale", f"{state.scale} (plan.loss_scale)", amp.scale)
+        kit.step(amp, probe_batches(1)[0], poison=True)
+        state = rule.update(state, False).state
+        if (amp.scale, amp.skipped_steps) != (state.scale, state.skipped):
+            raise _fail(kit, pol, "(scale, skipped) after a poisoned step", (state.scale, state.skipped),
+                        (amp.scale, amp.skipped_steps))
+    finally:
+        amp.remove()
+
+
+def check_auto_policy(kit: Kit, policy: Policy) -> None:
+    """``compute_dtype = "auto"`` with an ``auto`` override and a type override: every layer runs in the dtype
+    the Plan resolved (a backend deciding a layer without the resolved dtype fails here)."""
+    pol = policy.replace(compute_dtype="auto", overrides=[{"modules": ["hea*"], "compute_dtype": "auto"},
+                                                           {"types": ["activation"], "compute_dtype": "float32"}])
+    if kit.supports(pol):
+        raise NotApplicable(kit.supports(pol))
+    check_layer_dtypes(kit, pol)
+
+
 CHECKS: tuple[Callable[[Kit, Policy], None], ...] = (
     check_layer_dtypes, check_output_dtype, check_master_weights, check_loss_scale_trajectory,
     check_state_dict_roundtrip, check_overrides, check_alignment_findings, check_numerics,
@@ -330,6 +412,9 @@ class Case:
         return f"{self.check.__name__}[{self.policy}]"
 
     def run(self, kit: Kit) -> None:
+        why = tag_reason(kit.tags, self.check.__name__, self.policy)
+        if why:
+            raise NotApplicable(why)
         self.check(kit, standard_policy(self.policy))
 
 
@@ -342,8 +427,9 @@ class Result:
 
 
 def cases(policies: tuple[str, ...] = STANDARD_POLICIES) -> list[Case]:
-    """Every (check, policy) pair, for ``pytest.mark.parametrize``."""
-    return [Case(c, p) for p in policies for c in CHECKS]
+    """Every (check, policy) pair, for ``pytest.mark.parametrize`` (a check of one aspect of the Plan runs
+    under the policies :data:`unimp.conformance.select.CHECK_POLICIES` names)."""
+    return [Case(c, p) for p in policies for c in CHECKS if p in CHECK_POLICIES.get(c.__name__, (p,))]
 
 
 def run(kit: Kit, policies: tuple[str, ...] = STANDARD_POLICIES) -> list[Result]:

@@ -29,6 +29,16 @@ class Kit(abc.ABC):
 
     backend: str = ""
 
+    @property
+    def tags(self) -> frozenset[str]:
+        """The capability tags of the backend under test (its Backend class declares them); the suite
+        runs the checks they allow (:mod:`unimp.conformance.select`)."""
+        from ..backend import TAGS
+        from ..registry import backends
+
+        cls = backends().get(self.backend)
+        return frozenset(cls.tags) if cls is not None else TAGS
+
     def supports(self, policy: Policy) -> str | None:
         """Why ``policy`` cannot run here (the check then expects a clear UnsupportedError)."""
         return None

@@ -6,6 +6,6 @@ torch.manual_seed(0)
 
 @pytest.fixture
 def kit():
-    from unimp_ipex.kit import IpexKit
+    from unimp_ipex.testing import IpexKit
 
     return IpexKit()

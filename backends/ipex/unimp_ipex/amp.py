@@ -18,10 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.backend import Amp
-from unimp.loss_scale import LossScaleState
-from unimp.plan import Plan
-from unimp.report import Report
+from unimp.spi import Amp, LossScaleState, Plan, Report
 from unimp_torch.amp import TorchAmp, bind
 from unimp_torch.layers import kind
 from unimp_torch.layout import check_alignment
@@ -111,7 +108,7 @@ def apply_plan(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | 
     ipex = plan.details.get("ipex")
     if ipex is not None:
         if optimizer is None and model.training:
-            from unimp.errors import UnsupportedError
+            from unimp.spi import UnsupportedError
 
             raise UnsupportedError("optimizer: ipex.optimize treats a model in training mode as training and "
                                    "needs its optimizer; pass the optimizer, call model.eval() first for "

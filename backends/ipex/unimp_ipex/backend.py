@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from unimp.plan import Plan
-from unimp.policy import Policy
+from unimp.spi import Plan, Policy
 from unimp_torch.backend import TorchBackend
 
 
@@ -53,7 +52,7 @@ class IpexBackend(TorchBackend):
                             f"engine='auto'|'ipex'|'torch' and on_skip=callable")
         device = check_inputs(model, optimizer, on_skip)
         if device != "cpu":
-            from unimp.errors import UnsupportedError
+            from unimp.spi import UnsupportedError
 
             raise UnsupportedError(f"model: backend 'ipex' runs CPU models, this one is on {device}; "
                                    f"use backend='torch' (or model.to('cpu'))")
@@ -61,6 +60,6 @@ class IpexBackend(TorchBackend):
         return apply_plan(plan, model, optimizer, on_skip)
 
     def conformance_kit(self) -> Any:
-        from .kit import IpexKit
+        from .testing import IpexKit
 
         return IpexKit()

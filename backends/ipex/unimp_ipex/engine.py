@@ -17,7 +17,7 @@ import importlib.util
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
-from unimp.errors import UnsupportedError
+from unimp.spi import UnsupportedError
 
 ENGINES = ("auto", "ipex", "torch")
 IPEX_DIST = "intel-extension-for-pytorch"

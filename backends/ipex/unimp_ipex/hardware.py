@@ -12,7 +12,7 @@ without AVX512-FP16/AMX-FP16, and IPEX's bf16 weight prepack only where oneDNN h
 
 from __future__ import annotations
 
-from unimp.hardware import CpuFacts, cpu, resolve_cpu_auto, warn_emulated
+from unimp.spi import CpuFacts, cpu, resolve_cpu_auto, warn_emulated
 
 FRAMEWORK = "IPEX (torch CPU autocast)"
 
@@ -37,7 +37,7 @@ def bf16_prepack(facts: CpuFacts) -> bool:
 
 def check(facts: CpuFacts, dtype: str, key: str) -> str | None:
     """Warn for emulated bf16 (returns the message); refuse float16 without AVX512-FP16/AMX-FP16."""
-    from unimp.errors import UnsupportedError
+    from unimp.spi import UnsupportedError
 
     if dtype == "float16" and not facts.native_fp16:
         raise UnsupportedError(f"{key} = 'float16': this CPU, {facts.describe()}, has no AVX512-FP16/AMX-FP16, "

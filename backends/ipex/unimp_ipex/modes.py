@@ -26,9 +26,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from unimp.dtypes import is_low
-from unimp.hardware import CpuFacts
-from unimp.policy import Policy
+from unimp.spi import CpuFacts, Policy, is_low
 from unimp_torch.layers import kind, type_names
 
 # the layer types IPEX 2.8 casts to bf16 under ipex.optimize(dtype=torch.bfloat16): exact types,

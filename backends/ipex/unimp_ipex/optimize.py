@@ -42,8 +42,7 @@ def optimize(model: nn.Module, optimizer: torch.optim.Optimizer | None, kwargs: 
         with contextlib.redirect_stderr(io.StringIO()):
             out = ipex.optimize(model, optimizer=optimizer, **kwargs)
     except AssertionError as e:  # IPEX's own CPU checks (unimp.hardware decides before; this is the backstop)
-        from unimp.errors import UnsupportedError
-        from unimp.hardware import cpu
+        from unimp.spi import UnsupportedError, cpu
 
         raise UnsupportedError(f"ipex.optimize({', '.join(f'{k}={v}' for k, v in kwargs.items())}) refused this "
                                f"CPU ({cpu().describe()}): {e}. Pass engine='torch' to unimp.apply, or set "

@@ -19,14 +19,15 @@ import dataclasses
 import warnings
 from typing import Any
 
-from unimp.dtypes import is_low
-from unimp.hardware import CpuFacts
-from unimp.plan import Plan
-from unimp.policy import Policy
-from unimp_torch.compile import compile_plan as torch_plan
+from unimp.spi import CpuFacts, Fp8Support, Plan, Policy, is_low, plan_fp8
+from unimp_torch.plan import compile_plan as torch_plan
 
 from .engine import Engine
 from .hardware import check, resolve_auto
+
+FP8_MISSING = ("unimp-ipex drives ipex.optimize on CPU, which trains in bfloat16/float16 only (IPEX's FP8, "
+               "fp8_autocast, is for Intel GPUs); for FP8 training use the torch backend (torchao) on an "
+               "FP8 GPU")
 
 
 def resolve_compute(policy: Policy, cpu: CpuFacts) -> tuple[str, str]:
@@ -45,10 +46,11 @@ def resolve_compute(policy: Policy, cpu: CpuFacts) -> tuple[str, str]:
 def compile_plan(policy: Policy, model: Any, engine: Engine, cpu: CpuFacts) -> Plan:
     """The Plan of backend ``ipex`` for ``policy`` (``model`` decides IPEX's mode when given)."""
     compute, reason = resolve_compute(policy, cpu)
+    fp8 = plan_fp8(policy, "ipex", Fp8Support(missing=FP8_MISSING))  # refused here, or the reported fallback
     resolved = policy if policy.compute_dtype == compute else policy.replace(compute_dtype=compute)
     with warnings.catch_warnings():  # the emulation warning came from `check` above, on these facts
         warnings.filterwarnings("ignore", message="unimp: .* emulates ")
-        base = torch_plan(resolved, "cpu")
+        base = torch_plan(resolved, "cpu", fp8_missing=FP8_MISSING)
     notes = [f"engine: {engine.name} ({engine.reason})", f"cpu: {cpu.describe()}", *base.notes]
     details = {**base.details, "engine": engine.name, "engine_reason": engine.reason,
                "cpu": cpu.record(), "ipex": None}
@@ -60,4 +62,4 @@ def compile_plan(policy: Policy, model: Any, engine: Engine, cpu: CpuFacts) -> P
                            "weights_prepack": mode.weights_prepack, "reason": mode.reason}
         notes.insert(1, f"ipex.optimize(dtype={mode.dtype}, weights_prepack={mode.weights_prepack}): {mode.reason}")
     return dataclasses.replace(base, backend="ipex", policy=policy, compute_dtype=compute,
-                               compute_reason=reason, notes=tuple(notes), details=details)
+                               compute_reason=reason, notes=tuple(notes), details=details, fp8=fp8)

@@ -7,7 +7,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
 
-from unimp_jax.kit import LinenKit, NnxKit
+from unimp_jax.testing import LinenKit, NnxKit
 
 _KITS = {"nnx": NnxKit(), "linen": LinenKit()}
 

@@ -14,7 +14,7 @@ import unimp
 from unimp.backend import UnimpWarning
 from unimp.errors import UnsupportedError
 from unimp_jax import LinenOp, Op
-from unimp_jax.optim import find_state
+from unimp_jax.optimizer import find_state
 
 X = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 16)), jnp.float32)
 

@@ -28,7 +28,7 @@ from unimp.backend import UnimpWarning
 from unimp.conformance.probe import probe_batches, probe_weights
 from unimp.loss_scale import LossScale
 from unimp_jax.distributed import agree, default_mesh
-from unimp_jax.kit import LinenKit, NnxProbe, nll
+from unimp_jax.testing import LinenKit, NnxProbe, nll
 
 ROOT = Path(__file__).resolve().parents[3]
 STEPS = 6

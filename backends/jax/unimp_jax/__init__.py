@@ -16,8 +16,8 @@ from typing import Any
 
 from .backend import JaxBackend
 
-_LAZY = {"Op": "op", "LinenOp": "op", "wrap": "optim", "apply_updates": "optim", "AmpOptState": "optim",
-         "all_finite": "optim", "LossScaleTree": "scaler", "NnxAmp": "nnx_amp", "AmpOptimizer": "nnx_amp",
+_LAZY = {"Op": "op", "LinenOp": "op", "wrap": "optimizer", "apply_updates": "optimizer", "AmpOptState": "optimizer",
+         "all_finite": "optimizer", "LossScaleTree": "scaler", "NnxAmp": "nnx_amp", "AmpOptimizer": "nnx_amp",
          "LinenAmp": "linen_amp", "reduce_gradients": "distributed", "data_parallel": "distributed"}
 
 __all__ = ["JaxBackend", *_LAZY]

@@ -12,12 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from unimp.backend import Amp
-from unimp.errors import StateError
-from unimp.loss_scale import LossScaleState
-from unimp.plan import Plan
+from unimp.spi import Amp, LossScaleState, Plan, StateError
 
-from .optim import AmpOptState, all_finite, apply_updates, find_state, wrap
+from .optimizer import AmpOptState, all_finite, apply_updates, find_state, wrap
 from .scaler import check, initial_tree, to_state
 
 

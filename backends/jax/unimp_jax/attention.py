@@ -29,7 +29,7 @@ def needs_cpu_attention(module: Any, compute_dtype: str | None) -> bool:
 
     if module.__dict__.get("attention_fn") is not nnx_attention.dot_product_attention:
         return False
-    from .platform import platform_of
+    from .hardware import platform_of
 
     return platform_of()[0] == "cpu"
 

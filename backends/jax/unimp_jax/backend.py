@@ -11,12 +11,7 @@ import sys
 import warnings
 from typing import Any
 
-from unimp.backend import Amp, Backend, UnimpWarning
-from unimp.errors import UnsupportedError
-from unimp.fp8 import Fp8Support
-from unimp.ops import OPS
-from unimp.plan import Plan, compile_ops
-from unimp.policy import Policy
+from unimp.spi import OPS, Amp, Backend, Fp8Support, Plan, Policy, UnimpWarning, UnsupportedError, compile_ops
 
 LAYER_OPS = ("matmul", "linear", "conv", "attention", "rnn", "embedding", "layer_norm", "rms_norm",
              "batch_norm", "group_norm")
@@ -87,7 +82,7 @@ class JaxBackend(Backend):
         return is_nnx(model) or is_linen(model)
 
     def compile(self, policy: Policy, model: Any = None) -> Plan:
-        from .platform import platform_of, resolve
+        from .hardware import platform_of, resolve
         from .scaler import validate
 
         validate(policy.loss_scale, f"policy {policy.name!r} ({policy.source})")
@@ -134,7 +129,7 @@ class JaxBackend(Backend):
         return LinenAmp(plan, model, optimizer, **options)
 
     def conformance_kit(self) -> Any:
-        from .kit import NnxKit
+        from .testing import NnxKit
 
         return NnxKit()
 

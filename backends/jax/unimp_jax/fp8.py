@@ -41,7 +41,6 @@ SCALES = ("input_scale", "kernel_scale", "output_grad_scale")
 HISTORIES = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history")
 STATE_NAMES = SCALES + HISTORIES
 RECIPES = ("delayed", "tensorwise")  # what this backend runs; the others are refused in the Plan
-FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 
 
 class Fp8State(nnx.Variable):
@@ -200,16 +199,23 @@ def kernel_dims(params: Mapping[str, Any]) -> dict[str, int] | None:
     return {"in_features": int(shape[0]), "out_features": int(shape[1])}
 
 
+def asks_fp8(plan: Any, path: str, kind: str | None, type_names: tuple[str, ...]) -> bool:
+    """Whether the policy asks FP8 of this layer at all (its decision is then reported)."""
+    fp8 = plan.fp8
+    if fp8 is None or not fp8.requested:
+        return False
+    names = (*type_names, *((kind,) if kind else ()))
+    return kind in plan.policy.fp8.ops or plan.policy.override_for(path, names, sets="fp8") is not None
+
+
 def decide(plan: Any, lp: Any, params: Mapping[str, Any]) -> Any:
     """The core's :class:`unimp.fp8.Fp8Decision` for the layer ``lp`` (None: FP8 not asked of it)."""
-    from unimp.fp8 import candidates, decide_fp8
+    from unimp.spi import Fp8Decision, decide_fp8
 
-    if plan.fp8 is None or not candidates(plan, lp.kind, lp.type_names, lp.path):
+    if not asks_fp8(plan, lp.path, lp.kind, lp.type_names):
         return None
     dims = kernel_dims(params)
     if dims is None and lp.kind == "linear":
-        from unimp.fp8 import Fp8Decision
-
         return Fp8Decision(lp.path, False, None, "no 2-D kernel (a LinearGeneral/Einsum split): stays in "
                                                  "the compute dtype")
     return decide_fp8(plan, lp.path, lp.kind, lp.type_names, dims, plan.compute_dtype)
@@ -217,7 +223,9 @@ def decide(plan: Any, lp: Any, params: Mapping[str, Any]) -> Any:
 
 def formats(plan: Any) -> tuple[str, str]:
     """The forward and gradient FP8 dtype names of ``plan``."""
-    return FORMATS[plan.fp8.forward_format], FORMATS[plan.fp8.gradient_format]
+    from unimp.spi import FP8_FORMATS
+
+    return FP8_FORMATS[plan.fp8.forward_format], FP8_FORMATS[plan.fp8.gradient_format]
 
 
 def layer_dot(plan: Any, recipe: str, state: Mapping[str, Any] | None) -> Any:

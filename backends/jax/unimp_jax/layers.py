@@ -19,10 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from unimp.dtypes import widest
-from unimp.ops import kind_of
-from unimp.policy import LayerDecision, Policy
-from unimp.report import ReportRow
+from unimp.spi import LayerDecision, Policy, ReportRow, kind_of, widest
 
 from .attention import attention, needs_cpu_attention
 

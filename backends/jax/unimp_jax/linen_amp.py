@@ -30,15 +30,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from unimp.fp8 import report_notes
-from unimp.loss_scale import LossScaleState
-from unimp.plan import Plan
-from unimp.report import Report, ReportRow
+from unimp.spi import LossScaleState, Plan, Report, ReportRow, fp8_report_notes
 
 from . import fp8
 from .amp import JaxAmp
 from .layers import LayerPlan, cast_floats, dtype_name, misaligned, run_layer
-from .optim import find_state
+from .optimizer import find_state
 
 
 def _own_params(m: Any) -> dict[str, Any]:
@@ -167,7 +164,7 @@ class LinenAmp(JaxAmp):
         finally:
             self._record = None
         rows = list(record.values())  # in call order
-        return self.report_header(rows, notes=[*self.plan.notes, *report_notes(self.fp8_decisions)])
+        return self.report_header(rows, notes=[*self.plan.notes, *fp8_report_notes(self.fp8_decisions)])
 
     def fp8_state(self) -> Any:
         """The delayed FP8 scaling state: ``amp.params['_overwrite_with_gradient']`` ({} when none)."""

@@ -29,16 +29,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from unimp.errors import StateError
-from unimp.fp8 import report_notes
-from unimp.loss_scale import LossScaleState
-from unimp.plan import Plan
-from unimp.report import Report, ReportRow
+from unimp.spi import LossScaleState, Plan, Report, ReportRow, StateError, fp8_report_notes
 
 from . import fp8
 from .amp import JaxAmp
 from .layers import LayerPlan, cast_floats, dtype_name, misaligned, run_layer
-from .optim import apply_updates, find_state, may_skip
+from .optimizer import apply_updates, find_state, may_skip
 
 _RECORDERS: list[dict[str, ReportRow]] = []
 _LAST_INPUTS: dict[str, Any] = {}
@@ -199,7 +195,7 @@ class NnxAmp(JaxAmp):
         finally:
             _RECORDERS.pop()
         rows = list(record.values())  # in call order
-        return self.report_header(rows, notes=[*self.plan.notes, *report_notes(self.fp8_decisions)])
+        return self.report_header(rows, notes=[*self.plan.notes, *fp8_report_notes(self.fp8_decisions)])
 
     def fp8_state(self) -> Any:
         """The delayed-scaling state of the FP8 layers (an nnx State of :class:`~unimp_jax.fp8.Fp8State`)."""

@@ -18,7 +18,7 @@ from typing import Any
 import flax.linen as nn
 from flax import nnx
 
-from unimp.ops import CANONICAL_OPS, kind_of
+from unimp.spi import CANONICAL_OPS, kind_of
 
 
 def _kind(fn: Callable[..., Any], kind: str | None) -> str:

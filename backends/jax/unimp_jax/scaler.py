@@ -19,9 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from unimp.errors import UnsupportedError
-from unimp.loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState
-from unimp.policy import LossScaleSpec
+from unimp.spi import LossScale, LossScaleAtMinimumError, LossScaleSpec, LossScaleState, UnsupportedError
 
 
 class LossScaleTree(NamedTuple):

@@ -15,6 +15,6 @@ warnings.filterwarnings("ignore", message="No ccache found", category=UserWarnin
 
 @pytest.fixture(scope="session")
 def kit():
-    from unimp_paddle.kit import PaddleKit
+    from unimp_paddle.testing import PaddleKit
 
     return PaddleKit()

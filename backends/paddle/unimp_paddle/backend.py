@@ -10,9 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from unimp.backend import Amp, Backend
-from unimp.plan import Plan
-from unimp.policy import Policy
+from unimp.spi import Amp, Backend, Plan, Policy
 
 
 def _is_program(model: Any) -> bool:
@@ -43,7 +41,7 @@ class PaddleBackend(Backend):
         return isinstance(model, paddle.nn.Layer) or _is_program(model)
 
     def compile(self, policy: Policy, model: Any = None) -> Plan:
-        from .planning import compile_dygraph, compile_static
+        from .plan import compile_dygraph, compile_static
 
         if model is not None and _is_program(model):
             return compile_static(policy)
@@ -55,12 +53,12 @@ class PaddleBackend(Backend):
             from .static import StaticAmp
 
             return StaticAmp(plan, model, optimizer, **options)
-        from .dygraph import DygraphAmp
+        from .amp import DygraphAmp
 
         return DygraphAmp(plan, model, optimizer, **options)
 
     def conformance_kit(self) -> Any:
-        from .kit import PaddleKit
+        from .testing import PaddleKit
 
         return PaddleKit()
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from unimp.errors import UnsupportedError
+from unimp.spi import UnsupportedError
 
 FIX = ("fix: apply unimp to the plain layer first, then wrap it: amp = unimp.apply(policy, layer, "
        "optimizer); model = amp.data_parallel()")
@@ -107,7 +107,7 @@ class GradReducer:
 
 
 def grad_dtypes(params: tuple[Any, ...]) -> set[str]:
-    from .dygraph import dtype_name
+    from .amp import dtype_name
 
     return {dtype_name(p.dtype) for p in params}
 

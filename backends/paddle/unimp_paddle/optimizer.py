@@ -83,7 +83,7 @@ class AmpOptimizer:
     def _warn_if_distributed(self) -> None:
         import warnings
 
-        from unimp.backend import UnimpWarning
+        from unimp.spi import UnimpWarning
 
         from .distributed import world_size
 

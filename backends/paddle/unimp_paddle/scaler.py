@@ -25,8 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unimp.loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState
-from unimp.policy import LossScaleSpec
+from unimp.spi import LossScale, LossScaleAtMinimumError, LossScaleSpec, LossScaleState
 
 
 class HostRuleLossScale:

@@ -21,14 +21,9 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
-from unimp.backend import Amp
-from unimp.errors import UnsupportedError
-from unimp.loss_scale import LossScale, LossScaleState
-from unimp.ops import CANONICAL_OPS
-from unimp.plan import Plan
-from unimp.report import Report, ReportRow
+from unimp.spi import CANONICAL_OPS, Amp, LossScale, LossScaleState, Plan, Report, ReportRow, UnsupportedError
 
-from .lists import compile_lists, op_types
+from .ops import compile_lists, op_types
 
 NUMPY_DTYPES = {"uint16": "bfloat16", "float32": "float32", "float16": "float16", "float64": "float64"}
 RANK2_ONLY = {"matmul_v2": "X", "layer_norm": "X"}  # bf16 CPU kernels that mis-read rank > 2 inputs
@@ -158,7 +153,7 @@ class StaticAmp(Amp):
         except RuntimeError as e:  # the Plan decided from unimp.hardware; this is the backstop
             if "primitive descriptor" not in str(e):
                 raise
-            from unimp.hardware import cpu
+            from unimp.spi import cpu
 
             raise UnsupportedError(f"Paddle's oneDNN has no kernel for this bf16 Program on this CPU, "
                                    f"{cpu().describe()}: {str(e).strip().splitlines()[-1]}; set compute_dtype = "

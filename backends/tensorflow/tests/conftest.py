@@ -9,6 +9,6 @@ import pytest
 
 @pytest.fixture(scope="session")
 def kit():
-    from unimp_tensorflow.kit import TensorFlowKit
+    from unimp_tensorflow.testing import TensorFlowKit
 
     return TensorFlowKit()

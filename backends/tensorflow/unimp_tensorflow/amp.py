@@ -23,16 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from unimp.backend import Amp
-from unimp.errors import StateError
-from unimp.fp8 import report_notes
-from unimp.loss_scale import LossScale, LossScaleState
-from unimp.plan import Plan
-from unimp.report import Report, ReportRow
+from unimp.spi import Amp, LossScale, LossScaleState, Plan, Report, ReportRow, StateError, fp8_report_notes
 
 from . import fp8
-from .binding import Binding, undo
-from .observe import observe
+from .bind import Binding, undo
+from .trace import observe
 
 
 class TensorFlowAmp(Amp):
@@ -79,7 +74,7 @@ class TensorFlowAmp(Amp):
                 if u.path in seen]
         rows.append(ReportRow("", None, None, None, out))
         notes = [f"{self.plan.details.get('loss_scaler', '')}"] if self.optimizer is not None else []
-        return self.report_header(rows, notes=[n for n in notes if n] + report_notes(self._binding.fp8_decisions))
+        return self.report_header(rows, notes=[n for n in notes if n] + fp8_report_notes(self._binding.fp8_decisions))
 
     # ------------------------------------------------------------------ FP8 scaling state
     def state_dict(self) -> dict[str, Any]:

@@ -13,11 +13,9 @@ import contextlib
 import sys
 from typing import Any, ClassVar
 
-from unimp.backend import Amp, Backend
-from unimp.plan import Plan
-from unimp.policy import Policy
+from unimp.spi import Amp, Backend, Plan, Policy
 
-from .planning import compile_plan
+from .plan import compile_plan
 
 OPTIONS = ("native_loss_scale",)
 
@@ -48,7 +46,7 @@ class TensorFlowBackend(Backend):
         if unknown:
             raise TypeError(f"unimp.apply (tensorflow): unknown option(s) {unknown}; valid: {list(OPTIONS)}")
         from .amp import TensorFlowAmp
-        from .binding import apply_layers, check_inputs, patch_output, reset_compiled_functions, wrap_optimizer
+        from .bind import apply_layers, check_inputs, patch_output, reset_compiled_functions, wrap_optimizer
         from .distributed import strategy_of
 
         check_inputs(model, optimizer)
@@ -61,7 +59,7 @@ class TensorFlowBackend(Backend):
                 if wrapper is not None and strategy is not None:
                     wrapper.build(model.trainable_variables)  # mirrored state before strategy.run
             except Exception:
-                from .binding import undo
+                from .bind import undo
 
                 undo(model, optimizer, wrapper, binding, masters_on=False)
                 raise
@@ -79,6 +77,6 @@ class TensorFlowBackend(Backend):
         return scope(policy)
 
     def conformance_kit(self) -> Any:
-        from .kit import TensorFlowKit
+        from .testing import TensorFlowKit
 
         return TensorFlowKit()

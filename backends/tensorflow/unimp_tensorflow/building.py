@@ -23,11 +23,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import unimp
-from unimp.dtypes import is_low
-from unimp.policy import Policy
+from unimp.spi import Policy, apply, is_low, load
 
-from .planning import compile_plan
+from .plan import compile_plan
 
 
 @dataclass(frozen=True)
@@ -40,7 +38,7 @@ class Scope:
 
     def apply(self, model: Any, optimizer: Any = None, **options: Any) -> Any:
         """``unimp.apply(policy, model, optimizer)`` for the model built in this scope."""
-        return unimp.apply(self.policy, model, optimizer, backend="tensorflow", **options)
+        return apply(self.policy, model, optimizer, backend="tensorflow", **options)
 
 
 def global_policy_name(policy: Policy, compute: str) -> str:
@@ -55,7 +53,7 @@ def scope(policy: Any) -> Iterator[Scope]:
     """Keras' global dtype policy and data format set per ``policy`` while building a model."""
     import keras
 
-    pol = unimp.load(policy)
+    pol = load(policy)
     plan = compile_plan(pol)
     name = global_policy_name(pol, plan.compute_dtype)
     fmt = "channels_last" if pol.layout.channels_last else keras.config.image_data_format()

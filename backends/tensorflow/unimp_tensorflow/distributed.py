@@ -23,7 +23,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from unimp.errors import UnsupportedError
+from unimp.spi import UnsupportedError
 
 XLA_MESSAGE = (
     "unimp (tensorflow): the optimizer step of a tf.distribute strategy that uses merge_call "

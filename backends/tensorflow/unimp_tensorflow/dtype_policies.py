@@ -25,7 +25,7 @@ from typing import Any
 import keras
 from keras import backend as K
 
-from unimp.dtypes import widest
+from unimp.spi import widest
 
 
 class Applied(keras.DTypePolicy):

@@ -33,8 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from unimp.errors import UnsupportedError
-from unimp.fp8 import Fp8Decision, Fp8Support, candidates, decide_fp8
+from unimp.spi import Fp8Decision, Fp8Support, UnsupportedError, decide_fp8
 
 KERAS_RECIPE = "delayed"
 # Keras' variable names -> the names every unimp backend uses in state_dict()["fp8"] (Flax's)
@@ -72,11 +71,20 @@ def _dims(layer: Any) -> dict[str, int] | None:
     return {"in_features": int(shape[0]), "out_features": int(shape[1])} if len(shape) == 2 else None
 
 
+def asks_fp8(plan: Any, path: str, kind: str | None, type_names: tuple[str, ...]) -> bool:
+    """Whether the policy asks FP8 of this layer at all (its decision is then reported)."""
+    fp8 = plan.fp8
+    if fp8 is None or not fp8.requested:
+        return False
+    names = (*type_names, *((kind,) if kind else ()))
+    return kind in plan.policy.fp8.ops or plan.policy.override_for(path, names, sets="fp8") is not None
+
+
 def decide(plan: Any, units: list[Any]) -> list[tuple[Any, Fp8Decision]]:
     """The core's decision for every unit FP8 could concern (Keras-specific limits folded in)."""
     out = []
     for u in units:
-        if u.container or not candidates(plan, u.kind, u.type_names, u.path):
+        if u.container or not asks_fp8(plan, u.path, u.kind, u.type_names):
             continue
         d = decide_fp8(plan, u.path, u.kind, u.type_names, _dims(u.layer) or {}, plan.compute_dtype)
         if d.fp8 and (type(u.layer).__name__ not in QUANTIZABLE or _dims(u.layer) is None):

@@ -2,7 +2,7 @@
 
 >>> import keras
 >>> m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(12, name="fc")])
->>> from unimp_tensorflow.layers import walk
+>>> from unimp_tensorflow.index import walk
 >>> misaligned(walk(m), 8)
 ['fc: input_dim=4 is not a multiple of 8', 'fc: units=12 is not a multiple of 8']
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .layers import Unit
+from .index import Unit
 
 
 def _dims(layer: Any) -> list[tuple[str, int]]:

@@ -21,9 +21,7 @@ import keras
 import tensorflow as tf
 from keras.src.utils import tracking
 
-from unimp.errors import StateError
-from unimp.loss_scale import LossScale, LossScaleState
-from unimp.policy import LossScaleSpec
+from unimp.spi import LossScale, LossScaleSpec, LossScaleState, StateError
 
 from .distributed import all_reduce, hook_inner, refuse_xla
 from .scaler import State, all_finite, next_state

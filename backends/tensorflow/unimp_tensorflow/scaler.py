@@ -18,8 +18,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from unimp.loss_scale import f32
-from unimp.policy import LossScaleSpec
+from unimp.spi import LossScaleSpec, f32
 
 
 class State(NamedTuple):

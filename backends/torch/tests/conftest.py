@@ -6,6 +6,6 @@ torch.manual_seed(0)
 
 @pytest.fixture
 def kit():
-    from unimp_torch.kit import TorchKit
+    from unimp_torch.testing import TorchKit
 
     return TorchKit()

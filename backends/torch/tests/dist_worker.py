@@ -45,6 +45,9 @@ def scaled_policy(**distributed):
         distributed=distributed or {"reduce_dtype": "float32"})
 
 
+FP8_POLICY = {"extends": "fp8_tensorwise", "layout": {"on_misaligned": "ignore"}}
+
+
 def shard(t: torch.Tensor, rank: int) -> torch.Tensor:
     n = t.shape[0] // WORLD
     return t[rank * n:(rank + 1) * n]
@@ -153,6 +156,18 @@ def run_fsdp(rank: int, res: dict) -> None:
     res["fsdp_pure_bf16_dtypes"] = {n: (str(p.dtype), p.to_local().numel()) for n, p in m.named_parameters()}
     groups = [mm._get_fsdp_state()._fsdp_param_group for mm in m.modules() if hasattr(mm, "_get_fsdp_state")]
     res["fsdp_pure_bf16_mp"] = sorted(str(g.mp_policy.param_dtype) for g in groups if g is not None)
+    # FP8 (torchao, CPU emulation): Float8Linear layers made before sharding, weights all-gathered in FP8
+    try:
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:
+        res["fsdp_fp8_skip"] = "torchao is not installed"
+    else:
+        m = unimp_torch.fully_shard(model(), FP8_POLICY, units=nn.Linear)
+        amp = unimp.apply(FP8_POLICY, m, torch.optim.AdamW(m.parameters(), lr=1e-2))
+        res["fsdp_fp8"] = train(amp, rank, {}, None)
+        res["fsdp_fp8_layers"] = amp.fp8_layers
+        res["fsdp_fp8_weights"] = {p: type(mod.weight._local_tensor).__name__ for p, mod in m.named_modules()
+                                   if isinstance(mod, Float8Linear)}
     # a hand-sharded model whose MixedPrecisionPolicy contradicts the policy: refused, named
     m = model()
     fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))

@@ -129,7 +129,11 @@ def test_every_preset_traces_without_graph_breaks():
     x = torch.randn(2, 4, 16)
     for preset in unimp.preset_names():
         model = Block()
-        amp = unimp.apply(preset, model, torch.optim.AdamW(model.parameters()))
+        try:
+            amp = unimp.apply(preset, model, torch.optim.AdamW(model.parameters()))
+        except unimp.UnsupportedError as e:  # FP8 this torch cannot run (delayed scaling; no torchao)
+            assert unimp.load(preset).fp8.enabled and "asks FP8 that backend torch cannot run" in str(e), preset
+            continue
         explained = torch._dynamo.explain(amp.model)(x)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), (preset, explained.break_reasons)
         amp.remove()

@@ -51,7 +51,7 @@ def test_same_dtypes_on_cuda_as_on_cpu():
 def test_torch_preset_on_cuda_is_plain_autocast():
     block = Block().cuda()
     amp = unimp.apply("torch_autocast_cuda", block, torch.optim.AdamW(block.parameters(), fused=True))
-    from unimp_torch.native import has_kernel
+    from unimp_torch.autocast import has_kernel
 
     rms_move = {} if has_kernel("rms_norm", "cuda") else {"rms_norm": "float32"}  # torch < 2.13
     assert amp.plan.details["op_moves"] == rms_move

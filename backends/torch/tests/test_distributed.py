@@ -173,6 +173,18 @@ def test_fsdp_pure_bf16_units_and_sharded_masters(ranks):
           single("pure_bf16", lambda ps: torch.optim.AdamW(ps, lr=1e-2)), 2**-8)
 
 
+def test_fsdp_fp8_layers_all_gather_in_fp8_and_train_like_one_process(ranks):
+    """fully_shard with an FP8 policy: torchao's Float8Linear for the Plan's layers (fc 16->32; the 32->8
+    head is not a multiple of 16), weights all-gathered in FP8; losses as one process's FP8 run."""
+    if "fsdp_skip" in ranks[0] or "fsdp_fp8_skip" in ranks[0]:
+        pytest.skip(ranks[0].get("fsdp_skip") or ranks[0]["fsdp_fp8_skip"])
+    r = ranks[0]
+    assert r["fsdp_fp8_layers"] == {"0": "tensorwise"}
+    assert r["fsdp_fp8_weights"] == {"0": "WeightWithDynamicFloat8CastTensor"}
+    same_params_everywhere(ranks, "fsdp_fp8")
+    close(global_losses(ranks, "fsdp_fp8"), single(W.FP8_POLICY, lambda ps: torch.optim.AdamW(ps, lr=1e-2)), 2**-6)
+
+
 def test_fsdp_model_sharded_against_the_policy_is_refused(ranks):
     if "fsdp_skip" in ranks[0]:
         pytest.skip(ranks[0]["fsdp_skip"])

@@ -12,7 +12,7 @@ from models import ConvNet, mlp
 from torch import nn
 
 import unimp
-from unimp_torch.compile import compile_plan
+from unimp_torch.plan import compile_plan
 
 BF16, F32 = torch.bfloat16, torch.float32
 

@@ -134,7 +134,7 @@ def test_mean_on_cuda_keeps_torchs_choice_and_says_so():
     """CUDA autocast keeps reductions (sum, prod, ...) in float32 but lists no mean: the primary op
     already does what the policy asks, so torch's per-op choice is kept (torch_autocast_cuda stays
     plain autocast) and the plan says so (read from the dispatcher, no GPU needed)."""
-    from unimp_torch.compile import compile_plan
+    from unimp_torch.plan import compile_plan
 
     assert torch._C._dispatch_has_kernel_for_dispatch_key("aten::sum.dim_IntList", "AutocastCUDA")
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::mean.dim", "AutocastCUDA")

@@ -9,8 +9,8 @@ import torch
 from models import Block
 
 import unimp
-from unimp_torch.compile import compile_plan
 from unimp_torch.op_overrides import PolicyMode
+from unimp_torch.plan import compile_plan
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -51,7 +51,7 @@ def test_torch_autocast_cpu_preset_is_plain_autocast():
 
 def cuda_rms_norm_move() -> dict:
     """torch < 2.13 registers no CUDA autocast kernel for rms_norm: unimp must add one (the only move)."""
-    from unimp_torch.native import has_kernel
+    from unimp_torch.autocast import has_kernel
 
     return {} if has_kernel("rms_norm", "cuda") else {"rms_norm": "float32"}
 

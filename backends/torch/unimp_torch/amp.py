@@ -19,18 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.backend import Amp
-from unimp.loss_scale import LossScaleState
-from unimp.plan import Plan
-from unimp.report import Report, ReportRow
+from unimp.spi import Amp, LossScaleState, Plan, Report, ReportRow, fp8_report_notes
 
 from .forward import PolicyForward, patch_forward
+from .fp8 import Fp8Binding
 from .layers import DTYPES, Rule, kind, type_names, wrap
 from .layout import check_alignment, has_conv2d, restore_layout, to_channels_last
-from .observe import Observer, observe
-from .optim import AmpOptimizer
+from .optimizer import AmpOptimizer
 from .params import ParamState, cast_params
 from .scaler import DeviceLossScale
+from .trace import Observer, observe
 
 
 class TorchAmp(Amp):
@@ -52,6 +50,7 @@ class TorchAmp(Amp):
         # size, reduce dtype, how found-inf is agreed; ``agree(found_inf)`` all-reduces it (MAX)
         self.distributed: dict[str, Any] | None = None
         self.agree: Callable[[torch.Tensor], None] | None = None
+        self.fp8: Fp8Binding | None = None  # the layers running FP8 (unimp_torch.fp8), when the Plan has FP8
 
     # ------------------------------------------------------------------ training verbs
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -90,6 +89,12 @@ class TorchAmp(Amp):
 
         self._check_live("amp.ddp()")
         return make_ddp(self, **kwargs)
+
+    @property
+    def fp8_layers(self) -> dict[str, str]:
+        """``{module path: FP8 recipe}`` of the layers that run FP8 (the Plan's choice; empty if none)."""
+        self._check_live("amp.fp8_layers")
+        return dict(self.fp8.layers) if self.fp8 is not None else {}
 
     @property
     def master_weights(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
@@ -136,10 +141,13 @@ class TorchAmp(Amp):
             raise RuntimeError("amp.report(): run amp.model(x) once first, or pass an example input: "
                                "amp.report(x) (a compiled forward is not observed: under torch.compile, "
                                "pass the input)")
-        rows = [ReportRow(path or "<model>", r["kind"], r["compute_dtype"], r["param_dtype"], r["output_dtype"])
+        fp8 = self.fp8.layers if self.fp8 is not None else {}
+        rows = [ReportRow(path or "<model>", r["kind"], r["compute_dtype"], r["param_dtype"], r["output_dtype"],
+                          fp8.get(path))
                 for path, r in observed.items()
                 if not path or r["kind"] or not any(True for _ in self.module.get_submodule(path).children())]
         notes = [f"wrapped per layer: {', '.join(self.wrapped)}"] if self.wrapped else []
+        notes += fp8_report_notes(self.fp8.decisions) if self.fp8 is not None else []
         return self.report_header(rows, notes)
 
     def _restore(self) -> None:
@@ -184,6 +192,11 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         optimized = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
         if not fsdp:
             amp.params = cast_params(model, policy, plan.compute_dtype, optimized)
+        if plan.fp8 is not None and plan.fp8.active:  # after the params' dtypes: Float8Linear shares them
+            from .fp8 import convert
+
+            amp.fp8, undo = convert(plan, model, device, fsdp)
+            amp._undo.append(undo)
         _wrap_layers(amp, model, plan, device)
         details = plan.details
         autocast = DTYPES[details["autocast"]] if details["autocast"] else None

@@ -9,9 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from unimp.backend import Backend
-from unimp.plan import Plan
-from unimp.policy import Policy
+from unimp.spi import Backend, Plan, Policy
 
 
 class TorchBackend(Backend):
@@ -29,7 +27,7 @@ class TorchBackend(Backend):
         return isinstance(model, torch.nn.Module)
 
     def compile(self, policy: Policy, model: Any = None) -> Plan:
-        from .compile import compile_plan
+        from .plan import compile_plan
         from .validate import device_of
 
         return compile_plan(policy, device_of(model))
@@ -49,7 +47,7 @@ class TorchBackend(Backend):
             plan = self.compile(plan.policy, model)
         compiled = _compiled_inner(model)
         if compiled is not None:  # torch.compile(model) made first: bind the module it wraps
-            from unimp.registry import is_applied, remember
+            from unimp.spi import is_applied, remember
 
             if is_applied(compiled):
                 raise RuntimeError("unimp.apply: the module inside this torch.compile wrapper already has a "
@@ -59,7 +57,7 @@ class TorchBackend(Backend):
             amp.model = model  # calls go through the compiled wrapper, which traces the policy's forward
             return amp
         if is_ddp(model):  # DDP built first: bind the inner module, hook the DDP
-            from unimp.registry import is_applied
+            from unimp.spi import is_applied
 
             ddp, inner = model, model.module
             if is_applied(inner):
@@ -80,7 +78,7 @@ class TorchBackend(Backend):
         return bind(plan, model, optimizer, device, on_skip, fsdp=is_fsdp(model))
 
     def conformance_kit(self) -> Any:
-        from .kit import TorchKit
+        from .testing import TorchKit
 
         return TorchKit()
 

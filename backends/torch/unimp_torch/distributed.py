@@ -40,10 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import unimp
-from unimp.backend import UnimpWarning
-from unimp.errors import UnsupportedError
-from unimp.policy import Policy
+from unimp.spi import Policy, UnimpWarning, UnsupportedError, load
 
 from .layers import DTYPES, NAMES, kind, type_names
 
@@ -168,7 +165,7 @@ def mixed_precision_policy(policy: Any, param_dtype: str | None = None, *, root:
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    policy = unimp.load(policy)
+    policy = load(policy)
     return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype or policy.param_dtype],
                                 reduce_dtype=DTYPES[policy.distributed.reduce_dtype],
                                 output_dtype=DTYPES[policy.output_dtype] if root else None,
@@ -207,13 +204,25 @@ def fully_shard(model: nn.Module, policy: Any, *, units: Units = None, **kwargs:
     (e.g. float32 norms inside a ``pure_bf16`` block) get a unit of their own. ``kwargs`` go to
     ``torch.distributed.fsdp.fully_shard`` (``mesh``, ``reshard_after_forward``, ...). Then build the
     optimizer on ``model.parameters()`` and call ``unimp.apply(policy, model, optimizer)``.
+    A policy with FP8 gets its FP8 layers (torchao ``Float8Linear``) before sharding, as torchao
+    requires; with the tensorwise recipe their weights are all-gathered in FP8
+    (``enable_fsdp_float8_all_gather``). They stay FP8 layers after ``amp.remove()`` (FSDP owns them).
     """
     from torch.distributed.fsdp import fully_shard as shard
 
-    policy = unimp.load(policy)
+    policy = load(policy)
     if is_fsdp(model):
         raise RuntimeError("unimp_torch.fully_shard: the model is already sharded; call it on the plain "
                            "model (it shards the units and the root itself)")
+    from unimp.spi import requests_fp8
+
+    if requests_fp8(policy):
+        from .backend import TorchBackend
+        from .fp8 import convert
+
+        plan = TorchBackend().compile(policy, model)
+        if plan.fp8 is not None and plan.fp8.active:
+            convert(plan, model, plan.details["device"], fsdp=True)
     match = _matcher(units)
     modules = dict(model.named_modules())
     roots = [p for p, m in modules.items() if p and match(p, m)] + [""]
@@ -324,7 +333,7 @@ def _agree_over(amp: Any, groups: list[Any]) -> None:
 
 
 def _remember(amp: Any, *models: nn.Module) -> None:
-    from unimp.registry import remember
+    from unimp.spi import remember
 
     remember(amp, *models)
 

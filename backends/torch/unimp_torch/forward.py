@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .autocast import kernel_table
 from .layers import install_forward
-from .native import kernel_table
 from .op_overrides import EagerPolicyMode, PolicyMode, acquire, active, release
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.ops import kind_of
+from unimp.spi import kind_of
 
 from .kinds import extra_kind
 

@@ -12,9 +12,7 @@ import warnings
 import torch
 from torch import nn
 
-from unimp.backend import UnimpWarning
-from unimp.errors import UnsupportedError
-from unimp.policy import Layout
+from unimp.spi import Layout, UnimpWarning, UnsupportedError
 
 DIMS = {nn.Linear: ("in_features", "out_features"), nn.Embedding: ("num_embeddings", "embedding_dim"),
         nn.modules.conv._ConvNd: ("in_channels", "out_channels")}

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .native import AUTOCAST_KEYS, overloads
+from .autocast import AUTOCAST_KEYS, overloads
 
 
 def _eligible(x: Any, device: str) -> bool:

@@ -31,8 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.errors import UnsupportedError
-from unimp.policy import Policy
+from unimp.spi import Policy, UnsupportedError
 
 from .layers import DTYPES, kind, type_names
 

@@ -19,9 +19,7 @@ from collections.abc import Iterable
 
 import torch
 
-from unimp.errors import StateError
-from unimp.loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState, f32
-from unimp.policy import LossScaleSpec
+from unimp.spi import LossScale, LossScaleAtMinimumError, LossScaleSpec, LossScaleState, StateError, f32
 
 
 def torch_rule(spec: LossScaleSpec) -> bool:

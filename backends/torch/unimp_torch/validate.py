@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from unimp.errors import StateError, UnsupportedError
+from unimp.spi import StateError, UnsupportedError
 
 
 def device_of(model: Any) -> str:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import transformers
 
-import unimp
+from unimp.spi import Policy, apply, load
 
 AMP_FILE = "unimp_amp.pt"
 
@@ -56,7 +56,7 @@ class UnimpTrainer(transformers.Trainer):
     """``transformers.Trainer`` training under a unimp policy (a preset name, a file, a dict or a Policy)."""
 
     def __init__(self, *args: Any, policy: Any, **kwargs: Any) -> None:
-        self.unimp_policy = unimp.load(policy) if not isinstance(policy, unimp.Policy) else policy
+        self.unimp_policy = load(policy) if not isinstance(policy, Policy) else policy
         self.amp: Any = None
         targs = kwargs.get("args") or (args[1] if len(args) > 1 else None)
         if targs is not None and (targs.fp16 or targs.bf16):
@@ -70,7 +70,7 @@ class UnimpTrainer(transformers.Trainer):
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
         if self.amp is None:
-            self.amp = unimp.apply(self.unimp_policy, self.model, optimizer)
+            self.amp = apply(self.unimp_policy, self.model, optimizer)
             self.optimizer = self.amp.optimizer
         return self.optimizer
 

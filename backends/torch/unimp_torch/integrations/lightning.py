@@ -33,8 +33,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import Precision
 
-import unimp
-from unimp.errors import UnsupportedError
+from unimp.spi import Policy, UnsupportedError, apply, load
 
 
 class UnimpPrecision(Precision):
@@ -44,7 +43,7 @@ class UnimpPrecision(Precision):
 
     def __init__(self, policy: Any) -> None:
         super().__init__()
-        self.policy = unimp.load(policy) if not isinstance(policy, unimp.Policy) else policy
+        self.policy = load(policy) if not isinstance(policy, Policy) else policy
         self.amp: Any = None
         self._pending_state: dict[str, Any] | None = None
 
@@ -53,7 +52,7 @@ class UnimpPrecision(Precision):
             raise UnsupportedError(f"UnimpPrecision: configure_optimizers returned {len(optimizers)} optimizers; "
                                    "unimp binds one optimizer per model; fix: return one optimizer (with several "
                                    "param groups if needed)")
-        self.amp = unimp.apply(self.policy, model, optimizers[0] if optimizers else None)
+        self.amp = apply(self.policy, model, optimizers[0] if optimizers else None)
         if self._pending_state is not None:
             self.amp.load_state_dict(self._pending_state)
             self._pending_state = None

@@ -1,0 +1,36 @@
+"""The conformance kit for backend ``ipex``: unimp-torch's probe and training step, IPEX's masters.
+
+>>> IpexKit().backend
+'ipex'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unimp.spi import Policy
+from unimp_torch.testing import TorchKit
+
+from .hardware import here
+
+
+class IpexKit(TorchKit):
+    """``engine``: ``auto`` (IPEX when installed) or ``torch`` (the no-IPEX path)."""
+
+    backend = "ipex"
+
+    def __init__(self, engine: str = "auto") -> None:
+        super().__init__("cpu")
+        self.engine = engine
+
+    def supports(self, policy: Policy) -> str | None:
+        cpu = here()
+        wants = {policy.compute_dtype, *(o.compute_dtype for o in policy.overrides)}
+        if "float16" in wants and not cpu.native_fp16:
+            return f"float16 on a CPU without AVX512-FP16/AMX-FP16 ({cpu.describe()})"
+        return None
+
+    def apply(self, policy: Policy, model: Any, optimizer: Any) -> Any:
+        from unimp.spi import apply
+
+        return apply(policy, model, optimizer, backend="ipex", engine=self.engine)

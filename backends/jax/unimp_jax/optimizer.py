@@ -1,0 +1,199 @@
+"""The optax wrapper: loss-scale state and fp32 master weights inside the optimizer state.
+
+``wrap(tx, policy)`` is an ``optax.GradientTransformation``. Its state is :class:`AmpOptState`
+(inner optax state, the canonical :class:`~unimp_jax.scaler.LossScaleTree`, fp32 masters or
+None), so it checkpoints with the optimizer. ``update`` takes *unscaled* gradients (from
+``amp.value_and_grad``), checks them, and on a skipped step returns ``-0.0`` updates (the exact
+identity under ``optax.apply_updates``) and the old inner state and masters, bit for bit.
+
+>>> import jax.numpy as jnp, optax, unimp
+>>> tx = wrap(optax.sgd(0.5), unimp.load("mixed_fp16"))
+>>> params = {"w": jnp.ones(2)}
+>>> state = tx.init(params)
+>>> updates, state = tx.update({"w": jnp.array([1.0, jnp.inf])}, state, params)
+>>> apply_updates(params, updates, state)["w"].tolist(), int(state.loss_scale.skipped)
+([1.0, 1.0], 1)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from unimp.spi import Policy
+
+from .scaler import LossScaleTree, initial_tree, update_tree
+
+
+class AmpOptState(NamedTuple):
+    """The wrapper's optimizer state: ``inner`` optax state, ``loss_scale``, fp32 ``master`` or None."""
+
+    inner: Any
+    loss_scale: LossScaleTree
+    master: Any
+
+
+_WRAPPED: dict[tuple[int, str], tuple[Any, Any]] = {}
+
+
+def _is_float(x: Any) -> bool:
+    import jax.numpy as jnp
+
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def all_finite(tree: Any) -> Any:
+    """One bool scalar: every floating leaf of ``tree`` is finite (jit-able, no host sync)."""
+    import jax
+    import jax.numpy as jnp
+
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree) if _is_float(x)]
+    return jnp.stack(flags).all() if flags else jnp.asarray(True)
+
+
+def _select(pred: Any, new: Any, old: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), new, old)
+
+
+def wrap(tx: Any, policy: Policy) -> Any:
+    """``tx`` under ``policy``'s loss scaling and master weights (memoised per tx and policy)."""
+    key = (id(tx), policy.fingerprint)
+    hit = _WRAPPED.get(key)
+    if hit is not None and hit[0] is tx:
+        return hit[1]
+    out = _build(tx, policy)
+    _WRAPPED[key] = (tx, out)  # keeps tx alive so its id stays unique
+    _MAY_SKIP[id(out)] = (out, can_skip(policy))
+    return out
+
+
+_MAY_SKIP: dict[int, tuple[Any, bool]] = {}
+
+
+def can_skip(policy: Policy) -> bool:
+    """Whether ``policy`` can ever skip a step (dynamic scaling, ``skip_nonfinite``); else no checks run."""
+    spec = policy.loss_scale
+    return spec.skip_nonfinite or spec.mode == "dynamic"
+
+
+def may_skip(tx: Any) -> bool:
+    """Whether the transformation ``tx`` (from :func:`wrap`) can skip a step (unknown tx: True)."""
+    hit = _MAY_SKIP.get(id(tx))
+    return True if hit is None or hit[0] is not tx else hit[1]
+
+
+def _build(tx: Any, policy: Policy) -> Any:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    spec = policy.loss_scale
+    masters = policy.uses_master_weights
+    checks = can_skip(policy)  # False (mode none/static, skip_nonfinite off): no finiteness check, no selects
+    f32 = jnp.float32
+
+    def init(params: Any) -> AmpOptState:
+        params = _fp8_split(params)[0]
+        # a copy even where a param is float32 already (norms): donating both must not donate one buffer twice
+        master = jax.tree_util.tree_map(lambda p: jnp.array(p, f32, copy=True) if _is_float(p) else p,
+                                        params) if masters else None
+        return AmpOptState(tx.init(master if masters else params), initial_tree(spec), master)
+
+    def update(grads: Any, state: AmpOptState, params: Any = None, **extra: Any) -> tuple[Any, AmpOptState]:
+        grads, new_fp8 = _fp8_split(grads)
+        params, old_fp8 = _fp8_split(params)
+        if new_fp8 is None:
+            return core(grads, state, params, **extra)[:2]
+        u, st, applied = core(grads, state, params, **extra)
+        # linen delayed FP8 state: the "update" is the new state itself, written by amp.apply_updates
+        fp8 = new_fp8 if old_fp8 is None else _select(applied, new_fp8, old_fp8)
+        return {"params": u, _OWG: fp8}, st
+
+    def core(grads: Any, state: AmpOptState, params: Any = None, **extra: Any) -> tuple[Any, AmpOptState, Any]:
+        if not isinstance(state, AmpOptState):
+            raise TypeError(f"unimp optimizer: state is {type(state).__name__}, expected the AmpOptState "
+                            f"from this transformation's init(); fix: opt_state = amp.optimizer.init(params)")
+        if masters and params is None:
+            raise ValueError("unimp optimizer: update(grads, state, params) needs params when master "
+                             "weights are on; fix: pass the model's params as the third argument")
+        finite = all_finite(grads) if checks else jnp.asarray(True)
+        if masters:
+            base = state.master
+            g = jax.tree_util.tree_map(lambda x: x.astype(f32) if _is_float(x) else x, grads)
+        else:
+            base = params
+            g = grads if params is None else jax.tree_util.tree_map(
+                lambda x, p: x.astype(p.dtype) if _is_float(x) and _is_float(p) else x, grads, params)
+        u, inner = tx.update(g, state.inner, base, **extra)
+        master = state.master
+        if masters:
+            master = optax.apply_updates(base, u)
+            u = jax.tree_util.tree_map(
+                lambda m, p: m.astype(p.dtype).astype(f32) - p.astype(f32) if _is_float(p) else m,
+                master, params)
+        loss_scale = update_tree(spec, state.loss_scale, finite)
+        apply = jnp.asarray(True)
+        if checks:
+            apply = jnp.logical_or(finite, not spec.skip_nonfinite) & ~loss_scale.at_min_error
+            inner = _select(apply, inner, state.inner)
+            if masters:
+                master = _select(apply, master, state.master)
+            u = jax.tree_util.tree_map(
+                lambda x: jnp.where(apply, x, jnp.asarray(-0.0, x.dtype)) if _is_float(x) else x, u)
+        return u, AmpOptState(inner, loss_scale, master), apply
+
+    return optax.GradientTransformation(init, update)
+
+
+_OWG = "_overwrite_with_gradient"  # flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT (see unimp_jax.fp8)
+
+
+def _fp8_split(tree: Any) -> tuple[Any, Any]:
+    """``(params, linen FP8 state or None)``: a variables dict holding Flax's FP8 collection is split."""
+    from collections.abc import Mapping
+
+    if isinstance(tree, Mapping) and _OWG in tree:
+        return tree["params"], tree[_OWG]
+    return tree, None
+
+
+def find_state(holder: Any) -> AmpOptState:
+    """The :class:`AmpOptState` inside an optax state, an nnx Optimizer, or the state itself."""
+    import jax
+
+    if isinstance(holder, AmpOptState):
+        return holder
+    tree = holder
+    if hasattr(holder, "opt_state") and hasattr(holder, "tx"):  # nnx.Optimizer
+        from flax import nnx
+
+        tree = nnx.as_pure(holder.opt_state)
+    found = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, AmpOptState))
+             if isinstance(x, AmpOptState)]
+    if len(found) != 1:
+        raise TypeError(
+            f"unimp: found {len(found)} unimp optimizer states in the {type(holder).__name__} given; "
+            f"fix: pass the optimizer state made by amp.optimizer.init(params) (linen) or amp.optimizer "
+            f"(nnx)")
+    return found[0]
+
+
+def apply_updates(params: Any, updates: Any, opt_state: Any) -> Any:
+    """New params: ``cast(master)`` where fp32 masters are kept (bit-exact), else ``params + updates``.
+
+    ``optax.apply_updates`` also works; with masters it is within rounding of ``cast(master)`` but
+    only this function guarantees ``params == cast(master)`` bit for bit.
+    """
+    import jax
+    import optax
+
+    params, _ = _fp8_split(params)
+    if isinstance(updates, dict) and _OWG in updates:  # linen delayed FP8: the new state replaces the old
+        return {"params": apply_updates(params, updates["params"], opt_state), _OWG: updates[_OWG]}
+    state = find_state(opt_state)
+    if state.master is None:
+        return optax.apply_updates(params, updates)
+    return jax.tree_util.tree_map(lambda m, p: m.astype(p.dtype) if _is_float(p) else p,
+                                  state.master, params)

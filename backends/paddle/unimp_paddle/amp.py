@@ -1,0 +1,293 @@
+"""The dygraph Amp: ``paddle.amp.auto_cast`` with compiled lists, O2 ``decorate``, loss scaling.
+
+>>> import paddle, unimp
+>>> model = paddle.nn.Linear(8, 8)
+>>> opt = paddle.optimizer.Adam(parameters=model.parameters())
+>>> amp = unimp.apply({"extends": "mixed_bf16", "on_unsupported": "fallback"}, model, opt)
+>>> loss = amp.model(paddle.ones([2, 8])).mean()
+>>> amp.backward(loss); amp.optimizer.step(); amp.optimizer.clear_grad()
+False
+>>> amp.remove() is model
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from unimp.spi import Amp, LossScaleState, Plan, Report, ReportRow, UnimpWarning, UnsupportedError, kind_of
+
+from .distributed import data_parallel, refuse_data_parallel
+from .layout import alignment_findings, channels_last_findings
+from .ops import OpLists, compile_lists
+from .optimizer import AmpOptimizer
+from .scaler import HostRuleLossScale
+
+DTYPES = {"paddle.float32": "float32", "paddle.bfloat16": "bfloat16", "paddle.float16": "float16",
+          "paddle.float64": "float64", "paddle.int64": "int64", "paddle.int32": "int32"}
+
+
+def dtype_name(dtype: Any) -> str:
+    """``paddle.bfloat16`` -> ``"bfloat16"``."""
+    return DTYPES.get(str(dtype), str(dtype).replace("paddle.", ""))
+
+
+def layer_kind(layer: Any) -> str | None:
+    return kind_of(type(layer).__name__, "paddle")
+
+
+class DygraphAmp(Amp):
+    """A policy bound to one ``paddle.nn.Layer`` (+ optimizer)."""
+
+    def __init__(self, plan: Plan, model: Any, optimizer: Any = None) -> None:
+        import paddle
+
+        if not isinstance(model, paddle.nn.Layer):
+            raise TypeError(f"unimp.apply: model must be a paddle.nn.Layer, got {type(model).__name__}")
+        refuse_data_parallel(model)
+        if optimizer is not None and not hasattr(optimizer, "step"):
+            raise TypeError(f"unimp.apply: optimizer must be a paddle.optimizer.Optimizer (with step()), "
+                            f"got {type(optimizer).__name__}")
+        super().__init__(plan, model, optimizer)
+        self._layer = model  # the user's layer (amp.model becomes the DataParallel after data_parallel())
+        self._dp: Any = None
+        d = plan.details
+        self.active: bool = d["amp_active"]
+        self.level: str = d["level"]
+        self.amp_dtype: str = d["amp_dtype"]
+        self.lists: OpLists = compile_lists(self.policy)
+        self._check_layout(model)
+        self._saved = {k: (v.dtype, v.numpy().copy()) for k, v in model.state_dict().items()}
+        self._guards = self._layer_guards(model)
+        self.native: dict[str, Any] = {"auto_cast": self._auto_cast_args(self.lists), "decorate": None,
+                                       "layers": {path: self._guards[id(layer)] for path, layer in
+                                                  model.named_sublayers() if id(layer) in self._guards}}
+        if self.active and self.level == "O2":
+            self._decorate(model, optimizer)
+        self._wrapped = self._wrap_forwards(model)
+        params = [p for p in model.parameters() if not p.stop_gradient]
+        place = params[0].place if params else None
+        self.scaler = HostRuleLossScale(plan.loss_scale, place)
+        self._scaling = plan.loss_scale.mode != "none"
+        self._user_optimizer = optimizer
+        self.optimizer = AmpOptimizer(optimizer, self.scaler, params) if optimizer is not None else None
+
+    # ------------------------------------------------------------------ setup
+    def _check_layout(self, model: Any) -> None:
+        lay = self.policy.layout
+        misaligned = alignment_findings(model, lay.align)
+        if misaligned and lay.on_misaligned == "error":
+            raise UnsupportedError("layout.align: dims not a multiple of "
+                                   f"{lay.align}: " + "; ".join(misaligned)
+                                   + " (fix: pad these dims, or set layout.on_misaligned = 'warn')")
+        if lay.on_misaligned != "ignore":
+            self.findings += misaligned
+        if misaligned and lay.on_misaligned == "warn":
+            warnings.warn("misaligned dims: " + "; ".join(misaligned), UnimpWarning, stacklevel=4)
+        if lay.channels_last:
+            self.findings += channels_last_findings(model)
+
+    def _auto_cast_args(self, lists: OpLists, low: str | None = None) -> dict[str, Any]:
+        from paddle.amp import amp_lists
+
+        low = low if low in ("float16", "bfloat16") else self.amp_dtype
+        dtype = low if low != "float32" else "bfloat16"
+        white, black = lists.exact(amp_lists.white_list()[dtype][self.level],
+                                   amp_lists.black_list()[dtype][self.level])
+        return {"enable": self.amp_dtype != "float32", "custom_white_list": sorted(white),
+                "custom_black_list": sorted(black), "level": self.level, "dtype": dtype}
+
+    def _layer_guards(self, model: Any) -> dict[int, dict[str, Any]]:
+        """auto_cast arguments for layers whose decision differs from the op-level lists."""
+        out = {}
+        for path, layer in model.named_sublayers():
+            kind = layer_kind(layer)
+            d = self.policy.decide(path, kind, (type(layer).__name__,), self.amp_dtype)
+            op_level = kind is not None and kind != "linear"
+            if d.override is None and op_level:
+                continue
+            if kind is None and d.override is None:
+                continue
+            target = kind if kind != "linear" else "matmul"
+            moved = self.lists.moved(target, d.compute_dtype)
+            if d.override is None and moved == self.lists:
+                continue
+            out[id(layer)] = self._auto_cast_args(moved, d.compute_dtype)  # an override's own dtype
+        return out
+
+    def _decorate(self, model: Any, optimizer: Any) -> None:
+        import paddle
+
+        keep = [layer for path, layer in model.named_sublayers()
+                if self.policy.decide(path, layer_kind(layer), (type(layer).__name__,)).param_dtype
+                == "float32" and list(layer.parameters(include_sublayers=False))]
+        args = {"level": "O2", "dtype": self.amp_dtype, "master_weight": self.policy.master_weights.enabled,
+                "excluded_layers": keep or None}
+        self.native["decorate"] = {**args, "excluded_layers": [type(k).__name__ for k in keep]}
+        if optimizer is None:
+            paddle.amp.decorate(models=model, **args)
+        else:
+            paddle.amp.decorate(models=model, optimizers=optimizer, **args)
+
+    @contextlib.contextmanager
+    def guard(self, args: dict[str, Any]) -> Iterator[None]:
+        """``paddle.amp.auto_cast`` with exactly the compiled lists (Paddle's defaults replaced)."""
+        import paddle
+
+        with paddle.amp.auto_cast(**args):
+            tracer = paddle.base.framework._dygraph_tracer()
+            tracer._set_amp_op_list(*_list_sets(args))
+            yield
+
+    def _wrap_forwards(self, model: Any) -> list[tuple[Any, Any]]:
+        wrapped = []
+        for _path, layer in [("", model), *model.named_sublayers()]:
+            args = self.native["auto_cast"] if layer is model else self._guards.get(id(layer))
+            if args is None:
+                continue
+            had = "forward" in layer.__dict__
+            original = layer.forward
+            layer.forward = self._forward(original, args, layer is model)
+            wrapped.append((layer, original if had else None))
+        return wrapped
+
+    def _forward(self, original: Any, args: dict[str, Any], top: bool) -> Any:
+        import paddle
+
+        out_dtype = self.policy.output_dtype
+        want = _pd_dtype(out_dtype)
+        white, black = _list_sets(args)
+        call = _call_args(args)
+        exact = _needs_exact_lists(call, white, black)
+        tracer_of = paddle.base.framework._dygraph_tracer
+        auto_cast = paddle.amp.auto_cast
+
+        def forward(*a: Any, **kw: Any) -> Any:
+            # self.guard(args) inlined for the per-step path: no generator, the list sets built once,
+            # auto_cast given only the differences from Paddle's defaults (its _update_list scans
+            # custom lists element by element); the tracer then gets exactly ``args``' lists.
+            with auto_cast(**call):
+                if exact:  # some canonical op Paddle lists by default is gray in the policy
+                    tracer_of()._set_amp_op_list(white, black)
+                out = original(*a, **kw)
+            if top and getattr(out, "dtype", want) != want and out.is_floating_point():
+                out = out.astype(out_dtype)
+            return out
+
+        return forward
+
+    # ------------------------------------------------------------------ verbs
+    def backward(self, loss: Any) -> None:
+        """``loss.backward()`` on the loss times the current scale (when scaling is on)."""
+        self.scale_loss(loss).backward()
+
+    def data_parallel(self, **kwargs: Any) -> Any:
+        """``paddle.DataParallel(layer, **kwargs)`` in Paddle's order (after decorate), under the policy.
+
+        Sets and returns ``amp.model``; ``amp.optimizer.step()`` then agrees the non-finite decision
+        across ranks and all-reduces gradients in ``policy.distributed.reduce_dtype``
+        (:mod:`unimp_paddle.distributed`). ``amp.remove()`` returns the plain layer.
+        """
+        return data_parallel(self, **kwargs)
+
+    def scale_loss(self, loss: Any) -> Any:
+        """The loss times the current loss scale (for custom loops)."""
+        if not self._scaling:
+            return loss
+        scale = self.scaler.scale
+        return loss * (scale if loss.dtype == scale.dtype else scale.astype(loss.dtype))
+
+    # ------------------------------------------------------------------ contract
+    def loss_scale_state(self) -> LossScaleState:
+        return self.scaler.state()
+
+    def set_loss_scale_state(self, state: LossScaleState) -> None:
+        self.scaler.load(state)
+
+    def report(self, *inputs: Any) -> Report:
+        """Per layer: kind, compute/param/output dtype seen in a real forward of ``inputs``.
+
+        Without inputs, rows come from the last forward recorded by :meth:`observe`.
+        """
+        rows = [ReportRow(path, kind, obs["output"], obs["param"], obs["output"])
+                for path, (kind, obs) in self.observe(*inputs).items()] if inputs else []
+        notes = [f"Plan fallback: {d.op} runs {d.dtype} ({d.note})" for d in self.plan.fallbacks]
+        notes += [n for n in self.plan.notes if n.startswith("fallback:")]
+        return self.report_header(rows, notes)
+
+    def observe(self, *inputs: Any) -> dict[str, tuple[str | None, dict[str, str | None]]]:
+        """Run one forward of ``amp.model`` with hooks; per layer path its kind and dtypes."""
+        seen: dict[str, tuple[str | None, dict[str, str | None]]] = {}
+        handles = []
+        for path, layer in self._layer.named_sublayers():
+            def hook(layer: Any, _in: Any, out: Any, path: str = path) -> None:
+                params = list(layer.parameters(include_sublayers=False))
+                first = out[0] if isinstance(out, tuple | list) else out
+                seen[path] = (layer_kind(layer), {
+                    "output": dtype_name(first.dtype) if hasattr(first, "dtype") else None,
+                    "param": dtype_name(params[0].dtype) if params else None})
+            handles.append(layer.register_forward_post_hook(hook))
+        try:
+            import paddle
+
+            with paddle.no_grad():
+                self._layer(*inputs)
+        finally:
+            for h in handles:
+                h.remove()
+        return seen
+
+    def _restore(self) -> None:
+        import paddle
+
+        if self._dp is not None:
+            self._dp.grad_need_sync = True
+            self.model = self._layer  # remove() returns the user's layer, not the DataParallel
+        for layer, original in self._wrapped:
+            if original is None:
+                del layer.__dict__["forward"]
+            else:
+                layer.forward = original
+        state = self.model.state_dict()
+        if any(state[k].dtype != dtype for k, (dtype, _) in self._saved.items()):
+            self.model.float()  # O2 cast params to low precision; all saved floating params were float32
+            state = self.model.state_dict()
+        with paddle.no_grad():
+            for k, (dtype, value) in self._saved.items():
+                state[k].set_value(paddle.to_tensor(value, dtype=dtype))
+
+
+def _list_sets(args: dict[str, Any]) -> tuple[set[str], set[str]]:
+    """The white/black sets handed to the tracer (Paddle copies them into the C++ tracer)."""
+    return set(args["custom_white_list"]), set(args["custom_black_list"])
+
+
+def _call_args(args: dict[str, Any]) -> dict[str, Any]:
+    """``args`` with the custom lists reduced to what differs from Paddle's defaults (as sets)."""
+    from paddle.amp import amp_lists
+
+    if not args["enable"]:
+        return {**args, "custom_white_list": None, "custom_black_list": None}
+    white, black = _list_sets(args)
+    d_white = amp_lists.white_list()[args["dtype"]][args["level"]]
+    d_black = amp_lists.black_list()[args["dtype"]][args["level"]]
+    return {**args, "custom_white_list": white - set(d_white), "custom_black_list": black - set(d_black)}
+
+
+def _needs_exact_lists(call: dict[str, Any], white: set[str], black: set[str]) -> bool:
+    """False when auto_cast(**call) alone already gives the tracer exactly ``white``/``black``."""
+    if not call["enable"]:
+        return True
+    from paddle.amp.auto_cast import _update_list
+
+    got = _update_list(call["custom_white_list"], call["custom_black_list"], call["level"], call["dtype"])
+    return (set(got[0]), set(got[1])) != (white, black)
+
+
+def _pd_dtype(name: str) -> Any:
+    import paddle
+
+    return getattr(paddle, name)

@@ -1,0 +1,209 @@
+"""Compile a policy into a Plan for Paddle's dygraph AMP or the legacy static bf16 rewrite.
+
+What Paddle can run decides the Plan, never the wish list: on CPU, dygraph ``auto_cast`` and
+``decorate`` do nothing (Paddle 3.x has no CPU low-precision dygraph kernels), so every op the
+policy wants in low precision is reported as running in float32 (``on_unsupported`` decides:
+error or reported fallback). The static path runs bf16 on CPU for the ops measured to work, where
+Paddle's oneDNN has bf16 kernels (``unimp.hardware``: AVX512 BW/VL/DQ or AVX-NE-CONVERT); on other
+CPUs it runs float32 the same way.
+
+>>> import unimp
+>>> plan = compile_dygraph(unimp.load({"extends": "mixed_bf16", "on_unsupported": "fallback"}), "cpu")
+>>> plan.op("matmul").dtype, plan.op("matmul").honoured
+('float32', False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from unimp.spi import (
+    CANONICAL_OPS,
+    Fp8Support,
+    Plan,
+    Policy,
+    UnsupportedError,
+    compile_ops,
+    cpu,
+    is_low,
+    requested_dtype,
+    resolve_cpu_auto,
+    warn_emulated,
+)
+
+from .ops import compile_lists, layer_types, op_types
+
+BACKEND = "paddle"
+FP8_MISSING = ("unimp-paddle has no FP8 training path: paddle.amp (auto_cast/decorate) runs float16/bfloat16 "
+               "only, and Paddle's FP8 GEMMs are incubate GPU kernels with no layer-level training API; "
+               "for FP8 training use the torch backend (torchao) on an FP8 GPU")
+CPU_WHY = ("Paddle 3.x dygraph has no CPU float16/bfloat16 kernels: auto_cast/decorate are no-ops on "
+           "CPUPlace, so Paddle runs it in float32")
+# Measured on this CPU (paddlepaddle 3.3.1, FLAGS_use_mkldnn=0, legacy IR): ops whose bf16 kernel fails.
+STATIC_BF16_BROKEN = {
+    "elementwise": "elementwise_add in bf16 fails on CPU ('type of data (bfloat16) does not match "
+                   "float32'); the static rewrite keeps elementwise ops in float32",
+    "layer_norm": "bf16 layer_norm on CPU mis-reads inputs of rank > 2; kept float32",
+}
+
+
+def _control(active: bool) -> dict[str, str]:
+    if not active:
+        return {}
+    out = {}
+    for op in CANONICAL_OPS:
+        if op == "linear":  # Paddle's Linear runs matmul_v2: controllable per layer, not per op type
+            out[op] = "layer"
+        elif op_types(op):
+            out[op] = "op"
+        elif layer_types(op):
+            out[op] = "layer"
+    return out
+
+
+def _raise_or_note(policy: Policy, problems: list[str], exc: UnsupportedError | None) -> list[str]:
+    """Apply ``on_unsupported`` to problems compile_ops cannot see (params, overrides, scaling)."""
+    if policy.on_unsupported == "error" and (problems or exc):
+        lines = ([str(exc).split("\n  ", 1)[1].rsplit("\nfix:", 1)[0]] if exc else []) + problems
+        raise UnsupportedError(
+            f"policy {policy.name!r} ({policy.source}) cannot be honoured by backend paddle:\n  "
+            + "\n  ".join(lines)
+            + "\nfix: change the policy (e.g. compute_dtype/param_dtype = \"float32\" on CPU, or use a "
+              "CUDA place), or set on_unsupported = \"fallback\" to run these as reported in the Plan")
+    return [f"fallback: {p}" for p in problems]
+
+
+def _compile(policy: Policy, low: str, reason: str, active: bool, why: str,
+             fixed_extra: dict[str, tuple[str | None, str]], problems: list[str],
+             details: dict[str, Any], notes: tuple[str, ...], param_fallback: str | None = None,
+             override_fallbacks: Mapping[int, str] | None = None) -> Plan:
+    fixed = dict(fixed_extra)
+    if not active:
+        for op in CANONICAL_OPS:
+            want = requested_dtype(policy, op, low)
+            if is_low(want):
+                fixed[op] = ("float32", why)
+    native = {op: tuple(sorted(op_types(op) | layer_types(op))) for op in CANONICAL_OPS}
+    control = {k: v for k, v in _control(active).items() if k not in fixed_extra}
+    try:
+        plan = compile_ops(BACKEND, policy, control=control, native=native, compute_dtype=low,
+                           compute_reason=reason, fixed=fixed, notes=notes, details=details,
+                           fp8=Fp8Support(missing=FP8_MISSING))
+        exc = None
+    except UnsupportedError as e:
+        exc, plan = e, None
+    extra = _raise_or_note(policy, problems, exc)
+    if plan is None:  # on_unsupported == "error" already raised; keep the type checker calm
+        raise AssertionError("unreachable")
+    return dataclasses.replace(plan, notes=plan.notes + tuple(extra), param_fallback=param_fallback,
+                               override_fallbacks=dict(override_fallbacks or {}))
+
+
+def _override_problems(policy: Policy, what: str) -> list[str]:
+    out = []
+    for i, o in enumerate(policy.overrides):
+        for key in ("compute_dtype", "param_dtype"):
+            value = getattr(o, key)
+            if is_low(value) or (key == "compute_dtype" and value == "auto"):
+                out.append(f"overrides[{i}].{key} = {value!r}: {what}; the matched layers run float32")
+    return out
+
+
+def amp_support(place: str, dtype: str) -> tuple[bool, str]:
+    """Whether Paddle's dygraph AMP really runs ``dtype`` on ``place`` (``cpu``/``gpu``/...)."""
+    if dtype == "float32":
+        return False, "float32 requested"
+    if place != "gpu":
+        return False, CPU_WHY if place == "cpu" else f"unimp-paddle drives AMP on CUDA only (place {place})"
+    import paddle
+
+    ok = paddle.amp.is_bfloat16_supported() if dtype == "bfloat16" else paddle.amp.is_float16_supported()
+    return bool(ok), (f"Paddle reports {dtype} AMP available on this GPU" if ok else
+                      f"Paddle reports no {dtype} AMP on this GPU; it runs float32")
+
+
+def compile_dygraph(policy: Policy, place: str) -> Plan:
+    """The Plan for a ``paddle.nn.Layer`` on ``place`` (``"cpu"`` or ``"gpu"``)."""
+    low, reason = policy.compute_dtype, "as the policy says"
+    if low == "auto":
+        if place == "gpu" and amp_support("gpu", "bfloat16")[0]:
+            low, reason = "bfloat16", "auto: this GPU runs bfloat16 AMP"
+        elif place == "gpu" and amp_support("gpu", "float16")[0]:
+            low, reason = "float16", "auto: no bfloat16 on this GPU; float16 with dynamic loss scaling"
+        else:
+            low, reason = "float32", f"auto: {CPU_WHY}"
+    active, why = amp_support(place, low)
+    lists = compile_lists(policy)
+    problems = []
+    param_fallback: str | None = None  # what low-precision params really hold, when not lowered
+    override_fallbacks: dict[int, str] = {}  # override index -> dtype its layers really compute in
+    if not active and is_low(policy.param_dtype):
+        problems.append(f"param_dtype = {policy.param_dtype!r} (O2): {why}; params stay float32")
+        param_fallback = "float32"
+    o2 = active and is_low(policy.param_dtype)
+    for i, o in enumerate(policy.overrides):
+        for key in ("compute_dtype", "param_dtype"):
+            value = low if getattr(o, key) == "auto" else getattr(o, key)
+            if not is_low(value):
+                continue
+            ok, reason = amp_support(place, value)
+            if key == "param_dtype" and ok and active and not o2:
+                ok, reason = False, ("unimp-paddle lowers params only at O2 (policy param_dtype low, "
+                                     "paddle.amp.decorate)")
+            if not ok or not active:
+                reason = reason if not ok else "unimp-paddle enables AMP only when compute_dtype is low"
+                problems.append(f"overrides[{i}].{key} = {value!r}: {reason}; the matched layers run float32")
+                if key == "compute_dtype":
+                    override_fallbacks[i] = "float32"
+                else:
+                    param_fallback = "float32"
+    level = "O2" if is_low(policy.param_dtype) else "O1"
+    details = {"mode": "dygraph", "place": place, "amp_active": active, "level": level,
+               "amp_dtype": low, "param_dtype": policy.param_dtype if active else "float32",
+               "white": sorted(lists.white), "black": sorted(lists.black), "gray": sorted(lists.gray)}
+    notes = ("Paddle has no 'follow inputs' list: ops in neither list (promote and follow-inputs) are "
+             "Paddle's gray ops, which run in the promoted dtype of their inputs",)
+    return _compile(policy, low, reason, active, why, {}, problems, details, notes,
+                    param_fallback, override_fallbacks)
+
+
+def compile_static(policy: Policy) -> Plan:
+    """The Plan for a legacy-IR ``paddle.static.Program`` (bf16 rewrite, runs on CPU)."""
+    low, reason = policy.compute_dtype, "as the policy says"
+    facts = cpu()
+    if low == "auto":
+        low, reason = resolve_cpu_auto("Paddle's static bf16 rewrite (oneDNN)", facts)
+    problems = []
+    param_fallback = None
+    active, why = low == "bfloat16", ""
+    if active and not facts.bf16_kernels:
+        active, why = False, (f"Paddle's oneDNN has no bfloat16 matmul kernel on this CPU, {facts.describe()} "
+                              f"(it needs AVX512 BW/VL/DQ or AVX-NE-CONVERT; Paddle would fail with 'could not "
+                              f"create a primitive descriptor'), so unimp runs it in float32")
+    elif policy.compute_dtype == "bfloat16" and warn_emulated(low, "compute_dtype", "Paddle (oneDNN)"):
+        reason += f" (emulated on this CPU, slower than float32: {facts.describe()})"
+    if low == "float16":
+        why = ("the static path rewrites to bfloat16 only (decorate_bf16); Paddle has no CPU float16 "
+               "kernels, so Paddle runs it in float32")
+    fixed_extra: dict[str, tuple[str | None, str]] = {}
+    if active:
+        for op, broken in STATIC_BF16_BROKEN.items():
+            want = requested_dtype(policy, op, low)
+            if want != "float32":
+                fixed_extra[op] = ("float32", broken)
+    if is_low(policy.param_dtype):
+        problems.append(f"param_dtype = {policy.param_dtype!r}: unimp-paddle's static path keeps float32 "
+                        f"params (pure bf16 Programs are not supported yet); params stay float32")
+        param_fallback = "float32"
+    if policy.loss_scale.mode != "none":
+        problems.append(f"loss_scale.mode = {policy.loss_scale.mode!r}: unimp-paddle does not insert loss "
+                        f"scaling into static Programs (bf16 does not need it); no scaling is applied")
+    problems += _override_problems(policy, "static overrides (by parameter name) can only keep ops float32")
+    lists = compile_lists(policy)
+    details = {"mode": "static", "place": "cpu", "amp_active": active, "amp_dtype": low, "cpu": facts.record(),
+               "param_dtype": "float32", "loss_scaling": "none",
+               "bf16": sorted(lists.white), "fp32": sorted(lists.black), "gray": sorted(lists.gray)}
+    notes = ("static gray ops run float32 if any producer is float32, else bfloat16 if any is bfloat16",)
+    return _compile(policy, low, reason, active, why, fixed_extra, problems, details, notes, param_fallback)

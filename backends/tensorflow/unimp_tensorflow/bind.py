@@ -1,0 +1,269 @@
+"""Bind a compiled Plan to an existing Keras model (+ optimizer), remembering how to undo it.
+
+Everything that changes the user's objects lives here, each change paired with its undo:
+per-layer dtype policies, low-precision parameter copies, the output cast on ``model.call``,
+the optimizer wrapper (and ``model.optimizer`` when the model was compiled with it).
+
+>>> import keras, unimp
+>>> m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="fc")])
+>>> amp = unimp.apply("mixed_bf16", m, keras.optimizers.SGD(0.1))
+>>> m.get_layer("fc").dtype_policy.name
+'mixed_bfloat16'
+>>> _ = amp.remove(); m.get_layer("fc").dtype_policy.name
+'float32'
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import keras
+
+from unimp.spi import Plan, UnimpWarning, UnsupportedError, is_low
+
+from . import fp8
+from .distributed import is_distributed, unhook_inner
+from .dtype_policies import FollowInputs, keras_policy
+from .index import Unit, descendants, is_graph, walk
+from .layout import data_formats, layout_findings, misaligned
+from .optimizer import KerasLossScaleOptimizer, LossScaleOptimizer
+from .params import Swap, swap_params
+from .plan import keras_rule
+from .trace import call_name
+
+
+@dataclass
+class Binding:
+    """What ``apply`` changed, so ``remove`` can restore it exactly."""
+
+    units: list[Unit]
+    policies: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # id -> (layer, original)
+    swaps: list[Swap] = field(default_factory=list)
+    call_patched: bool = False
+    instance_methods: list[tuple[Any, Any, str]] = field(default_factory=list)  # (layer, own method|None, name)
+    master_ids: set[int] = field(default_factory=set)  # low copies whose original is a trained master
+    compiled_optimizer: Any = None
+    findings: list[str] = field(default_factory=list)
+    formats: dict[str, str] = field(default_factory=dict)
+    fp8: list[Any] = field(default_factory=list)  # unimp_tensorflow.fp8.Fp8Layer per layer quantized to float8
+    fp8_decisions: list[Any] = field(default_factory=list)  # unimp.fp8.Fp8Decision per layer FP8 concerns
+
+
+def check_inputs(model: Any, optimizer: Any) -> None:
+    """Clear errors for what this backend cannot take, before anything is changed."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"unimp (tensorflow): model must be a Keras 3 keras.Model (Sequential, functional "
+                        f"or subclassed), got {type(model).__name__}; wrap a bare layer in keras.Sequential")
+    if not model.built:
+        raise ValueError(f"unimp (tensorflow): model {model.name!r} is not built (its variables do not exist "
+                         f"yet); call it once on a batch or model.build(input_shape) before unimp.apply, or "
+                         f"build it inside unimp_tensorflow.scope(policy)")
+    if optimizer is None:
+        return
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise TypeError("unimp (tensorflow): optimizer is already a LossScaleOptimizer; pass its inner "
+                        "optimizer (optimizer.inner_optimizer) — unimp adds the loss scaling the policy asks for")
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"unimp (tensorflow): optimizer must be a Keras 3 keras.optimizers.Optimizer "
+                        f"instance (e.g. keras.optimizers.Adam(1e-3)), got {type(optimizer).__name__}")
+
+
+def _set_policy(binding: Binding, layer: Any, policy: Any) -> None:
+    binding.policies.setdefault(id(layer), (layer, layer._dtype_policy))
+    layer._dtype_policy = policy.for_layer(binding.policies[id(layer)][1])  # saves as the original
+
+
+def _decide(plan: Plan, unit: Unit) -> tuple[str | None, str, str]:
+    """(compute dtype or None to follow inputs, param dtype, category) for one unit."""
+    pol = plan.policy
+    d = pol.decide(unit.path, unit.kind, unit.type_names, plan.compute_dtype)
+    compute = d.compute_dtype
+    if d.override is None and unit.kind is not None:
+        op = plan.op(unit.kind)
+        if not op.honoured:
+            compute = op.dtype
+    return compute, d.param_dtype, d.category
+
+
+def apply_layers(plan: Plan, model: Any) -> Binding:
+    """Findings first (they may refuse), then dtype policies and low-precision params."""
+    pol = plan.policy
+    units = walk(model)
+    binding = Binding(units)
+    found = misaligned(units, pol.layout.align)
+    if found and pol.layout.on_misaligned == "error":
+        raise UnsupportedError("unimp (tensorflow): dims not a multiple of layout.align="
+                               f"{pol.layout.align}:\n  " + "\n  ".join(found)
+                               + "\nfix: resize these layers, or set layout.on_misaligned = 'warn' or 'ignore'")
+    if found and pol.layout.on_misaligned == "warn":
+        warnings.warn("unimp (tensorflow): dims not a multiple of layout.align="
+                      f"{pol.layout.align}: " + "; ".join(found), UnimpWarning, stacklevel=4)
+    if pol.layout.on_misaligned != "ignore":
+        binding.findings += found
+    binding.formats = data_formats(units)
+    binding.findings += layout_findings(binding.formats, pol.layout.channels_last)
+    plans = []
+    for u in units:
+        if u.container:
+            plans.append((u, FollowInputs(u.layer.variable_dtype), None))
+            continue
+        compute, param, category = _decide(plan, u)
+        if not u.has_params:
+            param = "float32" if compute is None else compute
+        if compute is None:
+            kp = FollowInputs(param, promote=category == "promote" and u.has_params)  # paramless: widest input
+        else:
+            kp = keras_policy(compute, param)  # may refuse before anything changed
+        plans.append((u, kp, param))
+    for u, kp, param in plans:
+        _set_policy(binding, u.layer, kp)
+        if not u.container:
+            for sub in descendants(u.layer):  # e.g. the projections inside MultiHeadAttention
+                _set_policy(binding, sub, kp if not isinstance(kp, FollowInputs) else FollowInputs(param))
+        if param is not None and is_low(param) and u.has_params:
+            for layer in (u.layer, *descendants(u.layer)):
+                binding.swaps += swap_params(layer, param)
+    for u, decision in fp8.decide(plan, units):  # Keras' float8 Dense on the layers the Plan chose
+        binding.fp8_decisions.append(decision)
+        if decision.fp8:
+            binding.fp8.append(fp8.quantize(plan, u, binding.policies))
+            fp8.guard_eager(u, binding.instance_methods)
+    for u in units:
+        if u.parent is not None and not is_graph(u.parent):
+            patch_stream(u.layer, u.parent, binding)
+    for layer in {id(s.layer): s.layer for s in binding.swaps}.values():
+        patch_save(layer, binding)
+    return binding
+
+
+class _SaveStore:
+    """The store ``save_own_variables`` writes to, with each low-precision copy saved as its original."""
+
+    def __init__(self, store: Any, originals: dict[int, Any]) -> None:
+        self._store, self._originals = store, originals
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._store[key] = self._originals[id(value)]() if id(value) in self._originals else value
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def patch_save(layer: Any, binding: Binding) -> None:
+    """``model.save`` writes float32 weights for a layer holding low-precision copies.
+
+    The saved value is the trained master where the optimizer keeps one, else the low copy in the
+    original dtype — what ``remove()`` leaves in the model.
+    """
+    import tensorflow as tf
+
+    def original_value(s: Any) -> Any:
+        return s.original if id(s.low) in binding.master_ids else tf.cast(s.low.value, s.original.dtype)
+
+    originals = {id(s.low): (lambda s=s: original_value(s)) for s in binding.swaps if s.layer is layer}
+    own, save = layer.__dict__.get("save_own_variables"), layer.save_own_variables
+
+    def save_own_variables(store: Any) -> None:
+        save(_SaveStore(store, originals))
+
+    object.__setattr__(layer, "save_own_variables", save_own_variables)
+    binding.instance_methods.append((layer, own, "save_own_variables"))
+
+
+def patch_stream(layer: Any, parent: Any, binding: Binding) -> None:
+    """Hand ``layer``'s float results back in the dtype its subclassed container runs in.
+
+    The container follows its inputs (``FollowInputs``), and its own ops — the residual
+    ``x + attention(norm(x))`` of a transformer block — see one dtype: TensorFlow does not promote
+    ``bfloat16 + float32``. The layer itself still computes in its own dtype; only its result is cast
+    (to the container's input dtype, e.g. float32 when the residual stream is float32, as torch's
+    promotion keeps it; float16 when the stream is float16, as Keras' own mixed policies keep it).
+    """
+    name = call_name(layer)  # a float8 layer runs quantized_call
+    own = layer.__dict__.get(name)
+    original = getattr(layer, name)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        out = call.inner(*args, **kwargs)  # type: ignore[attr-defined]
+        stream = parent.dtype_policy.compute_dtype
+        return keras.tree.map_structure(lambda t: _cast_float(t, stream), out)
+
+    call.inner = original  # type: ignore[attr-defined]  # the report looks at the result before the cast
+    object.__setattr__(layer, name, call)
+    binding.instance_methods.append((layer, own, name))
+
+
+def patch_output(model: Any, dtype: str, binding: Binding) -> None:
+    """Cast the model's float outputs to ``dtype`` (an instance-level ``call``)."""
+    original = model.call
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        return keras.tree.map_structure(lambda t: _cast_float(t, dtype), out)
+
+    object.__setattr__(model, "call", call)
+    binding.call_patched = True
+
+
+def _cast_float(t: Any, dtype: str) -> Any:
+    if not (keras.ops.is_tensor(t) or keras.backend.is_keras_tensor(t)):
+        return t
+    name = keras.backend.standardize_dtype(t.dtype)
+    return keras.ops.cast(t, dtype) if keras.backend.is_float_dtype(name) and name != dtype else t
+
+
+def wrap_optimizer(plan: Plan, optimizer: Any, binding: Binding, native: bool | None) -> Any:
+    """The loss-scaling (and master-weight) wrapper for ``optimizer``; ``None`` stays ``None``."""
+    if optimizer is None:
+        return None
+    spec = plan.policy.loss_scale
+    masters = {id(s.low): s.original for s in binding.swaps
+               if s.low.trainable and plan.policy.master_weights.enabled}
+    binding.master_ids = set(masters)
+    distributed = is_distributed(getattr(optimizer, "_distribution_strategy", None))
+    use_keras = keras_rule(spec) and not binding.swaps and not distributed if native is None else native
+    if use_keras:
+        if not keras_rule(spec) or binding.swaps:
+            raise UnsupportedError("unimp (tensorflow): native_loss_scale=True needs the policy's loss_scale "
+                                   "to be Keras' fixed rule (dynamic, x2 / x0.5, hysteresis 1, min 0, max inf, "
+                                   "growth_requires_finite false) and no low-precision params; fix: drop "
+                                   "native_loss_scale or use the keras_mixed_float16 preset's loss_scale")
+        if distributed:
+            raise UnsupportedError("unimp (tensorflow): native_loss_scale=True under a tf.distribute strategy: "
+                                   "Keras' LossScaleOptimizer takes replica 0's finiteness (a non-finite gradient "
+                                   "on another replica is applied) and reduces in the gradients' dtype, not "
+                                   "distributed.reduce_dtype; fix: drop native_loss_scale (unimp's wrapper runs "
+                                   "the same rule, agreed across replicas)")
+        return KerasLossScaleOptimizer(optimizer, spec)
+    return LossScaleOptimizer(optimizer, spec, masters=masters, reduce_dtype=plan.policy.distributed.reduce_dtype)
+
+
+def undo(model: Any, optimizer: Any, wrapper: Any, binding: Binding, masters_on: bool) -> None:
+    """Restore every change ``apply`` made, in reverse order."""
+    if binding.compiled_optimizer is not None:
+        model.optimizer = binding.compiled_optimizer
+    if wrapper is not None:
+        optimizer.loss_scale_factor = wrapper._saved_factor
+        unhook_inner(optimizer)
+    if binding.call_patched:
+        del model.__dict__["call"]
+    for layer, own, name in reversed(binding.instance_methods):
+        if own is None:
+            del layer.__dict__[name]
+        else:
+            object.__setattr__(layer, name, own)
+    fp8.undo(binding.fp8)
+    for s in reversed(binding.swaps):
+        s.undo(write_back=not (masters_on and s.low.trainable))
+    for layer, original in binding.policies.values():
+        layer._dtype_policy = original
+    reset_compiled_functions(model)
+
+
+def reset_compiled_functions(model: Any) -> None:
+    """Drop traced train/test/predict functions so the next call retraces under the new dtypes."""
+    for name in ("train_function", "test_function", "predict_function"):
+        if getattr(model, name, None) is not None:
+            setattr(model, name, None)

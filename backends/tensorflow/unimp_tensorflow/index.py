@@ -1,0 +1,108 @@
+"""Walk a Keras model: every layer the policy decides, with its dotted path and canonical kind.
+
+Paths are layer names joined by ``.`` (``block1.dense``), so policy globs (``block*.dense``)
+read the same as torch module paths. A layer whose class maps to a canonical op (``Dense`` ->
+``linear``) is one *unit*: its sublayers (e.g. the projections inside ``MultiHeadAttention``)
+get the unit's dtype. Other containers are walked into.
+
+>>> import keras
+>>> m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="fc"),
+...                       keras.layers.Activation("softmax", name="prob")])
+>>> [(u.path, u.kind) for u in walk(m)]
+[('fc', 'linear'), ('prob', 'softmax')]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from unimp.spi import kind_of
+
+# Activation functions that are canonical ops of their own (Activation("log_softmax")).
+ACTIVATION_KINDS = {"softmax": "softmax", "log_softmax": "log_softmax"}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One layer the policy decides: path, the layer, canonical kind, native class names."""
+
+    path: str
+    layer: Any
+    kind: str | None
+    type_names: tuple[str, ...]
+    container: bool = False  # walked into; its own dtype follows its inputs
+    parent: Any = None  # the enclosing container layer (None: a direct child of the model)
+
+    @property
+    def has_params(self) -> bool:
+        return bool(self.layer.weights)
+
+
+def type_names(layer: Any) -> tuple[str, ...]:
+    """The layer's class and its Keras base classes, most specific first (``Dense`` subclasses match)."""
+    import keras
+
+    names = []
+    for cls in type(layer).__mro__:
+        if cls is keras.layers.Layer or cls is keras.Model:
+            break
+        names.append(cls.__name__)
+    return tuple(names)
+
+
+def kind_of_layer(layer: Any) -> str | None:
+    """The canonical op a Keras layer performs (``None``: no canonical kind, follows its inputs)."""
+    import keras
+
+    if isinstance(layer, keras.layers.Activation):
+        fn = getattr(layer.activation, "__name__", "")
+        return ACTIVATION_KINDS.get(fn, "activation")
+    for name in type_names(layer):
+        kind = kind_of(name, "keras")
+        if kind:
+            return kind
+    return None
+
+
+def sublayers(layer: Any) -> list[Any]:
+    """Direct sublayers, without Keras InputLayers."""
+    import keras
+
+    return [s for s in layer._flatten_layers(include_self=False, recursive=False)
+            if not isinstance(s, keras.layers.InputLayer)]
+
+
+def walk(model: Any) -> list[Unit]:
+    """Units and containers of ``model`` (not the model itself), depth-first in build order."""
+    return list(_walk(model, ""))
+
+
+def _walk(layer: Any, prefix: str, parent: Any = None) -> Iterator[Unit]:
+    for sub in sublayers(layer):
+        path = f"{prefix}.{sub.name}" if prefix else sub.name
+        kind = kind_of_layer(sub)
+        children = sublayers(sub)
+        if kind is None and children:
+            yield Unit(path, sub, None, type_names(sub), container=True, parent=parent)
+            yield from _walk(sub, path, sub)
+        else:
+            yield Unit(path, sub, kind, type_names(sub), parent=parent)
+
+
+def is_graph(layer: Any) -> bool:
+    """Whether ``layer`` is a Sequential/functional model: its sublayers are joined by layers only.
+
+    Any other container (a subclassed layer or model) may join its sublayers' results with raw
+    TensorFlow ops (``x + residual``), which do not promote mixed dtypes.
+    """
+    import keras
+    from keras.src.models.functional import Functional
+
+    return isinstance(layer, (Functional, keras.Sequential))
+
+
+def descendants(layer: Any) -> list[Any]:
+    """Every layer inside ``layer`` (recursively), for units whose sublayers share its dtype."""
+    return layer._flatten_layers(include_self=False, recursive=True)

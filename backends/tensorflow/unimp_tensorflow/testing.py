@@ -1,0 +1,134 @@
+"""The conformance kit: the shared probe as a Keras functional model, driven by a custom loop.
+
+>>> from unimp.conformance import probe_weights, probe_batches
+>>> kit = TensorFlowKit()
+>>> m = kit.build_probe(probe_weights())
+>>> [layer.name for layer in m.layers[1:]]
+['embed', 'fc1', 'act', 'conv', 'norm', 'head', 'logp']
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from unimp.spi import (
+    CHANNELS,
+    CLASSES,
+    HIDDEN,
+    KERNEL,
+    LN_EPS,
+    PROBE,
+    TIME,
+    VOCAB,
+    Kit,
+    Observation,
+    Policy,
+    ProbeBatch,
+)
+
+from .index import walk
+
+
+def nll(logp: Any, targets: Any) -> tf.Tensor:
+    """Mean negative log-likelihood of integer targets, in float32."""
+    picked = tf.gather(tf.cast(logp, tf.float32), tf.cast(targets, tf.int32), batch_dims=2)
+    return -tf.reduce_mean(picked)
+
+
+_PROBE_PARAM = {"embeddings": "weight", "kernel": "weight", "gamma": "weight", "bias": "bias", "beta": "bias"}
+
+
+class TensorFlowKit(Kit):
+    """Hooks for :mod:`unimp.conformance` on Keras 3 / TensorFlow (CPU runs fp32, bf16 and fp16)."""
+
+    backend = "tensorflow"
+
+    def supports(self, policy: Policy) -> str | None:
+        return None  # TF CPU has float16 and bfloat16 kernels for every probe layer
+
+    def build_probe(self, weights: dict[str, Any]) -> Any:
+        ly = keras.layers
+        inp = keras.Input((TIME,), dtype="int32")
+        x = ly.Embedding(VOCAB, CHANNELS, name="embed", dtype="float32")(inp)
+        x = ly.Dense(HIDDEN, name="fc1", dtype="float32")(x)
+        x = ly.ReLU(name="act", dtype="float32")(x)
+        x = ly.Conv1D(CHANNELS, KERNEL, padding="same", name="conv", dtype="float32")(x)
+        x = ly.LayerNormalization(epsilon=LN_EPS, name="norm", dtype="float32")(x)
+        x = ly.Dense(CLASSES, name="head", dtype="float32")(x)
+        out = ly.Activation("log_softmax", name="logp", dtype="float32")(x)
+        model = keras.Model(inp, out, name="probe")
+        w = weights
+        model.get_layer("embed").set_weights([w["embed.weight"]])
+        for name in ("fc1", "conv", "norm", "head"):
+            model.get_layer(name).set_weights([w[f"{name}.weight"], w[f"{name}.bias"]])
+        return model
+
+    def make_optimizer(self, model: Any, lr: float = 1e-2) -> Any:
+        return keras.optimizers.Adam(lr)
+
+    def make_sgd(self, model: Any, lr: float = 0.1) -> Any:
+        return keras.optimizers.SGD(lr)
+
+    def observe(self, amp: Any, batch: ProbeBatch) -> dict[str, Observation]:
+        rep = amp.report(batch.tokens)
+        return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype, r.fp8) for r in rep.rows if r.path}
+
+    def output(self, amp: Any, batch: ProbeBatch) -> Any:
+        return amp.model(batch.tokens, training=False)
+
+    def dtype_name(self, value: Any) -> str:
+        return keras.backend.standardize_dtype(value.dtype)
+
+    def step(self, amp: Any, batch: ProbeBatch, poison: bool = False) -> float:
+        """One custom-loop step: scale_loss -> tape.gradient -> apply_gradients (in a tf.function where
+        Keras float8 layers run: their gradient does not run eagerly)."""
+        if amp._binding.fp8:
+            compiled = self.__dict__.setdefault("_fp8_steps", {})
+            fn = compiled.setdefault(id(amp), (amp, tf.function(self._step)))[1]  # amp kept: ids stay unique
+            return float(fn(amp, tf.constant(batch.tokens), tf.constant(batch.targets), poison))
+        return float(self._step(amp, batch.tokens, batch.targets, poison))
+
+    def _step(self, amp: Any, tokens: Any, targets: Any, poison: bool) -> Any:
+        variables = amp.model.trainable_variables
+        with tf.GradientTape() as tape:
+            loss = nll(amp.model(tokens, training=True), targets)
+            scaled = amp.scale_loss(loss * (float("inf") if poison else 1.0))
+        grads = tape.gradient(scaled, variables)
+        amp.apply_gradients(zip(grads, variables))
+        return loss
+
+    def snapshot(self, amp: Any) -> dict[str, Any]:
+        out = {f"model/{i}:{v.path}": v.numpy() for i, v in enumerate(amp.model.weights)}
+        inner = getattr(amp, "inner_optimizer", None)
+        if inner is not None:
+            out.update({f"optimizer/{i}:{v.path}": v.numpy() for i, v in enumerate(inner.variables)})
+        for name, _, master in amp.master_pairs():
+            out[f"master/{name}"] = master
+        return out
+
+    def master_pairs(self, amp: Any) -> list[tuple[str, Any, Any]]:
+        return amp.master_pairs()
+
+    def export_weights(self, amp: Any) -> dict[str, Any]:
+        masters = {name: master for name, _, master in amp.master_pairs()}
+        out = {}
+        for layer in PROBE:
+            for w in amp.model.get_layer(layer.path).weights:
+                short = w.path.split("/")[-1]
+                value = masters.get(f"{layer.path}.{short}", w.numpy())
+                out[f"{layer.path}.{_PROBE_PARAM[short]}"] = np.asarray(value, np.float32)
+        return out
+
+    def model_state(self, model: Any) -> dict[str, tuple[str, Any]]:
+        out = {f"{i}:{w.path}": (w.dtype, w.numpy()) for i, w in enumerate(model.weights)}
+        for u in walk(model):
+            out[f"policy:{u.path}"] = (f"{u.layer._dtype_policy!r} #{id(u.layer._dtype_policy)}", np.zeros(0))
+        out["call"] = ("instance call" if "call" in vars(model) else "class call", np.zeros(0))
+        return out
+
+    def forward_fingerprint(self, model: Any, batch: ProbeBatch) -> Any:
+        return model(batch.tokens, training=False).numpy()

@@ -1,0 +1,118 @@
+"""A policy compiled for torch on one device: the Plan, and what apply must add to torch.autocast.
+
+``details`` of the Plan carry the mechanism: ``autocast`` (the dtype torch.autocast runs, or None),
+``op_moves`` (torch function name -> category: the ops unimp runs differently from torch's lists;
+empty = plain torch.autocast) and ``eager_mechanism``, how an eager forward moves them:
+``autocast_kernels`` (unimp's Autocast kernels on just those ops: no moved op has a C++ Autocast
+kernel on the device), ``function_mode`` (``PolicyMode`` on every call: some moved op has one)
+or None (no moves). Under ``torch.compile`` the moves are always traced through ``PolicyMode``.
+
+>>> import unimp
+>>> plan = compile_plan(unimp.load("torch_autocast_cpu"), "cpu")
+>>> plan.details["op_moves"]
+{}
+>>> moves = compile_plan(unimp.load("mixed_bf16"), "cpu").details["op_moves"]
+>>> moves["softmax"], moves["exp"]
+('float32', 'float32')
+>>> compile_plan(unimp.load("mixed_bf16"), "cpu").details["eager_mechanism"]
+'autocast_kernels'
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from unimp.spi import CANONICAL_OPS, Fp8Support, Plan, Policy, UnsupportedError, compile_ops, is_low, requests_fp8
+
+from .autocast import aten_names, function_names, kernel_table, moves, native_category, same
+
+BATCH_NORM_NOTE = ("batch_norm: torch's kernels take low-precision activations with float32 weights "
+                   "and compute statistics and normalisation in float32; activations keep their dtype "
+                   "(as Keras mixed precision does)")
+
+
+def resolve_compute(dtype: str, device: str) -> tuple[str, str]:
+    """The compute dtype on ``device`` (``auto`` resolved) and why; UnsupportedError when impossible."""
+    import torch
+
+    if device not in ("cpu", "cuda"):
+        raise UnsupportedError(f"unimp-torch runs models on cpu or cuda; this model is on {device!r} "
+                               f"(move it with model.to('cuda') or model.to('cpu'))")
+    if dtype == "auto":
+        from unimp.spi import resolve_auto, resolve_cpu_auto
+
+        if device == "cuda":
+            if not torch.cuda.is_available():
+                return "bfloat16", "auto: cuda (no GPU visible to check; bf16 GPUs are the common case)"
+            # bf16 tensor cores from compute capability 8.0 (torch.cuda.is_bf16_supported() counts emulation)
+            cc, name = torch.cuda.get_device_capability(), torch.cuda.get_device_name()
+            return resolve_auto(fast_bf16=cc >= (8, 0), fast_fp16=True,
+                                where=f"this GPU ({name}, compute capability {cc[0]}.{cc[1]})")
+        return resolve_cpu_auto("torch")  # CPU autocast float16 would need loss scaling: never auto on CPU
+    check_dtype(dtype, device, "compute_dtype")
+    if device == "cpu" and is_low(dtype):
+        from unimp.spi import cpu
+
+        if cpu().emulated(dtype):
+            return dtype, f"as the policy says (emulated on this CPU, slower than float32: {cpu().describe()})"
+    return dtype, "as the policy says"
+
+
+def check_dtype(dtype: str, device: str, key: str) -> None:
+    import torch
+
+    if not is_low(dtype):
+        return
+    if (device == "cuda" and dtype == "bfloat16" and torch.cuda.is_available()
+            and not torch.cuda.is_bf16_supported()):
+        raise UnsupportedError(f"{key} = 'bfloat16' but this GPU has no bfloat16; use 'float16' "
+                               f"(with loss_scale.mode = 'dynamic') or 'auto'")
+    if device == "cpu":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ok = torch.autocast("cpu", dtype=getattr(torch, dtype)).fast_dtype == getattr(torch, dtype)
+        if not ok or any("not supported" in str(w.message) for w in caught):
+            raise UnsupportedError(f"{key} = {dtype!r}: torch {torch.__version__} CPU autocast does not "
+                                   f"support it; use 'bfloat16' or 'float32', or run on cuda")
+        from unimp.spi import warn_emulated
+
+        warn_emulated(dtype, key, "torch's CPU autocast")
+
+
+def compile_plan(policy: Policy, device: str, fp8_missing: str | None = None) -> Plan:
+    """Plan ``policy`` for torch on ``device`` (``cpu`` | ``cuda``); ``fp8_missing``: why FP8 cannot run
+    (a backend built on this one without torchao's FP8, e.g. ipex), else torchao's support is checked."""
+    compute, reason = resolve_compute(policy.compute_dtype, device)
+    for i, o in enumerate(policy.overrides):
+        if o.compute_dtype not in (None, "auto"):
+            check_dtype(o.compute_dtype, device, f"overrides[{i}].compute_dtype")
+    autocast = compute if is_low(compute) else None
+    control, native, op_moves, notes = {}, {}, {}, []
+    for op in CANONICAL_OPS:
+        wanted = policy.ops.category(op)
+        names = function_names(op, device)
+        native[op] = aten_names(op, device)
+        control[op] = "op"
+        if autocast is None:
+            continue  # no autocast: nothing is lowered, float32 ops run in float32, the rest follow inputs
+        if op == "batch_norm" and wanted == "float32":
+            notes.append(BATCH_NORM_NOTE)
+            continue
+        moved = moves(op, wanted, device)
+        op_moves.update(dict.fromkeys(moved, wanted))
+        kept = [n for n in names if n not in moved and not same(native_category(n, device), wanted, n)]
+        if kept:
+            notes.append(f"{op}: torch keeps its own choice for {', '.join(kept)} "
+                         f"({native_category(kept[0], device)} on {device})")
+    mechanism = None if not op_moves else "autocast_kernels" if kernel_table(op_moves, device) is not None \
+        else "function_mode"
+    details = {"device": device, "autocast": autocast, "op_moves": op_moves, "eager_mechanism": mechanism}
+    fp8 = None
+    if fp8_missing is not None:
+        fp8 = Fp8Support(missing=fp8_missing)
+    elif requests_fp8(policy):  # torchao is imported only for a policy that asks FP8
+        from .fp8 import support
+
+        fp8 = support(device)
+    return compile_ops("torch", policy, control=control, native=native, compute_dtype=compute,
+                       compute_reason=reason, notes=tuple(notes), details=details, fp8=fp8)

@@ -1,0 +1,142 @@
+"""What really ran: per module path, the dtypes seen in one real forward.
+
+A ``TorchFunctionMode`` records the output dtype of the first compute function each module calls
+itself (after autocast and unimp's op rules acted on it); forward hooks record output dtypes.
+Casts, views and factories do not count as compute. The first forward after ``apply`` is observed
+as it runs (:class:`Observer`); ``amp.report(x)`` runs :func:`observe` on an example input.
+
+>>> import torch
+>>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+>>> with torch.autocast("cpu", dtype=torch.bfloat16):
+...     rows = observe(m, (torch.randn(2, 4),), {})
+>>> rows["0"]["compute_dtype"]
+'bfloat16'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from unimp.spi import OPS
+
+from .kinds import report_kind
+from .layers import NAMES, kind, type_names
+
+# torch functions that move, view, describe or create data: not where a module computes
+NOT_COMPUTE = frozenset({
+    "to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone", "detach", "detach_",
+    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose",
+    "permute", "t", "expand", "expand_as", "__getitem__", "__setitem__", "chunk", "split", "narrow", "select",
+    "unbind", "__get__", "__set__", "size", "dim", "numel", "cpu", "cuda", "requires_grad_", "zeros_like",
+    "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor",
+    "tensor", "as_tensor", "arange", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "copy_",
+    "repeat", "tile", "masked_fill", "masked_fill_", "fill_", "zero_", "item", "tolist", "is_floating_point",
+    "__len__", "__iter__", "__hash__", "__eq__", "__bool__", "_has_compatible_shallow_copy_type"})
+ATTENTION_OPS = frozenset(OPS["attention"].torch)
+
+
+def _dtype(x: Any) -> str | None:
+    if isinstance(x, torch.Tensor):
+        return NAMES.get(x.dtype, str(x.dtype).removeprefix("torch."))
+    if isinstance(x, list | tuple):
+        for t in x:
+            d = _dtype(t)
+            if d:
+                return d
+    if isinstance(x, dict):
+        return _dtype(list(x.values()))
+    return None
+
+
+class _Recorder(TorchFunctionMode):
+    """Output dtype of the first compute function each module (top of ``stack``) calls itself.
+
+    A function-level mode: transparent to autograd and to every dispatcher kernel (a dispatch
+    mode would change how some backends' kernels record gradients in the observed forward).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.compute: dict[str, str] = {}
+        self.attention: dict[str, str] = {}  # path -> dtype of the attention op it calls itself
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        path = self.stack[-1] if self.stack else None
+        if path is not None and getattr(func, "__name__", "") in ATTENTION_OPS and path not in self.attention:
+            self.attention[path] = _dtype(out)
+        if path is not None and path not in self.compute and getattr(func, "__name__", "") not in NOT_COMPUTE:
+            d = _dtype(out)
+            if d and d in NAMES.values():
+                self.compute[path] = d
+        return out
+
+
+class Observer:
+    """Records what one forward really ran, while it runs (the model runs once: no extra pass).
+
+    ``run(model, fn)`` calls ``fn()`` (the model's forward) with hooks on every submodule and the
+    recorder on; ``rows`` holds the result afterwards. Hooks are removed however ``fn`` ends.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[str, dict[str, Any]] | None = None
+
+    def run(self, model: nn.Module, fn: Callable[[], Any]) -> Any:
+        rec = _Recorder()
+        rows: dict[str, dict[str, Any]] = {}
+        handles = []
+        for path, m in model.named_modules():
+            params = [p for p in m.parameters(recurse=False) if p.is_floating_point()]
+            rows[path] = {"kind": kind(m) or report_kind(m), "param_dtype": _dtype(params[0]) if params else None,
+                          "compute_dtype": None, "output_dtype": None, "types": type_names(m)}
+            if not path:
+                continue  # the root: recorded around fn (its own hooks are decided before it runs)
+
+            def pre(_m: nn.Module, _a: Any, path: str = path) -> None:
+                rec.stack.append(path)
+
+            def post(_m: nn.Module, _a: Any, out: Any, path: str = path) -> None:
+                rec.stack.pop()
+                rows[path]["output_dtype"] = _dtype(out)
+
+            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+        rec.stack.append("")
+        try:
+            with rec:
+                out = fn()
+        finally:
+            for h in handles:
+                h.remove()
+        rows[""]["output_dtype"] = _dtype(out)
+        for path, row in rows.items():
+            row["compute_dtype"] = rec.compute.get(path)
+            if row["kind"] == "attention" and path in rec.attention:  # a block: its attention op's dtype
+                row["compute_dtype"] = rec.attention[path]
+            if row["kind"] == "batch_norm" and row["param_dtype"] == "float32" and row["compute_dtype"]:
+                row["compute_dtype"] = "float32"  # torch's batch_norm computes in its fp32 params' dtype
+        self.rows = rows
+        return out
+
+
+def observe(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, dict[str, Any]]:
+    """Run ``model(*args, **kwargs)`` once more, without grad and leaving no trace (buffers such as
+    BatchNorm statistics and the RNG are restored); per module path: kind and observed dtypes."""
+    obs = Observer()
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = sorted({b.device.index or 0 for b, _ in buffers if b.device.type == "cuda"})
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            obs.run(model, lambda: model(*args, **kwargs))
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    assert obs.rows is not None
+    return obs.rows

@@ -1,0 +1,92 @@
+"""The Plan is the contract: typed decisions compiled once in the core, read back by backends."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import unimp
+from unimp.ops import class_names, kind_of_names, native_table
+from unimp.plan import LayerInfo, compile_ops, resolved_loss_scale
+
+INDEX = (LayerInfo("embed", "embedding", ("Embedding",), (("num_embeddings", 32), ("embedding_dim", 16))),
+         LayerInfo("fc1", "linear", ("Linear",), (("in_features", 16), ("out_features", 12))),
+         LayerInfo("head", "linear", ("Linear",), (("in_features", 12), ("out_features", 8))))
+
+
+def plan_for(policy, compute=None, **kw):
+    return compile_ops("demo", unimp.load(policy), control={}, native={}, compute_dtype=compute, index=INDEX, **kw)
+
+
+def test_decision_table_is_compiled_once_with_the_resolved_dtype():
+    """An auto policy with an auto override: every row carries the resolved dtype, never "auto"."""
+    pol = {"extends": "mixed_bf16", "compute_dtype": "auto",
+           "overrides": [{"modules": ["head"], "compute_dtype": "auto"}]}
+    plan = plan_for(pol, "float16")
+    assert [r.decision.compute_dtype for r in plan.layers] == [
+        unimp.load(pol).decide("embed", "embedding", (), "float16").compute_dtype, "float16", "float16"]
+    assert plan.layer("head").decision.override == 0
+    assert plan.decide("fc1", "linear", ("Linear",)) is plan.layer("fc1").decision
+    assert plan.decide("late", "linear").compute_dtype == "float16"  # a layer met at run time
+    bare = compile_ops("demo", unimp.load(pol), control={}, native={}, compute_dtype="float16")
+    assert bare.layers == () and bare.with_index(INDEX) == plan
+    with pytest.raises(ValueError, match="'auto' is not resolved.*plan.decide"):
+        unimp.load(pol).decide("head", "linear")
+
+
+def test_ambiguous_overrides_are_reported_in_the_plan():
+    pol = {"extends": "mixed_bf16", "overrides": [{"modules": ["h*"], "compute_dtype": "float32"},
+                                                  {"types": ["Linear"], "compute_dtype": "float16"},
+                                                  {"modules": ["fc1"], "compute_dtype": "float16"}]}
+    plan = plan_for(pol)
+    assert plan.layer("head").ambiguous == (0, 1) and plan.layer("head").decision.compute_dtype == "float32"
+    assert plan.layer("fc1").ambiguous == ()  # overrides 1 and 2 agree
+    assert "layer head: overrides #0, #1 all match and disagree; override #0 wins" in str(plan)
+
+
+def test_loss_scale_is_resolved_in_the_plan():
+    pol = unimp.load({"extends": "fp32", "compute_dtype": "auto"})
+    assert pol.loss_scale.mode == "none"
+    assert plan_for(pol, "float16").loss_scale.mode == "dynamic"
+    assert plan_for(pol, "float32").loss_scale == pol.loss_scale == resolved_loss_scale(pol, "float32")
+    assert plan_for(pol, "float16").to_dict()["loss_scale"]["mode"] == "dynamic"
+
+
+@pytest.mark.parametrize("action", ["ignore", "warn", "error"])
+def test_one_on_misaligned_action(action):
+    plan = plan_for({"extends": "mixed_bf16", "layout": {"align": 8, "on_misaligned": action}})
+    assert plan.layout.findings == ("fc1: out_features=12 is not a multiple of 8",
+                                    "head: in_features=12 is not a multiple of 8")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if action == "error":
+            with pytest.raises(unimp.UnsupportedError, match=r"(?s)fc1: out_features=12.*head: in_features.*fix"):
+                plan.layout.act("demo")
+            return
+        kept = plan.layout.act("demo")
+    assert kept == (() if action == "ignore" else plan.layout.findings)
+    assert bool(caught) == (action == "warn") and all(issubclass(w.category, unimp.UnimpWarning) for w in caught)
+
+
+def test_details_are_typed():
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Demo:
+        autocast: str | None
+
+    plan = plan_for("mixed_bf16", details=Demo("bfloat16"))
+    assert plan.details.autocast == "bfloat16" and plan.to_dict()["details"] == {"autocast": "bfloat16"}
+
+
+def test_class_walk_and_native_table():
+    class Dense: ...
+
+    class MyDense(Dense): ...
+
+    table = native_table("demo", {"linear": ["Dense"]})
+    assert kind_of_names(class_names(MyDense), table) == "linear"
+    assert class_names(MyDense, stop=(Dense,)) == ("MyDense",)
+    with pytest.raises(ValueError, match="'linaer' \\(did you mean 'linear'\\?\\)"):
+        native_table("demo", {"linaer": ["Dense"]})

@@ -1,0 +1,55 @@
+"""A sixth framework touching no core file: the NumPy reference backend in tests/sixth_backend runs
+every conformance check its tags allow (installed by the core tox env; registered here otherwise)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import unimp
+from unimp.conformance import cases, run_case
+from unimp.conformance.checks import check_amp_surface
+
+sys.path.insert(0, str(Path(__file__).parent / "sixth_backend"))
+from unimp_numpy.backend import NumpyBackend
+from unimp_numpy.testing import NumpyKit
+
+if "numpy" not in unimp.backends():
+    unimp.registry.register_backend(NumpyBackend)
+
+APPLICABLE = {"check_layer_dtypes[fp32]", "check_numerics[mixed_fp16]", "check_loss_scale_trajectory[mixed_fp16]",
+              "check_state_dict_roundtrip[mixed_fp16]",
+              "check_alignment_findings[fp32]", "check_remove_restores[fp32]", "check_overrides[mixed_fp16]"}
+
+
+@pytest.mark.parametrize("case", cases(), ids=str)
+def test_conformance(case):
+    run_case(case, NumpyKit())
+
+
+def test_tags_select_the_checks():
+    """bf16 and master-weight cases are not applicable by tags; the fp16/fp32 ones all run."""
+    results = {f"{r.check}[{r.policy}]": r for r in unimp.conformance.run(NumpyKit())}
+    assert not [k for k, r in results.items() if r.status == "fail"], results
+    assert all(results[k].status == "pass" for k in APPLICABLE)
+    assert "bf16" in results["check_layer_dtypes[mixed_bf16]"].detail
+    assert "master_weights" in results["check_master_weights[fp32]"].detail
+
+
+@pytest.mark.parametrize("policy", ["fp32", "mixed_fp16"])
+def test_amp_surface(policy):
+    check_amp_surface(NumpyKit(), unimp.load(policy))
+
+
+def test_detected_and_explained():
+    import numpy as np
+
+    model = NumpyKit().build_probe(unimp.conformance.probe_weights(0))
+    assert unimp.detect(model).name == "numpy"
+    amp = unimp.apply("mixed_fp16", model, None)
+    out = amp.model(np.zeros((1, 4), np.int32))
+    assert out.dtype == np.float32 and amp.report().row("fc1").compute_dtype == "float16"
+    assert amp.plan.layer("head").decision.compute_dtype == "float16" and amp.plan.loss_scale.mode == "dynamic"
+    amp.remove()

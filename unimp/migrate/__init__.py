@@ -1,0 +1,58 @@
+"""Migration: read another system's mixed-precision configuration as a unimp policy, and write a
+policy back as that system's configuration.
+
+One module per system, each with ``import_policy`` / ``from_cli`` / ``export_policy``; the public
+entry points are :mod:`unimp.importers` and :mod:`unimp.exporters` and ``unimp import`` /
+``unimp export``.
+
+>>> from unimp import migrate
+>>> migrate.import_from("torch", "init_scale=256.0").policy.loss_scale.initial
+256.0
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from ..errors import PolicyError
+from ..ops import suggest
+from .common import Exported, Imported
+
+SYSTEMS: dict[str, str] = {
+    "deepspeed": "deepspeed", "apex": "apex", "accelerate": "accelerate", "lightning": "lightning",
+    "keras": "keras", "tf_keras": "keras", "torch": "torch", "paddle": "paddle", "jmp": "jmp",
+    "flax": "flax", "megatron": "megatron",
+}
+
+
+def module(system: str) -> ModuleType:
+    """The module of ``system`` (``unimp.migrate.<name>``); a located error for an unknown one."""
+    if system not in SYSTEMS:
+        h = suggest(system, SYSTEMS)
+        tail = f"did you mean '{h}'?" if h else f"systems: {', '.join(SYSTEMS)}"
+        raise PolicyError(f"<argument>: --from/--to: unknown system {system!r} ({tail})")
+    return importlib.import_module(f"{__name__}.{SYSTEMS[system]}")
+
+
+def import_from(system: str, raw: Any, source: str | None = None) -> Imported:
+    """A policy from ``raw`` (a string as pasted on the command line, or a parsed config file)."""
+    mod = module(system)
+    src = source or system
+    if system == "tf_keras":
+        return mod.from_cli(raw, src, tf_keras=True)
+    return mod.from_cli(raw, src)
+
+
+def export_to(system: str, policy: Any, strict: bool = False) -> Exported:
+    """``policy`` (anything :func:`unimp.load` takes) as ``system``'s configuration."""
+    from ..loading import load
+
+    mod = module(system)
+    p = load(policy)
+    out = mod.export_policy(p, tf_keras=True) if system == "tf_keras" else mod.export_policy(p)
+    return out.strict() if strict else out
+
+
+__all__ = ["SYSTEMS", "Exported", "Imported", "export_to", "import_from", "module"]

@@ -1,0 +1,145 @@
+"""jmp: a policy string (``"params=float32,compute=float16,output=float32"``, ``"p=f32,c=f16"``,
+``"half"``) + ``DynamicLossScale`` / ``StaticLossScale`` / ``NoOpLossScale``, both directions.
+
+Read from jmp/_src/policy.py (``get_policy``: params default float32, compute follows params,
+output follows compute; names full/f32/float32, f16/float16, bf16/bfloat16, half = float16 off
+TPU) and jmp/_src/loss_scale.py (``DynamicLossScale(loss_scale, counter=0, period=2000,
+factor=2, min_loss_scale=1)``: x factor on the period-th finite step kept only if finite,
+max(min_loss_scale, scale / factor) on a non-finite step; float32 arithmetic; its pytree keeps
+loss_scale, counter, period and factor only, so under ``jax.jit`` the floor is always 1).
+
+>>> imp = import_policy("p=f32,c=f16,o=f32", {"loss_scale": 1024.0, "period": 10})
+>>> imp.policy.compute_dtype, imp.policy.loss_scale.growth_interval
+('float16', 10)
+>>> export_policy(imp.policy).config["policy"]
+'params=float32,compute=float16,output=float32'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..policy import Policy
+from .common import Draft, Exported, Imported, bad, check_keys, finish, has_knob, kwargs_of, number, refuse, take
+
+SYSTEM = "jmp"
+NAMES = {"full": "float32", "f32": "float32", "float32": "float32", "f16": "float16", "float16": "float16",
+         "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+DYNAMIC_KEYS = ("loss_scale", "counter", "period", "factor", "min_loss_scale")
+
+
+def parse_policy(text: str, source: str = "jmp") -> dict[str, str]:
+    """``{"params", "compute", "output"}`` dtypes of a jmp policy string (``jmp.get_policy``'s grammar)."""
+    def dtype(value: str, key: str) -> str:
+        if value in ("f64", "float64"):
+            raise refuse(source, key, "float64 is not a dtype unimp policies hold", "use float32")
+        if value not in NAMES:
+            raise bad(source, key, f"unknown dtype {value!r} (full, half, float32, float16, bfloat16 or f32/f16/bf16)")
+        return NAMES[value]
+
+    text = text.strip()
+    if "=" not in text:
+        one = dtype(text, "policy")
+        return {"params": one, "compute": one, "output": one}
+    got: dict[str, str] = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        full = {"p": "params", "c": "compute", "o": "output"}.get(key.strip(), key.strip())
+        if full not in ("params", "compute", "output"):
+            raise bad(source, f"policy.{key.strip()}", "unknown key; expected params (p), compute (c), output (o)")
+        got[full] = dtype(value.strip(), f"policy.{full}")
+    params = got.get("params", "float32")
+    compute = got.get("compute", params)
+    return {"params": params, "compute": compute, "output": got.get("output", compute)}
+
+
+def import_policy(policy: str = "params=float32,compute=float16,output=float32",
+                  dynamic_loss_scale: Mapping[str, Any] | None = None, *, static_loss_scale: float | None = None,
+                  no_op: bool = False, source: str = "jmp") -> Imported:
+    """The policy of ``jmp.get_policy(policy)`` + a loss scale (``DynamicLossScale(**dynamic_loss_scale)``,
+    ``StaticLossScale(static_loss_scale)`` or ``NoOpLossScale()`` with ``no_op``)."""
+    dt = parse_policy(policy, source)
+    d = Draft(SYSTEM, source, "jmp_float16", "jmp policy + DynamicLossScale rule")
+    d.set("param_dtype", dt["params"], f"policy params={dt['params']}")
+    d.set("compute_dtype", dt["compute"], f"policy compute={dt['compute']}")
+    d.set("output_dtype", dt["output"], f"policy output={dt['output']}")
+    if dt["params"] != "float32":
+        d.set("master_weights.enabled", False, "jmp keeps no float32 copy of the params")
+    if no_op or (dynamic_loss_scale is None and static_loss_scale is None and dt["compute"] != "float16"):
+        d.set("loss_scale.mode", "none", "NoOpLossScale" if no_op else "no loss scale given (not float16)")
+        d.set("loss_scale.skip_nonfinite", False, "no loss scale: every step is taken")
+        return d.build()
+    if static_loss_scale is not None:
+        d.set("loss_scale.mode", "static", "StaticLossScale")
+        d.set("loss_scale.initial", number(source, "StaticLossScale.loss_scale", static_loss_scale), "StaticLossScale")
+        return d.build()
+    kw = dict(dynamic_loss_scale or {})
+    check_keys(kw, DYNAMIC_KEYS, source, "DynamicLossScale.")
+    if "counter" in kw and number(source, "DynamicLossScale.counter", kw["counter"], int) != 0:
+        raise refuse(source, "DynamicLossScale.counter", "a non-zero counter is training state, not configuration",
+                     "import with counter=0 and resume it with amp.load_state_dict")
+    p = "DynamicLossScale."
+    d.set("loss_scale.mode", "dynamic", "DynamicLossScale" if dynamic_loss_scale is not None else
+          "no loss scale given: DynamicLossScale(2**15) as jmp's README uses")
+    take(d, "loss_scale.initial", kw, "loss_scale", 32768.0, prefix=p)
+    take(d, "loss_scale.growth_interval", kw, "period", 2000, kind=int, prefix=p)
+    factor = take(d, "loss_scale.growth_factor", kw, "factor", 2.0, prefix=p)
+    d.set("loss_scale.backoff_factor", 1.0 / factor if factor > 1 else factor, f"{p}factor: backoff is 1 / factor")
+    floor = number(source, f"{p}min_loss_scale", kw.get("min_loss_scale", 1.0))
+    if floor != 1.0:
+        d.note(f"{p}min_loss_scale = {floor!r} is lost when the loss scale passes through jax.jit or any "
+               f"transformation (jmp's tree_unflatten rebuilds it with the default 1): imported as 1, what a jitted "
+               f"training step runs; set loss_scale.min in this file to keep another floor", warn=True)
+    d.set("loss_scale.min", 1.0, f"{p}min_loss_scale" + (" (1 inside jax.jit, see above)" if floor != 1.0 else
+                                                         "" if "min_loss_scale" in kw else " not given: jmp default"))
+    if has_knob("loss_scale.factor_arithmetic"):
+        d.set("loss_scale.factor_arithmetic", "float32", "jmp multiplies in float32")
+    return d.build()
+
+
+def from_cli(raw: Any, source: str) -> Imported:
+    if isinstance(raw, str) and "(" not in raw:
+        return import_policy(raw, source=source)
+    if isinstance(raw, Mapping):
+        return import_policy(raw.get("policy", "float32"), raw.get("DynamicLossScale"), source=source,
+                             static_loss_scale=(raw.get("StaticLossScale") or {}).get("loss_scale"))
+    pol, dyn, static, no_op = "float32", None, None, False
+    for part in raw.replace("\n", ";").split(";"):
+        part = part.strip()
+        if not part:
+            continue
+        if part.startswith(("get_policy(", "jmp.get_policy(")):
+            pol = part[part.index("(") + 1:part.rindex(")")].strip().strip("'\"")
+        elif "NoOpLossScale" in part:
+            no_op = True
+        elif "(" in part:
+            kw = kwargs_of(part, source, {"DynamicLossScale": "dynamic", "StaticLossScale": "static"})
+            dyn = kw.get("dynamic", dyn)
+            static = kw["static"].get("loss_scale") if "static" in kw else static
+        else:
+            pol = part.strip("'\"")
+    return import_policy(pol, dyn, static_loss_scale=static, no_op=no_op, source=source)
+
+
+def export_policy(policy: Policy) -> Exported:
+    """``{"policy": "params=...,compute=...,output=...", "DynamicLossScale": {...}}``."""
+    name = f"params={policy.param_dtype},compute={policy.compute_dtype},output={policy.output_dtype}"
+    ls = policy.loss_scale
+    cfg: dict[str, Any] = {"policy": name}
+    if ls.mode == "dynamic":
+        factor = int(ls.growth_factor) if ls.growth_factor.is_integer() else ls.growth_factor
+        cfg["DynamicLossScale"] = {"loss_scale": ls.initial, "period": ls.growth_interval, "factor": factor,
+                                   "min_loss_scale": ls.min}
+        kw = cfg["DynamicLossScale"]
+        scale = (f"jmp.DynamicLossScale(jnp.float32({kw['loss_scale']!r}), period={kw['period']}, "
+                 f"factor={kw['factor']!r}, min_loss_scale=jnp.float32({kw['min_loss_scale']!r}))")
+    elif ls.mode == "static":
+        cfg["StaticLossScale"] = {"loss_scale": ls.initial}
+        scale = f"jmp.StaticLossScale(jnp.float32({ls.initial!r}))"
+    else:
+        scale = "jmp.NoOpLossScale()"
+    text = f"policy = jmp.get_policy({name!r})\nloss_scale = {scale}\n"
+    return finish(SYSTEM, policy, cfg, text, lambda c: import_policy(
+        c["policy"], c.get("DynamicLossScale"), static_loss_scale=(c.get("StaticLossScale") or {}).get("loss_scale"),
+        no_op="DynamicLossScale" not in c and "StaticLossScale" not in c))

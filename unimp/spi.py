@@ -1,0 +1,61 @@
+"""The backend interface: everything a backend package may import from the unimp core.
+
+A backend (``unimp_torch``, ``unimp_jax``, ... or a new one) imports core names from this module
+only, never from ``unimp.plan``, ``unimp.policy`` & co. directly: the core may then move code
+between its modules without breaking any backend, and this file is the whole list of what a
+backend builds on (``tests/test_backend_imports.py`` enforces it). Users import ``unimp``.
+
+>>> from unimp.spi import Backend, Plan, Policy, UnsupportedError
+>>> Backend.priority, Plan.__name__, Policy.__name__, issubclass(UnsupportedError, Exception)
+(0, 'Plan', 'Policy', True)
+
+What is here, by job:
+
+- the plug-in: :class:`Backend` (subclass it; entry point ``unimp.backends``), :class:`Amp` (the
+  handle ``apply`` returns), ``remember`` / ``is_applied`` (the registry of applied models);
+- the input: :class:`Policy` and its parts, ``load``, ``apply`` (for kits and integrations);
+- the compiled contract: :class:`Plan`, ``compile_ops``, ``requested_dtype``, the op vocabulary;
+- FP8: :class:`Fp8Support` (what a backend declares it can run), :class:`Fp8Plan` (``plan.fp8``),
+  ``decide_fp8`` (FP8 or not per layer, with the recipe and the reason), ``fp8_report_notes``;
+- the shared algorithms and facts: the loss-scale rule, dtype helpers, the CPU facts and the
+  ``auto`` resolvers;
+- the output: :class:`Report`, :class:`ReportRow`; errors and :class:`UnimpWarning`;
+- the conformance kit base: :class:`Kit`, :class:`Observation` and the probe's constants.
+"""
+
+from __future__ import annotations
+
+from .backend import Amp, Backend
+from .conformance.kit import Kit, Observation
+from .conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, PROBE, TIME, VOCAB, ProbeBatch
+from .dtypes import is_low, widest
+from .errors import PolicyError, StateError, UnimpWarning, UnsupportedError
+from .fp8 import FP8_FORMATS, Fp8Decision, Fp8Plan, Fp8Support, decide_fp8, fp8_report_notes, plan_fp8, requests_fp8
+from .hardware import CpuFacts, cpu, resolve_auto, resolve_cpu_auto, warn_emulated
+from .loading import load
+from .loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState, f32
+from .ops import CANONICAL_OPS, OPS, kind_of
+from .plan import Plan, compile_ops, requested_dtype
+from .policy import LayerDecision, Layout, LossScaleSpec, Policy
+from .registry import apply, is_applied, remember
+from .report import Report, ReportRow
+
+__all__ = [
+    # the plug-in
+    "Amp", "Backend", "is_applied", "remember",
+    # the input
+    "LayerDecision", "Layout", "LossScaleSpec", "Policy", "apply", "load",
+    # the compiled contract and the op vocabulary
+    "CANONICAL_OPS", "OPS", "Plan", "compile_ops", "kind_of", "requested_dtype",
+    # FP8: what a backend can run, the Plan's part, the per-layer decision
+    "FP8_FORMATS", "Fp8Decision", "Fp8Plan", "Fp8Support", "decide_fp8", "fp8_report_notes", "plan_fp8",
+    "requests_fp8",
+    # shared algorithms and facts
+    "CpuFacts", "LossScale", "LossScaleAtMinimumError", "LossScaleState", "cpu", "f32", "is_low",
+    "resolve_auto", "resolve_cpu_auto", "warn_emulated", "widest",
+    # the output, errors, warnings
+    "PolicyError", "Report", "ReportRow", "StateError", "UnimpWarning", "UnsupportedError",
+    # the conformance kit base and the probe
+    "CHANNELS", "CLASSES", "HIDDEN", "KERNEL", "LN_EPS", "PROBE", "TIME", "VOCAB", "Kit", "Observation",
+    "ProbeBatch",
+]
