@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from unimp.spi import Amp, LossScaleState, Plan, StateError
+from unimp.spi import Amp, LossScaleState, Plan, StateError, UnsupportedError
 
 from .optimizer import AmpOptState, all_finite, apply_updates, find_state, wrap
 from .scaler import check, initial_tree, to_state
@@ -117,6 +117,11 @@ def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, a
         return out, grads, all_finite(fp8.without_state(grads))
 
     def _distributed(state: Any, target: Any, scale: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+        if fp8.has_state(target):
+            raise UnsupportedError(
+                "amp.value_and_grad(axis_name=...): delayed FP8 scaling state is not reduced across devices "
+                "by unimp-jax yet; fix: use the tensorwise recipe (fp8_tensorwise) in a sharded step, or a "
+                "plain jax.jit over sharded inputs")
         if _is_nnx_module(target):  # differentiate a device-varying view of the params (local grads)
             from flax import nnx
 

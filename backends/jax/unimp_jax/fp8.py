@@ -74,6 +74,13 @@ def is_state_path(path: Any) -> bool:
     return False
 
 
+def has_state(target: Any) -> bool:
+    """Whether ``target`` (an nnx Module or a linen params tree) holds delayed FP8 scaling state."""
+    if isinstance(target, nnx.Module):
+        return bool(jax.tree_util.tree_leaves(nnx.state(target, Fp8State)))
+    return isinstance(target, Mapping) and OWG in target
+
+
 def map_gradients(fn: Any, grads: Any) -> Any:
     """``fn`` over the floating gradient leaves that are not FP8 state (those pass through)."""
     def one(path: Any, g: Any) -> Any:
