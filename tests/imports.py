@@ -10,7 +10,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BACKEND_DIRS = sorted(p for p in ROOT.glob("backends/*/unimp_*") if (p / "__init__.py").is_file())
+# the five backends, and the sixth (NumPy) reference backend the tests carry
+BACKEND_DIRS = sorted(p for pattern in ("backends/*/unimp_*", "tests/sixth_backend/unimp_*")
+                      for p in ROOT.glob(pattern) if (p / "__init__.py").is_file())
 
 
 def module_name(path: Path, pkg_dir: Path) -> str:

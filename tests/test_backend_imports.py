@@ -24,3 +24,32 @@ def test_backends_import_the_core_only_through_unimp_spi():
 def test_every_name_in_spi_all_is_there():
     assert sorted(n for n in unimp.spi.__all__ if not hasattr(unimp.spi, n)) == []
     assert len(set(unimp.spi.__all__)) == len(unimp.spi.__all__)
+
+
+def test_ipex_builds_on_unimp_torch_only_through_its_extension_surface():
+    import ast
+
+    ext = ROOT / "backends/torch/unimp_torch/extension.py"
+    surface = next(ast.literal_eval(n.value) for n in ast.parse(ext.read_text()).body
+                   if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SURFACE")
+    ipex = ROOT / "backends/ipex/unimp_ipex"
+    used, bad = set(), []
+    for p in sorted(ipex.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for m in mods:
+                if m.split(".")[0] == "unimp_torch" and m != "unimp_torch.extension":
+                    bad.append(f"{p.relative_to(ROOT)}:{node.lineno}: {m}")
+            if isinstance(node, ast.ImportFrom) and node.module == "unimp_torch.extension":
+                used |= {a.name for a in node.names}
+    assert not bad, "unimp_ipex imports unimp_torch modules other than unimp_torch.extension:\n" + "\n".join(bad)
+    assert used and used <= set(surface), f"not in unimp_torch.extension.SURFACE: {sorted(used - set(surface))}"
+
+
+def test_ipex_pins_the_unimp_torch_version_it_was_built_against():
+    import tomllib
+
+    torch_version = tomllib.loads((ROOT / "backends/torch/pyproject.toml").read_text())["project"]["version"]
+    deps = tomllib.loads((ROOT / "backends/ipex/pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"unimp-torch=={torch_version}" in deps

@@ -65,12 +65,59 @@ def test_paddle_decr_every_n_counts_consecutive_bad_steps_and_resets_after_backo
     assert run("paddle_static_o1", "X", initial=1.0)[0] == [1.0]  # the static graph's kernel: floor 1
 
 
-def test_deepspeed_window_hysteresis_and_error_at_min():
-    scales, skips = run("deepspeed_fp16", "TTT TT X T XX TTT X", initial=8.0, growth_interval=2)
+def test_deepspeed_zero_window_hysteresis_and_error_at_min():
+    scales, skips = run("deepspeed_zero_fp16", "TTT TT X T XX TTT X", initial=8.0, growth_interval=2)
     assert scales == [8, 8, 16, 16, 32, 32, 32, 16, 8, 8, 8, 16, 16]
     assert skips == [False] * 5 + [True, False, True, True, False, False, False, True]
     with pytest.raises(LossScaleAtMinimumError, match="at_min"):
-        run("deepspeed_fp16", "X", initial=1.0, hysteresis=1)
+        run("deepspeed_zero_fp16", "X", initial=1.0, hysteresis=1)
+
+
+def test_deepspeed_plain_engine_has_no_hysteresis_and_clamps_at_min():
+    """FP16_Optimizer._update_scale: every overflow backs off, max(scale/2, min_loss_scale)."""
+    scales, skips = run("deepspeed_fp16", "TTT TT X T XX TTT X", initial=8.0, growth_interval=2)
+    assert scales == [8, 8, 16, 16, 32, 16, 16, 8, 4, 4, 4, 8, 4]
+    assert skips == [False] * 5 + [True, False, True, True, False, False, False, True]
+    assert run("deepspeed_fp16", "XX", initial=1.0)[0] == [1.0, 1.0]  # clamped, never raises
+
+
+def test_growth_at_the_float32_max_clamps_to_it():
+    """on_max = "clamp" with max = FLT_MAX: the grown scale is inf, clamped to FLT_MAX (as Flax
+    does); the finiteness check must not keep the old scale."""
+    spec = {"initial": 2.0 ** 127, "growth_interval": 1}
+    assert run("flax_dynamic_scale", "TTT", **spec)[0] == [2.0 ** 127, FLT_MAX, FLT_MAX]  # grows on the 2nd
+    assert run("flax_dynamic_scale", "TT", **spec, growth_schedule="interval")[0] == [FLT_MAX, FLT_MAX]
+    assert run("flax_dynamic_scale", "TTT", **spec, on_max="keep")[0] == [2.0 ** 127] * 3
+
+
+def test_float64_scales_pass_the_float32_max_and_go_below_its_subnormals():
+    """DeepSpeed and apex hold a Python float: 2**127 * 2 is 2**128 (float32: inf), and
+    2**-149 / 2 is 2**-150 (float32: 0)."""
+    up = run("deepspeed_zero_fp16", "TTT", initial=2.0 ** 127, growth_interval=1)[0]
+    assert up == [2.0 ** 127, 2.0 ** 128, 2.0 ** 129]
+    assert run("deepspeed_zero_fp16", "TTT", initial=2.0 ** 127, growth_interval=1, scale_dtype="float32")[0] == [
+        2.0 ** 127, math.inf, math.inf]
+    down = run("apex_o1", "XX", initial=2.0 ** -126, growth_interval=1)[0]
+    assert down == [2.0 ** -127, 2.0 ** -128]
+    tiny = run("apex_o1", "XX", initial=2.0 ** -126)[0]
+    assert run("apex_o1", "X" * 25, initial=2.0 ** -126)[0][-1] == 2.0 ** -151 and tiny[0] == 2.0 ** -127
+    assert run("apex_o1", "X" * 25, initial=2.0 ** -126, scale_dtype="float32")[0][-1] == 0.0
+
+
+def test_subnormal_scales_are_kept_or_flushed():
+    """torch/Paddle keep 2**-127 (a float32 subnormal); Keras 3 on TensorFlow flushes it to 0."""
+    assert run("torch_autocast_cuda", "XX", initial=2.0 ** -125)[0] == [2.0 ** -126, 2.0 ** -127]
+    assert run("keras_mixed_float16", "XX", initial=2.0 ** -125)[0] == [2.0 ** -126, 0.0]
+    assert run("keras_mixed_float16", "XXT", initial=2.0 ** -125, growth_interval=1)[0] == [2.0 ** -126, 0.0, 0.0]
+
+
+def test_factor_arithmetic_float32_rounds_the_factor_first():
+    """1.1 is not a float32: torch forms f32(scale * 1.1); jmp/Flax/Paddle multiply by f32(1.1) in
+    float32. 3 * 1.1 -> 3.3000002 (float64 product) vs 3.3000002 + 1 ulp (float32 factor)."""
+    f64 = run("torch_autocast_cuda", "T", initial=3.0, growth_interval=1, growth_factor=1.1)[0][0]
+    f32_ = run("torch_autocast_cuda", "T", initial=3.0, growth_interval=1, growth_factor=1.1,
+               factor_arithmetic="float32")[0][0]
+    assert f64 == f32(3.0 * 1.1) and f32_ == f32(3.0 * f32(1.1)) and f64 != f32_
 
 
 def test_megatron_hysteresis_refills_only_on_growth():

@@ -26,7 +26,7 @@ def test_every_preset_loads_and_names_itself():
     names = unimp.preset_names()
     for expected in ("fp32", "mixed_fp16", "mixed_bf16", "pure_bf16", "fp16_master", "torch_autocast_cuda",
                      "torch_autocast_cpu", "keras_mixed_float16", "paddle_o1", "paddle_o2", "apex_o1",
-                     "apex_o2", "deepspeed_fp16"):
+                     "apex_o2", "deepspeed_fp16", "deepspeed_zero_fp16"):
         assert expected in names
     for n in names:
         assert unimp.load(n).name == n

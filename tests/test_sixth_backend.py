@@ -10,7 +10,6 @@ import pytest
 
 import unimp
 from unimp.conformance import cases, run_case
-from unimp.conformance.checks import check_amp_surface
 
 sys.path.insert(0, str(Path(__file__).parent / "sixth_backend"))
 from unimp_numpy.backend import NumpyBackend
@@ -21,7 +20,8 @@ if "numpy" not in unimp.backends():
 
 APPLICABLE = {"check_layer_dtypes[fp32]", "check_numerics[mixed_fp16]", "check_loss_scale_trajectory[mixed_fp16]",
               "check_state_dict_roundtrip[mixed_fp16]",
-              "check_alignment_findings[fp32]", "check_remove_restores[fp32]", "check_overrides[mixed_fp16]"}
+              "check_alignment_findings[fp32]", "check_remove_restores[fp32]", "check_overrides[mixed_fp16]",
+              "check_amp_surface[fp32]", "check_amp_surface[mixed_fp16]", "check_loss_scale_follows_plan[fp32]"}
 
 
 @pytest.mark.parametrize("case", cases(), ids=str)
@@ -38,9 +38,12 @@ def test_tags_select_the_checks():
     assert "master_weights" in results["check_master_weights[fp32]"].detail
 
 
-@pytest.mark.parametrize("policy", ["fp32", "mixed_fp16"])
-def test_amp_surface(policy):
-    check_amp_surface(NumpyKit(), unimp.load(policy))
+def test_written_against_unimp_spi_only():
+    from imports import imports
+
+    pkg = Path(__file__).parent / "sixth_backend" / "unimp_numpy"
+    core = {mod for p in pkg.glob("*.py") for mod, _ in imports(p, pkg) if mod.split(".")[0] == "unimp"}
+    assert core == {"unimp.spi"}
 
 
 def test_detected_and_explained():

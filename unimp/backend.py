@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from .applied import release, remember
 from .errors import StateError, UnimpWarning, UnsupportedError
 from .loss_scale import STATE_KEYS, LossScale, LossScaleState, check_state
 from .plan import Plan
@@ -197,7 +198,7 @@ class Amp(abc.ABC):
 
     def _policy_problems(self, st: LossScaleState) -> list[str]:
         """What in a well-formed state this policy can never produce."""
-        spec, out = self.policy.loss_scale, []
+        spec, out = self.plan.loss_scale, []
         fixed = LossScale(spec).initial_state().scale
         if spec.mode != "dynamic" and st.scale != fixed:
             out.append(f"scale: {st.scale!r}, but loss_scale.mode = {spec.mode!r} keeps the scale at {fixed!r}")
@@ -222,8 +223,6 @@ class Amp(abc.ABC):
 
     def remove(self) -> Any:
         """Undo ``apply``: the model's forward, dtypes and parameters are restored exactly."""
-        from .registry import release
-
         if not self._removed:
             self._restore()
             release(getattr(self, "_applied_ids", [id(self.model)]))
@@ -235,8 +234,6 @@ class Amp(abc.ABC):
 
         Refused with :class:`UnsupportedError` (naming the fix) when the backend's objects cannot be copied.
         """
-        from .registry import remember
-
         self._check_live("copy.deepcopy(amp)")
         cls = type(self)
         new = cls.__new__(cls)
@@ -251,7 +248,7 @@ class Amp(abc.ABC):
                 f"new.load_state_dict(amp.state_dict())") from None
         vars(new).update(state)
         copies = [memo[i] for i in getattr(self, "_applied_ids", [id(self.model)]) if i in memo]
-        remember(new, *(copies or [new.model]))
+        new._applied_ids = remember(*(copies or [new.model]))
         return new
 
     def no_forward(self, hint: str = "") -> NoForwardError:

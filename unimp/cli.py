@@ -16,6 +16,7 @@ from .errors import PolicyError, UnsupportedError
 from .loading import dumps, load, preset_names
 from .ops import OPS
 from .report import format_table
+from .resolve import flatten
 from .spec import json_schema
 
 
@@ -60,20 +61,11 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else k))
-        return out
-    return {prefix: d}
-
-
 def _diff(args: argparse.Namespace) -> int:
     from .registry import backends
 
     a, b = load(args.a), load(args.b)
-    fa, fb = _flatten(a.to_dict()), _flatten(b.to_dict())
+    fa, fb = flatten(a.to_dict()), flatten(b.to_dict())
     rows = [(k, json.dumps(fa.get(k)), json.dumps(fb.get(k))) for k in sorted({*fa, *fb})
             if k != "name" and fa.get(k) != fb.get(k)]
     print(format_table(("key", a.name, b.name), rows, title=f"policy: {len(rows)} differences"))

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .dtypes import is_low
 from .errors import UnsupportedError
 from .policy import Policy
 from .spec import FP8_OPS, FP8_RECIPES
-
-if TYPE_CHECKING:
-    from .plan import Plan
 
 FP8_FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}  # the policy's names -> the framework dtypes
 
@@ -151,7 +148,16 @@ def plan_fp8(policy: Policy, backend: str, support: Fp8Support | None) -> Fp8Pla
                    notes=tuple(notes), **base)
 
 
-def _parts(source: Plan | Policy, compute_dtype: str | None) -> tuple[Policy, Fp8Plan, str]:
+class Planned(Protocol):
+    """What :func:`decide_fp8` reads of a :class:`unimp.plan.Plan` (typed here: the Plan holds an Fp8Plan)."""
+
+    backend: str
+    policy: Policy
+    compute_dtype: str
+    fp8: Fp8Plan | None
+
+
+def _parts(source: Planned | Policy, compute_dtype: str | None) -> tuple[Policy, Fp8Plan, str]:
     if isinstance(source, Policy):  # `auto` resolves per backend: a bare policy stands in bfloat16 for it
         low = compute_dtype or source.compute_dtype
         return source, plan_fp8(source, "policy", Fp8Support.everything()), "bfloat16" if low == "auto" else low
@@ -159,7 +165,7 @@ def _parts(source: Plan | Policy, compute_dtype: str | None) -> tuple[Policy, Fp
     return source.policy, fp8, compute_dtype or source.compute_dtype
 
 
-def decide_fp8(source: Plan | Policy, path: str, kind: str | None, type_names: Iterable[str] = (),
+def decide_fp8(source: Planned | Policy, path: str, kind: str | None, type_names: Iterable[str] = (),
                dims: Mapping[str, int] | None = None, compute_dtype: str | None = None) -> Fp8Decision:
     """FP8 or not for the layer at ``path`` of canonical ``kind``, with the recipe and the reason.
 

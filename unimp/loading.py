@@ -1,4 +1,7 @@
-"""Reading, resolving (``extends``) and writing policy files.
+"""Loading and writing policies: :func:`load` (file, preset name, dict or Policy), :func:`dumps`, :func:`dump`.
+
+The file handling, validation and ``extends`` resolution are :mod:`unimp.resolve`'s (plain dicts);
+this module turns their result into a :class:`Policy`.
 
 >>> import unimp
 >>> unimp.load({"name": "x", "extends": "mixed_fp16"}).compute_dtype
@@ -9,56 +12,29 @@
 
 from __future__ import annotations
 
-import copy
-import functools
-import json
-import math
 import os
-import re
-import stat
-import tomllib
 from collections.abc import Iterable
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from .errors import PolicyError
-from .ops import OP_LISTS
 from .policy import Policy
-from .spec import DEFAULTS, TABLES, TOP, Problems, check_layer, check_resolved, hint, short, show
+from .resolve import (
+    FORMATS,
+    bad_name,
+    load_named,
+    preset_names,
+    preset_path,
+    read_file,
+    resolve,
+    to_text,
+)
+from .resolve import (
+    extends_roots as roots_of,
+)
+from .spec import show
 
-MAX_FILE_BYTES = 256 * 1024
-FORMATS = {".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json"}
-MAX_EXTENDS_DEPTH = 32
-EXTENDS_ROOTS_ENV = "UNIMP_EXTENDS_ROOTS"
-PSEUDO_FS = {("/", "proc"), ("/", "sys"), ("/", "dev")}
-MAX_KEY_PARTS = 16  # dotted TOML keys deeper than this are refused before parsing (tomllib is quadratic)
-_KEY_PART = r"""(?:[A-Za-z0-9_-]+|"[^"\n]*"|'[^'\n]*')"""
-_DEEP_KEY = re.compile(rf"(?:^|[\[{{,])[ \t]*{_KEY_PART}(?:[ \t]*\.[ \t]*{_KEY_PART}){{{MAX_KEY_PARTS},}}",
-                       re.MULTILINE)
-
-
-@functools.cache
-def _preset_dir() -> Path:
-    """``policies/``: installed as the package ``unimp.policies``, or beside ``unimp/`` in a checkout."""
-    try:
-        return Path(str(resources.files("unimp.policies")))
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parent.parent / "policies"
-
-
-def preset_names() -> list[str]:
-    """Names of the shipped presets (files in ``policies/``)."""
-    return list(_preset_names())
-
-
-@functools.cache
-def _preset_names() -> tuple[str, ...]:
-    return tuple(sorted(p.stem for p in _preset_dir().glob("*.toml")))
-
-
-def preset_path(name: str) -> Path:
-    return _preset_dir() / f"{name}.toml"
+__all__ = ["dump", "dumps", "load", "preset_names", "preset_path", "read_file", "resolve_dict"]
 
 
 def load(source: Any, *, extends_roots: Iterable[str | os.PathLike] = ()) -> Policy:
@@ -69,276 +45,31 @@ def load(source: Any, *, extends_roots: Iterable[str | os.PathLike] = ()) -> Pol
     ``UNIMP_EXTENDS_ROOTS``, directories separated by ``os.pathsep``) opts other trees in.
     Raises :class:`unimp.PolicyError` naming the file, the key path and the fix.
     """
-    roots = _roots(extends_roots)
+    roots = roots_of(extends_roots)
     if isinstance(source, Policy):
         return source
     if isinstance(source, dict):
         return resolve_dict(source, parent=None, source="<dict>", roots=roots)
     if isinstance(source, str | os.PathLike):
         name = os.fspath(source)
-        if not isinstance(name, str) or _bad_name(name):
+        if not isinstance(name, str) or bad_name(name):
             raise PolicyError(f"<argument>: {show(name)} is not a usable policy path or preset name")
-        return _load_named(name, base=Path.cwd(), chain=(), roots=roots, named_by_user=True, spent=[0])
+        resolved, path = load_named(name, base=Path.cwd(), chain=(), roots=roots, named_by_user=True, spent=[0])
+        return Policy.from_resolved(resolved, path)
     raise PolicyError(f"<argument>: expected a policy file path, preset name, dict or unimp.Policy, "
                       f"got {type(source).__name__}")
 
-
-def _roots(extra: Iterable[str | os.PathLike]) -> tuple[Path, ...]:
-    """Directory trees ``extends`` may read besides the naming file's own (explicit opt-in)."""
-    env = [p for p in os.environ.get(EXTENDS_ROOTS_ENV, "").split(os.pathsep) if p]
-    try:
-        return tuple(Path(p).resolve() for p in [*env, *extra])
-    except (OSError, ValueError, RuntimeError) as e:
-        raise PolicyError(f"<argument>: extends_roots / {EXTENDS_ROOTS_ENV}: unusable directory ({e})") from None
-
-
-def _bad_name(name: str) -> bool:
-    return len(name) > TOP["extends"].max_len or "\x00" in name
 
 
 def resolve_dict(layer: Any, parent: dict[str, Any] | None, source: str,
                  base: Path | None = None, chain: tuple[str, ...] = (), roots: tuple[Path, ...] = ()) -> Policy:
     """Validate one layer, apply its ``extends`` (or ``parent``) and build the Policy."""
-    return Policy.from_resolved(_resolve(layer, parent, source, base or Path.cwd(), chain, roots), source)
-
-
-def _resolve(layer: Any, parent: dict[str, Any] | None, source: str, base: Path,
-             chain: tuple[str, ...], roots: tuple[Path, ...] = (), spent: list[int] | None = None) -> dict[str, Any]:
-    problems = Problems(source)
-    checked = check_layer(layer, problems)
-    problems.raise_if_any()
-    extends = checked.pop("extends", None)
-    if extends is not None:
-        try:
-            parent = _load_named(extends, base=base, chain=chain, roots=roots, spent=spent).to_dict()
-        except PolicyError as e:
-            raise PolicyError([f"{source}: extends: {p}" for p in e.problems]) from None
-    merged = merge(parent if parent is not None else DEFAULTS, checked)
-    check_resolved(merged, problems)
-    problems.raise_if_any()
-    return merged
-
-
-def merge(parent: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
-    """Tables merge key by key, lists replace; an op the child lists leaves the parent's other lists.
-
-    A child that sets ``loss_scale.mode = "dynamic"`` gets ``skip_nonfinite = true`` unless it says
-    otherwise (a parent like ``mixed_bf16`` turns skipping off for its ``none`` mode).
-    """
-    out = copy.deepcopy(parent)
-    for key, value in child.items():
-        if key in TABLES:
-            out[key] = {**out[key], **copy.deepcopy(value)}
-        else:
-            out[key] = copy.deepcopy(value)
-    ls = child.get("loss_scale", {})
-    if ls.get("mode") == "dynamic" and "skip_nonfinite" not in ls:
-        out["loss_scale"]["skip_nonfinite"] = True  # dynamic scaling backs off *and skips*; never inherit false
-    if "ops" in child:
-        given = child["ops"]
-        moved = {op for ops in given.values() for op in ops}
-        for lst in OP_LISTS:
-            if lst not in given:
-                out["ops"][lst] = [op for op in out["ops"][lst] if op not in moved]
-    return out
-
-
-def _load_named(name: str, base: Path, chain: tuple[str, ...], roots: tuple[Path, ...] = (),
-                named_by_user: bool = False, spent: list[int] | None = None) -> Policy:
-    """Load a file or preset; ``spent`` counts the bytes read along one ``extends`` chain, which
-    together stay within ``MAX_FILE_BYTES`` (so a chain is as bounded as one file)."""
-    path = _locate(name, base, roots, named_by_user)
-    try:
-        key = str(path.resolve())
-    except (OSError, RuntimeError) as e:
-        raise PolicyError(f"{name}: cannot resolve the path ({e})") from None
-    if key in chain:
-        cycle = " -> ".join([*chain, key])
-        raise PolicyError(f"{path}: extends: cycle ({cycle}); remove one of the `extends`")
-    if len(chain) >= MAX_EXTENDS_DEPTH:
-        raise PolicyError(f"{path}: extends: more than {MAX_EXTENDS_DEPTH} levels deep")
-    spent = [0] if spent is None else spent
-    raw = read_file(path, limit=MAX_FILE_BYTES - spent[0], spent=spent)
-    return Policy.from_resolved(_resolve(raw, None, str(path), path.parent, (*chain, key), roots, spent), str(path))
-
-
-def _locate(name: str, base: Path, roots: tuple[Path, ...] = (), named_by_user: bool = True) -> Path:
-    """The file ``name`` stands for. One the user named directly may be anywhere; one named by
-    ``extends`` must be a preset or lie inside ``base``'s tree (or an opted-in root)."""
-    names = preset_names()
-    looks_like_path = any(sep in name for sep in "/\\") or Path(name).suffix in FORMATS
-    if not looks_like_path and name in names:
-        return preset_path(name)
-    try:
-        path = Path(name) if Path(name).is_absolute() else base / name
-        if not named_by_user:
-            _check_inside(name, path, base, roots)
-        found, exists = path.is_file(), os.path.lexists(path)
-    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python 3.11)
-        raise PolicyError(f"{short(name)}: cannot use this path ({getattr(e, 'strerror', None) or e})") from None
-    if found:
-        return path
-    if exists:
-        raise PolicyError(f"{short(name)}: not a regular file (a directory, device, pipe or broken link); "
-                          f"name a policy file")
-    if looks_like_path:
-        raise PolicyError(f"{name}: no such file (looked in {base})")
-    h = hint(name, names)
-    tail = f"did you mean '{h}'?" if h else f"presets: {', '.join(names)}"
-    raise PolicyError(f"{short(name)}: not a policy file and not a preset ({tail})")
-
-
-def _check_inside(name: str, path: Path, base: Path, roots: tuple[Path, ...]) -> None:
-    """Refuse an ``extends`` path outside the naming file's tree (symlinks followed) or the opted-in
-    roots, and any path into a pseudo-filesystem (/proc, /sys, /dev)."""
-    real = path.resolve()
-    if real.parts[:2] in PSEUDO_FS:
-        raise PolicyError(f"{short(name)}: extends may not read {real.parts[1]} files")
-    trees = (base.resolve(), *roots)
-    if not any(real == t or t in real.parents for t in trees):
-        where = ("an absolute path" if Path(name).is_absolute()
-                 else "outside the directory tree of the file that names it")
-        raise PolicyError(f"{short(name)}: extends names {where} (after following links); use a preset name or a "
-                          f"path inside {base}, or opt that directory in: unimp.load(..., extends_roots=[dir]) "
-                          f"or {EXTENDS_ROOTS_ENV}=dir")
-
-
-def read_file(path: Path, limit: int = MAX_FILE_BYTES, spent: list[int] | None = None) -> Any:
-    """Parse a TOML/YAML/JSON file into plain data; every failure is a located PolicyError.
-
-    At most ``limit`` bytes are read, whatever the file claims its size is (``/proc`` files say 0).
-    """
-    fmt = FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise PolicyError(f"{path}: unknown file type {short(path.suffix)} (use .toml, .yaml, .yml or .json)")
-    try:  # non-blocking open + fstat: a pipe or device swapped in after the check cannot hang the read
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise PolicyError(f"{path}: not a regular file; name a policy file")
-            data = f.read(max(limit, 0) + 1)
-    except OSError as e:
-        raise PolicyError(f"{path}: cannot read ({e.strerror or e})") from None
-    if len(data) > limit:
-        whole = "" if limit == MAX_FILE_BYTES else " (with the files it extends)"
-        raise PolicyError(f"{path}: over {limit} bytes; a policy file{whole} is at most {MAX_FILE_BYTES} bytes")
-    if spent is not None:
-        spent[0] += len(data)
-    try:
-        text = data.decode("utf-8-sig")  # a leading byte-order mark is fine
-    except UnicodeDecodeError as e:
-        raise PolicyError(f"{path}: not UTF-8 text (byte {e.start}); save the file as UTF-8") from None
-    try:
-        return parse_text(text, fmt)
-    except PolicyError as e:
-        raise PolicyError(f"{path}: {e}") from None
-
-
-def parse_text(text: str, fmt: str) -> Any:
-    """Parse policy text of one format (``toml`` | ``yaml`` | ``json``); duplicate keys are refused."""
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    try:
-        if fmt == "toml":
-            deep = _DEEP_KEY.search(text)  # a key starts a line, or follows [ { or ,
-            if deep:
-                line = text.count("\n", 0, deep.start()) + 1
-                raise PolicyError(f"line {line}: a dotted key of more than {MAX_KEY_PARTS} parts; policy keys "
-                                  f"are at most 2 deep (e.g. loss_scale.initial)")
-            return tomllib.loads(text)
-        if fmt == "json":
-            return json.loads(text, object_pairs_hook=_json_table)
-        return _yaml_load(text)
-    except PolicyError:
-        raise
-    except RecursionError:
-        raise PolicyError(f"not valid {fmt.upper()}: nested too deeply") from None
-    except Exception as e:  # parser errors of three libraries; message kept, no traceback
-        raise PolicyError(f"not valid {fmt.upper()}: {_parser_message(e)}") from None
-
-
-def _parser_message(e: Exception) -> str:
-    """One line from a parser's error, keeping line and column (YAML puts them on a later line)."""
-    mark = getattr(e, "problem_mark", None)
-    problem = getattr(e, "problem", None)
-    if mark is not None and problem:
-        context = getattr(e, "context", None)
-        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
-
-
-def _json_table(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise PolicyError(f"duplicate key {short(key)} in one table (JSON would keep only the last one); "
-                              f"remove one of them")
-        out[key] = value
-    return out
-
-
-@functools.cache
-def _yaml_loader() -> type:
-    """PyYAML's safe loader that refuses duplicate keys and merge keys (``<<``: an alias bomb's tool)."""
-    import yaml
-    from yaml.constructor import ConstructorError
-
-    class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
-        def flatten_mapping(self, node: Any) -> None:
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    raise ConstructorError(None, None, "merge keys (<<) are not supported in policy files; "
-                                                       "use `extends`", key_node.start_mark)
-
-        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
-            self.flatten_mapping(node)
-            seen: set[Any] = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                try:
-                    dup = key in seen
-                    seen.add(key)
-                except TypeError:
-                    continue  # unhashable: the base constructor refuses it
-                if dup:
-                    raise ConstructorError(None, None, f"duplicate key {short(key)} (YAML would keep only the "
-                                                       f"last one); remove one of them", key_node.start_mark)
-            return super().construct_mapping(node, deep=deep)
-
-    Loader.add_constructor("tag:yaml.org,2002:map", Loader.construct_yaml_map)
-    return Loader
-
-
-def _yaml_load(text: str) -> Any:
-    import yaml
-
-    return yaml.load(text, Loader=_yaml_loader())
-
-
-def _plain(d: Any) -> Any:
-    """``d`` with +inf as the string "inf" (JSON has no infinity; :func:`load` reads "inf" back)."""
-    if isinstance(d, dict):
-        return {k: _plain(v) for k, v in d.items()}
-    if isinstance(d, list):
-        return [_plain(v) for v in d]
-    return "inf" if isinstance(d, float) and math.isinf(d) and d > 0 else d
+    return Policy.from_resolved(resolve(layer, parent, source, base, chain, roots), source)
 
 
 def dumps(policy: Policy, fmt: str = "toml") -> str:
     """The resolved policy as TOML, YAML or JSON text (loads back to the same fingerprint)."""
-    d = policy.to_dict()
-    if fmt == "toml":
-        import tomli_w
-
-        return tomli_w.dumps(d)
-    if fmt == "json":
-        return json.dumps(_plain(d), indent=2, allow_nan=False)
-    if fmt == "yaml":
-        import yaml
-
-        return yaml.safe_dump(d, sort_keys=False)
-    raise PolicyError(f"<argument>: format {short(fmt)} is not one of toml, yaml, json")
+    return to_text(policy.to_dict(), fmt)
 
 
 def dump(policy: Policy, path: str | os.PathLike) -> Path:

@@ -1,7 +1,9 @@
 """The loss-scaling reference: one pure-Python state machine, every system's rule a knob away.
 
-Every backend's scaler must reproduce :func:`update` exactly (scale sequence and skip decisions).
-The scale is held as a float32 value, as every framework holds it on device.
+The rule itself is :func:`unimp.scaling.step`, written once; this module runs it on Python
+numbers (the oracle every backend's scaler must reproduce exactly: scale sequence and skip
+decisions) and owns the canonical state. The scale is held in ``loss_scale.scale_dtype``
+(float32 like a framework's device tensor, or float64 like DeepSpeed's and apex's Python float).
 
 >>> import unimp
 >>> rule = LossScale(unimp.load({"loss_scale": {"growth_interval": 2, "initial": 8.0}}).loss_scale)
@@ -13,13 +15,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import struct
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from .errors import StateError
 from .policy import LossScaleSpec
+from .scaling import Arrays, PyOps, f32, held, step
 from .spec import FLT_MAX, INT32_MAX
 
 STATE_KEYS = ("scale", "growth_tracker", "hysteresis_left", "skipped", "steps")
@@ -27,16 +29,6 @@ STATE_KEYS = ("scale", "growth_tracker", "hysteresis_left", "skipped", "steps")
 
 class LossScaleAtMinimumError(RuntimeError):
     """Raised when ``at_min = "error"`` and a backoff is needed at the floor (DeepSpeed's rule)."""
-
-
-def f32(x: float) -> float:
-    """Round to the nearest float32 (overflow gives inf)."""
-    if math.isnan(x) or math.isinf(x):
-        return x
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:
-        return math.copysign(math.inf, x)
 
 
 @dataclass(frozen=True)
@@ -138,66 +130,23 @@ class LossScale:
 
     def __init__(self, spec: LossScaleSpec) -> None:
         self.spec = spec
+        self._ops = PyOps(spec)
 
     def initial_state(self) -> LossScaleState:
         s = self.spec
-        scale = 1.0 if s.mode == "none" else f32(s.initial)
+        scale = 1.0 if s.mode == "none" else held(s, s.initial)
         return LossScaleState(scale=scale, hysteresis_left=s.hysteresis)
 
     def update(self, state: LossScaleState, finite: bool) -> Outcome:
-        """The state after one optimizer step whose gradients were (not) all finite."""
+        """The state after one optimizer step whose gradients were (not) all finite
+        (:func:`unimp.scaling.step` on Python numbers)."""
         s = self.spec
-        skipped = (not finite) and s.skip_nonfinite
-        common = {"skipped": state.skipped + int(skipped), "steps": state.steps + 1}
-        if s.mode != "dynamic":
-            return Outcome(finite, skipped, state.scale, replace(state, **common))
-        if finite:
-            new = self._finite(state)
-        else:
-            new = self._nonfinite(state)
-        return Outcome(finite, skipped, state.scale, replace(new, **common))
-
-    def _finite(self, st: LossScaleState) -> LossScaleState:
-        s = self.spec
-        n = s.growth_interval
-        refill = "finite" in s.hysteresis_refill
-        hyst = s.hysteresis if refill else st.hysteresis_left
-        if s.growth_schedule == "interval":
-            grow, tracker = st.growth_tracker + 1 >= n, st.growth_tracker + 1
-            tracker = 0 if grow else tracker
-        elif s.growth_schedule == "interval_plus_one":
-            grow = st.growth_tracker >= n
-            tracker = 0 if grow else st.growth_tracker + 1
-        else:  # window (DeepSpeed): clean steps since the last overflow, not reset on growth
-            grow = st.growth_tracker > 0 and st.growth_tracker % n == 0
-            tracker = st.growth_tracker + 1
-        scale = st.scale
-        if grow:
-            scale = self._grown(st.scale)
-            if "growth" in s.hysteresis_refill:
-                hyst = s.hysteresis
-        return replace(st, scale=scale, growth_tracker=tracker, hysteresis_left=hyst)
-
-    def _grown(self, scale: float) -> float:
-        s = self.spec
-        new = f32(scale * s.growth_factor)
-        if new > s.max:
-            return f32(s.max) if s.on_max == "clamp" else scale
-        if s.growth_requires_finite and not math.isfinite(new):
-            return scale
-        return new
-
-    def _nonfinite(self, st: LossScaleState) -> LossScaleState:
-        s = self.spec
-        if st.hysteresis_left > 1:
-            return replace(st, growth_tracker=0, hysteresis_left=st.hysteresis_left - 1)
-        if s.at_min == "error" and st.scale <= s.min:
+        st, skipped, error = step(self._ops, s, Arrays(*(getattr(state, k) for k in STATE_KEYS)), bool(finite))
+        if error:
             raise LossScaleAtMinimumError(
                 f"loss scale already at its minimum ({s.min:g}) and gradients are still not finite; "
                 f"set loss_scale.at_min = 'clamp' to keep training at the floor")
-        scale = max(f32(st.scale * s.backoff_factor), f32(s.min))
-        hyst = s.hysteresis if "backoff" in s.hysteresis_refill else st.hysteresis_left
-        return replace(st, scale=scale, growth_tracker=0, hysteresis_left=hyst)
+        return Outcome(bool(finite), bool(skipped), state.scale, LossScaleState(*st))
 
     def replay(self, finites: Iterable[bool], state: LossScaleState | None = None) -> Iterator[Outcome]:
         """Outcomes of a sequence of steps, from ``state`` (default: the initial state)."""

@@ -20,13 +20,14 @@ table ``unimp explain`` shows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UnsupportedError
 from .fp8 import Fp8Plan, Fp8Support, plan_fp8
-from .layout import LayoutFindings, misaligned
+from .layout import LayoutFindings
 from .ops import CANONICAL_OPS
 from .policy import LayerDecision, LossScaleSpec, Policy
 from .report import format_table
@@ -126,10 +127,14 @@ class Plan:
         """The decision for one layer: the table's row when the Plan indexed it, else the policy's
         decision with the Plan's resolved compute dtype (for layers a backend meets at run time)."""
         names = tuple(type_names)
-        for row in self.layers:
-            if row.path == path and row.kind == kind and (not names or row.type_names == names):
-                return row.decision
+        row = self._rows.get(path)
+        if row is not None and row.kind == kind and (not names or row.type_names == names):
+            return row.decision
         return self.policy.decide(path, kind, names, self.compute_dtype)
+
+    @functools.cached_property
+    def _rows(self) -> dict[str, LayerRow]:
+        return {r.path: r for r in self.layers}
 
     def with_index(self, index: Iterable[LayerInfo]) -> Plan:
         """This Plan with the decision table and layout findings of a model's index (a backend binding a
@@ -140,10 +145,7 @@ class Plan:
 
     def layer(self, path: str) -> LayerRow:
         """The decision-table row of ``path`` (KeyError when the Plan did not index it)."""
-        for row in self.layers:
-            if row.path == path:
-                return row
-        raise KeyError(path)
+        return self._rows[path]
 
     @property
     def ambiguities(self) -> tuple[str, ...]:
@@ -272,5 +274,4 @@ def compile_layers(policy: Policy, compute_dtype: str, index: Iterable[LayerInfo
 
 def compile_layout(policy: Policy, index: Iterable[LayerInfo]) -> LayoutFindings:
     """Dims of the indexed layers that are not a multiple of ``layout.align``, with the policy's action."""
-    lay = policy.layout
-    return LayoutFindings(lay.align, lay.on_misaligned, misaligned(((i.path, i.dims) for i in index), lay.align))
+    return LayoutFindings.check(((i.path, i.dims) for i in index), policy.layout)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .dtypes import is_low
+from .resolve import resolve, to_text
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class LossScaleSpec:
     growth_requires_finite: bool
     hysteresis_refill: tuple[str, ...]
     at_min: str
+    scale_dtype: str = "float32"
+    subnormal: str = "keep"
+    factor_arithmetic: str = "float64"
 
 
 @dataclass(frozen=True)
@@ -180,9 +184,8 @@ class Policy:
 
     def replace(self, **changes: Any) -> Policy:
         """A new, re-validated policy; table keys merge (``loss_scale={"mode": "static"}``)."""
-        from .loading import resolve_dict
-
-        return resolve_dict(changes, parent=self.to_dict(), source=f"{self.source} (replace)")
+        source = f"{self.source} (replace)"
+        return Policy.from_resolved(resolve(changes, parent=self.to_dict(), source=source), source)
 
     # ---------------------------------------------------------------- queries backends share
     @property
@@ -208,6 +211,11 @@ class Policy:
         """Indices of every override that sets a dtype and matches a module path or one of its type names."""
         names = tuple(type_names)
         return tuple(i for i, o in enumerate(self.overrides) if o.sets_dtype and o.matches(path, names))
+
+    def param_dtype_of(self, path: str, kind: str | None, type_names: Iterable[str] = ()) -> str:
+        """The param dtype of one layer (it never depends on the compute dtype, so ``auto`` needs no
+        resolving: for code that runs before any Plan exists, e.g. sharding a model)."""
+        return self.decide(path, kind, type_names, "float32").param_dtype
 
     def decide(self, path: str, kind: str | None, type_names: Iterable[str] = (),
                compute_dtype: str | None = None) -> LayerDecision:
@@ -236,6 +244,4 @@ class Policy:
         return decision
 
     def __str__(self) -> str:
-        from .loading import dumps
-
-        return dumps(self, "toml")
+        return to_text(self.to_dict(), "toml")

@@ -11,9 +11,10 @@ no unimp backend accepts <class 'object'>
 from __future__ import annotations
 
 import sys
-import weakref
 from typing import Any
 
+from .applied import is_applied
+from .applied import remember as _remember
 from .backend import Amp, Backend
 from .errors import UnsupportedError
 from .loading import load
@@ -27,7 +28,6 @@ HINTS = {"torch": "unimp-torch (torch.nn.Module)", "flax": "unimp-jax (Flax nnx/
 _registered: dict[str, type[Backend]] = {}
 _loaded: dict[str, type[Backend]] | None = None
 _candidates: dict[type, tuple[str, ...]] = {}
-_applied: dict[int, Any] = {}
 
 
 def register_backend(cls: type[Backend]) -> type[Backend]:
@@ -86,7 +86,7 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
     The backend is detected from the model's type unless ``backend`` names one.
     """
     pol = load(policy)
-    if id(model) in _applied and _alive(_applied[id(model)]) is model:
+    if is_applied(model):
         raise RuntimeError(f"unimp.apply: this {type(model).__name__} already has a unimp policy "
                            f"applied; call amp.remove() first, or keep using the Amp you have")
     chosen = get_backend(backend) if backend else detect(model)
@@ -107,32 +107,7 @@ def scope(policy: Any, *, backend: str = "tensorflow") -> Any:
     return get_backend(backend).scope(load(policy))
 
 
-def _remember(*models: Any) -> list[int]:
-    for m in models:
-        if m is None:
-            continue
-        try:
-            _applied[id(m)] = weakref.ref(m)
-        except TypeError:
-            _applied[id(m)] = m
-    return [id(m) for m in models if m is not None]
-
-
 def remember(amp: Amp, *models: Any) -> None:
     """Mark more objects as bound to ``amp`` (e.g. a DDP wrapper made after ``apply``), so a second
     ``unimp.apply`` on them is refused; ``amp.remove()`` releases them."""
     amp._applied_ids = [*getattr(amp, "_applied_ids", []), *_remember(*models)]
-
-
-def _alive(ref: Any) -> Any:
-    return ref() if isinstance(ref, weakref.ref) else ref
-
-
-def release(ids: list[int]) -> None:
-    """Forget the models an Amp was applied to (called by ``Amp.remove``)."""
-    for i in ids:
-        _applied.pop(i, None)
-
-
-def is_applied(model: Any) -> bool:
-    return id(model) in _applied and _alive(_applied[id(model)]) is model

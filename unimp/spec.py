@@ -101,6 +101,15 @@ TABLES: dict[str, dict[str, Field]] = {
                                    choices=HYSTERESIS_EVENTS),
         "at_min": _enum(("clamp", "error"), "clamp",
                         "a backoff needed at the floor: stay there, or raise (DeepSpeed)"),
+        "scale_dtype": _enum(("float32", "float64"), "float32",
+                             "dtype the scale is held in: float32 (every framework's device tensor) or "
+                             "float64 (a Python float: DeepSpeed, apex)"),
+        "subnormal": _enum(("keep", "flush"), "keep",
+                           "a product below the smallest normal: keep the subnormal (IEEE: torch, "
+                           "Paddle) or flush it to 0 (Keras 3 on TensorFlow, XLA:CPU)"),
+        "factor_arithmetic": _enum(("float64", "float32"), "float64",
+                                   "scale x factor: formed in float64, rounded once (torch's kernel), or "
+                                   "the factor rounded to float32 first (jmp, Flax, Paddle, Megatron)"),
     },
     "master_weights": {
         "enabled": Field("bool", True, "keep float32 masters when params are lower precision"),

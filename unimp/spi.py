@@ -11,10 +11,12 @@ backend builds on (``tests/test_backend_imports.py`` enforces it). Users import 
 
 What is here, by job:
 
-- the plug-in: :class:`Backend` (subclass it; entry point ``unimp.backends``), :class:`Amp` (the
-  handle ``apply`` returns), ``remember`` / ``is_applied`` (the registry of applied models);
+- the plug-in: :class:`Backend` (subclass it; entry point ``unimp.backends``; declare ``native_ops`` and
+  ``tags`` from ``TAGS``), :class:`Amp` (the handle ``apply`` returns; ``NoForwardError``), ``remember`` /
+  ``is_applied`` (the registry of applied models);
 - the input: :class:`Policy` and its parts, ``load``, ``apply`` (for kits and integrations);
-- the compiled contract: :class:`Plan`, ``compile_ops``, ``requested_dtype``, the op vocabulary;
+- the compiled contract: :class:`Plan`, ``compile_ops`` (with a model index of :class:`LayerInfo`),
+  ``requested_dtype``, :class:`LayoutFindings`, the op vocabulary and the class -> op walk;
 - FP8: :class:`Fp8Support` (what a backend declares it can run), :class:`Fp8Plan` (``plan.fp8``),
   ``decide_fp8`` (FP8 or not per layer, with the recipe and the reason), ``fp8_report_notes``;
 - the shared algorithms and facts: the loss-scale rule, dtype helpers, the CPU facts and the
@@ -25,34 +27,42 @@ What is here, by job:
 
 from __future__ import annotations
 
-from .backend import Amp, Backend
+from .applied import is_applied
+from .backend import TAGS, Amp, Backend, NoForwardError
 from .conformance.kit import Kit, Observation
 from .conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, PROBE, TIME, VOCAB, ProbeBatch
-from .dtypes import is_low, widest
+from .dtypes import dtype_name, is_low, widest
 from .errors import PolicyError, StateError, UnimpWarning, UnsupportedError
 from .fp8 import FP8_FORMATS, Fp8Decision, Fp8Plan, Fp8Support, decide_fp8, fp8_report_notes, plan_fp8, requests_fp8
 from .hardware import CpuFacts, cpu, resolve_auto, resolve_cpu_auto, warn_emulated
+from .layout import LayoutFindings
 from .loading import load
 from .loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState, f32
-from .ops import CANONICAL_OPS, OPS, kind_of
-from .plan import Plan, compile_ops, requested_dtype
+from .migrate.paddle import PADDLE_NATIVE_OPS
+from .ops import CANONICAL_OPS, OPS, class_names, kind_of, kind_of_names, native_table
+from .plan import LayerInfo, Plan, compile_ops, requested_dtype, resolved_loss_scale
 from .policy import LayerDecision, Layout, LossScaleSpec, Policy
-from .registry import apply, is_applied, remember
+from .registry import apply, remember
 from .report import Report, ReportRow
+from .scaling import ArrayOps, Arrays, held, step
+from .spec import FLT_TINY
 
 __all__ = [
     # the plug-in
-    "Amp", "Backend", "is_applied", "remember",
+    "TAGS", "Amp", "Backend", "NoForwardError", "is_applied", "remember",
     # the input
     "LayerDecision", "Layout", "LossScaleSpec", "Policy", "apply", "load",
     # the compiled contract and the op vocabulary
-    "CANONICAL_OPS", "OPS", "Plan", "compile_ops", "kind_of", "requested_dtype",
+    "CANONICAL_OPS", "OPS", "LayerInfo", "LayoutFindings", "Plan", "class_names", "compile_ops", "kind_of",
+    "kind_of_names", "native_table", "requested_dtype", "resolved_loss_scale", "PADDLE_NATIVE_OPS",
     # FP8: what a backend can run, the Plan's part, the per-layer decision
     "FP8_FORMATS", "Fp8Decision", "Fp8Plan", "Fp8Support", "decide_fp8", "fp8_report_notes", "plan_fp8",
     "requests_fp8",
     # shared algorithms and facts
-    "CpuFacts", "LossScale", "LossScaleAtMinimumError", "LossScaleState", "cpu", "f32", "is_low",
+    "CpuFacts", "LossScale", "LossScaleAtMinimumError", "LossScaleState", "cpu", "dtype_name", "f32", "is_low",
     "resolve_auto", "resolve_cpu_auto", "warn_emulated", "widest",
+    # the loss-scale rule, written once over an array adapter (unimp.scaling)
+    "ArrayOps", "Arrays", "FLT_TINY", "held", "step",
     # the output, errors, warnings
     "PolicyError", "Report", "ReportRow", "StateError", "UnimpWarning", "UnsupportedError",
     # the conformance kit base and the probe

@@ -3,11 +3,14 @@
 import copy
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
+from imports import ROOT
 
-from unimp.conformance.compare import compare_dtypes, compare_losses, compare_trajectories, regressions
+sys.path.insert(0, str(ROOT / "tools"))
+from conformance_matrix import compare_dtypes, compare_losses, compare_trajectories, regressions
 
 OBS = Path(os.environ.get("OBS_DIR", ".obs"))
 

@@ -3,8 +3,8 @@
 In a backend's tests::
 
     import pytest
-    from unimp.conformance import cases
-    from my_backend.kit import MyKit
+    from unimp.conformance import cases, run_case
+    from unimp_mine.testing import MyKit
 
     @pytest.mark.parametrize("case", cases(), ids=str)
     def test_conformance(case):

@@ -61,6 +61,20 @@ class Kit(abc.ABC):
 
         return unimp.apply(policy, model, optimizer, backend=self.backend)
 
+    def backend_instance(self) -> Any:
+        """The :class:`~unimp.backend.Backend` under test (from the registry)."""
+        from ..registry import get_backend
+
+        return get_backend(self.backend)
+
+    def compile(self, policy: Policy, model: Any) -> Any:
+        """The backend's Plan for ``policy`` on ``model`` (the model ``build_probe`` returned)."""
+        return self.backend_instance().compile(policy, model)
+
+    def apply_plan(self, plan: Any, model: Any, optimizer: Any) -> Any:
+        """Bind a given Plan (as ``Backend.apply`` does, without compiling again)."""
+        return self.backend_instance().apply(plan, model, optimizer)
+
     @abc.abstractmethod
     def observe(self, amp: Any, batch: ProbeBatch) -> dict[str, Observation]:
         """Per probe layer path, what ran in one real forward under ``amp``."""

@@ -9,7 +9,7 @@ The first form writes ``.obs/<backend>.json``: the conformance results, observed
 layer for each policy, the Plan's control level per canonical op, loss-scale trajectories for
 shared overflow sequences, per-step losses, and a checkpoint (canonical state + numpy weights).
 The second continues other backends' checkpoints in this backend (cross-framework resume) and
-writes ``.obs/resume-<from>-<to>.json``. :mod:`unimp.conformance.compare` compares them all.
+writes ``.obs/resume-<from>-<to>.json``. ``tools/conformance_matrix.py`` (in the repository) compares them all.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from ..errors import PolicyError, UnimpWarning, UnsupportedError
 from ..loading import load, preset_names
 from ..loss_scale import f32
 from ..policy import Policy
+from ..resolve import flatten
 from ..spec import TABLES, short, show
 
 MAX_TEXT = 65536  # characters of a pasted configuration (an AST of a longer one is not worth building)
@@ -297,9 +298,7 @@ _DYNAMIC_ONLY = ("initial", "growth_factor", "backoff_factor", "growth_interval"
 def effective(policy: Policy) -> dict[str, Any]:
     """The policy's keys that change behaviour (``name``, knobs of an unused mode, and the factor
     arithmetic when both factors are float32 values, left out)."""
-    from ..cli import _flatten
-
-    flat = _flatten(policy.to_dict())
+    flat = flatten(policy.to_dict())
     flat.pop("name", None)
     mode = flat.get("loss_scale.mode")
     for k in _DYNAMIC_ONLY:

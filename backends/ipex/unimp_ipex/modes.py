@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from unimp.spi import CpuFacts, Policy, is_low
-from unimp_torch.layers import kind, type_names
+from unimp.spi import CpuFacts, Policy, is_low, resolved_loss_scale
+from unimp_torch.extension import kind, type_names
 
 # the layer types IPEX 2.8 casts to bf16 under ipex.optimize(dtype=torch.bfloat16): exact types,
 # subclasses are left float32 (measured; see README). Other layers the policy wants in bf16 get
@@ -80,7 +80,7 @@ def choose(policy: Policy, compute: str, model: nn.Module | None, cpu: CpuFacts)
         if autocast else "oneDNN weight prepacking on"))
     if compute != "bfloat16" or policy.param_dtype != "bfloat16":
         return fp32
-    ls = policy.loss_scale
+    ls = resolved_loss_scale(policy, compute)
     if ls.mode != "none" or ls.skip_nonfinite:
         return IpexMode(fp32.dtype, fp32.weights_prepack, "IPEX's bf16 master-weight step cannot be "
                         "unscaled or skipped; loss scaling runs in unimp-torch with its masters; " + fp32.reason)

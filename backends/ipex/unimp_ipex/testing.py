@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from unimp.spi import Policy
-from unimp_torch.testing import TorchKit
+from unimp_torch.extension import TorchKit
 
 from .hardware import here
 
@@ -34,3 +34,9 @@ class IpexKit(TorchKit):
         from unimp.spi import apply
 
         return apply(policy, model, optimizer, backend="ipex", engine=self.engine)
+
+    def compile(self, policy: Policy, model: Any) -> Any:
+        return self.backend_instance().compile(policy, model, engine=self.engine)
+
+    def apply_plan(self, plan: Any, model: Any, optimizer: Any) -> Any:
+        return self.backend_instance().apply(plan, model, optimizer, engine=self.engine)

@@ -28,7 +28,7 @@ def _linen(policy):
         return unimp.apply(policy, module, optax.sgd(0.1), params=params, inputs=X)
 
 
-CASES = [("nnx", "mixed_fp16"), ("nnx", "flax_dynamic_scale"), ("linen", "mixed_fp16"), ("linen", "deepspeed_fp16")]
+CASES = [("nnx", "mixed_fp16"), ("nnx", "flax_dynamic_scale"), ("linen", "mixed_fp16"), ("linen", "megatron_fp16")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=str)

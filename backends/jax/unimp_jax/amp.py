@@ -9,11 +9,13 @@ divided by the scale in float32, and one bool — all inside your jitted step, n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from unimp.spi import Amp, LossScaleState, Plan, StateError, UnsupportedError
 
+from .layers import is_nnx
 from .optimizer import AmpOptState, all_finite, apply_updates, find_state, wrap
 from .scaler import check, initial_tree, to_state
 
@@ -24,7 +26,10 @@ class JaxAmp(Amp):
     def __init__(self, plan: Plan, model: Any, tx: Any) -> None:
         super().__init__(plan, model, None)
         self.inner_tx = tx
-        self.tx = wrap(tx, plan.policy)
+        # the optax wrapper runs the Plan's loss scale (auto resolved to float16 turns "none" into dynamic)
+        runs = plan.policy if plan.loss_scale == plan.policy.loss_scale else \
+            dataclasses.replace(plan.policy, loss_scale=plan.loss_scale)
+        self.tx = wrap(tx, runs)
 
     # ------------------------------------------------------------------ gradients
     def value_and_grad(self, loss_fn: Callable[..., Any], has_aux: bool = False,
@@ -35,7 +40,7 @@ class JaxAmp(Amp):
         ``policy.distributed.reduce_dtype``, the loss is averaged over it, and ``finite`` is agreed by
         every device (see :mod:`unimp_jax.distributed`).
         """
-        return make_value_and_grad(self.policy.loss_scale.mode, loss_fn, has_aux, axis_name=axis_name,
+        return make_value_and_grad(self.plan.loss_scale.mode, loss_fn, has_aux, axis_name=axis_name,
                                    reduce_dtype=self.policy.distributed.reduce_dtype)
 
     def data_parallel(self, step_fn: Callable[..., Any], mesh: Any = None, axis_name: str = "data",
@@ -87,13 +92,13 @@ class JaxAmp(Amp):
 
     def loss_scale_state(self) -> LossScaleState:
         tree = find_state(self._opt_state_holder()).loss_scale
-        check(tree, self.policy.loss_scale)
+        check(tree, self.plan.loss_scale)
         return to_state(tree)
 
     def _with_loss_scale(self, opt_state: Any, state: LossScaleState) -> Any:
         import jax
 
-        tree = initial_tree(self.policy.loss_scale, state)
+        tree = initial_tree(self.plan.loss_scale, state)
         return jax.tree_util.tree_map(
             lambda x: x._replace(loss_scale=tree) if isinstance(x, AmpOptState) else x, opt_state,
             is_leaf=lambda x: isinstance(x, AmpOptState))
@@ -122,7 +127,7 @@ def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, a
                 "amp.value_and_grad(axis_name=...): delayed FP8 scaling state is not reduced across devices "
                 "by unimp-jax yet; fix: use the tensorwise recipe (fp8_tensorwise) in a sharded step, or a "
                 "plain jax.jit over sharded inputs")
-        if _is_nnx_module(target):  # differentiate a device-varying view of the params (local grads)
+        if is_nnx(target):  # differentiate a device-varying view of the params (local grads)
             from flax import nnx
 
             replicated = nnx.as_pure(nnx.state(target, nnx.Param))
@@ -155,7 +160,7 @@ def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, a
             value = loss if scale is None else loss.astype(jnp.float32) * scale
             return value, out
 
-        if _is_nnx_module(target):
+        if is_nnx(target):
             from flax import nnx
 
             wrt = nnx.DiffState(0, nnx.Any(nnx.Param, fp8.Fp8State))  # FP8 state: its new value flows back
@@ -166,9 +171,3 @@ def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, a
 
     return grad_fn
 
-
-def _is_nnx_module(x: Any) -> bool:
-    import sys
-
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(x, nnx.Module)

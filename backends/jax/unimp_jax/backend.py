@@ -7,11 +7,14 @@
 
 from __future__ import annotations
 
-import sys
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from unimp.spi import OPS, Amp, Backend, Fp8Support, Plan, Policy, UnimpWarning, UnsupportedError, compile_ops
+from unimp.spi import CANONICAL_OPS, Amp, Backend, Fp8Support, Plan, Policy, UnimpWarning, compile_ops, native_table
+
+from .layers import is_linen, is_nnx
+from .ops import NATIVE_OPS
 
 LAYER_OPS = ("matmul", "linear", "conv", "attention", "rnn", "embedding", "layer_norm", "rms_norm",
              "batch_norm", "group_norm")
@@ -34,15 +37,13 @@ NOTES = (
 )
 
 
-def act_on_findings(findings: list[str], policy: Policy) -> None:
-    """Misaligned dims: ignore, warn (UnimpWarning) or raise (UnsupportedError naming every path)."""
-    if not findings or policy.layout.on_misaligned == "ignore":
-        return
-    text = "; ".join(findings)
-    if policy.layout.on_misaligned == "error":
-        raise UnsupportedError(f"policy {policy.name!r}: misaligned dims: {text}; fix: pad these dims to "
-                               f"multiples of {policy.layout.align} or set layout.on_misaligned = 'warn'")
-    warnings.warn(f"unimp: misaligned dims: {text}", UnimpWarning, stacklevel=4)
+@dataclass(frozen=True)
+class JaxDetails:
+    """What the jax backend decided at compile time (``plan.details``)."""
+
+    platform: str  # cpu | gpu | tpu
+    master_weights: bool
+    slow_dtype_warning: str | None  # the warning apply gives for a dtype slower than float32 here
 
 
 def fp8_support(platform: str) -> Any:
@@ -60,15 +61,6 @@ def fp8_support(platform: str) -> Any:
                       why_not={"rowwise": why, "rowwise_gw_hp": why}, notes=notes)
 
 
-def is_nnx(model: Any) -> bool:
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(model, nnx.Module)
-
-
-def is_linen(model: Any) -> bool:
-    linen = sys.modules.get("flax.linen")
-    return linen is not None and isinstance(model, linen.Module)
-
 
 class JaxBackend(Backend):
     """Flax nnx and linen Modules with optax optimizers."""
@@ -77,6 +69,9 @@ class JaxBackend(Backend):
     framework = "flax"
     distribution = "unimp-jax"
     model_types = "flax.nnx.Module or flax.linen.Module (with an optax GradientTransformation)"
+    native_ops: ClassVar = native_table("jax", NATIVE_OPS)
+    tags: ClassVar = frozenset({"fp16", "bf16", "master_weights", "loss_scaling", "training", "overrides", "layout",
+                                "layer_level", "distributed", "remove"})
 
     def accepts(self, model: Any) -> bool:
         return is_nnx(model) or is_linen(model)
@@ -85,7 +80,7 @@ class JaxBackend(Backend):
         from .hardware import platform_of, resolve
         from .scaler import validate
 
-        validate(policy.loss_scale, f"policy {policy.name!r} ({policy.source})")
+        scale_notes = validate(policy.loss_scale, f"policy {policy.name!r} ({policy.source})", policy.on_unsupported)
         tree = None
         if is_nnx(model):
             from flax import nnx
@@ -94,11 +89,11 @@ class JaxBackend(Backend):
         platform, capability = platform_of(tree)
         dtype, reason, warning = resolve(policy.compute_dtype, platform, capability)
         control = {op: "layer" for op in (*LAYER_OPS, *FUNCTION_OPS)}
-        native = {op: OPS[op].flax + (("unimp_jax.Op",) if op in FUNCTION_OPS else ()) for op in OPS}
+        native = {op: NATIVE_OPS.get(op, ()) + (("unimp_jax.Op",) if op in FUNCTION_OPS else ())
+                  for op in CANONICAL_OPS}
         fixed = {op: (None, PROMOTION) for op in ("elementwise", "concat")}
-        notes = (*NOTES, *((warning,) if warning else ()))
-        details = {"platform": platform, "master_weights": policy.uses_master_weights,
-                   "slow_dtype_warning": warning}
+        notes = (*NOTES, *((warning,) if warning else ()), *scale_notes)
+        details = JaxDetails(platform, policy.uses_master_weights, warning)
         return compile_ops(self.name, policy, control=control, native=native, compute_dtype=dtype,
                            compute_reason=reason, fixed=fixed, notes=notes, details=details,
                            fp8=fp8_support(platform))
@@ -111,8 +106,8 @@ class JaxBackend(Backend):
                 f"unimp-jax: optimizer is {type(optimizer).__name__}; fix: pass an optax "
                 f"GradientTransformation such as optax.adam(1e-3) (unimp wraps it; for inference only, "
                 f"optax.identity())")
-        if plan.details.get("slow_dtype_warning"):
-            warnings.warn(f"unimp: {plan.details['slow_dtype_warning']}", UnimpWarning, stacklevel=3)
+        if plan.details.slow_dtype_warning:
+            warnings.warn(f"unimp: {plan.details.slow_dtype_warning}", UnimpWarning, stacklevel=3)
         if is_nnx(model):
             from .nnx_amp import NnxAmp
 

@@ -183,7 +183,7 @@ def data_parallel(amp: Any, step_fn: Callable[..., Any], mesh: Any = None, axis_
                     f"or pass per-step constants through a closure")
         return jax.device_put(batch, split)
 
-    from .backend import is_nnx
+    from .layers import is_nnx
 
     if is_nnx(amp.model):
         from flax import nnx

@@ -15,13 +15,15 @@ dtype and its floating inputs and outputs are cast to it; params keep their stor
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from unimp.spi import LayerDecision, Policy, ReportRow, kind_of, widest
+from unimp.spi import LayerDecision, Plan, ReportRow, kind_of, widest
 
 from .attention import attention, needs_cpu_attention
+from .ops import NATIVE_OPS
 
 EXTRA_KINDS = {"Einsum": "matmul", "MultiHeadDotProductAttention": "attention", "SelfAttention": "attention",
                "SimpleCell": "rnn", "MGUCell": "rnn", "ConvLSTMCell": "rnn"}
@@ -33,7 +35,7 @@ def layer_kind(type_name: str, op_kind: str | None = None) -> str | None:
     """Canonical op of a Flax module class name (``op_kind`` for :class:`unimp_jax.Op`)."""
     if op_kind:
         return op_kind
-    return kind_of(type_name, "flax") or EXTRA_KINDS.get(type_name)
+    return kind_of(type_name, NATIVE_OPS) or EXTRA_KINDS.get(type_name)
 
 
 @dataclass(frozen=True)
@@ -49,14 +51,14 @@ class LayerPlan:
     fp8_formats: tuple[str, ...] = ()  # (forward, gradient) FP8 dtype names when fp8 is set
 
     @classmethod
-    def make(cls, policy: Policy, path: str, type_name: str, compute_dtype: str,
-             op_kind: str | None = None, fn_name: str | None = None) -> LayerPlan | None:
+    def make(cls, plan: Plan, path: str, type_name: str, op_kind: str | None = None,
+             fn_name: str | None = None) -> LayerPlan | None:
         kind = layer_kind(type_name, op_kind)
         if kind is None:
             return None
         names = (type_name, *((fn_name,) if fn_name else ()))
-        decision = policy.decide(path, kind, names, compute_dtype)
-        softmax_fp32 = kind == "attention" and policy.ops.category("softmax") == "float32"
+        decision = plan.decide(path, kind, names)
+        softmax_fp32 = kind == "attention" and plan.policy.ops.category("softmax") == "float32"
         return cls(path, kind, names, decision, softmax_fp32)
 
     def compute_dtype(self, input_dtype: str | None, param_dtype: str | None) -> str | None:
@@ -144,18 +146,27 @@ def run_layer(lp: LayerPlan, module: Any, call: Any, args: tuple, kwargs: dict, 
     return out
 
 
-def misaligned(path: str, kind: str, params: dict[str, Any], align: int) -> str | None:
-    """A finding for a linear/conv/embedding layer whose dims are not multiples of ``align``."""
-    if kind not in ALIGNED_KINDS or align <= 1:
-        return None
+def dims(kind: str, params: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    """The tiling dims of a linear/conv/embedding layer from its params (what ``layout.align`` checks)."""
+    if kind not in ALIGNED_KINDS:
+        return ()
     for name in DIM_PARAMS:
         if name in params:
             shape = tuple(params[name].shape)
             if kind != "conv" and len(shape) != 2:
-                return None  # LinearGeneral/Einsum kernels: the matmul's K/N split is not in the shape
-            dims = shape[-2:]
-            bad = [d for d in dims if d % align]
-            if bad:
-                return (f"{path}: {name} {shape}: dims {', '.join(map(str, bad))} are not multiples of "
-                        f"{align} (layout.align)")
-    return None
+                return ()  # LinearGeneral/Einsum kernels: the matmul's K/N split is not in the shape
+            if name == "embedding":
+                return (("num_embeddings", int(shape[-2])), ("features", int(shape[-1])))
+            unit = "channels" if kind == "conv" else "features"
+            return ((f"in_{unit}", int(shape[-2])), (f"out_{unit}", int(shape[-1])))
+    return ()
+
+
+def is_nnx(model: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(model, nnx.Module)
+
+
+def is_linen(model: Any) -> bool:
+    linen = sys.modules.get("flax.linen")
+    return linen is not None and isinstance(model, linen.Module)

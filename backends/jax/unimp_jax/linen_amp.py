@@ -30,11 +30,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from unimp.spi import LossScaleState, Plan, Report, ReportRow, fp8_report_notes
+from unimp.spi import LayoutFindings, LossScaleState, Plan, Report, ReportRow, fp8_report_notes
 
 from . import fp8
 from .amp import JaxAmp
-from .layers import LayerPlan, cast_floats, dtype_name, misaligned, run_layer
+from .layers import LayerPlan, cast_floats, dims, dtype_name, run_layer
 from .optimizer import find_state
 
 
@@ -74,13 +74,9 @@ class LinenAmp(JaxAmp):
                 return module.apply(v, *self.inputs)
 
         jax.eval_shape(forward, variables)
-        for path, lp in self.layers.items():
-            finding = misaligned(path, lp.kind, shapes[path], self.policy.layout.align)
-            if finding:
-                self.findings.append(finding)
-        from .backend import act_on_findings
-
-        act_on_findings(self.findings, self.policy)
+        layout = LayoutFindings.check(((p, dims(lp.kind, shapes[p])) for p, lp in self.layers.items()),
+                                      self.policy.layout)
+        self.findings += layout.act("jax")
         self.fp8_decisions: list[Any] = []  # unimp.fp8.Fp8Decision per layer FP8 was asked of
         delayed = []
         for path, lp in self.layers.items():
@@ -101,8 +97,8 @@ class LinenAmp(JaxAmp):
     def _plan_for(self, path: str, m: Any) -> LayerPlan | None:
         name = type(m).__name__
         is_op = name == "LinenOp"
-        return LayerPlan.make(self.policy, path, name, self.plan.compute_dtype,
-                              op_kind=m.op_kind if is_op else None, fn_name=m.fn_name() if is_op else None)
+        return LayerPlan.make(self.plan, path, name, op_kind=m.op_kind if is_op else None,
+                              fn_name=m.fn_name() if is_op else None)
 
     def cast_params(self, params: Any) -> Any:
         """``params`` in the policy's param dtype per owning layer (pure_bf16: bf16, norms fp32)."""
@@ -110,7 +106,7 @@ class LinenAmp(JaxAmp):
         def cast(key_path: Any, x: Any) -> Any:
             path = ".".join(str(getattr(k, "key", k)) for k in key_path[:-1])
             lp = self.layers.get(path)
-            dtype = lp.decision.param_dtype if lp else self.policy.decide(path, None).param_dtype
+            dtype = lp.decision.param_dtype if lp else self.plan.decide(path, None).param_dtype
             return x.astype(dtype) if dtype_name(x) and dtype_name(x) != dtype else x
 
         return jax.tree_util.tree_map_with_path(cast, params)

@@ -29,14 +29,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from unimp.spi import LossScaleState, Plan, Report, ReportRow, StateError, fp8_report_notes
+from unimp.spi import LayoutFindings, LossScaleState, Plan, Report, ReportRow, fp8_report_notes
 
 from . import fp8
 from .amp import JaxAmp
-from .layers import LayerPlan, cast_floats, dtype_name, misaligned, run_layer
+from .layers import LayerPlan, cast_floats, dims, dtype_name, run_layer
 from .optimizer import apply_updates, find_state, may_skip
 
 _RECORDERS: list[dict[str, ReportRow]] = []
+# The last forward's input shapes per static token (model class + policy fingerprint), for
+# amp.report() without arguments. Keyed by the token, not by the model: under nnx.jit the layer
+# code runs only while tracing, and a compiled step traced for an equal token is reused by every
+# Amp with that token. It holds ShapeDtypeStructs only (no arrays, no model).
 _LAST_INPUTS: dict[str, Any] = {}
 
 
@@ -112,14 +116,13 @@ class NnxAmp(JaxAmp):
         self.fp8_decisions: list[Any] = []  # unimp.fp8.Fp8Decision per layer FP8 was asked of
         self._fp8_layers: list[Any] = []  # modules given delayed-scaling state (removed by remove())
         modules = list(nnx.iter_modules(model))
-        for parts, m in modules:  # findings first: on_misaligned="error" must leave the model untouched
+        layers = []  # findings first: on_misaligned="error" must leave the model untouched
+        for parts, m in modules:
             lp = self._plan_for(parts, m)
             if lp is not None:
                 params = {k: v.get_value() for k, v in _direct_vars(m).items() if isinstance(v, nnx.Param)}
-                finding = misaligned(lp.path, lp.kind, params, policy.layout.align)
-                if finding:
-                    self.findings.append(finding)
-        self.report_findings()
+                layers.append((lp.path, dims(lp.kind, params)))
+        self.findings += LayoutFindings.check(layers, policy.layout).act("jax")
         self.optimizer = AmpOptimizer(model, self.tx, wrt=wrt)  # masters from the original params
         for parts, m in modules:
             path = ".".join(map(str, parts))
@@ -128,7 +131,7 @@ class NnxAmp(JaxAmp):
             if lp is not None:
                 lp, attrs = self._fp8_for(lp, m)
                 self.layers[path] = lp
-            param_dtype = (lp.decision.param_dtype if lp else policy.decide(path, None).param_dtype)
+            param_dtype = (lp.decision.param_dtype if lp else plan.decide(path, None).param_dtype)
             self._cast_params(parts, m, param_dtype)
             attrs.update({"_unimp_layer": lp} if lp else {})
             if not parts:
@@ -141,7 +144,7 @@ class NnxAmp(JaxAmp):
     def _plan_for(self, parts: tuple, m: Any) -> LayerPlan | None:
         path = ".".join(map(str, parts))
         cls = getattr(type(m), "_unimp_original", type(m))
-        return LayerPlan.make(self.policy, path, cls.__name__, self.plan.compute_dtype,
+        return LayerPlan.make(self.plan, path, cls.__name__,
                               op_kind=getattr(m, "kind", None) if cls.__name__ == "Op" else None,
                               fn_name=getattr(m, "fn_name", None))
 
@@ -185,8 +188,7 @@ class NnxAmp(JaxAmp):
         """What ran, from a traced forward (``args``: example inputs; default: the last call's shapes)."""
         if not args and not kwargs:
             if self._token not in _LAST_INPUTS:
-                raise StateError("amp.report(): no forward has run yet; fix: call amp.model(x) once, or "
-                                 "pass example inputs: amp.report(x)")
+                raise self.no_forward()
             args, kwargs = _LAST_INPUTS[self._token]
         record: dict[str, ReportRow] = {}
         _RECORDERS.append(record)
@@ -229,9 +231,4 @@ class NnxAmp(JaxAmp):
         for m in self._fp8_layers:
             delattr(m, fp8.NNX_ATTR)
         self._saved, self._params, self._fp8_layers = [], [], []
-
-    def report_findings(self) -> None:
-        from .backend import act_on_findings
-
-        act_on_findings(self.findings, self.policy)
 

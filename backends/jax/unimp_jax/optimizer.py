@@ -17,6 +17,7 @@ identity under ``optax.apply_updates``) and the old inner state and masters, bit
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple
 
 from unimp.spi import Policy
@@ -32,7 +33,9 @@ class AmpOptState(NamedTuple):
     master: Any
 
 
-_WRAPPED: dict[tuple[int, str], tuple[Any, Any]] = {}
+# tx.update -> {policy fingerprint: weak reference to the wrapped update}: holds nothing alive (the
+# wrapped functions close over tx, so a strong value would keep its own key alive)
+_WRAPPED: weakref.WeakKeyDictionary[Any, dict[str, weakref.ref]] = weakref.WeakKeyDictionary()
 
 
 def _is_float(x: Any) -> bool:
@@ -59,17 +62,18 @@ def _select(pred: Any, new: Any, old: Any) -> Any:
 
 def wrap(tx: Any, policy: Policy) -> Any:
     """``tx`` under ``policy``'s loss scaling and master weights (memoised per tx and policy)."""
-    key = (id(tx), policy.fingerprint)
-    hit = _WRAPPED.get(key)
-    if hit is not None and hit[0] is tx:
-        return hit[1]
-    out = _build(tx, policy)
-    _WRAPPED[key] = (tx, out)  # keeps tx alive so its id stays unique
-    _MAY_SKIP[id(out)] = (out, can_skip(policy))
-    return out
+    import optax
 
-
-_MAY_SKIP: dict[int, tuple[Any, bool]] = {}
+    try:
+        memo = _WRAPPED.setdefault(tx.update, {})
+    except TypeError:  # an update function that takes no weak reference: not memoised
+        memo = {}
+    ref = memo.get(policy.fingerprint)
+    update = ref() if ref is not None else None
+    if update is None or update.unimp_wraps is not tx:
+        update = _build(tx, policy).update
+        memo[policy.fingerprint] = weakref.ref(update)
+    return optax.GradientTransformation(update.unimp_init, update)
 
 
 def can_skip(policy: Policy) -> bool:
@@ -80,8 +84,7 @@ def can_skip(policy: Policy) -> bool:
 
 def may_skip(tx: Any) -> bool:
     """Whether the transformation ``tx`` (from :func:`wrap`) can skip a step (unknown tx: True)."""
-    hit = _MAY_SKIP.get(id(tx))
-    return True if hit is None or hit[0] is not tx else hit[1]
+    return getattr(getattr(tx, "update", None), "unimp_may_skip", True)
 
 
 def _build(tx: Any, policy: Policy) -> Any:
@@ -144,6 +147,9 @@ def _build(tx: Any, policy: Policy) -> Any:
                 lambda x: jnp.where(apply, x, jnp.asarray(-0.0, x.dtype)) if _is_float(x) else x, u)
         return u, AmpOptState(inner, loss_scale, master), apply
 
+    update.unimp_init = init  # type: ignore[attr-defined]  # what wrap() rebuilds the transformation from
+    update.unimp_wraps = tx  # type: ignore[attr-defined]
+    update.unimp_may_skip = checks  # type: ignore[attr-defined]  # read by may_skip()
     return optax.GradientTransformation(init, update)
 
 

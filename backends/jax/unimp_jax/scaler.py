@@ -1,6 +1,7 @@
-"""The core's loss-scale rule as a jit-pure pytree update (no host callbacks).
+"""The core's loss-scale rule (:func:`unimp.scaling.step`) as a jit-pure pytree update (no host callbacks).
 
-:class:`LossScaleTree` is the canonical state (``scale`` float32, counters int32) plus one flag,
+:class:`JaxOps` is the rule's array adapter. :class:`LossScaleTree` is the canonical state
+(``scale`` float32, or float64 under ``jax_enable_x64``; counters int32) plus one flag,
 ``at_min_error``, set when ``at_min = "error"`` asks for a raise inside a jitted step (which JAX
 cannot do): the step is skipped, the state frozen, and :func:`check` raises on the host.
 
@@ -15,17 +16,29 @@ cannot do): the step is skipped, the state frozen, and :func:`check` raises on t
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from unimp.spi import LossScale, LossScaleAtMinimumError, LossScaleSpec, LossScaleState, UnsupportedError
+from unimp.spi import (
+    FLT_TINY,
+    Arrays,
+    LossScale,
+    LossScaleAtMinimumError,
+    LossScaleSpec,
+    LossScaleState,
+    UnsupportedError,
+    f32,
+    step,
+)
 
 
 class LossScaleTree(NamedTuple):
     """Canonical loss-scale state as device arrays; lives inside the optax state."""
 
-    scale: Any  # float32 scalar
+    scale: Any  # float32 scalar (float64 with scale_dtype = "float64" under jax_enable_x64)
     growth_tracker: Any  # int32 scalars from here on
     hysteresis_left: Any
     skipped: Any
@@ -33,45 +46,136 @@ class LossScaleTree(NamedTuple):
     at_min_error: Any  # bool: at_min="error" was hit (checked on the host by :func:`check`)
 
 
-def _f32_at_most(x: float) -> np.float32:
-    """The largest float32 <= x (so ``v > x`` for float32 v equals ``v > _f32_at_most(x)``)."""
-    v = np.float32(x)
-    if np.isfinite(v) and float(v) > x:
-        v = np.nextafter(v, np.float32(-np.inf))
-    return v
+def _x64() -> bool:
+    import jax
+
+    return bool(jax.config.jax_enable_x64)
 
 
-def validate(spec: LossScaleSpec, where: str) -> None:
-    """Refuse knobs the float32 device rule cannot reproduce bit for bit."""
-    for key in ("growth_factor", "backoff_factor"):
-        value = getattr(spec, key)
-        if float(np.float32(value)) != value:
-            raise UnsupportedError(
-                f"{where}: loss_scale.{key} = {value!r} is not exactly representable in float32; the "
-                f"JAX scaler multiplies in float32 on device and would drift from the reference rule. "
-                f"fix: use a float32 value such as {float(np.float32(value))!r} or a power of two")
+@functools.cache
+def flushes_subnormals() -> bool:
+    """Whether a float32 multiply on the default device flushes a subnormal result to 0 (measured:
+    XLA:CPU does)."""
+    import jax
+    import jax.numpy as jnp
+
+    with jax.ensure_compile_time_eval():  # may be first asked while a step is being traced
+        return float(jax.jit(lambda x: x * jnp.float32(0.5))(jnp.float32(2.0 ** -126))) == 0.0
+
+
+def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
+    """Knobs this device cannot honour: ``{knob: (what runs instead, why)}``."""
+    out = {}
+    if spec.mode != "dynamic":
+        return out
+    if spec.scale_dtype == "float64" and not _x64():
+        out["scale_dtype"] = ("float32", "JAX holds float64 only with jax_enable_x64; fix: "
+                              "jax.config.update('jax_enable_x64', True) or scale_dtype = 'float32'")
+    if spec.factor_arithmetic == "float64" and not _x64():
+        for key in ("growth_factor", "backoff_factor"):
+            value = getattr(spec, key)
+            if f32(value) != value:
+                out["factor_arithmetic"] = ("float32", (
+                    f"loss_scale.{key} = {value!r} is not exactly representable in float32 and JAX "
+                    f"multiplies in float32 without jax_enable_x64; fix: use a float32 value such as "
+                    f"{f32(value)!r} or a power of two, or factor_arithmetic = 'float32'"))
+    return out
+
+
+def stops_below_tiny(spec: LossScaleSpec) -> bool:
+    """``subnormal = "keep"`` on a device that flushes float32 subnormals, with a floor below 2^-126:
+    the step that would take the scale below 2^-126 is not applied, the state freezes, and
+    :func:`check` raises :class:`UnsupportedError` on the host (the rule cannot be honoured there)."""
+    return (spec.mode == "dynamic" and spec.subnormal == "keep" and spec.min < FLT_TINY
+            and flushes_subnormals())
+
+
+SUBNORMAL_NOTE = ("loss_scale.subnormal = 'keep' cannot be honoured below 2^-126 here: this XLA device flushes "
+                  "float32 subnormals, so a step that would take the scale below 2^-126 is not applied and "
+                  "raises UnsupportedError on the host; fix: subnormal = 'flush' or min >= 2^-126")
+
+
+def validate(spec: LossScaleSpec, where: str, on_unsupported: str = "error") -> list[str]:
+    """Refuse knobs this device cannot reproduce bit for bit (``on_unsupported = "error"``), or
+    return the Plan notes saying what runs instead (``"fallback"``)."""
+    problems = unsupported(spec)
+    if problems and on_unsupported == "error":
+        raise UnsupportedError(f"{where}: " + "; ".join(
+            f"loss_scale.{k} = {getattr(spec, k)!r} cannot be honoured: {why}" for k, (_, why) in problems.items())
+            + " (or on_unsupported = 'fallback')")
+    notes = [f"loss_scale.{k} = {getattr(spec, k)!r} runs as {v!r}: {why}" for k, (v, why) in problems.items()]
+    return notes + ([SUBNORMAL_NOTE] if stops_below_tiny(spec) else [])
+
+
+def device_spec(spec: LossScaleSpec) -> LossScaleSpec:
+    """The knobs that really run here (``spec`` with the fallbacks :func:`validate` reports)."""
+    return dataclasses.replace(spec, **{k: v for k, (v, _) in unsupported(spec).items()})
+
+
+class JaxOps:
+    """:class:`unimp.scaling.ArrayOps` over jnp arrays (jit-pure)."""
+
+    def __init__(self, spec: LossScaleSpec) -> None:
+        import jax.numpy as jnp
+
+        self.jnp = jnp
+        self.dtype = jnp.float64 if spec.scale_dtype == "float64" else jnp.float32
+
+    def scalar(self, value: float) -> Any:
+        return self.jnp.asarray(value, self.dtype)
+
+    def counter(self, value: int) -> Any:
+        return self.jnp.asarray(value, self.jnp.int32)
+
+    def count(self, flag: Any) -> Any:
+        return flag.astype(self.jnp.int32)
+
+    def mul(self, scale: Any, factor: float) -> Any:
+        jnp = self.jnp
+        if _x64():  # one rounding of the float64 product
+            return (scale.astype(jnp.float64) * jnp.float64(factor)).astype(self.dtype)
+        return scale * jnp.float32(factor)  # exact product rounded once: factor is float32 here
+
+    def where(self, c: Any, a: Any, b: Any) -> Any:
+        return self.jnp.where(c, a, b)
+
+    def isfinite(self, x: Any) -> Any:
+        return self.jnp.isfinite(x)
+
+    def logical_and(self, a: Any, b: Any) -> Any:
+        return self.jnp.logical_and(a, b)
+
+    def logical_not(self, a: Any) -> Any:
+        return self.jnp.logical_not(a)
+
+    def maximum(self, a: Any, b: Any) -> Any:
+        return self.jnp.maximum(a, b)
 
 
 def initial_tree(spec: LossScaleSpec, state: LossScaleState | None = None) -> LossScaleTree:
     """Device state for ``state`` (default: the reference's initial state)."""
     import jax.numpy as jnp
 
+    spec = device_spec(spec)
     st = state or LossScale(spec).initial_state()
     i32 = lambda v: jnp.asarray(v, jnp.int32)
-    return LossScaleTree(jnp.asarray(st.scale, jnp.float32), i32(st.growth_tracker),
+    return LossScaleTree(JaxOps(spec).scalar(st.scale), i32(st.growth_tracker),
                          i32(st.hysteresis_left), i32(st.skipped), i32(st.steps), jnp.asarray(False))
 
 
 def to_state(tree: LossScaleTree) -> LossScaleState:
     """Canonical Python state (syncs with the device)."""
-    return LossScaleState(scale=float(np.float32(tree.scale)), growth_tracker=int(tree.growth_tracker),
+    return LossScaleState(scale=float(np.asarray(tree.scale)), growth_tracker=int(tree.growth_tracker),
                           hysteresis_left=int(tree.hysteresis_left), skipped=int(tree.skipped),
                           steps=int(tree.steps))
 
 
 def check(tree: LossScaleTree, spec: LossScaleSpec) -> None:
-    """Host-side check for ``at_min = "error"``: raise the reference's error if it was hit."""
+    """Host-side check of a frozen state: ``at_min = "error"`` hit (the reference's error), or a
+    scale that would have gone below 2^-126 on a flushing device (:func:`stops_below_tiny`)."""
     if bool(tree.at_min_error):
+        if not (spec.at_min == "error" and float(np.asarray(tree.scale)) <= spec.min):
+            raise UnsupportedError(f"{SUBNORMAL_NOTE} (seen after step {int(tree.steps)})")
         raise LossScaleAtMinimumError(
             f"loss scale already at its minimum ({spec.min:g}) and gradients are still not finite "
             f"(seen after step {int(tree.steps)}); set loss_scale.at_min = 'clamp' to keep training at "
@@ -79,61 +183,15 @@ def check(tree: LossScaleTree, spec: LossScaleSpec) -> None:
 
 
 def update_tree(spec: LossScaleSpec, t: LossScaleTree, finite: Any) -> LossScaleTree:
-    """One step of :meth:`unimp.loss_scale.LossScale.update`, in float32/int32 jnp (jit-able)."""
+    """One step of the core rule (:func:`unimp.scaling.step`) on the device arrays (jit-able).
+    After an ``at_min = "error"`` hit the state no longer moves (the reference raised)."""
     import jax.numpy as jnp
 
-    if spec.mode != "dynamic" and not spec.skip_nonfinite:  # nothing but the step counter moves
-        return t._replace(steps=t.steps + 1)
+    spec = device_spec(spec)
     finite = jnp.asarray(finite, bool)
-    skipped = jnp.logical_not(finite) if spec.skip_nonfinite else jnp.asarray(False)
-    if spec.mode != "dynamic":
-        return t._replace(skipped=t.skipped + skipped.astype(jnp.int32), steps=t.steps + 1)
-    frozen = t.at_min_error  # after an at_min error, the state no longer moves (the reference raised)
-    n, hyst_full = spec.growth_interval, spec.hysteresis
-    refill = spec.hysteresis_refill
-    # ---- finite branch
-    if spec.growth_schedule == "interval":
-        grow = t.growth_tracker + 1 >= n
-        f_tracker = jnp.where(grow, 0, t.growth_tracker + 1)
-    elif spec.growth_schedule == "interval_plus_one":
-        grow = t.growth_tracker >= n
-        f_tracker = jnp.where(grow, 0, t.growth_tracker + 1)
-    else:  # window
-        grow = (t.growth_tracker > 0) & (t.growth_tracker % n == 0)
-        f_tracker = t.growth_tracker + 1
-    new = t.scale * jnp.float32(spec.growth_factor)
-    grown = new
-    if spec.growth_requires_finite:
-        grown = jnp.where(jnp.isfinite(new), new, t.scale)
-    cap = _f32_at_most(spec.max)
-    over = jnp.isfinite(new) | (not spec.growth_requires_finite)
-    over = over & (grown > cap)
-    grown = jnp.where(over, jnp.float32(spec.max) if spec.on_max == "clamp" else t.scale, grown)
-    f_scale = jnp.where(grow, grown, t.scale)
-    f_hyst = jnp.full_like(t.hysteresis_left, hyst_full) if "finite" in refill else t.hysteresis_left
-    if "growth" in refill:
-        f_hyst = jnp.where(grow, hyst_full, f_hyst)
-    # ---- non-finite branch
-    absorb = t.hysteresis_left > 1
-    at_floor = t.scale <= _f32_at_most(spec.min)
-    error = (~absorb) & at_floor if spec.at_min == "error" else jnp.asarray(False)
-    backed = jnp.maximum(t.scale * jnp.float32(spec.backoff_factor), jnp.float32(spec.min))
-    n_scale = jnp.where(absorb, t.scale, backed)
-    n_hyst = jnp.where(absorb, t.hysteresis_left - 1,
-                       hyst_full if "backoff" in refill else t.hysteresis_left)
-    # ---- select
-    scale = jnp.where(finite, f_scale, n_scale)
-    tracker = jnp.where(finite, f_tracker, 0)
-    hyst = jnp.where(finite, f_hyst, n_hyst)
-    error = error & ~finite
-    keep = frozen | error
-    new_t = LossScaleTree(
-        scale=jnp.where(keep, t.scale, scale).astype(jnp.float32),
-        growth_tracker=jnp.where(keep, t.growth_tracker, tracker).astype(jnp.int32),
-        hysteresis_left=jnp.where(keep, t.hysteresis_left, hyst).astype(jnp.int32),
-        skipped=jnp.where(keep, t.skipped, t.skipped + skipped.astype(jnp.int32)),
-        steps=jnp.where(keep, t.steps, t.steps + 1),
-        at_min_error=frozen | error,
-    )
-    return new_t
-
+    new, _, error = step(JaxOps(spec), spec, Arrays(*t[:5]), finite)
+    frozen = t.at_min_error if error is None else t.at_min_error | error
+    if stops_below_tiny(spec):
+        frozen = frozen | ((new.scale < FLT_TINY) & (t.scale >= FLT_TINY))
+    kept = [jnp.where(frozen, old, v).astype(old.dtype) for old, v in zip(t[:5], new, strict=True)]
+    return LossScaleTree(*kept, at_min_error=frozen)

@@ -207,6 +207,14 @@ class LinenKit(_JaxKit):
         return apply(policy, probe.module, optimizer, backend=self.backend, params=probe.params,
                            inputs=tokens)
 
+    def compile(self, policy: Policy, model: Any) -> Any:
+        return super().compile(policy, self._probe(model).module)
+
+    def apply_plan(self, plan: Any, model: Any, optimizer: Any) -> Any:
+        probe = self._probe(model)
+        return self.backend_instance().apply(plan, probe.module, optimizer, params=probe.params,
+                                             inputs=jnp.zeros((1, 1), jnp.int32))
+
     def output(self, amp: Any, batch: ProbeBatch) -> Any:
         return amp.apply(amp.params, jnp.asarray(batch.tokens))
 

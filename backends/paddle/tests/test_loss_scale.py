@@ -5,63 +5,35 @@ import random
 import numpy as np
 import paddle
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import unimp
-from unimp.loss_scale import LossScale
-from unimp_paddle.scaler import HostRuleLossScale, TensorLossScale
-
-KNOBS = st.fixed_dictionaries({
-    "mode": st.sampled_from(["dynamic", "static", "none"]),
-    "initial": st.sampled_from([1.0, 3.0, 8.0, 65536.0, 1.5e38]),
-    "growth_factor": st.sampled_from([1.5, 2.0, 3.7]),
-    "backoff_factor": st.sampled_from([0.5, 0.3, 0.999]),
-    "growth_interval": st.integers(1, 4),
-    "hysteresis": st.integers(1, 3),
-    "min": st.sampled_from([0.0, 1.0, 2.5]),
-    "max": st.sampled_from([float("inf"), 1e4, 3.0e38]),
-    "skip_nonfinite": st.booleans(),
-    "growth_schedule": st.sampled_from(["interval", "interval_plus_one", "window"]),
-    "on_max": st.sampled_from(["keep", "clamp"]),
-    "growth_requires_finite": st.booleans(),
-    "hysteresis_refill": st.lists(st.sampled_from(["finite", "growth", "backoff"]), unique=True),
-})
+from unimp.conformance.loss_scale import Replay, check_loss_scale_replay, check_system_replay
+from unimp.loss_scale import LossScale, LossScaleAtMinimumError
+from unimp.scaling import f32
+from unimp_paddle.scaler import HostRuleLossScale
 
 
-@settings(max_examples=40, deadline=None)
-@given(knobs=KNOBS, finites=st.lists(st.booleans(), min_size=1, max_size=40))
-def test_tensor_scaler_matches_reference_for_every_knob(knobs, finites):
-    if knobs["min"] > knobs["initial"] or knobs["initial"] > knobs["max"]:
-        knobs = {**knobs, "min": 0.0, "max": float("inf")}
-    spec = unimp.load({"loss_scale": knobs}).loss_scale
-    ours, ref = TensorLossScale(spec), LossScale(spec)
-    state = ref.initial_state()
-    assert ours.state() == state
-    for i, finite in enumerate(finites):
-        out = ref.update(state, finite)
-        skip = bool(ours.update(paddle.to_tensor([not finite])).numpy()[0])
-        state = out.state
-        assert ours.state() == state, f"step {i}"
-        assert skip == out.skipped, f"skip at step {i}"
+def _host_runner(spec, seqs):
+    """HostRuleLossScale (what amp.optimizer.step() uses), per sequence; its float32 scale tensor
+    must hold the float32 rounding of the reference's scale at every step."""
+    out = []
+    for seq in seqs:
+        ours, scales, skips, error_at = HostRuleLossScale(spec), [], [], None
+        for i, finite in enumerate(seq):
+            try:
+                skips.append(ours.update(finite))
+            except LossScaleAtMinimumError:
+                error_at = i
+                break
+            scales.append(ours.state().scale)
+            assert ours.scale.dtype == paddle.float32
+            assert float(ours.scale.numpy()[0]) == f32(scales[-1]), f"scale tensor at step {i}"
+        out.append(Replay(scales, skips, error_at, None if error_at is not None else ours.state()))
+    return out
 
 
-@settings(max_examples=40, deadline=None)
-@given(knobs=KNOBS, finites=st.lists(st.booleans(), min_size=1, max_size=40))
-def test_step_scaler_tensor_follows_the_reference_for_every_knob(knobs, finites):
-    """What amp.optimizer.step() uses: the float32 scale tensor (it multiplies the loss and unscales
-    the grads) always holds the reference's scale; state and skips are the reference's."""
-    if knobs["min"] > knobs["initial"] or knobs["initial"] > knobs["max"]:
-        knobs = {**knobs, "min": 0.0, "max": float("inf")}
-    spec = unimp.load({"loss_scale": knobs}).loss_scale
-    ours, ref = HostRuleLossScale(spec), LossScale(spec)
-    state = ref.initial_state()
-    for i, finite in enumerate(finites):
-        out = ref.update(state, finite)
-        assert ours.update(finite) == out.skipped, f"skip at step {i}"
-        state = out.state
-        assert ours.state() == state and ours.scale.dtype == paddle.float32
-        assert float(ours.scale.numpy()[0]) == state.scale, f"scale tensor at step {i}"
+def test_step_scaler_replays_the_reference_for_every_knob():
+    assert check_loss_scale_replay(_host_runner, n_sequences=8) == 8 * 24
 
 
 def test_backward_scales_and_step_unscales_the_real_grads(kit):
@@ -102,8 +74,8 @@ def test_backward_scales_and_step_unscales_the_real_grads(kit):
 
 def test_at_min_error_raises_like_the_reference():
     spec = unimp.load({"loss_scale": {"initial": 1.0, "min": 1.0, "at_min": "error"}}).loss_scale
-    with pytest.raises(unimp.loss_scale.LossScaleAtMinimumError):
-        TensorLossScale(spec).update(paddle.to_tensor([True]))
+    with pytest.raises(LossScaleAtMinimumError, match="at_min = 'clamp'"):
+        HostRuleLossScale(spec).update(False)
 
 
 def _gradscaler(spec, decr_every_n):
@@ -185,3 +157,34 @@ def test_dygraph_gradscaler_has_no_floor_unlike_the_static_kernel():
         st_state = static.update(st_state, False).state
     assert st_state.scale == 1.0
     assert float(s._scale.numpy()) == state.scale == 65536.0 * 0.5 ** 20
+
+
+def _paddle_gradscaler(spec, seq):
+    s = _gradscaler(spec, spec.hysteresis)
+    scales, skips = [], []
+    for finite in seq:
+        s._cache_found_inf = not finite
+        s._update()
+        scales.append(float(s._scale.numpy()))
+        skips.append(not finite)  # GradScaler.step skips exactly when _found_inf
+    return Replay(scales, skips)
+
+
+def _static_kernel(spec, seq):
+    x = [paddle.ones([2])]
+    scale = paddle.to_tensor(np.array([spec.initial], np.float32))
+    good, bad = paddle.zeros([1], "int32"), paddle.zeros([1], "int32")
+    scales = []
+    for finite in seq:
+        paddle._C_ops.update_loss_scaling_(x, paddle.to_tensor([not finite]), scale, good, bad, spec.growth_interval,
+                                           spec.hysteresis, spec.growth_factor, spec.backoff_factor, False)
+        scales.append(float(scale.numpy()[0]))
+    return Replay(scales, [not f for f in seq])
+
+
+@pytest.mark.parametrize(("preset", "native"), [("paddle_o1", _paddle_gradscaler),
+                                               ("paddle_static_o1", _static_kernel)])
+def test_paddle_scalers_replay_their_presets_and_the_step_scaler(preset, native):
+    """paddle.amp.GradScaler._update (no floor: scales reach the subnormal range and 0) and the static
+    update_loss_scaling kernel = their presets = HostRuleLossScale, on the system replay sequences."""
+    assert check_system_replay(native, unimp.load(preset).loss_scale, backend=_host_runner) >= 16

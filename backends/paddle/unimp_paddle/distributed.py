@@ -40,6 +40,8 @@ from typing import Any
 
 from unimp.spi import UnsupportedError
 
+from .device import dtype_name, model_place
+
 FIX = ("fix: apply unimp to the plain layer first, then wrap it: amp = unimp.apply(policy, layer, "
        "optimizer); model = amp.data_parallel()")
 GLOO_FP16 = ("Paddle's CPU collective (gloo, paddlepaddle 3.3) returns inf for every float16 "
@@ -107,16 +109,12 @@ class GradReducer:
 
 
 def grad_dtypes(params: tuple[Any, ...]) -> set[str]:
-    from .amp import dtype_name
-
     return {dtype_name(p.dtype) for p in params}
 
 
 def data_parallel(amp: Any, **kwargs: Any) -> Any:
     """Wrap ``amp``'s layer in ``paddle.DataParallel(**kwargs)`` under the policy (see module doc)."""
     import paddle
-
-    from .backend import model_place
 
     if getattr(amp, "_dp", None) is not None:
         raise RuntimeError("amp.data_parallel(): this Amp's layer is already wrapped; use amp.model")

@@ -35,7 +35,7 @@ from unimp.spi import (
     UnsupportedError,
 )
 
-from .amp import dtype_name
+from .device import dtype_name
 from .plan import compile_dygraph
 
 

@@ -1,7 +1,9 @@
 """Loss scaling: unimp's optimizer vs the core reference for every knob, and Keras' own
 LossScaleOptimizer vs the keras_mixed_float16 preset. Expected values come from unimp.loss_scale."""
 
+import pathlib
 import random
+import sys
 
 import keras
 import numpy as np
@@ -9,9 +11,16 @@ import pytest
 import tensorflow as tf
 
 import unimp
-from unimp.loss_scale import LossScale, trajectory
-from unimp_tensorflow.optimizer import KerasLossScaleOptimizer, LossScaleOptimizer
-from unimp_tensorflow.scaler import State, next_state
+from unimp.conformance.loss_scale import (
+    Replay,
+    check_loss_scale_replay,
+    check_system_replay,
+    reference,
+    replay_size,
+)
+from unimp.loss_scale import LossScale, LossScaleState, trajectory
+from unimp_tensorflow.optimizer import LossScaleOptimizer
+from unimp_tensorflow.scaler import State, decode, device_spec, transition
 
 KNOBS = [
     {},  # torch GradScaler defaults
@@ -51,18 +60,54 @@ def _step_fn(opt, w):
     return step
 
 
-@pytest.mark.parametrize("knobs", KNOBS, ids=lambda k: ",".join(k) or "defaults")
-def test_state_machine_matches_reference(knobs):
-    """The TF ops alone (inf scales included: no real gradient can stay finite at scale inf)."""
-    spec = _spec(knobs)
-    ref = LossScale(spec).initial_state()
-    st = State(tf.constant(ref.scale, tf.float32), *(tf.constant(v, tf.int64) for v in (0, ref.hysteresis_left, 0, 0)))
-    for seq in _sequences():
-        for finite in seq:
-            ref = LossScale(spec).update(ref, finite).state
-            st = next_state(spec, st, tf.constant(finite))
-            got = (float(st.scale), int(st.growth_tracker), int(st.hysteresis_left), int(st.skipped), int(st.steps))
-            assert got == (ref.scale, ref.growth_tracker, ref.hysteresis_left, ref.skipped, ref.steps)
+def _initial(spec, batch):
+    st = LossScale(device_spec(spec)).initial_state()
+    return State(tf.fill([batch], tf.constant(st.scale, tf.float32)),
+                 *(tf.fill([batch], tf.constant(v, tf.int64)) for v in (0, st.hysteresis_left, 0, 0)))
+
+
+def _tf_runner(spec, seqs):
+    """The rule's transition over a batch of sequences (tf.scan in one tf.function)."""
+    T, B = max(map(len, seqs)), len(seqs)
+    fs = tf.constant(np.array([list(s) + [True] * (T - len(s)) for s in seqs]).T)
+    no_error = tf.zeros([B], tf.bool)
+
+    @tf.function
+    def run(fs):
+        def body(carry, f):
+            st, err = carry
+            new, error = transition(spec, st, f)
+            error = no_error if error is None else error
+            new = State(*(tf.where(err | error, a, b) for a, b in zip(st, new, strict=True)))  # frozen
+            return new, err | error
+        return tf.scan(body, fs, initializer=(_initial(spec, B), no_error))
+
+    out, errors = run(fs)
+    scales, skipped, errors = decode(out.scale).numpy(), out.skipped.numpy(), errors.numpy()
+    reps = []
+    for b, seq in enumerate(seqs):
+        n = len(seq)
+        hit = np.flatnonzero(errors[:n, b])
+        stop = int(hit[0]) if hit.size else n
+        skips = np.diff(np.concatenate([[0], skipped[:stop, b]])) > 0
+        final = LossScaleState(float(scales[n - 1, b]), *(int(x.numpy()[n - 1, b]) for x in out[1:]))
+        reps.append(Replay(list(scales[:stop, b]), list(skips), int(hit[0]) if hit.size else None,
+                           None if hit.size else final))
+    return reps
+
+
+def test_state_machine_replays_the_reference_for_every_knob():
+    """The conformance replay (subnormal scales included: computed in float64 on the float32 grid
+    and stored from their bits, although TensorFlow's CPU kernels flush float32 subnormals)."""
+    assert check_loss_scale_replay(_tf_runner, effective=device_spec, n_sequences=8) == 8 * 24
+
+
+def test_float64_scales_are_a_plan_fallback():
+    policy = unimp.load({"extends": "mixed_fp16", "loss_scale": {"scale_dtype": "float64"}})
+    with pytest.raises(unimp.UnsupportedError, match=r"scale_dtype = 'float64' cannot be honoured.*fix"):
+        unimp.get_backend("tensorflow").compile(policy)
+    plan = unimp.get_backend("tensorflow").compile(policy.replace(on_unsupported="fallback"))
+    assert any("scale_dtype = 'float64' runs as 'float32'" in n for n in plan.notes)
 
 
 @pytest.mark.parametrize("knobs", KNOBS[:-3] + KNOBS[-2:], ids=lambda k: ",".join(k) or "defaults")
@@ -107,17 +152,38 @@ def _replay_keras(opt, seq):
     return scales
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_keras_loss_scale_optimizer_is_the_keras_mixed_float16_preset(seed):
-    """Random overflow sequences through the real keras.optimizers.LossScaleOptimizer."""
-    preset = unimp.load("keras_mixed_float16").replace(loss_scale={"growth_interval": 3})
-    for seq in _sequences(seed=seed):
-        expected, _ = trajectory(preset.loss_scale, seq)
-        native = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), dynamic_growth_steps=3)
-        assert _replay_keras(native, seq) == expected
-        ours = KerasLossScaleOptimizer(keras.optimizers.SGD(0.1), preset.loss_scale)
-        assert _replay_keras(ours, seq) == expected
-        assert ours.loss_scale_state().skipped == sum(not f for f in seq)
+def _keras3(spec, seq):
+    """Keras 3's own LossScaleOptimizer, real gradients. Once its scale is 0 (flushed), every
+    gradient unscales to inf/NaN, so it is driven only up to there (the scale stays 0 either way)."""
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=spec.initial,
+                                              dynamic_growth_steps=spec.growth_interval)
+    w = _tiny()
+    step = _step_fn(opt, w)
+    scales, skips = [], []
+    for i, finite in enumerate(seq):
+        if scales and scales[-1] == 0.0:
+            return Replay(scales, skips, stop=i)
+        before = int(opt.inner_optimizer.iterations.numpy()) if opt.built else 0
+        step(tf.constant(not finite))
+        skips.append(int(opt.inner_optimizer.iterations.numpy()) == before)
+        scales.append(float(opt.dynamic_scale.numpy()))
+    return Replay(scales, skips)
+
+
+def test_keras3_replays_its_preset_and_the_tf_rule():
+    """keras.optimizers.LossScaleOptimizer = keras_mixed_float16 (subnormal = "flush": TensorFlow's
+    kernels flush its float32 scale) = unimp_tensorflow's rule, on the system replay sequences."""
+    spec = unimp.load("keras_mixed_float16").loss_scale
+    n, longest = replay_size(0.5)
+    assert check_system_replay(_keras3, spec, n=n, max_len=longest, backend=_tf_runner,
+                               effective=device_spec) == n
+
+
+@pytest.mark.parametrize("preset", ["tf_keras_mixed_float16", "torch_autocast_cuda", "paddle_o1"])
+def test_tf_rule_replays_other_presets_on_the_system_sequences(preset):
+    """The rule keeps subnormal scales (torch, Paddle: min 0) although TensorFlow's kernels flush them."""
+    spec = unimp.load(preset).loss_scale
+    check_system_replay(lambda s, seq: reference(s, seq), spec, backend=_tf_runner, effective=device_spec)
 
 
 def test_keras_rule_is_not_the_torch_rule():
@@ -128,3 +194,15 @@ def test_keras_rule_is_not_the_torch_rule():
     assert _replay_keras(native, [True] * 200) != trajectory(torch_like.loss_scale, [True] * 200)[0]  # no cap
     ours = LossScaleOptimizer(keras.optimizers.SGD(0.1), torch_like.loss_scale)
     assert _replay_keras(ours, seq) == trajectory(torch_like.loss_scale, seq)[0]
+
+
+def test_real_tf_keras_replays_its_preset_and_the_tf_rule():
+    """Where tf_keras is installed (not in the tox matrix; tests/test_loss_scale_systems.py checks the
+    reference against its recorded digests): its _DynamicLossScaleState = tf_keras_mixed_float16."""
+    pytest.importorskip("tf_keras")
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[3] / "tests" / "fixtures"))
+    from make_loss_scale_systems import tf_keras
+
+    n, longest = replay_size(0.5)
+    assert check_system_replay(tf_keras, unimp.load("tf_keras_mixed_float16").loss_scale, n=n, max_len=longest,
+                               backend=_tf_runner, effective=device_spec) == n

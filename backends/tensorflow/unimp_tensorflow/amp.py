@@ -39,7 +39,7 @@ class TensorFlowAmp(Amp):
         self._binding = binding
         self.findings = list(binding.findings)
         self.data_formats = dict(binding.formats)  # conv/pooling data_format by layer path
-        self._state = LossScale(self.policy.loss_scale).initial_state()  # used without an optimizer
+        self._state = LossScale(plan.loss_scale).initial_state()  # used without an optimizer
 
     # ------------------------------------------------------------------ training verbs
     def scale_loss(self, loss: Any) -> Any:
@@ -73,7 +73,7 @@ class TensorFlowAmp(Amp):
         rows = [ReportRow(u.path, u.kind, *seen[u.path], fp8=ran.get(u.path)) for u in self._binding.units
                 if u.path in seen]
         rows.append(ReportRow("", None, None, None, out))
-        notes = [f"{self.plan.details.get('loss_scaler', '')}"] if self.optimizer is not None else []
+        notes = [self.plan.details.loss_scaler] if self.optimizer is not None else []
         return self.report_header(rows, notes=[n for n in notes if n] + fp8_report_notes(self._binding.fp8_decisions))
 
     # ------------------------------------------------------------------ FP8 scaling state

@@ -15,19 +15,18 @@ the optimizer wrapper (and ``model.optimizer`` when the model was compiled with 
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import keras
 
-from unimp.spi import Plan, UnimpWarning, UnsupportedError, is_low
+from unimp.spi import Plan, UnsupportedError, is_low
 
 from . import fp8
 from .distributed import is_distributed, unhook_inner
 from .dtype_policies import FollowInputs, keras_policy
 from .index import Unit, descendants, is_graph, walk
-from .layout import data_formats, layout_findings, misaligned
+from .layout import data_formats, layout_findings
 from .optimizer import KerasLossScaleOptimizer, LossScaleOptimizer
 from .params import Swap, swap_params
 from .plan import keras_rule
@@ -77,8 +76,7 @@ def _set_policy(binding: Binding, layer: Any, policy: Any) -> None:
 
 def _decide(plan: Plan, unit: Unit) -> tuple[str | None, str, str]:
     """(compute dtype or None to follow inputs, param dtype, category) for one unit."""
-    pol = plan.policy
-    d = pol.decide(unit.path, unit.kind, unit.type_names, plan.compute_dtype)
+    d = plan.decide(unit.path, unit.kind, unit.type_names)
     compute = d.compute_dtype
     if d.override is None and unit.kind is not None:
         op = plan.op(unit.kind)
@@ -92,16 +90,7 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
     pol = plan.policy
     units = walk(model)
     binding = Binding(units)
-    found = misaligned(units, pol.layout.align)
-    if found and pol.layout.on_misaligned == "error":
-        raise UnsupportedError("unimp (tensorflow): dims not a multiple of layout.align="
-                               f"{pol.layout.align}:\n  " + "\n  ".join(found)
-                               + "\nfix: resize these layers, or set layout.on_misaligned = 'warn' or 'ignore'")
-    if found and pol.layout.on_misaligned == "warn":
-        warnings.warn("unimp (tensorflow): dims not a multiple of layout.align="
-                      f"{pol.layout.align}: " + "; ".join(found), UnimpWarning, stacklevel=4)
-    if pol.layout.on_misaligned != "ignore":
-        binding.findings += found
+    binding.findings += plan.layout.act("tensorflow")
     binding.formats = data_formats(units)
     binding.findings += layout_findings(binding.formats, pol.layout.channels_last)
     plans = []
@@ -218,7 +207,7 @@ def wrap_optimizer(plan: Plan, optimizer: Any, binding: Binding, native: bool | 
     """The loss-scaling (and master-weight) wrapper for ``optimizer``; ``None`` stays ``None``."""
     if optimizer is None:
         return None
-    spec = plan.policy.loss_scale
+    spec = plan.loss_scale
     masters = {id(s.low): s.original for s in binding.swaps
                if s.low.trainable and plan.policy.master_weights.enabled}
     binding.master_ids = set(masters)

@@ -1,8 +1,10 @@
-"""The core loss-scale rule (:class:`unimp.loss_scale.LossScale`) as TensorFlow ops.
+"""The core loss-scale rule (:func:`unimp.scaling.step`) on TensorFlow tensors: :class:`TfOps`.
 
 Pure functions of tensors, so one step traces into a ``tf.function`` with no host sync. The
-scale is float32; products are taken in float64 and rounded once to float32, exactly as the
-reference's ``f32(scale * factor)``.
+scale is stored in float32 and computed in float64 on the float32 grid (products rounded once,
+as the reference's ``f32(scale * factor)``; subnormals kept or flushed as the policy says, even
+though TensorFlow's CPU kernels flush float32 subnormals). ``scale_dtype = "float64"`` cannot be
+held (the Keras optimizer's scale variable is float32): :func:`unsupported` says so.
 
 >>> import tensorflow as tf, unimp
 >>> spec = unimp.load({"loss_scale": {"initial": 8.0, "growth_interval": 1}}).loss_scale
@@ -14,11 +16,12 @@ reference's ``f32(scale * factor)``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import tensorflow as tf
 
-from unimp.spi import LossScaleSpec, f32
+from unimp.spi import FLT_TINY, Arrays, LossScaleSpec, step
 
 
 class State(NamedTuple):
@@ -31,66 +34,88 @@ class State(NamedTuple):
     steps: tf.Tensor
 
 
-def _times(scale: tf.Tensor, factor: float) -> tf.Tensor:
-    return tf.cast(tf.cast(scale, tf.float64) * factor, tf.float32)
+_TWO_149 = 2.0 ** 149
 
 
-def _grown(spec: LossScaleSpec, scale: tf.Tensor) -> tf.Tensor:
-    new = _times(scale, spec.growth_factor)
-    over = tf.cast(new, tf.float64) > spec.max
-    capped = tf.where(over, tf.constant(f32(spec.max), tf.float32) if spec.on_max == "clamp" else scale, new)
-    if spec.growth_requires_finite:
-        return tf.where(tf.math.is_finite(new), capped, scale)
-    return capped
+def decode(scale: tf.Tensor) -> tf.Tensor:
+    """A float32 scale as float64, subnormals included (read from the bits: TensorFlow's CPU kernels
+    treat a subnormal input as 0)."""
+    bits = tf.bitcast(scale, tf.int32)
+    sub = tf.equal(tf.bitwise.bitwise_and(bits, 0x7F800000), 0)
+    mantissa = tf.cast(tf.bitwise.bitwise_and(bits, 0x7FFFFF), tf.float64) / _TWO_149
+    return tf.where(sub, mantissa, tf.cast(scale, tf.float64))
 
 
-def _after_finite(spec: LossScaleSpec, st: State) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    n = spec.growth_interval
-    one = tf.constant(1, tf.int64)
-    zero = tf.constant(0, tf.int64)
-    if spec.growth_schedule == "interval":
-        grow = st.growth_tracker + 1 >= n
-        tracker = tf.where(grow, zero, st.growth_tracker + one)
-    elif spec.growth_schedule == "interval_plus_one":
-        grow = st.growth_tracker >= n
-        tracker = tf.where(grow, zero, st.growth_tracker + one)
-    else:  # window (DeepSpeed): clean steps since the last overflow
-        grow = tf.logical_and(st.growth_tracker > 0, tf.math.floormod(st.growth_tracker, n) == 0)
-        tracker = st.growth_tracker + one
-    full = tf.constant(spec.hysteresis, tf.int64)
-    hyst = full if "finite" in spec.hysteresis_refill else st.hysteresis_left
-    if "growth" in spec.hysteresis_refill:
-        hyst = tf.where(grow, full, hyst)
-    scale = tf.where(grow, _grown(spec, st.scale), st.scale)
-    return scale, tracker, hyst
+def encode(x: tf.Tensor) -> tf.Tensor:
+    """A float64 value on the float32 grid as float32, subnormals built from their bits (a cast
+    would flush them to 0)."""
+    sub = x < FLT_TINY
+    bits = tf.cast(tf.where(sub, x, tf.zeros_like(x)) * _TWO_149, tf.int32)
+    return tf.where(sub, tf.bitcast(bits, tf.float32), tf.cast(tf.where(sub, _tiny(x), x), tf.float32))
 
 
-def _after_nonfinite(spec: LossScaleSpec, st: State) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    absorb = st.hysteresis_left > 1
-    backed = tf.maximum(_times(st.scale, spec.backoff_factor), tf.constant(f32(spec.min), tf.float32))
-    full = tf.constant(spec.hysteresis, tf.int64)
-    refill = full if "backoff" in spec.hysteresis_refill else st.hysteresis_left
-    scale = tf.where(absorb, st.scale, backed)
-    hyst = tf.where(absorb, st.hysteresis_left - 1, refill)
-    return scale, tf.zeros_like(st.growth_tracker), hyst
+def _tiny(x: tf.Tensor) -> tf.Tensor:
+    return tf.fill(tf.shape(x), tf.constant(FLT_TINY, x.dtype))
+
+
+class TfOps:
+    """:class:`unimp.scaling.ArrayOps` over TensorFlow tensors. The scale is computed in float64 on
+    the float32 grid (products rounded once, subnormals rounded as IEEE float32 does), so the rule
+    is exact even where TensorFlow flushes float32 subnormals."""
+
+    def scalar(self, value: float) -> tf.Tensor:
+        return tf.constant(value, tf.float64)
+
+    def counter(self, value: int) -> tf.Tensor:
+        return tf.constant(value, tf.int64)
+
+    def count(self, flag: tf.Tensor) -> tf.Tensor:
+        return tf.cast(flag, tf.int64)
+
+    def mul(self, scale: tf.Tensor, factor: float) -> tf.Tensor:
+        p = scale * factor
+        sub = p < FLT_TINY
+        rounded_sub = tf.math.rint(tf.where(sub, p, tf.zeros_like(p)) * _TWO_149) / _TWO_149  # exact in float64
+        return tf.where(sub, rounded_sub, tf.cast(tf.cast(tf.where(sub, _tiny(p), p), tf.float32), tf.float64))
+
+    where, isfinite = staticmethod(tf.where), staticmethod(tf.math.is_finite)
+    logical_and, logical_not = staticmethod(tf.logical_and), staticmethod(tf.logical_not)
+    maximum = staticmethod(tf.maximum)
+
+
+def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
+    """Knobs this backend cannot honour: ``{knob: (what runs instead, why)}``."""
+    if spec.mode == "dynamic" and spec.scale_dtype == "float64":
+        return {"scale_dtype": ("float32", "the Keras optimizer holds the scale in a float32 variable; fix: "
+                                "scale_dtype = 'float32'")}
+    return {}
+
+
+def device_spec(spec: LossScaleSpec) -> LossScaleSpec:
+    """The knobs that really run (``spec`` with the fallbacks :func:`unsupported` names)."""
+    return dataclasses.replace(spec, **{k: v for k, (v, _) in unsupported(spec).items()})
 
 
 def next_state(spec: LossScaleSpec, st: State, finite: tf.Tensor) -> State:
-    """The state after one step whose gradients were (not) all finite (``finite``: scalar bool)."""
-    skipped = tf.logical_and(tf.logical_not(finite), spec.skip_nonfinite)
-    skipped_total = st.skipped + tf.cast(skipped, tf.int64)
-    steps = st.steps + 1
-    if spec.mode != "dynamic":
-        return State(st.scale, st.growth_tracker, st.hysteresis_left, skipped_total, steps)
-    if spec.at_min == "error":
-        at_floor = tf.logical_and(st.hysteresis_left <= 1, tf.cast(st.scale, tf.float64) <= spec.min)
-        tf.debugging.Assert(tf.logical_not(tf.logical_and(tf.logical_not(finite), at_floor)), [
+    """The state after one step whose gradients were (not) all finite (``finite``: scalar bool):
+    the core's rule (:func:`unimp.scaling.step`) on tensors, no host sync; ``at_min = "error"``
+    hit is a ``tf.debugging.Assert``."""
+    new, error = transition(spec, st, finite)
+    if error is not None:
+        tf.debugging.Assert(tf.reduce_all(tf.logical_not(error)), [
             f"unimp: loss scale already at its minimum ({spec.min:g}) and gradients are still not "
             f"finite; set loss_scale.at_min = 'clamp' to keep training at the floor"])
-    fin = _after_finite(spec, st)
-    bad = _after_nonfinite(spec, st)
-    scale, tracker, hyst = (tf.where(finite, a, b) for a, b in zip(fin, bad, strict=True))
-    return State(scale, tracker, hyst, skipped_total, steps)
+    return new
+
+
+def transition(spec: LossScaleSpec, st: State, finite: tf.Tensor) -> tuple[State, tf.Tensor | None]:
+    """(next state, ``at_min = "error"`` flag or None) of :func:`next_state`, without the assertion."""
+    spec = device_spec(spec)
+    if spec.mode != "dynamic":
+        new, _, _ = step(TfOps(), spec, Arrays(*st), finite)
+        return State(*new), None
+    new, _, error = step(TfOps(), spec, Arrays(decode(st.scale), *st[1:]), finite)
+    return State(encode(new.scale), *new[1:]), error
 
 
 def all_finite(grads: list) -> tf.Tensor:

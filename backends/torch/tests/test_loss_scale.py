@@ -1,22 +1,18 @@
 """Loss scaling = the core reference, for every knob; torch's real GradScaler = the torch preset."""
 
+import pathlib
 import random
+import sys
 
 import pytest
 import torch
 from models import mlp
 
 import unimp
-from unimp.loss_scale import LossScale
+from unimp.conformance.loss_scale import Replay, check_loss_scale_replay, check_system_replay, reference
+from unimp.loss_scale import LossScale, LossScaleAtMinimumError
 from unimp_torch.scaler import DeviceLossScale
 
-KNOBS = [
-    {}, {"growth_schedule": "interval_plus_one", "on_max": "clamp", "max": 64.0, "initial": 8.0},
-    {"growth_schedule": "window", "hysteresis": 2, "hysteresis_refill": ["growth"]},
-    {"hysteresis": 3, "hysteresis_refill": ["backoff"], "min": 2.0},
-    {"growth_requires_finite": False, "max": float("inf"), "initial": 1e38, "growth_factor": 10.0},
-    {"backoff_factor": 0.3, "growth_factor": 1.7, "min": 0.001, "initial": 3.0},
-]
 PRESETS = ["mixed_fp16", "torch_autocast_cuda", "deepspeed_fp16", "megatron_fp16", "flax_dynamic_scale",
            "keras_mixed_float16", "jmp_float16", "paddle_o1", "apex_o1"]
 
@@ -26,16 +22,73 @@ def _sequence(seed, n=120, p_bad=0.3):
     return [rng.random() > p_bad for _ in range(n)]
 
 
-@pytest.mark.parametrize("knobs", KNOBS, ids=str)
-def test_device_rule_equals_reference(knobs):
-    spec = unimp.load({"loss_scale": {"mode": "dynamic", "growth_interval": 3, **knobs}}).loss_scale
-    for seed in range(4):
-        rule, dev = LossScale(spec), DeviceLossScale(spec, "cpu")
-        state = rule.initial_state()
-        for i, finite in enumerate(_sequence(seed)):
-            state = rule.update(state, finite).state
-            dev.update(torch.tensor(0.0 if finite else 1.0))
-            assert dev.state() == state, (i, knobs)
+def _device_runner(spec, seqs):
+    """unimp_torch's DeviceLossScale (fused kernel or the core rule through TorchOps), per sequence."""
+    out = []
+    for seq in seqs:
+        dev, scales, skips, error_at = DeviceLossScale(spec, "cpu"), [], [], None
+        for i, finite in enumerate(seq):
+            before = int(dev.skipped)
+            try:
+                dev.update(torch.tensor(0.0 if finite else 1.0))
+            except LossScaleAtMinimumError:
+                error_at = i
+                break
+            scales.append(dev.scale.item())
+            skips.append(int(dev.skipped) > before)
+        out.append(Replay(scales, skips, error_at, None if error_at is not None else dev.state()))
+    return out
+
+
+def _gradscaler(spec, seq):
+    """torch.amp.GradScaler's own update() (its fused CPU kernel), fed each step's found_inf the
+    way its unscale_ records it (an unscale_ would see inf grads once the scale underflows to 0)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=spec.initial, growth_factor=spec.growth_factor,
+                                  backoff_factor=spec.backoff_factor, growth_interval=spec.growth_interval)
+    scaler.scale(torch.ones(()))  # allocates its scale and growth tracker
+    opt = object()
+    scales, skips = [], []
+    for f in seq:
+        scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {
+            torch.device("cpu"): torch.tensor([0.0 if f else 1.0])}
+        skips.append(sum(v.item() for v in scaler._found_inf_per_device(opt).values()) > 0)  # step() skips then
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return Replay(scales, skips)
+
+
+def test_real_gradscaler_replays_the_torch_preset_and_the_device_rule():
+    """torch.amp.GradScaler = the torch_autocast_cuda reference = unimp_torch's DeviceLossScale, on the
+    system replay sequences (the subnormal range and 0 included: the preset's floor is 0)."""
+    spec = unimp.load("torch_autocast_cuda").loss_scale
+    n = check_system_replay(_gradscaler, spec, backend=_device_runner)
+    assert n >= 16
+
+
+@pytest.mark.parametrize("preset", ["deepspeed_fp16", "deepspeed_zero_fp16", "megatron_fp16", "apex_o1"])
+def test_device_rule_replays_the_other_torch_systems(preset):
+    """DeviceLossScale on the system sequences of the DeepSpeed, Megatron and apex presets (the
+    reference = those systems: tests/test_loss_scale_systems.py); float64 scales held on the device."""
+    spec = unimp.load(preset).loss_scale
+    check_system_replay(lambda s, seq: reference(s, seq), spec, backend=_device_runner)
+    if spec.scale_dtype == "float64":
+        assert DeviceLossScale(spec, "cpu").scale.dtype == torch.float64
+
+
+def test_real_deepspeed_scalers_replay_their_presets():
+    """Where DeepSpeed imports (not in the tox matrix: see tests/fixtures/make_loss_scale_systems.py)."""
+    pytest.importorskip("deepspeed")
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[3] / "tests" / "fixtures"))
+    from make_loss_scale_systems import SYSTEMS, init
+
+    init()
+    for preset, native in SYSTEMS.items():
+        check_system_replay(native, unimp.load(preset).loss_scale, backend=_device_runner)
+
+
+def test_device_rule_replays_the_reference_for_every_knob():
+    """The conformance replay: every knob (float64 scales and subnormals included: torch holds both)."""
+    assert check_loss_scale_replay(_device_runner, n_sequences=4, max_len=160) >= 4 * 24
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -1,10 +1,11 @@
 """Loss scaling on the device: the core reference rule as tensor ops, no host round trip.
 
-State lives in tensors on the model's device (``scale`` float32, tracker and hysteresis int32,
-skipped int64); only ``steps`` is a host counter. When the policy's knobs are exactly torch
-GradScaler's rule (no floor, no cap, hysteresis 1), the update is torch's own fused kernel
-``torch._amp_update_scale_``; otherwise the same rule in ``torch.where`` form, with products
-taken in float64 and rounded to float32 exactly as :mod:`unimp.loss_scale` does.
+State lives in tensors on the model's device (``scale`` in ``loss_scale.scale_dtype``, float32 or
+float64; tracker and hysteresis int32, skipped int64); only ``steps`` is a host counter. When the
+policy's knobs are exactly torch GradScaler's rule (no floor, no cap, hysteresis 1), the update
+is torch's own fused kernel ``torch._amp_update_scale_``; otherwise the core's rule
+(:func:`unimp.scaling.step`) runs on the tensors through :class:`TorchOps`. Every knob is
+honoured (torch keeps subnormals and holds float64 on every device it runs on).
 
 >>> import torch, unimp
 >>> s = DeviceLossScale(unimp.load({"loss_scale": {"initial": 8.0, "growth_interval": 1}}).loss_scale, "cpu")
@@ -19,13 +20,16 @@ from collections.abc import Iterable
 
 import torch
 
-from unimp.spi import LossScale, LossScaleAtMinimumError, LossScaleSpec, LossScaleState, StateError, f32
+from unimp.spi import Arrays, LossScale, LossScaleAtMinimumError, LossScaleSpec, LossScaleState, StateError, held, step
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def torch_rule(spec: LossScaleSpec) -> bool:
     """Whether ``spec`` is exactly torch GradScaler's rule (so its fused kernel can run it)."""
     return (spec.mode == "dynamic" and spec.growth_schedule == "interval" and spec.hysteresis == 1
-            and spec.min == 0.0 and math.isinf(spec.max) and spec.growth_requires_finite)
+            and spec.min == 0.0 and math.isinf(spec.max) and spec.growth_requires_finite
+            and spec.scale_dtype == "float32" and spec.factor_arithmetic == "float64" and spec.subnormal == "keep")
 
 
 class DeviceLossScale:
@@ -35,6 +39,7 @@ class DeviceLossScale:
         self.spec = spec
         self.device = torch.device(device)
         self.native = torch_rule(spec)
+        self._ops = TorchOps(spec, self.device)
         self.checks = spec.mode != "none" or spec.skip_nonfinite  # finiteness is needed at all
         self.losses = 0  # losses scaled so far: new gradients may have arrived since this changed
         self.set_state(LossScale(spec).initial_state())
@@ -43,12 +48,13 @@ class DeviceLossScale:
     def set_state(self, st: LossScaleState) -> None:
         """Replace the state: every tensor is built first, so a value that does not fit changes nothing."""
         tensors = []
-        for key, value, dtype in (("scale", st.scale, torch.float32),
+        for key, value, dtype in (("scale", st.scale, _DTYPES[self.spec.scale_dtype]),
                                   ("growth_tracker", st.growth_tracker, torch.int32),
                                   ("hysteresis_left", st.hysteresis_left, torch.int32),
                                   ("skipped", st.skipped, torch.int64)):
             try:
-                tensors.append(torch.full((), f32(value) if key == "scale" else value, dtype=dtype, device=self.device))
+                value = held(self.spec, value) if key == "scale" else value
+                tensors.append(torch.full((), value, dtype=dtype, device=self.device))
             except (TypeError, ValueError, OverflowError, RuntimeError) as e:
                 raise StateError(f"loss-scale state: {key} = {str(value)[:40]} does not fit the device's "
                                  f"{str(dtype)[6:]} counter ({e}); load a state_dict saved by unimp") from None
@@ -67,7 +73,7 @@ class DeviceLossScale:
         self.losses += 1
         if self.spec.mode == "none":
             return loss
-        return loss.float() * self.scale
+        return loss.float() * self.scale.float()  # a float64 scale past FLT_MAX gives inf, as DeepSpeed's
 
     def unscale_(self, grads: Iterable[torch.Tensor]) -> torch.Tensor:
         """Divide ``grads`` by the scale in place; returns found_inf (float32 0/1 on the device)."""
@@ -103,38 +109,46 @@ class DeviceLossScale:
         self._update_where(found_inf > 0)
 
     def _update_where(self, bad: torch.Tensor) -> None:
+        """The core's rule (:func:`unimp.scaling.step`) on the device tensors, written back in place."""
         s = self.spec
-        scale, tracker, hyst = self.scale, self.tracker, self.hysteresis
-        n = s.growth_interval
-        # finite step
-        if s.growth_schedule == "interval":
-            grow = tracker + 1 >= n
-            tracker_ok = torch.where(grow, 0, tracker + 1)
-        elif s.growth_schedule == "interval_plus_one":
-            grow = tracker >= n
-            tracker_ok = torch.where(grow, 0, tracker + 1)
-        else:  # window
-            grow = (tracker > 0) & (tracker % n == 0)
-            tracker_ok = tracker + 1
-        new = (scale.double() * s.growth_factor).float()
-        cap = f32(s.max) if s.on_max == "clamp" else scale
-        grown = torch.where(new.double() > s.max, cap, new)
-        if s.growth_requires_finite:
-            grown = torch.where(torch.isfinite(new), grown, scale)
-        scale_ok = torch.where(grow, grown, scale)
-        hyst_ok = torch.full_like(hyst, s.hysteresis) if "finite" in s.hysteresis_refill else hyst
-        if "growth" in s.hysteresis_refill:
-            hyst_ok = torch.where(grow, s.hysteresis, hyst_ok)
-        # non-finite step
-        absorb = hyst > 1
-        backed = (scale.double() * s.backoff_factor).float().clamp_min(f32(s.min))  # no host->device copy
-        if s.at_min == "error" and bool((bad & ~absorb & (scale <= s.min)).item()):  # host read: this knob
+        st = Arrays(self.scale, self.tracker, self.hysteresis, self.skipped, 0)
+        new, _, error = step(self._ops, s, st, ~bad)
+        if error is not None and bool(error.item()):  # host read: only with at_min = "error"
             raise LossScaleAtMinimumError(
                 f"loss scale already at its minimum ({s.min:g}) and gradients are still not finite; "
                 f"set loss_scale.at_min = 'clamp' to keep training at the floor")
-        scale_bad = torch.where(absorb, scale, backed)
-        refill = s.hysteresis if "backoff" in s.hysteresis_refill else hyst
-        hyst_bad = torch.where(absorb, hyst - 1, refill)
-        self.scale.copy_(torch.where(bad, scale_bad, scale_ok))
-        self.tracker.copy_(torch.where(bad, 0, tracker_ok))
-        self.hysteresis.copy_(torch.where(bad, hyst_bad, hyst_ok))
+        self.scale.copy_(new.scale)
+        self.tracker.copy_(new.growth_tracker)
+        self.hysteresis.copy_(new.hysteresis_left)
+
+
+class TorchOps:
+    """:class:`unimp.scaling.ArrayOps` over torch tensors on one device (constants cached: no
+    host->device copy per step)."""
+
+    def __init__(self, spec: LossScaleSpec, device: torch.device) -> None:
+        self.dtype = _DTYPES[spec.scale_dtype]
+        self.device = device
+        self._consts: dict[tuple, torch.Tensor] = {}
+
+    def _const(self, value: float, dtype: torch.dtype) -> torch.Tensor:
+        key = (value, dtype)
+        if key not in self._consts:
+            self._consts[key] = torch.full((), value, dtype=dtype, device=self.device)
+        return self._consts[key]
+
+    def scalar(self, value: float) -> torch.Tensor:
+        return self._const(value, self.dtype)
+
+    def counter(self, value: int) -> torch.Tensor:
+        return self._const(value, torch.int32)
+
+    def count(self, flag: torch.Tensor) -> torch.Tensor:
+        return flag.to(torch.int64)
+
+    def mul(self, scale: torch.Tensor, factor: float) -> torch.Tensor:
+        return (scale.double() * factor).to(self.dtype)  # one rounding, subnormals kept (IEEE)
+
+    where, isfinite = staticmethod(torch.where), staticmethod(torch.isfinite)
+    logical_and, logical_not = staticmethod(torch.logical_and), staticmethod(torch.logical_not)
+    maximum = staticmethod(torch.maximum)

@@ -15,9 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from unimp.spi import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, Kit, Observation, Policy, ProbeBatch
-
-from .layers import NAMES
+from unimp.spi import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, Kit, Observation, Policy, ProbeBatch, dtype_name
 
 
 class ChannelsLastConv1d(nn.Conv1d):
@@ -95,7 +93,7 @@ class TorchKit(Kit):
             return amp.model(self._tokens(batch))
 
     def dtype_name(self, value: Any) -> str:
-        return NAMES.get(value.dtype, str(value.dtype).removeprefix("torch."))
+        return dtype_name(value.dtype)
 
     def step(self, amp: Any, batch: ProbeBatch, poison: bool = False) -> float:
         logp = amp.model(self._tokens(batch))

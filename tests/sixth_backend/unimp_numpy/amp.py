@@ -8,13 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from unimp.backend import Amp
-from unimp.dtypes import widest
-from unimp.loss_scale import LossScale, LossScaleState
-from unimp.plan import Plan
-from unimp.report import Report, ReportRow
+from unimp.spi import Amp, LossScale, LossScaleState, Plan, Report, ReportRow, widest
 
-from .backend import model_index
+from .index import model_index
 
 
 class NumpyAmp(Amp):

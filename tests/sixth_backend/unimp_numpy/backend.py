@@ -11,14 +11,17 @@ from __future__ import annotations
 import sys
 from typing import Any, ClassVar
 
-from unimp.backend import Amp, Backend
-from unimp.errors import UnsupportedError
-from unimp.hardware import resolve_cpu_auto
-from unimp.ops import class_names, kind_of_names, native_table
-from unimp.plan import LayerInfo, Plan, compile_ops
-from unimp.policy import Policy
+from unimp.spi import (
+    Amp,
+    Backend,
+    Plan,
+    Policy,
+    UnsupportedError,
+    compile_ops,
+    resolve_cpu_auto,
+)
 
-from .ops import NATIVE_OPS
+from .index import NATIVE, model_index
 
 
 class NumpyBackend(Backend):
@@ -26,7 +29,7 @@ class NumpyBackend(Backend):
     framework = "unimp_numpy.nn"
     distribution = "unimp-numpy"
     model_types = "unimp_numpy.nn.Model"
-    native_ops: ClassVar = native_table("numpy", NATIVE_OPS)
+    native_ops: ClassVar = NATIVE
     tags: ClassVar = frozenset({"fp16", "training", "loss_scaling", "overrides", "layout", "layer_level", "remove"})
 
     def accepts(self, model: Any) -> bool:
@@ -57,14 +60,3 @@ class NumpyBackend(Backend):
         if options:
             raise TypeError(f"unimp.apply: unknown options for the numpy backend: {sorted(options)}")
         return NumpyAmp(plan, model, optimizer)
-
-
-def model_index(model: Any) -> tuple[LayerInfo, ...]:
-    """The model's layers as the Plan's index: path, canonical kind, class names, tiling dims."""
-    from .nn import Layer
-
-    out = []
-    for path, layer in model.layers:
-        names = class_names(type(layer), stop=(Layer,))
-        out.append(LayerInfo(path, kind_of_names(names, NumpyBackend.native_ops), names, layer.dim_values()))
-    return tuple(out)

@@ -6,8 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from unimp.conformance import Kit, Observation, ProbeBatch
-from unimp.policy import Policy
+from unimp.spi import Kit, Observation, Policy, ProbeBatch
 
 from . import nn
 

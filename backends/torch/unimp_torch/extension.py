@@ -1,0 +1,44 @@
+"""The supported surface of unimp-torch for backends that build on it (unimp-ipex).
+
+A package that extends the torch backend imports from this module only, never from the other
+``unimp_torch`` modules: what is listed here keeps its meaning within a unimp-torch version, the
+rest may change. Pin the version (``unimp-torch==X.Y.Z``). Names load lazily, so importing this
+module does not import torch.
+
+>>> from unimp_torch.extension import TorchBackend
+>>> TorchBackend.name
+'torch'
+>>> sorted(SURFACE)[:3]
+['NAMES', 'TorchAmp', 'TorchBackend']
+
+- ``TorchBackend``: the backend class (subclass it; ``compile``/``apply`` run the torch plan).
+- ``compile_plan``: policy + model + device -> the torch Plan (autocast dtype, op moves, layers).
+- ``TorchAmp``, ``bind``: the Amp and the function that binds a Plan to a model (+ optimizer).
+- ``kind``, ``type_names``, ``NAMES``: a module's canonical kind, the type names overrides match,
+  and torch's dtype names.
+- ``model_index``: a model's modules as the Plan's index (path, kind, class names, tiling dims); the
+  Plan then carries the layout findings and their action (``plan.layout.act(backend)``).
+- ``TorchDetails``: what the torch plan decided (``plan.details``: autocast dtype, op moves, device).
+- ``check_inputs``: the argument checks ``apply`` makes (clear errors naming the argument).
+- ``TorchKit``: the conformance kit (probe model and training step).
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+SURFACE = {
+    "TorchBackend": "backend", "compile_plan": "plan", "TorchAmp": "amp", "bind": "amp", "kind": "layers",
+    "type_names": "layers", "NAMES": "layers", "model_index": "index", "TorchDetails": "plan",
+    "check_inputs": "validate", "TorchKit": "testing",
+}
+
+__all__ = sorted(SURFACE)
+
+
+def __getattr__(name: str) -> Any:
+    if name in SURFACE:
+        return getattr(import_module(f".{SURFACE[name]}", "unimp_torch"), name)
+    raise AttributeError(f"module 'unimp_torch.extension' has no attribute {name!r} (the supported "
+                         f"surface: {', '.join(__all__)})")
