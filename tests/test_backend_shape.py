@@ -64,3 +64,16 @@ def test_every_backend_module_is_in_the_guide():
     rows, extra = _table(), _only_one_framework()
     missing = {col: sorted(_modules(col) - set(rows) - extra[col]) for col in COLUMNS}
     assert not any(missing.values()), f"modules the backend guide does not name: {missing}"
+
+
+def test_backends_read_layer_decisions_from_the_plan():
+    """``Plan.decide`` is the contract: no backend module decides a layer from the policy itself
+    (``policy.decide``: overrides resolved again, maybe with another compute dtype)."""
+    from imports import BACKEND_DIRS
+
+    pattern = re.compile(r"\bpolic(y|ies)\.decide\(")
+    bad = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+           for d in BACKEND_DIRS for p in sorted(d.rglob("*.py"))
+           for n, line in enumerate(p.read_text().splitlines(), 1)
+           if pattern.search(line) and not line.lstrip().startswith(("#", ">>>"))]
+    assert not bad, "\n".join(bad)
