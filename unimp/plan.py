@@ -178,7 +178,9 @@ class Plan:
 
     def __str__(self) -> str:
         head = (f"Plan: policy {self.policy.name!r} ({self.policy.fingerprint}) on backend {self.backend}\n"
-                f"compute dtype: {self.compute_dtype} ({self.compute_reason})\n")
+                f"compute dtype: {self.compute_dtype} ({self.compute_reason})\n"
+                f"loss scale: {describe_loss_scale(self.loss_scale)}"
+                f"{'' if self.loss_scale == self.policy.loss_scale else ' (auto resolved to float16 needs it)'}\n")
         rows = []
         for d in self.ops:
             native = ", ".join(d.native[:4]) + (" ..." if len(d.native) > 4 else "")
@@ -202,6 +204,24 @@ def _plain(v: Any) -> Any:
     if isinstance(v, list | tuple | set | frozenset):
         return [_plain(x) for x in (sorted(v) if isinstance(v, set | frozenset) else v)]
     return v if isinstance(v, str | int | float | bool | type(None)) else repr(v)
+
+
+def describe_loss_scale(s: LossScaleSpec) -> str:
+    """The loss-scale rule in one line, every knob the replay depends on included.
+
+    >>> import unimp
+    >>> describe_loss_scale(unimp.load("deepspeed_fp16").loss_scale)  # doctest: +ELLIPSIS
+    'dynamic from 65536 (x2 after 1000 finite steps, x0.5 on overflow, hysteresis 1, ...held in float64...'
+    """
+    skip = ", skips non-finite steps" if s.skip_nonfinite else ""
+    if s.mode == "none":
+        return f"none{skip}"
+    if s.mode == "static":
+        return f"static {s.initial:g}{skip}"
+    return (f"dynamic from {s.initial:g} (x{s.growth_factor:g} after {s.growth_interval} finite steps, "
+            f"x{s.backoff_factor:g} on overflow, hysteresis {s.hysteresis}, min {s.min:g} (at min: {s.at_min}), "
+            f"max {s.max:g} (on max: {s.on_max}); held in {s.scale_dtype}, subnormals {s.subnormal}, "
+            f"factors in {s.factor_arithmetic}){skip}")
 
 
 def requested_dtype(policy: Policy, op: str, compute_dtype: str) -> str | None:

@@ -79,7 +79,8 @@ def compile_plan(policy: Policy, model: Any, engine: Engine, cpu: CpuFacts) -> P
     if engine.name == "ipex":
         from .modes import choose
 
-        mode = choose(policy, compute, model, cpu)
+        # the torch Plan with this policy: its loss scale resolved from the policy's own compute_dtype
+        mode = choose(dataclasses.replace(base, policy=policy, compute_dtype=compute), model, cpu)
         settings = IpexSettings(engine.ipex_version, mode.dtype, mode.weights_prepack, mode.reason)
         notes.insert(1, f"ipex.optimize(dtype={mode.dtype}, weights_prepack={mode.weights_prepack}): {mode.reason}")
     return dataclasses.replace(base, backend="ipex", policy=policy, compute_dtype=compute,
