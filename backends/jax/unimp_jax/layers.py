@@ -7,7 +7,8 @@ dtype and its floating inputs and outputs are cast to it; params keep their stor
 (Flax casts them to ``dtype`` inside the layer, so gradients reach the fp32 params).
 
 >>> import unimp
->>> d = LayerPlan.make(unimp.load("mixed_bf16"), "fc1", "Linear", "bfloat16")
+>>> plan = unimp.compile_ops("jax", unimp.load("mixed_bf16"), control={}, native={})
+>>> d = LayerPlan.make(plan, "fc1", "Linear")
 >>> d.kind, d.decision.compute_dtype
 ('linear', 'bfloat16')
 """
