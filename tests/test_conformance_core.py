@@ -81,7 +81,9 @@ def test_cases_cover_every_check_and_policy():
     all_cases = cases()
     per_policy = sum(len(CHECK_POLICIES.get(c.__name__, STANDARD_POLICIES)) for c in CHECKS)
     assert len(all_cases) == per_policy and len(CHECKS) == 12
-    assert {c.__name__ for c in CHECKS} == set(CHECK_TAGS), "every check has a row in the tag table"
+    from unimp.conformance.fp8 import FP8_CHECKS
+
+    assert {c.__name__ for c in (*CHECKS, *FP8_CHECKS)} == set(CHECK_TAGS), "every check has a row in the tag table"
     assert standard_policy("custom_moved_ops").name == "custom_moved_ops"
 
 

@@ -21,6 +21,7 @@ class Observation:
     compute_dtype: str | None
     param_dtype: str | None
     output_dtype: str | None
+    fp8: str | None = None  # the FP8 recipe the layer ran (its report row's ``fp8``), None = not FP8
 
 
 class Kit(abc.ABC):

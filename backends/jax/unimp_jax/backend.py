@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from unimp.spi import CANONICAL_OPS, Amp, Backend, Plan, Policy, UnimpWarning, compile_ops, native_table
+from unimp.spi import CANONICAL_OPS, Amp, Backend, Fp8Support, Plan, Policy, UnimpWarning, compile_ops, native_table
 
 from .layers import is_linen, is_nnx
 from .ops import NATIVE_OPS
@@ -44,6 +44,22 @@ class JaxDetails:
     platform: str  # cpu | gpu | tpu
     master_weights: bool
     slow_dtype_warning: str | None  # the warning apply gives for a dtype slower than float32 here
+
+
+def fp8_support(platform: str) -> Any:
+    """What this backend runs in FP8 (:class:`unimp.fp8.Fp8Support`) on ``platform``."""
+    notes = ("Flax Linear/Dense layers chosen by the Plan get a scaled FP8 dot_general for their call; "
+             "XLA lowers FP8 dots to cuBLASLt FP8 GEMMs on Hopper+ GPUs",)
+    if platform != "gpu":
+        notes += (f"XLA:{platform.upper()} has no FP8 units: the FP8 dots are emulated (numerics as on the "
+                  f"GPU, slower than the compute dtype)",)
+    why = "per-row scales are not implemented in unimp-jax; it runs tensorwise and delayed"
+    return Fp8Support(ops=("linear",),
+                      recipes={"delayed": "scaled FP8 dot_general, amax-history scales (flax.linen.fp8_ops rule)",
+                               "tensorwise": "scaled FP8 dot_general, scales from this step's amax"},
+                      gradient_formats=("e5m2", "e4m3"),
+                      why_not={"rowwise": why, "rowwise_gw_hp": why}, notes=notes)
+
 
 
 class JaxBackend(Backend):
@@ -79,7 +95,8 @@ class JaxBackend(Backend):
         notes = (*NOTES, *((warning,) if warning else ()), *scale_notes)
         details = JaxDetails(platform, policy.uses_master_weights, warning)
         return compile_ops(self.name, policy, control=control, native=native, compute_dtype=dtype,
-                           compute_reason=reason, fixed=fixed, notes=notes, details=details)
+                           compute_reason=reason, fixed=fixed, notes=notes, details=details,
+                           fp8=fp8_support(platform))
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         if not self.accepts(model):

@@ -7,7 +7,7 @@ dtype and its floating inputs and outputs are cast to it; params keep their stor
 (Flax casts them to ``dtype`` inside the layer, so gradients reach the fp32 params).
 
 >>> import unimp
->>> plan = unimp.compile_ops("jax", unimp.load("mixed_bf16"), control={}, native={})
+>>> plan = unimp.get_backend("jax").compile(unimp.load("mixed_bf16"))
 >>> d = LayerPlan.make(plan, "fc1", "Linear")
 >>> d.kind, d.decision.compute_dtype
 ('linear', 'bfloat16')
@@ -48,6 +48,8 @@ class LayerPlan:
     type_names: tuple[str, ...]
     decision: LayerDecision
     softmax_fp32: bool = False  # linen attention: force_fp32_for_softmax
+    fp8: str | None = None  # the FP8 recipe the Plan chose for this layer (unimp_jax.fp8), None = not FP8
+    fp8_formats: tuple[str, ...] = ()  # (forward, gradient) FP8 dtype names when fp8 is set
 
     @classmethod
     def make(cls, plan: Plan, path: str, type_name: str, op_kind: str | None = None,
@@ -118,8 +120,11 @@ def attrs_set(obj: Any, **values: Any) -> Iterator[None]:
 
 
 def run_layer(lp: LayerPlan, module: Any, call: Any, args: tuple, kwargs: dict, param_dtype: str | None,
-              record: dict[str, ReportRow] | None) -> Any:
-    """Call one layer under its plan: inputs, ``dtype`` attribute and outputs in the compute dtype."""
+              record: dict[str, ReportRow] | None, dot_general: Any = None) -> Any:
+    """Call one layer under its plan: inputs, ``dtype`` attribute and outputs in the compute dtype.
+
+    ``dot_general``: the layer's FP8 dot for this call (:mod:`unimp_jax.fp8`), when the Plan chose FP8.
+    """
     x_dtype = first_float_dtype((args, kwargs))
     dt = lp.compute_dtype(x_dtype, param_dtype)
     # batch_norm in float32 (core semantics, as torch/Keras): fp32 math, output in the activation dtype
@@ -132,11 +137,13 @@ def run_layer(lp: LayerPlan, module: Any, call: Any, args: tuple, kwargs: dict, 
         extra["force_fp32_for_softmax"] = True
     if lp.kind == "attention" and needs_cpu_attention(module, dt):
         extra["attention_fn"] = attention  # nnx: JAX's fp16 attention algorithm does not lower on XLA:CPU
+    if dot_general is not None:
+        extra["dot_general"] = dot_general
     with attrs_set(module, **extra):
         out = call(*args, **kwargs)
     out = cast_floats(out, out_dt)
     if record is not None:
-        record[lp.path] = ReportRow(lp.path, lp.kind, dt, param_dtype, first_float_dtype(out))
+        record[lp.path] = ReportRow(lp.path, lp.kind, dt, param_dtype, first_float_dtype(out), fp8=lp.fp8)
     return out
 
 

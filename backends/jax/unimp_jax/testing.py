@@ -109,7 +109,7 @@ class _JaxKit(Kit):
 
     def observe(self, amp: Any, batch: ProbeBatch) -> dict[str, Observation]:
         report = amp.report(jnp.asarray(batch.tokens))
-        return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype) for r in report.rows}
+        return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype, r.fp8) for r in report.rows}
 
 
 class NnxKit(_JaxKit):

@@ -22,6 +22,7 @@ import keras
 
 from unimp.spi import Plan, UnsupportedError, is_low
 
+from . import fp8
 from .distributed import is_distributed, unhook_inner
 from .dtype_policies import FollowInputs, keras_policy
 from .index import Unit, descendants, is_graph, walk
@@ -29,6 +30,7 @@ from .layout import data_formats, layout_findings
 from .optimizer import KerasLossScaleOptimizer, LossScaleOptimizer
 from .params import Swap, swap_params
 from .plan import keras_rule
+from .trace import call_name
 
 
 @dataclass
@@ -44,6 +46,8 @@ class Binding:
     compiled_optimizer: Any = None
     findings: list[str] = field(default_factory=list)
     formats: dict[str, str] = field(default_factory=dict)
+    fp8: list[Any] = field(default_factory=list)  # unimp_tensorflow.fp8.Fp8Layer per layer quantized to float8
+    fp8_decisions: list[Any] = field(default_factory=list)  # unimp.fp8.Fp8Decision per layer FP8 concerns
 
 
 def check_inputs(model: Any, optimizer: Any) -> None:
@@ -110,6 +114,11 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
         if param is not None and is_low(param) and u.has_params:
             for layer in (u.layer, *descendants(u.layer)):
                 binding.swaps += swap_params(layer, param)
+    for u, decision in fp8.decide(plan, units):  # Keras' float8 Dense on the layers the Plan chose
+        binding.fp8_decisions.append(decision)
+        if decision.fp8:
+            binding.fp8.append(fp8.quantize(plan, u, binding.policies))
+            fp8.guard_eager(u, binding.instance_methods)
     for u in units:
         if u.parent is not None and not is_graph(u.parent):
             patch_stream(u.layer, u.parent, binding)
@@ -161,8 +170,9 @@ def patch_stream(layer: Any, parent: Any, binding: Binding) -> None:
     (to the container's input dtype, e.g. float32 when the residual stream is float32, as torch's
     promotion keeps it; float16 when the stream is float16, as Keras' own mixed policies keep it).
     """
-    own = layer.__dict__.get("call")
-    original = layer.call
+    name = call_name(layer)  # a float8 layer runs quantized_call
+    own = layer.__dict__.get(name)
+    original = getattr(layer, name)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         out = call.inner(*args, **kwargs)  # type: ignore[attr-defined]
@@ -170,8 +180,8 @@ def patch_stream(layer: Any, parent: Any, binding: Binding) -> None:
         return keras.tree.map_structure(lambda t: _cast_float(t, stream), out)
 
     call.inner = original  # type: ignore[attr-defined]  # the report looks at the result before the cast
-    object.__setattr__(layer, "call", call)
-    binding.instance_methods.append((layer, own, "call"))
+    object.__setattr__(layer, name, call)
+    binding.instance_methods.append((layer, own, name))
 
 
 def patch_output(model: Any, dtype: str, binding: Binding) -> None:
@@ -233,6 +243,7 @@ def undo(model: Any, optimizer: Any, wrapper: Any, binding: Binding, masters_on:
             del layer.__dict__[name]
         else:
             object.__setattr__(layer, name, own)
+    fp8.undo(binding.fp8)
     for s in reversed(binding.swaps):
         s.undo(write_back=not (masters_on and s.low.trainable))
     for layer, original in binding.policies.values():

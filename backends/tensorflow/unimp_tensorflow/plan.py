@@ -34,6 +34,7 @@ from unimp.spi import (
     warn_emulated as warn_cpu_emulated,
 )
 
+from .fp8 import support as fp8_support
 from .ops import NATIVE_OPS
 
 BACKEND = "tensorflow"
@@ -156,4 +157,5 @@ def compile_plan(policy: Policy, index: Iterable[LayerInfo] | None = None) -> Pl
     notes.extend(scale_fallbacks(policy))
     notes.append(details.distributed)
     return compile_ops(BACKEND, policy, control=control, native=native, compute_dtype=compute,
-                       compute_reason=reason, fixed=fixed, notes=tuple(notes), details=details, index=index)
+                       compute_reason=reason, fixed=fixed, notes=tuple(notes), details=details, index=index,
+                       fp8=fp8_support())

@@ -86,7 +86,7 @@ class TorchKit(Kit):
 
     def observe(self, amp: Any, batch: ProbeBatch) -> dict[str, Observation]:
         rows = amp.report(self._tokens(batch)).rows
-        return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype) for r in rows}
+        return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype, r.fp8) for r in rows}
 
     def output(self, amp: Any, batch: ProbeBatch) -> torch.Tensor:
         with torch.no_grad():
