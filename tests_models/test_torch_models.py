@@ -1,23 +1,18 @@
-"""HF transformers GPT-2 / BERT (tiny configs, random init) under the torch presets; timm/torchvision n/a."""
+"""HF transformers GPT-2 / BERT (tiny configs, random init) under the torch presets (timm and torchvision:
+``test_vision_models.py``, in the ``models-vision`` env)."""
 
 import copy
 
 import pytest
 import torch
 import transformers
+from torch_cells import LOW_PARAMS, NATIVE, STEPS, check_loss, check_remove, check_report
 
 import unimp
 
-STEPS = 10
 G = torch.Generator().manual_seed(0)
 IDS = torch.randint(0, 64, (4, 12), generator=G)
 CLS = torch.randint(0, 3, (4,), generator=G)
-# preset -> (hand-written torch AMP: autocast dtype or None for plain fp32; relative loss tolerance; 0 = bit-identical)
-NATIVE = {"fp32": (None, 0.0), "torch_autocast_cpu": (torch.bfloat16, 0.0), "mixed_bf16": (torch.bfloat16, 2e-2),
-          "mixed_fp16": (torch.float16, 1e-3)}
-NO_TORCHVISION = ("needs torchvision: PyPI's only torchvision for torch 2.13 (0.28.0) is the CUDA build; with CPU "
-                  "torch its ops library does not load (`operator torchvision::nms does not exist`) and it breaks "
-                  "`import transformers`")
 
 
 def gpt2():
@@ -38,40 +33,13 @@ def bert():
 MODELS = {"hf_gpt2_lm": gpt2, "hf_bert_classifier": bert}
 
 
-def train_native(model, batch, dtype):
-    """torch's own AMP written by hand: autocast, and a GradScaler for float16."""
-    opt = torch.optim.AdamW(model.parameters(), 1e-3)
-    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
-    losses = []
-    for _ in range(STEPS):
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            loss = model(**batch).loss
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("preset", list(NATIVE))
 @pytest.mark.parametrize("name", list(MODELS))
 def test_hf_model(name, preset, cell, tmp_path):
     c = cell("torch", name, preset)
     model, batch = MODELS[name]()
     model.train()
-    state = copy.deepcopy(model.state_dict())
-    with torch.no_grad():
-        before = model(**batch).logits
-    amp = unimp.apply(preset, model)
-    with torch.no_grad():
-        amp.model(**batch)
-    amp.remove()
-    assert all(torch.equal(v, model.state_dict()[k]) and v.stride() == model.state_dict()[k].stride()
-               for k, v in state.items())
-    with torch.no_grad():
-        assert torch.equal(before, model(**batch).logits)
-    c.check("remove", "untouched model bit for bit (state_dict values and strides, logits)")
+    check_remove(c, model, preset, lambda m: m(**batch).logits)
 
     native = copy.deepcopy(model)
     amp = unimp.apply(preset, model, torch.optim.AdamW(model.parameters(), 1e-3))
@@ -82,53 +50,55 @@ def test_hf_model(name, preset, cell, tmp_path):
         amp.optimizer.step()
         amp.optimizer.zero_grad()
         losses.append(loss.item())
-    dtype, tol = NATIVE[preset]
-    want = train_native(native, batch, dtype)
-    what = "plain float32" if dtype is None else f"hand-written torch.autocast('cpu', {dtype})"
-    what += " + GradScaler" if dtype == torch.float16 else ""
-    if tol == 0.0:
-        assert losses == want, (losses, want)
-        c.check("loss", f"{STEPS} steps, bit-identical to {what}")
-    else:
-        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, want))
-        assert rel <= tol, (losses, want)
-        c.check("loss", f"{STEPS} steps vs {what}: max rel diff {rel:.1e} (tolerance {tol:g})")
+    check_loss(c, preset, losses, native, lambda m: m(**batch).loss)
+    check_report(c, amp, model, lambda m: m(**batch))
+    low = LOW_PARAMS.get(preset)
 
-    # report rows vs output dtypes seen by forward hooks registered here
-    report = amp.report()
-    seen = {}
-
-    def hook(path):
-        def record(module, args, out):
-            seen.setdefault(path, out.dtype if torch.is_tensor(out) else None)
-        return record
-
-    hooks = [m.register_forward_hook(hook(p)) for p, m in model.named_modules() if p and not list(m.children())]
-    with torch.no_grad():
-        amp.model(**batch)
-    for h in hooks:
-        h.remove()
-    rows = [r for r in report.rows if seen.get(r.path) is not None and r.output_dtype]
-    assert rows and all(r.output_dtype == str(seen[r.path]).replace("torch.", "") for r in rows), \
-        [(r.path, r.output_dtype, seen[r.path]) for r in rows]
-    c.check("report", f"{len(rows)} rows = output dtypes seen by forward hooks")
-
-    # save_pretrained while applied -> from_pretrained equals the model after remove()
+    # save_pretrained while applied (a plain call) -> from_pretrained equals the model after remove():
+    # the fp32 masters for presets with low-precision parameters, config dtype float32
     model.save_pretrained(tmp_path)
     amp.remove()
     loaded = type(model).from_pretrained(tmp_path)
     mine = model.state_dict()
-    assert all(torch.equal(v, mine[k]) for k, v in loaded.state_dict().items())
-    c.check("save/load", "save_pretrained while applied -> from_pretrained = the model after remove()")
+    assert loaded.config.dtype == torch.float32, loaded.config.dtype
+    assert all(v.dtype == torch.float32 and torch.equal(v, mine[k]) for k, v in loaded.state_dict().items())
+    if low:
+        assert any(not torch.equal(v, v.to(low).float()) for v in loaded.state_dict().values())
+    c.check("save/load", "save_pretrained while applied -> from_pretrained = the model after remove()"
+            + (" (the fp32 masters, config dtype float32)" if low else ""))
 
 
-@pytest.mark.parametrize("name", ["timm_vit", "timm_resnet", "torchvision_resnet"])
-def test_vision_models_need_torchvision(name, cell):
-    try:
-        import torchvision  # noqa: F401
-        from torchvision.ops import nms  # noqa: F401
-    except Exception:
-        for preset in NATIVE:
-            cell("torch", name, preset).data.update(status="n/a", why=NO_TORCHVISION)
-        pytest.skip(NO_TORCHVISION)
-    pytest.fail("a working torchvision is installed: write the timm/torchvision cells")
+def test_float16_storage_float32_compute_gpt2():
+    """``param_dtype`` float16 with ``compute_dtype`` float32 (``fp16_master`` so overridden): the
+    forward computes in float32 with the float16 parameters cast up (loss and gradients equal a
+    float32 GPT-2 holding the same float16-rounded weights), and training runs."""
+    model, batch = gpt2()
+    ref = copy.deepcopy(model)
+    policy = unimp.load("fp16_master").replace(compute_dtype="float32")
+    amp = unimp.apply(policy, model, torch.optim.AdamW(model.parameters(), 1e-3))
+    low = dict(model.named_parameters())
+    assert low["transformer.h.0.mlp.c_fc.weight"].dtype == torch.float16
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(low[name].float())
+    loss = amp.model(**batch).loss
+    want = ref(**batch).loss
+    assert loss.dtype == torch.float32 and torch.equal(loss, want), (loss, want)
+    amp.backward(loss)
+    want.backward()
+    for name, p in ref.named_parameters():
+        assert low[name].grad.dtype == low[name].dtype
+        scaled = (p.grad * amp.scale).to(low[name].dtype)
+        assert torch.equal(low[name].grad, scaled), name
+    amp.optimizer.step()
+    amp.optimizer.zero_grad()
+    rows = {r.path: r for r in amp.report().rows}
+    assert (rows["transformer.h.0.mlp.c_fc"].compute_dtype, rows["transformer.h.0.mlp.c_fc"].param_dtype) \
+        == ("float32", "float16")
+    for _ in range(3):
+        loss = amp.model(**batch).loss
+        amp.backward(loss)
+        amp.optimizer.step()
+        amp.optimizer.zero_grad()
+    assert torch.isfinite(loss)
+    amp.remove()

@@ -69,3 +69,31 @@ def test_pure_bf16_masters_on_cuda():
         for _, low, master in amp.master_weights:
             assert torch.equal(low, master.to(torch.bfloat16))
     amp.remove()
+
+
+class _Pool(torch.nn.Module):
+    """A linear, then a global average (a classifier's pooling: ``x.mean``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.seen = (h.dtype, h.mean(1).dtype, torch.mean(h, dim=(0, 1)).dtype)
+        return h.mean(1)
+
+
+def test_mean_in_float32_under_mixed_presets_and_torchs_own_under_torch_autocast_cuda():
+    x = torch.randn(2, 8, 16, device="cuda")
+    plain = _Pool().cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        plain(x)
+    assert plain.seen == (torch.float16, torch.float16, torch.float16)  # torch's own: mean follows its input
+    for preset, want in (("torch_autocast_cuda", plain.seen), ("mixed_bf16", (torch.bfloat16,) + (torch.float32,) * 2),
+                         ("mixed_fp16", (torch.float16,) + (torch.float32,) * 2)):
+        model = _Pool().cuda()
+        amp = unimp.apply(preset, model)
+        amp.model(x)
+        assert model.seen == want, (preset, model.seen)
+        amp.remove()

@@ -56,11 +56,23 @@ def cuda_rms_norm_move() -> dict:
     return {} if has_kernel("rms_norm", "cuda") else {"rms_norm": "float32"}
 
 
-def test_mixed_bf16_on_cuda_is_plain_autocast():
-    # planned here from the CUDA kernels registered in this torch build (no GPU needed)
-    plan = compile_plan(unimp.load("mixed_bf16"), "cuda")
-    moves = cuda_rms_norm_move()
-    assert plan.details == TorchDetails("cuda", "bfloat16", moves, "autocast_kernels" if moves else None)
+@pytest.mark.parametrize("preset", ["mixed_bf16", "mixed_fp16", "pure_bf16", "fp16_master"])
+def test_mixed_presets_on_cuda_are_autocast_plus_float32_means(preset):
+    # planned here from the CUDA kernels registered in this torch build (no GPU needed): torch's
+    # CUDA autocast runs sum in float32 but mean in its input dtype; these presets list
+    # reduction (means included) as float32, as Keras and Flax run them
+    plan = compile_plan(unimp.load(preset), "cuda")
+    assert unimp.load(preset).ops.category("reduction") == "float32"  # expected: from the core
+    assert plan.details == TorchDetails("cuda", plan.compute_dtype, {**cuda_rms_norm_move(), "mean": "float32"},
+                                        "autocast_kernels")
+
+
+def test_torch_autocast_cuda_keeps_torchs_mean_and_says_so():
+    plan = compile_plan(unimp.load("torch_autocast_cuda"), "cuda")
+    assert "mean" not in plan.details.op_moves
+    note = next(n for n in plan.notes if n.startswith("reduction:"))
+    assert "mean (inputs on cuda)" in note and "plain torch.autocast" in note
+    assert note in str(plan)  # what `unimp explain` prints
 
 
 def test_moved_ops_both_directions():

@@ -24,6 +24,7 @@ from unimp.spi import Amp, LossScaleState, Plan, Report, ReportRow, fp8_report_n
 from .forward import PolicyForward, patch_forward
 from .fp8 import Fp8Binding
 from .index import model_index
+from .integrations.save_pretrained import save_full_precision
 from .layers import DTYPES, Rule, kind, type_names, wrap
 from .layout import has_conv2d, restore_layout, to_channels_last
 from .optimizer import AmpOptimizer
@@ -201,9 +202,14 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         _wrap_layers(amp, model, plan, device)
         details = plan.details
         autocast = DTYPES[details.autocast] if details.autocast else None
+        compute = DTYPES[plan.compute_dtype]
+        params_up = compute if autocast is None and any(
+            p.is_floating_point() and p.dtype != torch.float64 and p.itemsize < compute.itemsize
+            for p in model.parameters()) else None  # e.g. float16 storage, float32 compute
         amp._undo.append(patch_forward(model, device, autocast, details.op_moves,
-                                       DTYPES[policy.output_dtype], bool(amp._layout)))
+                                       DTYPES[policy.output_dtype], bool(amp._layout), params_up))
         model.__dict__["forward"].observer = amp._observer
+        amp._undo.append(save_full_precision(amp, model))  # HF save_pretrained: the fp32 masters
         if optimizer is not None:
             names = {id(p): n for n, p in model.named_parameters()} | {id(m): n for n, _, m in amp.params.masters}
             amp.optimizer = AmpOptimizer(optimizer, amp.scaler, amp.params, on_skip, amp._check_live, names)

@@ -14,6 +14,7 @@ kernel follows its inputs, except binary arithmetic, which torch's type promotio
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from unimp.spi import kind_of
 
@@ -146,17 +147,52 @@ def same(native: str, wanted: str, name: str) -> bool:
     return name in TYPE_PROMOTING and {native, wanted} <= {"promote", "inputs"}
 
 
-def moves(op: str, wanted: str, device: str) -> tuple[str, ...]:
+# ops a policy moves with their canonical op even where torch's primary op already does what it
+# asks (torch's CUDA autocast runs ``sum`` in float32 but ``mean`` in its input dtype; Keras and
+# Flax run means in float32) -- except for a policy whose lists are torch's own (plain autocast)
+ALSO_MOVED = {"reduction": ("mean",)}
+
+
+def moves(op: str, wanted: str, device: str, torch_own: bool = False) -> tuple[str, ...]:
     """The aten ops of canonical ``op`` whose native handling on ``device`` must change.
 
     The canonical op is compared through its primary op (its first aten name): torch's lists are
     finer than the vocabulary (CPU lowers ``mm`` but not ``mv``); when the primary op already
-    does what the policy asks, torch's per-op choices are kept (and reported as such).
+    does what the policy asks, torch's per-op choices are kept (and reported as such), except
+    for the ops of :data:`ALSO_MOVED` unless ``torch_own`` (the policy's lists are torch's own on
+    ``device``, see :func:`is_torch_own`).
+
+    >>> moves("reduction", "float32", "cuda"), moves("reduction", "float32", "cuda", torch_own=True)
+    (('mean',), ())
     """
     names = function_names(op, device)
-    if not names or same(native_category(names[0], device), wanted, names[0]):
+    if not names:
         return ()
+    if same(native_category(names[0], device), wanted, names[0]):
+        also = () if torch_own else ALSO_MOVED.get(op, ())
+        return tuple(n for n in names if n in also and not same(native_category(n, device), wanted, n))
     return tuple(n for n in names if not same(native_category(n, device), wanted, n))
+
+
+def is_torch_own(category: Callable[[str], str], device: str) -> bool:
+    """Whether op lists (``category``: canonical op -> category) are torch's own autocast lists on
+    ``device``: every canonical op's primary op already runs as they ask (``torch_autocast_cuda``
+    on cuda, ``torch_autocast_cpu`` on cpu). Such a policy is plain ``torch.autocast``: torch's
+    per-op choices are all kept.
+
+    >>> import unimp
+    >>> is_torch_own(unimp.load("torch_autocast_cuda").ops.category, "cuda")
+    True
+    >>> is_torch_own(unimp.load("mixed_bf16").ops.category, "cuda")  # batch_norm in float32
+    False
+    """
+    from unimp.ops import CANONICAL_OPS
+
+    for op in CANONICAL_OPS:
+        names = function_names(op, device)
+        if names and not same(native_category(names[0], device), category(op), names[0]):
+            return False
+    return True
 
 
 def kernel_table(op_moves: dict[str, str], device: str) -> dict[str, str] | None:

@@ -38,23 +38,29 @@ import torch
 from torch import nn
 
 from .autocast import kernel_table
-from .layers import install_forward
+from .layers import install_forward, params_as
 from .op_overrides import EagerPolicyMode, PolicyMode, acquire, active, release
 
 
 def cast_output(out: Any, dtype: torch.dtype) -> Any:
-    """Floating tensors in ``out`` (nested tuples/lists/dicts, HF ``ModelOutput``) cast to ``dtype``."""
+    """Floating tensors in ``out`` (nested tuples/lists/dicts, HF ``ModelOutput``) cast to ``dtype``;
+    a container is rebuilt only when something in it changed (``out`` itself otherwise)."""
     if isinstance(out, torch.Tensor):
-        return out.to(dtype) if out.is_floating_point() and out.dtype != dtype else out
-    if isinstance(out, tuple) and hasattr(out, "_fields"):
-        return type(out)(*[cast_output(o, dtype) for o in out])
+        return out.to(dtype) if out.dtype != dtype and out.is_floating_point() else out
     if isinstance(out, list | tuple):
-        return type(out)([cast_output(o, dtype) for o in out])
+        items = [cast_output(o, dtype) for o in out]
+        if all(a is b for a, b in zip(items, out)):
+            return out
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
     if isinstance(out, dict):
-        items = {k: cast_output(v, dtype) for k, v in out.items()}
-        if dataclasses.is_dataclass(out):  # HF ModelOutput: an ordered dict built from its fields
-            return type(out)(**items)
-        return type(out)(items)
+        changed = {k: c for k, v in out.items() if (c := cast_output(v, dtype)) is not v}
+        if not changed:
+            return out
+        if dataclasses.is_dataclass(out):  # HF ModelOutput (made by this forward): its fields set in place
+            for k, v in changed.items():
+                out[k] = v
+            return out
+        return type(out)({**out, **changed})
     return out
 
 
@@ -127,7 +133,8 @@ class PolicyForward:
     pickles of the model bring their own; ``observer`` (the first-forward report) is not copied."""
 
     def __init__(self, module: nn.Module, inner: Callable | None, device: str, autocast: torch.dtype | None,
-                 table: Mapping[str, str], output: torch.dtype, channels_last: bool) -> None:
+                 table: Mapping[str, str], output: torch.dtype, channels_last: bool,
+                 params: torch.dtype | None = None) -> None:
         self.module = module
         self.inner = inner  # the instance forward that was there before, else None (the class's)
         self.device = device
@@ -138,6 +145,10 @@ class PolicyForward:
         self.eager_mode = EagerPolicyMode(table, device) if self.mode is not None and self.kernels is None else None
         self.output = output
         self.channels_last = channels_last
+        # without autocast, parameters stored below the compute dtype (param_dtype float16 with
+        # compute_dtype float32) are cast up to it for the forward (differentiably: their gradients
+        # come back in their own dtype)
+        self.params = params
         self.observer: Any = None  # observe.Observer until the first eager forward has run
         self._hold: weakref.finalize | None = None
         self._acquire()
@@ -172,7 +183,10 @@ class PolicyForward:
         # cannot trace __get__ and breaks the graph there)
         inner = self.inner if self.inner is not None else functools.partial(type(self.module).forward, self.module)
         if self.autocast is None:
-            return inner(*args, **kwargs)
+            if self.params is None:
+                return inner(*args, **kwargs)
+            with params_as(self.module, self.params):
+                return inner(*args, **kwargs)
         with torch.autocast(self.device, dtype=self.autocast):
             if self.mode is None:
                 return inner(*args, **kwargs)
@@ -200,11 +214,12 @@ class PolicyForward:
 
 
 def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, table: Mapping[str, str],
-                  output: torch.dtype, channels_last: bool) -> Callable[[], None]:
-    """Put a :class:`PolicyForward` on the instance; returns the undo."""
+                  output: torch.dtype, channels_last: bool, params: torch.dtype | None = None) -> Callable[[], None]:
+    """Put a :class:`PolicyForward` on the instance; returns the undo. ``params``: the dtype that
+    parameters stored lower are cast up to for the forward when there is no autocast."""
     had_own = "forward" in model.__dict__
     inner = model.__dict__.get("forward")
-    forward = PolicyForward(model, inner, device, autocast, table, output, channels_last)
+    forward = PolicyForward(model, inner, device, autocast, table, output, channels_last, params)
     undo = install_forward(model, forward, inner, had_own)
 
     def undo_and_release() -> None:

@@ -77,8 +77,9 @@ def params_as(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     """Run ``module`` with its floating params cast to ``dtype`` (differentiably; restored after)."""
     swapped = [(m, n, p) for m in module.modules() for n, p in m._parameters.items()
                if p is not None and _floating(p) and p.dtype != dtype]
+    cast: dict[int, torch.Tensor] = {}  # a tied parameter is cast once (one gradient, summed in float32)
     for m, n, p in swapped:
-        m._parameters[n] = p.to(dtype)
+        m._parameters[n] = cast[id(p)] if id(p) in cast else cast.setdefault(id(p), p.to(dtype))
     try:
         yield
     finally:

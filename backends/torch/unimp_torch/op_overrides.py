@@ -67,9 +67,15 @@ def _widest(args: tuple, kwargs: dict, device: str) -> torch.dtype | None:
 
 
 def _cast(x: Any, dtype: torch.dtype, device: str) -> Any:
+    """``x`` (or each tensor of a list/tuple) cast to ``dtype`` when eligible; ``x`` itself when
+    nothing changes (the common case is checked first: a tensor already in ``dtype``)."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype == dtype or x.dtype == torch.float64 or not x.is_floating_point() or x.device.type != device:
+            return x
+        return x.to(dtype)
     if isinstance(x, list | tuple):
         return type(x)([_cast(t, dtype, device) for t in x])
-    return x.to(dtype) if _eligible(x, device) and x.dtype != dtype else x
+    return x
 
 
 def _cast_inputs(category: str, args: tuple, kwargs: dict, device: str) -> tuple[tuple, dict]:
@@ -83,7 +89,8 @@ def _cast_inputs(category: str, args: tuple, kwargs: dict, device: str) -> tuple
         dtype = _widest(args, kwargs, device) if category == "promote" else None
     if dtype is None:
         return args, kwargs
-    return tuple(_cast(a, dtype, device) for a in args), {k: _cast(v, dtype, device) for k, v in kwargs.items()}
+    args = tuple([_cast(a, dtype, device) for a in args])
+    return args, ({k: _cast(v, dtype, device) for k, v in kwargs.items()} if kwargs else kwargs)
 
 
 # torch functions written in Python whose inner calls include ops a policy decides on (the rest

@@ -36,7 +36,7 @@ from unimp.spi import (
     requests_fp8,
 )
 
-from .autocast import aten_names, function_names, kernel_table, moves, native_category, same
+from .autocast import ALSO_MOVED, aten_names, function_names, is_torch_own, kernel_table, moves, native_category, same
 
 BATCH_NORM_NOTE = ("batch_norm: torch's kernels take low-precision activations with float32 weights "
                    "and compute statistics and normalisation in float32; activations keep their dtype "
@@ -112,6 +112,7 @@ def compile_plan(policy: Policy, device: str, index: Iterable[LayerInfo] | None 
             check_dtype(o.compute_dtype, device, f"overrides[{i}].compute_dtype")
     autocast = compute if is_low(compute) else None
     control, native, op_moves, notes = {}, {}, {}, []
+    own = autocast is not None and is_torch_own(policy.ops.category, device)
     for op in CANONICAL_OPS:
         wanted = policy.ops.category(op)
         names = function_names(op, device)
@@ -122,12 +123,15 @@ def compile_plan(policy: Policy, device: str, index: Iterable[LayerInfo] | None 
         if op == "batch_norm" and wanted == "float32":
             notes.append(BATCH_NORM_NOTE)
             continue
-        moved = moves(op, wanted, device)
+        moved = moves(op, wanted, device, own)
         op_moves.update(dict.fromkeys(moved, wanted))
         kept = [n for n in names if n not in moved and not same(native_category(n, device), wanted, n)]
         if kept:
+            also = [n for n in kept if n in ALSO_MOVED.get(op, ())]
+            why = (f": this policy's op lists are torch's own on {device}, so it runs as plain torch.autocast "
+                   f"(other policies run {', '.join(also)} as {op} says)") if also else ""
             notes.append(f"{op}: torch keeps its own choice for {', '.join(kept)} "
-                         f"({native_category(kept[0], device)} on {device})")
+                         f"({native_category(kept[0], device)} on {device}){why}")
     mechanism = None if not op_moves else "autocast_kernels" if kernel_table(op_moves, device) is not None \
         else "function_mode"
     details = TorchDetails(device, autocast, op_moves, mechanism)
