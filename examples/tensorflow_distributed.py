@@ -61,7 +61,7 @@ def main() -> None:
     hist = amp.model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0)
     print("fit  losses per epoch:", " ".join(f"{v:.4f}" for v in hist.history["loss"]),
           "| scale", amp.scale, "| state", amp.loss_scale_state())
-    print(amp.plan.details["distributed"])
+    print(amp.plan.details.distributed)
 
     # --- custom loop, replica 1 overflows at step POISON
     with strategy.scope():

@@ -17,7 +17,7 @@ from unimp.conformance import (
     reference_loss,
     standard_policy,
 )
-from unimp.conformance.select import CHECK_TAGS
+from unimp.conformance.select import CHECK_POLICIES, CHECK_TAGS
 from unimp.plan import compile_ops
 
 
@@ -79,8 +79,11 @@ def test_cast_like_rounds_to_nearest_even():
 
 def test_cases_cover_every_check_and_policy():
     all_cases = cases()
-    assert len(all_cases) == len(STANDARD_POLICIES) * len(CHECKS) and len(CHECKS) == 9
-    assert {c.__name__ for c in CHECKS} <= set(CHECK_TAGS), "every check has a row in the tag table"
+    per_policy = sum(len(CHECK_POLICIES.get(c.__name__, STANDARD_POLICIES)) for c in CHECKS)
+    assert len(all_cases) == per_policy and len(CHECKS) == 12
+    from unimp.conformance.fp8 import FP8_CHECKS
+
+    assert {c.__name__ for c in (*CHECKS, *FP8_CHECKS)} == set(CHECK_TAGS), "every check has a row in the tag table"
     assert standard_policy("custom_moved_ops").name == "custom_moved_ops"
 
 

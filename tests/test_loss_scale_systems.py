@@ -2,7 +2,8 @@
 (:func:`unimp.conformance.loss_scale.system_cases`: 200 sequences of 50-4,200 steps, scales driven
 to the floor, the cap, past float32's max and into the subnormal range).
 
-DeepSpeed (ZeRO's DynamicLossScaler, the plain engine's FP16_Optimizer._update_scale) and
+DeepSpeed (ZeRO's DynamicLossScaler, the plain engine's FP16_Optimizer._update_scale), tf.keras
+(_DynamicLossScaleState, not in the tensorflow env) and
 Megatron-Core (DynamicGradScaler) do not install in the tox matrix: their real objects were driven
 by ``tests/fixtures/make_loss_scale_systems.py`` and one digest per sequence recorded. apex cannot
 be installed at all: :class:`ApexLossScaler` is its last ``LossScaler`` transcribed line by line.
@@ -22,7 +23,7 @@ FIXTURE = json.loads(pathlib.Path(__file__).with_name("fixtures").joinpath("loss
 N = FIXTURE["n"] if os.environ.get(FULL_REPLAY) else 16
 
 
-@pytest.mark.parametrize("preset", ["deepspeed_zero_fp16", "deepspeed_fp16", "megatron_fp16"])
+@pytest.mark.parametrize("preset", ["deepspeed_zero_fp16", "deepspeed_fp16", "megatron_fp16", "tf_keras_mixed_float16"])
 def test_reference_replays_the_recorded_system(preset):
     cases = system_cases(unimp.load(preset).loss_scale, FIXTURE["n"], FIXTURE["max_len"], FIXTURE["seed"])
     matched = 0

@@ -1,5 +1,6 @@
 """A sixth framework touching no core file: the NumPy reference backend in tests/sixth_backend runs
-every conformance check its tags allow (installed by the core tox env; registered here otherwise)."""
+every conformance check its tags allow (registered here; ``test_found_through_its_entry_point`` shows
+that installing the package is all the core needs to find it)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pytest
 
 import unimp
 from unimp.conformance import cases, run_case
-from unimp.conformance.checks import check_amp_surface
 
 sys.path.insert(0, str(Path(__file__).parent / "sixth_backend"))
 from unimp_numpy.backend import NumpyBackend
@@ -21,7 +21,8 @@ if "numpy" not in unimp.backends():
 
 APPLICABLE = {"check_layer_dtypes[fp32]", "check_numerics[mixed_fp16]", "check_loss_scale_trajectory[mixed_fp16]",
               "check_state_dict_roundtrip[mixed_fp16]",
-              "check_alignment_findings[fp32]", "check_remove_restores[fp32]", "check_overrides[mixed_fp16]"}
+              "check_alignment_findings[fp32]", "check_remove_restores[fp32]", "check_overrides[mixed_fp16]",
+              "check_amp_surface[fp32]", "check_amp_surface[mixed_fp16]", "check_loss_scale_follows_plan[fp32]"}
 
 
 @pytest.mark.parametrize("case", cases(), ids=str)
@@ -36,11 +37,6 @@ def test_tags_select_the_checks():
     assert all(results[k].status == "pass" for k in APPLICABLE)
     assert "bf16" in results["check_layer_dtypes[mixed_bf16]"].detail
     assert "master_weights" in results["check_master_weights[fp32]"].detail
-
-
-@pytest.mark.parametrize("policy", ["fp32", "mixed_fp16"])
-def test_amp_surface(policy):
-    check_amp_surface(NumpyKit(), unimp.load(policy))
 
 
 def test_written_against_unimp_spi_only():
@@ -61,3 +57,30 @@ def test_detected_and_explained():
     assert out.dtype == np.float32 and amp.report().row("fc1").compute_dtype == "float16"
     assert amp.plan.layer("head").decision.compute_dtype == "float16" and amp.plan.loss_scale.mode == "dynamic"
     amp.remove()
+
+
+def test_found_through_its_entry_point(tmp_path):
+    """Installed (a dist-info with the entry point its pyproject declares), the core finds and applies it
+    with no registration call and no core change."""
+    import os
+    import subprocess
+    import tomllib
+
+    here = Path(__file__).parent / "sixth_backend"
+    project = tomllib.loads((here / "pyproject.toml").read_text())["project"]
+    eps = project["entry-points"]["unimp.backends"]
+    info = tmp_path / f"unimp_numpy-{project['version']}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    (info / "entry_points.txt").write_text("[unimp.backends]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
+    code = ("import numpy as np, unimp\n"
+            "from unimp_numpy.testing import NumpyKit\n"
+            "assert 'numpy' in unimp.backends(), unimp.backends()\n"
+            "m = NumpyKit().build_probe(unimp.conformance.probe_weights(0))\n"
+            "amp = unimp.apply('mixed_fp16', m)\n"
+            "amp.model(np.zeros((1, 4), np.int32))\n"
+            "print(amp.plan.backend, amp.report().row('fc1').compute_dtype)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(here), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["numpy", "float16"]

@@ -198,7 +198,7 @@ class Amp(abc.ABC):
 
     def _policy_problems(self, st: LossScaleState) -> list[str]:
         """What in a well-formed state this policy can never produce."""
-        spec, out = self.policy.loss_scale, []
+        spec, out = self.plan.loss_scale, []
         fixed = LossScale(spec).initial_state().scale
         if spec.mode != "dynamic" and st.scale != fixed:
             out.append(f"scale: {st.scale!r}, but loss_scale.mode = {spec.mode!r} keeps the scale at {fixed!r}")

@@ -103,26 +103,40 @@ def _read_source(text: str) -> tuple[object, str]:
     """A config file's parsed content (JSON/TOML/YAML) or its text, or ``text`` itself (a pasted string)."""
     from pathlib import Path
 
-    from .loading import FORMATS, read_file
+    from .resolve import FORMATS, MAX_FILE_BYTES, read_file
 
-    path = Path(text) if len(text) < 4096 and "\n" not in text else None
+    path = Path(text) if text.strip() and len(text) < 4096 and "\n" not in text else None
     try:
-        is_file = path is not None and path.is_file()
+        is_file, is_dir = (path.is_file(), path.is_dir()) if path is not None else (False, False)
     except (OSError, ValueError):
-        is_file = False
+        is_file = is_dir = False
+    if is_dir:
+        raise PolicyError(f"{path}: is a directory; name the configuration file in it")
     if not is_file:
+        if path is not None and not any(c.isspace() for c in text) and path.suffix.lower() in FORMATS:
+            raise PolicyError(f"{path}: no such file (pass an existing file, or the configuration itself)")
         return text, "<argument>"
     if path.suffix.lower() in FORMATS:
         return read_file(path), str(path)
     try:
-        return path.read_text(encoding="utf-8")[:65537], str(path)
-    except (OSError, UnicodeDecodeError) as e:
-        raise PolicyError(f"{path}: cannot read ({e})") from None
+        with path.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise PolicyError(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise PolicyError(f"{path}: over {MAX_FILE_BYTES} bytes; a configuration file is at most that")
+    try:
+        return data.decode("utf-8-sig"), str(path)
+    except UnicodeDecodeError as e:
+        raise PolicyError(f"{path}: not UTF-8 text (byte {e.start}); save the file as UTF-8") from None
 
 
 def _import(args: argparse.Namespace) -> int:
     from .migrate import import_from
 
+    if not args.source.strip():  # an unset shell variable, not "the system's defaults"
+        raise PolicyError(f"<argument>: empty configuration for --from {args.system}; pass a file or the "
+                          f"configuration string (`unimp import --help`)")
     raw, source = _read_source(args.source)
     imported = import_from(args.system, raw, source)
     if args.output:

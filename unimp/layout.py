@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .errors import UnimpWarning, UnsupportedError
+from .policy import Layout
 
 ACTIONS = ("ignore", "warn", "error")
 
@@ -37,6 +38,11 @@ class LayoutFindings:
     align: int
     action: str
     findings: tuple[str, ...] = ()
+
+    @classmethod
+    def check(cls, layers: Iterable[tuple[str, Iterable[tuple[str, int]]]], layout: Layout) -> LayoutFindings:
+        """The findings of ``(path, ((dim, value), ...))`` pairs under a policy's ``layout`` table."""
+        return cls(layout.align, layout.on_misaligned, misaligned(layers, layout.align))
 
     def act(self, backend: str, *, stacklevel: int = 4) -> tuple[str, ...]:
         """Apply the action: ``error`` raises :class:`UnsupportedError` naming every path, ``warn`` warns

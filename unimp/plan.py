@@ -20,13 +20,14 @@ table ``unimp explain`` shows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UnsupportedError
 from .fp8 import Fp8Plan, Fp8Support, plan_fp8
-from .layout import LayoutFindings, misaligned
+from .layout import LayoutFindings
 from .ops import CANONICAL_OPS
 from .policy import LayerDecision, LossScaleSpec, Policy
 from .report import format_table
@@ -126,10 +127,14 @@ class Plan:
         """The decision for one layer: the table's row when the Plan indexed it, else the policy's
         decision with the Plan's resolved compute dtype (for layers a backend meets at run time)."""
         names = tuple(type_names)
-        for row in self.layers:
-            if row.path == path and row.kind == kind and (not names or row.type_names == names):
-                return row.decision
+        row = self._rows.get(path)
+        if row is not None and row.kind == kind and (not names or row.type_names == names):
+            return row.decision
         return self.policy.decide(path, kind, names, self.compute_dtype)
+
+    @functools.cached_property
+    def _rows(self) -> dict[str, LayerRow]:
+        return {r.path: r for r in self.layers}
 
     def with_index(self, index: Iterable[LayerInfo]) -> Plan:
         """This Plan with the decision table and layout findings of a model's index (a backend binding a
@@ -140,10 +145,7 @@ class Plan:
 
     def layer(self, path: str) -> LayerRow:
         """The decision-table row of ``path`` (KeyError when the Plan did not index it)."""
-        for row in self.layers:
-            if row.path == path:
-                return row
-        raise KeyError(path)
+        return self._rows[path]
 
     @property
     def ambiguities(self) -> tuple[str, ...]:
@@ -176,7 +178,9 @@ class Plan:
 
     def __str__(self) -> str:
         head = (f"Plan: policy {self.policy.name!r} ({self.policy.fingerprint}) on backend {self.backend}\n"
-                f"compute dtype: {self.compute_dtype} ({self.compute_reason})\n")
+                f"compute dtype: {self.compute_dtype} ({self.compute_reason})\n"
+                f"loss scale: {describe_loss_scale(self.loss_scale)}"
+                f"{'' if self.loss_scale == self.policy.loss_scale else ' (auto resolved to float16 needs it)'}\n")
         rows = []
         for d in self.ops:
             native = ", ".join(d.native[:4]) + (" ..." if len(d.native) > 4 else "")
@@ -200,6 +204,24 @@ def _plain(v: Any) -> Any:
     if isinstance(v, list | tuple | set | frozenset):
         return [_plain(x) for x in (sorted(v) if isinstance(v, set | frozenset) else v)]
     return v if isinstance(v, str | int | float | bool | type(None)) else repr(v)
+
+
+def describe_loss_scale(s: LossScaleSpec) -> str:
+    """The loss-scale rule in one line, every knob the replay depends on included.
+
+    >>> import unimp
+    >>> describe_loss_scale(unimp.load("deepspeed_fp16").loss_scale)  # doctest: +ELLIPSIS
+    'dynamic from 65536 (x2 after 1000 finite steps, x0.5 on overflow, hysteresis 1, ...held in float64...'
+    """
+    skip = ", skips non-finite steps" if s.skip_nonfinite else ""
+    if s.mode == "none":
+        return f"none{skip}"
+    if s.mode == "static":
+        return f"static {s.initial:g}{skip}"
+    return (f"dynamic from {s.initial:g} (x{s.growth_factor:g} after {s.growth_interval} finite steps, "
+            f"x{s.backoff_factor:g} on overflow, hysteresis {s.hysteresis}, min {s.min:g} (at min: {s.at_min}), "
+            f"max {s.max:g} (on max: {s.on_max}); held in {s.scale_dtype}, subnormals {s.subnormal}, "
+            f"factors in {s.factor_arithmetic}){skip}")
 
 
 def requested_dtype(policy: Policy, op: str, compute_dtype: str) -> str | None:
@@ -272,5 +294,4 @@ def compile_layers(policy: Policy, compute_dtype: str, index: Iterable[LayerInfo
 
 def compile_layout(policy: Policy, index: Iterable[LayerInfo]) -> LayoutFindings:
     """Dims of the indexed layers that are not a multiple of ``layout.align``, with the policy's action."""
-    lay = policy.layout
-    return LayoutFindings(lay.align, lay.on_misaligned, misaligned(((i.path, i.dims) for i in index), lay.align))
+    return LayoutFindings.check(((i.path, i.dims) for i in index), policy.layout)

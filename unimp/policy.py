@@ -212,6 +212,11 @@ class Policy:
         names = tuple(type_names)
         return tuple(i for i, o in enumerate(self.overrides) if o.sets_dtype and o.matches(path, names))
 
+    def param_dtype_of(self, path: str, kind: str | None, type_names: Iterable[str] = ()) -> str:
+        """The param dtype of one layer (it never depends on the compute dtype, so ``auto`` needs no
+        resolving: for code that runs before any Plan exists, e.g. sharding a model)."""
+        return self.decide(path, kind, type_names, "float32").param_dtype
+
     def decide(self, path: str, kind: str | None, type_names: Iterable[str] = (),
                compute_dtype: str | None = None) -> LayerDecision:
         """What this policy asks of one layer of canonical ``kind`` at ``path``.

@@ -38,8 +38,9 @@ from .hardware import CpuFacts, cpu, resolve_auto, resolve_cpu_auto, warn_emulat
 from .layout import LayoutFindings
 from .loading import load
 from .loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState, f32
+from .migrate.paddle import PADDLE_NATIVE_OPS
 from .ops import CANONICAL_OPS, OPS, class_names, kind_of, kind_of_names, native_table
-from .plan import LayerInfo, Plan, compile_ops, requested_dtype
+from .plan import LayerInfo, Plan, compile_ops, requested_dtype, resolved_loss_scale
 from .policy import LayerDecision, Layout, LossScaleSpec, Policy
 from .registry import apply, remember
 from .report import Report, ReportRow
@@ -53,7 +54,7 @@ __all__ = [
     "LayerDecision", "Layout", "LossScaleSpec", "Policy", "apply", "load",
     # the compiled contract and the op vocabulary
     "CANONICAL_OPS", "OPS", "LayerInfo", "LayoutFindings", "Plan", "class_names", "compile_ops", "kind_of",
-    "kind_of_names", "native_table", "requested_dtype",
+    "kind_of_names", "native_table", "requested_dtype", "resolved_loss_scale", "PADDLE_NATIVE_OPS",
     # FP8: what a backend can run, the Plan's part, the per-layer decision
     "FP8_FORMATS", "Fp8Decision", "Fp8Plan", "Fp8Support", "decide_fp8", "fp8_report_notes", "plan_fp8",
     "requests_fp8",

@@ -147,7 +147,7 @@ def check_master_weights(kit: Kit, policy: Policy) -> None:
             if str(getattr(master, "dtype", "")) != "float32":
                 raise _fail(kit, policy, f"master {name} dtype", "float32", str(master.dtype))
             layer = name.split(".")[0]
-            dtype = policy.decide(layer, _kind(layer)).param_dtype
+            dtype = amp.plan.decide(layer, _kind(layer)).param_dtype
             if not _bits_equal(low, master, dtype):
                 raise _fail(kit, policy, f"param {name}", f"cast(master, {dtype})", "different bits")
     finally:
@@ -338,8 +338,8 @@ def check_amp_surface(kit: Kit, policy: Policy) -> None:
         if not set(want) <= rows:
             raise _fail(kit, policy, "amp.report() after amp.model(x)", f"rows for {want}", sorted(rows))
         sd = json.loads(json.dumps(amp.state_dict()))
-        if sd.get("format") != "unimp.amp/1" or sd.get("policy_fingerprint") != policy.fingerprint:
-            raise _fail(kit, policy, "state_dict format/fingerprint", ("unimp.amp/1", policy.fingerprint),
+        if sd.get("format") != "unimp.amp/1" or sd.get("policy_fingerprint") != amp.policy.fingerprint:
+            raise _fail(kit, policy, "state_dict format/fingerprint", ("unimp.amp/1", amp.policy.fingerprint),
                         (sd.get("format"), sd.get("policy_fingerprint")))
         amp.load_state_dict(sd)
         model = amp.remove()
@@ -363,15 +363,12 @@ def check_loss_scale_follows_plan(kit: Kit, policy: Policy) -> None:
     """The loss scale a backend runs is ``plan.loss_scale``, not the policy's raw knobs: ``auto`` resolved to
     float16 with ``loss_scale.mode = "none"`` runs dynamic scaling (the Plan is forced to float16 here, as
     on a GPU without fast bf16), so the first scale and a poisoned step follow the dynamic rule."""
-    from ..registry import get_backend
-
     pol = policy.replace(compute_dtype="auto", loss_scale={"mode": "none"})
-    backend = get_backend(kit.backend)
     model = kit.build_probe(probe_weights(0))
-    plan = dataclasses.replace(backend.compile(pol, model), compute_dtype="float16")
+    plan = dataclasses.replace(kit.compile(pol, model), compute_dtype="float16")
     if plan.loss_scale.mode != "dynamic":
         raise _fail(kit, pol, "Plan.loss_scale of auto resolved to float16", "dynamic", plan.loss_scale.mode)
-    amp = backend.apply(plan, model, kit.make_optimizer(model))
+    amp = kit.apply_plan(plan, model, kit.make_optimizer(model))
     try:
         rule = LossScale(plan.loss_scale)
         state = rule.initial_state()
@@ -399,7 +396,7 @@ def check_auto_policy(kit: Kit, policy: Policy) -> None:
 CHECKS: tuple[Callable[[Kit, Policy], None], ...] = (
     check_layer_dtypes, check_output_dtype, check_master_weights, check_loss_scale_trajectory,
     check_state_dict_roundtrip, check_overrides, check_alignment_findings, check_numerics,
-    check_remove_restores,
+    check_remove_restores, check_amp_surface, check_loss_scale_follows_plan, check_auto_policy,
 )
 
 

@@ -21,6 +21,7 @@ class Observation:
     compute_dtype: str | None
     param_dtype: str | None
     output_dtype: str | None
+    fp8: str | None = None  # the FP8 recipe the layer ran (its report row's ``fp8``), None = not FP8
 
 
 class Kit(abc.ABC):
@@ -59,6 +60,20 @@ class Kit(abc.ABC):
         import unimp
 
         return unimp.apply(policy, model, optimizer, backend=self.backend)
+
+    def backend_instance(self) -> Any:
+        """The :class:`~unimp.backend.Backend` under test (from the registry)."""
+        from ..registry import get_backend
+
+        return get_backend(self.backend)
+
+    def compile(self, policy: Policy, model: Any) -> Any:
+        """The backend's Plan for ``policy`` on ``model`` (the model ``build_probe`` returned)."""
+        return self.backend_instance().compile(policy, model)
+
+    def apply_plan(self, plan: Any, model: Any, optimizer: Any) -> Any:
+        """Bind a given Plan (as ``Backend.apply`` does, without compiling again)."""
+        return self.backend_instance().apply(plan, model, optimizer)
 
     @abc.abstractmethod
     def observe(self, amp: Any, batch: ProbeBatch) -> dict[str, Observation]:

@@ -30,6 +30,10 @@ CHECK_TAGS: dict[str, frozenset[str]] = {
     "check_amp_surface": frozenset({"remove"}),
     "check_loss_scale_follows_plan": frozenset({"fp16", "training", "loss_scaling"}),
     "check_auto_policy": frozenset({"overrides"}),
+    # unimp.conformance.fp8: which FP8 recipe runs is then the backend's Plan (its declared Fp8Support)
+    "check_fp8_layers": frozenset(),
+    "check_fp8_numerics": frozenset({"training"}),
+    "check_fp8_state_dict": frozenset({"training"}),
 }
 # checks of one aspect of the Plan run under these policies only (the others under every standard policy)
 CHECK_POLICIES: dict[str, tuple[str, ...]] = {
@@ -43,6 +47,9 @@ POLICY_TAGS: dict[str, frozenset[str]] = {
     "pure_bf16": frozenset({"bf16", "master_weights"}),
     "mixed_fp16": frozenset({"fp16"}),
     "custom_moved_ops": frozenset({"bf16", "overrides"}),
+    "fp8_tensorwise": frozenset({"bf16"}),
+    "fp8_delayed": frozenset({"bf16"}),
+    "fp8_rowwise": frozenset({"bf16"}),
 }
 
 

@@ -38,8 +38,12 @@ def module(system: str) -> ModuleType:
 
 def import_from(system: str, raw: Any, source: str | None = None) -> Imported:
     """A policy from ``raw`` (a string as pasted on the command line, or a parsed config file)."""
+    from .common import MAX_TEXT, bad
+
     mod = module(system)
     src = source or system
+    if isinstance(raw, str) and len(raw) > MAX_TEXT:  # every system, not only those parsing calls
+        raise bad(src, "", f"{len(raw)} characters; a pasted configuration is at most {MAX_TEXT}")
     if system == "tf_keras":
         return mod.from_cli(raw, src, tf_keras=True)
     return mod.from_cli(raw, src)

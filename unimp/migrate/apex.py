@@ -52,7 +52,7 @@ def import_policy(opt_level: str = "O1", *, source: str = "apex.amp.initialize",
                          "remove it, or use O2/O3")
         bn = flag(source, "keep_batchnorm_fp32", overrides["keep_batchnorm_fp32"]) if not isinstance(
             overrides["keep_batchnorm_fp32"], str) else overrides["keep_batchnorm_fp32"] == "True"
-    if opt_level in ("O2", "O3"):
+    if opt_level in ("O2", "O3") and bn != (load(preset).ops.category("batch_norm") == "float32"):
         base = load(preset).ops
         lists = {"lower": [o for o in base.lower if o != "batch_norm"],
                  "float32": [o for o in base.float32 if o != "batch_norm"]}

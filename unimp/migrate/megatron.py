@@ -69,6 +69,9 @@ def parse_args(args: str | Sequence[str], source: str = "megatron") -> tuple[dic
 def import_policy(args: str | Sequence[str], *, source: str = "megatron") -> Imported:
     """The policy of a Megatron-LM run with these command-line arguments."""
     got, other = parse_args(args, source)
+    if not got and not other:  # nothing Megatron reads: a wrong file or string, not a float32 run
+        raise bad(source, "", "no Megatron argument found (they start with --); pass the command line, e.g. "
+                              "'--fp16 --loss-scale-window 1000' (a float32 run: any of its arguments)")
     if got.get("--fp16") and got.get("--bf16"):
         raise bad(source, "--bf16", "--fp16 and --bf16 together (Megatron refuses this); keep one")
     static = got.get("--loss-scale")

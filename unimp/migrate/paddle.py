@@ -22,11 +22,39 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..loading import load
-from ..ops import CANONICAL_OPS, OPS, kind_of
+from ..ops import CANONICAL_OPS, kind_of
 from ..policy import Policy
 from .common import Draft, Exported, Imported, bad, check_keys, finish, flag, has_knob, kwargs_of, refuse, take
 
 SYSTEM = "paddle"
+# Paddle's names per canonical op (lower case: op types as in paddle.amp's white/black lists; capitalised:
+# layer classes), from python/paddle/amp/amp_lists.py and python/paddle/static/amp/bf16/amp_lists.py. The
+# importer reads Paddle configs without Paddle or its backend installed; unimp-paddle declares this table.
+PADDLE_NATIVE_OPS: dict[str, tuple[str, ...]] = {
+    "matmul": ("matmul", "matmul_v2", "mul", "einsum", "bmm", "fused_gemm_epilogue"),
+    "linear": ("linear", "Linear"),
+    "conv": ("conv2d", "conv3d", "conv2d_transpose", "depthwise_conv2d", "Conv1D", "Conv2D", "Conv3D",
+        "Conv2DTranspose"),
+    "attention": ("flash_attn", "scaled_dot_product_attention", "MultiHeadAttention"),
+    "rnn": ("rnn", "lstm", "LSTM", "GRU", "SimpleRNN"),
+    "embedding": ("lookup_table_v2", "embedding", "Embedding"),
+    "softmax": ("softmax", "Softmax"),
+    "log_softmax": ("log_softmax", "LogSoftmax"),
+    "layer_norm": ("layer_norm", "LayerNorm"),
+    "rms_norm": ("rms_norm", "RMSNorm"),
+    "batch_norm": ("batch_norm", "sync_batch_norm", "BatchNorm", "BatchNorm1D", "BatchNorm2D", "BatchNorm3D"),
+    "group_norm": ("group_norm", "instance_norm", "GroupNorm", "InstanceNorm2D"),
+    "activation": ("relu", "gelu", "silu", "tanh", "sigmoid", "ReLU", "GELU", "Silu", "Tanh", "Sigmoid"),
+    "transcendental": ("exp", "expm1", "log", "log10", "log2", "pow", "rsqrt", "reciprocal", "square", "acos",
+        "asin", "sinh", "cosh", "atanh", "tan", "erfinv", "softplus"),
+    "reduction": ("reduce_sum", "sum", "mean", "reduce_mean", "reduce_prod", "cumsum", "cumprod", "p_norm",
+        "frobenius_norm", "dist", "renorm"),
+    "loss": ("softmax_with_cross_entropy", "cross_entropy", "cross_entropy2",
+        "sigmoid_cross_entropy_with_logits", "nll_loss", "huber_loss", "log_loss", "margin_cross_entropy",
+        "c_softmax_with_cross_entropy", "mse_loss"),
+    "elementwise": ("elementwise_add", "elementwise_sub", "elementwise_mul", "elementwise_div"),
+    "concat": ("concat", "stack"),
+}
 AUTO_CAST_KEYS = ("enable", "custom_white_list", "custom_black_list", "level", "dtype", "use_promote")
 SCALER_KEYS = ("enable", "init_loss_scaling", "incr_ratio", "decr_ratio", "incr_every_n_steps",
                "decr_every_n_nan_or_inf", "use_dynamic_loss_scaling")
@@ -112,7 +140,7 @@ def _moves(given: Mapping[str, Any], source: str, prefix: str) -> dict[str, tupl
         if isinstance(names, str | bytes) or not isinstance(names, list | tuple | set | frozenset):
             raise bad(source, f"{prefix}{key}", "expected a list of op names")
         for i, name in enumerate(sorted(names) if isinstance(names, set | frozenset) else names):
-            op = kind_of(name, "paddle") if isinstance(name, str) else None
+            op = kind_of(name, PADDLE_NATIVE_OPS) if isinstance(name, str) else None
             where = f"{prefix}{key}[{i}]"
             if op is None:
                 raise refuse(source, where, f"{name!r} is not an op unimp controls (no canonical op has it)",
@@ -180,7 +208,7 @@ def export_policy(policy: Policy) -> Exported:
         for op in CANONICAL_OPS:
             cat = policy.ops.category(op)
             if cat != base.ops.category(op) and cat in ("lower", "float32"):
-                names = [n for n in OPS[op].paddle if n[:1].islower()]
+                names = [n for n in PADDLE_NATIVE_OPS.get(op, ()) if n[:1].islower()]
                 (white if cat == "lower" else black).extend(names)
         ac.update(custom_white_list=sorted(white), custom_black_list=sorted(black))
     ls = policy.loss_scale

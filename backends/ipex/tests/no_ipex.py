@@ -23,8 +23,9 @@ amp = unimp.apply("mixed_bf16", model, torch.optim.SGD(model.parameters(), lr=0.
 x = torch.linspace(-2, 2, 64).reshape(4, 16)
 amp.backward(amp.model(x).square().mean())
 grads = {n: p.grad.tolist() for n, p in model.named_parameters()}
-print(json.dumps({"backend": amp.backend, "engine": amp.plan.details["engine"],
-                  "reason": amp.plan.details["engine_reason"], "ipex": amp.plan.details["ipex"],
+print(json.dumps({"backend": amp.backend, "engine": amp.plan.details.engine,
+                  "reason": amp.plan.details.engine_reason,
+                  "ipex": amp.plan.details.ipex and vars(amp.plan.details.ipex),
                   "notes": list(amp.plan.notes), "imported": "intel_extension_for_pytorch" in sys.modules
                   and sys.modules["intel_extension_for_pytorch"] is not None,
                   "state": state, "grads": grads}))

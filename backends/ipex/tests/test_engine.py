@@ -30,8 +30,8 @@ def test_with_ipex_installed_it_is_chosen_for_cpu_models():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     assert unimp.detect(model).name == "ipex"  # priority over the torch backend
     amp = unimp.apply("mixed_bf16", model, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert amp.backend == "ipex" and amp.plan.details["engine"] == "ipex"
-    assert "intel-extension-for-pytorch 2.8" in amp.plan.details["engine_reason"]
+    assert amp.backend == "ipex" and amp.plan.details.engine == "ipex"
+    assert "intel-extension-for-pytorch 2.8" in amp.plan.details.engine_reason
     assert "engine: ipex" in str(amp.plan)
     amp.remove()
 
@@ -39,7 +39,7 @@ def test_with_ipex_installed_it_is_chosen_for_cpu_models():
 def test_engine_torch_on_request_matches_the_torch_backend():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     amp = unimp.apply("mixed_bf16", model, backend="ipex", engine="torch")
-    assert amp.model is model and amp.plan.details["ipex"] is None
+    assert amp.model is model and amp.plan.details.ipex is None
     mine = amp.report(torch.randn(2, 8)).rows
     amp.remove()
     ref = unimp.apply("mixed_bf16", model, backend="torch")
@@ -63,7 +63,7 @@ def test_layer_norm_grads_through_ipex_equal_stock_torch(without_ipex):
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
     model.load_state_dict({k: torch.tensor(v) for k, v in without_ipex["state"].items()})
     amp = unimp.apply("mixed_bf16", model, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert amp.plan.details["engine"] == "ipex"
+    assert amp.plan.details.engine == "ipex"
     amp.backward(amp.model(torch.linspace(-2, 2, 64).reshape(4, 16)).square().mean())
     for name, p in amp.model.named_parameters():
         assert torch.equal(p.grad, torch.tensor(without_ipex["grads"][name])), name

@@ -37,7 +37,7 @@ def test_auto_is_float32_with_a_reason_on_a_cpu_without_bf16():
     plan = compile_plan(unimp.load({"extends": "mixed_bf16", "compute_dtype": "auto"}), None,
                         find_engine("torch"), NO_BF16)
     assert plan.compute_dtype == "float32" and "no native bfloat16" in plan.compute_reason
-    assert plan.details["autocast"] is None
+    assert plan.details.autocast is None
 
 
 def test_auto_follows_this_cpus_facts():
@@ -58,8 +58,8 @@ def test_explicit_bf16_on_a_cpu_without_bf16_warns_it_is_slow():
 
 def test_bf16_weights_are_prepacked_only_where_ipex_can_and_the_plan_says_so():
     plan = compile_plan(unimp.load("pure_bf16"), mlp(), find_engine("ipex"), NO_BF16)
-    assert plan.details["ipex"]["dtype"] == "bfloat16" and plan.details["ipex"]["weights_prepack"] is False
-    assert "AVX512 BW/VL/DQ or AVX-NE-CONVERT" in plan.details["ipex"]["reason"]
+    assert plan.details.ipex.dtype == "bfloat16" and plan.details.ipex.weights_prepack is False
+    assert "AVX512 BW/VL/DQ or AVX-NE-CONVERT" in plan.details.ipex.reason
 
 
 @pytest.mark.skipif(bf16_prepack(hardware.cpu()), reason="IPEX accepts bf16 weight prepack on this CPU")
@@ -80,8 +80,8 @@ def test_fp16_without_avx512_fp16_is_a_clear_error():
 def test_pure_bf16_uses_ipex_masters_and_remove_writes_them_back():
     model = mlp()
     amp = unimp.apply("pure_bf16", model, torch.optim.Adam(model.parameters(), lr=1e-2))
-    assert amp.plan.details["ipex"]["dtype"] == "bfloat16" and amp.model is not model
-    assert amp.plan.details["ipex"]["weights_prepack"] is bf16_prepack(hardware.cpu())
+    assert amp.plan.details.ipex.dtype == "bfloat16" and amp.model is not model
+    assert amp.plan.details.ipex.weights_prepack is bf16_prepack(hardware.cpu())
     assert model[0].weight.dtype == torch.float32  # the user's module is not touched
     x = torch.randn(8, 16)
     for _ in range(3):
@@ -102,8 +102,8 @@ def test_dynamic_loss_scaling_runs_on_unimp_masters_and_matches_the_reference():
                                                                 "initial": 1024.0, "growth_interval": 2}})
     model = mlp()
     amp = unimp.apply(policy, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    assert amp.plan.details["ipex"]["dtype"] == "float32"
-    assert "cannot be unscaled or skipped" in amp.plan.details["ipex"]["reason"]
+    assert amp.plan.details.ipex.dtype == "float32"
+    assert "cannot be unscaled or skipped" in amp.plan.details.ipex.reason
     pattern = [False, False, True, False, True, True, False]
     rule, state = LossScale(policy.loss_scale), LossScale(policy.loss_scale).initial_state()
     x = torch.randn(8, 16)
@@ -138,7 +138,7 @@ def test_cnn_fp32_prepack_and_mixed_bf16_without_prepack():
     x = torch.randn(2, 3, 8, 8)
     for preset, prepack in (("fp32", True), ("mixed_bf16", False)):
         amp = unimp.apply(preset, net, torch.optim.SGD(net.parameters(), lr=0.1))
-        assert amp.plan.details["ipex"]["weights_prepack"] is prepack
+        assert amp.plan.details.ipex.weights_prepack is prepack
         step(amp, x)  # fp32-prepacked conv under bf16 autocast would abort here (see README)
         assert amp.remove() is net and net[0].weight.is_contiguous()
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from unimp.spi import Amp, LossScaleState, Plan, Report
-from unimp_torch.extension import TorchAmp, bind, check_alignment, kind
+from unimp_torch.extension import TorchAmp, bind, kind, model_index
 
 from .modes import IpexMode
 from .optimize import ipex_masters, optimize, param_dtypes, write_back
@@ -83,8 +83,7 @@ class IpexAmp(Amp):
             except AttributeError:
                 k = r.kind
             rows.append(dataclasses.replace(r, kind=k or r.kind))
-        ipex = self.plan.details.get("ipex")
-        notes = [self.plan.notes[0]] + ([self.plan.notes[1]] if ipex else [])
+        notes = [self.plan.notes[0]] + ([self.plan.notes[1]] if self.plan.details.ipex else [])
         return self.report_header(rows, notes + [f"wrapped per layer: {', '.join(self.wrapped)}"] * bool(self.wrapped))
 
     def _restore(self) -> None:
@@ -99,11 +98,13 @@ def apply_plan(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | 
                on_skip: Callable[[], Any] | None) -> IpexAmp:
     """Bind ``plan``: ``ipex.optimize`` a copy when the engine is ipex, then unimp-torch's ``bind``."""
     policy = plan.policy
-    findings = check_alignment(model, policy.layout)  # on the user's layers (IPEX renames their classes)
+    if not plan.layers:  # compiled without the model: index the user's layers (IPEX renames their classes)
+        plan = plan.with_index(model_index(model))
+    findings = list(plan.layout.act("ipex"))
     quiet = dataclasses.replace(policy, layout=dataclasses.replace(policy.layout, on_misaligned="ignore"))
-    inner_plan = dataclasses.replace(plan, policy=quiet)
+    inner_plan = dataclasses.replace(plan, policy=quiet, layout=dataclasses.replace(plan.layout, action="ignore"))
     target, opt = model, optimizer
-    ipex = plan.details.get("ipex")
+    ipex = plan.details.ipex
     if ipex is not None:
         if optimizer is None and model.training:
             from unimp.spi import UnsupportedError
@@ -111,7 +112,7 @@ def apply_plan(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | 
             raise UnsupportedError("optimizer: ipex.optimize treats a model in training mode as training and "
                                    "needs its optimizer; pass the optimizer, call model.eval() first for "
                                    "inference, or pass engine='torch'")
-        mode = IpexMode(ipex["dtype"], ipex["weights_prepack"], ipex["reason"])
+        mode = IpexMode(ipex.dtype, ipex.weights_prepack, ipex.reason)
         target, opt = optimize(model, optimizer, mode.kwargs())
         if optimizer is None:
             opt = None
@@ -129,7 +130,7 @@ def _verify_bf16(plan: Plan, original: nn.Module, optimized: nn.Module) -> None:
     for name, dtype in param_dtypes(optimized).items():
         path = name.rpartition(".")[0]
         m = original.get_submodule(path)
-        want = plan.policy.decide(path, kind(m), type_names(m), plan.compute_dtype).param_dtype
+        want = plan.decide(path, kind(m), type_names(m)).param_dtype
         if NAMES.get(dtype) == "bfloat16" != want:
             wrong.append(f"{name}: {NAMES.get(dtype, dtype)} (policy: {want})")
     if wrong:

@@ -42,7 +42,8 @@ class IpexBackend(TorchBackend):
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, *, engine: str = "auto",
               on_skip: Callable[[], Any] | None = None, **options: Any) -> Any:
-        """Bind ``plan`` (recompiled for ``model`` and ``engine``); see the class docstring."""
+        """Bind ``plan`` (recompiled when it was compiled without ``model`` or for another engine); see the
+        class docstring."""
         from unimp_torch.extension import check_inputs
 
         from .amp import apply_plan
@@ -56,7 +57,10 @@ class IpexBackend(TorchBackend):
 
             raise UnsupportedError(f"model: backend 'ipex' runs CPU models, this one is on {device}; "
                                    f"use backend='torch' (or model.to('cpu'))")
-        plan = self.compile(plan.policy, model, engine=engine)
+        from .engine import find_engine
+
+        if not plan.layers or plan.details.engine != find_engine(engine).name:
+            plan = self.compile(plan.policy, model, engine=engine)
         return apply_plan(plan, model, optimizer, on_skip)
 
     def conformance_kit(self) -> Any:

@@ -11,12 +11,13 @@ AVX-NE-CONVERT, from ``unimp.hardware``): elsewhere ``ipex.optimize`` asserts, s
 
 >>> import torch, unimp
 >>> from unimp.hardware import LEVELS, CpuFacts
+>>> from unimp_torch.extension import compile_plan, model_index
 >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
 >>> avx2, zen4 = (CpuFacts("x86_64", "demo", frozenset(LEVELS[c])) for c in ("avx2", "avx512_bf16"))
->>> [(mode.dtype, mode.weights_prepack) for mode in (choose(unimp.load("pure_bf16"), "bfloat16", m, cpu)
-...                                                  for cpu in (zen4, avx2))]
+>>> plan = lambda name: compile_plan(unimp.load(name), "cpu", model_index(m))
+>>> [(mode.dtype, mode.weights_prepack) for mode in (choose(plan("pure_bf16"), m, cpu) for cpu in (zen4, avx2))]
 [('bfloat16', True), ('bfloat16', False)]
->>> choose(unimp.load("mixed_bf16"), "bfloat16", m, zen4).weights_prepack
+>>> choose(plan("mixed_bf16"), m, zen4).weights_prepack
 False
 """
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from unimp.spi import CpuFacts, Policy, is_low
+from unimp.spi import CpuFacts, Plan, is_low
 from unimp_torch.extension import kind, type_names
 
 # the layer types IPEX 2.8 casts to bf16 under ipex.optimize(dtype=torch.bfloat16): exact types,
@@ -52,7 +53,7 @@ class IpexMode:
         return kw
 
 
-def _layer_conflicts(policy: Policy, compute: str, model: nn.Module | None) -> list[str]:
+def _layer_conflicts(plan: Plan, model: nn.Module | None) -> list[str]:
     """Layers whose policy dtypes differ from what IPEX's bf16 path gives them."""
     if model is None:
         return []
@@ -60,19 +61,21 @@ def _layer_conflicts(policy: Policy, compute: str, model: nn.Module | None) -> l
     for path, m in model.named_modules():
         if not any(True for _ in m.parameters(recurse=False)):
             continue
-        d = policy.decide(path, kind(m), type_names(m), compute)
+        d = plan.decide(path, kind(m), type_names(m))
         name = path or "<model>"
         if type(m) not in BF16_LAYERS:
             continue
-        sets_compute = d.override is not None and policy.overrides[d.override].compute_dtype is not None
+        sets_compute = d.override is not None and plan.policy.overrides[d.override].compute_dtype is not None
         if d.param_dtype != "bfloat16" or d.compute_dtype not in (None, "bfloat16") or sets_compute:
             out.append(f"{name} ({type(m).__name__}): policy asks params {d.param_dtype}, compute "
                        f"{d.compute_dtype or 'inputs'}; IPEX would make it bf16")
     return out
 
 
-def choose(policy: Policy, compute: str, model: nn.Module | None, cpu: CpuFacts) -> IpexMode:
-    """The IPEX mode for ``policy`` at resolved ``compute`` dtype on ``model`` (None: not known yet) and ``cpu``."""
+def choose(plan: Plan, model: nn.Module | None, cpu: CpuFacts) -> IpexMode:
+    """The IPEX mode for the CPU ``plan`` (its resolved compute dtype, loss scale and per-layer
+    decisions) on ``model`` (None: not known yet) and ``cpu``."""
+    policy, compute = plan.policy, plan.compute_dtype
     low_override = any(is_low(o.compute_dtype) or o.compute_dtype == "auto" for o in policy.overrides)
     autocast = is_low(compute) or low_override
     fp32 = IpexMode("float32", not autocast, "float32 weights; " + (
@@ -80,11 +83,11 @@ def choose(policy: Policy, compute: str, model: nn.Module | None, cpu: CpuFacts)
         if autocast else "oneDNN weight prepacking on"))
     if compute != "bfloat16" or policy.param_dtype != "bfloat16":
         return fp32
-    ls = policy.loss_scale
+    ls = plan.loss_scale
     if ls.mode != "none" or ls.skip_nonfinite:
         return IpexMode(fp32.dtype, fp32.weights_prepack, "IPEX's bf16 master-weight step cannot be "
                         "unscaled or skipped; loss scaling runs in unimp-torch with its masters; " + fp32.reason)
-    conflicts = _layer_conflicts(policy, compute, model)
+    conflicts = _layer_conflicts(plan, model)
     if conflicts:
         return IpexMode(fp32.dtype, fp32.weights_prepack, "IPEX's bf16 weights do not fit this policy ("
                         + "; ".join(conflicts) + "); masters in unimp-torch; " + fp32.reason)

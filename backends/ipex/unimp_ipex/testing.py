@@ -34,3 +34,9 @@ class IpexKit(TorchKit):
         from unimp.spi import apply
 
         return apply(policy, model, optimizer, backend="ipex", engine=self.engine)
+
+    def compile(self, policy: Policy, model: Any) -> Any:
+        return self.backend_instance().compile(policy, model, engine=self.engine)
+
+    def apply_plan(self, plan: Any, model: Any, optimizer: Any) -> Any:
+        return self.backend_instance().apply(plan, model, optimizer, engine=self.engine)

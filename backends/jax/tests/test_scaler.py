@@ -60,12 +60,16 @@ def _jit_runner(spec, seqs):
     for b, seq in enumerate(seqs):
         n = len(seq)
         hit = np.flatnonzero(error[:n, b])
-        error_at = int(hit[0]) if hit.size else None
-        stop = error_at if error_at is not None else n
+        frozen_at = int(hit[0]) if hit.size else None
+        before = float(scales[frozen_at - 1, b]) if frozen_at else float(np.asarray(initial_tree(spec).scale))
+        at_min = frozen_at is not None and spec.at_min == "error" and before <= spec.min
+        error_at = frozen_at if at_min else None  # else: the subnormal stop (stops_below_tiny)
+        stop = frozen_at if frozen_at is not None else n
         skips = np.diff(np.concatenate([[0], skipped[:stop, b]])) > 0
         last = jax.tree_util.tree_map(lambda x, i=n - 1, b=b: x[i, b], trees)
         final = None if error_at is not None else to_state(last)
-        out.append(Replay(list(scales[:stop, b]), list(skips), error_at, final))
+        out.append(Replay(list(scales[:stop, b]), list(skips), error_at, final,
+                          stop=frozen_at if frozen_at is not None and not at_min else None))
     return out
 
 
@@ -89,7 +93,24 @@ def test_the_plan_names_the_knobs_this_device_cannot_honour():
     notes = validate(spec, "test policy", "fallback")
     assert any("scale_dtype" in n and "runs as 'float32'" in n for n in notes)
     assert device_spec(spec).scale_dtype == "float32"
-    assert (device_spec(spec).subnormal == "flush") == flushes_subnormals()
+    assert any("subnormal = 'keep' cannot be honoured" in n for n in notes) == flushes_subnormals()
+
+
+def test_a_scale_entering_the_subnormal_range_stops_where_the_device_flushes():
+    """XLA:CPU flushes float32 subnormals: with subnormal = "keep" the step that would go below
+    2^-126 is not applied and the host check raises, instead of silently flushing."""
+    spec = _spec({"min": 0.0, "initial": 2.0 ** -125, "growth_interval": 5})
+    trees = _run(spec, [False, False, False])
+    check(trees[0], spec)
+    assert to_state(trees[0]).scale == 2.0 ** -126
+    if flushes_subnormals():
+        with pytest.raises(UnsupportedError, match="subnormal = 'flush'"):
+            check(trees[1], spec)
+        assert to_state(trees[2]) == to_state(trees[0])
+    else:
+        assert to_state(trees[1]).scale == 2.0 ** -127
+    flush = _spec({"min": 0.0, "initial": 2.0 ** -125, "subnormal": "flush"})
+    assert [to_state(t).scale for t in _run(flush, [False, False])] == [2.0 ** -126, 0.0]
 
 
 def test_at_min_error_is_a_host_check():

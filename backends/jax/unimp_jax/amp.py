@@ -9,10 +9,11 @@ divided by the scale in float32, and one bool — all inside your jitted step, n
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from unimp.spi import Amp, LossScaleState, Plan
+from unimp.spi import Amp, LossScaleState, Plan, StateError, UnsupportedError
 
 from .layers import is_nnx
 from .optimizer import AmpOptState, all_finite, apply_updates, find_state, wrap
@@ -25,7 +26,10 @@ class JaxAmp(Amp):
     def __init__(self, plan: Plan, model: Any, tx: Any) -> None:
         super().__init__(plan, model, None)
         self.inner_tx = tx
-        self.tx = wrap(tx, plan.policy)
+        # the optax wrapper runs the Plan's loss scale (auto resolved to float16 turns "none" into dynamic)
+        runs = plan.policy if plan.loss_scale == plan.policy.loss_scale else \
+            dataclasses.replace(plan.policy, loss_scale=plan.loss_scale)
+        self.tx = wrap(tx, runs)
 
     # ------------------------------------------------------------------ gradients
     def value_and_grad(self, loss_fn: Callable[..., Any], has_aux: bool = False,
@@ -36,7 +40,7 @@ class JaxAmp(Amp):
         ``policy.distributed.reduce_dtype``, the loss is averaged over it, and ``finite`` is agreed by
         every device (see :mod:`unimp_jax.distributed`).
         """
-        return make_value_and_grad(self.policy.loss_scale.mode, loss_fn, has_aux, axis_name=axis_name,
+        return make_value_and_grad(self.plan.loss_scale.mode, loss_fn, has_aux, axis_name=axis_name,
                                    reduce_dtype=self.policy.distributed.reduce_dtype)
 
     def data_parallel(self, step_fn: Callable[..., Any], mesh: Any = None, axis_name: str = "data",
@@ -54,15 +58,47 @@ class JaxAmp(Amp):
     def _opt_state_holder(self) -> Any:
         raise NotImplementedError
 
+    def fp8_state(self) -> Any:
+        """The delayed FP8 scaling state (a pytree; empty when no layer runs delayed FP8)."""
+        return {}
+
+    def set_fp8_state(self, tree: Any) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """The canonical state, plus ``fp8``: the delayed FP8 scaling state as plain floats when kept."""
+        from .fp8 import to_plain
+
+        out = super().state_dict()
+        plain = to_plain(self.fp8_state())
+        if plain:
+            out["fp8"] = plain
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
+        """As :meth:`unimp.backend.Amp.load_state_dict`; ``fp8`` (when present) is checked first and
+        loaded with it, exactly. A state without ``fp8`` leaves this Amp's FP8 scaling state as it is."""
+        from .fp8 import from_plain
+
+        self._check_live("amp.load_state_dict()")
+        new = None
+        if isinstance(state, Mapping) and "fp8" in state:
+            new, problems = from_plain(self.fp8_state(), state["fp8"], "fp8")
+            if problems:
+                raise StateError("amp.load_state_dict(): " + "; ".join(problems))
+        super().load_state_dict(state, strict=strict)
+        if new is not None:
+            self.set_fp8_state(new)
+
     def loss_scale_state(self) -> LossScaleState:
         tree = find_state(self._opt_state_holder()).loss_scale
-        check(tree, self.policy.loss_scale)
+        check(tree, self.plan.loss_scale)
         return to_state(tree)
 
     def _with_loss_scale(self, opt_state: Any, state: LossScaleState) -> Any:
         import jax
 
-        tree = initial_tree(self.policy.loss_scale, state)
+        tree = initial_tree(self.plan.loss_scale, state)
         return jax.tree_util.tree_map(
             lambda x: x._replace(loss_scale=tree) if isinstance(x, AmpOptState) else x, opt_state,
             is_leaf=lambda x: isinstance(x, AmpOptState))
@@ -74,19 +110,23 @@ def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, a
     import jax
     import jax.numpy as jnp
 
-    from . import distributed
+    from . import distributed, fp8
 
     def grad_fn(state: Any, target: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
         scale = None if mode == "none" else find_state(state).loss_scale.scale
         if axis_name is not None:
             return _distributed(state, target, scale, args, kwargs)
         out, grads = _local(target, scale, args, kwargs)
-        if scale is not None:
-            grads = jax.tree_util.tree_map(
-                lambda g: g.astype(jnp.float32) / scale if jnp.issubdtype(g.dtype, jnp.floating) else g, grads)
-        return out, grads, all_finite(grads)
+        if scale is not None:  # FP8 delayed-scaling state (its new value, not a gradient) is not unscaled
+            grads = fp8.map_gradients(lambda g: g.astype(jnp.float32) / scale, grads)
+        return out, grads, all_finite(fp8.without_state(grads))
 
     def _distributed(state: Any, target: Any, scale: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+        if fp8.has_state(target):
+            raise UnsupportedError(
+                "amp.value_and_grad(axis_name=...): delayed FP8 scaling state is not reduced across devices "
+                "by unimp-jax yet; fix: use the tensorwise recipe (fp8_tensorwise) in a sharded step, or a "
+                "plain jax.jit over sharded inputs")
         if is_nnx(target):  # differentiate a device-varying view of the params (local grads)
             from flax import nnx
 
@@ -101,8 +141,8 @@ def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, a
         grads = distributed.reduce_gradients(grads, axis_name, reduce_dtype,
                                              out_dtype=None if scale is None else "float32")
         if scale is not None:
-            grads = jax.tree_util.tree_map(lambda g: g / scale if _is_float(g) else g, grads)
-        finite = distributed.agree(all_finite(grads), axis_name)
+            grads = fp8.map_gradients(lambda g: g / scale, grads)
+        finite = distributed.agree(all_finite(fp8.without_state(grads)), axis_name)
         if has_aux:
             out = (distributed.mean_over(out[0], axis_name), *out[1:])
         else:
@@ -123,15 +163,11 @@ def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, a
         if is_nnx(target):
             from flax import nnx
 
-            (_, out), grads = nnx.value_and_grad(scaled, has_aux=True)(target, *args, **kwargs)
+            wrt = nnx.DiffState(0, nnx.Any(nnx.Param, fp8.Fp8State))  # FP8 state: its new value flows back
+            (_, out), grads = nnx.value_and_grad(scaled, argnums=wrt, has_aux=True)(target, *args, **kwargs)
         else:
             (_, out), grads = jax.value_and_grad(scaled, has_aux=True)(target, *args, **kwargs)
         return out, grads
 
     return grad_fn
 
-
-def _is_float(x: Any) -> bool:
-    import jax.numpy as jnp
-
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)

@@ -8,11 +8,13 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from unimp.spi import OPS, Amp, Backend, Plan, Policy, UnimpWarning, compile_ops
+from unimp.spi import CANONICAL_OPS, Amp, Backend, Fp8Support, Plan, Policy, UnimpWarning, compile_ops, native_table
 
 from .layers import is_linen, is_nnx
+from .ops import NATIVE_OPS
 
 LAYER_OPS = ("matmul", "linear", "conv", "attention", "rnn", "embedding", "layer_norm", "rms_norm",
              "batch_norm", "group_norm")
@@ -35,6 +37,31 @@ NOTES = (
 )
 
 
+@dataclass(frozen=True)
+class JaxDetails:
+    """What the jax backend decided at compile time (``plan.details``)."""
+
+    platform: str  # cpu | gpu | tpu
+    master_weights: bool
+    slow_dtype_warning: str | None  # the warning apply gives for a dtype slower than float32 here
+
+
+def fp8_support(platform: str) -> Any:
+    """What this backend runs in FP8 (:class:`unimp.fp8.Fp8Support`) on ``platform``."""
+    notes = ("Flax Linear/Dense layers chosen by the Plan get a scaled FP8 dot_general for their call; "
+             "XLA lowers FP8 dots to cuBLASLt FP8 GEMMs on Hopper+ GPUs",)
+    if platform != "gpu":
+        notes += (f"XLA:{platform.upper()} has no FP8 units: the FP8 dots are emulated (numerics as on the "
+                  f"GPU, slower than the compute dtype)",)
+    why = "per-row scales are not implemented in unimp-jax; it runs tensorwise and delayed"
+    return Fp8Support(ops=("linear",),
+                      recipes={"delayed": "scaled FP8 dot_general, amax-history scales (flax.linen.fp8_ops rule)",
+                               "tensorwise": "scaled FP8 dot_general, scales from this step's amax"},
+                      gradient_formats=("e5m2", "e4m3"),
+                      why_not={"rowwise": why, "rowwise_gw_hp": why}, notes=notes)
+
+
+
 class JaxBackend(Backend):
     """Flax nnx and linen Modules with optax optimizers."""
 
@@ -42,6 +69,9 @@ class JaxBackend(Backend):
     framework = "flax"
     distribution = "unimp-jax"
     model_types = "flax.nnx.Module or flax.linen.Module (with an optax GradientTransformation)"
+    native_ops: ClassVar = native_table("jax", NATIVE_OPS)
+    tags: ClassVar = frozenset({"fp16", "bf16", "master_weights", "loss_scaling", "training", "overrides", "layout",
+                                "layer_level", "distributed", "remove"})
 
     def accepts(self, model: Any) -> bool:
         return is_nnx(model) or is_linen(model)
@@ -59,13 +89,14 @@ class JaxBackend(Backend):
         platform, capability = platform_of(tree)
         dtype, reason, warning = resolve(policy.compute_dtype, platform, capability)
         control = {op: "layer" for op in (*LAYER_OPS, *FUNCTION_OPS)}
-        native = {op: OPS[op].flax + (("unimp_jax.Op",) if op in FUNCTION_OPS else ()) for op in OPS}
+        native = {op: NATIVE_OPS.get(op, ()) + (("unimp_jax.Op",) if op in FUNCTION_OPS else ())
+                  for op in CANONICAL_OPS}
         fixed = {op: (None, PROMOTION) for op in ("elementwise", "concat")}
         notes = (*NOTES, *((warning,) if warning else ()), *scale_notes)
-        details = {"platform": platform, "master_weights": policy.uses_master_weights,
-                   "slow_dtype_warning": warning}
+        details = JaxDetails(platform, policy.uses_master_weights, warning)
         return compile_ops(self.name, policy, control=control, native=native, compute_dtype=dtype,
-                           compute_reason=reason, fixed=fixed, notes=notes, details=details)
+                           compute_reason=reason, fixed=fixed, notes=notes, details=details,
+                           fp8=fp8_support(platform))
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         if not self.accepts(model):
@@ -75,8 +106,8 @@ class JaxBackend(Backend):
                 f"unimp-jax: optimizer is {type(optimizer).__name__}; fix: pass an optax "
                 f"GradientTransformation such as optax.adam(1e-3) (unimp wraps it; for inference only, "
                 f"optax.identity())")
-        if plan.details.get("slow_dtype_warning"):
-            warnings.warn(f"unimp: {plan.details['slow_dtype_warning']}", UnimpWarning, stacklevel=3)
+        if plan.details.slow_dtype_warning:
+            warnings.warn(f"unimp: {plan.details.slow_dtype_warning}", UnimpWarning, stacklevel=3)
         if is_nnx(model):
             from .nnx_amp import NnxAmp
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unimp.spi import cpu, resolve_cpu_auto
+from unimp.spi import cpu, resolve_auto, resolve_cpu_auto
 
 XLA_CPU_WHY = ("XLA:CPU does not use them: it runs bfloat16/float16 matmuls slower than float32 (2048² "
                "matmul on AVX512-BF16: bf16 120 ms vs fp32 73 ms, measured)")
@@ -44,10 +44,9 @@ def resolve(requested: str, platform: str, capability: str | None = None) -> tup
     if requested == "auto":
         if platform == "cpu":
             return (*resolve_cpu_auto("XLA:CPU", bf16=False, why_not=XLA_CPU_WHY), None)
-        if platform == "gpu" and capability is not None and float(capability) < 8.0:
-            return "float16", (f"auto on a GPU of compute capability {capability} (no fast bf16): "
-                               f"float16 with the policy's loss scaling"), None
-        return "bfloat16", f"auto on {platform}: bfloat16 runs at full rate there", None
+        slow_bf16 = platform == "gpu" and capability is not None and float(capability) < 8.0
+        where = f"this GPU (compute capability {capability})" if platform == "gpu" else platform
+        return (*resolve_auto(fast_bf16=not slow_bf16, fast_fp16=True, where=where), None)
     warning = None
     if platform == "cpu" and requested in ("bfloat16", "float16"):
         facts = cpu()

@@ -7,7 +7,8 @@ dtype and its floating inputs and outputs are cast to it; params keep their stor
 (Flax casts them to ``dtype`` inside the layer, so gradients reach the fp32 params).
 
 >>> import unimp
->>> d = LayerPlan.make(unimp.load("mixed_bf16"), "fc1", "Linear", "bfloat16")
+>>> plan = unimp.get_backend("jax").compile(unimp.load("mixed_bf16"))
+>>> d = LayerPlan.make(plan, "fc1", "Linear")
 >>> d.kind, d.decision.compute_dtype
 ('linear', 'bfloat16')
 """
@@ -20,9 +21,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from unimp.spi import LayerDecision, Policy, ReportRow, kind_of, widest
+from unimp.spi import LayerDecision, Plan, ReportRow, kind_of, widest
 
 from .attention import attention, needs_cpu_attention
+from .ops import NATIVE_OPS
 
 EXTRA_KINDS = {"Einsum": "matmul", "MultiHeadDotProductAttention": "attention", "SelfAttention": "attention",
                "SimpleCell": "rnn", "MGUCell": "rnn", "ConvLSTMCell": "rnn"}
@@ -34,7 +36,7 @@ def layer_kind(type_name: str, op_kind: str | None = None) -> str | None:
     """Canonical op of a Flax module class name (``op_kind`` for :class:`unimp_jax.Op`)."""
     if op_kind:
         return op_kind
-    return kind_of(type_name, "flax") or EXTRA_KINDS.get(type_name)
+    return kind_of(type_name, NATIVE_OPS) or EXTRA_KINDS.get(type_name)
 
 
 @dataclass(frozen=True)
@@ -46,16 +48,18 @@ class LayerPlan:
     type_names: tuple[str, ...]
     decision: LayerDecision
     softmax_fp32: bool = False  # linen attention: force_fp32_for_softmax
+    fp8: str | None = None  # the FP8 recipe the Plan chose for this layer (unimp_jax.fp8), None = not FP8
+    fp8_formats: tuple[str, ...] = ()  # (forward, gradient) FP8 dtype names when fp8 is set
 
     @classmethod
-    def make(cls, policy: Policy, path: str, type_name: str, compute_dtype: str,
-             op_kind: str | None = None, fn_name: str | None = None) -> LayerPlan | None:
+    def make(cls, plan: Plan, path: str, type_name: str, op_kind: str | None = None,
+             fn_name: str | None = None) -> LayerPlan | None:
         kind = layer_kind(type_name, op_kind)
         if kind is None:
             return None
         names = (type_name, *((fn_name,) if fn_name else ()))
-        decision = policy.decide(path, kind, names, compute_dtype)
-        softmax_fp32 = kind == "attention" and policy.ops.category("softmax") == "float32"
+        decision = plan.decide(path, kind, names)
+        softmax_fp32 = kind == "attention" and plan.policy.ops.category("softmax") == "float32"
         return cls(path, kind, names, decision, softmax_fp32)
 
     def compute_dtype(self, input_dtype: str | None, param_dtype: str | None) -> str | None:
@@ -116,8 +120,11 @@ def attrs_set(obj: Any, **values: Any) -> Iterator[None]:
 
 
 def run_layer(lp: LayerPlan, module: Any, call: Any, args: tuple, kwargs: dict, param_dtype: str | None,
-              record: dict[str, ReportRow] | None) -> Any:
-    """Call one layer under its plan: inputs, ``dtype`` attribute and outputs in the compute dtype."""
+              record: dict[str, ReportRow] | None, dot_general: Any = None) -> Any:
+    """Call one layer under its plan: inputs, ``dtype`` attribute and outputs in the compute dtype.
+
+    ``dot_general``: the layer's FP8 dot for this call (:mod:`unimp_jax.fp8`), when the Plan chose FP8.
+    """
     x_dtype = first_float_dtype((args, kwargs))
     dt = lp.compute_dtype(x_dtype, param_dtype)
     # batch_norm in float32 (core semantics, as torch/Keras): fp32 math, output in the activation dtype
@@ -130,29 +137,30 @@ def run_layer(lp: LayerPlan, module: Any, call: Any, args: tuple, kwargs: dict, 
         extra["force_fp32_for_softmax"] = True
     if lp.kind == "attention" and needs_cpu_attention(module, dt):
         extra["attention_fn"] = attention  # nnx: JAX's fp16 attention algorithm does not lower on XLA:CPU
+    if dot_general is not None:
+        extra["dot_general"] = dot_general
     with attrs_set(module, **extra):
         out = call(*args, **kwargs)
     out = cast_floats(out, out_dt)
     if record is not None:
-        record[lp.path] = ReportRow(lp.path, lp.kind, dt, param_dtype, first_float_dtype(out))
+        record[lp.path] = ReportRow(lp.path, lp.kind, dt, param_dtype, first_float_dtype(out), fp8=lp.fp8)
     return out
 
 
-def misaligned(path: str, kind: str, params: dict[str, Any], align: int) -> str | None:
-    """A finding for a linear/conv/embedding layer whose dims are not multiples of ``align``."""
-    if kind not in ALIGNED_KINDS or align <= 1:
-        return None
+def dims(kind: str, params: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    """The tiling dims of a linear/conv/embedding layer from its params (what ``layout.align`` checks)."""
+    if kind not in ALIGNED_KINDS:
+        return ()
     for name in DIM_PARAMS:
         if name in params:
             shape = tuple(params[name].shape)
             if kind != "conv" and len(shape) != 2:
-                return None  # LinearGeneral/Einsum kernels: the matmul's K/N split is not in the shape
-            dims = shape[-2:]
-            bad = [d for d in dims if d % align]
-            if bad:
-                return (f"{path}: {name} {shape}: dims {', '.join(map(str, bad))} are not multiples of "
-                        f"{align} (layout.align)")
-    return None
+                return ()  # LinearGeneral/Einsum kernels: the matmul's K/N split is not in the shape
+            if name == "embedding":
+                return (("num_embeddings", int(shape[-2])), ("features", int(shape[-1])))
+            unit = "channels" if kind == "conv" else "features"
+            return ((f"in_{unit}", int(shape[-2])), (f"out_{unit}", int(shape[-1])))
+    return ()
 
 
 def is_nnx(model: Any) -> bool:

@@ -23,16 +23,18 @@ never mutated. Everything below is pure and ``jax.jit``-able:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 
-from unimp.spi import LossScaleState, Plan, Report, ReportRow
+from unimp.spi import LayoutFindings, LossScaleState, Plan, Report, ReportRow, fp8_report_notes
 
+from . import fp8
 from .amp import JaxAmp
-from .layers import LayerPlan, cast_floats, dtype_name, misaligned, run_layer
+from .layers import LayerPlan, cast_floats, dims, dtype_name, run_layer
 from .optimizer import find_state
 
 
@@ -72,21 +74,31 @@ class LinenAmp(JaxAmp):
                 return module.apply(v, *self.inputs)
 
         jax.eval_shape(forward, variables)
+        layout = LayoutFindings.check(((p, dims(lp.kind, shapes[p])) for p, lp in self.layers.items()),
+                                      self.policy.layout)
+        self.findings += layout.act("jax")
+        self.fp8_decisions: list[Any] = []  # unimp.fp8.Fp8Decision per layer FP8 was asked of
+        delayed = []
         for path, lp in self.layers.items():
-            finding = misaligned(path, lp.kind, shapes[path], self.policy.layout.align)
-            if finding:
-                self.findings.append(finding)
-        from .layout import act_on_findings
-
-        act_on_findings(self.findings, self.policy)
+            decision = fp8.decide(plan, lp, shapes[path])
+            if decision is None:
+                continue
+            self.fp8_decisions.append(decision)
+            if decision.fp8:
+                self.layers[path] = dataclasses.replace(lp, fp8=decision.recipe, fp8_formats=fp8.formats(plan))
+                if decision.recipe == "delayed":
+                    delayed.append(path)
+        self._fp8_tree: Any = None  # the FP8 state of the forward being traced
         self.params = self.cast_params(self.original_params)
+        if delayed:  # Flax's layout: the state in the _overwrite_with_gradient collection next to params
+            self.params = {"params": self.params, fp8.OWG: fp8.linen_state(delayed, plan.fp8.amax_history)}
         self.opt_state = self.tx.init(self.original_params)
 
     def _plan_for(self, path: str, m: Any) -> LayerPlan | None:
         name = type(m).__name__
         is_op = name == "LinenOp"
-        return LayerPlan.make(self.policy, path, name, self.plan.compute_dtype,
-                              op_kind=m.op_kind if is_op else None, fn_name=m.fn_name() if is_op else None)
+        return LayerPlan.make(self.plan, path, name, op_kind=m.op_kind if is_op else None,
+                              fn_name=m.fn_name() if is_op else None)
 
     def cast_params(self, params: Any) -> Any:
         """``params`` in the policy's param dtype per owning layer (pure_bf16: bf16, norms fp32)."""
@@ -94,7 +106,7 @@ class LinenAmp(JaxAmp):
         def cast(key_path: Any, x: Any) -> Any:
             path = ".".join(str(getattr(k, "key", k)) for k in key_path[:-1])
             lp = self.layers.get(path)
-            dtype = lp.decision.param_dtype if lp else self.policy.decide(path, None).param_dtype
+            dtype = lp.decision.param_dtype if lp else self.plan.decide(path, None).param_dtype
             return x.astype(dtype) if dtype_name(x) and dtype_name(x) != dtype else x
 
         return jax.tree_util.tree_map_with_path(cast, params)
@@ -102,8 +114,15 @@ class LinenAmp(JaxAmp):
     # ------------------------------------------------------------------ forward
     def apply(self, params: Any, *args: Any, **kwargs: Any) -> Any:
         """``module.apply`` under the policy (``params``: the params pytree or a variables dict)."""
-        with nn.intercept_methods(self._intercept):
-            out = self.model.apply(_as_variables(params), *args, **kwargs)
+        variables = _as_variables(params)
+        if fp8.OWG in variables:
+            variables = dict(variables)
+            self._fp8_tree = variables.pop(fp8.OWG)
+        try:
+            with nn.intercept_methods(self._intercept):
+                out = self.model.apply(variables, *args, **kwargs)
+        finally:
+            self._fp8_tree = None
         if kwargs.get("mutable"):
             return cast_floats(out[0], self.policy.output_dtype), out[1]
         return cast_floats(out, self.policy.output_dtype)
@@ -118,7 +137,11 @@ class LinenAmp(JaxAmp):
             return next_fun(*args, **kwargs)
         own = _own_params(m)
         param_dtype = next((dtype_name(v) for v in own.values() if dtype_name(v)), None)
-        return run_layer(lp, m, next_fun, args, kwargs, param_dtype, self._record)
+        dot = None
+        if lp.fp8:
+            state = fp8.lookup(self._fp8_tree, path) if lp.fp8 == "delayed" else None
+            dot = fp8.dot_general_for(lp.fp8, *lp.fp8_formats, state)
+        return run_layer(lp, m, next_fun, args, kwargs, param_dtype, self._record, dot)
 
     # ------------------------------------------------------------------ Amp API
     def _opt_state_holder(self) -> Any:
@@ -137,7 +160,14 @@ class LinenAmp(JaxAmp):
         finally:
             self._record = None
         rows = list(record.values())  # in call order
-        return self.report_header(rows, notes=list(self.plan.notes))
+        return self.report_header(rows, notes=[*self.plan.notes, *fp8_report_notes(self.fp8_decisions)])
+
+    def fp8_state(self) -> Any:
+        """The delayed FP8 scaling state: ``amp.params['_overwrite_with_gradient']`` ({} when none)."""
+        return fp8.split(self.params)[1] or {}
+
+    def set_fp8_state(self, tree: Any) -> None:
+        self.params = {"params": fp8.split(self.params)[0], fp8.OWG: tree}
 
     def masters(self) -> Any:
         """The fp32 master params in ``amp.opt_state``, or None when the policy keeps none."""
@@ -145,7 +175,7 @@ class LinenAmp(JaxAmp):
 
     def restored_params(self) -> Any:
         """Params to continue without unimp: the masters, else ``amp.params`` in the original dtypes."""
-        source = self.masters() if self.masters() is not None else self.params
+        source = self.masters() if self.masters() is not None else fp8.split(self.params)[0]
         return jax.tree_util.tree_map(lambda s, o: s.astype(o.dtype), source, self.original_params)
 
     def _restore(self) -> None:

@@ -21,6 +21,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -28,10 +29,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from unimp.spi import LossScaleState, Plan, Report, ReportRow, StateError
+from unimp.spi import LayoutFindings, LossScaleState, Plan, Report, ReportRow, fp8_report_notes
 
+from . import fp8
 from .amp import JaxAmp
-from .layers import LayerPlan, cast_floats, dtype_name, misaligned, run_layer
+from .layers import LayerPlan, cast_floats, dims, dtype_name, run_layer
 from .optimizer import apply_updates, find_state, may_skip
 
 _RECORDERS: list[dict[str, ReportRow]] = []
@@ -54,10 +56,12 @@ class AmpOptimizer(nnx.Optimizer):
         nnx.update(self.opt_state, nnx.state(new))
         if not may_skip(self.tx):  # no loss scaling and no skipping: every step applies, as nnx.Optimizer
             self.step[...] += 1
+            fp8.nnx_write_state(model, grads, True)
             return updates
         before, after = find_state(old).loss_scale, find_state(new).loss_scale
         applied = (after.skipped == before.skipped) & ~after.at_min_error
         self.step[...] += applied.astype(self.step[...].dtype)
+        fp8.nnx_write_state(model, grads, applied)  # delayed FP8 scaling state, on applied steps only
         return updates
 
 
@@ -87,7 +91,11 @@ def _wrapped_class(cls: type) -> type:
             out = call(*args, **kwargs)
         else:
             record = _RECORDERS[-1] if _RECORDERS else None
-            out = run_layer(lp, self, call, args, kwargs, _param_dtype(self), record)
+            dot = None
+            if lp.fp8:
+                meta = self.__dict__.get(fp8.NNX_ATTR)
+                dot = fp8.dot_general_for(lp.fp8, *lp.fp8_formats, meta.values() if meta is not None else None)
+            out = run_layer(lp, self, call, args, kwargs, _param_dtype(self), record, dot)
         return cast_floats(out, out_dtype) if out_dtype else out
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
@@ -105,24 +113,27 @@ class NnxAmp(JaxAmp):
         self._saved: list[tuple[Any, dict[str, Any]]] = []  # (module, attrs to restore)
         self._params: list[tuple[Any, Any, tuple]] = []  # (Variable, original value, path)
         self.layers: dict[str, LayerPlan] = {}
+        self.fp8_decisions: list[Any] = []  # unimp.fp8.Fp8Decision per layer FP8 was asked of
+        self._fp8_layers: list[Any] = []  # modules given delayed-scaling state (removed by remove())
         modules = list(nnx.iter_modules(model))
-        for parts, m in modules:  # findings first: on_misaligned="error" must leave the model untouched
+        layers = []  # findings first: on_misaligned="error" must leave the model untouched
+        for parts, m in modules:
             lp = self._plan_for(parts, m)
             if lp is not None:
                 params = {k: v.get_value() for k, v in _direct_vars(m).items() if isinstance(v, nnx.Param)}
-                finding = misaligned(lp.path, lp.kind, params, policy.layout.align)
-                if finding:
-                    self.findings.append(finding)
-        self.report_findings()
+                layers.append((lp.path, dims(lp.kind, params)))
+        self.findings += LayoutFindings.check(layers, policy.layout).act("jax")
         self.optimizer = AmpOptimizer(model, self.tx, wrt=wrt)  # masters from the original params
         for parts, m in modules:
             path = ".".join(map(str, parts))
             lp = self._plan_for(parts, m)
+            attrs = {}
             if lp is not None:
+                lp, attrs = self._fp8_for(lp, m)
                 self.layers[path] = lp
-            param_dtype = (lp.decision.param_dtype if lp else policy.decide(path, None).param_dtype)
+            param_dtype = (lp.decision.param_dtype if lp else plan.decide(path, None).param_dtype)
             self._cast_params(parts, m, param_dtype)
-            attrs = {"_unimp_layer": lp} if lp else {}
+            attrs.update({"_unimp_layer": lp} if lp else {})
             if not parts:
                 attrs["_unimp_output"] = (policy.output_dtype, self._token)
             if lp and "param_dtype" in vars(m):
@@ -133,9 +144,24 @@ class NnxAmp(JaxAmp):
     def _plan_for(self, parts: tuple, m: Any) -> LayerPlan | None:
         path = ".".join(map(str, parts))
         cls = getattr(type(m), "_unimp_original", type(m))
-        return LayerPlan.make(self.policy, path, cls.__name__, self.plan.compute_dtype,
+        return LayerPlan.make(self.plan, path, cls.__name__,
                               op_kind=getattr(m, "kind", None) if cls.__name__ == "Op" else None,
                               fn_name=getattr(m, "fn_name", None))
+
+    def _fp8_for(self, lp: LayerPlan, m: Any) -> tuple[LayerPlan, dict[str, Any]]:
+        """The layer plan with the Plan's FP8 decision, and the attributes it adds (delayed-scaling state)."""
+        params = {k: v.get_value() for k, v in _direct_vars(m).items() if isinstance(v, nnx.Param)}
+        decision = fp8.decide(self.plan, lp, params)
+        if decision is None:
+            return lp, {}
+        self.fp8_decisions.append(decision)
+        if not decision.fp8:
+            return lp, {}
+        lp = dataclasses.replace(lp, fp8=decision.recipe, fp8_formats=fp8.formats(self.plan))
+        if decision.recipe == "delayed":  # set as nnx data (a plain setattr), so transforms carry it
+            setattr(m, fp8.NNX_ATTR, fp8.Fp8Meta(self.plan.fp8.amax_history))
+            self._fp8_layers.append(m)
+        return lp, {}
 
     def _cast_params(self, parts: tuple, m: Any, dtype: str) -> None:
         for name, v in _direct_vars(m).items():
@@ -148,7 +174,7 @@ class NnxAmp(JaxAmp):
         self._saved.append((m, {"__class__": type(m), **saved, "_new": tuple(attrs)}))
         for k, v in attrs.items():
             object.__setattr__(m, k, v)
-        m.__class__ = _wrapped_class(type(m))
+        object.__setattr__(m, "__class__", _wrapped_class(type(m)))  # not an nnx attribute
 
     # ------------------------------------------------------------------ Amp API
     def _opt_state_holder(self) -> Any:
@@ -162,8 +188,7 @@ class NnxAmp(JaxAmp):
         """What ran, from a traced forward (``args``: example inputs; default: the last call's shapes)."""
         if not args and not kwargs:
             if self._token not in _LAST_INPUTS:
-                raise StateError("amp.report(): no forward has run yet; fix: call amp.model(x) once, or "
-                                 "pass example inputs: amp.report(x)")
+                raise self.no_forward()
             args, kwargs = _LAST_INPUTS[self._token]
         record: dict[str, ReportRow] = {}
         _RECORDERS.append(record)
@@ -172,7 +197,14 @@ class NnxAmp(JaxAmp):
         finally:
             _RECORDERS.pop()
         rows = list(record.values())  # in call order
-        return self.report_header(rows, notes=list(self.plan.notes))
+        return self.report_header(rows, notes=[*self.plan.notes, *fp8_report_notes(self.fp8_decisions)])
+
+    def fp8_state(self) -> Any:
+        """The delayed-scaling state of the FP8 layers (an nnx State of :class:`~unimp_jax.fp8.Fp8State`)."""
+        return nnx.as_pure(nnx.state(self.model, fp8.Fp8State))
+
+    def set_fp8_state(self, tree: Any) -> None:
+        nnx.update(self.model, tree)
 
     def masters(self) -> Any:
         """The fp32 master params (an nnx State), or None when the policy keeps none."""
@@ -190,16 +222,13 @@ class NnxAmp(JaxAmp):
             source = current if master is None else getattr(master, "value", master)
             var.set_value(jnp.asarray(source).astype(original.dtype))
         for m, saved in reversed(self._saved):
-            m.__class__ = saved["__class__"]
+            object.__setattr__(m, "__class__", saved["__class__"])
             for k in saved["_new"]:
                 if k in saved:
                     object.__setattr__(m, k, saved[k])
                 else:
                     vars(m).pop(k, None)
-        self._saved, self._params = [], []
-
-    def report_findings(self) -> None:
-        from .layout import act_on_findings
-
-        act_on_findings(self.findings, self.policy)
+        for m in self._fp8_layers:
+            delattr(m, fp8.NNX_ATTR)
+        self._saved, self._params, self._fp8_layers = [], [], []
 

@@ -20,10 +20,12 @@ from flax import nnx
 
 from unimp.spi import CANONICAL_OPS, kind_of
 
+from .ops import NATIVE_OPS
+
 
 def _kind(fn: Callable[..., Any], kind: str | None) -> str:
     name = getattr(fn, "__name__", type(fn).__name__)
-    kind = kind or kind_of(name, "flax")
+    kind = kind or kind_of(name, NATIVE_OPS)
     if kind not in CANONICAL_OPS:
         raise ValueError(f"Op({name}): kind={kind!r} is not a canonical op; fix: pass kind= one of "
                          f"{', '.join(CANONICAL_OPS)}")

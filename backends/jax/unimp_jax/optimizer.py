@@ -98,12 +98,23 @@ def _build(tx: Any, policy: Policy) -> Any:
     f32 = jnp.float32
 
     def init(params: Any) -> AmpOptState:
+        params = _fp8_split(params)[0]
         # a copy even where a param is float32 already (norms): donating both must not donate one buffer twice
         master = jax.tree_util.tree_map(lambda p: jnp.array(p, f32, copy=True) if _is_float(p) else p,
                                         params) if masters else None
         return AmpOptState(tx.init(master if masters else params), initial_tree(spec), master)
 
     def update(grads: Any, state: AmpOptState, params: Any = None, **extra: Any) -> tuple[Any, AmpOptState]:
+        grads, new_fp8 = _fp8_split(grads)
+        params, old_fp8 = _fp8_split(params)
+        if new_fp8 is None:
+            return core(grads, state, params, **extra)[:2]
+        u, st, applied = core(grads, state, params, **extra)
+        # linen delayed FP8 state: the "update" is the new state itself, written by amp.apply_updates
+        fp8 = new_fp8 if old_fp8 is None else _select(applied, new_fp8, old_fp8)
+        return {"params": u, _OWG: fp8}, st
+
+    def core(grads: Any, state: AmpOptState, params: Any = None, **extra: Any) -> tuple[Any, AmpOptState, Any]:
         if not isinstance(state, AmpOptState):
             raise TypeError(f"unimp optimizer: state is {type(state).__name__}, expected the AmpOptState "
                             f"from this transformation's init(); fix: opt_state = amp.optimizer.init(params)")
@@ -126,6 +137,7 @@ def _build(tx: Any, policy: Policy) -> Any:
                 lambda m, p: m.astype(p.dtype).astype(f32) - p.astype(f32) if _is_float(p) else m,
                 master, params)
         loss_scale = update_tree(spec, state.loss_scale, finite)
+        apply = jnp.asarray(True)
         if checks:
             apply = jnp.logical_or(finite, not spec.skip_nonfinite) & ~loss_scale.at_min_error
             inner = _select(apply, inner, state.inner)
@@ -133,12 +145,24 @@ def _build(tx: Any, policy: Policy) -> Any:
                 master = _select(apply, master, state.master)
             u = jax.tree_util.tree_map(
                 lambda x: jnp.where(apply, x, jnp.asarray(-0.0, x.dtype)) if _is_float(x) else x, u)
-        return u, AmpOptState(inner, loss_scale, master)
+        return u, AmpOptState(inner, loss_scale, master), apply
 
     update.unimp_init = init  # type: ignore[attr-defined]  # what wrap() rebuilds the transformation from
     update.unimp_wraps = tx  # type: ignore[attr-defined]
     update.unimp_may_skip = checks  # type: ignore[attr-defined]  # read by may_skip()
     return optax.GradientTransformation(init, update)
+
+
+_OWG = "_overwrite_with_gradient"  # flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT (see unimp_jax.fp8)
+
+
+def _fp8_split(tree: Any) -> tuple[Any, Any]:
+    """``(params, linen FP8 state or None)``: a variables dict holding Flax's FP8 collection is split."""
+    from collections.abc import Mapping
+
+    if isinstance(tree, Mapping) and _OWG in tree:
+        return tree["params"], tree[_OWG]
+    return tree, None
 
 
 def find_state(holder: Any) -> AmpOptState:
@@ -171,6 +195,9 @@ def apply_updates(params: Any, updates: Any, opt_state: Any) -> Any:
     import jax
     import optax
 
+    params, _ = _fp8_split(params)
+    if isinstance(updates, dict) and _OWG in updates:  # linen delayed FP8: the new state replaces the old
+        return {"params": apply_updates(params, updates["params"], opt_state), _OWG: updates[_OWG]}
     state = find_state(opt_state)
     if state.master is None:
         return optax.apply_updates(params, updates)

@@ -59,7 +59,8 @@ def flushes_subnormals() -> bool:
     import jax
     import jax.numpy as jnp
 
-    return float(jax.jit(lambda x: x * jnp.float32(0.5))(jnp.float32(2.0 ** -126))) == 0.0
+    with jax.ensure_compile_time_eval():  # may be first asked while a step is being traced
+        return float(jax.jit(lambda x: x * jnp.float32(0.5))(jnp.float32(2.0 ** -126))) == 0.0
 
 
 def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
@@ -78,11 +79,20 @@ def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
                     f"loss_scale.{key} = {value!r} is not exactly representable in float32 and JAX "
                     f"multiplies in float32 without jax_enable_x64; fix: use a float32 value such as "
                     f"{f32(value)!r} or a power of two, or factor_arithmetic = 'float32'"))
-    if spec.subnormal == "keep" and spec.min < FLT_TINY and flushes_subnormals():
-        out["subnormal"] = ("flush", "this XLA device flushes subnormal float32 products to 0 and the scale "
-                            f"can go below 2^-126 (min = {spec.min:g}); fix: min >= 2^-126 or "
-                            f"subnormal = 'flush'")
     return out
+
+
+def stops_below_tiny(spec: LossScaleSpec) -> bool:
+    """``subnormal = "keep"`` on a device that flushes float32 subnormals, with a floor below 2^-126:
+    the step that would take the scale below 2^-126 is not applied, the state freezes, and
+    :func:`check` raises :class:`UnsupportedError` on the host (the rule cannot be honoured there)."""
+    return (spec.mode == "dynamic" and spec.subnormal == "keep" and spec.min < FLT_TINY
+            and flushes_subnormals())
+
+
+SUBNORMAL_NOTE = ("loss_scale.subnormal = 'keep' cannot be honoured below 2^-126 here: this XLA device flushes "
+                  "float32 subnormals, so a step that would take the scale below 2^-126 is not applied and "
+                  "raises UnsupportedError on the host; fix: subnormal = 'flush' or min >= 2^-126")
 
 
 def validate(spec: LossScaleSpec, where: str, on_unsupported: str = "error") -> list[str]:
@@ -93,7 +103,8 @@ def validate(spec: LossScaleSpec, where: str, on_unsupported: str = "error") -> 
         raise UnsupportedError(f"{where}: " + "; ".join(
             f"loss_scale.{k} = {getattr(spec, k)!r} cannot be honoured: {why}" for k, (_, why) in problems.items())
             + " (or on_unsupported = 'fallback')")
-    return [f"loss_scale.{k} = {getattr(spec, k)!r} runs as {v!r}: {why}" for k, (v, why) in problems.items()]
+    notes = [f"loss_scale.{k} = {getattr(spec, k)!r} runs as {v!r}: {why}" for k, (v, why) in problems.items()]
+    return notes + ([SUBNORMAL_NOTE] if stops_below_tiny(spec) else [])
 
 
 def device_spec(spec: LossScaleSpec) -> LossScaleSpec:
@@ -160,8 +171,11 @@ def to_state(tree: LossScaleTree) -> LossScaleState:
 
 
 def check(tree: LossScaleTree, spec: LossScaleSpec) -> None:
-    """Host-side check for ``at_min = "error"``: raise the reference's error if it was hit."""
+    """Host-side check of a frozen state: ``at_min = "error"`` hit (the reference's error), or a
+    scale that would have gone below 2^-126 on a flushing device (:func:`stops_below_tiny`)."""
     if bool(tree.at_min_error):
+        if not (spec.at_min == "error" and float(np.asarray(tree.scale)) <= spec.min):
+            raise UnsupportedError(f"{SUBNORMAL_NOTE} (seen after step {int(tree.steps)})")
         raise LossScaleAtMinimumError(
             f"loss scale already at its minimum ({spec.min:g}) and gradients are still not finite "
             f"(seen after step {int(tree.steps)}); set loss_scale.at_min = 'clamp' to keep training at "
@@ -177,5 +191,7 @@ def update_tree(spec: LossScaleSpec, t: LossScaleTree, finite: Any) -> LossScale
     finite = jnp.asarray(finite, bool)
     new, _, error = step(JaxOps(spec), spec, Arrays(*t[:5]), finite)
     frozen = t.at_min_error if error is None else t.at_min_error | error
+    if stops_below_tiny(spec):
+        frozen = frozen | ((new.scale < FLT_TINY) & (t.scale >= FLT_TINY))
     kept = [jnp.where(frozen, old, v).astype(old.dtype) for old, v in zip(t[:5], new, strict=True)]
     return LossScaleTree(*kept, at_min_error=frozen)

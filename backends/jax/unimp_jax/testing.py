@@ -109,7 +109,7 @@ class _JaxKit(Kit):
 
     def observe(self, amp: Any, batch: ProbeBatch) -> dict[str, Observation]:
         report = amp.report(jnp.asarray(batch.tokens))
-        return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype) for r in report.rows}
+        return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype, r.fp8) for r in report.rows}
 
 
 class NnxKit(_JaxKit):
@@ -206,6 +206,14 @@ class LinenKit(_JaxKit):
         tokens = jnp.zeros((1, 1), jnp.int32)
         return apply(policy, probe.module, optimizer, backend=self.backend, params=probe.params,
                            inputs=tokens)
+
+    def compile(self, policy: Policy, model: Any) -> Any:
+        return super().compile(policy, self._probe(model).module)
+
+    def apply_plan(self, plan: Any, model: Any, optimizer: Any) -> Any:
+        probe = self._probe(model)
+        return self.backend_instance().apply(plan, probe.module, optimizer, params=probe.params,
+                                             inputs=jnp.zeros((1, 1), jnp.int32))
 
     def output(self, amp: Any, batch: ProbeBatch) -> Any:
         return amp.apply(amp.params, jnp.asarray(batch.tokens))

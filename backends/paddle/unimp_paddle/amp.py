@@ -14,22 +14,36 @@ True
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from unimp.spi import Amp, LossScaleState, Plan, Report, ReportRow, UnimpWarning, UnsupportedError, kind_of
+from unimp.spi import (
+    Amp,
+    LayerInfo,
+    LossScaleState,
+    Plan,
+    Report,
+    ReportRow,
+    kind_of,
+)
 
 from .device import dtype_name
 from .distributed import data_parallel, refuse_data_parallel
-from .layout import alignment_findings, channels_last_findings
-from .ops import OpLists, compile_lists
+from .layout import channels_last_findings, dims
+from .ops import NATIVE_OPS, OpLists, compile_lists
 from .optimizer import AmpOptimizer
 from .scaler import HostRuleLossScale
 
 
 def layer_kind(layer: Any) -> str | None:
-    return kind_of(type(layer).__name__, "paddle")
+    return kind_of(type(layer).__name__, NATIVE_OPS)
+
+
+def model_index(model: Any) -> tuple[LayerInfo, ...]:
+    """The Plan's index of a ``paddle.nn.Layer``: per sublayer (the layer itself as ``""``) its path, kind,
+    class name and tiling dims."""
+    return tuple(LayerInfo(path, layer_kind(layer), (type(layer).__name__,), dims(layer))
+                 for path, layer in model.named_sublayers(include_self=True))
 
 
 class DygraphAmp(Amp):
@@ -44,13 +58,16 @@ class DygraphAmp(Amp):
         if optimizer is not None and not hasattr(optimizer, "step"):
             raise TypeError(f"unimp.apply: optimizer must be a paddle.optimizer.Optimizer (with step()), "
                             f"got {type(optimizer).__name__}")
+        if not plan.layers:  # compiled without the model: index it once
+            plan = plan.with_index(model_index(model))
         super().__init__(plan, model, optimizer)
+        self._last_call: tuple[tuple, dict] | None = None  # shapes/dtypes of the last forward's inputs
         self._layer = model  # the user's layer (amp.model becomes the DataParallel after data_parallel())
         self._dp: Any = None
         d = plan.details
-        self.active: bool = d["amp_active"]
-        self.level: str = d["level"]
-        self.amp_dtype: str = d["amp_dtype"]
+        self.active: bool = d.amp_active
+        self.level: str = d.level
+        self.amp_dtype: str = d.amp_dtype
         self.lists: OpLists = compile_lists(self.policy)
         self._check_layout(model)
         self._saved = {k: (v.dtype, v.numpy().copy()) for k, v in model.state_dict().items()}
@@ -70,17 +87,8 @@ class DygraphAmp(Amp):
 
     # ------------------------------------------------------------------ setup
     def _check_layout(self, model: Any) -> None:
-        lay = self.policy.layout
-        misaligned = alignment_findings(model, lay.align)
-        if misaligned and lay.on_misaligned == "error":
-            raise UnsupportedError("layout.align: dims not a multiple of "
-                                   f"{lay.align}: " + "; ".join(misaligned)
-                                   + " (fix: pad these dims, or set layout.on_misaligned = 'warn')")
-        if lay.on_misaligned != "ignore":
-            self.findings += misaligned
-        if misaligned and lay.on_misaligned == "warn":
-            warnings.warn("misaligned dims: " + "; ".join(misaligned), UnimpWarning, stacklevel=4)
-        if lay.channels_last:
+        self.findings += self.plan.layout.act("paddle", stacklevel=5)
+        if self.policy.layout.channels_last:
             self.findings += channels_last_findings(model)
 
     def _auto_cast_args(self, lists: OpLists, low: str | None = None) -> dict[str, Any]:
@@ -98,7 +106,7 @@ class DygraphAmp(Amp):
         out = {}
         for path, layer in model.named_sublayers():
             kind = layer_kind(layer)
-            d = self.policy.decide(path, kind, (type(layer).__name__,), self.amp_dtype)
+            d = self.plan.decide(path, kind, (type(layer).__name__,))
             op_level = kind is not None and kind != "linear"
             if d.override is None and op_level:
                 continue
@@ -115,7 +123,7 @@ class DygraphAmp(Amp):
         import paddle
 
         keep = [layer for path, layer in model.named_sublayers()
-                if self.policy.decide(path, layer_kind(layer), (type(layer).__name__,)).param_dtype
+                if self.plan.decide(path, layer_kind(layer), (type(layer).__name__,)).param_dtype
                 == "float32" and list(layer.parameters(include_sublayers=False))]
         args = {"level": "O2", "dtype": self.amp_dtype, "master_weight": self.policy.master_weights.enabled,
                 "excluded_layers": keep or None}
@@ -159,6 +167,8 @@ class DygraphAmp(Amp):
         auto_cast = paddle.amp.auto_cast
 
         def forward(*a: Any, **kw: Any) -> Any:
+            if top:  # what amp.report() replays: the shapes and dtypes of this call's inputs
+                self._last_call = (tuple(_spec(x) for x in a), {k: _spec(x) for k, x in kw.items()})
             # self.guard(args) inlined for the per-step path: no generator, the list sets built once,
             # auto_cast given only the differences from Paddle's defaults (its _update_list scans
             # custom lists element by element); the tracer then gets exactly ``args``' lists.
@@ -200,18 +210,24 @@ class DygraphAmp(Amp):
     def set_loss_scale_state(self, state: LossScaleState) -> None:
         self.scaler.load(state)
 
-    def report(self, *inputs: Any) -> Report:
+    def report(self, *inputs: Any, **kw_inputs: Any) -> Report:
         """Per layer: kind, compute/param/output dtype seen in a real forward of ``inputs``.
 
-        Without inputs, rows come from the last forward recorded by :meth:`observe`.
+        Without inputs, a forward of inputs shaped like the last ``amp.model(x)`` call's (zeros of the same
+        shapes and dtypes); :class:`~unimp.backend.NoForwardError` before any.
         """
+        if not inputs and not kw_inputs:
+            if self._last_call is None:
+                raise self.no_forward()
+            inputs, kw_inputs = (tuple(_value(s) for s in self._last_call[0]),
+                                 {k: _value(s) for k, s in self._last_call[1].items()})
         rows = [ReportRow(path, kind, obs["output"], obs["param"], obs["output"])
-                for path, (kind, obs) in self.observe(*inputs).items()] if inputs else []
+                for path, (kind, obs) in self.observe(*inputs, **kw_inputs).items()]
         notes = [f"Plan fallback: {d.op} runs {d.dtype} ({d.note})" for d in self.plan.fallbacks]
         notes += [n for n in self.plan.notes if n.startswith("fallback:")]
         return self.report_header(rows, notes)
 
-    def observe(self, *inputs: Any) -> dict[str, tuple[str | None, dict[str, str | None]]]:
+    def observe(self, *inputs: Any, **kw_inputs: Any) -> dict[str, tuple[str | None, dict[str, str | None]]]:
         """Run one forward of ``amp.model`` with hooks; per layer path its kind and dtypes."""
         seen: dict[str, tuple[str | None, dict[str, str | None]]] = {}
         handles = []
@@ -227,7 +243,7 @@ class DygraphAmp(Amp):
             import paddle
 
             with paddle.no_grad():
-                self._layer(*inputs)
+                self._layer(*inputs, **kw_inputs)
         finally:
             for h in handles:
                 h.remove()
@@ -284,3 +300,16 @@ def _pd_dtype(name: str) -> Any:
     import paddle
 
     return getattr(paddle, name)
+
+
+def _spec(x: Any) -> Any:
+    """A tensor as (shape, dtype) to rebuild it for ``amp.report()``; other values as they are."""
+    import paddle
+
+    return ("tensor", tuple(x.shape), x.dtype) if isinstance(x, paddle.Tensor) else ("value", x)
+
+
+def _value(spec: Any) -> Any:
+    import paddle
+
+    return paddle.zeros(spec[1], dtype=spec[2]) if spec[0] == "tensor" else spec[1]

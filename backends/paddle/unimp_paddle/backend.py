@@ -8,11 +8,12 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, ClassVar
 
-from unimp.spi import Amp, Backend, Plan, Policy
+from unimp.spi import Amp, Backend, Plan, Policy, native_table
 
 from .device import model_place
+from .ops import NATIVE_OPS
 
 
 def _is_program(model: Any) -> bool:
@@ -27,6 +28,9 @@ class PaddleBackend(Backend):
     framework = "paddle"
     distribution = "unimp-paddle"
     model_types = "paddle.nn.Layer or paddle.static.Program (legacy IR)"
+    native_ops: ClassVar = native_table("paddle", NATIVE_OPS)
+    tags: ClassVar = frozenset({"fp16", "bf16", "master_weights", "loss_scaling", "training", "overrides", "layout",
+                                "op_level", "layer_level", "static_graph", "distributed", "remove"})
 
     def accepts(self, model: Any) -> bool:
         import paddle
@@ -38,8 +42,11 @@ class PaddleBackend(Backend):
 
         if model is not None and _is_program(model):
             return compile_static(policy)
-        place = model_place(model) if model is not None else _default_place()
-        return compile_dygraph(policy, place)
+        if model is None:
+            return compile_dygraph(policy, _default_place())
+        from .amp import model_index
+
+        return compile_dygraph(policy, model_place(model), model_index(model))
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         if _is_program(model):

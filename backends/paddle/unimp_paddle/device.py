@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-DTYPES = {"paddle.float32": "float32", "paddle.bfloat16": "bfloat16", "paddle.float16": "float16",
-          "paddle.float64": "float64", "paddle.int64": "int64", "paddle.int32": "int32"}
+from unimp.spi import dtype_name as core_dtype_name
 
 
 def dtype_name(dtype: Any) -> str:
-    """``paddle.bfloat16`` -> ``"bfloat16"``."""
-    return DTYPES.get(str(dtype), str(dtype).replace("paddle.", ""))
+    """``paddle.bfloat16`` -> ``"bfloat16"`` (the core's one dtype-name normaliser)."""
+    return core_dtype_name(dtype)
 
 
 def model_place(model: Any) -> str:

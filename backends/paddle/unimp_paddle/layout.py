@@ -1,38 +1,27 @@
-"""Layout findings for Paddle layers: misaligned dims and what ``channels_last`` can do.
+"""Layout facts of Paddle layers: the tiling dims ``layout.align`` checks (the core acts on them) and what
+``channels_last`` can do.
 
->>> import paddle, unimp
->>> model = paddle.nn.Sequential(paddle.nn.Linear(16, 30))
->>> alignment_findings(model, 8)
-['0: out_features=30 is not a multiple of 8']
+>>> import paddle
+>>> dims(paddle.nn.Linear(16, 30))
+(('in_features', 16), ('out_features', 30))
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-_DIMS = {"Linear": ("in_features", "out_features"), "Embedding": ("num_embeddings", "embedding_dim")}
 
-
-def _dims(layer: Any) -> list[tuple[str, int]]:
+def dims(layer: Any) -> tuple[tuple[str, int], ...]:
+    """The tiling dims of a Linear/Conv/Embedding layer; () for other layers."""
     name = type(layer).__name__
     if name == "Linear":
         w = layer.weight.shape
-        return [("in_features", w[0]), ("out_features", w[1])]
+        return (("in_features", int(w[0])), ("out_features", int(w[1])))
     if name == "Embedding":
-        return [("embedding_dim", layer.weight.shape[1])]
+        return (("embedding_dim", int(layer.weight.shape[1])),)
     if name.startswith("Conv"):
-        return [("in_channels", layer._in_channels), ("out_channels", layer._out_channels)]
-    return []
-
-
-def alignment_findings(model: Any, align: int) -> list[str]:
-    """'path: dim=value is not a multiple of align' for every Linear/Conv/Embedding dim."""
-    out = []
-    for path, layer in model.named_sublayers(include_self=True):
-        for dim, value in _dims(layer):
-            if value % align:
-                out.append(f"{path or '<model>'}: {dim}={value} is not a multiple of {align}")
-    return out
+        return (("in_channels", int(layer._in_channels)), ("out_channels", int(layer._out_channels)))
+    return ()
 
 
 def channels_last_findings(model: Any) -> list[str]:

@@ -2,8 +2,8 @@
 
 Paddle names ops natively (``matmul_v2``, ``layer_norm`` ...), so unimp's ``lower`` list becomes
 Paddle's white list, ``float32`` its black list, and ``promote``/follow-inputs ops its gray set
-(neither list). Names are taken from :data:`unimp.ops.OPS` ``[op].paddle`` (lower-case entries are
-op types; capitalised entries are layer classes).
+(neither list). Names come from the backend's table :data:`NATIVE_OPS` (lower-case entries are op
+types; capitalised entries are layer classes); it is the table the core's Paddle importer reads too.
 
 >>> import unimp
 >>> lists = compile_lists(unimp.load("mixed_bf16"))
@@ -16,17 +16,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from unimp.spi import CANONICAL_OPS, OPS, Policy
+from unimp.spi import CANONICAL_OPS, PADDLE_NATIVE_OPS, Policy
+
+NATIVE_OPS: dict[str, tuple[str, ...]] = dict(PADDLE_NATIVE_OPS)  # the core's Paddle importer reads it too
 
 
 def op_types(op: str) -> frozenset[str]:
     """Paddle op types of one canonical op (its lower-case native names)."""
-    return frozenset(n for n in OPS[op].paddle if n[:1].islower())
+    return frozenset(n for n in NATIVE_OPS.get(op, ()) if n[:1].islower())
 
 
 def layer_types(op: str) -> frozenset[str]:
     """Paddle layer classes of one canonical op (its capitalised native names)."""
-    return frozenset(n for n in OPS[op].paddle if n[:1].isupper())
+    return frozenset(n for n in NATIVE_OPS.get(op, ()) if n[:1].isupper())
 
 
 ALL_CANONICAL_TYPES: frozenset[str] = frozenset().union(*(op_types(o) for o in CANONICAL_OPS))

@@ -16,12 +16,14 @@ CPUs it runs float32 the same way.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from unimp.spi import (
     CANONICAL_OPS,
     Fp8Support,
+    LayerInfo,
     Plan,
     Policy,
     UnsupportedError,
@@ -29,7 +31,9 @@ from unimp.spi import (
     cpu,
     is_low,
     requested_dtype,
+    resolve_auto,
     resolve_cpu_auto,
+    resolved_loss_scale,
     warn_emulated,
 )
 
@@ -75,10 +79,26 @@ def _raise_or_note(policy: Policy, problems: list[str], exc: UnsupportedError | 
     return [f"fallback: {p}" for p in problems]
 
 
+@dataclass(frozen=True)
+class PaddleDetails:
+    """What the paddle backend decided at compile time (``plan.details``)."""
+
+    mode: str  # dygraph | static
+    place: str  # cpu | gpu
+    amp_active: bool  # whether Paddle's AMP runs at all (else everything runs float32)
+    amp_dtype: str
+    param_dtype: str
+    level: str | None = None  # dygraph: O1 | O2
+    lists: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # Paddle's op-type lists
+    cpu: Mapping[str, Any] | None = None  # static: the CPU facts it decided by
+    loss_scaling: str | None = None  # static: "none" (bf16 Programs are not scaled)
+
+
 def _compile(policy: Policy, low: str, reason: str, active: bool, why: str,
              fixed_extra: dict[str, tuple[str | None, str]], problems: list[str],
-             details: dict[str, Any], notes: tuple[str, ...], param_fallback: str | None = None,
-             override_fallbacks: Mapping[int, str] | None = None) -> Plan:
+             details: PaddleDetails, notes: tuple[str, ...], param_fallback: str | None = None,
+             override_fallbacks: Mapping[int, str] | None = None,
+             index: Iterable[LayerInfo] | None = None) -> Plan:
     fixed = dict(fixed_extra)
     if not active:
         for op in CANONICAL_OPS:
@@ -89,7 +109,7 @@ def _compile(policy: Policy, low: str, reason: str, active: bool, why: str,
     control = {k: v for k, v in _control(active).items() if k not in fixed_extra}
     try:
         plan = compile_ops(BACKEND, policy, control=control, native=native, compute_dtype=low,
-                           compute_reason=reason, fixed=fixed, notes=notes, details=details,
+                           compute_reason=reason, fixed=fixed, notes=notes, details=details, index=index,
                            fp8=Fp8Support(missing=FP8_MISSING))
         exc = None
     except UnsupportedError as e:
@@ -124,14 +144,13 @@ def amp_support(place: str, dtype: str) -> tuple[bool, str]:
                       f"Paddle reports no {dtype} AMP on this GPU; it runs float32")
 
 
-def compile_dygraph(policy: Policy, place: str) -> Plan:
-    """The Plan for a ``paddle.nn.Layer`` on ``place`` (``"cpu"`` or ``"gpu"``)."""
+def compile_dygraph(policy: Policy, place: str, index: Iterable[LayerInfo] | None = None) -> Plan:
+    """The Plan for a ``paddle.nn.Layer`` on ``place`` (``"cpu"`` or ``"gpu"``; ``index``: its layers)."""
     low, reason = policy.compute_dtype, "as the policy says"
     if low == "auto":
-        if place == "gpu" and amp_support("gpu", "bfloat16")[0]:
-            low, reason = "bfloat16", "auto: this GPU runs bfloat16 AMP"
-        elif place == "gpu" and amp_support("gpu", "float16")[0]:
-            low, reason = "float16", "auto: no bfloat16 on this GPU; float16 with dynamic loss scaling"
+        if place == "gpu":
+            low, reason = resolve_auto(fast_bf16=amp_support("gpu", "bfloat16")[0],
+                                       fast_fp16=amp_support("gpu", "float16")[0], where="this GPU (Paddle AMP)")
         else:
             low, reason = "float32", f"auto: {CPU_WHY}"
     active, why = amp_support(place, low)
@@ -160,13 +179,13 @@ def compile_dygraph(policy: Policy, place: str) -> Plan:
                 else:
                     param_fallback = "float32"
     level = "O2" if is_low(policy.param_dtype) else "O1"
-    details = {"mode": "dygraph", "place": place, "amp_active": active, "level": level,
-               "amp_dtype": low, "param_dtype": policy.param_dtype if active else "float32",
-               "white": sorted(lists.white), "black": sorted(lists.black), "gray": sorted(lists.gray)}
+    details = PaddleDetails("dygraph", place, active, low, policy.param_dtype if active else "float32", level,
+                            {"white": tuple(sorted(lists.white)), "black": tuple(sorted(lists.black)),
+                             "gray": tuple(sorted(lists.gray))})
     notes = ("Paddle has no 'follow inputs' list: ops in neither list (promote and follow-inputs) are "
              "Paddle's gray ops, which run in the promoted dtype of their inputs",)
     return _compile(policy, low, reason, active, why, {}, problems, details, notes,
-                    param_fallback, override_fallbacks)
+                    param_fallback, override_fallbacks, index)
 
 
 def compile_static(policy: Policy) -> Plan:
@@ -197,13 +216,14 @@ def compile_static(policy: Policy) -> Plan:
         problems.append(f"param_dtype = {policy.param_dtype!r}: unimp-paddle's static path keeps float32 "
                         f"params (pure bf16 Programs are not supported yet); params stay float32")
         param_fallback = "float32"
-    if policy.loss_scale.mode != "none":
-        problems.append(f"loss_scale.mode = {policy.loss_scale.mode!r}: unimp-paddle does not insert loss "
+    scaling = resolved_loss_scale(policy, low).mode
+    if scaling != "none":
+        problems.append(f"loss_scale.mode = {scaling!r}: unimp-paddle does not insert loss "
                         f"scaling into static Programs (bf16 does not need it); no scaling is applied")
     problems += _override_problems(policy, "static overrides (by parameter name) can only keep ops float32")
     lists = compile_lists(policy)
-    details = {"mode": "static", "place": "cpu", "amp_active": active, "amp_dtype": low, "cpu": facts.record(),
-               "param_dtype": "float32", "loss_scaling": "none",
-               "bf16": sorted(lists.white), "fp32": sorted(lists.black), "gray": sorted(lists.gray)}
+    details = PaddleDetails("static", "cpu", active, low, "float32",
+                            lists={"bf16": tuple(sorted(lists.white)), "fp32": tuple(sorted(lists.black)),
+                                   "gray": tuple(sorted(lists.gray))}, cpu=facts.record(), loss_scaling="none")
     notes = ("static gray ops run float32 if any producer is float32, else bfloat16 if any is bfloat16",)
     return _compile(policy, low, reason, active, why, fixed_extra, problems, details, notes, param_fallback)

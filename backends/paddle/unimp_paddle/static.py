@@ -18,14 +18,24 @@ Needs the legacy IR (``FLAGS_enable_pir_api=0`` before paddle is imported); unde
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from typing import Any
 
-from unimp.spi import CANONICAL_OPS, Amp, LossScale, LossScaleState, Plan, Report, ReportRow, UnsupportedError
+from unimp.spi import (
+    CANONICAL_OPS,
+    Amp,
+    LossScale,
+    LossScaleState,
+    Plan,
+    Report,
+    ReportRow,
+    UnsupportedError,
+    dtype_name,
+)
 
 from .ops import compile_lists, op_types
 
-NUMPY_DTYPES = {"uint16": "bfloat16", "float32": "float32", "float16": "float16", "float64": "float64"}
 RANK2_ONLY = {"matmul_v2": "X", "layer_norm": "X"}  # bf16 CPU kernels that mis-read rank > 2 inputs
 
 
@@ -70,11 +80,10 @@ class StaticAmp(Amp):
                             f"{type(optimizer).__name__}")
         super().__init__(plan, program, optimizer)
         self._original = program.clone()
-        self._state = LossScale(self.policy.loss_scale.__class__(
-            **{**vars(self.policy.loss_scale), "mode": "none"})).initial_state()
+        self._state = LossScale(dataclasses.replace(plan.loss_scale, mode="none")).initial_state()
         self.fp32_vars: dict[str, str] = {}
         self._training = optimizer is not None
-        if plan.details["amp_active"]:
+        if plan.details.amp_active:
             self.amp_lists = self._amp_lists(program)
             from paddle.static.amp.bf16 import rewrite_program_bf16
 
@@ -158,7 +167,7 @@ class StaticAmp(Amp):
             raise UnsupportedError(f"Paddle's oneDNN has no kernel for this bf16 Program on this CPU, "
                                    f"{cpu().describe()}: {str(e).strip().splitlines()[-1]}; set compute_dtype = "
                                    f"\"auto\" (float32 where bf16 is not native)") from None
-        return [(t, v, NUMPY_DTYPES.get(str(x.dtype), str(x.dtype))) for (t, v), x in zip(wanted, values)]
+        return [(t, v, dtype_name(x.dtype, {"uint16": "bfloat16"})) for (t, v), x in zip(wanted, values)]
 
     def report(self, executor: Any = None, feed: dict[str, Any] | None = None, scope: Any = None) -> Report:
         """Rows per canonical op of the Program, dtypes from a real run (``executor`` + ``feed``)."""

@@ -170,7 +170,7 @@ def reduce_dtype(dtype):
 
     step(x)
     return {"w": [float(c.numpy()[0, 0]) for c in components(amp.model.trainable_variables[0])],
-            "note": amp.plan.details.get("distributed", "")}
+            "note": amp.plan.details.distributed}
 
 
 def errors():

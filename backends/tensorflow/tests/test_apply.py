@@ -13,6 +13,7 @@ import tensorflow as tf
 import unimp
 from unimp.conformance import cast_like
 from unimp.ops import kind_of
+from unimp_tensorflow.ops import NATIVE_OPS
 
 X = np.random.default_rng(0).normal(size=(32, 12)).astype("float32")
 Y = (X[:, :4].sum(-1) > 0).astype("int32")
@@ -61,7 +62,7 @@ def build(factory):
 def expected(policy, path, layer):
     """The core's decision for one layer (follow-inputs layers checked separately)."""
     names = tuple(c.__name__ for c in type(layer).__mro__)
-    kind = next((k for k in map(lambda n: kind_of(n, "keras"), names) if k), None)
+    kind = next((k for k in map(lambda n: kind_of(n, NATIVE_OPS), names) if k), None)
     return policy.decide(path, kind, names, "bfloat16")
 
 

@@ -1,7 +1,9 @@
 """Loss scaling: unimp's optimizer vs the core reference for every knob, and Keras' own
 LossScaleOptimizer vs the keras_mixed_float16 preset. Expected values come from unimp.loss_scale."""
 
+import pathlib
 import random
+import sys
 
 import keras
 import numpy as np
@@ -192,3 +194,15 @@ def test_keras_rule_is_not_the_torch_rule():
     assert _replay_keras(native, [True] * 200) != trajectory(torch_like.loss_scale, [True] * 200)[0]  # no cap
     ours = LossScaleOptimizer(keras.optimizers.SGD(0.1), torch_like.loss_scale)
     assert _replay_keras(ours, seq) == trajectory(torch_like.loss_scale, seq)[0]
+
+
+def test_real_tf_keras_replays_its_preset_and_the_tf_rule():
+    """Where tf_keras is installed (not in the tox matrix; tests/test_loss_scale_systems.py checks the
+    reference against its recorded digests): its _DynamicLossScaleState = tf_keras_mixed_float16."""
+    pytest.importorskip("tf_keras")
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[3] / "tests" / "fixtures"))
+    from make_loss_scale_systems import tf_keras
+
+    n, longest = replay_size(0.5)
+    assert check_system_replay(tf_keras, unimp.load("tf_keras_mixed_float16").loss_scale, n=n, max_len=longest,
+                               backend=_tf_runner, effective=device_spec) == n

@@ -18,13 +18,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
-from unimp.spi import Amp, LossScale, LossScaleState, Plan, Report, ReportRow
+from unimp.spi import Amp, LossScale, LossScaleState, Plan, Report, ReportRow, StateError, fp8_report_notes
 
+from . import fp8
 from .bind import Binding, undo
 from .trace import observe
 
@@ -38,7 +39,7 @@ class TensorFlowAmp(Amp):
         self._binding = binding
         self.findings = list(binding.findings)
         self.data_formats = dict(binding.formats)  # conv/pooling data_format by layer path
-        self._state = LossScale(self.policy.loss_scale).initial_state()  # used without an optimizer
+        self._state = LossScale(plan.loss_scale).initial_state()  # used without an optimizer
 
     # ------------------------------------------------------------------ training verbs
     def scale_loss(self, loss: Any) -> Any:
@@ -68,10 +69,33 @@ class TensorFlowAmp(Amp):
         if self._removed:
             raise RuntimeError("amp.report(): this Amp was removed; apply the policy again to report")
         seen, out = observe(self.model, self._binding.units, _sample(self.model) if x is None else x)
-        rows = [ReportRow(u.path, u.kind, *seen[u.path]) for u in self._binding.units if u.path in seen]
+        ran = {e.path: self.plan.fp8.recipe for e in self._binding.fp8}
+        rows = [ReportRow(u.path, u.kind, *seen[u.path], fp8=ran.get(u.path)) for u in self._binding.units
+                if u.path in seen]
         rows.append(ReportRow("", None, None, None, out))
-        notes = [f"{self.plan.details.get('loss_scaler', '')}"] if self.optimizer is not None else []
-        return self.report_header(rows, notes=[n for n in notes if n])
+        notes = [self.plan.details.loss_scaler] if self.optimizer is not None else []
+        return self.report_header(rows, notes=[n for n in notes if n] + fp8_report_notes(self._binding.fp8_decisions))
+
+    # ------------------------------------------------------------------ FP8 scaling state
+    def state_dict(self) -> dict[str, Any]:
+        """The canonical state, plus ``fp8``: Keras' float8 scaling weights as plain floats (when any)."""
+        out = super().state_dict()
+        if self._binding.fp8:
+            out["fp8"] = fp8.state(self._binding.fp8)
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
+        """As :meth:`unimp.backend.Amp.load_state_dict`; ``fp8`` (when present) is checked first and
+        assigned to the scaling weights exactly. Without ``fp8`` they stay as they are."""
+        self._check_live("amp.load_state_dict()")
+        plain = state.get("fp8") if isinstance(state, Mapping) else None
+        if plain is not None:
+            problems = fp8.check(self._binding.fp8, plain)
+            if problems:
+                raise StateError("amp.load_state_dict(): " + "; ".join(problems))
+        super().load_state_dict(state, strict=strict)
+        if plain is not None:
+            fp8.load(self._binding.fp8, plain)
 
     def master_pairs(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
         """``(path.variable, low param as float32, float32 master)`` per parameter with a master."""

@@ -13,8 +13,9 @@ import contextlib
 import sys
 from typing import Any, ClassVar
 
-from unimp.spi import Amp, Backend, Plan, Policy
+from unimp.spi import Amp, Backend, Plan, Policy, native_table
 
+from .ops import NATIVE_OPS
 from .plan import compile_plan
 
 OPTIONS = ("native_loss_scale",)
@@ -27,6 +28,9 @@ class TensorFlowBackend(Backend):
     framework: ClassVar[str] = "keras"
     distribution: ClassVar[str] = "unimp-tensorflow"
     model_types: ClassVar[str] = "keras.Model (Keras 3, TensorFlow backend)"
+    native_ops: ClassVar = native_table("tensorflow", NATIVE_OPS)
+    tags: ClassVar = frozenset({"fp16", "bf16", "master_weights", "loss_scaling", "training", "overrides", "layout",
+                                "layer_level", "distributed", "remove"})
     priority: ClassVar[int] = 0
 
     def accepts(self, model: Any) -> bool:
@@ -34,7 +38,9 @@ class TensorFlowBackend(Backend):
         return keras is not None and isinstance(model, keras.Model) and keras.backend.backend() == "tensorflow"
 
     def compile(self, policy: Policy, model: Any = None) -> Plan:
-        return compile_plan(policy)
+        from .index import model_index
+
+        return compile_plan(policy, model_index(model) if model is not None else None)
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         """Set per-layer dtype policies on ``model`` and wrap ``optimizer`` for loss scaling.
@@ -50,6 +56,10 @@ class TensorFlowBackend(Backend):
         from .distributed import strategy_of
 
         check_inputs(model, optimizer)
+        if not plan.layers:  # compiled without the model: index it once
+            from .index import model_index
+
+            plan = plan.with_index(model_index(model))
         strategy = strategy_of(model, optimizer)  # tf.distribute: variables unimp creates are mirrored
         with strategy.scope() if strategy is not None else contextlib.nullcontext():
             binding = apply_layers(plan, model)

@@ -15,21 +15,22 @@ the optimizer wrapper (and ``model.optimizer`` when the model was compiled with 
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import keras
 
-from unimp.spi import Plan, UnimpWarning, UnsupportedError, is_low
+from unimp.spi import Plan, UnsupportedError, is_low
 
+from . import fp8
 from .distributed import is_distributed, unhook_inner
 from .dtype_policies import FollowInputs, keras_policy
 from .index import Unit, descendants, is_graph, walk
-from .layout import data_formats, layout_findings, misaligned
+from .layout import data_formats, layout_findings
 from .optimizer import KerasLossScaleOptimizer, LossScaleOptimizer
 from .params import Swap, swap_params
 from .plan import keras_rule
+from .trace import call_name
 
 
 @dataclass
@@ -45,6 +46,8 @@ class Binding:
     compiled_optimizer: Any = None
     findings: list[str] = field(default_factory=list)
     formats: dict[str, str] = field(default_factory=dict)
+    fp8: list[Any] = field(default_factory=list)  # unimp_tensorflow.fp8.Fp8Layer per layer quantized to float8
+    fp8_decisions: list[Any] = field(default_factory=list)  # unimp.fp8.Fp8Decision per layer FP8 concerns
 
 
 def check_inputs(model: Any, optimizer: Any) -> None:
@@ -73,8 +76,7 @@ def _set_policy(binding: Binding, layer: Any, policy: Any) -> None:
 
 def _decide(plan: Plan, unit: Unit) -> tuple[str | None, str, str]:
     """(compute dtype or None to follow inputs, param dtype, category) for one unit."""
-    pol = plan.policy
-    d = pol.decide(unit.path, unit.kind, unit.type_names, plan.compute_dtype)
+    d = plan.decide(unit.path, unit.kind, unit.type_names)
     compute = d.compute_dtype
     if d.override is None and unit.kind is not None:
         op = plan.op(unit.kind)
@@ -88,16 +90,7 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
     pol = plan.policy
     units = walk(model)
     binding = Binding(units)
-    found = misaligned(units, pol.layout.align)
-    if found and pol.layout.on_misaligned == "error":
-        raise UnsupportedError("unimp (tensorflow): dims not a multiple of layout.align="
-                               f"{pol.layout.align}:\n  " + "\n  ".join(found)
-                               + "\nfix: resize these layers, or set layout.on_misaligned = 'warn' or 'ignore'")
-    if found and pol.layout.on_misaligned == "warn":
-        warnings.warn("unimp (tensorflow): dims not a multiple of layout.align="
-                      f"{pol.layout.align}: " + "; ".join(found), UnimpWarning, stacklevel=4)
-    if pol.layout.on_misaligned != "ignore":
-        binding.findings += found
+    binding.findings += plan.layout.act("tensorflow")
     binding.formats = data_formats(units)
     binding.findings += layout_findings(binding.formats, pol.layout.channels_last)
     plans = []
@@ -121,6 +114,11 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
         if param is not None and is_low(param) and u.has_params:
             for layer in (u.layer, *descendants(u.layer)):
                 binding.swaps += swap_params(layer, param)
+    for u, decision in fp8.decide(plan, units):  # Keras' float8 Dense on the layers the Plan chose
+        binding.fp8_decisions.append(decision)
+        if decision.fp8:
+            binding.fp8.append(fp8.quantize(plan, u, binding.policies))
+            fp8.guard_eager(u, binding.instance_methods)
     for u in units:
         if u.parent is not None and not is_graph(u.parent):
             patch_stream(u.layer, u.parent, binding)
@@ -172,8 +170,9 @@ def patch_stream(layer: Any, parent: Any, binding: Binding) -> None:
     (to the container's input dtype, e.g. float32 when the residual stream is float32, as torch's
     promotion keeps it; float16 when the stream is float16, as Keras' own mixed policies keep it).
     """
-    own = layer.__dict__.get("call")
-    original = layer.call
+    name = call_name(layer)  # a float8 layer runs quantized_call
+    own = layer.__dict__.get(name)
+    original = getattr(layer, name)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         out = call.inner(*args, **kwargs)  # type: ignore[attr-defined]
@@ -181,8 +180,8 @@ def patch_stream(layer: Any, parent: Any, binding: Binding) -> None:
         return keras.tree.map_structure(lambda t: _cast_float(t, stream), out)
 
     call.inner = original  # type: ignore[attr-defined]  # the report looks at the result before the cast
-    object.__setattr__(layer, "call", call)
-    binding.instance_methods.append((layer, own, "call"))
+    object.__setattr__(layer, name, call)
+    binding.instance_methods.append((layer, own, name))
 
 
 def patch_output(model: Any, dtype: str, binding: Binding) -> None:
@@ -208,7 +207,7 @@ def wrap_optimizer(plan: Plan, optimizer: Any, binding: Binding, native: bool | 
     """The loss-scaling (and master-weight) wrapper for ``optimizer``; ``None`` stays ``None``."""
     if optimizer is None:
         return None
-    spec = plan.policy.loss_scale
+    spec = plan.loss_scale
     masters = {id(s.low): s.original for s in binding.swaps
                if s.low.trainable and plan.policy.master_weights.enabled}
     binding.master_ids = set(masters)
@@ -244,6 +243,7 @@ def undo(model: Any, optimizer: Any, wrapper: Any, binding: Binding, masters_on:
             del layer.__dict__[name]
         else:
             object.__setattr__(layer, name, own)
+    fp8.undo(binding.fp8)
     for s in reversed(binding.swaps):
         s.undo(write_back=not (masters_on and s.low.trainable))
     for layer, original in binding.policies.values():

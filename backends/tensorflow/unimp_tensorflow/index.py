@@ -18,7 +18,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from unimp.spi import kind_of
+from unimp.spi import LayerInfo, class_names, kind_of_names
+
+from .ops import NATIVE_OPS
 
 # Activation functions that are canonical ops of their own (Activation("log_softmax")).
 ACTIVATION_KINDS = {"softmax": "softmax", "log_softmax": "log_softmax"}
@@ -44,12 +46,7 @@ def type_names(layer: Any) -> tuple[str, ...]:
     """The layer's class and its Keras base classes, most specific first (``Dense`` subclasses match)."""
     import keras
 
-    names = []
-    for cls in type(layer).__mro__:
-        if cls is keras.layers.Layer or cls is keras.Model:
-            break
-        names.append(cls.__name__)
-    return tuple(names)
+    return class_names(type(layer), stop=(keras.layers.Layer, keras.Model))
 
 
 def kind_of_layer(layer: Any) -> str | None:
@@ -59,11 +56,7 @@ def kind_of_layer(layer: Any) -> str | None:
     if isinstance(layer, keras.layers.Activation):
         fn = getattr(layer.activation, "__name__", "")
         return ACTIVATION_KINDS.get(fn, "activation")
-    for name in type_names(layer):
-        kind = kind_of(name, "keras")
-        if kind:
-            return kind
-    return None
+    return kind_of_names(type_names(layer), NATIVE_OPS)
 
 
 def sublayers(layer: Any) -> list[Any]:
@@ -89,6 +82,23 @@ def _walk(layer: Any, prefix: str, parent: Any = None) -> Iterator[Unit]:
             yield from _walk(sub, path, sub)
         else:
             yield Unit(path, sub, kind, type_names(sub), parent=parent)
+
+
+def dims(layer: Any) -> tuple[tuple[str, int], ...]:
+    """The dims of a layer that matter for tensor-core tiling, with Keras' names."""
+    if hasattr(layer, "embeddings") and getattr(layer, "input_dim", None) is not None:
+        return (("input_dim", int(layer.input_dim)), ("output_dim", int(layer.output_dim)))
+    kernel = getattr(layer, "kernel", None) if getattr(layer, "built", False) else None
+    if kernel is None or len(kernel.shape) < 2:
+        return ()
+    out_name = "filters" if hasattr(layer, "filters") else "units"
+    return (("input_dim" if out_name == "units" else "input_channels", int(kernel.shape[-2])),
+            (out_name, int(kernel.shape[-1])))
+
+
+def model_index(model: Any) -> tuple[LayerInfo, ...]:
+    """The Plan's index of ``model``: per unit its path, kind, class names and (leaf units) tiling dims."""
+    return tuple(LayerInfo(u.path, u.kind, u.type_names, () if u.container else dims(u.layer)) for u in walk(model))
 
 
 def is_graph(layer: Any) -> bool:

@@ -1,44 +1,15 @@
-"""Layout findings: dims that are not a multiple of ``layout.align``, and conv data formats.
+"""Layout findings about conv data formats (dims not a multiple of ``layout.align`` are the Plan's, from
+the model index: :func:`unimp_tensorflow.index.dims`).
 
->>> import keras
->>> m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(12, name="fc")])
->>> from unimp_tensorflow.index import walk
->>> misaligned(walk(m), 8)
-['fc: input_dim=4 is not a multiple of 8', 'fc: units=12 is not a multiple of 8']
+>>> data_formats([])
+{}
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from .index import Unit
-
-
-def _dims(layer: Any) -> list[tuple[str, int]]:
-    """The dims of a layer that matter for tensor-core tiling, with Keras' names."""
-    if hasattr(layer, "embeddings") and getattr(layer, "input_dim", None) is not None:
-        return [("input_dim", int(layer.input_dim)), ("output_dim", int(layer.output_dim))]
-    kernel = getattr(layer, "kernel", None) if getattr(layer, "built", False) else None
-    if kernel is None or len(kernel.shape) < 2:
-        return []
-    out_name = "filters" if hasattr(layer, "filters") else "units"
-    return [("input_dim" if out_name == "units" else "input_channels", int(kernel.shape[-2])),
-            (out_name, int(kernel.shape[-1]))]
-
-
-def misaligned(units: Iterable[Unit], align: int) -> list[str]:
-    """One finding per dim not a multiple of ``align``: ``"fc1: units=32 is not a multiple of 64"``."""
-    if align <= 1:
-        return []
-    out = []
-    for u in units:
-        if u.container:
-            continue
-        for name, n in _dims(u.layer):
-            if n % align:
-                out.append(f"{u.path}: {name}={n} is not a multiple of {align}")
-    return out
 
 
 def data_formats(units: Iterable[Unit]) -> dict[str, str]:

@@ -30,12 +30,15 @@ KerasLSO = keras.optimizers.LossScaleOptimizer
 ONLY_FIRST = "only_first_replica"
 
 
-def _unscale(grads: list, scale: tf.Tensor | None) -> list:
+def _unscale(grads: list, scale: tf.Tensor | None, variables: list | None = None) -> list:
+    """``grads / scale``; a Keras float8 scaling variable's "gradient" (its new value, the variable's
+    ``overwrite_with_gradient``) is left as it is."""
     if scale is None:
         return list(grads)
     out = []
-    for g in grads:
-        if g is None:
+    keep = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables] if variables else []
+    for i, g in enumerate(grads):
+        if g is None or (i < len(keep) and keep[i]):
             out.append(g)
         elif isinstance(g, tf.IndexedSlices):
             out.append(tf.IndexedSlices(g.values / tf.cast(scale, g.values.dtype), g.indices, g.dense_shape))
@@ -119,11 +122,11 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         tvs = list(trainable_variables or self._trainable_variables)
         scale = None if self.spec.mode == "none" else self.dynamic_scale
         if not self._masters:
-            self.inner_optimizer.apply(_unscale(grads, scale), trainable_variables=tvs)
+            self.inner_optimizer.apply(_unscale(grads, scale, tvs), trainable_variables=tvs)
             return
         grads32 = [g if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32) for g in grads]
         targets = [self._masters.get(id(v), v) for v in tvs]
-        self.inner_optimizer.apply(_unscale(grads32, scale), trainable_variables=targets)
+        self.inner_optimizer.apply(_unscale(grads32, scale, tvs), trainable_variables=targets)
         if sync_masters:
             for v, m in zip(tvs, targets, strict=True):
                 if m is not v:

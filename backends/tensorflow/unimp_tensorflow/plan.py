@@ -12,9 +12,12 @@ CPU without native units) imports TensorFlow to look for GPUs; the CPU facts are
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 from unimp.spi import (
     CANONICAL_OPS,
-    OPS,
+    LayerInfo,
     LossScaleSpec,
     Plan,
     Policy,
@@ -23,11 +26,16 @@ from unimp.spi import (
     cpu,
     is_low,
     requested_dtype,
+    resolve_auto,
     resolve_cpu_auto,
+    resolved_loss_scale,
 )
 from unimp.spi import (
     warn_emulated as warn_cpu_emulated,
 )
+
+from .fp8 import support as fp8_support
+from .ops import NATIVE_OPS
 
 BACKEND = "tensorflow"
 EXTRA_NATIVE = {
@@ -62,17 +70,16 @@ def _gpus() -> list:
     return tf.config.list_physical_devices("GPU")
 
 
-def resolve_auto() -> tuple[str, str]:
+def resolve_compute_auto() -> tuple[str, str]:
     """``auto`` on this machine: bf16 on Ampere+ GPUs (fp16 + dynamic scaling before); on CPU from its facts."""
     import tensorflow as tf
 
     gpus = _gpus()
     if not gpus:
         return resolve_cpu_auto("Keras (oneDNN)")
-    cc = tf.config.experimental.get_device_details(gpus[0]).get("compute_capability", (0, 0))
-    if tuple(cc) >= (8, 0):
-        return "bfloat16", f"auto: GPU compute capability {cc[0]}.{cc[1]} has bf16 tensor cores"
-    return "float16", f"auto: GPU compute capability {cc[0]}.{cc[1]} has no fast bf16; fp16 + dynamic scaling"
+    cc = tuple(tf.config.experimental.get_device_details(gpus[0]).get("compute_capability", (0, 0)))
+    return resolve_auto(fast_bf16=cc >= (8, 0), fast_fp16=True,
+                        where=f"this GPU (compute capability {cc[0]}.{cc[1]})")
 
 
 def warn_emulated(policy: Policy, compute: str) -> str | None:
@@ -85,8 +92,8 @@ def warn_emulated(policy: Policy, compute: str) -> str | None:
     return warn_cpu_emulated(slow[0][1], slow[0][0], "Keras (oneDNN)")
 
 
-def loss_scaler(policy: Policy) -> str:
-    spec = policy.loss_scale
+def loss_scaler(policy: Policy, spec: LossScaleSpec) -> str:
+    """Which optimizer wrapper runs ``spec`` (the Plan's resolved loss scale) for ``policy``."""
     if keras_rule(spec) and not policy.uses_master_weights:
         return "loss scaling: Keras' own LossScaleOptimizer (its fixed rule is exactly the policy's)"
     return f"loss scaling: unimp LossScaleOptimizer ({spec.mode}, the core reference rule)"
@@ -119,11 +126,19 @@ def distributed_note(policy: Policy) -> str:
             "(keras#21366)")
 
 
-def compile_plan(policy: Policy) -> Plan:
-    """The Plan for ``policy`` on Keras 3 / TensorFlow."""
+@dataclass(frozen=True)
+class TensorFlowDetails:
+    """What the tensorflow backend decided at compile time (``plan.details``)."""
+
+    loss_scaler: str  # which optimizer wrapper runs the loss scale
+    distributed: str  # how tf.distribute runs under the policy
+
+
+def compile_plan(policy: Policy, index: Iterable[LayerInfo] | None = None) -> Plan:
+    """The Plan for ``policy`` on Keras 3 / TensorFlow (``index``: the model's layers, when known)."""
     compute, reason = policy.compute_dtype, "as the policy says"
     if compute == "auto":
-        compute, reason = resolve_auto()
+        compute, reason = resolve_compute_auto()
     elif warn_emulated(policy, compute):
         reason += f" (emulated on this CPU, slower than float32: {cpu().describe()})"
     want = requested_dtype(policy, "loss", compute)
@@ -131,15 +146,16 @@ def compile_plan(policy: Policy) -> Plan:
     fixed = {"loss": (None, LOSS_WHY + "; it takes the float32 model output, so it follows its inputs")
              if follows_f32 else ("float32", LOSS_WHY)}
     control = {op: "layer" for op in CANONICAL_OPS if op not in fixed}
-    native = {op: (*OPS[op].keras, *EXTRA_NATIVE.get(op, ())) for op in CANONICAL_OPS}
+    native = {op: (*NATIVE_OPS.get(op, ()), *EXTRA_NATIVE.get(op, ())) for op in CANONICAL_OPS}
     notes = list(NOTES)
     if is_low(policy.param_dtype) or policy.uses_master_weights:
         notes.append("low-precision params: Keras fixes a variable's dtype at creation, so layers holding "
                      f"{policy.param_dtype} params get {policy.param_dtype} copies while applied; the "
                      "original float32 variables are the masters the optimizer wrapper updates")
-    notes.append(loss_scaler(policy))
+    details = TensorFlowDetails(loss_scaler(policy, resolved_loss_scale(policy, compute)), distributed_note(policy))
+    notes.append(details.loss_scaler)
     notes.extend(scale_fallbacks(policy))
-    notes.append(distributed_note(policy))
+    notes.append(details.distributed)
     return compile_ops(BACKEND, policy, control=control, native=native, compute_dtype=compute,
-                       compute_reason=reason, fixed=fixed, notes=tuple(notes),
-                       details={"loss_scaler": loss_scaler(policy), "distributed": distributed_note(policy)})
+                       compute_reason=reason, fixed=fixed, notes=tuple(notes), details=details, index=index,
+                       fp8=fp8_support())

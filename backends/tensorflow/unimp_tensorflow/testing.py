@@ -75,7 +75,7 @@ class TensorFlowKit(Kit):
 
     def observe(self, amp: Any, batch: ProbeBatch) -> dict[str, Observation]:
         rep = amp.report(batch.tokens)
-        return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype) for r in rep.rows if r.path}
+        return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype, r.fp8) for r in rep.rows if r.path}
 
     def output(self, amp: Any, batch: ProbeBatch) -> Any:
         return amp.model(batch.tokens, training=False)
@@ -84,14 +84,22 @@ class TensorFlowKit(Kit):
         return keras.backend.standardize_dtype(value.dtype)
 
     def step(self, amp: Any, batch: ProbeBatch, poison: bool = False) -> float:
-        """One custom-loop step: scale_loss -> tape.gradient -> apply_gradients."""
+        """One custom-loop step: scale_loss -> tape.gradient -> apply_gradients (in a tf.function where
+        Keras float8 layers run: their gradient does not run eagerly)."""
+        if amp._binding.fp8:
+            compiled = self.__dict__.setdefault("_fp8_steps", {})
+            fn = compiled.setdefault(id(amp), (amp, tf.function(self._step)))[1]  # amp kept: ids stay unique
+            return float(fn(amp, tf.constant(batch.tokens), tf.constant(batch.targets), poison))
+        return float(self._step(amp, batch.tokens, batch.targets, poison))
+
+    def _step(self, amp: Any, tokens: Any, targets: Any, poison: bool) -> Any:
         variables = amp.model.trainable_variables
         with tf.GradientTape() as tape:
-            loss = nll(amp.model(batch.tokens, training=True), batch.targets)
+            loss = nll(amp.model(tokens, training=True), targets)
             scaled = amp.scale_loss(loss * (float("inf") if poison else 1.0))
         grads = tape.gradient(scaled, variables)
         amp.apply_gradients(zip(grads, variables))
-        return float(loss)
+        return loss
 
     def snapshot(self, amp: Any) -> dict[str, Any]:
         out = {f"model/{i}:{v.path}": v.numpy() for i, v in enumerate(amp.model.weights)}

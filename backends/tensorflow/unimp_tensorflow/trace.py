@@ -38,6 +38,11 @@ def _float_dtypes(structure: Any) -> list[str]:
     return out
 
 
+def call_name(layer: Any) -> str:
+    """The method Keras runs for ``layer``: ``quantized_call`` for a quantized layer (float8), else ``call``."""
+    return "quantized_call" if getattr(layer, "quantization_mode", None) else "call"
+
+
 def param_dtype(layer: Any) -> str | None:
     """The dtype the layer's float variables are stored in (None without variables)."""
     dtypes = [keras.backend.standardize_dtype(w.dtype) for w in layer.weights]
@@ -53,7 +58,9 @@ def observe(model: Any, units: Iterable[Unit], x: Any) -> tuple[dict[str, Seen],
     for u in units:
         if u.container:
             continue
-        layer, original = u.layer, u.layer.call
+        layer = u.layer
+        name = call_name(layer)
+        original = getattr(layer, name)
         inner = getattr(original, "inner", None)
         if inner is not None:  # results cast to the enclosing block's dtype (binding.patch_stream)
 
@@ -74,19 +81,19 @@ def observe(model: Any, units: Iterable[Unit], x: Any) -> tuple[dict[str, Seen],
             seen.setdefault(_u.path, (compute, None, output))
             return out
 
-        had = "call" in vars(layer)
-        object.__setattr__(layer, "call", recorder)
-        patched.append((layer, had, original))
+        had = name in vars(layer)
+        object.__setattr__(layer, name, recorder)
+        patched.append((layer, had, original, name))
     try:
         out = model(x, training=False)
     finally:
         for call, inner in inners:
             call.inner = inner
-        for layer, had, original in patched:
+        for layer, had, original, name in patched:
             if had:
-                object.__setattr__(layer, "call", original)
+                object.__setattr__(layer, name, original)
             else:
-                del layer.__dict__["call"]
+                del layer.__dict__[name]
     params = {u.path: param_dtype(u.layer) for u in units}  # outside any autocast scope
     seen = {p: (c, params[p], o) for p, (c, _, o) in seen.items()}
     outs = _float_dtypes(out)

@@ -54,7 +54,7 @@ def test_torch_preset_on_cuda_is_plain_autocast():
     from unimp_torch.autocast import has_kernel
 
     rms_move = {} if has_kernel("rms_norm", "cuda") else {"rms_norm": "float32"}  # torch < 2.13
-    assert amp.plan.details["op_moves"] == rms_move
+    assert amp.plan.details.op_moves == rms_move
     assert amp.wrapped == []
     amp.remove()
 

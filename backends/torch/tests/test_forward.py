@@ -175,6 +175,6 @@ def test_functional_calls_follow_the_policy_both_directions():
     assert down["softmax"] == down["layer_norm"] == down["loss"] == BF16
     # and the Plan says so: every op is controlled at op level
     plan = compile_plan(unimp.load({"extends": "mixed_bf16", "ops": {"float32": ["matmul"]}}), "cpu")
-    assert plan.op("matmul").control == "op" and plan.details["op_moves"]["matmul"] == "float32"
+    assert plan.op("matmul").control == "op" and plan.details.op_moves["matmul"] == "float32"
     assert compile_plan(unimp.load({"extends": "mixed_bf16", "ops": {"float32": ["matmul"]}}),
-                        "cuda").details["op_moves"]["matmul"] == "float32"
+                        "cuda").details.op_moves["matmul"] == "float32"

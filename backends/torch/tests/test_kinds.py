@@ -139,9 +139,9 @@ def test_mean_on_cuda_keeps_torchs_choice_and_says_so():
     assert torch._C._dispatch_has_kernel_for_dispatch_key("aten::sum.dim_IntList", "AutocastCUDA")
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::mean.dim", "AutocastCUDA")
     plan = compile_plan(unimp.load("mixed_bf16"), "cuda")
-    assert "mean" not in plan.details["op_moves"]
+    assert "mean" not in plan.details.op_moves
     assert any(n.startswith("reduction: torch keeps its own choice for mean") for n in plan.notes)
-    assert compile_plan(unimp.load("mixed_bf16"), "cpu").details["op_moves"]["mean"] == "float32"
+    assert compile_plan(unimp.load("mixed_bf16"), "cpu").details.op_moves["mean"] == "float32"
 
 
 def test_hf_attention_is_visible_in_reports_without_changing_decisions():

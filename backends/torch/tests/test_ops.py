@@ -10,7 +10,7 @@ from models import Block
 
 import unimp
 from unimp_torch.op_overrides import PolicyMode
-from unimp_torch.plan import compile_plan
+from unimp_torch.plan import TorchDetails, compile_plan
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -42,7 +42,7 @@ def test_mixed_bf16_on_cpu_gives_the_cuda_dtypes():
 
 def test_torch_autocast_cpu_preset_is_plain_autocast():
     plan = compile_plan(unimp.load("torch_autocast_cpu"), "cpu")
-    assert plan.details["op_moves"] == {}
+    assert plan.details.op_moves == {}
     amp, seen = run("torch_autocast_cpu")
     assert amp.wrapped == [] and amp.model.forward.mode is None  # no PolicyMode: plain autocast
     assert seen["softmax"] == BF16 and seen["matmul"] == BF16  # torch's native CPU behaviour
@@ -63,14 +63,13 @@ def test_mixed_presets_on_cuda_are_autocast_plus_float32_means(preset):
     # reduction (means included) as float32, as Keras and Flax run them
     plan = compile_plan(unimp.load(preset), "cuda")
     assert unimp.load(preset).ops.category("reduction") == "float32"  # expected: from the core
-    assert plan.details == {"device": "cuda", "autocast": plan.compute_dtype,
-                            "op_moves": {**cuda_rms_norm_move(), "mean": "float32"},
-                            "eager_mechanism": "autocast_kernels"}
+    assert plan.details == TorchDetails("cuda", plan.compute_dtype, {**cuda_rms_norm_move(), "mean": "float32"},
+                                        "autocast_kernels")
 
 
 def test_torch_autocast_cuda_keeps_torchs_mean_and_says_so():
     plan = compile_plan(unimp.load("torch_autocast_cuda"), "cuda")
-    assert "mean" not in plan.details["op_moves"]
+    assert "mean" not in plan.details.op_moves
     note = next(n for n in plan.notes if n.startswith("reduction:"))
     assert "mean (inputs on cuda)" in note and "plain torch.autocast" in note
     assert note in str(plan)  # what `unimp explain` prints
@@ -84,7 +83,7 @@ def test_moved_ops_both_directions():
     assert amp.report().row("qkv").compute_dtype == "float32"
     assert amp.plan.op("linear").control == "op" and amp.wrapped == []  # op level, no layer wrappers
     # torch's CPU autocast has a C++ kernel for matmul: the eager forward runs PolicyMode
-    assert amp.plan.details["eager_mechanism"] == "function_mode"
+    assert amp.plan.details.eager_mechanism == "function_mode"
     amp.remove()
 
 
@@ -107,7 +106,7 @@ def test_presets_move_ops_through_autocast_kernels_not_a_function_mode():
     assert not _autocast_kernel("aten::softmax.int")  # torch's own CPU list
     model = ModeSpy()
     amp = unimp.apply("mixed_bf16", model)
-    assert amp.plan.details["eager_mechanism"] == "autocast_kernels"
+    assert amp.plan.details.eager_mechanism == "autocast_kernels"
     x = torch.randn(2, 4, 16)
     amp.model(x)  # the first forward is observed (the report's recorder mode runs then)
     model.seen.clear()

@@ -23,9 +23,10 @@ from unimp.spi import Amp, LossScaleState, Plan, Report, ReportRow, fp8_report_n
 
 from .forward import PolicyForward, patch_forward
 from .fp8 import Fp8Binding
+from .index import model_index
 from .integrations.save_pretrained import save_full_precision
 from .layers import DTYPES, Rule, kind, type_names, wrap
-from .layout import check_alignment, has_conv2d, restore_layout, to_channels_last
+from .layout import has_conv2d, restore_layout, to_channels_last
 from .optimizer import AmpOptimizer
 from .params import ParamState, cast_params
 from .scaler import DeviceLossScale
@@ -139,9 +140,7 @@ class TorchAmp(Amp):
         elif self._observer.rows is not None:
             observed = self._observer.rows
         else:
-            raise RuntimeError("amp.report(): run amp.model(x) once first, or pass an example input: "
-                               "amp.report(x) (a compiled forward is not observed: under torch.compile, "
-                               "pass the input)")
+            raise self.no_forward("a compiled forward is not observed: under torch.compile, pass the input")
         fp8 = self.fp8.layers if self.fp8 is not None else {}
         rows = [ReportRow(path or "<model>", r["kind"], r["compute_dtype"], r["param_dtype"], r["output_dtype"],
                           fp8.get(path))
@@ -176,14 +175,16 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         raise RuntimeError(f"unimp.apply: this {type(model).__name__} is a copy of a model with a unimp "
                            f"policy applied (its forward already runs under that policy); apply the policy "
                            f"to a fresh model, or use the copy as it is")
+    if not plan.layers:  # compiled without the model: index it once
+        plan = plan.with_index(model_index(model))
     amp = TorchAmp(plan, model, optimizer, device)
     policy = plan.policy
     try:
-        amp.findings = check_alignment(model, policy.layout)
+        amp.findings = list(plan.layout.act("torch"))
         if fsdp:
             from .distributed import check_fsdp
 
-            check_fsdp(model, policy, plan.compute_dtype)
+            check_fsdp(model, plan)
             if policy.layout.channels_last and has_conv2d(model):
                 amp.findings.append("layout: channels_last not applied to an FSDP2-sharded model (its "
                                     "parameters are DTensor shards); call model.to(memory_format="
@@ -192,7 +193,7 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
             amp._layout = to_channels_last(model)
         optimized = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
         if not fsdp:
-            amp.params = cast_params(model, policy, plan.compute_dtype, optimized)
+            amp.params = cast_params(model, plan, optimized)
         if plan.fp8 is not None and plan.fp8.active:  # after the params' dtypes: Float8Linear shares them
             from .fp8 import convert
 
@@ -200,12 +201,12 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
             amp._undo.append(undo)
         _wrap_layers(amp, model, plan, device)
         details = plan.details
-        autocast = DTYPES[details["autocast"]] if details["autocast"] else None
+        autocast = DTYPES[details.autocast] if details.autocast else None
         compute = DTYPES[plan.compute_dtype]
         params_up = compute if autocast is None and any(
             p.is_floating_point() and p.dtype != torch.float64 and p.itemsize < compute.itemsize
             for p in model.parameters()) else None  # e.g. float16 storage, float32 compute
-        amp._undo.append(patch_forward(model, device, autocast, details["op_moves"],
+        amp._undo.append(patch_forward(model, device, autocast, details.op_moves,
                                        DTYPES[policy.output_dtype], bool(amp._layout), params_up))
         model.__dict__["forward"].observer = amp._observer
         amp._undo.append(save_full_precision(amp, model))  # HF save_pretrained: the fp32 masters
@@ -223,12 +224,12 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
 
 
 def _wrap_layers(amp: TorchAmp, model: nn.Module, plan: Plan, device: str) -> None:
-    policy, low = plan.policy, plan.compute_dtype
-    autocast_on = plan.details["autocast"] is not None
+    policy = plan.policy
+    autocast_on = plan.details.autocast is not None
     low_override = any(o.compute_dtype in ("float16", "bfloat16", "auto") for o in policy.overrides)
     for path, module in model.named_modules():
         names, k = type_names(module), kind(module)
-        decision = policy.decide(path, k, names, low)
+        decision = plan.decide(path, k, names)
         category = policy.ops.category(k) if k else "inputs"
         rule = None
         if decision.override is not None and policy.overrides[decision.override].compute_dtype is not None:

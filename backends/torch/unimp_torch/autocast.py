@@ -16,7 +16,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from unimp.spi import OPS
+from unimp.spi import kind_of
+
+from .ops import NATIVE_OPS
 
 AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 
@@ -60,7 +62,7 @@ def aten_names(op: str, device: str | None = None) -> tuple[str, ...]:
     """
     aten = _aten()
     out = []
-    for name in OPS[op].torch:
+    for name in NATIVE_OPS[op]:
         if name[0].isupper() or name.startswith("_"):
             continue
         if device and DEVICE_ONLY.get(name, device) != device:
@@ -76,7 +78,7 @@ def aten_names(op: str, device: str | None = None) -> tuple[str, ...]:
 @functools.cache
 def function_names(op: str, device: str) -> tuple[str, ...]:
     """The torch function names (``func.__name__`` in a ``TorchFunctionMode``) of canonical ``op``."""
-    extra = tuple(n for n in OPS[op].torch if n in PY_FUNCTIONS)
+    extra = tuple(n for n in NATIVE_OPS[op] if n in PY_FUNCTIONS)
     return aten_names(op, device) + extra
 
 
@@ -122,10 +124,7 @@ def _has(qualified: str, key: str) -> bool:
 
 
 def canonical_of(name: str) -> str | None:
-    for op, info in OPS.items():
-        if name in info.torch:
-            return op
-    return None
+    return kind_of(name, NATIVE_OPS)
 
 
 @functools.cache

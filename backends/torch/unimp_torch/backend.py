@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from unimp.spi import Backend, Plan, Policy
+from unimp.spi import Backend, Plan, Policy, native_table
+
+from .ops import NATIVE_OPS
 
 
 class TorchBackend(Backend):
@@ -20,6 +22,9 @@ class TorchBackend(Backend):
     distribution: ClassVar[str] = "unimp-torch"
     model_types: ClassVar[str] = "torch.nn.Module"
     priority: ClassVar[int] = 0
+    native_ops: ClassVar = native_table("torch", NATIVE_OPS)
+    tags: ClassVar = frozenset({"fp16", "bf16", "master_weights", "loss_scaling", "training", "overrides", "layout",
+                                "op_level", "layer_level", "distributed", "remove"})
 
     def accepts(self, model: Any) -> bool:
         import torch
@@ -27,10 +32,11 @@ class TorchBackend(Backend):
         return isinstance(model, torch.nn.Module)
 
     def compile(self, policy: Policy, model: Any = None) -> Plan:
+        from .index import model_index
         from .plan import compile_plan
         from .validate import device_of
 
-        return compile_plan(policy, device_of(model))
+        return compile_plan(policy, device_of(model), model_index(model) if model is not None else None)
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, *,
               on_skip: Callable[[], Any] | None = None, **options: Any) -> Any:
@@ -43,7 +49,7 @@ class TorchBackend(Backend):
             raise TypeError(f"unimp.apply(...) for torch got unknown options {sorted(options)}; "
                             f"it accepts on_skip=callable")
         device = check_inputs(model, optimizer, on_skip)
-        if plan.details.get("device") != device:
+        if plan.details.device != device:
             plan = self.compile(plan.policy, model)
         compiled = _compiled_inner(model)
         if compiled is not None:  # torch.compile(model) made first: bind the module it wraps
@@ -63,7 +69,7 @@ class TorchBackend(Backend):
             if is_applied(inner):
                 raise RuntimeError("unimp.apply: the module inside this DistributedDataParallel already has "
                                    "a unimp policy applied; use that Amp (amp.ddp() wraps it)")
-            check_ddp_order(plan.policy, ddp, plan.compute_dtype)
+            check_ddp_order(plan, ddp)
             amp = bind(plan, inner, optimizer, device, on_skip)
             try:
                 attach_ddp(amp, ddp, owned=False)

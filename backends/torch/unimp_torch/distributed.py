@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from unimp.spi import Policy, UnimpWarning, UnsupportedError, load
+from unimp.spi import Plan, UnimpWarning, UnsupportedError, load
 
 from .layers import DTYPES, NAMES, kind, type_names
 
@@ -83,11 +83,12 @@ def reduce_hook(state, bucket):  # no annotations: DDP checks them against the r
     return dist.all_reduce(reduced, group=group, async_op=True).get_future().then(back)
 
 
-def check_ddp_order(policy: Policy, ddp: nn.Module, low: str) -> None:
+def check_ddp_order(plan: Plan, ddp: nn.Module) -> None:
     """Refuse ``unimp.apply(policy, DDP(model))`` when apply would replace parameters DDP holds."""
+    policy = plan.policy
     moved = []
     for path, m in ddp.module.named_modules():
-        want = DTYPES[policy.decide(path, kind(m), type_names(m), low).param_dtype]
+        want = DTYPES[plan.decide(path, kind(m), type_names(m)).param_dtype]
         moved += [f"{path}.{n}" if path else n for n, p in m.named_parameters(recurse=False)
                   if p.is_floating_point() and p.dtype not in (want, torch.float64)]
     if moved:
@@ -223,7 +224,7 @@ def fully_shard(model: nn.Module, policy: Any, *, units: Units = None, **kwargs:
 
         plan = compile_plan(policy, device_of(model))
         if plan.fp8 is not None and plan.fp8.active:
-            convert(plan, model, plan.details["device"], fsdp=True)
+            convert(plan, model, plan.details.device, fsdp=True)
     match = _matcher(units)
     modules = dict(model.named_modules())
     roots = [p for p, m in modules.items() if p and match(p, m)] + [""]
@@ -231,7 +232,7 @@ def fully_shard(model: nn.Module, policy: Any, *, units: Units = None, **kwargs:
     def unit_of(path: str, among: list[str]) -> str:
         return max((u for u in among if not u or path == u or path.startswith(u + ".")), key=len)
 
-    want = {p: policy.decide(p, kind(m), type_names(m)).param_dtype
+    want = {p: policy.param_dtype_of(p, kind(m), type_names(m))
             for p, m in modules.items() if _direct_params(m)}
     dtypes: dict[str, str] = {}
     extra: list[str] = []
@@ -255,10 +256,11 @@ def fully_shard(model: nn.Module, policy: Any, *, units: Units = None, **kwargs:
     return model
 
 
-def check_fsdp(model: nn.Module, policy: Policy, low: str) -> None:
-    """Every FSDP unit's dtypes must be what the policy asks; else a clear error with the fix."""
+def check_fsdp(model: nn.Module, plan: Plan) -> None:
+    """Every FSDP unit's dtypes must be what the Plan asks; else a clear error with the fix."""
     from torch.distributed.fsdp import FSDPModule
 
+    policy = plan.policy
     path_of = {id(m): p for p, m in model.named_modules()}
     seen: set[int] = set()
     wrong = []
@@ -277,7 +279,7 @@ def check_fsdp(model: nn.Module, policy: Policy, low: str) -> None:
             orig = fp.sharded_param.dtype
             fwd = mp.param_dtype or orig
             red = mp.reduce_dtype or fwd
-            d = policy.decide(path, kind(info.module), type_names(info.module), low)
+            d = plan.decide(path, kind(info.module), type_names(info.module))
             want_fwd = DTYPES[d.param_dtype]
             want_orig = DTYPES[policy.master_weights.dtype] if (
                 policy.master_weights.enabled and want_fwd != torch.float32) else want_fwd

@@ -16,7 +16,9 @@ module does not import torch.
 - ``TorchAmp``, ``bind``: the Amp and the function that binds a Plan to a model (+ optimizer).
 - ``kind``, ``type_names``, ``NAMES``: a module's canonical kind, the type names overrides match,
   and torch's dtype names.
-- ``check_alignment``: the layout findings (misaligned dims) and the policy's action on them.
+- ``model_index``: a model's modules as the Plan's index (path, kind, class names, tiling dims); the
+  Plan then carries the layout findings and their action (``plan.layout.act(backend)``).
+- ``TorchDetails``: what the torch plan decided (``plan.details``: autocast dtype, op moves, device).
 - ``check_inputs``: the argument checks ``apply`` makes (clear errors naming the argument).
 - ``TorchKit``: the conformance kit (probe model and training step).
 """
@@ -28,8 +30,8 @@ from typing import Any
 
 SURFACE = {
     "TorchBackend": "backend", "compile_plan": "plan", "TorchAmp": "amp", "bind": "amp", "kind": "layers",
-    "type_names": "layers", "NAMES": "layers", "check_alignment": "layout", "check_inputs": "validate",
-    "TorchKit": "testing",
+    "type_names": "layers", "NAMES": "layers", "model_index": "index", "TorchDetails": "plan",
+    "check_inputs": "validate", "TorchKit": "testing",
 }
 
 __all__ = sorted(SURFACE)

@@ -25,32 +25,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.spi import kind_of
+from unimp.spi import class_names, dtype_name, kind_of_names
 
 from .kinds import extra_kind
+from .ops import NATIVE_OPS
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-NAMES = {v: k for k, v in DTYPES.items()}
+NAMES = {v: dtype_name(v) for v in DTYPES.values()}
 
 
 def type_names(module: nn.Module) -> tuple[str, ...]:
     """Class names of ``module`` and its bases up to ``nn.Module`` (for kinds and overrides)."""
-    out = []
-    for cls in type(module).__mro__:
-        if cls in (nn.Module, object):
-            break
-        out.append(cls.__name__)
-    return tuple(out)
+    return class_names(type(module), stop=(nn.Module,))
 
 
 def kind(module: nn.Module) -> str | None:
     """The canonical op of a layer (``Linear`` -> ``linear``; subclasses count as their base;
     third-party leaf layers such as HF ``LlamaRMSNorm`` through :mod:`unimp_torch.kinds`)."""
-    for name in type_names(module):
-        k = kind_of(name, "torch")
-        if k:
-            return k
-    return extra_kind(module)
+    return kind_of_names(type_names(module), NATIVE_OPS) or extra_kind(module)
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,10 @@ originals of frozen parameters) in place of their low-precision copies, and
 weights, and loading one resumes the masters exactly.
 
 >>> import torch, unimp
+>>> from unimp_torch.plan import compile_plan
 >>> m = torch.nn.Linear(4, 4)
 >>> w = m.weight
->>> st = cast_params(m, unimp.load("pure_bf16"), "bfloat16", {id(w), id(m.bias)})
+>>> st = cast_params(m, compile_plan(unimp.load("pure_bf16"), "cpu"), {id(w), id(m.bias)})
 >>> m.weight.dtype, st.masters[0][2] is w, m.state_dict()["weight"].dtype
 (torch.bfloat16, True, torch.float32)
 >>> st.restore(); m.weight is w
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.spi import Policy, UnsupportedError
+from unimp.spi import Plan, UnsupportedError
 
 from .layers import DTYPES, kind, type_names
 
@@ -149,13 +150,13 @@ class _Hook:
                     original.copy_(value)
 
 
-def cast_params(model: nn.Module, policy: Policy, low: str, optimized: set[int]) -> ParamState:
-    """Give every parameter the policy's param dtype; masters for those in ``optimized`` (ids)."""
+def cast_params(model: nn.Module, plan: Plan, optimized: set[int]) -> ParamState:
+    """Give every parameter the Plan's param dtype; masters for those in ``optimized`` (ids)."""
     state = ParamState()
-    masters = policy.uses_master_weights
+    masters = plan.policy.uses_master_weights
     done: dict[int, nn.Parameter] = {}
     for path, module in model.named_modules():
-        decision = policy.decide(path, kind(module), type_names(module), low)
+        decision = plan.decide(path, kind(module), type_names(module))
         dtype = DTYPES[decision.param_dtype]
         for name, p in list(module._parameters.items()):
             if p is None or not p.is_floating_point() or p.dtype == torch.float64:

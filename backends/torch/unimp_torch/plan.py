@@ -1,6 +1,6 @@
 """A policy compiled for torch on one device: the Plan, and what apply must add to torch.autocast.
 
-``details`` of the Plan carry the mechanism: ``autocast`` (the dtype torch.autocast runs, or None),
+``plan.details`` (a :class:`TorchDetails`) carries the mechanism: ``autocast`` (the dtype torch.autocast runs, or None),
 ``op_moves`` (torch function name -> category: the ops unimp runs differently from torch's lists;
 empty = plain torch.autocast) and ``eager_mechanism``, how an eager forward moves them:
 ``autocast_kernels`` (unimp's Autocast kernels on just those ops: no moved op has a C++ Autocast
@@ -9,20 +9,32 @@ or None (no moves). Under ``torch.compile`` the moves are always traced through 
 
 >>> import unimp
 >>> plan = compile_plan(unimp.load("torch_autocast_cpu"), "cpu")
->>> plan.details["op_moves"]
+>>> plan.details.op_moves
 {}
->>> moves = compile_plan(unimp.load("mixed_bf16"), "cpu").details["op_moves"]
+>>> moves = compile_plan(unimp.load("mixed_bf16"), "cpu").details.op_moves
 >>> moves["softmax"], moves["exp"]
 ('float32', 'float32')
->>> compile_plan(unimp.load("mixed_bf16"), "cpu").details["eager_mechanism"]
+>>> compile_plan(unimp.load("mixed_bf16"), "cpu").details.eager_mechanism
 'autocast_kernels'
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
-from unimp.spi import CANONICAL_OPS, Fp8Support, Plan, Policy, UnsupportedError, compile_ops, is_low, requests_fp8
+from unimp.spi import (
+    CANONICAL_OPS,
+    Fp8Support,
+    LayerInfo,
+    Plan,
+    Policy,
+    UnsupportedError,
+    compile_ops,
+    is_low,
+    requests_fp8,
+)
 
 from .autocast import ALSO_MOVED, aten_names, function_names, is_torch_own, kernel_table, moves, native_category, same
 
@@ -79,9 +91,21 @@ def check_dtype(dtype: str, device: str, key: str) -> None:
         warn_emulated(dtype, key, "torch's CPU autocast")
 
 
-def compile_plan(policy: Policy, device: str, fp8_missing: str | None = None) -> Plan:
-    """Plan ``policy`` for torch on ``device`` (``cpu`` | ``cuda``); ``fp8_missing``: why FP8 cannot run
-    (a backend built on this one without torchao's FP8, e.g. ipex), else torchao's support is checked."""
+@dataclass(frozen=True)
+class TorchDetails:
+    """What the torch backend decided at compile time (``plan.details``)."""
+
+    device: str  # cpu | cuda
+    autocast: str | None  # the dtype torch.autocast runs, or None
+    op_moves: Mapping[str, str]  # torch function name -> category unimp runs it in
+    eager_mechanism: str | None  # autocast_kernels | function_mode | None
+
+
+def compile_plan(policy: Policy, device: str, index: Iterable[LayerInfo] | None = None,
+                 fp8_missing: str | None = None) -> Plan:
+    """Plan ``policy`` for torch on ``device`` (``cpu`` | ``cuda``); ``index``: the model's modules;
+    ``fp8_missing``: why FP8 cannot run (a backend built on this one without torchao's FP8, e.g. ipex),
+    else torchao's support is checked."""
     compute, reason = resolve_compute(policy.compute_dtype, device)
     for i, o in enumerate(policy.overrides):
         if o.compute_dtype not in (None, "auto"):
@@ -110,7 +134,7 @@ def compile_plan(policy: Policy, device: str, fp8_missing: str | None = None) ->
                          f"({native_category(kept[0], device)} on {device}){why}")
     mechanism = None if not op_moves else "autocast_kernels" if kernel_table(op_moves, device) is not None \
         else "function_mode"
-    details = {"device": device, "autocast": autocast, "op_moves": op_moves, "eager_mechanism": mechanism}
+    details = TorchDetails(device, autocast, op_moves, mechanism)
     fp8 = None
     if fp8_missing is not None:
         fp8 = Fp8Support(missing=fp8_missing)
@@ -119,4 +143,4 @@ def compile_plan(policy: Policy, device: str, fp8_missing: str | None = None) ->
 
         fp8 = support(device)
     return compile_ops("torch", policy, control=control, native=native, compute_dtype=compute,
-                       compute_reason=reason, notes=tuple(notes), details=details, fp8=fp8)
+                       compute_reason=reason, notes=tuple(notes), details=details, fp8=fp8, index=index)

@@ -15,9 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from unimp.spi import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, Kit, Observation, Policy, ProbeBatch
-
-from .layers import NAMES
+from unimp.spi import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, Kit, Observation, Policy, ProbeBatch, dtype_name
 
 
 class ChannelsLastConv1d(nn.Conv1d):
@@ -88,14 +86,14 @@ class TorchKit(Kit):
 
     def observe(self, amp: Any, batch: ProbeBatch) -> dict[str, Observation]:
         rows = amp.report(self._tokens(batch)).rows
-        return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype) for r in rows}
+        return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype, r.fp8) for r in rows}
 
     def output(self, amp: Any, batch: ProbeBatch) -> torch.Tensor:
         with torch.no_grad():
             return amp.model(self._tokens(batch))
 
     def dtype_name(self, value: Any) -> str:
-        return NAMES.get(value.dtype, str(value.dtype).removeprefix("torch."))
+        return dtype_name(value.dtype)
 
     def step(self, amp: Any, batch: ProbeBatch, poison: bool = False) -> float:
         logp = amp.model(self._tokens(batch))

@@ -22,10 +22,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from unimp.spi import OPS
+from unimp.spi import dtype_name
 
 from .kinds import report_kind
 from .layers import NAMES, kind, type_names
+from .ops import NATIVE_OPS
 
 # torch functions that move, view, describe or create data: not where a module computes
 NOT_COMPUTE = frozenset({
@@ -37,12 +38,12 @@ NOT_COMPUTE = frozenset({
     "tensor", "as_tensor", "arange", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "copy_",
     "repeat", "tile", "masked_fill", "masked_fill_", "fill_", "zero_", "item", "tolist", "is_floating_point",
     "__len__", "__iter__", "__hash__", "__eq__", "__bool__", "_has_compatible_shallow_copy_type"})
-ATTENTION_OPS = frozenset(OPS["attention"].torch)
+ATTENTION_OPS = frozenset(NATIVE_OPS["attention"])
 
 
 def _dtype(x: Any) -> str | None:
     if isinstance(x, torch.Tensor):
-        return NAMES.get(x.dtype, str(x.dtype).removeprefix("torch."))
+        return dtype_name(x.dtype)
     if isinstance(x, list | tuple):
         for t in x:
             d = _dtype(t)

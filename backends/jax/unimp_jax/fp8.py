@@ -1,0 +1,318 @@
+"""FP8 dots for the layers the Plan chooses: scaled e4m3 (forward) / e5m2 (gradient) ``dot_general``s.
+
+A layer the Plan runs in FP8 gets, for its call, a ``dot_general`` that quantizes the activation and
+the kernel to the forward format, multiplies the FP8 operands with ``lax.dot_general`` (XLA lowers
+that to a cuBLASLt FP8 GEMM on Hopper; XLA:CPU emulates it) and dequantizes with the product of the
+scales; the backward pass quantizes the output gradient to the gradient format the same way.
+
+Recipes:
+
+- ``delayed``: scales from an amax history (Transformer Engine's rule, the one Flax's ``fp8_ops`` and
+  Keras implement). The state per layer is Flax's: ``input_scale``, ``kernel_scale``,
+  ``output_grad_scale`` (shape ``(1,)``) and the three ``*_amax_history`` (shape ``(amax_history,)``).
+  As in Flax, the new state leaves the step as the *gradient* of the state ("overwrite with
+  gradient"): ``amp.value_and_grad`` returns it untouched by the loss scale, the unimp optimizer
+  writes it back on applied steps. nnx keeps it in ``nnx.Variable``s of type :class:`Fp8State` on the
+  layer (attribute ``unimp_fp8``); linen in the ``_overwrite_with_gradient`` collection of
+  ``amp.params`` (Flax's own collection name, so ``flax.training.TrainState`` handles it too).
+- ``tensorwise``: current scaling, the scale of each tensor from this step's amax: no state.
+
+>>> import jax.numpy as jnp
+>>> dot = dot_general_for("tensorwise", "float8_e4m3fn", "float8_e5m2")
+>>> y = dot(jnp.ones((2, 16), jnp.bfloat16), jnp.ones((16, 16), jnp.bfloat16), (((1,), (0,)), ((), ())))
+>>> y.dtype, float(y[0, 0])
+(dtype(bfloat16), 16.0)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.linen import fp8_ops
+
+OWG = fp8_ops.OVERWRITE_WITH_GRADIENT  # '_overwrite_with_gradient': Flax's collection for this state
+NNX_ATTR = "unimp_fp8"
+SCALES = ("input_scale", "kernel_scale", "output_grad_scale")
+HISTORIES = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history")
+STATE_NAMES = SCALES + HISTORIES
+RECIPES = ("delayed", "tensorwise")  # what this backend runs; the others are refused in the Plan
+
+
+class Fp8State(nnx.Variable):
+    """An nnx Variable holding delayed-scaling state (a scale or an amax history) of one FP8 layer."""
+
+
+class Fp8Meta(nnx.Module):
+    """The six delayed-scaling Variables of one nnx layer, attached as ``layer.unimp_fp8``."""
+
+    def __init__(self, amax_history: int) -> None:
+        for name, value in init_state(amax_history).items():
+            setattr(self, name, Fp8State(value))
+
+    def values(self) -> dict[str, Any]:
+        return {name: getattr(self, name)[...] for name in STATE_NAMES}
+
+
+def init_state(amax_history: int) -> dict[str, Any]:
+    """Fresh delayed-scaling state: scales 1, histories 0 (float32, Flax's shapes), one buffer each
+    (a donated step must not meet one buffer twice)."""
+    return {**{n: jnp.ones((1,), jnp.float32) for n in SCALES},
+            **{n: jnp.zeros((amax_history,), jnp.float32) for n in HISTORIES}}
+
+
+def is_state_path(path: Any) -> bool:
+    """Whether a pytree key path leads to FP8 state (nnx ``unimp_fp8`` or the linen collection)."""
+    for k in path:
+        name = getattr(k, "key", getattr(k, "name", k))
+        if name in (OWG, NNX_ATTR):
+            return True
+    return False
+
+
+def has_state(target: Any) -> bool:
+    """Whether ``target`` (an nnx Module or a linen params tree) holds delayed FP8 scaling state."""
+    if isinstance(target, nnx.Module):
+        return bool(jax.tree_util.tree_leaves(nnx.state(target, Fp8State)))
+    return isinstance(target, Mapping) and OWG in target
+
+
+def map_gradients(fn: Any, grads: Any) -> Any:
+    """``fn`` over the floating gradient leaves that are not FP8 state (those pass through)."""
+    def one(path: Any, g: Any) -> Any:
+        if is_state_path(path) or not (hasattr(g, "dtype") and jnp.issubdtype(g.dtype, jnp.floating)):
+            return g
+        return fn(g)
+
+    return jax.tree_util.tree_map_with_path(one, grads)
+
+
+def without_state(tree: Any) -> Any:
+    """``tree`` with the FP8 state leaves dropped (for finiteness checks): a list of leaves."""
+    return [x for p, x in jax.tree_util.tree_leaves_with_path(tree) if not is_state_path(p)]
+
+
+# ---------------------------------------------------------------------- the dots
+def _amax_scale(x: Any, q_dtype: Any) -> Any:
+    """Current scaling: ``amax / fp8_max`` (x / scale fills the format), 1 where x is all zero."""
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    fmax = fp8_ops.get_fp8_max(q_dtype, jnp.float32)
+    return jnp.where((amax > 0) & jnp.isfinite(amax), amax / fmax, jnp.float32(1.0)).reshape(1)
+
+
+def _dequant(y: Any, dtype: Any, *scales: Any) -> Any:
+    s = scales[0]
+    for t in scales[1:]:
+        s = s * t
+    return fp8_ops.dequantize(y, dtype, s)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _tensorwise(x: Any, w: Any, dn: Any, fwd: Any, grad: Any) -> Any:
+    return _tensorwise_fwd(x, w, dn, fwd, grad)[0]
+
+
+def _tensorwise_fwd(x: Any, w: Any, dn: Any, fwd: Any, grad: Any) -> tuple[Any, Any]:
+    cdt = x.dtype
+    sx, sw = _amax_scale(x, fwd), _amax_scale(w, fwd)
+    qx, qw = fp8_ops.quantize(x, fwd, sx, cdt), fp8_ops.quantize(w, fwd, sw, cdt)
+    y = jax.lax.dot_general(qx, qw, dn, preferred_element_type=cdt)
+    return _dequant(y, cdt, sx, sw), (x, w, qx, qw, sx, sw)
+
+
+def _tensorwise_bwd(dn: Any, fwd: Any, grad: Any, res: Any, g: Any) -> tuple[Any, Any]:
+    x, w, qx, qw, sx, sw = res
+    cdt = x.dtype
+    sg = _amax_scale(g, grad)
+    qg = fp8_ops.quantize(g, grad, sg, cdt)
+    gx = fp8_ops.dot_general_transpose_lhs(qg, x, qw, dimension_numbers=dn, precision=None,
+                                           preferred_element_type=cdt)
+    gw = fp8_ops.dot_general_transpose_rhs(qg, qx, w, dimension_numbers=dn, precision=None,
+                                           preferred_element_type=cdt)
+    return _dequant(gx, cdt, sw, sg).astype(x.dtype), _dequant(gw, cdt, sx, sg).astype(w.dtype)
+
+
+_tensorwise.defvjp(_tensorwise_fwd, _tensorwise_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _delayed(x: Any, w: Any, sx: Any, sw: Any, sg: Any, hx: Any, hw: Any, hg: Any,
+             dn: Any, fwd: Any, grad: Any) -> Any:
+    return _delayed_fwd(x, w, sx, sw, sg, hx, hw, hg, dn, fwd, grad)[0]
+
+
+def _delayed_fwd(x: Any, w: Any, sx: Any, sw: Any, sg: Any, hx: Any, hw: Any, hg: Any,
+                 dn: Any, fwd: Any, grad: Any) -> tuple[Any, Any]:
+    cdt = x.dtype
+    nsx, nhx = fp8_ops.update_fp8_meta(x, fwd, sx, hx)
+    nsw, nhw = fp8_ops.update_fp8_meta(w, fwd, sw, hw)
+    qx, qw = fp8_ops.quantize(x, fwd, nsx, cdt), fp8_ops.quantize(w, fwd, nsw, cdt)
+    y = jax.lax.dot_general(qx, qw, dn, preferred_element_type=cdt)
+    return _dequant(y, cdt, nsx, nsw), (x, w, qx, qw, nsx, nsw, nhx, nhw, sg, hg)
+
+
+def _delayed_bwd(dn: Any, fwd: Any, grad: Any, res: Any, g: Any) -> tuple[Any, ...]:
+    x, w, qx, qw, nsx, nsw, nhx, nhw, sg, hg = res
+    cdt = x.dtype
+    nsg, nhg = fp8_ops.update_fp8_meta(g, grad, sg, hg)
+    qg = fp8_ops.quantize(g, grad, nsg, cdt)
+    gx = fp8_ops.dot_general_transpose_lhs(qg, x, qw, dimension_numbers=dn, precision=None,
+                                           preferred_element_type=cdt)
+    gw = fp8_ops.dot_general_transpose_rhs(qg, qx, w, dimension_numbers=dn, precision=None,
+                                           preferred_element_type=cdt)
+    # the state's "gradients" are its new values (Flax's overwrite-with-gradient convention)
+    return (_dequant(gx, cdt, nsw, nsg).astype(x.dtype), _dequant(gw, cdt, nsx, nsg).astype(w.dtype),
+            nsx, nsw, nsg, nhx, nhw, nhg)
+
+
+_delayed.defvjp(_delayed_fwd, _delayed_bwd)
+
+
+def dot_general_for(recipe: str, forward: str, gradient: str, state: Mapping[str, Any] | None = None) -> Any:
+    """A ``dot_general`` running ``recipe`` (``forward``/``gradient``: jnp FP8 dtype names).
+
+    ``state`` (delayed only): the layer's six state arrays (see :func:`init_state`).
+    """
+    fwd, grad = jnp.dtype(forward), jnp.dtype(gradient)
+
+    def dot(lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None,
+            preferred_element_type: Any = None, **_: Any) -> Any:
+        rhs = rhs.astype(lhs.dtype)
+        dn = jax.tree_util.tree_map(int, dimension_numbers)
+        dn = tuple(tuple(tuple(a) for a in pair) for pair in dn)
+        if recipe == "tensorwise":
+            out = _tensorwise(lhs, rhs, dn, fwd, grad)
+        else:
+            s = state
+            out = _delayed(lhs, rhs, s["input_scale"], s["kernel_scale"], s["output_grad_scale"],
+                           s["input_amax_history"], s["kernel_amax_history"], s["output_grad_amax_history"],
+                           dn, fwd, grad)
+        return out if preferred_element_type is None else out.astype(preferred_element_type)
+
+    return dot
+
+
+# ---------------------------------------------------------------------- the Plan's side
+def kernel_dims(params: Mapping[str, Any]) -> dict[str, int] | None:
+    """GEMM dims of a Linear/Dense layer from its 2-D ``kernel`` (None when it has none)."""
+    k = params.get("kernel")
+    shape = tuple(getattr(k, "shape", ()))
+    if len(shape) != 2:
+        return None
+    return {"in_features": int(shape[0]), "out_features": int(shape[1])}
+
+
+def asks_fp8(plan: Any, path: str, kind: str | None, type_names: tuple[str, ...]) -> bool:
+    """Whether the policy asks FP8 of this layer at all (its decision is then reported)."""
+    fp8 = plan.fp8
+    if fp8 is None or not fp8.requested:
+        return False
+    names = (*type_names, *((kind,) if kind else ()))
+    return kind in plan.policy.fp8.ops or plan.policy.override_for(path, names, sets="fp8") is not None
+
+
+def decide(plan: Any, lp: Any, params: Mapping[str, Any]) -> Any:
+    """The core's :class:`unimp.fp8.Fp8Decision` for the layer ``lp`` (None: FP8 not asked of it)."""
+    from unimp.spi import Fp8Decision, decide_fp8
+
+    if not asks_fp8(plan, lp.path, lp.kind, lp.type_names):
+        return None
+    dims = kernel_dims(params)
+    if dims is None and lp.kind == "linear":
+        return Fp8Decision(lp.path, False, None, "no 2-D kernel (a LinearGeneral/Einsum split): stays in "
+                                                 "the compute dtype")
+    return decide_fp8(plan, lp.path, lp.kind, lp.type_names, dims, plan.compute_dtype)
+
+
+def formats(plan: Any) -> tuple[str, str]:
+    """The forward and gradient FP8 dtype names of ``plan``."""
+    from unimp.spi import FP8_FORMATS
+
+    return FP8_FORMATS[plan.fp8.forward_format], FP8_FORMATS[plan.fp8.gradient_format]
+
+
+def layer_dot(plan: Any, recipe: str, state: Mapping[str, Any] | None) -> Any:
+    """The dot_general one FP8 layer runs for one call."""
+    fwd, grad = formats(plan)
+    return dot_general_for(recipe, fwd, grad, state)
+
+
+# ---------------------------------------------------------------------- nnx state
+def nnx_write_state(model: Any, grads: Any, applied: Any) -> None:
+    """Write the new delayed-scaling state (``grads``' Fp8State leaves) into ``model`` when ``applied``."""
+    new = nnx.as_pure(nnx.state(grads, Fp8State))
+    if not jax.tree_util.tree_leaves(new):
+        return
+    old = nnx.as_pure(nnx.state(model, Fp8State))
+    nnx.update(model, jax.tree_util.tree_map(lambda n, o: jnp.where(applied, n, o), new, old))
+
+
+# ---------------------------------------------------------------------- linen state
+def split(params: Any) -> tuple[Any, Any]:
+    """``(params, fp8 state or None)`` of a linen params tree (a variables dict with the FP8 collection)."""
+    if isinstance(params, Mapping) and OWG in params:
+        return params["params"], params[OWG]
+    return params, None
+
+
+def linen_state(paths: Any, amax_history: int) -> dict[str, Any]:
+    """Fresh delayed-scaling state for the linen layers at ``paths`` (nested by module path)."""
+    tree: dict[str, Any] = {}
+    for path in paths:
+        node = tree
+        for part in path.split("."):
+            node = node.setdefault(part, {})
+        node.update(init_state(amax_history))
+    return tree
+
+
+def lookup(tree: Any, path: str) -> Any:
+    """The state dict at module ``path`` in a nested state tree."""
+    for part in path.split("."):
+        tree = tree[part]
+    return tree
+
+
+# ---------------------------------------------------------------------- state_dict
+def to_plain(tree: Any) -> dict[str, list[float]]:
+    """The state as ``{"layer.path.name": [floats]}`` (float32 values, exact as Python floats)."""
+    import numpy as np
+
+    out = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        keys = [k for k in keys if k not in (NNX_ATTR, OWG, "value")]
+        out[".".join(keys)] = [float(v) for v in np.asarray(x, np.float32).ravel()]
+    return out
+
+
+def from_plain(tree: Any, plain: Mapping[str, Any], where: str) -> tuple[Any, list[str]]:
+    """``tree`` with the values of ``plain`` (what :func:`to_plain` made); problems name each key."""
+    import numpy as np
+
+    current = to_plain(tree)
+    problems = []
+    if not isinstance(plain, Mapping):
+        return tree, [f"{where}: expected a mapping from amp.state_dict(), got {type(plain).__name__}"]
+    for key in sorted(set(current) ^ set(plain)):
+        side = "missing" if key in current else "unknown"
+        problems.append(f"{where}.{key}: {side} (this Amp's FP8 layers hold {len(current)} state arrays; "
+                        f"save and load with the same model and policy)")
+    for key in sorted(set(current) & set(plain)):
+        v = plain[key]
+        ok = isinstance(v, list | tuple) and len(v) == len(current[key]) and all(
+            isinstance(x, int | float) and not isinstance(x, bool) and np.isfinite(x) and x >= 0 for x in v)
+        if not ok:
+            problems.append(f"{where}.{key}: expected {len(current[key])} finite non-negative numbers, got "
+                            f"{str(v)[:60]}")
+    if problems:
+        return tree, problems
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    new = []
+    for (_, x), key in zip(leaves, current, strict=True):
+        new.append(jnp.asarray(np.asarray(plain[key], np.float32).reshape(x.shape)))
+    return jax.tree_util.tree_unflatten(treedef, new), []

@@ -1,0 +1,181 @@
+"""FP8 training through Keras' own float8 layers, on the Dense layers the Plan chooses.
+
+Keras 3 trains a ``Dense`` in float8 after ``layer.quantize("float8")``: e4m3 quantize-dequantize
+of the inputs and kernel, e5m2 of the output gradient, scales from an amax history (delayed
+scaling, Keras' ``QuantizedFloat8DTypePolicy``). That is the one recipe Keras has, so the Plan maps
+``recipe = "delayed"`` (with ``amax_history``) to it and refuses the others (or falls back, per
+``on_unsupported``), naming Keras' recipe. It runs on TensorFlow CPU (quantize-dequantize in the
+compute dtype around the matmul).
+
+The scaling state is what Keras keeps: six float32 **model weights** per FP8 layer
+(``inputs_scale``, ``inputs_amax_history``, ``kernel_scale``, ``kernel_amax_history``,
+``outputs_grad_scale``, ``outputs_grad_amax_history``; saved with ``model.save_weights`` and
+updated by the optimizer from their "gradients", Keras' ``overwrite_with_gradient``). Keras' float8
+gradient does not run eagerly on TensorFlow: train with ``model.fit`` or a ``tf.function`` step (an
+eager ``GradientTape`` over a float8 layer is a clear ``UnsupportedError`` saying so). ``amp.state_dict()``
+also carries them under ``fp8`` with the names every unimp backend uses (``fc1.input_scale``, ...),
+so the state round-trips through it. ``remove()`` deletes them and restores the layer exactly.
+
+>>> import keras, unimp
+>>> m = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, name="fc")])
+>>> amp = unimp.apply("keras_float8", m, keras.optimizers.SGD(0.1))
+>>> m.get_layer("fc").quantization_mode, int(m.get_layer("fc").inputs_amax_history.shape[0])
+('float8', 1024)
+>>> _ = amp.remove(); m.get_layer("fc").quantization_mode is None, len(m.get_layer("fc").weights)
+(True, 2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from unimp.spi import Fp8Decision, Fp8Support, UnsupportedError, decide_fp8
+
+KERAS_RECIPE = "delayed"
+# Keras' variable names -> the names every unimp backend uses in state_dict()["fp8"] (Flax's)
+NAMES = {"inputs_scale": "input_scale", "inputs_amax_history": "input_amax_history",
+         "kernel_scale": "kernel_scale", "kernel_amax_history": "kernel_amax_history",
+         "outputs_grad_scale": "output_grad_scale", "outputs_grad_amax_history": "output_grad_amax_history"}
+_MISSING = object()
+QUANTIZABLE = ("Dense",)  # Keras' Dense.quantize refuses subclasses (type_check)
+
+
+def support() -> Fp8Support:
+    """What this backend runs in FP8: Keras' float8 Dense training (delayed scaling, e5m2 gradients)."""
+    why = "Keras 3 float8 training has one recipe, delayed scaling from an amax history (recipe = 'delayed')"
+    return Fp8Support(
+        ops=("linear",), recipes={KERAS_RECIPE: "Keras layer.quantize('float8') (QuantizedFloat8DTypePolicy)"},
+        gradient_formats=("e5m2",),
+        why_not={r: why for r in ("tensorwise", "rowwise", "rowwise_gw_hp")},
+        notes=("Keras float8 runs quantize-dequantize around the matmul in the compute dtype (TensorFlow has "
+               "no FP8 GEMM); the scaling state is six model weights per FP8 layer",))
+
+
+@dataclass
+class Fp8Layer:
+    """One Dense layer unimp quantized, with what ``undo`` puts back."""
+
+    path: str
+    layer: Any
+    was_quantized: Any
+    config: Any
+
+
+def _dims(layer: Any) -> dict[str, int] | None:
+    kernel = getattr(layer, "_kernel", None)
+    shape = tuple(getattr(kernel, "shape", ()))
+    return {"in_features": int(shape[0]), "out_features": int(shape[1])} if len(shape) == 2 else None
+
+
+def asks_fp8(plan: Any, path: str, kind: str | None, type_names: tuple[str, ...]) -> bool:
+    """Whether the policy asks FP8 of this layer at all (its decision is then reported)."""
+    fp8 = plan.fp8
+    if fp8 is None or not fp8.requested:
+        return False
+    names = (*type_names, *((kind,) if kind else ()))
+    return kind in plan.policy.fp8.ops or plan.policy.override_for(path, names, sets="fp8") is not None
+
+
+def decide(plan: Any, units: list[Any]) -> list[tuple[Any, Fp8Decision]]:
+    """The core's decision for every unit FP8 could concern (Keras-specific limits folded in)."""
+    out = []
+    for u in units:
+        if u.container or not asks_fp8(plan, u.path, u.kind, u.type_names):
+            continue
+        d = decide_fp8(plan, u.path, u.kind, u.type_names, _dims(u.layer) or {}, plan.compute_dtype)
+        if d.fp8 and (type(u.layer).__name__ not in QUANTIZABLE or _dims(u.layer) is None):
+            d = Fp8Decision(u.path, False, None, f"{type(u.layer).__name__}: Keras float8 training covers "
+                                                 f"keras.layers.Dense only (stays in the compute dtype)")
+        out.append((u, d))
+    return out
+
+
+EAGER = ("unimp (tensorflow): layer {path!r} trains in Keras float8, whose custom gradient does not run "
+         "eagerly on TensorFlow (under an eager tf.GradientTape Keras fails inside it); fix: train with "
+         "model.fit / model.train_on_batch (not run_eagerly), or wrap your training step in tf.function")
+
+
+def guard_eager(u: Any, methods: list[tuple[Any, Any, str]]) -> None:
+    """A clear :class:`UnsupportedError` instead of Keras' internal one when a float8 layer is
+    differentiated eagerly (an instance ``quantized_call``, undone with the binding's methods)."""
+    import tensorflow as tf
+    from tensorflow.python.eager import record
+
+    layer = u.layer
+    own, original = layer.__dict__.get("quantized_call"), layer.quantized_call
+
+    def quantized_call(*args: Any, **kwargs: Any) -> Any:
+        if tf.executing_eagerly() and record.could_possibly_record():
+            raise UnsupportedError(EAGER.format(path=u.path))
+        return original(*args, **kwargs)
+
+    object.__setattr__(layer, "quantized_call", quantized_call)
+    methods.append((layer, own, "quantized_call"))
+
+
+def quantize(plan: Any, u: Any, policies: dict[int, tuple[Any, Any]]) -> Fp8Layer:
+    """``layer.quantize("float8")`` under the Plan's amax history (the layer's dtype policy is remembered
+    in ``policies``, as the binding keeps every policy it changes)."""
+    from keras.dtype_policies import QuantizedFloat8DTypePolicy
+
+    layer = u.layer
+    entry = Fp8Layer(u.path, layer, layer.__dict__.get("_is_quantized", _MISSING),
+                     layer.__dict__.get("quantization_config", _MISSING))
+    policies.setdefault(id(layer), (layer, layer._dtype_policy))
+    source = layer._dtype_policy.name
+    layer._dtype_policy = QuantizedFloat8DTypePolicy("float8", source_name=source,
+                                                     amax_history_length=plan.fp8.amax_history)
+    layer.quantize("float8")
+    return entry
+
+
+def undo(entries: list[Fp8Layer]) -> None:
+    """Delete the scaling weights and the quantized state: the layer as it was (its policy restored
+    with the binding's)."""
+    for e in reversed(entries):
+        for name in NAMES:
+            if name in e.layer.__dict__:
+                delattr(e.layer, name)  # Keras untracks the variable
+        for attr, value in (("_is_quantized", e.was_quantized), ("quantization_config", e.config)):
+            if value is _MISSING:
+                e.layer.__dict__.pop(attr, None)
+            else:
+                object.__setattr__(e.layer, attr, value)
+
+
+def state(entries: list[Fp8Layer]) -> dict[str, list[float]]:
+    """``{"path.input_scale": [floats], ...}``: the scaling weights as plain float32 values."""
+    out = {}
+    for e in entries:
+        for keras_name, name in sorted(NAMES.items(), key=lambda kv: kv[1]):
+            v = np.asarray(getattr(e.layer, keras_name).numpy(), np.float32).ravel()
+            out[f"{e.path}.{name}"] = [float(x) for x in v]
+    return out
+
+
+def check(entries: list[Fp8Layer], plain: Any) -> list[str]:
+    """Problems of ``plain`` as this Amp's FP8 state (each names the key and the fix)."""
+    current = state(entries)
+    if not isinstance(plain, Mapping):
+        return [f"fp8: expected a mapping from amp.state_dict(), got {type(plain).__name__}"]
+    problems = [f"fp8.{k}: {'missing' if k in current else 'unknown'} (this Amp's FP8 layers hold "
+                f"{len(current)} state arrays; save and load with the same model and policy)"
+                for k in sorted(set(current) ^ set(plain))]
+    for k in sorted(set(current) & set(plain)):
+        v = plain[k]
+        if not (isinstance(v, list | tuple) and len(v) == len(current[k]) and all(
+                isinstance(x, int | float) and not isinstance(x, bool) and np.isfinite(x) and x >= 0 for x in v)):
+            problems.append(f"fp8.{k}: expected {len(current[k])} finite non-negative numbers, got {str(v)[:60]}")
+    return problems
+
+
+def load(entries: list[Fp8Layer], plain: Mapping[str, Any]) -> None:
+    """Assign ``plain`` (checked by :func:`check`) to the scaling weights, exactly."""
+    for e in entries:
+        for keras_name, name in NAMES.items():
+            var = getattr(e.layer, keras_name)
+            var.assign(np.asarray(plain[f"{e.path}.{name}"], np.float32).reshape(var.shape))

@@ -1,0 +1,420 @@
+"""FP8 on JAX/Flax nnx: a GPT block trained in bf16 vs FP8 (delayed, tensorwise), native vs unimp.
+
+Speed (default): one jitted training step of a standard pre-LN GPT block (causal attention +
+4x GELU MLP) on random activations, every variant in one process, interleaved rounds, state donated:
+
+  bf16                hand-written Flax mixed precision: Linear(dtype=bfloat16), fp32 params
+  native_<recipe>     hand-written FP8: each Linear's dot_general is a scaled e4m3/e5m2 FP8 dot written
+                      here with flax.linen.fp8_ops (delayed: Flax's own fp8_scaled_dot_general with its
+                      scale/amax-history Variables, overwritten from their gradients; tensorwise: this
+                      step's amax) — what a Flax user writes by hand
+  unimp_<recipe>      the float32-built block under unimp.apply("fp8_<recipe>", block, tx)
+  native_<recipe>_b   (--control) a second, separately built native_<recipe>: the A/A noise floor
+
+All four Linear layers (qkv, out, fc1, fc2) run FP8 in every FP8 variant (their dims are multiples of
+16); attention's softmax(QK^T)V runs in bf16 (jax.nn.dot_product_attention, cuDNN on GPU).
+
+Curve (--curve): a small GPT LM (2 blocks) trained N steps (default 300) on a fixed, seeded synthetic
+corpus (a sparse random bigram language: every token has 4 likely successors) through unimp, in
+mixed_bf16 and in each FP8 recipe, from the same init and batches; the loss every 25 steps and the
+final-loss ratio FP8 / bf16.
+
+    python bench/fp8_jax.py --smoke --curve --out /tmp/fp8   # CPU, tiny (tests the script; FP8 emulated)
+    python bench/fp8_jax.py --gpu --control --curve --out $OUT   # H200: d=4096, T=2048 (< 6 minutes)
+    sizes: --d --heads --seq --batch --rounds --steps; curve: --curve-steps --curve-every
+
+Needs jax, flax, optax, numpy (PYTHONPATH=.:backends/jax works without installing unimp). Prints
+markdown tables; writes fp8_jax.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from flax.linen import fp8_ops
+
+ROOT = Path(__file__).resolve().parent.parent
+for extra in (ROOT, ROOT / "backends" / "jax"):  # run from a checkout without installing
+    if str(extra) not in sys.path:
+        sys.path.insert(0, str(extra))
+
+import unimp  # noqa: E402
+from unimp.registry import backends, register_backend  # noqa: E402
+
+if "jax" not in backends():  # a checkout without unimp-jax installed: no entry point, register it
+    from unimp_jax import JaxBackend
+
+    register_backend(JaxBackend)
+
+RECIPES = ("delayed", "tensorwise")
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+HISTORY = 16  # amax history of the delayed recipe (fp8_delayed's)
+
+
+@dataclass(frozen=True)
+class Config:
+    d: int
+    heads: int
+    seq: int
+    batch: int
+    rounds: int
+    steps: int  # timed steps per round and variant
+
+
+CONFIGS = {
+    "smoke": Config(d=32, heads=2, seq=16, batch=2, rounds=2, steps=2),
+    "cpu": Config(d=256, heads=4, seq=128, batch=4, rounds=4, steps=3),
+    "gpu": Config(d=4096, heads=32, seq=2048, batch=8, rounds=8, steps=5),
+}
+
+
+@dataclass(frozen=True)
+class CurveConfig:
+    d: int = 256
+    heads: int = 4
+    layers: int = 2
+    seq: int = 128
+    batch: int = 16
+    vocab: int = 512
+    steps: int = 300
+    every: int = 25
+    lr: float = 3e-3
+
+
+# ---------------------------------------------------------------------- hand-written FP8 (native)
+class Fp8Var(nnx.Variable):
+    """A native delayed-scaling Variable (scale or amax history), overwritten with its gradient."""
+
+
+def _amax_scale(x: jax.Array, q: Any) -> jax.Array:
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return jnp.where(amax > 0, amax / jnp.finfo(q).max.astype(jnp.float32), 1.0).reshape(1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def tensorwise_dot(x: jax.Array, w: jax.Array, dn: Any) -> jax.Array:
+    return _tw_fwd(x, w, dn)[0]
+
+
+def _tw_fwd(x: jax.Array, w: jax.Array, dn: Any) -> tuple[jax.Array, Any]:
+    sx, sw = _amax_scale(x, E4M3), _amax_scale(w, E4M3)
+    qx, qw = fp8_ops.quantize(x, E4M3, sx, x.dtype), fp8_ops.quantize(w, E4M3, sw, x.dtype)
+    y = jax.lax.dot_general(qx, qw, dn, preferred_element_type=x.dtype)
+    return fp8_ops.dequantize(y, x.dtype, sx * sw), (x, w, qx, qw, sx, sw)
+
+
+def _tw_bwd(dn: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x, w, qx, qw, sx, sw = res
+    sg = _amax_scale(g, E5M2)
+    qg = fp8_ops.quantize(g, E5M2, sg, x.dtype)
+    gx = fp8_ops.dot_general_transpose_lhs(qg, x, qw, dimension_numbers=dn, precision=None,
+                                           preferred_element_type=x.dtype)
+    gw = fp8_ops.dot_general_transpose_rhs(qg, qx, w, dimension_numbers=dn, precision=None,
+                                           preferred_element_type=x.dtype)
+    return fp8_ops.dequantize(gx, x.dtype, sw * sg), fp8_ops.dequantize(gw, x.dtype, sx * sg)
+
+
+tensorwise_dot.defvjp(_tw_fwd, _tw_bwd)
+
+
+class NativeFp8Linear(nnx.Module):
+    """A bf16 Linear whose matmul is an FP8 dot (hand-written with flax.linen.fp8_ops)."""
+
+    def __init__(self, din: int, dout: int, recipe: str, rngs: nnx.Rngs) -> None:
+        init = nnx.Linear(din, dout, rngs=rngs)  # the same init as nnx.Linear (and as the other variants)
+        self.kernel, self.bias = nnx.Param(init.kernel[...]), nnx.Param(init.bias[...])
+        self.recipe = recipe
+        if recipe == "delayed":
+            for name in ("input_scale", "kernel_scale", "output_grad_scale"):
+                setattr(self, name, Fp8Var(jnp.ones((1,), jnp.float32)))
+            for name in ("input_amax_history", "kernel_amax_history", "output_grad_amax_history"):
+                setattr(self, name, Fp8Var(jnp.zeros((HISTORY,), jnp.float32)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x, k = x.astype(jnp.bfloat16), self.kernel[...].astype(jnp.bfloat16)
+        dn = (((x.ndim - 1,), (0,)), ((), ()))
+        if self.recipe == "tensorwise":
+            y = tensorwise_dot(x, k, dn)
+        else:
+            y = fp8_ops.fp8_scaled_dot_general(
+                x, k, dn, preferred_element_type=jnp.bfloat16, quantize_compute_type=jnp.bfloat16,
+                lhs_scale=self.input_scale[...], rhs_scale=self.kernel_scale[...],
+                grad_scale=self.output_grad_scale[...], lhs_amax_history=self.input_amax_history[...],
+                rhs_amax_history=self.kernel_amax_history[...],
+                grad_amax_history=self.output_grad_amax_history[...])
+        return y + self.bias[...].astype(jnp.bfloat16)
+
+
+# ---------------------------------------------------------------------- the model
+def linear(din: int, dout: int, kind: str, rngs: nnx.Rngs) -> nnx.Module:
+    """kind: fp32 (unimp builds on it), bf16 (native mixed precision), or a native FP8 recipe."""
+    if kind in RECIPES:
+        return NativeFp8Linear(din, dout, kind, rngs)
+    return nnx.Linear(din, dout, dtype=jnp.bfloat16 if kind == "bf16" else None, rngs=rngs)
+
+
+class Block(nnx.Module):
+    """Pre-LN GPT block: x + attn(ln1(x)), then x + fc2(gelu(fc1(ln2(x)))) (4x MLP)."""
+
+    def __init__(self, d: int, heads: int, kind: str, impl: str | None, rngs: nnx.Rngs) -> None:
+        self.ln1, self.ln2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+        self.qkv, self.out = linear(d, 3 * d, kind, rngs), linear(d, d, kind, rngs)
+        self.fc1, self.fc2 = linear(d, 4 * d, kind, rngs), linear(4 * d, d, kind, rngs)
+        self.heads, self.impl = heads, impl
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        qkv = self.qkv(self.ln1(x)).reshape(b, t, 3 * self.heads, d // self.heads)
+        q, k, v = jnp.split(qkv, 3, axis=2)
+        impl = self.impl if q.dtype in (jnp.bfloat16, jnp.float16) else None
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        x = x + self.out(y.reshape(b, t, d)).astype(x.dtype)
+        return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x)))).astype(x.dtype)
+
+
+class LM(nnx.Module):
+    def __init__(self, c: CurveConfig, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Embed(c.vocab, c.d, rngs=rngs)
+        self.blocks = getattr(nnx, "List", list)([Block(c.d, c.heads, "fp32", None, rngs) for _ in range(c.layers)])
+        self.ln_f = nnx.LayerNorm(c.d, rngs=rngs)
+        self.head = nnx.Linear(c.d, c.vocab, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+# ---------------------------------------------------------------------- steps
+def block_loss(model: Any, x: jax.Array, target: jax.Array) -> jax.Array:
+    return jnp.mean((model(x).astype(jnp.float32) - target) ** 2)
+
+
+def jitted(model: Any, optimizer: Any, grad_fn: Any, write_fp8: bool = False) -> tuple[Any, Any]:
+    """A pure jitted step over the split (model, optimizer) state, donated: (step, state)."""
+    graphdef, state = nnx.split((model, optimizer))
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state: Any, x: jax.Array, target: jax.Array) -> tuple[Any, jax.Array]:
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = grad_fn(model, optimizer, x, target)
+        optimizer.update(model, grads)
+        if write_fp8:  # native delayed: the scaling Variables take their "gradients" (new values)
+            nnx.update(model, nnx.state(grads, Fp8Var))
+        return nnx.state((model, optimizer)), loss
+
+    return step, state
+
+
+def build(variant: str, cfg: Config, impl: str | None) -> tuple[Any, Any, Any]:
+    tx = optax.adamw(1e-4)
+    kind = variant.split("_")[1] if variant.startswith("native_") else "bf16"
+    if variant == "bf16" or variant.startswith("native_"):
+        model = Block(cfg.d, cfg.heads, kind, impl, nnx.Rngs(0))
+        wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8Var))
+        grad = lambda m, o, x, t: nnx.value_and_grad(block_loss, argnums=wrt)(m, x, t)
+        return (*jitted(model, nnx.Optimizer(model, tx, wrt=nnx.Param), grad, kind == "delayed"), None)
+    recipe = variant.split("_")[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", unimp.UnimpWarning)  # bf16/FP8 emulated on CPU: known
+        amp = unimp.apply(f"fp8_{recipe}", Block(cfg.d, cfg.heads, "fp32", impl, nnx.Rngs(0)), tx)
+    vg = amp.value_and_grad(block_loss)
+
+    def grad(m: Any, o: Any, x: jax.Array, t: jax.Array) -> tuple[Any, Any]:
+        loss, grads, _ = vg(o, m, x, t)
+        return loss, grads
+
+    return (*jitted(amp.model, amp.optimizer, grad), amp)
+
+
+def fp8_dots(step: Any, state: Any, x: jax.Array, t: jax.Array) -> int:
+    """How many dot_generals of the lowered step take float8 operands."""
+    text = step.lower(state, x, t).as_text()
+    return sum(1 for line in text.splitlines() if "dot_general" in line and "xf8E" in line)
+
+
+def speed(cfg: Config, control: bool) -> dict[str, Any]:
+    on_gpu = jax.default_backend() == "gpu"
+    impl = "cudnn" if on_gpu else None
+    variants = ["bf16"]
+    for r in RECIPES:
+        variants += [f"native_{r}", f"unimp_{r}"] + ([f"native_{r}_b"] if control else [])
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (cfg.batch, cfg.seq, cfg.d), jnp.float32)
+    target = jax.random.normal(jax.random.fold_in(key, 1), x.shape, jnp.float32)
+    steps, states, first, compile_s, dots, reports = {}, {}, {}, {}, {}, {}
+    for v in variants:
+        t0 = time.perf_counter()
+        steps[v], states[v], amp = build(v, cfg, impl)
+        if amp is not None:  # before the first (donating) step
+            reports[v] = [(r.path, r.fp8) for r in amp.report(x[:1, :16]).rows]
+        dots[v] = fp8_dots(steps[v], states[v], x, target)
+        states[v], loss = steps[v](states[v], x, target)
+        first[v] = float(loss)
+        states[v], loss = steps[v](states[v], x, target)
+        jax.block_until_ready(loss)
+        compile_s[v] = time.perf_counter() - t0
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    rounds: list[dict[str, float]] = []
+    n = len(variants)
+    for r in range(cfg.rounds):  # interleaved; the order rotates and reverses (drift hits all alike)
+        order = variants[r % n:] + variants[:r % n]
+        order = order[::-1] if (r // n) % 2 else order
+        per: dict[str, float] = {}
+        for v in order:
+            ts = []
+            for _ in range(cfg.steps):
+                t0 = time.perf_counter()
+                states[v], loss = steps[v](states[v], x, target)
+                jax.block_until_ready(loss)
+                ts.append(time.perf_counter() - t0)
+            times[v] += ts
+            per[v] = statistics.median(ts) * 1e3
+        rounds.append(per)
+    med = {v: statistics.median(ts) * 1e3 for v, ts in times.items()}
+
+    def paired(a: str, b: str) -> float:
+        return statistics.median(p[a] / p[b] for p in rounds)
+
+    ratios = {}
+    for r in RECIPES:
+        ratios[f"bf16/native_{r} (FP8 speed-up)"] = paired("bf16", f"native_{r}")
+        ratios[f"bf16/unimp_{r} (FP8 speed-up through unimp)"] = paired("bf16", f"unimp_{r}")
+        ratios[f"unimp_{r}/native_{r}"] = paired(f"unimp_{r}", f"native_{r}")
+        if control:
+            ratios[f"native_{r}_b/native_{r} (A/A)"] = paired(f"native_{r}_b", f"native_{r}")
+    return {"config": asdict(cfg), "attention": impl or "xla", "median_ms": med, "ratios": ratios,
+            "first_loss": first, "compile_s": compile_s, "fp8_dots_in_step": dots,
+            "steps_timed": {v: len(ts) for v, ts in times.items()}, "round_medians_ms": rounds,
+            "unimp_fp8_layers": reports}
+
+
+# ---------------------------------------------------------------------- curve
+def corpus(c: CurveConfig, seed: int = 0) -> np.ndarray:
+    """``steps`` batches of a seeded sparse bigram language (4 likely successors per token)."""
+    rng = np.random.default_rng(seed)
+    succ = rng.integers(0, c.vocab, (c.vocab, 4))
+    n = c.steps * c.batch
+    out = np.empty((n, c.seq + 1), np.int32)
+    out[:, 0] = rng.integers(0, c.vocab, n)
+    pick = rng.integers(0, 4, (n, c.seq))
+    noise = rng.random((n, c.seq)) < 0.1
+    rand = rng.integers(0, c.vocab, (n, c.seq))
+    for t in range(c.seq):
+        nxt = succ[out[:, t], pick[:, t]]
+        out[:, t + 1] = np.where(noise[:, t], rand[:, t], nxt)
+    return out.reshape(c.steps, c.batch, c.seq + 1)
+
+
+def lm_loss(model: Any, tokens: jax.Array) -> jax.Array:
+    logits = model(tokens[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def curve(c: CurveConfig) -> dict[str, Any]:
+    data = corpus(c)
+    out: dict[str, Any] = {"config": asdict(c), "losses": {}, "final": {}}
+    for policy in ("mixed_bf16", *(f"fp8_{r}" for r in RECIPES)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", unimp.UnimpWarning)
+            amp = unimp.apply(policy, LM(c, nnx.Rngs(0)), optax.adamw(c.lr))
+        vg = amp.value_and_grad(lm_loss)
+
+        def grad(m: Any, o: Any, tokens: jax.Array, _: Any, vg: Any = vg) -> tuple[Any, Any]:
+            loss, grads, _ = vg(o, m, tokens)
+            return loss, grads
+
+        step, state = jitted(amp.model, amp.optimizer, grad)
+        logged, window = [], []
+        for i in range(c.steps):
+            state, loss = step(state, jnp.asarray(data[i]), None)
+            window.append(loss)
+            if (i + 1) % c.every == 0 or i + 1 == c.steps:
+                logged.append((i + 1, float(np.mean(jax.device_get(window)))))  # mean over the window
+                window = []
+        out["losses"][policy] = logged
+        out["final"][policy] = logged[-1][1]
+    base = out["final"]["mixed_bf16"]
+    out["final_ratio_over_bf16"] = {p: v / base for p, v in out["final"].items()}
+    return out
+
+
+# ---------------------------------------------------------------------- output
+def speed_table(res: dict[str, Any]) -> str:
+    cfg = res["config"]
+    rows = ["| variant | ms/step (median) | FP8 dots in the step | first loss |", "|---|---:|---:|---:|"]
+    for v, ms in res["median_ms"].items():
+        rows.append(f"| {v} | {ms:.2f} | {res['fp8_dots_in_step'][v]} | {res['first_loss'][v]:.5f} |")
+    head = (f"GPT block d={cfg['d']} heads={cfg['heads']} T={cfg['seq']} batch={cfg['batch']}, attention "
+            f"{res['attention']}, {res['steps_timed']['bf16']} timed steps per variant\n\n")
+    ratios = ["| ratio (median of per-round ratios) | value |", "|---|---:|"]
+    ratios += [f"| {k} | {v:.3f} |" for k, v in res["ratios"].items()]
+    return head + "\n".join(rows) + "\n\n" + "\n".join(ratios) + "\n"
+
+
+def curve_table(res: dict[str, Any]) -> str:
+    policies = list(res["losses"])
+    rows = ["| step | " + " | ".join(policies) + " |", "|---:|" + "---:|" * len(policies)]
+    for i, (step, _) in enumerate(res["losses"][policies[0]]):
+        rows.append(f"| {step} | " + " | ".join(f"{res['losses'][p][i][1]:.4f}" for p in policies) + " |")
+    ratio = ", ".join(f"{p}: {r:.4f}" for p, r in res["final_ratio_over_bf16"].items() if p != "mixed_bf16")
+    c = res["config"]
+    return (f"LM d={c['d']} layers={c['layers']} T={c['seq']} batch={c['batch']} vocab={c['vocab']}, "
+            f"{c['steps']} steps (loss: mean over each {c['every']}-step window)\n\n" + "\n".join(rows)
+            + f"\n\nfinal loss / bf16: {ratio}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--gpu", action="store_true", help="the H200 config (d=4096, T=2048, batch 8)")
+    mode.add_argument("--smoke", action="store_true", help="tiny sizes: tests the script in seconds on CPU")
+    for name in ("d", "heads", "seq", "batch", "rounds", "steps"):
+        parser.add_argument(f"--{name}", type=int, help=f"override the speed config's {name}")
+    parser.add_argument("--control", action="store_true", help="add native_<recipe>_b (A/A control)")
+    parser.add_argument("--no-speed", action="store_true", help="skip the speed comparison")
+    parser.add_argument("--curve", action="store_true", help="also run the training curve")
+    parser.add_argument("--curve-steps", type=int, help="curve steps (default 300; smoke 30)")
+    parser.add_argument("--curve-every", type=int, help="log the loss every N steps (default 25; smoke 10)")
+    parser.add_argument("--out", type=Path, help="directory for fp8_jax.json")
+    args = parser.parse_args(argv)
+    cfg = CONFIGS["gpu" if args.gpu else "smoke" if args.smoke else "cpu"]
+    cfg = replace(cfg, **{k: getattr(args, k) for k in ("d", "heads", "seq", "batch", "rounds", "steps")
+                          if getattr(args, k) is not None})
+    res: dict[str, Any] = {"jax": jax.__version__, "device": str(jax.devices()[0]),
+                           "backend": jax.default_backend(), "python": platform.python_version()}
+    print(f"JAX {res['jax']} on {res['device']} ({res['backend']})\n")
+    if not args.no_speed:
+        res["speed"] = speed(cfg, args.control)
+        print(speed_table(res["speed"]))
+    if args.curve:
+        c = CurveConfig(d=32, heads=2, layers=1, seq=16, batch=4, vocab=64, steps=30, every=10) if args.smoke \
+            else CurveConfig()
+        c = replace(c, **{k: v for k, v in (("steps", args.curve_steps), ("every", args.curve_every)) if v})
+        res["curve"] = curve(c)
+        print(curve_table(res["curve"]))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fp8_jax.json").write_text(json.dumps(res, indent=1))
+        print(f"wrote {args.out / 'fp8_jax.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

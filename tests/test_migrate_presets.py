@@ -1,0 +1,34 @@
+"""Each system's preset is what `unimp import` reads from that system's default configuration, and
+exports back to it with nothing lost (an op category's list order is not a difference)."""
+
+from __future__ import annotations
+
+import pytest
+
+import unimp
+from unimp.migrate import export_to, import_from
+from unimp.migrate.common import effective
+
+DEFAULTS = [
+    ("apex", "O1", "apex_o1"), ("apex", "O2", "apex_o2"),
+    ("deepspeed", '{"fp16": {"enabled": true}}', "deepspeed_fp16"),
+    ("deepspeed", '{"fp16": {"enabled": true}, "zero_optimization": {"stage": 2}}', "deepspeed_zero_fp16"),
+    ("megatron", "--fp16", "megatron_fp16"),
+    ("flax", "DynamicScale()", "flax_dynamic_scale"),
+    ("keras", "mixed_float16", "keras_mixed_float16"), ("tf_keras", "mixed_float16", "tf_keras_mixed_float16"),
+    ("paddle", "auto_cast(level='O1'); GradScaler()", "paddle_o1"),
+    ("paddle", "auto_cast(level='O2'); GradScaler()", "paddle_o2"),
+    ("torch", "GradScaler()", "torch_autocast_cuda"),
+    ("jmp", "params=float32,compute=float16,output=float32; DynamicLossScale(loss_scale=2**15)", "jmp_float16"),
+]
+
+
+@pytest.mark.parametrize(("system", "raw", "preset"), DEFAULTS, ids=lambda v: v if len(v) < 24 else "")
+def test_the_default_configuration_imports_as_the_preset(system, raw, preset):
+    got, want = effective(import_from(system, raw).policy), effective(unimp.load(preset))
+    assert {k: (got.get(k), want.get(k)) for k in {*got, *want} if got.get(k) != want.get(k)} == {}
+
+
+@pytest.mark.parametrize(("system", "raw", "preset"), DEFAULTS, ids=lambda v: v if len(v) < 24 else "")
+def test_the_preset_exports_to_its_system_strictly(system, raw, preset):
+    assert export_to(system, preset, strict=True).unexpressed == ()
