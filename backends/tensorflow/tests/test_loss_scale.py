@@ -153,15 +153,17 @@ def _replay_keras(opt, seq):
 
 
 def _keras3(spec, seq):
-    """Keras 3's own LossScaleOptimizer, real gradients. Once its scale is 0 (flushed), every
-    gradient unscales to inf/NaN, so it is driven only up to there (the scale stays 0 either way)."""
+    """Keras 3's own LossScaleOptimizer, real gradients. Once its scale is 0 (flushed) every
+    gradient unscales to inf/NaN, and once it is inf (Keras 3 grows without a finiteness check)
+    every scaled gradient is inf: no step can be finite any more, so it is driven only up to there
+    (the scale stays 0 or inf either way)."""
     opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=spec.initial,
                                               dynamic_growth_steps=spec.growth_interval)
     w = _tiny()
     step = _step_fn(opt, w)
     scales, skips = [], []
     for i, finite in enumerate(seq):
-        if scales and scales[-1] == 0.0:
+        if scales and scales[-1] in (0.0, float("inf")):
             return Replay(scales, skips, stop=i)
         before = int(opt.inner_optimizer.iterations.numpy()) if opt.built else 0
         step(tf.constant(not finite))

@@ -130,18 +130,20 @@ def test_mean_runs_in_float32_under_mixed_bf16():
     amp.remove()
 
 
-def test_mean_on_cuda_keeps_torchs_choice_and_says_so():
-    """CUDA autocast keeps reductions (sum, prod, ...) in float32 but lists no mean: the primary op
-    already does what the policy asks, so torch's per-op choice is kept (torch_autocast_cuda stays
-    plain autocast) and the plan says so (read from the dispatcher, no GPU needed)."""
+def test_mean_on_cuda_follows_reduction_except_under_torchs_own_lists():
+    """CUDA autocast keeps reductions (sum, prod, ...) in float32 but lists no mean. A policy whose
+    reduction is float32 runs mean in float32 on CUDA as on CPU; torch_autocast_cuda (torch's own
+    lists) stays plain autocast and the plan says so (read from the dispatcher, no GPU needed)."""
     from unimp_torch.plan import compile_plan
 
     assert torch._C._dispatch_has_kernel_for_dispatch_key("aten::sum.dim_IntList", "AutocastCUDA")
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::mean.dim", "AutocastCUDA")
-    plan = compile_plan(unimp.load("mixed_bf16"), "cuda")
-    assert "mean" not in plan.details.op_moves
-    assert any(n.startswith("reduction: torch keeps its own choice for mean") for n in plan.notes)
+    assert unimp.load("mixed_bf16").ops.category("reduction") == "float32"
+    assert compile_plan(unimp.load("mixed_bf16"), "cuda").details.op_moves["mean"] == "float32"
     assert compile_plan(unimp.load("mixed_bf16"), "cpu").details.op_moves["mean"] == "float32"
+    own = compile_plan(unimp.load("torch_autocast_cuda"), "cuda")
+    assert "mean" not in own.details.op_moves
+    assert any(n.startswith("reduction: torch keeps its own choice for mean") for n in own.notes)
 
 
 def test_hf_attention_is_visible_in_reports_without_changing_decisions():

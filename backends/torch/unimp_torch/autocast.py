@@ -186,7 +186,7 @@ def is_torch_own(category: Callable[[str], str], device: str) -> bool:
     >>> is_torch_own(unimp.load("mixed_bf16").ops.category, "cuda")  # batch_norm in float32
     False
     """
-    from unimp.ops import CANONICAL_OPS
+    from unimp.spi import CANONICAL_OPS
 
     for op in CANONICAL_OPS:
         names = function_names(op, device)
