@@ -205,6 +205,23 @@ def decide_fp8(source: Planned | Policy, path: str, kind: str | None, type_names
     return Fp8Decision(path, True, fp8.recipe, f"{fp8.recipe} ({fp8.forward_format}/{fp8.gradient_format})")
 
 
+def asks_fp8(plan: Planned, path: str, kind: str | None, type_names: Iterable[str] = ()) -> bool:
+    """Whether the policy asks FP8 of this layer at all (a backend then reports its decision).
+
+    >>> import unimp
+    >>> asks_fp8(unimp.load("fp8_tensorwise"), "head", "linear", ("Linear",))
+    True
+    """
+    if isinstance(plan, Policy):
+        policy, requested = plan, requests_fp8(plan)
+    else:
+        policy, requested = plan.policy, plan.fp8 is not None and plan.fp8.requested
+    if not requested:
+        return False
+    names = (*tuple(type_names), *((kind,) if kind else ()))
+    return kind in policy.fp8.ops or policy.override_for(path, names, sets="fp8") is not None
+
+
 def fp8_report_notes(decisions: Iterable[Fp8Decision]) -> list[str]:
     """The report's lines for the layers that asked FP8 and did not get it (the dims rule, overrides)."""
     return [f"fp8: {d.path or '<model>'} not FP8: {d.reason}" for d in decisions if not d.fp8]

@@ -33,7 +33,17 @@ from .conformance.kit import Kit, Observation
 from .conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, PROBE, TIME, VOCAB, ProbeBatch
 from .dtypes import dtype_name, is_low, widest
 from .errors import PolicyError, StateError, UnimpWarning, UnsupportedError
-from .fp8 import FP8_FORMATS, Fp8Decision, Fp8Plan, Fp8Support, decide_fp8, fp8_report_notes, plan_fp8, requests_fp8
+from .fp8 import (
+    FP8_FORMATS,
+    Fp8Decision,
+    Fp8Plan,
+    Fp8Support,
+    asks_fp8,
+    decide_fp8,
+    fp8_report_notes,
+    plan_fp8,
+    requests_fp8,
+)
 from .hardware import CpuFacts, cpu, resolve_auto, resolve_cpu_auto, warn_emulated
 from .layout import LayoutFindings
 from .loading import load
@@ -56,7 +66,7 @@ __all__ = [
     "CANONICAL_OPS", "OPS", "LayerInfo", "LayoutFindings", "Plan", "class_names", "compile_ops", "kind_of",
     "kind_of_names", "native_table", "requested_dtype", "resolved_loss_scale", "PADDLE_NATIVE_OPS",
     # FP8: what a backend can run, the Plan's part, the per-layer decision
-    "FP8_FORMATS", "Fp8Decision", "Fp8Plan", "Fp8Support", "decide_fp8", "fp8_report_notes", "plan_fp8",
+    "FP8_FORMATS", "Fp8Decision", "Fp8Plan", "Fp8Support", "asks_fp8", "decide_fp8", "fp8_report_notes", "plan_fp8",
     "requests_fp8",
     # shared algorithms and facts
     "CpuFacts", "LossScale", "LossScaleAtMinimumError", "LossScaleState", "cpu", "dtype_name", "f32", "is_low",

@@ -206,18 +206,10 @@ def kernel_dims(params: Mapping[str, Any]) -> dict[str, int] | None:
     return {"in_features": int(shape[0]), "out_features": int(shape[1])}
 
 
-def asks_fp8(plan: Any, path: str, kind: str | None, type_names: tuple[str, ...]) -> bool:
-    """Whether the policy asks FP8 of this layer at all (its decision is then reported)."""
-    fp8 = plan.fp8
-    if fp8 is None or not fp8.requested:
-        return False
-    names = (*type_names, *((kind,) if kind else ()))
-    return kind in plan.policy.fp8.ops or plan.policy.override_for(path, names, sets="fp8") is not None
-
 
 def decide(plan: Any, lp: Any, params: Mapping[str, Any]) -> Any:
     """The core's :class:`unimp.fp8.Fp8Decision` for the layer ``lp`` (None: FP8 not asked of it)."""
-    from unimp.spi import Fp8Decision, decide_fp8
+    from unimp.spi import Fp8Decision, asks_fp8, decide_fp8
 
     if not asks_fp8(plan, lp.path, lp.kind, lp.type_names):
         return None

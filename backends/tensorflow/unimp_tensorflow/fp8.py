@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from unimp.spi import Fp8Decision, Fp8Support, UnsupportedError, decide_fp8
+from unimp.spi import Fp8Decision, Fp8Support, UnsupportedError, asks_fp8, decide_fp8
 
 KERAS_RECIPE = "delayed"
 # Keras' variable names -> the names every unimp backend uses in state_dict()["fp8"] (Flax's)
@@ -70,14 +70,6 @@ def _dims(layer: Any) -> dict[str, int] | None:
     shape = tuple(getattr(kernel, "shape", ()))
     return {"in_features": int(shape[0]), "out_features": int(shape[1])} if len(shape) == 2 else None
 
-
-def asks_fp8(plan: Any, path: str, kind: str | None, type_names: tuple[str, ...]) -> bool:
-    """Whether the policy asks FP8 of this layer at all (its decision is then reported)."""
-    fp8 = plan.fp8
-    if fp8 is None or not fp8.requested:
-        return False
-    names = (*type_names, *((kind,) if kind else ()))
-    return kind in plan.policy.fp8.ops or plan.policy.override_for(path, names, sets="fp8") is not None
 
 
 def decide(plan: Any, units: list[Any]) -> list[tuple[Any, Fp8Decision]]:
