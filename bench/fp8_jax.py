@@ -48,18 +48,11 @@ import optax
 from flax import nnx
 from flax.linen import fp8_ops
 
-ROOT = Path(__file__).resolve().parent.parent
-for extra in (ROOT, ROOT / "backends" / "jax"):  # run from a checkout without installing
-    if str(extra) not in sys.path:
-        sys.path.insert(0, str(extra))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# jax_bench puts this checkout on the path and registers unimp-jax when it is not installed
+from jax_bench import interleaved
 
-import unimp  # noqa: E402
-from unimp.registry import backends, register_backend  # noqa: E402
-
-if "jax" not in backends():  # a checkout without unimp-jax installed: no entry point, register it
-    from unimp_jax import JaxBackend
-
-    register_backend(JaxBackend)
+import unimp
 
 RECIPES = ("delayed", "tensorwise")
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -270,23 +263,7 @@ def speed(cfg: Config, control: bool) -> dict[str, Any]:
         states[v], loss = steps[v](states[v], x, target)
         jax.block_until_ready(loss)
         compile_s[v] = time.perf_counter() - t0
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    rounds: list[dict[str, float]] = []
-    n = len(variants)
-    for r in range(cfg.rounds):  # interleaved; the order rotates and reverses (drift hits all alike)
-        order = variants[r % n:] + variants[:r % n]
-        order = order[::-1] if (r // n) % 2 else order
-        per: dict[str, float] = {}
-        for v in order:
-            ts = []
-            for _ in range(cfg.steps):
-                t0 = time.perf_counter()
-                states[v], loss = steps[v](states[v], x, target)
-                jax.block_until_ready(loss)
-                ts.append(time.perf_counter() - t0)
-            times[v] += ts
-            per[v] = statistics.median(ts) * 1e3
-        rounds.append(per)
+    times, rounds = interleaved(steps, states, variants, cfg.rounds, cfg.steps, x, target)
     med = {v: statistics.median(ts) * 1e3 for v, ts in times.items()}
 
     def paired(a: str, b: str) -> float:

@@ -187,6 +187,33 @@ def hlo_diff(a: dict[str, int], b: dict[str, int]) -> dict[str, tuple[int, int]]
     return {k: (a.get(k, 0), b.get(k, 0)) for k in sorted(set(a) | set(b)) if a.get(k, 0) != b.get(k, 0)}
 
 
+def interleaved(steps: dict[str, Any], states: dict[str, Any], variants: list[str], n_rounds: int,
+                n_steps: int, *args: Any) -> tuple[dict[str, list[float]], list[dict[str, float]]]:
+    """Time ``steps[v](states[v], *args)`` in interleaved rounds (``states`` is updated in place).
+
+    The order rotates and reverses so every variant takes every position and follows every other one
+    equally often (clock drift, neighbours and warm caches hit all alike). Returns every step's
+    seconds per variant and, per round, the median ms of each variant."""
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    rounds: list[dict[str, float]] = []
+    n = len(variants)
+    for r in range(n_rounds):
+        order = variants[r % n:] + variants[:r % n]
+        order = order[::-1] if (r // n) % 2 else order
+        per: dict[str, float] = {}
+        for v in order:
+            ts = []
+            for _ in range(n_steps):
+                t0 = time.perf_counter()
+                states[v], loss = steps[v](states[v], *args)
+                jax.block_until_ready(loss)
+                ts.append(time.perf_counter() - t0)
+            times[v] += ts
+            per[v] = statistics.median(ts) * 1e3
+        rounds.append(per)
+    return times, rounds
+
+
 def run(cfg: Config, variants: tuple[str, ...], hlo: bool = False) -> dict[str, Any]:
     on_gpu = jax.default_backend() == "gpu"
     impl = "cudnn" if on_gpu else None
@@ -205,25 +232,7 @@ def run(cfg: Config, variants: tuple[str, ...], hlo: bool = False) -> dict[str, 
         states[v], loss = steps[v](states[v], tokens, targets)
         jax.block_until_ready(loss)
         compile_s[v] = time.perf_counter() - t0
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    rounds: list[dict[str, float]] = []  # per round: median ms of each variant
-    n = len(variants)
-    for r in range(cfg.rounds):
-        # interleaved rounds; the order rotates and reverses so every variant takes every position and
-        # follows every other one equally often (clock drift, neighbours and warm caches hit all alike)
-        order = variants[r % n:] + variants[:r % n]
-        order = order[::-1] if (r // n) % 2 else order
-        per: dict[str, float] = {}
-        for v in order:
-            ts = []
-            for _ in range(cfg.steps):
-                t0 = time.perf_counter()
-                states[v], loss = steps[v](states[v], tokens, targets)
-                jax.block_until_ready(loss)
-                ts.append(time.perf_counter() - t0)
-            times[v] += ts
-            per[v] = statistics.median(ts) * 1e3
-        rounds.append(per)
+    times, rounds = interleaved(steps, states, list(variants), cfg.rounds, cfg.steps, tokens, targets)
     paired = {v: statistics.median(p[v] / p["native"] for p in rounds) for v in variants}
     med = {v: statistics.median(ts) * 1e3 for v, ts in times.items()}
     if amp is not None:  # the functional loop kept its own state: hand it back for the report
