@@ -9,6 +9,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from keras_steps import replay_scales as _replay_keras
+from keras_steps import step_fn as _step_fn
+from keras_steps import tiny_variable as _tiny
 
 import unimp
 from unimp.conformance.loss_scale import (
@@ -42,22 +45,6 @@ def _spec(knobs, interval=3):
 def _sequences(n=4, length=40, seed=0):
     rng = random.Random(seed)
     return [[rng.random() > p for _ in range(length)] for p in (0.1, 0.3, 0.6)[:n]] + [[False] * 6 + [True] * 9]
-
-
-def _tiny():
-    """A real variable + Adam slots; the step's gradient is finite or inf as asked."""
-    w = keras.Variable(np.array([1.0, -2.0], np.float32), name="w")
-    return w
-
-
-def _step_fn(opt, w):
-    @tf.function
-    def step(poison):
-        with tf.GradientTape() as tape:
-            loss = 1e-30 * tf.reduce_sum(w * w) * tf.where(poison, tf.constant(np.inf, tf.float32), 1.0)
-            scaled = opt.scale_loss(loss)
-        opt.apply_gradients([(tape.gradient(scaled, w), w)])
-    return step
 
 
 def _initial(spec, batch):
@@ -140,16 +127,6 @@ def test_at_min_error_raises_at_the_floor():
     step(tf.constant(True))  # 2 -> 1
     with pytest.raises(tf.errors.InvalidArgumentError, match="loss scale already at its minimum"):
         step(tf.constant(True))
-
-
-def _replay_keras(opt, seq):
-    w = _tiny()
-    step = _step_fn(opt, w)
-    scales = []
-    for finite in seq:
-        step(tf.constant(not finite))
-        scales.append(float(opt.dynamic_scale.numpy()))
-    return scales
 
 
 def _keras3(spec, seq):

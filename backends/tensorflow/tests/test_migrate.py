@@ -4,9 +4,8 @@ it replays the imported policy's reference trajectory; built from an export, the
 import random
 
 import keras
-import numpy as np
 import pytest
-import tensorflow as tf
+from keras_steps import replay_scales
 
 import unimp
 from unimp import exporters, importers
@@ -19,21 +18,7 @@ def _finites(seed, n=60, p_bad=0.25):
 
 
 def _keras(kw, finites):
-    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.0), **kw)
-    w = keras.Variable(np.array([1.0, -2.0], np.float32), name="w")
-
-    @tf.function
-    def step(poison):
-        with tf.GradientTape() as tape:
-            loss = 1e-30 * tf.reduce_sum(w * w) * tf.where(poison, tf.constant(np.inf, tf.float32), 1.0)
-            scaled = opt.scale_loss(loss)
-        opt.apply_gradients([(tape.gradient(scaled, w), w)])
-
-    out = []
-    for f in finites:
-        step(tf.constant(not f))
-        out.append(float(opt.dynamic_scale.numpy()))
-    return out
+    return replay_scales(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.0), **kw), finites)
 
 
 @pytest.mark.parametrize("seed", range(2))
