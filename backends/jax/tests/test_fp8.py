@@ -15,7 +15,6 @@ from flax import nnx
 import unimp
 from unimp.conformance import run_case
 from unimp.conformance.fp8 import fp8_cases
-from unimp.errors import UnsupportedError
 from unimp_jax import fp8
 
 pytestmark = pytest.mark.filterwarnings("ignore::unimp.UnimpWarning")  # bf16 on XLA:CPU, the misaligned head
@@ -200,17 +199,6 @@ def test_remove_restores_the_nnx_module_exactly():
     assert graphdef2 == graphdef
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(state),
                                                     jax.tree_util.tree_leaves(state2), strict=True))
-
-
-@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
-def test_recipes_jax_lacks_are_refused_or_fall_back(recipe):
-    policy = unimp.load("fp8_tensorwise").replace(fp8={"recipe": recipe})
-    with pytest.raises(UnsupportedError, match=f"fp8.recipe = '{recipe}'.*jax"):
-        unimp.apply(policy, NnxMLP(nnx.Rngs(0)), optax.adam(1e-2))
-    amp = unimp.apply(policy.replace(on_unsupported="fallback"), NnxMLP(nnx.Rngs(0)), optax.adam(1e-2))
-    assert not amp.plan.fp8.active and recipe in amp.plan.fp8.fallback
-    assert all(r.fp8 is None for r in amp.report(jnp.ones((2, 32))).rows)
-    amp.remove()
 
 
 @pytest.mark.parametrize("case", fp8_cases(), ids=str)

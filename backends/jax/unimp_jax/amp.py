@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from unimp.spi import Amp, LossScaleState, Plan, StateError, UnsupportedError
+from unimp.spi import Amp, LossScaleState, Plan, StateError
 
 from .layers import is_nnx
 from .optimizer import AmpOptState, all_finite, apply_updates, find_state, wrap
@@ -122,24 +122,25 @@ def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, a
         return out, grads, all_finite(fp8.without_state(grads))
 
     def _distributed(state: Any, target: Any, scale: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
-        if fp8.has_state(target):
-            raise UnsupportedError(
-                "amp.value_and_grad(axis_name=...): delayed FP8 scaling state is not reduced across devices "
-                "by unimp-jax yet; fix: use the tensorwise recipe (fp8_tensorwise) in a sharded step, or a "
-                "plain jax.jit over sharded inputs")
         if is_nnx(target):  # differentiate a device-varying view of the params (local grads)
             from flax import nnx
 
             replicated = nnx.as_pure(nnx.state(target, nnx.Param))
             nnx.update(target, distributed.to_varying(replicated, axis_name))
             try:
-                out, grads = _local(target, scale, args, kwargs)
+                with fp8.amax_agreed_over(axis_name):
+                    out, grads = _local(target, scale, args, kwargs)
             finally:
                 nnx.update(target, replicated)
-        else:
-            out, grads = _local(distributed.to_varying(target, axis_name), scale, args, kwargs)
+        else:  # the params device-varying; delayed FP8 state stays replicated (its amaxes are agreed)
+            view = jax.tree_util.tree_map_with_path(
+                lambda p, x: x if fp8.is_state_path(p) else distributed.to_varying(x, axis_name), target)
+            with fp8.amax_agreed_over(axis_name):
+                out, grads = _local(view, scale, args, kwargs)
+        # delayed FP8 state (its new value, identical on every device) is not averaged
         grads = distributed.reduce_gradients(grads, axis_name, reduce_dtype,
-                                             out_dtype=None if scale is None else "float32")
+                                             out_dtype=None if scale is None else "float32",
+                                             skip=fp8.is_state_path)
         if scale is not None:
             grads = fp8.map_gradients(lambda g: g / scale, grads)
         finite = distributed.agree(all_finite(fp8.without_state(grads)), axis_name)

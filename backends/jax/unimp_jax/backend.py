@@ -53,12 +53,14 @@ def fp8_support(platform: str) -> Any:
     if platform != "gpu":
         notes += (f"XLA:{platform.upper()} has no FP8 units: the FP8 dots are emulated (numerics as on the "
                   f"GPU, slower than the compute dtype)",)
-    why = "per-row scales are not implemented in unimp-jax; it runs tensorwise and delayed"
     return Fp8Support(ops=("linear",),
                       recipes={"delayed": "scaled FP8 dot_general, amax-history scales (flax.linen.fp8_ops rule)",
-                               "tensorwise": "scaled FP8 dot_general, scales from this step's amax"},
-                      gradient_formats=("e5m2", "e4m3"),
-                      why_not={"rowwise": why, "rowwise_gw_hp": why}, notes=notes)
+                               "tensorwise": "scaled FP8 dot_general, scales from this step's amax",
+                               "rowwise": "scaled FP8 dot_general, per-row power-of-2 scales from this step's "
+                                          "amax (torchao's rowwise)",
+                               "rowwise_gw_hp": "scaled FP8 dot_general, per-row scales; grad-weight GEMM in the "
+                                                "compute dtype (torchao's rowwise_with_gw_hp)"},
+                      gradient_formats=("e5m2", "e4m3"), notes=notes)
 
 
 

@@ -85,19 +85,22 @@ def to_varying(tree: Any, axis_name: Any) -> Any:
     return jax.tree_util.tree_map(one, tree)
 
 
-def reduce_gradients(grads: Any, axis_name: Any, reduce_dtype: str, out_dtype: str | None = None) -> Any:
+def reduce_gradients(grads: Any, axis_name: Any, reduce_dtype: str, out_dtype: str | None = None,
+                     skip: Callable[[Any], bool] | None = None) -> Any:
     """The mean of ``grads`` over ``axis_name``, summed in ``reduce_dtype`` (one all-reduce).
 
     Each floating leaf is cast to ``reduce_dtype``, divided by the axis size there, ``psum``-ed, then cast
-    to ``out_dtype`` (default: the leaf's own dtype). Non-floating leaves are left alone.
+    to ``out_dtype`` (default: the leaf's own dtype). Non-floating leaves, and those whose key path
+    ``skip(path)`` is true (FP8 scaling state, already agreed), are left alone.
     """
     jax = _jax()
     import jax.numpy as jnp
 
     n = axis_size(axis_name)
     rd = jnp.dtype(reduce_dtype)
-    leaves, treedef = jax.tree_util.tree_flatten(grads)
-    idx = [i for i, g in enumerate(leaves) if _is_float(g)]
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    leaves = [g for _, g in with_paths]
+    idx = [i for i, (p, g) in enumerate(with_paths) if _is_float(g) and not (skip is not None and skip(p))]
     low = [leaves[i].astype(rd) for i in idx]
     if n != 1:
         low = [g / jnp.asarray(n, rd) for g in low]
@@ -115,6 +118,11 @@ def agree(flag: Any, axis_name: Any) -> Any:
 
     as_int = to_varying(jnp.asarray(flag).astype(jnp.int32), axis_name)
     return jax.lax.pmin(as_int, axis_name) > 0
+
+
+def max_over(x: Any, axis_name: Any) -> Any:
+    """``x``'s maximum over ``axis_name`` (a ``pmax``): every device gets the same value (FP8 amaxes)."""
+    return _jax().lax.pmax(to_varying(x, axis_name), axis_name)
 
 
 def mean_over(x: Any, axis_name: Any) -> Any:

@@ -1,4 +1,4 @@
-"""FP8 dots for the layers the Plan chooses: scaled e4m3 (forward) / e5m2 (gradient) ``dot_general``s.
+"""FP8 dots for the layers the Plan chooses: scaled e4m3 (forward) / e5m2 or e4m3 (gradient) ``dot_general``s.
 
 A layer the Plan runs in FP8 gets, for its call, a ``dot_general`` that quantizes the activation and
 the kernel to the forward format, multiplies the FP8 operands with ``lax.dot_general`` (XLA lowers
@@ -14,8 +14,15 @@ Recipes:
   gradient"): ``amp.value_and_grad`` returns it untouched by the loss scale, the unimp optimizer
   writes it back on applied steps. nnx keeps it in ``nnx.Variable``s of type :class:`Fp8State` on the
   layer (attribute ``unimp_fp8``); linen in the ``_overwrite_with_gradient`` collection of
-  ``amp.params`` (Flax's own collection name, so ``flax.training.TrainState`` handles it too).
-- ``tensorwise``: current scaling, the scale of each tensor from this step's amax: no state.
+  ``amp.params`` (Flax's own collection name, so ``flax.training.TrainState`` handles it too). In a
+  data-parallel step each amax is max-reduced over the data axis before the history update, so every
+  replica keeps the same state.
+- current scaling (:data:`CURRENT`, no state; torchao's ``Float8LinearConfig.from_recipe_name``
+  recipes): ``tensorwise``, one scale per tensor from this step's amax; ``rowwise``, one scale per
+  row of each GEMM operand (amax over that GEMM's contracted dims: activation and output gradient per
+  row, weight per output column in the forward), power-of-2 scales; ``rowwise_gw_hp``, rowwise for
+  the output and grad-input GEMMs (the weight per tensor there) and the grad-weight GEMM
+  ``x^T . dy`` in the compute dtype.
 
 >>> import jax.numpy as jnp
 >>> dot = dot_general_for("tensorwise", "float8_e4m3fn", "float8_e5m2")
@@ -26,8 +33,10 @@ Recipes:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -40,7 +49,6 @@ NNX_ATTR = "unimp_fp8"
 SCALES = ("input_scale", "kernel_scale", "output_grad_scale")
 HISTORIES = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history")
 STATE_NAMES = SCALES + HISTORIES
-RECIPES = ("delayed", "tensorwise")  # what this backend runs; the others are refused in the Plan
 
 
 class Fp8State(nnx.Variable):
@@ -97,11 +105,47 @@ def without_state(tree: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- the dots
-def _amax_scale(x: Any, q_dtype: Any) -> Any:
-    """Current scaling: ``amax / fp8_max`` (x / scale fills the format), 1 where x is all zero."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+@dataclasses.dataclass(frozen=True)
+class Current:
+    """A current-scaling recipe (scales from this step's amax), torchao's ``Float8LinearConfig`` terms.
+
+    ``rows``: one scale per row of each GEMM operand (amax over that GEMM's contracted dims: the
+    activation per row, the weight per output column in the forward), else one per tensor;
+    ``pow2``: scales rounded to powers of 2 (torchao's ``round_scales_to_power_of_2``);
+    ``weight_rows_for_grad_input``: the weight of the grad-input GEMM per row too (else tensorwise);
+    ``grad_weight_hp``: the grad-weight GEMM (x^T dy) runs in the compute dtype, unquantized.
+    """
+
+    rows: bool
+    pow2: bool = False
+    weight_rows_for_grad_input: bool = False
+    grad_weight_hp: bool = False
+
+
+CURRENT = {  # torchao's Float8LinearConfig.from_recipe_name("tensorwise" | "rowwise" | "rowwise_with_gw_hp")
+    "tensorwise": Current(rows=False),
+    "rowwise": Current(rows=True, pow2=True, weight_rows_for_grad_input=True),
+    "rowwise_gw_hp": Current(rows=True, grad_weight_hp=True),
+}
+RECIPES = ("delayed", *CURRENT)  # what this backend runs (declared in backend.fp8_support)
+
+
+def _scale(x: Any, q_dtype: Any, axes: tuple[int, ...] | None, pow2: bool = False) -> Any:
+    """Current scaling: ``amax / fp8_max`` over ``axes`` (None: the whole tensor), kept as size-1 dims
+    (x / scale fills the format); 1 where the amax is zero or not finite. ``pow2``: torchao's rule,
+    the multiplier ``fp8_max / amax`` rounded down to a power of 2."""
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True).astype(jnp.float32)
     fmax = fp8_ops.get_fp8_max(q_dtype, jnp.float32)
-    return jnp.where((amax > 0) & jnp.isfinite(amax), amax / fmax, jnp.float32(1.0)).reshape(1)
+    ok = (amax > 0) & jnp.isfinite(amax)
+    safe = jnp.where(ok, amax, fmax)
+    s = 1.0 / jnp.exp2(jnp.floor(jnp.log2(fmax / safe))) if pow2 else safe / fmax
+    return jnp.where(ok, s, jnp.float32(1.0))
+
+
+def _quantize(x: Any, q_dtype: Any, axes: tuple[int, ...] | None, pow2: bool = False) -> tuple[Any, Any]:
+    """``(x in q_dtype, its scale)``: scaled by :func:`_scale` over ``axes``, clipped to the format."""
+    s = _scale(x, q_dtype, axes, pow2)
+    return fp8_ops.quantize(x, q_dtype, s, x.dtype), s
 
 
 def _dequant(y: Any, dtype: Any, *scales: Any) -> Any:
@@ -111,54 +155,90 @@ def _dequant(y: Any, dtype: Any, *scales: Any) -> Any:
     return fp8_ops.dequantize(y, dtype, s)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _tensorwise(x: Any, w: Any, dn: Any, fwd: Any, grad: Any) -> Any:
-    return _tensorwise_fwd(x, w, dn, fwd, grad)[0]
+def _dims(dn: Any, x_ndim: int, w_ndim: int) -> tuple[tuple[int, ...], ...]:
+    """``(x contracted, w contracted, x kept, w kept, g's dims from x, g's dims from w)`` of ``dn``."""
+    (xc, wc), (xb, wb) = dn
+    x_kept = tuple(i for i in range(x_ndim) if i not in xc and i not in xb)
+    w_kept = tuple(i for i in range(w_ndim) if i not in wc and i not in wb)
+    nb = len(xb)
+    return (tuple(xc), tuple(wc), x_kept, w_kept, tuple(range(nb, nb + len(x_kept))),
+            tuple(range(nb + len(x_kept), nb + len(x_kept) + len(w_kept))))
 
 
-def _tensorwise_fwd(x: Any, w: Any, dn: Any, fwd: Any, grad: Any) -> tuple[Any, Any]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _current(x: Any, w: Any, dn: Any, fwd: Any, grad: Any, how: Current) -> Any:
+    return _current_fwd(x, w, dn, fwd, grad, how)[0]
+
+
+def _current_fwd(x: Any, w: Any, dn: Any, fwd: Any, grad: Any, how: Current) -> tuple[Any, Any]:
+    """Each GEMM operand quantized with scales over that GEMM's contracted dims (or the whole tensor);
+    the product of two operands' scales is their ``dot_general`` (the contracted dims have size 1)."""
     cdt = x.dtype
-    sx, sw = _amax_scale(x, fwd), _amax_scale(w, fwd)
-    qx, qw = fp8_ops.quantize(x, fwd, sx, cdt), fp8_ops.quantize(w, fwd, sw, cdt)
+    xc, wc, _, _, _, _ = _dims(dn, x.ndim, w.ndim)
+    qx, sx = _quantize(x, fwd, xc if how.rows else None, how.pow2)
+    qw, sw = _quantize(w, fwd, wc if how.rows else None, how.pow2)
     y = jax.lax.dot_general(qx, qw, dn, preferred_element_type=cdt)
-    return _dequant(y, cdt, sx, sw), (x, w, qx, qw, sx, sw)
+    return _dequant(y, cdt, jax.lax.dot_general(sx, sw, dn)), (x, w)
 
 
-def _tensorwise_bwd(dn: Any, fwd: Any, grad: Any, res: Any, g: Any) -> tuple[Any, Any]:
-    x, w, qx, qw, sx, sw = res
+def _current_bwd(dn: Any, fwd: Any, grad: Any, how: Current, res: Any, g: Any) -> tuple[Any, Any]:
+    x, w = res
     cdt = x.dtype
-    sg = _amax_scale(g, grad)
-    qg = fp8_ops.quantize(g, grad, sg, cdt)
-    gx = fp8_ops.dot_general_transpose_lhs(qg, x, qw, dimension_numbers=dn, precision=None,
-                                           preferred_element_type=cdt)
-    gw = fp8_ops.dot_general_transpose_rhs(qg, qx, w, dimension_numbers=dn, precision=None,
-                                           preferred_element_type=cdt)
-    return _dequant(gx, cdt, sw, sg).astype(x.dtype), _dequant(gw, cdt, sx, sg).astype(w.dtype)
+    _, _, x_kept, w_kept, g_x, g_w = _dims(dn, x.ndim, w.ndim)
+    rows = how.rows
+    # grad input = g . w^T: contracted over w's kept dims (g's dims that came from w)
+    qg, sg = _quantize(g, grad, g_w if rows else None, how.pow2)
+    qw, sw = _quantize(w, fwd, w_kept if rows and how.weight_rows_for_grad_input else None, how.pow2)
+    if rows and not how.weight_rows_for_grad_input:  # one weight scale against per-row ones: keep batch dims
+        sw = jnp.broadcast_to(sw, tuple(n if i in dn[1][1] else 1 for i, n in enumerate(w.shape)))
+    kw = dict(dimension_numbers=dn, precision=None, preferred_element_type=cdt)
+    gx = fp8_ops.dot_general_transpose_lhs(qg, x, qw, **kw)
+    gx = _dequant(gx, cdt, fp8_ops.dot_general_transpose_lhs(sg, x, sw, **{**kw, "preferred_element_type": None}))
+    # grad weight = x^T . g: contracted over x's kept dims (g's dims that came from x)
+    if how.grad_weight_hp:
+        gw = fp8_ops.dot_general_transpose_rhs(g.astype(cdt), x, w, **kw)
+    else:
+        qg2, sg2 = (qg, sg) if not rows else _quantize(g, grad, g_x, how.pow2)
+        qx, sx = _quantize(x, fwd, x_kept if rows else None, how.pow2)
+        gw = fp8_ops.dot_general_transpose_rhs(qg2, qx, w, **kw)
+        gw = _dequant(gw, cdt, fp8_ops.dot_general_transpose_rhs(sg2, sx, w, **{**kw, "preferred_element_type": None}))
+    return gx.astype(x.dtype), gw.astype(w.dtype)
 
 
-_tensorwise.defvjp(_tensorwise_fwd, _tensorwise_bwd)
+_current.defvjp(_current_fwd, _current_bwd)
+
+def _update_meta(x: Any, q_dtype: Any, scale: Any, history: Any, axis: Any) -> tuple[Any, Any]:
+    """Flax's delayed-scaling update (``fp8_ops.update_fp8_meta``) with ``x``'s amax; inside a
+    data-parallel step (``axis``: the mesh axis name) the amax is first agreed across the axis (max,
+    Transformer Engine's amax reduction), so every replica records the same history and scale."""
+    if axis is None:
+        return fp8_ops.update_fp8_meta(x, q_dtype, scale, history)
+    from .distributed import max_over
+
+    amax = max_over(jnp.max(jnp.abs(x)).astype(history.dtype), axis)
+    return fp8_ops.update_fp8_meta(amax, q_dtype, scale, history)  # max|amax| = amax: Flax's rule on it
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
 def _delayed(x: Any, w: Any, sx: Any, sw: Any, sg: Any, hx: Any, hw: Any, hg: Any,
-             dn: Any, fwd: Any, grad: Any) -> Any:
-    return _delayed_fwd(x, w, sx, sw, sg, hx, hw, hg, dn, fwd, grad)[0]
+             dn: Any, fwd: Any, grad: Any, axis: Any) -> Any:
+    return _delayed_fwd(x, w, sx, sw, sg, hx, hw, hg, dn, fwd, grad, axis)[0]
 
 
 def _delayed_fwd(x: Any, w: Any, sx: Any, sw: Any, sg: Any, hx: Any, hw: Any, hg: Any,
-                 dn: Any, fwd: Any, grad: Any) -> tuple[Any, Any]:
+                 dn: Any, fwd: Any, grad: Any, axis: Any) -> tuple[Any, Any]:
     cdt = x.dtype
-    nsx, nhx = fp8_ops.update_fp8_meta(x, fwd, sx, hx)
-    nsw, nhw = fp8_ops.update_fp8_meta(w, fwd, sw, hw)
+    nsx, nhx = _update_meta(x, fwd, sx, hx, axis)
+    nsw, nhw = _update_meta(w, fwd, sw, hw, axis)
     qx, qw = fp8_ops.quantize(x, fwd, nsx, cdt), fp8_ops.quantize(w, fwd, nsw, cdt)
     y = jax.lax.dot_general(qx, qw, dn, preferred_element_type=cdt)
     return _dequant(y, cdt, nsx, nsw), (x, w, qx, qw, nsx, nsw, nhx, nhw, sg, hg)
 
 
-def _delayed_bwd(dn: Any, fwd: Any, grad: Any, res: Any, g: Any) -> tuple[Any, ...]:
+def _delayed_bwd(dn: Any, fwd: Any, grad: Any, axis: Any, res: Any, g: Any) -> tuple[Any, ...]:
     x, w, qx, qw, nsx, nsw, nhx, nhw, sg, hg = res
     cdt = x.dtype
-    nsg, nhg = fp8_ops.update_fp8_meta(g, grad, sg, hg)
+    nsg, nhg = _update_meta(g, grad, sg, hg, axis)
     qg = fp8_ops.quantize(g, grad, nsg, cdt)
     gx = fp8_ops.dot_general_transpose_lhs(qg, x, qw, dimension_numbers=dn, precision=None,
                                            preferred_element_type=cdt)
@@ -170,6 +250,22 @@ def _delayed_bwd(dn: Any, fwd: Any, grad: Any, res: Any, g: Any) -> tuple[Any, .
 
 
 _delayed.defvjp(_delayed_fwd, _delayed_bwd)
+
+_AMAX_AXIS: list[Any] = [None]  # the data-parallel axis the delayed amaxes are agreed over (while tracing)
+
+
+@contextlib.contextmanager
+def amax_agreed_over(axis_name: Any) -> Iterator[None]:
+    """While tracing a data-parallel step: delayed-scaling amaxes are max-reduced over ``axis_name``.
+
+    ``amp.value_and_grad(loss_fn, axis_name=...)`` wraps its differentiation in this; a custom
+    sharded step can too.
+    """
+    _AMAX_AXIS.append(axis_name)
+    try:
+        yield
+    finally:
+        _AMAX_AXIS.pop()
 
 
 def dot_general_for(recipe: str, forward: str, gradient: str, state: Mapping[str, Any] | None = None) -> Any:
@@ -184,13 +280,13 @@ def dot_general_for(recipe: str, forward: str, gradient: str, state: Mapping[str
         rhs = rhs.astype(lhs.dtype)
         dn = jax.tree_util.tree_map(int, dimension_numbers)
         dn = tuple(tuple(tuple(a) for a in pair) for pair in dn)
-        if recipe == "tensorwise":
-            out = _tensorwise(lhs, rhs, dn, fwd, grad)
+        if recipe in CURRENT:
+            out = _current(lhs, rhs, dn, fwd, grad, CURRENT[recipe])
         else:
             s = state
             out = _delayed(lhs, rhs, s["input_scale"], s["kernel_scale"], s["output_grad_scale"],
                            s["input_amax_history"], s["kernel_amax_history"], s["output_grad_amax_history"],
-                           dn, fwd, grad)
+                           dn, fwd, grad, _AMAX_AXIS[-1])
         return out if preferred_element_type is None else out.astype(preferred_element_type)
 
     return dot
