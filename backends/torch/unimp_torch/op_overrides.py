@@ -266,10 +266,13 @@ class SingleOpForward:
         forward = type(module).forward
         if not torch.compiler.is_compiling():
             table = getattr(_state, "table", None)
-            if (table and table.get(self.name) == "float32" and torch.is_autocast_enabled(self.device)
-                    and all(p is None or p.dtype == torch.float32 for p in module._parameters.values())):
-                with torch._C._ExcludeDispatchKeyGuard(self.keys):
-                    return forward(module, _cast(input, torch.float32, self.device))
+            if table and table.get(self.name) == "float32" and torch.is_autocast_enabled(self.device):
+                for p in module._parameters.values():
+                    if p is not None and p.dtype != torch.float32:
+                        break
+                else:
+                    with torch._C._ExcludeDispatchKeyGuard(self.keys):
+                        return forward(module, _cast(input, torch.float32, self.device))
         return forward(module, input)
 
 
