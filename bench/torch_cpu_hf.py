@@ -2,9 +2,12 @@
 
     python bench/torch_cpu_hf.py [--rounds 60] [--runs 3] [--profile]
 
-The hand-written step gives every op the dtype ``mixed_bf16`` gives it on CPU (checked: the first
-losses are equal bit for bit): ``torch.autocast("cpu", bfloat16)``, the LayerNorms and the
-GPT-2 GELU (``pow``/``tanh``) run in float32 by hand (autocast off, input cast), fused AdamW.
+The hand-written step gives every op the dtype ``mixed_bf16`` gives it on CPU, checked op by op
+before timing (the aten ops each step computes, with their input dtypes, recorded below autocast by
+a ``TorchDispatchMode``, must be the same sequence): ``torch.autocast("cpu", bfloat16)``; the
+LayerNorms run in float32 by hand (autocast off, input cast); in GPT-2's GELU the ``pow`` runs in
+float32 by hand and the rest of the formula as HF writes it (the policy moves ``pow``, not the
+whole activation); the logits come back in float32 (the policy's ``output_dtype``); fused AdamW.
 Three builds from the same weights live in one process: ``hand``, ``hand2`` (a second hand-written
 build: the A/A control, i.e. the noise) and ``unimp``; each round runs one step of each, in a
 rotating order, and the median over rounds is reported, forward only (``no_grad``) and full
@@ -17,13 +20,16 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import math
 import pstats
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import unimp
 
@@ -48,25 +54,61 @@ class Float32:
             return self.forward(x.float())
 
 
+def pow_float32(x: torch.Tensor, exponent: float) -> torch.Tensor:
+    with torch.autocast("cpu", enabled=False):
+        return torch.pow(x.float(), exponent)
+
+
+def gelu_pow_float32(input: torch.Tensor) -> torch.Tensor:
+    """HF's ``NewGELUActivation.forward`` with its ``pow`` in float32 by hand (autocast off, input cast)."""
+    return 0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * pow_float32(input, 3.0))))
+
+
 def hand(model: torch.nn.Module) -> tuple[Callable[[], float], Callable[[], None]]:
     for m in model.modules():
-        if isinstance(m, torch.nn.LayerNorm) or type(m).__name__ == "NewGELUActivation":
+        if isinstance(m, torch.nn.LayerNorm):
             m.forward = Float32(m)
+        elif type(m).__name__ == "NewGELUActivation":
+            m.forward = gelu_pow_float32
     opt = torch.optim.AdamW(model.parameters(), 1e-4, fused=True)
 
-    def step() -> float:
+    def run() -> transformers.modeling_outputs.CausalLMOutputWithCrossAttentions:
         with torch.autocast("cpu", dtype=BF16):
-            loss = model(**BATCH).loss
+            out = model(**BATCH)
+        out.logits = out.logits.float()  # the policy's output_dtype
+        return out
+
+    def step() -> float:
+        loss = run().loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
     def forward() -> None:
-        with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
-            model(**BATCH)
+        with torch.no_grad():
+            run()
 
     return step, forward
+
+
+class OpDtypes(TorchDispatchMode):
+    """Records each aten op computed (below autocast) with the dtypes of its tensor inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        self.ops.append((func.name(), tuple(str(a.dtype) for a in flat if isinstance(a, torch.Tensor))))
+        return func(*args, **(kwargs or {}))
+
+
+def op_dtypes(step: Callable[[], object]) -> list[tuple[str, tuple]]:
+    with OpDtypes() as mode:
+        step()
+    return mode.ops
 
 
 def ours(model: torch.nn.Module) -> tuple[Callable[[], float], Callable[[], None]]:
@@ -115,10 +157,13 @@ def main() -> None:
     BATCH = {"input_ids": ids, "labels": ids}
     base = build(args.d, args.layers)
     builds = {"hand": hand(copy.deepcopy(base)), "hand2": hand(copy.deepcopy(base)), "unimp": ours(copy.deepcopy(base))}
+    seen = {n: op_dtypes(builds[n][1]) for n in ("hand", "unimp")}
+    assert seen["hand"] == seen["unimp"], "the hand-written forward does not give every op unimp's dtypes"
     first = {n: b[0]() for n, b in builds.items()}
     assert first["hand"] == first["unimp"] == first["hand2"], first  # same per-op dtypes: same loss
     print(f"GPT-2 d={args.d} layers={args.layers} batch={args.batch}x{args.seq}, torch {torch.__version__}, "
-          f"1 thread; first loss equal in all builds ({first['unimp']:.6f})")
+          f"1 thread; the same {len(seen['hand'])} aten ops with the same input dtypes per forward; "
+          f"first loss equal in all builds ({first['unimp']:.6f})")
     print("| run | what | hand ms | hand2 ms | unimp ms | unimp/hand | A/A hand2/hand |")
     print("|---|---|---|---|---|---|---|")
     for run in range(args.runs):

@@ -173,3 +173,48 @@ def test_report_is_json_and_a_table(preset):
     assert unimp.Report.from_json(r.to_json()).rows == r.rows
     assert "qkv" in str(r) and r.row("<model>").output_dtype == "float32"
     amp.remove()
+
+
+def test_torchs_single_op_modules_apply_their_ops_rule_at_the_module_boundary(monkeypatch):
+    # nn.LayerNorm / nn.Softmax are one op each: while a unimp forward moves that op to float32
+    # they run it as the Autocast kernel would (input cast, autocast off), without entering the
+    # kernel; the result is the kernel path's, bit for bit, forward and backward
+    from unimp_torch import op_overrides
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 32),
+                                torch.nn.Softmax(-1), torch.nn.Linear(32, 8))
+    reference = copy.deepcopy(model)
+    amp = unimp.apply("mixed_bf16", model)
+    ref_amp = unimp.apply("mixed_bf16", reference)
+    for m in reference.modules():  # the kernel path: no boundary forwards
+        m.__dict__.pop("forward", None) if m is not reference else None
+    assert amp.policy.decide("1", "layer_norm").compute_dtype == "float32"  # expected: from the core
+    assert isinstance(model[1].__dict__["forward"], op_overrides.SingleOpForward)
+    assert isinstance(model[3].__dict__["forward"], op_overrides.SingleOpForward)
+    x = torch.randn(4, 16)
+    amp.model(x), ref_amp.model(x)  # first forwards are observed
+    seen: dict[str, torch.dtype] = {}
+    for i in (1, 3):
+        model[i].register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(str(i), (a[0].dtype, o.dtype)))
+    calls = []
+    real = op_overrides._cast_inputs
+    monkeypatch.setattr(op_overrides, "_cast_inputs", lambda *a: calls.append(a[0]) or real(*a))
+    out = amp.model(x)
+    assert calls == []  # neither module entered unimp's kernels
+    assert seen == {"1": (BF16, F32), "3": (BF16, F32)}  # low inputs (after a Linear), float32 ops
+    ref = ref_amp.model(x)
+    assert calls != []  # the kernel path does enter them
+    assert torch.equal(out, ref)
+    out.sum().backward(), ref.sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    # parameters that are not float32 (set by hand here): the module leaves its op to the kernel,
+    # which casts them too
+    model[1].to(BF16)
+    assert amp.model(x).dtype == F32 and seen["1"] == (BF16, F32)
+    # outside a unimp forward the module is torch's own
+    with torch.autocast("cpu", dtype=BF16):
+        assert model[3](torch.randn(2, 32, dtype=BF16)).dtype == BF16
+    amp.remove()
+    assert all("forward" not in m.__dict__ for m in model.modules())

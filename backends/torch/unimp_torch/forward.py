@@ -26,20 +26,20 @@ torch.float32
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as _ckpt
 from torch import nn
 
 from .autocast import kernel_table
 from .layers import install_forward, params_as
-from .op_overrides import EagerPolicyMode, PolicyMode, acquire, active, release
+from .op_overrides import EagerPolicyMode, PolicyMode, SingleOpForward, acquire, active, release, single_op
 
 
 def cast_output(out: Any, dtype: torch.dtype) -> Any:
@@ -104,28 +104,53 @@ def _non_reentrant(function: Callable, *rest: Any, **kwargs: Any) -> Any:
     return _originals["_checkpoint_without_reentrant_generator"](_under_rules(function), *rest, **kwargs)
 
 
-@contextlib.contextmanager
-def _checkpoint_under_rules() -> Iterator[None]:
+class _CheckpointUnderRules:
     """While held (by any thread's unimp forward): torch's checkpoint recomputes under unimp's rules."""
-    global _patch_users
-    import torch.utils.checkpoint as ckpt
 
-    with _patch_lock:
-        if _patch_users == 0:
-            _originals.update(CheckpointFunction=ckpt.CheckpointFunction,
-                              _checkpoint_without_reentrant_generator=ckpt._checkpoint_without_reentrant_generator)
-            ckpt.CheckpointFunction = _ReentrantCheckpoint
-            ckpt._checkpoint_without_reentrant_generator = _non_reentrant
-        _patch_users += 1
-    try:
-        yield
-    finally:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        global _patch_users
+        with _patch_lock:
+            if _patch_users == 0:
+                _originals.update(CheckpointFunction=_ckpt.CheckpointFunction,
+                                  _checkpoint_without_reentrant_generator=_ckpt._checkpoint_without_reentrant_generator)
+                _ckpt.CheckpointFunction = _ReentrantCheckpoint
+                _ckpt._checkpoint_without_reentrant_generator = _non_reentrant
+            _patch_users += 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _patch_users
         with _patch_lock:
             _patch_users -= 1
             if _patch_users == 0:
-                ckpt.CheckpointFunction = _originals["CheckpointFunction"]
-                ckpt._checkpoint_without_reentrant_generator = _originals["_checkpoint_without_reentrant_generator"]
+                _ckpt.CheckpointFunction = _originals["CheckpointFunction"]
+                _ckpt._checkpoint_without_reentrant_generator = _originals["_checkpoint_without_reentrant_generator"]
                 _originals.clear()
+
+
+_checkpoint_under_rules = _CheckpointUnderRules()  # stateless: one object serves every forward
+
+
+class _Rules:
+    """The eager op rules of ``forward`` (kernels' table or the eager mode), marked as this thread's."""
+
+    __slots__ = ("forward", "inner", "previous")
+
+    def __init__(self, forward: PolicyForward) -> None:
+        self.forward = forward
+        self.inner = active(forward.kernels) if forward.kernels is not None else forward.eager_mode
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_local, "forward", None)
+        _local.forward = self.forward
+        self.inner.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.inner.__exit__(*exc)
+        finally:
+            _local.forward = self.previous
 
 
 class PolicyForward:
@@ -163,20 +188,9 @@ class PolicyForward:
         if self._hold is not None:
             self._hold()
 
-    @contextlib.contextmanager
-    def rules(self) -> Iterator[None]:
+    def rules(self) -> _Rules:
         """unimp's eager op rules of this forward (inside autocast), marked as this thread's."""
-        previous = getattr(_local, "forward", None)
-        _local.forward = self
-        try:
-            if self.kernels is not None:
-                with active(self.kernels):
-                    yield
-            else:
-                with self.eager_mode:
-                    yield
-        finally:
-            _local.forward = previous
+        return _Rules(self)
 
     def _run(self, compiling: bool, args: tuple, kwargs: dict) -> Any:
         # the class's forward through functools.partial, not function.__get__ (dynamo in torch 2.11
@@ -191,7 +205,7 @@ class PolicyForward:
             if self.mode is None:
                 return inner(*args, **kwargs)
             if not compiling:
-                with self.rules(), _checkpoint_under_rules():
+                with self.rules(), _checkpoint_under_rules:
                     return inner(*args, **kwargs)
             with self.mode:
                 return inner(*args, **kwargs)
@@ -215,15 +229,21 @@ class PolicyForward:
 
 def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, table: Mapping[str, str],
                   output: torch.dtype, channels_last: bool, params: torch.dtype | None = None) -> Callable[[], None]:
-    """Put a :class:`PolicyForward` on the instance; returns the undo. ``params``: the dtype that
-    parameters stored lower are cast up to for the forward when there is no autocast."""
+    """Put a :class:`PolicyForward` on the instance (and a :class:`SingleOpForward` on each of
+    torch's single-op modules whose op the kernels move to float32); returns the undo. ``params``:
+    the dtype that parameters stored lower are cast up to for the forward when there is no autocast."""
     had_own = "forward" in model.__dict__
     inner = model.__dict__.get("forward")
     forward = PolicyForward(model, inner, device, autocast, table, output, channels_last, params)
-    undo = install_forward(model, forward, inner, had_own)
+    undos = [install_forward(model, forward, inner, had_own)]
+    for module in model.modules() if forward.kernels else ():
+        name = single_op(module) if module is not model else None
+        if name is not None and forward.kernels.get(name) == "float32":
+            undos.append(install_forward(module, SingleOpForward(module, name, device), None, False))
 
     def undo_and_release() -> None:
-        undo()
+        for undo in reversed(undos):
+            undo()
         forward.close()
 
     return undo_and_release
