@@ -178,17 +178,18 @@ def _current_fwd(x: Any, w: Any, dn: Any, fwd: Any, grad: Any, how: Current) -> 
     qx, sx = _quantize(x, fwd, xc if how.rows else None, how.pow2)
     qw, sw = _quantize(w, fwd, wc if how.rows else None, how.pow2)
     y = jax.lax.dot_general(qx, qw, dn, preferred_element_type=cdt)
-    return _dequant(y, cdt, jax.lax.dot_general(sx, sw, dn)), (x, w)
+    return _dequant(y, cdt, jax.lax.dot_general(sx, sw, dn)), (x, w, qx, sx, qw, sw)
 
 
 def _current_bwd(dn: Any, fwd: Any, grad: Any, how: Current, res: Any, g: Any) -> tuple[Any, Any]:
-    x, w = res
+    x, w, qx, sx, qw, sw = res  # per tensor (not rows), the forward's operands serve the backward too
     cdt = x.dtype
     _, _, x_kept, w_kept, g_x, g_w = _dims(dn, x.ndim, w.ndim)
     rows = how.rows
     # grad input = g . w^T: contracted over w's kept dims (g's dims that came from w)
     qg, sg = _quantize(g, grad, g_w if rows else None, how.pow2)
-    qw, sw = _quantize(w, fwd, w_kept if rows and how.weight_rows_for_grad_input else None, how.pow2)
+    if rows:
+        qw, sw = _quantize(w, fwd, w_kept if how.weight_rows_for_grad_input else None, how.pow2)
     if rows and not how.weight_rows_for_grad_input:  # one weight scale against per-row ones: keep batch dims
         sw = jnp.broadcast_to(sw, tuple(n if i in dn[1][1] else 1 for i, n in enumerate(w.shape)))
     kw = dict(dimension_numbers=dn, precision=None, preferred_element_type=cdt)
@@ -199,7 +200,8 @@ def _current_bwd(dn: Any, fwd: Any, grad: Any, how: Current, res: Any, g: Any) -
         gw = fp8_ops.dot_general_transpose_rhs(g.astype(cdt), x, w, **kw)
     else:
         qg2, sg2 = (qg, sg) if not rows else _quantize(g, grad, g_x, how.pow2)
-        qx, sx = _quantize(x, fwd, x_kept if rows else None, how.pow2)
+        if rows:
+            qx, sx = _quantize(x, fwd, x_kept, how.pow2)
         gw = fp8_ops.dot_general_transpose_rhs(qg2, qx, w, **kw)
         gw = _dequant(gw, cdt, fp8_ops.dot_general_transpose_rhs(sg2, sx, w, **{**kw, "preferred_element_type": None}))
     return gx.astype(x.dtype), gw.astype(w.dtype)
