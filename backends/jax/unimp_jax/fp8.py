@@ -34,6 +34,7 @@ Recipes:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 from collections.abc import Iterator, Mapping
@@ -253,7 +254,7 @@ def _delayed_bwd(dn: Any, fwd: Any, grad: Any, axis: Any, res: Any, g: Any) -> t
 
 _delayed.defvjp(_delayed_fwd, _delayed_bwd)
 
-_AMAX_AXIS: list[Any] = [None]  # the data-parallel axis the delayed amaxes are agreed over (while tracing)
+_AMAX_AXIS: contextvars.ContextVar[Any] = contextvars.ContextVar("unimp_fp8_amax_axis", default=None)
 
 
 @contextlib.contextmanager
@@ -263,11 +264,11 @@ def amax_agreed_over(axis_name: Any) -> Iterator[None]:
     ``amp.value_and_grad(loss_fn, axis_name=...)`` wraps its differentiation in this; a custom
     sharded step can too.
     """
-    _AMAX_AXIS.append(axis_name)
+    token = _AMAX_AXIS.set(axis_name)
     try:
         yield
     finally:
-        _AMAX_AXIS.pop()
+        _AMAX_AXIS.reset(token)
 
 
 def dot_general_for(recipe: str, forward: str, gradient: str, state: Mapping[str, Any] | None = None) -> Any:
@@ -288,7 +289,7 @@ def dot_general_for(recipe: str, forward: str, gradient: str, state: Mapping[str
             s = state
             out = _delayed(lhs, rhs, s["input_scale"], s["kernel_scale"], s["output_grad_scale"],
                            s["input_amax_history"], s["kernel_amax_history"], s["output_grad_amax_history"],
-                           dn, fwd, grad, _AMAX_AXIS[-1])
+                           dn, fwd, grad, _AMAX_AXIS.get())
         return out if preferred_element_type is None else out.astype(preferred_element_type)
 
     return dot
