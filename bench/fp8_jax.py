@@ -1,18 +1,28 @@
-"""FP8 on JAX/Flax nnx: a GPT block trained in bf16 vs FP8 (delayed, tensorwise), native vs unimp.
+"""FP8 on JAX/Flax nnx: a GPT block trained in bf16 vs FP8 (four recipes), native vs unimp.
 
 Speed (default): one jitted training step of a standard pre-LN GPT block (causal attention +
 4x GELU MLP) on random activations, every variant in one process, interleaved rounds, state donated:
 
   bf16                hand-written Flax mixed precision: Linear(dtype=bfloat16), fp32 params
-  native_<recipe>     hand-written FP8: each Linear's dot_general is a scaled e4m3/e5m2 FP8 dot written
-                      here with flax.linen.fp8_ops (delayed: Flax's own fp8_scaled_dot_general with its
-                      scale/amax-history Variables, overwritten from their gradients; tensorwise: this
-                      step's amax) — what a Flax user writes by hand
-  unimp_<recipe>      the float32-built block under unimp.apply("fp8_<recipe>", block, tx)
+  native_<recipe>     hand-written FP8: each Linear's dot_general is a scaled FP8 dot written here with
+                      flax.linen.fp8_ops — what a Flax user writes by hand:
+                      delayed: Flax's own fp8_scaled_dot_general with its scale/amax-history Variables,
+                        overwritten from their gradients (e4m3 forward, e5m2 gradient);
+                      tensorwise: one scale per tensor from this step's amax (e4m3 / e5m2);
+                      rowwise: one scale per row of each GEMM operand (amax over the GEMM's contracted
+                        dim: activation and output gradient per row, weight per output column in the
+                        forward), power-of-2 scales, e4m3 everywhere;
+                      rowwise_gw_hp: rowwise forward, grad input with the weight scaled per tensor,
+                        grad weight (x^T dy) in bf16, no power-of-2 rounding
+                      (the recipes of torchao's Float8LinearConfig.from_recipe_name)
+  unimp_<recipe>      the float32-built block under unimp.apply(policy, block, tx): the presets
+                      fp8_delayed, fp8_tensorwise, fp8_rowwise; rowwise_gw_hp: fp8_rowwise with
+                      recipe = "rowwise_gw_hp" (POLICIES below)
   native_<recipe>_b   (--control) a second, separately built native_<recipe>: the A/A noise floor
 
 All four Linear layers (qkv, out, fc1, fc2) run FP8 in every FP8 variant (their dims are multiples of
-16); attention's softmax(QK^T)V runs in bf16 (jax.nn.dot_product_attention, cuDNN on GPU).
+16; rowwise_gw_hp keeps each grad-weight GEMM in bf16); attention's softmax(QK^T)V runs in bf16
+(jax.nn.dot_product_attention, cuDNN on GPU). --recipes picks the recipes (default: all four).
 
 Curve (--curve): a small GPT LM (2 blocks) trained N steps (default 300) on a fixed, seeded synthetic
 corpus (a sparse random bigram language: every token has 4 likely successors) through unimp, in
@@ -20,7 +30,8 @@ mixed_bf16 and in each FP8 recipe, from the same init and batches; the loss ever
 final-loss ratio FP8 / bf16.
 
     python bench/fp8_jax.py --smoke --curve --out /tmp/fp8   # CPU, tiny (tests the script; FP8 emulated)
-    python bench/fp8_jax.py --gpu --control --curve --out $OUT   # H200: d=4096, T=2048 (< 6 minutes)
+    python bench/fp8_jax.py --gpu --control --curve --out $OUT   # H200: d=4096, T=2048
+    python bench/fp8_jax.py --gpu --control --recipes rowwise,rowwise_gw_hp --out $OUT   # a shorter run
     sizes: --d --heads --seq --batch --rounds --steps; curve: --curve-steps --curve-every
 
 Needs jax, flax, optax, numpy (PYTHONPATH=.:backends/jax works without installing unimp). Prints
@@ -54,7 +65,11 @@ from jax_bench import interleaved
 
 import unimp
 
-RECIPES = ("delayed", "tensorwise")
+RECIPES = ("delayed", "tensorwise", "rowwise", "rowwise_gw_hp")
+POLICIES: dict[str, Any] = {  # what the unimp variants apply, per recipe
+    "delayed": "fp8_delayed", "tensorwise": "fp8_tensorwise", "rowwise": "fp8_rowwise",
+    "rowwise_gw_hp": {"name": "fp8_rowwise_gw_hp", "extends": "fp8_rowwise", "fp8": {"recipe": "rowwise_gw_hp"}},
+}
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 HISTORY = 16  # amax history of the delayed recipe (fp8_delayed's)
 
@@ -94,9 +109,22 @@ class Fp8Var(nnx.Variable):
     """A native delayed-scaling Variable (scale or amax history), overwritten with its gradient."""
 
 
-def _amax_scale(x: jax.Array, q: Any) -> jax.Array:
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    return jnp.where(amax > 0, amax / jnp.finfo(q).max.astype(jnp.float32), 1.0).reshape(1)
+def _amax_scale(x: jax.Array, q: Any, axis: int | None = None, pow2: bool = False) -> jax.Array:
+    """amax / fp8 max (x / scale fills the format): over the whole tensor (shape (1,)) or over ``axis``
+    (kept as a size-1 dim); 1 where the amax is 0. ``pow2``: the multiplier fp8 max / amax rounded
+    down to a power of 2 (torchao's round_scales_to_power_of_2)."""
+    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=axis is not None).astype(jnp.float32)
+    fmax = jnp.finfo(q).max.astype(jnp.float32)
+    safe = jnp.where(amax > 0, amax, fmax)
+    s = 1.0 / jnp.exp2(jnp.floor(jnp.log2(fmax / safe))) if pow2 else safe / fmax
+    s = jnp.where(amax > 0, s, 1.0)
+    return s if axis is not None else s.reshape(1)
+
+
+def _q(x: jax.Array, q: Any, axis: int | None, pow2: bool) -> tuple[jax.Array, jax.Array]:
+    """(x in the FP8 format q, its scale)."""
+    s = _amax_scale(x, q, axis, pow2)
+    return fp8_ops.quantize(x, q, s, x.dtype), s
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -125,6 +153,44 @@ def _tw_bwd(dn: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
 tensorwise_dot.defvjp(_tw_fwd, _tw_bwd)
 
 
+def _mm(a: jax.Array, b: jax.Array, ca: int, cb: int, dtype: Any) -> jax.Array:
+    """2-D a . b contracted over a's dim ca and b's dim cb (no transposes written out)."""
+    return jax.lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), preferred_element_type=dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rowwise_dot(x: jax.Array, w: jax.Array, gw_hp: bool) -> jax.Array:
+    """x (M, K) . w (K, N) in FP8 e4m3 with one scale per row of each GEMM operand (torchao's rowwise;
+    ``gw_hp``: its rowwise_with_gw_hp)."""
+    return _rw_fwd(x, w, gw_hp)[0]
+
+
+def _rw_fwd(x: jax.Array, w: jax.Array, gw_hp: bool) -> tuple[jax.Array, Any]:
+    qx, sx = _q(x, E4M3, 1, not gw_hp)  # (M, 1): per row of x
+    qw, sw = _q(w, E4M3, 0, not gw_hp)  # (1, N): per output column of w
+    return fp8_ops.dequantize(_mm(qx, qw, 1, 0, x.dtype), x.dtype, sx * sw), (x, w)
+
+
+def _rw_bwd(gw_hp: bool, res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x, w = res
+    pow2 = not gw_hp
+    # dx = g . w^T, contracted over N: g per row; w per row (rowwise) or per tensor (gw_hp)
+    qg, sg = _q(g, E4M3, 1, pow2)
+    qw, sw = _q(w, E4M3, None if gw_hp else 1, pow2)
+    dx = fp8_ops.dequantize(_mm(qg, qw, 1, 1, x.dtype), x.dtype, sg * sw.reshape(1, -1))
+    # dw = x^T . g, contracted over M: x and g per column (rowwise), or unquantized in bf16 (gw_hp)
+    if gw_hp:
+        dw = _mm(x, g.astype(x.dtype), 0, 0, x.dtype)
+    else:
+        qx, sx = _q(x, E4M3, 0, True)
+        qg, sg = _q(g, E4M3, 0, True)
+        dw = fp8_ops.dequantize(_mm(qx, qg, 0, 0, x.dtype), x.dtype, sx.reshape(-1, 1) * sg)
+    return dx, dw.astype(w.dtype)
+
+
+rowwise_dot.defvjp(_rw_fwd, _rw_bwd)
+
+
 class NativeFp8Linear(nnx.Module):
     """A bf16 Linear whose matmul is an FP8 dot (hand-written with flax.linen.fp8_ops)."""
 
@@ -143,6 +209,9 @@ class NativeFp8Linear(nnx.Module):
         dn = (((x.ndim - 1,), (0,)), ((), ()))
         if self.recipe == "tensorwise":
             y = tensorwise_dot(x, k, dn)
+        elif self.recipe in ("rowwise", "rowwise_gw_hp"):  # one row per token
+            y = rowwise_dot(x.reshape(-1, x.shape[-1]), k, self.recipe == "rowwise_gw_hp")
+            y = y.reshape(*x.shape[:-1], k.shape[-1])
         else:
             y = fp8_ops.fp8_scaled_dot_general(
                 x, k, dn, preferred_element_type=jnp.bfloat16, quantize_compute_type=jnp.bfloat16,
@@ -215,18 +284,28 @@ def jitted(model: Any, optimizer: Any, grad_fn: Any, write_fp8: bool = False) ->
     return step, state
 
 
+def parse(variant: str) -> tuple[str, str]:
+    """(side, recipe) of a variant name: bf16 -> (bf16, ""), native_<r>[_b] -> (native, r), unimp_<r> -> (unimp, r)."""
+    side, _, rest = variant.partition("_")
+    if side != "bf16" and rest not in RECIPES:
+        rest = rest.removesuffix("_b")  # the A/A control
+    if side not in ("bf16", "native", "unimp") or (side != "bf16" and rest not in RECIPES):
+        raise ValueError(f"unknown variant {variant!r}")
+    return side, rest
+
+
 def build(variant: str, cfg: Config, impl: str | None) -> tuple[Any, Any, Any]:
     tx = optax.adamw(1e-4)
-    kind = variant.split("_")[1] if variant.startswith("native_") else "bf16"
-    if variant == "bf16" or variant.startswith("native_"):
+    side, recipe = parse(variant)
+    kind = recipe if side == "native" else "bf16"
+    if side in ("bf16", "native"):
         model = Block(cfg.d, cfg.heads, kind, impl, nnx.Rngs(0))
         wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8Var))
         grad = lambda m, o, x, t: nnx.value_and_grad(block_loss, argnums=wrt)(m, x, t)
         return (*jitted(model, nnx.Optimizer(model, tx, wrt=nnx.Param), grad, kind == "delayed"), None)
-    recipe = variant.split("_")[1]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", unimp.UnimpWarning)  # bf16/FP8 emulated on CPU: known
-        amp = unimp.apply(f"fp8_{recipe}", Block(cfg.d, cfg.heads, "fp32", impl, nnx.Rngs(0)), tx)
+        amp = unimp.apply(POLICIES[recipe], Block(cfg.d, cfg.heads, "fp32", impl, nnx.Rngs(0)), tx)
     vg = amp.value_and_grad(block_loss)
 
     def grad(m: Any, o: Any, x: jax.Array, t: jax.Array) -> tuple[Any, Any]:
@@ -242,11 +321,11 @@ def fp8_dots(step: Any, state: Any, x: jax.Array, t: jax.Array) -> int:
     return sum(1 for line in text.splitlines() if "dot_general" in line and "xf8E" in line)
 
 
-def speed(cfg: Config, control: bool) -> dict[str, Any]:
+def speed(cfg: Config, control: bool, recipes: tuple[str, ...] = RECIPES) -> dict[str, Any]:
     on_gpu = jax.default_backend() == "gpu"
     impl = "cudnn" if on_gpu else None
     variants = ["bf16"]
-    for r in RECIPES:
+    for r in recipes:
         variants += [f"native_{r}", f"unimp_{r}"] + ([f"native_{r}_b"] if control else [])
     key = jax.random.key(0)
     x = jax.random.normal(key, (cfg.batch, cfg.seq, cfg.d), jnp.float32)
@@ -270,7 +349,7 @@ def speed(cfg: Config, control: bool) -> dict[str, Any]:
         return statistics.median(p[a] / p[b] for p in rounds)
 
     ratios = {}
-    for r in RECIPES:
+    for r in recipes:
         ratios[f"bf16/native_{r} (FP8 speed-up)"] = paired("bf16", f"native_{r}")
         ratios[f"bf16/unimp_{r} (FP8 speed-up through unimp)"] = paired("bf16", f"unimp_{r}")
         ratios[f"unimp_{r}/native_{r}"] = paired(f"unimp_{r}", f"native_{r}")
@@ -304,13 +383,14 @@ def lm_loss(model: Any, tokens: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def curve(c: CurveConfig) -> dict[str, Any]:
+def curve(c: CurveConfig, recipes: tuple[str, ...] = RECIPES) -> dict[str, Any]:
     data = corpus(c)
     out: dict[str, Any] = {"config": asdict(c), "losses": {}, "final": {}}
-    for policy in ("mixed_bf16", *(f"fp8_{r}" for r in RECIPES)):
+    runs = {"mixed_bf16": "mixed_bf16", **{f"fp8_{r}": POLICIES[r] for r in recipes}}
+    for policy, source in runs.items():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", unimp.UnimpWarning)
-            amp = unimp.apply(policy, LM(c, nnx.Rngs(0)), optax.adamw(c.lr))
+            amp = unimp.apply(source, LM(c, nnx.Rngs(0)), optax.adamw(c.lr))
         vg = amp.value_and_grad(lm_loss)
 
         def grad(m: Any, o: Any, tokens: jax.Array, _: Any, vg: Any = vg) -> tuple[Any, Any]:
@@ -365,12 +445,18 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("d", "heads", "seq", "batch", "rounds", "steps"):
         parser.add_argument(f"--{name}", type=int, help=f"override the speed config's {name}")
     parser.add_argument("--control", action="store_true", help="add native_<recipe>_b (A/A control)")
+    parser.add_argument("--recipes", default=",".join(RECIPES),
+                        help=f"comma-separated FP8 recipes to run, speed and curve (default: {','.join(RECIPES)})")
     parser.add_argument("--no-speed", action="store_true", help="skip the speed comparison")
     parser.add_argument("--curve", action="store_true", help="also run the training curve")
     parser.add_argument("--curve-steps", type=int, help="curve steps (default 300; smoke 30)")
     parser.add_argument("--curve-every", type=int, help="log the loss every N steps (default 25; smoke 10)")
     parser.add_argument("--out", type=Path, help="directory for fp8_jax.json")
     args = parser.parse_args(argv)
+    recipes = tuple(r.strip() for r in args.recipes.split(",") if r.strip())
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown or not recipes:
+        parser.error(f"--recipes: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(RECIPES)}")
     cfg = CONFIGS["gpu" if args.gpu else "smoke" if args.smoke else "cpu"]
     cfg = replace(cfg, **{k: getattr(args, k) for k in ("d", "heads", "seq", "batch", "rounds", "steps")
                           if getattr(args, k) is not None})
@@ -378,13 +464,13 @@ def main(argv: list[str] | None = None) -> int:
                            "backend": jax.default_backend(), "python": platform.python_version()}
     print(f"JAX {res['jax']} on {res['device']} ({res['backend']})\n")
     if not args.no_speed:
-        res["speed"] = speed(cfg, args.control)
+        res["speed"] = speed(cfg, args.control, recipes)
         print(speed_table(res["speed"]))
     if args.curve:
         c = CurveConfig(d=32, heads=2, layers=1, seq=16, batch=4, vocab=64, steps=30, every=10) if args.smoke \
             else CurveConfig()
         c = replace(c, **{k: v for k, v in (("steps", args.curve_steps), ("every", args.curve_every)) if v})
-        res["curve"] = curve(c)
+        res["curve"] = curve(c, recipes)
         print(curve_table(res["curve"]))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
