@@ -4,13 +4,13 @@ Tolerance: after 20 Adam steps the FP8 run's loss is within 10% of the bf16 run'
 mantissa bits; the tiny MLP's losses agree to ~4% in practice).
 """
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from fp8_models import LinenMLP, NnxMLP
 
 import unimp
 from unimp.conformance import run_case
@@ -27,23 +27,6 @@ def _data():
     x = jax.random.normal(jax.random.key(1), (32, 32))
     y = jax.random.normal(jax.random.key(2), (32, 10))
     return x, y
-
-
-class NnxMLP(nnx.Module):
-    def __init__(self, rngs):
-        self.fc1 = nnx.Linear(32, 64, rngs=rngs)
-        self.fc2 = nnx.Linear(64, 16, rngs=rngs)
-        self.head = nnx.Linear(16, 10, rngs=rngs)  # 10: not a multiple of 16, stays bf16
-
-    def __call__(self, x):
-        return self.head(jax.nn.relu(self.fc2(jax.nn.relu(self.fc1(x)))))
-
-
-class LinenMLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        h = jax.nn.relu(nn.Dense(64, name="fc1")(x))
-        return nn.Dense(10, name="head")(jax.nn.relu(nn.Dense(16, name="fc2")(h)))
 
 
 def _loss(y):

@@ -7,7 +7,6 @@ recipes in test_fp8.py; e4m3 keeps 3 mantissa bits). Measured: nnx rowwise 1.7%,
 linen rowwise 4.4%, rowwise_gw_hp 0.1%.
 """
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -15,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from fp8_models import LinenMLP, NnxMLP
 
 import unimp
 from unimp_jax import fp8
@@ -117,23 +117,6 @@ def test_the_plan_runs_the_rowwise_presets_on_jax():
         plan = unimp.get_backend("jax").compile(policy)
         assert plan.fp8.active and plan.fp8.recipe == recipe and not plan.fp8.fallback
         assert any(f"recipe {recipe}" in line for line in plan.fp8.describe())
-
-
-class NnxMLP(nnx.Module):
-    def __init__(self, rngs):
-        self.fc1 = nnx.Linear(32, 64, rngs=rngs)
-        self.fc2 = nnx.Linear(64, 16, rngs=rngs)
-        self.head = nnx.Linear(16, 10, rngs=rngs)  # 10: not a multiple of 16, stays bf16
-
-    def __call__(self, x):
-        return self.head(jax.nn.relu(self.fc2(jax.nn.relu(self.fc1(x)))))
-
-
-class LinenMLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        h = jax.nn.relu(nn.Dense(64, name="fc1")(x))
-        return nn.Dense(10, name="head")(jax.nn.relu(nn.Dense(16, name="fc2")(h)))
 
 
 X = jax.random.normal(jax.random.key(1), (32, 32))
