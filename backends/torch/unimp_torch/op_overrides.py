@@ -67,13 +67,17 @@ def _widest(args: tuple, kwargs: dict, device: str) -> torch.dtype | None:
     return out
 
 
+# ``Tensor.to(dtype)`` parses five overloads per call; the one-dtype methods do not
+_CASTS = {torch.float32: torch.Tensor.float, torch.bfloat16: torch.Tensor.bfloat16, torch.float16: torch.Tensor.half}
+
+
 def _cast(x: Any, dtype: torch.dtype, device: str) -> Any:
     """``x`` (or each tensor of a list/tuple) cast to ``dtype`` when eligible; ``x`` itself when
     nothing changes (the common case is checked first: a tensor already in ``dtype``)."""
     if isinstance(x, torch.Tensor):
         if x.dtype == dtype or x.dtype == torch.float64 or not x.is_floating_point() or x.device.type != device:
             return x
-        return x.to(dtype)
+        return _CASTS[dtype](x)
     if isinstance(x, list | tuple) and any(isinstance(t, torch.Tensor) for t in x):
         return type(x)([_cast(t, dtype, device) for t in x])
     return x
