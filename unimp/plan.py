@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +89,29 @@ def resolved_loss_scale(policy: Policy, compute_dtype: str) -> LossScaleSpec:
     if policy.compute_dtype == "auto" and compute_dtype == "float16" and spec.mode == "none":
         return dataclasses.replace(spec, mode="dynamic", skip_nonfinite=True)
     return spec
+
+
+def loss_scale_fallbacks(spec: LossScaleSpec, unsupported: Mapping[str, tuple[str, str]], where: str,
+                         on_unsupported: str) -> list[str]:
+    """Apply ``on_unsupported`` to the loss-scale knobs a backend cannot honour (``unsupported``:
+    ``{knob: (what runs instead, why)}``): an :class:`UnsupportedError` naming each (``"error"``),
+    else the Plan notes saying what runs instead.
+
+    >>> import dataclasses, unimp
+    >>> spec = dataclasses.replace(unimp.load("mixed_fp16").loss_scale, scale_dtype="float64")
+    >>> loss_scale_fallbacks(spec, {"scale_dtype": ("float32", "no float64")}, "policy 'p'", "fallback")
+    ["loss_scale.scale_dtype = 'float64' runs as 'float32': no float64"]
+    """
+    if unsupported and on_unsupported == "error":
+        raise UnsupportedError(f"{where}: " + "; ".join(
+            f"loss_scale.{k} = {getattr(spec, k)!r} cannot be honoured: {why}" for k, (_, why) in unsupported.items())
+            + " (or on_unsupported = 'fallback')")
+    return [f"loss_scale.{k} = {getattr(spec, k)!r} runs as {v!r}: {why}" for k, (v, why) in unsupported.items()]
+
+
+def loss_scale_as_run(spec: LossScaleSpec, unsupported: Mapping[str, tuple[str, str]]) -> LossScaleSpec:
+    """``spec`` with each knob a backend cannot honour set to what it runs instead."""
+    return dataclasses.replace(spec, **{k: v for k, (v, _) in unsupported.items()})
 
 
 @dataclass(frozen=True)
@@ -236,7 +259,8 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
                 notes: tuple[str, ...] = (), details: Any = None, index: Iterable[LayerInfo] | None = None,
                 param_fallback: str | None = None,
                 override_fallbacks: Mapping[int, str] | None = None,
-                fp8: Fp8Support | None = None) -> Plan:
+                fp8: Fp8Support | None = None, problems: Sequence[str] = (),
+                fix: str = "change the policy's op lists") -> Plan:
     """Build a Plan, applying the policy's ``on_unsupported`` to what the backend cannot honour.
 
     ``control[op]`` is ``op`` or ``layer`` for ops the backend controls (missing = ``fixed``);
@@ -245,11 +269,13 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
     (``on_unsupported = "error"``) or a reported fallback. ``index`` (the model's layers) fills the
     per-layer decision table and the layout findings. ``fp8``: what the backend can run in FP8
     (None: nothing); the policy's ``[fp8]`` request is checked against it the same way
-    (:func:`unimp.fp8.plan_fp8`).
+    (:func:`unimp.fp8.plan_fp8`). ``problems``: what else the backend cannot honour (parameters,
+    overrides, loss scaling), refused with the ops' problems or noted as fallbacks; ``fix``: the
+    first half of the error's fix line.
     """
     low = compute_dtype or policy.compute_dtype
     fixed = fixed or {}
-    decisions, problems = [], []
+    decisions, unmet = [], []
     for op in CANONICAL_OPS:
         want = requested_dtype(policy, op, low)
         level = control.get(op, "fixed")
@@ -263,15 +289,15 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
         if actual == want:
             decisions.append(OpDecision(op, policy.ops.category(op), want, "fixed", nat, True, why))
             continue
-        problems.append(f"{op}: policy asks {want or 'input dtype'}, {backend} runs it in "
-                        f"{actual or 'its input dtype'} ({why})")
+        unmet.append(f"{op}: policy asks {want or 'input dtype'}, {backend} runs it in "
+                     f"{actual or 'its input dtype'} ({why})")
         decisions.append(OpDecision(op, policy.ops.category(op), actual, "fixed", nat, False, why))
-    if problems and policy.on_unsupported == "error":
+    if (unmet or problems) and policy.on_unsupported == "error":
         raise UnsupportedError(
             f"policy {policy.name!r} ({policy.source}) cannot be honoured by backend {backend}:\n  "
-            + "\n  ".join(problems)
-            + "\nfix: change the policy's op lists, or set on_unsupported = \"fallback\" to run these "
-              "as reported in the Plan")
+            + "\n  ".join([*unmet, *problems])
+            + f"\nfix: {fix}, or set on_unsupported = \"fallback\" to run these as reported in the Plan")
+    notes = (*notes, *(f"fallback: {p}" for p in problems))
     rows = compile_layers(policy, low, index or ())
     return Plan(backend, policy, low, compute_reason, tuple(decisions), tuple(notes), details,
                 param_fallback, dict(override_fallbacks or {}), rows, compile_layout(policy, index or ()),

@@ -50,7 +50,15 @@ from .loading import load
 from .loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState, f32
 from .migrate.paddle import PADDLE_NATIVE_OPS
 from .ops import CANONICAL_OPS, OPS, class_names, kind_of, kind_of_names, native_table
-from .plan import LayerInfo, Plan, compile_ops, requested_dtype, resolved_loss_scale
+from .plan import (
+    LayerInfo,
+    Plan,
+    compile_ops,
+    loss_scale_as_run,
+    loss_scale_fallbacks,
+    requested_dtype,
+    resolved_loss_scale,
+)
 from .policy import LayerDecision, Layout, LossScaleSpec, Policy
 from .registry import apply, remember
 from .report import Report, ReportRow
@@ -65,6 +73,8 @@ __all__ = [
     # the compiled contract and the op vocabulary
     "CANONICAL_OPS", "OPS", "LayerInfo", "LayoutFindings", "Plan", "class_names", "compile_ops", "kind_of",
     "kind_of_names", "native_table", "requested_dtype", "resolved_loss_scale", "PADDLE_NATIVE_OPS",
+    # what a backend cannot honour of the loss-scale knobs
+    "loss_scale_as_run", "loss_scale_fallbacks",
     # FP8: what a backend can run, the Plan's part, the per-layer decision
     "FP8_FORMATS", "Fp8Decision", "Fp8Plan", "Fp8Support", "asks_fp8", "decide_fp8", "fp8_report_notes", "plan_fp8",
     "requests_fp8",

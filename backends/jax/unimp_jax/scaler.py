@@ -16,7 +16,6 @@ cannot do): the step is skipped, the state frozen, and :func:`check` raises on t
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -31,6 +30,8 @@ from unimp.spi import (
     LossScaleState,
     UnsupportedError,
     f32,
+    loss_scale_as_run,
+    loss_scale_fallbacks,
     step,
 )
 
@@ -98,18 +99,13 @@ SUBNORMAL_NOTE = ("loss_scale.subnormal = 'keep' cannot be honoured below 2^-126
 def validate(spec: LossScaleSpec, where: str, on_unsupported: str = "error") -> list[str]:
     """Refuse knobs this device cannot reproduce bit for bit (``on_unsupported = "error"``), or
     return the Plan notes saying what runs instead (``"fallback"``)."""
-    problems = unsupported(spec)
-    if problems and on_unsupported == "error":
-        raise UnsupportedError(f"{where}: " + "; ".join(
-            f"loss_scale.{k} = {getattr(spec, k)!r} cannot be honoured: {why}" for k, (_, why) in problems.items())
-            + " (or on_unsupported = 'fallback')")
-    notes = [f"loss_scale.{k} = {getattr(spec, k)!r} runs as {v!r}: {why}" for k, (v, why) in problems.items()]
+    notes = loss_scale_fallbacks(spec, unsupported(spec), where, on_unsupported)
     return notes + ([SUBNORMAL_NOTE] if stops_below_tiny(spec) else [])
 
 
 def device_spec(spec: LossScaleSpec) -> LossScaleSpec:
     """The knobs that really run here (``spec`` with the fallbacks :func:`validate` reports)."""
-    return dataclasses.replace(spec, **{k: v for k, (v, _) in unsupported(spec).items()})
+    return loss_scale_as_run(spec, unsupported(spec))
 
 
 class JaxOps:

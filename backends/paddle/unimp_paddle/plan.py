@@ -15,7 +15,6 @@ CPUs it runs float32 the same way.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +25,6 @@ from unimp.spi import (
     LayerInfo,
     Plan,
     Policy,
-    UnsupportedError,
     compile_ops,
     cpu,
     is_low,
@@ -40,6 +38,7 @@ from unimp.spi import (
 from .ops import compile_lists, layer_types, op_types
 
 BACKEND = "paddle"
+FIX = ("change the policy (e.g. compute_dtype/param_dtype = \"float32\" on CPU, or use a CUDA place)")
 FP8_MISSING = ("unimp-paddle has no FP8 training path: paddle.amp (auto_cast/decorate) runs float16/bfloat16 "
                "only, and Paddle's FP8 GEMMs are incubate GPU kernels with no layer-level training API; "
                "for FP8 training use the torch backend (torchao) on an FP8 GPU")
@@ -65,18 +64,6 @@ def _control(active: bool) -> dict[str, str]:
         elif layer_types(op):
             out[op] = "layer"
     return out
-
-
-def _raise_or_note(policy: Policy, problems: list[str], exc: UnsupportedError | None) -> list[str]:
-    """Apply ``on_unsupported`` to problems compile_ops cannot see (params, overrides, scaling)."""
-    if policy.on_unsupported == "error" and (problems or exc):
-        lines = ([str(exc).split("\n  ", 1)[1].rsplit("\nfix:", 1)[0]] if exc else []) + problems
-        raise UnsupportedError(
-            f"policy {policy.name!r} ({policy.source}) cannot be honoured by backend paddle:\n  "
-            + "\n  ".join(lines)
-            + "\nfix: change the policy (e.g. compute_dtype/param_dtype = \"float32\" on CPU, or use a "
-              "CUDA place), or set on_unsupported = \"fallback\" to run these as reported in the Plan")
-    return [f"fallback: {p}" for p in problems]
 
 
 @dataclass(frozen=True)
@@ -107,18 +94,10 @@ def _compile(policy: Policy, low: str, reason: str, active: bool, why: str,
                 fixed[op] = ("float32", why)
     native = {op: tuple(sorted(op_types(op) | layer_types(op))) for op in CANONICAL_OPS}
     control = {k: v for k, v in _control(active).items() if k not in fixed_extra}
-    try:
-        plan = compile_ops(BACKEND, policy, control=control, native=native, compute_dtype=low,
-                           compute_reason=reason, fixed=fixed, notes=notes, details=details, index=index,
-                           fp8=Fp8Support(missing=FP8_MISSING))
-        exc = None
-    except UnsupportedError as e:
-        exc, plan = e, None
-    extra = _raise_or_note(policy, problems, exc)
-    if plan is None:  # on_unsupported == "error" already raised; keep the type checker calm
-        raise AssertionError("unreachable")
-    return dataclasses.replace(plan, notes=plan.notes + tuple(extra), param_fallback=param_fallback,
-                               override_fallbacks=dict(override_fallbacks or {}))
+    return compile_ops(BACKEND, policy, control=control, native=native, compute_dtype=low,
+                       compute_reason=reason, fixed=fixed, notes=notes, details=details, index=index,
+                       param_fallback=param_fallback, override_fallbacks=override_fallbacks,
+                       fp8=Fp8Support(missing=FP8_MISSING), problems=problems, fix=FIX)
 
 
 def _override_problems(policy: Policy, what: str) -> list[str]:

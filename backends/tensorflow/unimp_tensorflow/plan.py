@@ -21,10 +21,10 @@ from unimp.spi import (
     LossScaleSpec,
     Plan,
     Policy,
-    UnsupportedError,
     compile_ops,
     cpu,
     is_low,
+    loss_scale_fallbacks,
     requested_dtype,
     resolve_auto,
     resolve_cpu_auto,
@@ -103,13 +103,8 @@ def scale_fallbacks(policy: Policy) -> list[str]:
     """Loss-scale knobs this backend cannot honour: an UnsupportedError, or Plan notes (fallback)."""
     from .scaler import unsupported
 
-    problems = unsupported(policy.loss_scale)
-    if problems and policy.on_unsupported == "error":
-        raise UnsupportedError(f"policy {policy.name!r} ({policy.source}): " + "; ".join(
-            f"loss_scale.{k} = {getattr(policy.loss_scale, k)!r} cannot be honoured: {why}"
-            for k, (_, why) in problems.items()) + " (or on_unsupported = 'fallback')")
-    return [f"loss_scale.{k} = {getattr(policy.loss_scale, k)!r} runs as {v!r}: {why}"
-            for k, (v, why) in problems.items()]
+    return loss_scale_fallbacks(policy.loss_scale, unsupported(policy.loss_scale),
+                                f"policy {policy.name!r} ({policy.source})", policy.on_unsupported)
 
 
 def distributed_note(policy: Policy) -> str:

@@ -16,12 +16,11 @@ held (the Keras optimizer's scale variable is float32): :func:`unsupported` says
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import tensorflow as tf
 
-from unimp.spi import FLT_TINY, Arrays, LossScaleSpec, step
+from unimp.spi import FLT_TINY, Arrays, LossScaleSpec, loss_scale_as_run, step
 
 
 class State(NamedTuple):
@@ -93,7 +92,7 @@ def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
 
 def device_spec(spec: LossScaleSpec) -> LossScaleSpec:
     """The knobs that really run (``spec`` with the fallbacks :func:`unsupported` names)."""
-    return dataclasses.replace(spec, **{k: v for k, (v, _) in unsupported(spec).items()})
+    return loss_scale_as_run(spec, unsupported(spec))
 
 
 def next_state(spec: LossScaleSpec, st: State, finite: tf.Tensor) -> State:
