@@ -52,6 +52,9 @@ def fit(model, policy, steps=4):
 @pytest.mark.parametrize("post_norm", [False, True], ids=["pre_norm", "post_norm"])
 @pytest.mark.parametrize("preset", ["mixed_bf16", "keras_mixed_float16", "pure_bf16"])
 def test_residual_blocks_train(preset, post_norm):
+    # seeded: on some initialisations (e.g. seed 45) Keras' own mixed_float16 + LossScaleOptimizer turns the
+    # embedding NaN after one step; unimp reproduces that exactly, so an unseeded init made this test flaky
+    keras.utils.set_random_seed(0)
     model = lm(post_norm)
     amp, losses = fit(model, preset)
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
