@@ -177,8 +177,9 @@ def moves(op: str, wanted: str, device: str, torch_own: bool = False) -> tuple[s
 def is_torch_own(category: Callable[[str], str], device: str) -> bool:
     """Whether op lists (``category``: canonical op -> category) are torch's own autocast lists on
     ``device``: every canonical op's primary op already runs as they ask (``torch_autocast_cuda``
-    on cuda, ``torch_autocast_cpu`` on cpu). Such a policy is plain ``torch.autocast``: torch's
-    per-op choices are all kept.
+    on cuda, ``torch_autocast_cpu`` on cpu), or asks float32 for an op torch's lists gained later
+    (:data:`LATER_KERNELS`: ``rms_norm`` on cuda before torch 2.13). Such a policy is plain
+    ``torch.autocast``: torch's per-op choices are all kept.
 
     >>> import unimp
     >>> is_torch_own(unimp.load("torch_autocast_cuda").ops.category, "cuda")
@@ -191,8 +192,16 @@ def is_torch_own(category: Callable[[str], str], device: str) -> bool:
     for op in CANONICAL_OPS:
         names = function_names(op, device)
         if names and not same(native_category(names[0], device), category(op), names[0]):
+            if (op, device) in LATER_KERNELS and category(op) == "float32" and not has_kernel(names[0], device):
+                continue  # torch's newer lists, on a torch that predates that kernel
             return False
     return True
+
+
+# canonical ops whose primary op torch's autocast lists gained from a version on (the version):
+# on an older torch the op follows its inputs, and lists that ask the newer category are still
+# torch's own (the op is moved, every other per-op choice of torch is kept)
+LATER_KERNELS = {("rms_norm", "cuda"): "2.13"}
 
 
 def kernel_table(op_moves: dict[str, str], device: str) -> dict[str, str] | None:
