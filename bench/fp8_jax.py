@@ -342,6 +342,7 @@ def speed(cfg: Config, control: bool, recipes: tuple[str, ...] = RECIPES) -> dic
         states[v], loss = steps[v](states[v], x, target)
         jax.block_until_ready(loss)
         compile_s[v] = time.perf_counter() - t0
+        print(f"built, compiled and ran twice: {v} ({compile_s[v]:.1f}s)", flush=True)
     times, rounds = interleaved(steps, states, variants, cfg.rounds, cfg.steps, x, target)
     med = {v: statistics.median(ts) * 1e3 for v, ts in times.items()}
 
