@@ -333,16 +333,27 @@ def speed(cfg: Config, control: bool, recipes: tuple[str, ...] = RECIPES) -> dic
     steps, states, first, compile_s, dots, reports = {}, {}, {}, {}, {}, {}
     for v in variants:
         t0 = time.perf_counter()
+        phases = []
+
+        def phase(name: str, t: list[float] = [t0]) -> None:  # noqa: B006  (the last mark)
+            now = time.perf_counter()
+            phases.append(f"{name} {now - t[0]:.1f}s")
+            t[0] = now
         steps[v], states[v], amp = build(v, cfg, impl)
+        phase("build")
         if amp is not None:  # before the first (donating) step
             reports[v] = [(r.path, r.fp8) for r in amp.report(x[:1, :16]).rows]
+            phase("report")
         dots[v] = fp8_dots(steps[v], states[v], x, target)
+        phase("lower")
         states[v], loss = steps[v](states[v], x, target)
         first[v] = float(loss)
+        phase("compile + step")
         states[v], loss = steps[v](states[v], x, target)
         jax.block_until_ready(loss)
+        phase("step")
         compile_s[v] = time.perf_counter() - t0
-        print(f"built, compiled and ran twice: {v} ({compile_s[v]:.1f}s)", flush=True)
+        print(f"built, compiled and ran twice: {v} ({compile_s[v]:.1f}s: {', '.join(phases)})", flush=True)
     times, rounds = interleaved(steps, states, variants, cfg.rounds, cfg.steps, x, target)
     med = {v: statistics.median(ts) * 1e3 for v, ts in times.items()}
 
