@@ -321,6 +321,19 @@ def fp8_dots(step: Any, state: Any, x: jax.Array, t: jax.Array) -> int:
     return sum(1 for line in text.splitlines() if "dot_general" in line and "xf8E" in line)
 
 
+class Phases:
+    """Times a build's phases, printing each as it ends (a phase that never ends is located)."""
+
+    def __init__(self, variant: str) -> None:
+        self.variant, self.done, self.mark = variant, [], time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.done.append(f"{name} {now - self.mark:.1f}s")
+        print(f"  {self.variant}: {self.done[-1]}", flush=True)
+        self.mark = now
+
+
 def speed(cfg: Config, control: bool, recipes: tuple[str, ...] = RECIPES) -> dict[str, Any]:
     on_gpu = jax.default_backend() == "gpu"
     impl = "cudnn" if on_gpu else None
@@ -333,12 +346,7 @@ def speed(cfg: Config, control: bool, recipes: tuple[str, ...] = RECIPES) -> dic
     steps, states, first, compile_s, dots, reports = {}, {}, {}, {}, {}, {}
     for v in variants:
         t0 = time.perf_counter()
-        phases = []
-
-        def phase(name: str, t: list[float] = [t0]) -> None:  # noqa: B006  (the last mark)
-            now = time.perf_counter()
-            phases.append(f"{name} {now - t[0]:.1f}s")
-            t[0] = now
+        phase = Phases(v)
         steps[v], states[v], amp = build(v, cfg, impl)
         phase("build")
         if amp is not None:  # before the first (donating) step
@@ -353,7 +361,7 @@ def speed(cfg: Config, control: bool, recipes: tuple[str, ...] = RECIPES) -> dic
         jax.block_until_ready(loss)
         phase("step")
         compile_s[v] = time.perf_counter() - t0
-        print(f"built, compiled and ran twice: {v} ({compile_s[v]:.1f}s: {', '.join(phases)})", flush=True)
+        print(f"built, compiled and ran twice: {v} ({compile_s[v]:.1f}s: {', '.join(phase.done)})", flush=True)
     times, rounds = interleaved(steps, states, variants, cfg.rounds, cfg.steps, x, target)
     med = {v: statistics.median(ts) * 1e3 for v, ts in times.items()}
 
