@@ -1,6 +1,6 @@
 """``mixed_bf16`` on a small HF GPT-2 on CPU vs the same step written by hand with torch autocast.
 
-    python bench/torch_cpu_hf.py [--rounds 60] [--runs 3] [--profile]
+    python bench/torch_cpu_hf.py [--rounds 60] [--runs 3] [--profile] [--attribute]
 
 The hand-written step gives every op the dtype ``mixed_bf16`` gives it on CPU, checked op by op
 before timing (the aten ops each step computes, with their input dtypes, recorded below autocast by
@@ -12,7 +12,9 @@ Three builds from the same weights live in one process: ``hand``, ``hand2`` (a s
 build: the A/A control, i.e. the noise) and ``unimp``; each round runs one step of each, in a
 rotating order, and the median over rounds is reported, forward only (``no_grad``) and full
 training step (forward, backward, AdamW). ``--profile`` prints cProfile's view of the Python time
-unimp adds per step (functions of ``unimp``/``unimp_torch``).
+unimp adds per step (functions of ``unimp``/``unimp_torch``). ``--attribute`` adds a pair without the
+``transcendental`` move (a policy extending ``mixed_bf16`` without it, and the hand-written step without
+the float32 ``pow``): what unimp costs apart from its Python Autocast kernel for the moved ``pow``.
 """
 
 from __future__ import annotations
@@ -64,11 +66,11 @@ def gelu_pow_float32(input: torch.Tensor) -> torch.Tensor:
     return 0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * pow_float32(input, 3.0))))
 
 
-def hand(model: torch.nn.Module) -> tuple[Callable[[], float], Callable[[], None]]:
+def hand(model: torch.nn.Module, pow32: bool = True) -> tuple[Callable[[], float], Callable[[], None]]:
     for m in model.modules():
         if isinstance(m, torch.nn.LayerNorm):
             m.forward = Float32(m)
-        elif type(m).__name__ == "NewGELUActivation":
+        elif type(m).__name__ == "NewGELUActivation" and pow32:
             m.forward = gelu_pow_float32
     opt = torch.optim.AdamW(model.parameters(), 1e-4, fused=True)
 
@@ -111,8 +113,13 @@ def op_dtypes(step: Callable[[], object]) -> list[tuple[str, tuple]]:
     return mode.ops
 
 
-def ours(model: torch.nn.Module) -> tuple[Callable[[], float], Callable[[], None]]:
-    amp = unimp.apply("mixed_bf16", model, torch.optim.AdamW(model.parameters(), 1e-4, fused=True))
+# mixed_bf16 without the transcendental move (for --attribute)
+NO_TRANSCENDENTAL = {"name": "mixed_bf16_no_transcendental", "extends": "mixed_bf16", "ops": {"float32": [
+    "softmax", "log_softmax", "layer_norm", "batch_norm", "group_norm", "rms_norm", "loss", "reduction"]}}
+
+
+def ours(model: torch.nn.Module, policy: Any = "mixed_bf16") -> tuple[Callable[[], float], Callable[[], None]]:
+    amp = unimp.apply(policy, model, torch.optim.AdamW(model.parameters(), 1e-4, fused=True))
 
     def step() -> float:
         loss = amp.model(**BATCH).loss
@@ -151,26 +158,35 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--attribute", action="store_true", help="add the pair without the transcendental move")
     args = ap.parse_args()
     torch.set_num_threads(1)
     ids = torch.randint(0, 512, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     BATCH = {"input_ids": ids, "labels": ids}
     base = build(args.d, args.layers)
     builds = {"hand": hand(copy.deepcopy(base)), "hand2": hand(copy.deepcopy(base)), "unimp": ours(copy.deepcopy(base))}
-    seen = {n: op_dtypes(builds[n][1]) for n in ("hand", "unimp")}
+    if args.attribute:
+        builds.update(hand_nt=hand(copy.deepcopy(base), pow32=False),
+                      unimp_nt=ours(copy.deepcopy(base), NO_TRANSCENDENTAL))
+    seen = {n: op_dtypes(builds[n][1]) for n in builds}
     assert seen["hand"] == seen["unimp"], "the hand-written forward does not give every op unimp's dtypes"
+    assert not args.attribute or seen["hand_nt"] == seen["unimp_nt"] != seen["unimp"], "the pair without the move"
     first = {n: b[0]() for n, b in builds.items()}
     assert first["hand"] == first["unimp"] == first["hand2"], first  # same per-op dtypes: same loss
+    assert not args.attribute or first["hand_nt"] == first["unimp_nt"], first
     print(f"GPT-2 d={args.d} layers={args.layers} batch={args.batch}x{args.seq}, torch {torch.__version__}, "
           f"1 thread; the same {len(seen['hand'])} aten ops with the same input dtypes per forward; "
           f"first loss equal in all builds ({first['unimp']:.6f})")
-    print("| run | what | hand ms | hand2 ms | unimp ms | unimp/hand | A/A hand2/hand |")
-    print("|---|---|---|---|---|---|---|")
+    extra = " without the transcendental move: hand ms | unimp ms | unimp/hand |" if args.attribute else ""
+    print("| run | what | hand ms | hand2 ms | unimp ms | unimp/hand | A/A hand2/hand |" + extra)
+    print("|---|---|---|---|---|---|---|" + ("---|---|---|" if args.attribute else ""))
     for run in range(args.runs):
         for what, i in (("forward", 1), ("step", 0)):
             ms = measure({n: b[i] for n, b in builds.items()}, args.rounds)
+            nt = (f" {ms['hand_nt']:.3f} | {ms['unimp_nt']:.3f} | {ms['unimp_nt'] / ms['hand_nt']:.3f} |"
+                  if args.attribute else "")
             print(f"| {run + 1} | {what} | {ms['hand']:.3f} | {ms['hand2']:.3f} | {ms['unimp']:.3f} | "
-                  f"{ms['unimp'] / ms['hand']:.3f} | {ms['hand2'] / ms['hand']:.3f} |", flush=True)
+                  f"{ms['unimp'] / ms['hand']:.3f} | {ms['hand2'] / ms['hand']:.3f} |" + nt, flush=True)
     if args.profile:
         profile(builds, args.rounds)
 

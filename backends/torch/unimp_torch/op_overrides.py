@@ -71,14 +71,20 @@ def _widest(args: tuple, kwargs: dict, device: str) -> torch.dtype | None:
 _CASTS = {torch.float32: torch.Tensor.float, torch.bfloat16: torch.Tensor.bfloat16, torch.float16: torch.Tensor.half}
 
 
+_F64 = torch.float64
+_SEQUENCES = (list, tuple)
+
+
 def _cast(x: Any, dtype: torch.dtype, device: str) -> Any:
     """``x`` (or each tensor of a list/tuple) cast to ``dtype`` when eligible; ``x`` itself when
-    nothing changes (the common case is checked first: a tensor already in ``dtype``)."""
+    nothing changes. Called on every argument of every moved op, so the cheap checks come first
+    (the dtype's own flags before ``x.device``, which builds an object)."""
     if isinstance(x, torch.Tensor):
-        if x.dtype == dtype or x.dtype == torch.float64 or not x.is_floating_point() or x.device.type != device:
+        have = x.dtype
+        if have is dtype or have is _F64 or not have.is_floating_point or x.device.type != device:
             return x
         return _CASTS[dtype](x)
-    if isinstance(x, list | tuple) and any(isinstance(t, torch.Tensor) for t in x):
+    if isinstance(x, _SEQUENCES) and any(isinstance(t, torch.Tensor) for t in x):
         return type(x)([_cast(t, dtype, device) for t in x])
     return x
 
@@ -94,7 +100,10 @@ def _cast_inputs(category: str, args: tuple, kwargs: dict, device: str) -> tuple
         dtype = _widest(args, kwargs, device) if category == "promote" else None
     if dtype is None:
         return args, kwargs
-    args = tuple([_cast(a, dtype, device) for a in args])
+    if len(args) == 1:
+        args = (_cast(args[0], dtype, device),)
+    else:
+        args = tuple([_cast(a, dtype, device) for a in args])
     return args, ({k: _cast(v, dtype, device) for k, v in kwargs.items()} if kwargs else kwargs)
 
 
