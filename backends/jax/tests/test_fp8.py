@@ -4,6 +4,8 @@ Tolerance: after 20 Adam steps the FP8 run's loss is within 10% of the bf16 run'
 mantissa bits; the tiny MLP's losses agree to ~4% in practice).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,6 +130,27 @@ def test_fp8_dots_are_in_the_compiled_step_and_jit_pure(policy):
     amp.remove()
     graphdef, state = nnx.split((amp.model, amp.optimizer))  # the same model after remove(): no FP8 left
     assert "f8E4M3FN" not in jax.jit(lambda s, x: pure(s, x)).lower(state, x).as_text()  # a new trace
+
+
+def test_tensorwise_step_has_no_dot_but_the_fp8_gemms_and_the_model_s_own():
+    """Per-tensor scales multiply as scalars (``sx * sw``, as Flax's recipe and torchao write it): the
+    lowered step holds no ``dot_general`` of size-1 float32 scale arrays, a degenerate dot a GPU
+    compiler would have to lower (12 of them in a 2-block GPT step before)."""
+    x, y = _data()
+    amp = unimp.apply("fp8_tensorwise", NnxMLP(nnx.Rngs(0)), optax.adam(1e-2))
+    graphdef, state = nnx.split((amp.model, amp.optimizer))
+
+    def pure(state, x):
+        model, opt = nnx.merge(graphdef, state)
+        loss, grads, _ = amp.value_and_grad(lambda m, x: _loss(y)(m(x)))(opt, model, x)
+        opt.update(model, grads)
+        return loss, nnx.state((model, opt))
+
+    dots = [line for line in jax.jit(pure).lower(state, x).as_text().splitlines() if "dot_general" in line]
+    scale_dots = [d for d in dots if re.search(r"\(tensor<(1x)*1?xf32>, tensor<(1x)*1?xf32>\)", d)]
+    assert dots and not scale_dots, scale_dots
+    assert any("f8E4M3FN" in d for d in dots)
+    amp.remove()
 
 
 def test_misaligned_layer_stays_in_compute_dtype_and_is_reported():
