@@ -69,8 +69,6 @@ def _widest(args: tuple, kwargs: dict, device: str) -> torch.dtype | None:
 
 # ``Tensor.to(dtype)`` parses five overloads per call; the one-dtype methods do not
 _CASTS = {torch.float32: torch.Tensor.float, torch.bfloat16: torch.Tensor.bfloat16, torch.float16: torch.Tensor.half}
-
-
 _F64 = torch.float64
 _SEQUENCES = (list, tuple)
 
@@ -100,10 +98,7 @@ def _cast_inputs(category: str, args: tuple, kwargs: dict, device: str) -> tuple
         dtype = _widest(args, kwargs, device) if category == "promote" else None
     if dtype is None:
         return args, kwargs
-    if len(args) == 1:
-        args = (_cast(args[0], dtype, device),)
-    else:
-        args = tuple([_cast(a, dtype, device) for a in args])
+    args = tuple([_cast(a, dtype, device) for a in args])
     return args, ({k: _cast(v, dtype, device) for k, v in kwargs.items()} if kwargs else kwargs)
 
 
