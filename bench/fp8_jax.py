@@ -315,10 +315,25 @@ def build(variant: str, cfg: Config, impl: str | None) -> tuple[Any, Any, Any]:
     return (*jitted(amp.model, amp.optimizer, grad), amp)
 
 
-def fp8_dots(step: Any, state: Any, x: jax.Array, t: jax.Array) -> int:
+def fp8_dots(lowered_text: str) -> int:
     """How many dot_generals of the lowered step take float8 operands."""
-    text = step.lower(state, x, t).as_text()
-    return sum(1 for line in text.splitlines() if "dot_general" in line and "xf8E" in line)
+    return sum(1 for line in lowered_text.splitlines() if "dot_general" in line and "xf8E" in line)
+
+
+def gemm_kinds(compiled_text: str) -> dict[str, int]:
+    """How the compiled step runs its GEMMs: library calls by target (cuBLAS / cuBLASLt FP8 / cuDNN on
+    GPU), Triton GEMM fusions, and dots left to the compiler's own emitter (``dot(`` instructions)."""
+    kinds: dict[str, int] = {}
+    for line in compiled_text.splitlines():
+        if "custom-call(" in line and 'custom_call_target="' in line:
+            target = line.split('custom_call_target="', 1)[1].split('"', 1)[0]
+            if any(k in target for k in ("cublas", "cudnn", "gemm", "matmul")):
+                kinds[target] = kinds.get(target, 0) + 1
+        elif "__triton_gemm" in line and "fusion(" in line:
+            kinds["triton_gemm"] = kinds.get("triton_gemm", 0) + 1
+        elif " dot(" in line:
+            kinds["dot"] = kinds.get("dot", 0) + 1
+    return kinds
 
 
 class Phases:
@@ -343,7 +358,7 @@ def speed(cfg: Config, control: bool, recipes: tuple[str, ...] = RECIPES) -> dic
     key = jax.random.key(0)
     x = jax.random.normal(key, (cfg.batch, cfg.seq, cfg.d), jnp.float32)
     target = jax.random.normal(jax.random.fold_in(key, 1), x.shape, jnp.float32)
-    steps, states, first, compile_s, dots, reports = {}, {}, {}, {}, {}, {}
+    steps, states, first, compile_s, dots, gemms, reports = {}, {}, {}, {}, {}, {}, {}
     for v in variants:
         t0 = time.perf_counter()
         phase = Phases(v)
@@ -352,11 +367,15 @@ def speed(cfg: Config, control: bool, recipes: tuple[str, ...] = RECIPES) -> dic
         if amp is not None:  # before the first (donating) step
             reports[v] = [(r.path, r.fp8) for r in amp.report(x[:1, :16]).rows]
             phase("report")
-        dots[v] = fp8_dots(steps[v], states[v], x, target)
+        lowered = steps[v].lower(states[v], x, target)
+        dots[v] = fp8_dots(lowered.as_text())
         phase("lower")
+        steps[v] = lowered.compile()  # the compiled step is what runs (and is timed) from here on
+        gemms[v] = gemm_kinds(steps[v].as_text())
+        phase(f"compile (GEMMs: {gemms[v]})")
         states[v], loss = steps[v](states[v], x, target)
         first[v] = float(loss)
-        phase("compile + step")
+        phase("first step")
         states[v], loss = steps[v](states[v], x, target)
         jax.block_until_ready(loss)
         phase("step")
@@ -376,7 +395,7 @@ def speed(cfg: Config, control: bool, recipes: tuple[str, ...] = RECIPES) -> dic
         if control:
             ratios[f"native_{r}_b/native_{r} (A/A)"] = paired(f"native_{r}_b", f"native_{r}")
     return {"config": asdict(cfg), "attention": impl or "xla", "median_ms": med, "ratios": ratios,
-            "first_loss": first, "compile_s": compile_s, "fp8_dots_in_step": dots,
+            "first_loss": first, "compile_s": compile_s, "fp8_dots_in_step": dots, "compiled_gemms": gemms,
             "steps_timed": {v: len(ts) for v, ts in times.items()}, "round_medians_ms": rounds,
             "unimp_fp8_layers": reports}
 
@@ -435,9 +454,12 @@ def curve(c: CurveConfig, recipes: tuple[str, ...] = RECIPES) -> dict[str, Any]:
 # ---------------------------------------------------------------------- output
 def speed_table(res: dict[str, Any]) -> str:
     cfg = res["config"]
-    rows = ["| variant | ms/step (median) | FP8 dots in the step | first loss |", "|---|---:|---:|---:|"]
+    rows = ["| variant | ms/step (median) | FP8 dots in the step | compiled GEMMs | first loss | build s |",
+            "|---|---:|---:|---|---:|---:|"]
     for v, ms in res["median_ms"].items():
-        rows.append(f"| {v} | {ms:.2f} | {res['fp8_dots_in_step'][v]} | {res['first_loss'][v]:.5f} |")
+        gemms = ", ".join(f"{k} {n}" for k, n in sorted(res["compiled_gemms"][v].items()))
+        rows.append(f"| {v} | {ms:.2f} | {res['fp8_dots_in_step'][v]} | {gemms} | {res['first_loss'][v]:.5f} "
+                    f"| {res['compile_s'][v]:.1f} |")
     head = (f"GPT block d={cfg['d']} heads={cfg['heads']} T={cfg['seq']} batch={cfg['batch']}, attention "
             f"{res['attention']}, {res['steps_timed']['bf16']} timed steps per variant\n\n")
     ratios = ["| ratio (median of per-round ratios) | value |", "|---|---:|"]
