@@ -194,6 +194,28 @@ def test_skipped_step_keeps_the_delayed_state():
     amp.remove()
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_gw_hp"])
+def test_current_scaling_passes_an_overflow_on_to_the_loss_scale_check(recipe):
+    """An inf reaching an FP8 layer (an fp16 overflow) makes its output non-finite, as in torchao
+    (amax inf: scale inf, inf / inf = nan), so the step is skipped and changes nothing; the scaled
+    quantization must not clip it to the FP8 max and train on the clipped value."""
+    policy = unimp.load("fp8_tensorwise").replace(fp8={"recipe": recipe},
+                                                  loss_scale={"mode": "dynamic", "initial": 2.0 ** 10})
+    x, y = _data()
+    amp = unimp.apply(policy, NnxMLP(nnx.Rngs(0)), optax.adam(1e-2))
+    step = _nnx_step(amp, y)
+    step(amp.model, amp.optimizer, x)
+    before = jax.tree_util.tree_leaves(nnx.state((amp.model, amp.optimizer)))
+    loss = step(amp.model, amp.optimizer, x.at[3, 5].set(jnp.inf))
+    assert not np.isfinite(float(loss))
+    assert amp.skipped_steps == 1
+    after = jax.tree_util.tree_leaves(nnx.state((amp.model, amp.optimizer)))
+    changed = [i for i, (a, b) in enumerate(zip(before, after, strict=True))
+               if not np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)]
+    assert all(np.asarray(after[i]).size == 1 for i in changed)  # only the loss scale's counters move
+    amp.remove()
+
+
 def test_remove_restores_the_nnx_module_exactly():
     model = NnxMLP(nnx.Rngs(0))
     graphdef, state = nnx.split(model)

@@ -132,15 +132,20 @@ RECIPES = ("delayed", *CURRENT)  # what this backend runs (declared in backend.f
 
 
 def _scale(x: Any, q_dtype: Any, axes: tuple[int, ...] | None, pow2: bool = False) -> Any:
-    """Current scaling: ``amax / fp8_max`` over ``axes`` (None: the whole tensor), kept as size-1 dims
-    (x / scale fills the format); 1 where the amax is zero or not finite. ``pow2``: torchao's rule,
-    the multiplier ``fp8_max / amax`` rounded down to a power of 2."""
-    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True).astype(jnp.float32)
-    fmax = fp8_ops.get_fp8_max(q_dtype, jnp.float32)
-    ok = (amax > 0) & jnp.isfinite(amax)
-    safe = jnp.where(ok, amax, fmax)
+    """Current scaling: ``amax / fp8_max`` over ``axes``, kept as size-1 dims, or over the whole tensor
+    (``axes=None``: a scalar); x / scale fills the format. 1 where the amax is zero. A non-finite amax
+    stays non-finite, as in torchao: an inf scale turns the operand's inf into nan and a nan stays nan,
+    so an overflow reaches the loss-scale check instead of being clipped to the FP8 max. ``pow2``:
+    torchao's rule, the multiplier ``fp8_max / amax`` rounded down to a power of 2.
+
+    Written as a hand-written recipe writes it (one compare, one scalar per tensor): XLA's GPU compiler
+    then rewrites each FP8 dot and its scales into one cuBLASLt FP8 GEMM, as for the native recipe."""
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=axes is not None).astype(jnp.float32)
+    fmax = jnp.float32(jnp.finfo(q_dtype).max)
+    nonzero = amax > 0  # False for a nan amax too: its scale is 1 and the nan passes through
+    safe = jnp.where(nonzero, amax, fmax)
     s = 1.0 / jnp.exp2(jnp.floor(jnp.log2(fmax / safe))) if pow2 else safe / fmax
-    return jnp.where(ok, s, jnp.float32(1.0))
+    return jnp.where(nonzero, s, jnp.float32(1.0))
 
 
 def _quantize(x: Any, q_dtype: Any, axes: tuple[int, ...] | None, pow2: bool = False) -> tuple[Any, Any]:

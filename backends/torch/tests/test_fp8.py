@@ -111,6 +111,26 @@ def test_llama_training_in_fp8_stays_close_to_bf16(recipe):
     amp_bf16.remove()
 
 
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_an_overflow_reaching_an_fp8_layer_skips_the_step(recipe):
+    """An inf input to an FP8 layer (an fp16 overflow upstream) is not clipped to the FP8 max: the
+    output turns non-finite, the loss-scale check skips the step, and nothing changes (the JAX
+    backend's current scaling does the same)."""
+    model = mlp()
+    amp = unimp.apply(policy(recipe, loss_scale={"mode": "dynamic", "initial": 2.0 ** 10}), model,
+                      torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x = torch.randn(8, 32)
+    x[3, 5] = float("inf")
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    loss = amp.model(x).float().square().mean()
+    amp.backward(loss)
+    amp.optimizer.step()
+    amp.optimizer.zero_grad()
+    assert not torch.isfinite(loss) and amp.skipped_steps == 1
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    amp.remove()
+
+
 def test_remove_restores_the_original_linears_with_trained_values():
     model = llama()
     before = {p: m for p, m in model.named_modules()}
