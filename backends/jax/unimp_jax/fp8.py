@@ -131,6 +131,11 @@ CURRENT = {  # torchao's Float8LinearConfig.from_recipe_name("tensorwise" | "row
 RECIPES = ("delayed", *CURRENT)  # what this backend runs (declared in backend.fp8_support)
 
 
+# The products of per-row scales are dot_generals of float32 arrays whose contracted dims have size 1:
+# computed exactly (a GPU's default float32 dot may round its operands to TF32).
+EXACT = jax.lax.Precision.HIGHEST
+
+
 def _scale(x: Any, q_dtype: Any, axes: tuple[int, ...] | None, pow2: bool = False) -> Any:
     """Current scaling: ``amax / fp8_max`` over ``axes``, kept as size-1 dims, or over the whole tensor
     (``axes=None``: a scalar); x / scale fills the format. 1 where the amax is zero. A non-finite amax
@@ -184,7 +189,7 @@ def _current_fwd(x: Any, w: Any, dn: Any, fwd: Any, grad: Any, how: Current) -> 
     qx, sx = _quantize(x, fwd, xc if how.rows else None, how.pow2)
     qw, sw = _quantize(w, fwd, wc if how.rows else None, how.pow2)
     y = jax.lax.dot_general(qx, qw, dn, preferred_element_type=cdt)
-    scale = jax.lax.dot_general(sx, sw, dn) if how.rows else _scalar_product(sx, sw)
+    scale = jax.lax.dot_general(sx, sw, dn, precision=EXACT) if how.rows else _scalar_product(sx, sw)
     return _dequant(y, cdt, scale), (x, w, qx, sx, qw, sw)
 
 
@@ -207,7 +212,7 @@ def _current_bwd(dn: Any, fwd: Any, grad: Any, how: Current, res: Any, g: Any) -
     if rows and not how.weight_rows_for_grad_input:  # one weight scale against per-row ones: keep batch dims
         sw = jnp.broadcast_to(sw, tuple(n if i in dn[1][1] else 1 for i, n in enumerate(w.shape)))
     kw = dict(dimension_numbers=dn, precision=None, preferred_element_type=cdt)
-    scale_kw = {**kw, "preferred_element_type": None}
+    scale_kw = {**kw, "preferred_element_type": None, "precision": EXACT}
     gx = fp8_ops.dot_general_transpose_lhs(qg, x, qw, **kw)
     gx = _dequant(gx, cdt, fp8_ops.dot_general_transpose_lhs(sg, x, sw, **scale_kw) if rows
                   else _scalar_product(sg, sw))
