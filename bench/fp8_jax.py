@@ -31,7 +31,8 @@ final-loss ratio FP8 / bf16.
 
     python bench/fp8_jax.py --smoke --curve --out /tmp/fp8   # CPU, tiny (tests the script; FP8 emulated)
     python bench/fp8_jax.py --gpu --control --curve --out $OUT   # H200: d=4096, T=2048
-    python bench/fp8_jax.py --gpu --control --recipes rowwise,rowwise_gw_hp --out $OUT   # a shorter run
+    python bench/fp8_jax.py --gpu --control --recipes tensorwise,rowwise_gw_hp --out $OUT   # a shorter run
+    (a recipe's first build autotunes its FP8 GEMMs: 10-220 s on the H200; each build prints its phases)
     sizes: --d --heads --seq --batch --rounds --steps; curve: --curve-steps --curve-every
 
 Needs jax, flax, optax, numpy (PYTHONPATH=.:backends/jax works without installing unimp). Prints
