@@ -132,7 +132,7 @@ RECIPES = ("delayed", *CURRENT)  # what this backend runs (declared in backend.f
 
 
 # The products of per-row scales are dot_generals of float32 arrays whose contracted dims have size 1:
-# computed exactly (a GPU's default float32 dot may round its operands to TF32).
+# computed exactly (a GPU's or TPU's default float32 dot may round its operands to TF32 or bfloat16).
 EXACT = jax.lax.Precision.HIGHEST
 
 
