@@ -182,22 +182,17 @@ def _current(x: Any, w: Any, dn: Any, fwd: Any, grad: Any, how: Current) -> Any:
 
 
 def _current_fwd(x: Any, w: Any, dn: Any, fwd: Any, grad: Any, how: Current) -> tuple[Any, Any]:
-    """Each GEMM operand quantized with scales over that GEMM's contracted dims (or the whole tensor);
-    the product of two operands' scales is their ``dot_general`` (the contracted dims have size 1)."""
+    """Each GEMM operand quantized with scales over that GEMM's contracted dims (or the whole tensor).
+    The product of two operands' per-row scales is their ``dot_general`` (the contracted dims have size
+    1: an outer product); per-tensor scales are scalars and multiply, as a hand-written recipe writes
+    ``sx * sw`` (no degenerate dot left for the compiler to lower)."""
     cdt = x.dtype
     xc, wc, _, _, _, _ = _dims(dn, x.ndim, w.ndim)
     qx, sx = _quantize(x, fwd, xc if how.rows else None, how.pow2)
     qw, sw = _quantize(w, fwd, wc if how.rows else None, how.pow2)
     y = jax.lax.dot_general(qx, qw, dn, preferred_element_type=cdt)
-    scale = jax.lax.dot_general(sx, sw, dn, precision=EXACT) if how.rows else _scalar_product(sx, sw)
+    scale = jax.lax.dot_general(sx, sw, dn, precision=EXACT) if how.rows else sx * sw
     return _dequant(y, cdt, scale), (x, w, qx, sx, qw, sw)
-
-
-def _scalar_product(a: Any, b: Any) -> Any:
-    """The product of two per-tensor scales (size-1 arrays) as a scalar, as a hand-written recipe writes
-    ``sx * sw``: a ``dot_general`` of the size-1 arrays computes the same value, but leaves the compiler
-    a degenerate dot to lower (per-row scales need the dot: it is their outer product)."""
-    return a.reshape(()) * b.reshape(())
 
 
 def _current_bwd(dn: Any, fwd: Any, grad: Any, how: Current, res: Any, g: Any) -> tuple[Any, Any]:
@@ -214,8 +209,7 @@ def _current_bwd(dn: Any, fwd: Any, grad: Any, how: Current, res: Any, g: Any) -
     kw = dict(dimension_numbers=dn, precision=None, preferred_element_type=cdt)
     scale_kw = {**kw, "preferred_element_type": None, "precision": EXACT}
     gx = fp8_ops.dot_general_transpose_lhs(qg, x, qw, **kw)
-    gx = _dequant(gx, cdt, fp8_ops.dot_general_transpose_lhs(sg, x, sw, **scale_kw) if rows
-                  else _scalar_product(sg, sw))
+    gx = _dequant(gx, cdt, fp8_ops.dot_general_transpose_lhs(sg, x, sw, **scale_kw) if rows else sg * sw)
     # grad weight = x^T . g: contracted over x's kept dims (g's dims that came from x)
     if how.grad_weight_hp:
         gw = fp8_ops.dot_general_transpose_rhs(g.astype(cdt), x, w, **kw)
@@ -224,8 +218,7 @@ def _current_bwd(dn: Any, fwd: Any, grad: Any, how: Current, res: Any, g: Any) -
         if rows:
             qx, sx = _quantize(x, fwd, x_kept, how.pow2)
         gw = fp8_ops.dot_general_transpose_rhs(qg2, qx, w, **kw)
-        gw = _dequant(gw, cdt, fp8_ops.dot_general_transpose_rhs(sg2, sx, w, **scale_kw) if rows
-                      else _scalar_product(sg2, sx))
+        gw = _dequant(gw, cdt, fp8_ops.dot_general_transpose_rhs(sg2, sx, w, **scale_kw) if rows else sg2 * sx)
     return gx.astype(x.dtype), gw.astype(w.dtype)
 
 
