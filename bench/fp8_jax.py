@@ -341,13 +341,19 @@ class Phases:
     """Times a build's phases, printing each as it ends (a phase that never ends is located)."""
 
     def __init__(self, variant: str) -> None:
-        self.variant, self.done, self.mark = variant, [], time.perf_counter()
+        self.variant, self.done = variant, []
+        self.start = self.mark = time.perf_counter()
 
     def __call__(self, name: str) -> None:
         now = time.perf_counter()
         self.done.append(f"{name} {now - self.mark:.1f}s")
         print(f"  {self.variant}: {self.done[-1]}", flush=True)
         self.mark = now
+
+    @property
+    def total(self) -> float:
+        """Seconds from the start to the end of the last phase."""
+        return self.mark - self.start
 
 
 def speed(cfg: Config, control: bool, recipes: tuple[str, ...] = RECIPES) -> dict[str, Any]:
@@ -361,7 +367,6 @@ def speed(cfg: Config, control: bool, recipes: tuple[str, ...] = RECIPES) -> dic
     target = jax.random.normal(jax.random.fold_in(key, 1), x.shape, jnp.float32)
     steps, states, first, compile_s, dots, gemms, reports = {}, {}, {}, {}, {}, {}, {}
     for v in variants:
-        t0 = time.perf_counter()
         phase = Phases(v)
         steps[v], states[v], amp = build(v, cfg, impl)
         phase("build")
@@ -380,7 +385,7 @@ def speed(cfg: Config, control: bool, recipes: tuple[str, ...] = RECIPES) -> dic
         states[v], loss = steps[v](states[v], x, target)
         jax.block_until_ready(loss)
         phase("step")
-        compile_s[v] = time.perf_counter() - t0
+        compile_s[v] = phase.total
         print(f"built, compiled and ran twice: {v} ({compile_s[v]:.1f}s: {', '.join(phase.done)})", flush=True)
     times, rounds = interleaved(steps, states, variants, cfg.rounds, cfg.steps, x, target)
     med = {v: statistics.median(ts) * 1e3 for v, ts in times.items()}
