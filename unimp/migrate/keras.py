@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..policy import Policy
-from .common import Draft, Exported, Imported, bad, check_keys, finish, kwargs_of, leading_name, take
+from .common import Draft, Exported, Imported, bad, check_keys, finish, kwargs_of, leading_name, short, take
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
 
@@ -33,7 +33,7 @@ def import_policy(policy: str = "float32", loss_scale_optimizer: Mapping[str, An
     if policy not in POLICIES:
         tail = " (quantized layers are not a precision policy unimp holds)" if policy in (
             "int8", "float8", "int4") or str(policy).startswith(("int", "float8")) else ""
-        raise bad(source, "policy", f"{policy!r} is not one of {', '.join(POLICIES)}{tail}")
+        raise bad(source, "policy", f"{short(policy)} is not one of {', '.join(POLICIES)}{tail}")
     lso = None if loss_scale_optimizer is None else dict(loss_scale_optimizer)
     keys = ("initial_scale", "dynamic_growth_steps") + (("dynamic",) if tf_keras else ())
     if lso is not None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..policy import Policy
 from . import torch as torch_amp
-from .common import Draft, Exported, Imported, bad, finish, refuse
+from .common import Draft, Exported, Imported, bad, finish, refuse, short
 
 SYSTEM = "lightning"
 ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
@@ -30,7 +30,8 @@ def import_policy(precision: str | int = "32-true", *, source: str = "lightning"
     """The policy of ``Trainer(precision=precision)``."""
     name = ALIASES.get(str(precision), str(precision))
     if name not in PRECISIONS:
-        raise bad(source, "precision", f"{precision!r} is not one of {', '.join(PRECISIONS)} (or 64, 32, 16, 'bf16')")
+        raise bad(source, "precision",
+                  f"{short(precision)} is not one of {', '.join(PRECISIONS)} (or 64, 32, 16, 'bf16')")
     if name == "64-true":
         raise refuse(source, "precision", "'64-true' trains in float64, which unimp policies do not hold",
                      "use '32-true' (policy fp32)")

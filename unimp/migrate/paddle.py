@@ -24,7 +24,20 @@ from typing import Any
 from ..loading import load
 from ..ops import CANONICAL_OPS, kind_of
 from ..policy import Policy
-from .common import Draft, Exported, Imported, bad, check_keys, finish, flag, has_knob, kwargs_of, refuse, take
+from .common import (
+    Draft,
+    Exported,
+    Imported,
+    bad,
+    check_keys,
+    finish,
+    flag,
+    has_knob,
+    kwargs_of,
+    refuse,
+    short,
+    take,
+)
 
 SYSTEM = "paddle"
 # Paddle's names per canonical op (lower case: op types as in paddle.amp's white/black lists; capitalised:
@@ -76,9 +89,9 @@ def import_policy(auto_cast: Mapping[str, Any] | None = None, grad_scaler: Mappi
     level = ac.get("level", "O1")
     dtype = ac.get("dtype", "float16")
     if level not in ("O0", "OD", "O1", "O2"):
-        raise bad(source, "auto_cast.level", f"{level!r} is not one of O0, OD, O1, O2")
+        raise bad(source, "auto_cast.level", f"{short(level)} is not one of O0, OD, O1, O2")
     if dtype not in ("float16", "bfloat16"):
-        raise bad(source, "auto_cast.dtype", f"{dtype!r} is not float16 or bfloat16")
+        raise bad(source, "auto_cast.dtype", f"{short(dtype)} is not float16 or bfloat16")
     if not flag(source, "auto_cast.enable", ac.get("enable", True)) or level == "O0":
         d = Draft(SYSTEM, source, "fp32", "auto_cast disabled (enable=False or level O0)")
         return d.build()
@@ -143,10 +156,10 @@ def _moves(given: Mapping[str, Any], source: str, prefix: str) -> dict[str, tupl
             op = kind_of(name, PADDLE_NATIVE_OPS) if isinstance(name, str) else None
             where = f"{prefix}{key}[{i}]"
             if op is None:
-                raise refuse(source, where, f"{name!r} is not an op unimp controls (no canonical op has it)",
+                raise refuse(source, where, f"{short(name)} is not an op unimp controls (no canonical op has it)",
                              "remove it, or use one of the Paddle names `unimp ops` lists")
             if op in moves and moves[op][0] != target:
-                raise bad(source, where, f"{name!r} is also in {moves[op][1]} (canonical op {op}); keep one")
+                raise bad(source, where, f"{short(name)} is also in {moves[op][1]} (canonical op {op}); keep one")
             moves[op] = (target, where)
     return moves
 
