@@ -95,7 +95,6 @@ def test_deepspeed_ignores_and_lists_non_precision_keys():
     ("deepspeed", '{"fp16": {"enabled": true, "loss_scale_windw": 10}}', "fp16.loss_scale_windw"),
     ("deepspeed", '{"fp16": {"enabled": true, "auto_cast": true}}', "fp16.auto_cast"),
     ("accelerate", "fp8", "mixed_precision"),
-    ("lightning", "transformer-engine", "precision"),
     ("lightning", "64-true", "precision"),
     ("paddle", "auto_cast(custom_white_list=['not_an_op'])", "auto_cast.custom_white_list[0]"),
     ("torch", "GradScaler(init_scal=3.0)", "GradScaler.init_scal"),

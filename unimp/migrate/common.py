@@ -260,11 +260,18 @@ class Call:
     name: str | None
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    target: str | None = None  # the name it is assigned to (``policy = Policy(...)``)
 
     @property
     def last(self) -> str | None:
         """The call's own name (``set_global_policy`` of ``keras.mixed_precision.set_global_policy``)."""
         return None if self.name is None else self.name.rpartition(".")[2]
+
+
+class Name(str):
+    """A name in pasted code (``torch.float16``, ``optimizer``), kept as its text."""
+
+    __slots__ = ()
 
 
 DTYPE_CALLS = ("float32", "float16", "bfloat16", "float64", "asarray", "array", "tensor")  # jnp.float32(2**15)
@@ -304,8 +311,21 @@ def calls(text: str, source: str, known: Any = None) -> list[Call]:
             if kw.arg is None:
                 raise bad(source, "", f"{short(part)}: **kwargs cannot be read; write the keys out")
             kwargs[kw.arg] = _value(kw.value, part, source, kw.arg)
-        out.append(Call(None if name == "_" else name, tuple(plain(list(args), source)), plain(kwargs, source)))
+        out.append(Call(None if name == "_" else name, tuple(plain(list(args), source)), plain(kwargs, source),
+                        _target(part)))
     return out
+
+
+def _target(part: str) -> str | None:
+    """``x`` of ``x = Call(...)``."""
+    try:
+        body = ast.parse(part).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    st = body[0] if len(body) == 1 else None
+    if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+        return st.targets[0].id
+    return None
 
 
 def _statements(text: str) -> list[str]:
@@ -315,8 +335,11 @@ def _statements(text: str) -> list[str]:
         tree = ast.parse(text)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         tree = None
-    if tree is not None and tree.body and all(isinstance(st, ast.Expr | ast.Assign | ast.With) for st in tree.body):
-        return [p for st in tree.body if (p := (ast.get_source_segment(text, st) or "").strip())]
+    code = ast.Expr | ast.Assign | ast.With
+    if tree is not None and tree.body and all(isinstance(st, code | ast.Import | ast.ImportFrom) for st in tree.body):
+        # imports name modules, they set nothing: skipped
+        segments = (ast.get_source_segment(text, st) or "" for st in tree.body if isinstance(st, code))
+        return [p.strip() for p in segments if p.strip()]
     return [p.strip() for p in text.replace("\n", ";").split(";") if p.strip()]
 
 
@@ -347,10 +370,10 @@ def _value(node: ast.AST, part: str, source: str, key: str) -> Any:
     value = _power(node, source, key)
     if value is not None:
         return value
-    if isinstance(node, ast.Attribute):
+    if isinstance(node, ast.Attribute | ast.Name):  # torch.float16, an optimizer variable: kept as their name
         dotted = _dotted(node)
         if dotted != "?":
-            return dotted
+            return Name(dotted)
     if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and \
             _dotted(node.func).rpartition(".")[2] in DTYPE_CALLS:
         return _value(node.args[0], part, source, key)
@@ -383,7 +406,7 @@ def leading_name(raw: Any) -> tuple[str | None, Any]:
     if not isinstance(raw, str):
         return None, raw
     first, _, rest = raw.replace("\n", ";").partition(";")
-    if "=" in first or "(" in first:
+    if "=" in first or "(" in first or " " in first.strip():  # a name has no spaces ("from x import y" is code)
         return None, raw
     return first.strip().strip("'\""), rest.strip()
 
