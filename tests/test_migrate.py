@@ -134,7 +134,8 @@ def test_export_lists_what_the_target_cannot_express(capsys):
     assert "loss_scale.max" in capsys.readouterr().err
 
 
-MATMUL = ["bmm", "einsum", "fused_gemm_epilogue", "matmul", "matmul_v2", "mul"]  # every Paddle op type of canonical op matmul
+# every Paddle op type of canonical op matmul
+MATMUL = ["bmm", "einsum", "fused_gemm_epilogue", "matmul", "matmul_v2", "mul"]
 
 
 def test_paddle_lists_move_canonical_ops_and_export_writes_them_back():
