@@ -274,7 +274,8 @@ class Name(str):
     __slots__ = ()
 
 
-DTYPE_CALLS = ("float32", "float16", "bfloat16", "float64", "asarray", "array", "tensor")  # jnp.float32(2**15)
+DTYPE_CALLS = ("float32", "float16", "bfloat16", "float64", "asarray", "array", "tensor", "half_dtype",
+               "full_dtype")  # jnp.float32(2**15)
 
 
 def calls(text: str, source: str, known: Any = None) -> list[Call]:
@@ -374,9 +375,10 @@ def _value(node: ast.AST, part: str, source: str, key: str) -> Any:
         dotted = _dotted(node)
         if dotted != "?":
             return Name(dotted)
-    if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and \
-            _dotted(node.func).rpartition(".")[2] in DTYPE_CALLS:
-        return _value(node.args[0], part, source, key)
+    if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords:
+        func = node.func.func if isinstance(node.func, ast.Call) and not node.func.args else node.func
+        if _dotted(func).rpartition(".")[2] in DTYPE_CALLS:  # jnp.float32(x), jmp.half_dtype()(x)
+            return _value(node.args[0], part, source, key)
     segment = ast.get_source_segment(part, node) or ""
     raise bad(source, key, f"{short(segment)} is not a literal; write the value (a number, string, boolean or list)")
 

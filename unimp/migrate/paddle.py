@@ -163,7 +163,8 @@ def import_paddleclas(config: Mapping[str, Any], *, source: str = "PaddleClas") 
     ``Engine._init_amp``: use_amp default True when the section is there, level O1/O2 (others become
     O1), use_promote, ``build_scaler`` -> ``paddle.amp.GradScaler(init_loss_scaling=scale_loss (1.0),
     use_dynamic_loss_scaling (False))``, O2 ``paddle.amp.decorate(level, save_dtype='float32')``;
-    ppcls/utils/amp.py ``AutoCast``: ``paddle.amp.auto_cast(level=amp_level, use_promote=use_promote)``)."""
+    ppcls/utils/amp.py ``AutoCast``: ``paddle.amp.auto_cast(level=amp_level)``, ``use_promote`` passed only
+    under Paddle 2.5)."""
     amp = config.get("AMP")
     others = tuple(f"{k} (not the AMP section)" for k in config if k != "AMP")
     if amp is None:
@@ -174,11 +175,15 @@ def import_paddleclas(config: Mapping[str, Any], *, source: str = "PaddleClas") 
                source, "AMP.")
     use = flag(source, "AMP.use_amp", amp.get("use_amp", True))
     ignored = (*others, "AMP.use_fp16_test (evaluation only)")
+    if "use_promote" in amp:  # ppcls/utils/amp.py AutoCast passes it only when paddle.__version__[:3] is 2.5/0.0
+        flag(source, "AMP.use_promote", amp["use_promote"])
+        ignored += ("AMP.use_promote (AutoCast passes it to auto_cast only under Paddle 2.5; later Paddle runs "
+                    "auto_cast's default True)",)
     if not use:
         return import_policy({"enable": False}, source=source, ignored=ignored)
     level = amp.get("level", "O1")
     level = level if level in ("O1", "O2") else "O1"  # Engine._init_amp: anything else is set to O1
-    ac = {"level": level, "use_promote": flag(source, "AMP.use_promote", amp.get("use_promote", False))}
+    ac = {"level": level}
     gs = {"init_loss_scaling": amp.get("scale_loss", 1.0),
           "use_dynamic_loss_scaling": amp.get("use_dynamic_loss_scaling", False)}
     return import_policy(ac, gs, source=source, ignored=ignored,

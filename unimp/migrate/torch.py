@@ -15,7 +15,7 @@ its device; an autocast alone means no GradScaler (every step taken, unscaled).
 >>> imp = import_policy(init_scale=1024.0, growth_interval=100)
 >>> imp.policy.loss_scale.initial, imp.policy.loss_scale.growth_interval
 (1024.0, 100)
->>> export_policy(imp.policy).config["growth_interval"]
+>>> export_policy(imp.policy).config["GradScaler"]["growth_interval"]
 100
 >>> from_cli("with torch.autocast('cuda', dtype=torch.bfloat16):", "x").policy.loss_scale.mode
 'none'
@@ -71,7 +71,10 @@ def read(scaler: Mapping[str, Any] | None, autocast: Mapping[str, Any] | None, s
     d = Draft(SYSTEM, source, extends=f"torch_autocast_{device}",
               why=f"torch.autocast('{device}') op lists" + ("" if "device" in kw or ac else " (device not given)"))
     if not flag(source, "autocast.enabled", ac.get("enabled", True)):
-        return Draft(SYSTEM, source, "fp32", "autocast(enabled=False): full precision").build()
+        d = Draft(SYSTEM, source, "fp32", "autocast(enabled=False): full precision")
+        if scaler is not None:
+            add_scaler(d, kw, prefix="GradScaler.")
+        return d.build()
     d.set("compute_dtype", low, origin)
     if scaler is None:
         d.set("loss_scale.mode", "none", "no GradScaler given")
@@ -124,9 +127,20 @@ def from_cli(raw: Any, source: str) -> Imported:
 
 
 def export_policy(policy: Policy) -> Exported:
-    """``torch.amp.GradScaler`` keyword arguments for the policy's loss scaling."""
-    cfg: dict[str, Any] = {"device": "cpu" if policy.ops.category("softmax") != "float32" else "cuda",
-                           **scaler_kwargs(policy)}
-    args = ", ".join(f"{k}={v!r}" for k, v in cfg.items())
-    text_ = f"scaler = torch.amp.GradScaler({args})\n# with torch.autocast({cfg['device']!r}, dtype=torch.float16)\n"
-    return finish(SYSTEM, policy, cfg, text_, lambda c: import_policy(**c))
+    """``torch.autocast`` + ``torch.amp.GradScaler`` arguments for the policy (the device whose
+    autocast op lists the policy's are closest to)."""
+    device = "cpu" if policy.ops.category("softmax") != "float32" else "cuda"
+    c = policy.compute_dtype
+    ac: dict[str, Any] = {"device_type": device}
+    if c in ("float16", "bfloat16"):
+        ac["dtype"] = f"torch.{c}"
+    else:
+        ac["enabled"] = False
+    cfg: dict[str, Any] = {"autocast": ac}
+    if policy.loss_scale.mode == "dynamic":
+        cfg["GradScaler"] = {"device": device, **scaler_kwargs(policy)}
+    gs = cfg.get("GradScaler")
+    text_ = f"with torch.autocast({', '.join(f'{k}={v}' if k == 'dtype' else f'{k}={v!r}' for k, v in ac.items())}):\n"
+    text_ += "    ...\n" + (f"scaler = torch.amp.GradScaler({', '.join(f'{k}={v!r}' for k, v in gs.items())})\n"
+                             if gs else "")
+    return finish(SYSTEM, policy, cfg, text_, lambda cf: read(cf.get("GradScaler"), cf["autocast"], SYSTEM))
