@@ -83,6 +83,7 @@ def import_policy(policy: str = "params=float32,compute=float16,output=float32",
     d.set("output_dtype", dt["output"], f"policy output={dt['output']}")
     if dt["params"] != "float32":
         d.set("master_weights.enabled", False, "jmp keeps no float32 copy of the params")
+        d.set("distributed.reduce_dtype", dt["params"], f"gradients of {dt['params']} params are {dt['params']}")
     if no_op or (dynamic_loss_scale is None and static_loss_scale is None and dt["compute"] != "float16"):
         d.set("loss_scale.mode", "none", "NoOpLossScale" if no_op else "no loss scale given (not float16)")
         d.set("loss_scale.skip_nonfinite", False, "no loss scale: every step is taken")

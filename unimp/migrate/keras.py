@@ -99,6 +99,7 @@ def import_policy(policy: str = "float32", loss_scale_optimizer: Mapping[str, An
             d.set("output_dtype", low, f"{where}: outputs in {low}")
             d.set("ops.float32", [], f"{where}: every layer computes in {low}")
             d.set("master_weights.enabled", False, f"{where}: no float32 copy")
+            d.set("distributed.reduce_dtype", low, f"{where}: gradients of {low} variables are {low}")
         if fp8:
             d.set("fp8.amax_history", 1024, f"{where}: QuantizedFloat8DTypePolicy amax_history_length 1024")
     d.ignored.extend(ignored)

@@ -151,8 +151,10 @@ def _decorate(d: Draft, dec: dict[str, Any], dtype: str, source: str) -> None:
     d.set("param_dtype", dtype, "level O2: decorate casts the parameters")
     d.set("master_weights.enabled", masters, "decorate.master_weight" if mw is not None else
           "decorate.master_weight not given: True at O2")
-    if "master_grad" in dec and flag(source, "decorate.master_grad", dec["master_grad"]):
-        d.set("distributed.reduce_dtype", "float32", "decorate.master_grad: float32 gradients")
+    master_grad = flag(source, "decorate.master_grad", dec.get("master_grad", False))
+    d.set("distributed.reduce_dtype", "float32" if master_grad else dtype,
+          "decorate.master_grad: float32 gradients" if master_grad else
+          f"decorate.master_grad not set: gradients of the {dtype} parameters are {dtype}")
     for k in ("save_dtype", "models", "optimizers"):
         if k in dec:
             d.ignored.append(f"decorate.{k} ({'checkpoint dtype' if k == 'save_dtype' else 'objects'})")
