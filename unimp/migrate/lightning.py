@@ -80,6 +80,8 @@ def _read(precision: Any, source: str, fabric: bool, accelerator: Any, nemo: Map
           ignored: list[str], where: str = "precision", bert: bool = False) -> Imported:
     name = _name(precision, source, where)
     said = f"{where}={precision if isinstance(precision, int) else short(precision)}"
+    if accelerator is not None:
+        said += f" with {where.removesuffix('precision')}accelerator={short(accelerator)}"
     if name == "64-true":
         raise refuse(source, where, "'64-true' trains in float64, which unimp policies do not hold",
                      "use '32-true' (policy fp32)")
@@ -95,6 +97,8 @@ def _read(precision: Any, source: str, fabric: bool, accelerator: Any, nemo: Map
         name, said = "bf16-mixed", f"{said} with accelerator='cpu': Lightning runs 'bf16-mixed' (fp16 AMP on CPU)"
     if nemo is not None and name in ("16-mixed", "bf16-mixed"):
         return _nemo(name, said, nemo, source, ignored, bert)
+    if nemo is not None:  # MegatronTrainerBuilder._plugins builds no precision plugin for it
+        ignored = [*ignored, *(f"model.{k} (NeMo builds no precision plugin for {name})" for k in nemo)]
     if name == "32-true":
         d = Draft(SYSTEM, source, "fp32", f"{said}: full precision")
     elif name.startswith("transformer-engine"):
@@ -169,7 +173,8 @@ def _nemo(name: str, said: str, model: Mapping[str, Any], source: str, ignored: 
               "MegatronHalfPrecisionPlugin: 'BF16 uses FP32 grad accumulation'" if low == "bfloat16" else
               "MegatronHalfPrecisionPlugin: 'FP16 uses FP16 grad accumulation'")
     else:
-        d = Draft(SYSTEM, source, "torch_autocast_cuda", f"{said}: PipelineMixedPrecisionPlugin -> torch.autocast")
+        d = Draft(SYSTEM, source, "torch_autocast_cuda", f"{said}, model.megatron_amp_O2 False: "
+                  f"PipelineMixedPrecisionPlugin -> torch.autocast")
         d.set("compute_dtype", low, said)
         d.set("distributed.reduce_dtype", "float32", f"{said}: parameters (and gradients) stay float32")
     if low == "float16":
@@ -203,6 +208,10 @@ def _nemo(name: str, said: str, model: Mapping[str, Any], source: str, ignored: 
         d.set("loss_scale.skip_nonfinite", False, f"{said}: every step is taken")
     if fp8:
         _nemo_fp8(d, model, source)
+    checked = [f"model.{k}={model[k]}" for k in ("fp32_residual_connection", "fp16_lm_cross_entropy", "fsdp", "fp8",
+                                                  "megatron_amp_O2") if k in model and not model[k]]
+    if checked:
+        d.note(f"Read, changing nothing: {', '.join(checked)}")
     read = {"megatron_amp_O2", "fp32_residual_connection", "fp16_lm_cross_entropy", "fsdp", "fp8"}
     if low == "float16":
         read |= {"native_amp_init_scale", "native_amp_growth_interval"} | (set() if bert else {"hysteresis"})
@@ -285,7 +294,8 @@ def _from_mapping(raw: Mapping[str, Any], source: str) -> Imported:
         if target.rpartition(".")[2] in TRAINERS:
             d = Draft(SYSTEM, source, "fp32", f"{prefix}precision not given: {target}'s default '32-true'")
             d.note(f"{prefix}precision is not in this file: Lightning's default '32-true' (full precision)", warn=True)
-            d.ignored.extend([*ignored, *(f"{prefix}{k}" for k in trainer if k != "_target_")])
+            d.ignored.extend([*ignored, f"{prefix}_target_ (the Trainer class)",
+                              *(f"{prefix}{k}" for k in trainer if k != "_target_")])
             return d.build()
         raise bad(source, "precision", "nothing read: no `precision` key at the top, under `trainer:` or in a "
                   "Trainer(...) call, so this is not a Lightning precision setting; pass the Trainer config "
@@ -309,6 +319,8 @@ def _from_mapping(raw: Mapping[str, Any], source: str) -> Imported:
         ignored.append("model (no NeMo precision key)")
     accelerator = trainer.get("accelerator")
     ignored += [f"{prefix}{k}" for k in trainer if k not in ("precision", "accelerator", "_target_")]
+    if "_target_" in trainer:
+        ignored.append(f"{prefix}_target_ (the Trainer class)")
     bert = str(raw.get("name", "")).startswith("megatron_bert")
     return _read(precision, source, fabric, accelerator, nemo, ignored, where, bert)
 
@@ -364,6 +376,11 @@ def export_policy(policy: Policy) -> Exported:
     else:
         name = "16-true" if p == "float16" else "bf16-true"
     cpu = policy.ops.category("softmax") != "float32" and name.endswith("-mixed") and c == "bfloat16"
-    text_ = f"trainer = Trainer(precision={name!r}" + (", accelerator='cpu'" if cpu else "") + ")\n"
-    config: Any = {"precision": name, "accelerator": "cpu"} if cpu else name
+    fabric = name.endswith("-true") and c != "float32" and policy.output_dtype == "float32"
+    if fabric:  # Fabric's HalfPrecision casts outputs back to float32, the Trainer's does not
+        text_ = f"fabric = Fabric(precision={name!r})\n"
+        config: Any = {"fabric": {"precision": name}}
+    else:
+        text_ = f"trainer = Trainer(precision={name!r}" + (", accelerator='cpu'" if cpu else "") + ")\n"
+        config = {"precision": name, "accelerator": "cpu"} if cpu else name
     return finish(SYSTEM, policy, config, text_, lambda c: from_cli(c, "lightning"))
