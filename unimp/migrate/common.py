@@ -336,7 +336,7 @@ def _statements(text: str) -> list[str]:
         tree = ast.parse(text)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         tree = None
-    code = ast.Expr | ast.Assign | ast.With
+    code = ast.Expr | ast.Assign | ast.With | ast.Return
     if tree is not None and tree.body and all(isinstance(st, code | ast.Import | ast.ImportFrom) for st in tree.body):
         # imports name modules, they set nothing: skipped
         segments = (ast.get_source_segment(text, st) or "" for st in tree.body if isinstance(st, code))
@@ -355,7 +355,7 @@ def _call_of(part: str, known: Any = None) -> ast.Call | None:
         return None
     st = body[0]
     node = st.items[0].context_expr if isinstance(st, ast.With) else st.value if isinstance(
-        st, ast.Expr | ast.Assign) else None
+        st, ast.Expr | ast.Assign | ast.Return) else None
     if not isinstance(node, ast.Call):
         return None
     if isinstance(st, ast.Assign) and known is not None and _dotted(node.func).rpartition(".")[2] not in known:
@@ -498,6 +498,9 @@ def check_keys(given: Mapping[str, Any], known: Mapping[str, Any] | tuple[str, .
 
 def number(source: str, key: str, value: Any, kind: type = float, minimum: float | None = None) -> Any:
     """A numeric source value checked for type (``kind`` int or float), range and lower bound."""
+    if isinstance(value, Name):
+        raise bad(source, key, f"`{name(str(value))}` is a name in the code, not a value; write the number it "
+                               f"holds")
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     if ok and isinstance(value, int) and value.bit_length() > MAX_BITS:
         raise bad(source, key, f"{show(value)} is out of range (at most {FLT_MAX:.4g}); write the value the "
@@ -520,12 +523,17 @@ def text(source: str, key: str, value: Any, choices: Any = None) -> str:
     """
     if not isinstance(value, str):
         raise bad(source, key, f"expected a string, got {show(value)}")
+    if isinstance(value, Name) and (choices is None or value not in choices):
+        raise bad(source, key, f"`{name(str(value))}` is a name in the code, not a value; write the value it holds"
+                  + (f" ({', '.join(map(str, choices))})" if choices else ""))
     if choices is not None and value not in choices:
         raise bad(source, key, f"{short(value)} is not one of {', '.join(map(str, choices))}")
     return value
 
 
 def flag(source: str, key: str, value: Any) -> bool:
+    if isinstance(value, Name):
+        raise bad(source, key, f"`{name(str(value))}` is a name in the code, not a value; write True or False")
     if not isinstance(value, bool):
         raise bad(source, key, f"expected true or false, got {show(value)}")
     return value

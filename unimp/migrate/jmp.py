@@ -84,9 +84,12 @@ def import_policy(policy: str = "params=float32,compute=float16,output=float32",
     if dt["params"] != "float32":
         d.set("master_weights.enabled", False, "jmp keeps no float32 copy of the params")
         d.set("distributed.reduce_dtype", dt["params"], f"gradients of {dt['params']} params are {dt['params']}")
-    if no_op or (dynamic_loss_scale is None and static_loss_scale is None and dt["compute"] != "float16"):
-        d.set("loss_scale.mode", "none", "NoOpLossScale" if no_op else "no loss scale given (not float16)")
+    if no_op or (dynamic_loss_scale is None and static_loss_scale is None):
+        d.set("loss_scale.mode", "none", "NoOpLossScale" if no_op else "no loss scale given")
         d.set("loss_scale.skip_nonfinite", False, "no loss scale: every step is taken")
+        if not no_op and dt["compute"] == "float16":
+            d.note("float16 compute without a loss scale: import the jmp.DynamicLossScale(...) line too if the "
+                   "training step uses one", warn=True)
         return d.build()
     if static_loss_scale is not None:
         d.set("loss_scale.mode", "static", "StaticLossScale")
@@ -98,8 +101,7 @@ def import_policy(policy: str = "params=float32,compute=float16,output=float32",
         raise refuse(source, "DynamicLossScale.counter", "a non-zero counter is training state, not configuration",
                      "import with counter=0 and resume it with amp.load_state_dict")
     p = "DynamicLossScale."
-    d.set("loss_scale.mode", "dynamic", "DynamicLossScale" if dynamic_loss_scale is not None else
-          "no loss scale given: DynamicLossScale(2**15) as jmp's README uses")
+    d.set("loss_scale.mode", "dynamic", "DynamicLossScale")
     take(d, "loss_scale.initial", kw, "loss_scale", 32768.0, prefix=p)
     take(d, "loss_scale.growth_interval", kw, "period", 2000, kind=int, prefix=p)
     factor = take(d, "loss_scale.growth_factor", kw, "factor", 2.0, prefix=p)
@@ -133,7 +135,7 @@ def from_cli(raw: Any, source: str) -> Imported:
             raise bad(source, "DynamicLossScale", "expected a table of DynamicLossScale arguments")
         return import_policy(text(source, "policy", raw.get("policy", "float32")), dyn, source=source,
                              static_loss_scale=(static or {}).get("loss_scale"), no_op="NoOpLossScale" in raw)
-    pol, dyn, static, no_op = "float32", None, None, False
+    pol, dyn, static, no_op = None, None, None, False
     parts = [p.strip() for p in raw.replace("\n", ";").split(";") if p.strip()]
     code = "\n".join(p for p in parts if "(" in p)
     for p in parts:
@@ -158,6 +160,9 @@ def from_cli(raw: Any, source: str) -> Imported:
             static = kw.get("loss_scale")
         else:
             no_op = True
+    if pol is None:
+        raise bad(source, "policy", "nothing read about the dtypes: no jmp.get_policy(...) or policy string; "
+                                    "import the policy line too")
     return import_policy(pol, dyn, static_loss_scale=static, no_op=no_op, source=source)
 
 

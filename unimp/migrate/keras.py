@@ -66,7 +66,7 @@ TF_MODELS_RUNTIME = ("mixed_precision_dtype", "loss_scale")
 
 def import_policy(policy: str = "float32", loss_scale_optimizer: Mapping[str, Any] | None = None, *,
                   tf_keras: bool = False, source: str | None = None, ignored: tuple[str, ...] = (),
-                  why: str | None = None) -> Imported:
+                  why: str | None = None, lso_origin: str | None = None) -> Imported:
     """The policy of ``keras.mixed_precision.set_global_policy(policy)`` (+ ``LossScaleOptimizer(**args)``;
     ``None``: what ``compile`` does)."""
     system = "tf_keras" if tf_keras else "keras"
@@ -109,7 +109,7 @@ def import_policy(policy: str = "float32", loss_scale_optimizer: Mapping[str, An
         d.set("loss_scale.skip_nonfinite", False, "no LossScaleOptimizer: every step is taken")
         return d.build()
     lso = lso or {}
-    given = f"{LSO}." if loss_scale_optimizer is not None else f"compile() wraps {LSO}: "
+    given = lso_origin or (f"{LSO}." if loss_scale_optimizer is not None else f"compile() wraps {LSO}: ")
     dynamic = take(d, "loss_scale.mode", lso, "dynamic", True, kind=bool, prefix=given,
                    convert=lambda on: "dynamic" if on else "static")
     if dynamic == "static" and "initial_scale" not in lso:
@@ -165,7 +165,8 @@ def _tf_models(raw: Mapping[str, Any], source: str) -> Imported:
         lso: dict[str, Any] = {}
     else:
         lso = {"dynamic": False, "initial_scale": number(source, "runtime.loss_scale", scale, minimum=0)}
-    return import_policy(name, lso, tf_keras=True, source=source, why=why, ignored=ignored)
+    return import_policy(name, lso, tf_keras=True, source=source, why=why, ignored=ignored,
+                         lso_origin=f"runtime.loss_scale {short(scale)} -> configure_optimizer: {LSO}.")
 
 
 def _dtype_keys(node: Any, where: str) -> list[str]:

@@ -88,7 +88,7 @@ AMP_CONFIGS = {"init_loss_scaling": 32768.0, "incr_ratio": 2.0, "decr_ratio": 0.
 
 def import_policy(auto_cast: Mapping[str, Any] | None = None, grad_scaler: Mapping[str, Any] | None = None, *,
                   source: str = "paddle", decorate: Mapping[str, Any] | None = None,
-                  ignored: tuple[str, ...] = ()) -> Imported:
+                  ignored: tuple[str, ...] = (), notes: tuple[str, ...] = ()) -> Imported:
     """The policy of ``with paddle.amp.auto_cast(**auto_cast)`` + ``paddle.amp.GradScaler(**grad_scaler)``
     (no GradScaler given: ``GradScaler()`` for float16, none for bfloat16) + ``paddle.amp.decorate(**decorate)``."""
     ac, gs = dict(auto_cast or {}), grad_scaler
@@ -106,15 +106,17 @@ def import_policy(auto_cast: Mapping[str, Any] | None = None, grad_scaler: Mappi
     if not flag(source, "auto_cast.enable", ac.get("enable", True)) or level == "O0":
         d = Draft(SYSTEM, source, "fp32", "auto_cast disabled (enable=False or level O0)")
         d.ignored.extend(ignored)
+        d.notes.extend(notes)
         return d.build()
-    notes = []
+    promote_notes = []
     if "use_promote" in ac and not flag(source, "auto_cast.use_promote", ac["use_promote"]):
         if level == "O2":
             raise refuse(source, "auto_cast.use_promote", "False at O2 (ops with a float32 input run in the low "
                          "dtype, not promoted) has no policy key", "remove it: unimp promotes the ops in ops.promote")
-        notes.append("auto_cast.use_promote (read at level O2 only: python/paddle/amp/auto_cast.py auto_cast)")
+        promote_notes.append("auto_cast.use_promote (read at level O2 only: python/paddle/amp/auto_cast.py auto_cast)")
     d = Draft(SYSTEM, source, "paddle_o2" if level == "O2" else "paddle_o1", f"auto_cast level {level}")
-    d.ignored.extend([*ignored, *notes])
+    d.notes.extend(notes)
+    d.ignored.extend([*ignored, *promote_notes])
     d.set("compute_dtype", dtype, "auto_cast.dtype" if "dtype" in ac else "auto_cast.dtype not given: float16")
     if level == "O2":
         _decorate(d, dec, dtype, source)
@@ -182,13 +184,22 @@ def import_paddleclas(config: Mapping[str, Any], *, source: str = "PaddleClas") 
         ignored += ("AMP.use_promote (AutoCast passes it to auto_cast only under Paddle 2.5; later Paddle runs "
                     "auto_cast's default True)",)
     if not use:
-        return import_policy({"enable": False}, source=source, ignored=ignored)
+        ignored += tuple(f"AMP.{k} (use_amp is False)" for k in amp if k not in ("use_amp", "use_fp16_test",
+                                                                                "use_promote"))
+        return import_policy({"enable": False}, source=source, ignored=ignored,
+                             notes=("AMP.use_amp False: AutoCast(False) and build_scaler(False) (no AMP)",))
     level = amp.get("level", "O1")
     level = level if level in ("O1", "O2") else "O1"  # Engine._init_amp: anything else is set to O1
     ac = {"level": level}
     gs = {"init_loss_scaling": amp.get("scale_loss", 1.0),
           "use_dynamic_loss_scaling": amp.get("use_dynamic_loss_scaling", False)}
-    return import_policy(ac, gs, source=source, ignored=ignored,
+    said = [f"AMP.{k}={amp[k]!s:.40}" for k in ("use_amp", "level", "scale_loss", "use_dynamic_loss_scaling")
+            if k in amp]
+    note = (f"PaddleClas Engine._init_amp: {', '.join(said) or 'AMP section'} -> auto_cast(level={level!r}), "
+            f"GradScaler(init_loss_scaling={gs['init_loss_scaling']!s:.40}, use_dynamic_loss_scaling="
+            f"{gs['use_dynamic_loss_scaling']!s:.10})" + (", decorate(level='O2', save_dtype='float32')"
+                                                          if level == "O2" else ""))
+    return import_policy(ac, gs, source=source, ignored=ignored, notes=(note,),
                          decorate={"level": level, "save_dtype": "float32"} if level == "O2" else None)
 
 

@@ -51,16 +51,16 @@ def read(scaler: Mapping[str, Any] | None, autocast: Mapping[str, Any] | None, s
     kw, ac = dict(scaler or {}), dict(autocast or {})
     check_keys(kw, DEFAULTS, source, "GradScaler.")
     check_keys(ac, AUTOCAST_KEYS, source, "autocast.")
-    device = text(source, "GradScaler.device", kw.get("device", "cuda"))
+    device = text(source, "GradScaler.device", kw.get("device", "cuda"), ("cuda", "cpu", "mps", "xpu", "xla", "hpu"))
     if "device_type" in ac:
-        device = text(source, "autocast.device_type", ac["device_type"])
+        device = text(source, "autocast.device_type", ac["device_type"], ("cuda", "cpu", "mps", "xpu", "xla", "hpu"))
         if "device" in kw and kw["device"] != device:
             raise bad(source, "GradScaler.device", f"{kw['device']!s:.20} differs from autocast's {device!s:.20}; "
                                                    f"keep one device")
     if device not in ("cuda", "cpu"):
         raise bad(source, "device", f"{device[:20]!r}: unimp reproduces torch's 'cuda' and 'cpu' autocast lists")
     if "dtype" in ac:
-        low = DTYPES.get(text(source, "autocast.dtype", ac["dtype"]))
+        low = DTYPES.get(text(source, "autocast.dtype", ac["dtype"], tuple(DTYPES)))
         if low is None:
             raise bad(source, "autocast.dtype", f"{ac['dtype'][:40]!r} is not torch.float16 or torch.bfloat16")
         origin = "autocast.dtype"
