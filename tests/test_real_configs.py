@@ -11,8 +11,6 @@ importer must decline is a located message (``error`` / ``refused``), never a po
 from __future__ import annotations
 
 import re
-import textwrap
-import tomllib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from unimp.errors import UnimpWarning
 from unimp.loading import read_file
 from unimp.migrate import export_to, import_from
 from unimp.migrate.common import effective
+from unimp.migrate.corpus import entries, imported, pasted
 
 ROOT = Path(__file__).parent / "fixtures" / "real_configs"
 SYSTEMS = ("lightning", "torch", "keras", "tf_keras", "paddle", "jmp", "flax")
@@ -32,13 +31,7 @@ HEX40 = re.compile(r"^[0-9a-f]{40}$")
 
 
 def _configs() -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for system in SYSTEMS:
-        sources = ROOT / system / "SOURCES.toml"
-        if sources.exists():
-            data = tomllib.loads(sources.read_text())
-            out += [(data["system"], c) for c in data["config"]]
-    return out
+    return [(e["system"], e) for system in SYSTEMS for e in entries(ROOT, system)]
 
 
 CONFIGS = _configs()
@@ -50,18 +43,7 @@ def _id(item: tuple[str, dict[str, Any]]) -> str:
 
 
 def _source(system: str, c: dict[str, Any]) -> str:
-    """What a user passes to `unimp import`: the file, or the lines they paste from it (dedented)."""
-    path = ROOT / system / c["file"]
-    if "lines" not in c:
-        return str(path)
-    ranges = c["lines"] if isinstance(c["lines"][0], list) else [c["lines"]]
-    all_lines = path.read_text().splitlines()
-    prefix = c.get("prefix", "")
-    parts = []
-    for first, last in ranges:
-        text = textwrap.dedent("\n".join(all_lines[first - 1:last]))
-        parts += [line.removeprefix(prefix) for line in text.splitlines()]
-    return "\n".join(parts)
+    return pasted(ROOT, c)
 
 
 def test_the_corpus_is_real_and_large_enough():
@@ -133,10 +115,7 @@ def test_import_export_import_is_the_identity_where_the_system_holds_it(item):
     system, c = item
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnimpWarning)
-        source = _source(system, c)
-        raw = read_file(Path(source)) if "lines" not in c and Path(source).suffix in (
-            ".yaml", ".yml", ".json") else source
-        first = import_from(system, raw, source=c["file"]).policy
+        first = imported(ROOT, c).policy
         out = export_to(system, first)
         if c.get("roundtrip", True) is not True:  # a reason the system cannot hold this policy
             assert out.unexpressed, "listed as not held, but nothing was unexpressed"
