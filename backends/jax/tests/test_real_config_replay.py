@@ -25,7 +25,7 @@ FLAX = [e for e in entries(ROOT, "flax") if "expect" in e]
 def test_flax_dynamic_scale_line_runs_the_imported_policy(entry):
     spec = imported(ROOT, entry).policy.loss_scale
     ns = {"dynamic_scale_lib": dynamic_scale_lib, "DynamicScale": dynamic_scale_lib.DynamicScale}
-    exec(pasted(ROOT, entry), ns)  # noqa: S102 - a verbatim third-party line, literals only
+    exec(pasted(ROOT, entry), ns)
     (real,) = [v for v in ns.values() if isinstance(v, dynamic_scale_lib.DynamicScale)]
     assert (real.growth_factor, real.backoff_factor, real.growth_interval, real.fin_steps) == (
         spec.growth_factor, spec.backoff_factor, spec.growth_interval, 0)
@@ -38,7 +38,7 @@ def test_jmp_readme_lines_run_the_imported_policy():
     (entry,) = [e for e in entries(ROOT, "jmp") if e.get("lines") == [[95, 95], [175, 175]]]
     policy = imported(ROOT, entry).policy
     ns = {"jmp": jmp}
-    exec(pasted(ROOT, entry), ns)  # noqa: S102 - verbatim README lines, literals only
+    exec(pasted(ROOT, entry), ns)
     real_policy, real_scale = ns["my_policy"], ns["loss_scale"]
     assert (np.dtype(real_policy.param_dtype).name, np.dtype(real_policy.compute_dtype).name,
             np.dtype(real_policy.output_dtype).name) == (policy.param_dtype, policy.compute_dtype,

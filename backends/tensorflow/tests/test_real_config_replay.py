@@ -30,7 +30,7 @@ def global_policy():
 def test_keras_line_runs_the_imported_policy(entry, global_policy):
     policy = imported(ROOT, entry).policy
     ns = {"keras": keras, "dtype_policies": keras.dtype_policies}
-    exec(pasted(ROOT, entry), ns)  # noqa: S102 - a verbatim Keras docstring line, literals only
+    exec(pasted(ROOT, entry), ns)
     bound = [v for v in ns.values() if isinstance(v, keras.dtype_policies.DTypePolicy)]
     layer = keras.layers.Dense(4, dtype=bound[0] if bound else None)
     model = keras.Sequential([keras.Input((3,)), layer])
