@@ -183,18 +183,20 @@ def test_megatron_lists_other_arguments_and_reduces_in_param_dtype():
     assert imp.policy.loss_scale.initial == 2.0**32 and imp.policy.loss_scale.hysteresis == 2
 
 
-def test_every_readme_migration_command_runs(tmp_path, monkeypatch, capsys):
+def test_every_readme_migration_command_runs(monkeypatch, capsys):
+    """Each command of README's "Migrating from" section, as written, from the repository root."""
     import re
     import shlex
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
     section = readme[readme.index("## Migrating from"):]
     section = section[:section.index("\n## ", 1)]
-    (tmp_path / "ds_config.json").write_text(json.dumps({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
-    monkeypatch.chdir(tmp_path)
-    commands = [c for c in re.findall(r"`(unimp import [^`]*--from \w+)`", section)]
-    assert len(commands) == 11
+    monkeypatch.chdir(root)
+    commands = re.findall(r"`(unimp import [^`]*--from \w+)`", section)
+    assert {shlex.split(c)[-1] for c in commands} == {"lightning", "torch", "keras", "tf_keras", "paddle", "jmp",
+                                                      "flax"}
     for command in commands:
         assert main(shlex.split(command)[1:]) == 0, (command, capsys.readouterr().err)
 
