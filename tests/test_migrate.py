@@ -223,3 +223,75 @@ def test_bad_input_is_one_located_message(args, message, capsys):
     assert main(args) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+# Lightning as Lightning reads it (src/lightning/fabric/connector.py::_convert_precision_to_unified_args,
+# pytorch/trainer/connectors/accelerator_connector.py::_check_and_init_precision, plugins/precision/*.py)
+LIGHTNING = [
+    ("Trainer(precision=16)", {"compute_dtype": "float16", "param_dtype": "float32", "mode": "dynamic"}),
+    ('trainer = L.Trainer(precision="bf16-mixed", max_epochs=3)', {"compute_dtype": "bfloat16", "mode": "none"}),
+    ("trainer:\n  precision: 16\n", {"compute_dtype": "float16", "mode": "dynamic"}),
+    ({"trainer": {"precision": "16-mixed", "accelerator": "cpu"}}, {"compute_dtype": "bfloat16", "mode": "none"}),
+    ("Trainer(precision='bf16-true')", {"param_dtype": "bfloat16", "output_dtype": "bfloat16", "masters": False}),
+    ("Fabric(precision='bf16-true')", {"param_dtype": "bfloat16", "output_dtype": "float32", "masters": False}),
+    ("16-true", {"param_dtype": "float16", "mode": "none", "reduce": "float16"}),
+    ("transformer-engine", {"param_dtype": "bfloat16", "fp8": "delayed", "mode": "none", "output_dtype": "float32"}),
+    ("transformer-engine-float16", {"compute_dtype": "float16", "param_dtype": "float16", "fp8": "delayed"}),
+    ("32", {"compute_dtype": "float32", "mode": "none"}),
+]
+
+
+@pytest.mark.parametrize(("raw", "want"), LIGHTNING, ids=lambda v: str(v)[:30])
+def test_lightning_reads_every_form_and_value(raw, want):
+    p = import_from("lightning", raw).policy
+    got = {"compute_dtype": p.compute_dtype, "param_dtype": p.param_dtype, "output_dtype": p.output_dtype,
+           "masters": p.master_weights.enabled, "mode": p.loss_scale.mode, "reduce": p.distributed.reduce_dtype,
+           "fp8": p.fp8.recipe if p.fp8.enabled else None}
+    assert {k: got[k] for k in want} == want
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"fp16": {"enabled": True}}, "nothing read: no `precision` key"),
+    ({"trainer": {"devices": 1}}, "nothing read"),
+    ({"trainer": {"defaults": ["default"], "accelerator": "gpu"}}, "`defaults` list"),
+    ("Trainer(max_epochs=3)", "nothing read: no precision=..."),
+    ({"trainer": {"precision": "${oops}"}}, "import the resolved config"),
+    ("64-true", "float64"),
+    ({"trainer": {"precision": 16, "plugins": ["x"]}}, "trainer.plugins"),
+])
+def test_lightning_without_a_precision_setting_is_an_error_not_fp32(raw, message):
+    with pytest.raises((unimp.PolicyError, unimp.UnsupportedError), match=re.escape(message)):
+        import_from("lightning", raw)
+
+
+@pytest.mark.parametrize(("system", "raw", "facts"), [
+    ("keras", "keras.mixed_precision.set_global_policy('mixed_bfloat16')", ("bfloat16", "float32", "none")),
+    ("keras", "set_global_policy('mixed_float16')", ("float16", "float32", "dynamic")),
+    ("keras", "keras.config.set_dtype_policy('float8_from_mixed_bfloat16')", ("bfloat16", "float32", "none")),
+    ("tf_keras", "policy = mixed_precision.Policy('mixed_float16')\nmixed_precision.set_global_policy(policy)",
+     ("float16", "float32", "dynamic")),
+    ("torch", "with torch.autocast('cuda', dtype=torch.bfloat16):", ("bfloat16", "float32", "none")),
+    ("torch", "scaler = torch.amp.GradScaler('cpu', init_scale=1024.0)", ("float16", "float32", "dynamic")),
+    ("jmp", "policy = jmp.get_policy('p=f32,c=bf16,o=f32')", ("bfloat16", "float32", "none")),
+    ("paddle", "with paddle.amp.auto_cast(level='O2', dtype='bfloat16'):\n    pass\nmodel = paddle.amp.decorate("
+               "models=model, level='O2', dtype='bfloat16', master_grad=True)", ("bfloat16", "bfloat16", "none")),
+])
+def test_verbatim_code_lines(system, raw, facts):
+    p = import_from(system, raw).policy
+    assert (p.compute_dtype, p.param_dtype, p.loss_scale.mode) == facts
+
+
+def test_keras_float8_policy_is_the_fp8_table_and_int8_is_refused():
+    p = import_from("keras", "float8_from_mixed_bfloat16").policy
+    assert p.fp8.enabled and p.fp8.recipe == "delayed" and p.fp8.amax_history == 1024
+    assert export_to("keras", p).config["policy"] == "float8_from_mixed_bfloat16"
+    with pytest.raises(unimp.UnsupportedError, match="quantizes the weights"):
+        import_from("keras", "int8_from_mixed_bfloat16")
+
+
+def test_paddle_use_fp16_guard_is_refused_in_pure_mode_and_listed_otherwise():
+    with pytest.raises(unimp.UnsupportedError, match="use_fp16_guard"):
+        importers.paddle_amp_configs({"use_pure_fp16": True})  # the proto's default guard is true
+    assert importers.paddle_amp_configs({"use_pure_fp16": True, "use_fp16_guard": False}).policy.param_dtype == \
+        "float16"
+    assert any("use_fp16_guard" in k for k in importers.paddle_amp_configs({"use_fp16_guard": True}).ignored)

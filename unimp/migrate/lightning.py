@@ -40,6 +40,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import PolicyError
 from ..loading import load
 from ..policy import Policy
 from . import torch as torch_amp
@@ -337,7 +338,7 @@ def from_cli(raw: Any, source: str) -> Imported:
 
         try:
             parsed = parse_text(value, "yaml")
-        except Exception:
+        except PolicyError:  # parse_text turns every parser error into one
             parsed = None
         if not isinstance(parsed, Mapping):
             raise bad(source, "", f"cannot read {short(value)}: expected a precision, Trainer(precision=...) or "
