@@ -28,6 +28,7 @@ from typing import Any
 from ..loading import load
 from ..ops import CANONICAL_OPS, kind_of
 from ..policy import Policy
+from ..spec import show
 from .common import (
     Draft,
     Exported,
@@ -205,6 +206,8 @@ def import_paddleclas(config: Mapping[str, Any], *, source: str = "PaddleClas") 
 
 def import_amp_configs(amp_configs: Mapping[str, Any], *, source: str = "paddle amp_configs") -> Imported:
     """The policy of fleet ``strategy.amp = True; strategy.amp_configs = amp_configs`` (static graph)."""
+    if not isinstance(amp_configs, Mapping):
+        raise bad(source, "amp_configs", f"expected a table of AMPConfig keys, got {show(amp_configs)}")
     cfg = dict(amp_configs)
     check_keys(cfg, AMP_CONFIG_KEYS, source, "amp_configs.")
     if cfg.get("custom_black_varnames"):
