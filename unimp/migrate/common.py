@@ -11,6 +11,7 @@ growth_interval = 100  # growth_interval
 from __future__ import annotations
 
 import ast
+import datetime
 import json
 import math
 import warnings
@@ -148,6 +149,8 @@ def plain(raw: Any, source: str) -> Any:
                 raise bad(source, where, f"{show(value)} is out of range (at most {FLT_MAX:.4g}); write the value "
                                          f"the system runs")
             parent[slot] = value
+        elif isinstance(value, datetime.date | datetime.time):  # YAML timestamps in unrelated keys: their text
+            parent[slot] = value.isoformat()
         elif isinstance(value, set | frozenset):
             raise bad(source, where, f"a set ({len(value)} items) is not a configuration value; write a list")
         else:
