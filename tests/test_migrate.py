@@ -295,3 +295,17 @@ def test_paddle_use_fp16_guard_is_refused_in_pure_mode_and_listed_otherwise():
     assert importers.paddle_amp_configs({"use_pure_fp16": True, "use_fp16_guard": False}).policy.param_dtype == \
         "float16"
     assert any("use_fp16_guard" in k for k in importers.paddle_amp_configs({"use_fp16_guard": True}).ignored)
+
+
+def test_nemo_fp8_keys_are_the_fp8_table():
+    """megatron_gpt_config.yaml's fp8 block (fp8_e4m3 -> Format.E4M3, fp8_hybrid -> Format.HYBRID,
+    fp8_amax_history_len) as NeMo hands it to Transformer Engine's DelayedScaling."""
+    model = {"megatron_amp_O2": True, "fp8": True, "fp8_e4m3": False, "fp8_hybrid": True, "fp8_margin": 0,
+             "fp8_interval": 1, "fp8_amax_history_len": 1024, "fp8_amax_compute_algo": "max"}
+    p = import_from("lightning", {"trainer": {"precision": "bf16"}, "model": model}).policy
+    assert (p.fp8.enabled, p.fp8.recipe, p.fp8.amax_history, p.fp8.gradient_format) == (True, "delayed", 1024, "e5m2")
+    e4m3 = import_from("lightning", {"trainer": {"precision": "bf16"},
+                                     "model": {**model, "fp8_e4m3": True, "fp8_hybrid": False}}).policy
+    assert e4m3.fp8.gradient_format == "e4m3"
+    with pytest.raises(unimp.UnsupportedError, match="model.fp8_margin"):
+        import_from("lightning", {"trainer": {"precision": "bf16"}, "model": {**model, "fp8_margin": 1}})
