@@ -292,12 +292,10 @@ def _from_mapping(raw: Mapping[str, Any], source: str) -> Imported:
         if "defaults" in trainer:
             raise bad(source, f"{prefix}precision", "not in this file; hydra takes it from the files in its "
                       "`defaults` list: import the composed config (`python train.py --cfg job > cfg.yaml`)")
-        if target.rpartition(".")[2] in TRAINERS:
-            d = Draft(SYSTEM, source, "fp32", f"{prefix}precision not given: {target}'s default '32-true'")
-            d.note(f"{prefix}precision is not in this file: Lightning's default '32-true' (full precision)", warn=True)
-            d.ignored.extend([*ignored, f"{prefix}_target_ (the Trainer class)",
-                              *(f"{prefix}{k}" for k in trainer if k != "_target_")])
-            return d.build()
+        if target.rpartition(".")[2] in TRAINERS:  # a Trainer config without precision: say what Lightning runs
+            raise bad(source, f"{prefix}precision", f"nothing read: not in this file; {short(target)} then runs "
+                      f"its default '32-true' (accelerator_connector.py: precision None -> '32-true'): add "
+                      f"`precision: 32-true` to import that, or import the config that sets it")
         raise bad(source, "precision", "nothing read: no `precision` key at the top, under `trainer:` or in a "
                   "Trainer(...) call, so this is not a Lightning precision setting; pass the Trainer config "
                   "(or --from the system this file belongs to)")
