@@ -395,7 +395,7 @@ def parse_calls(text: str, source: str) -> list[tuple[str | None, dict[str, Any]
     out = []
     for c in calls(text, source):
         if c.args:
-            raise bad(source, c.name or "", f"{c.name}(...): positional arguments cannot be read here; "
+            raise bad(source, c.name or "", f"{name(c.name or '')}(...): positional arguments cannot be read here; "
                                             f"write them as key=value")
         out.append((c.last, c.kwargs))
     return out
@@ -471,7 +471,7 @@ def kwargs_of(raw: Any, source: str, calls_: Mapping[str, str],
         if c.args:
             names = (positional or {}).get(c.last or "", ())
             if len(c.args) > len(names):
-                raise bad(source, c.name or "", f"{len(c.args)} positional arguments; {c.last} takes "
+                raise bad(source, c.name or "", f"{len(c.args)} positional arguments; {name(c.last or '')} takes "
                                                 f"{len(names)} ({', '.join(names) or 'none'}): write them as key=value")
             for k, v in zip(names, c.args, strict=False):
                 if k in kw:

@@ -148,7 +148,7 @@ def from_cli(raw: Any, source: str) -> Imported:
                                             f"(or a policy string)")
         names = POSITIONAL[c.last or ""]
         if len(c.args) > len(names):
-            raise bad(source, c.name or "", f"{len(c.args)} positional arguments; {c.last} takes {len(names)}")
+            raise bad(source, c.name or "", f"{len(c.args)} positional arguments; {short(c.last)} takes {len(names)}")
         kw = {**dict(zip(names, c.args, strict=False)), **c.kwargs}
         if role == "policy":
             check_keys(kw, ("policy",), source, "get_policy.")
