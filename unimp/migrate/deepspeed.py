@@ -25,6 +25,7 @@ from typing import Any
 
 from ..loading import preset_names
 from ..policy import Policy
+from ..spec import show
 from .common import (
     Draft,
     Exported,
@@ -93,8 +94,8 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
         d = Draft(SYSTEM, source, "fp32", "neither fp16 nor bf16 enabled: full precision")
     if "communication_data_type" in config and config["communication_data_type"] is not None:
         v = config["communication_data_type"]
-        if v not in DTYPES:
-            raise bad(source, "communication_data_type", f"{v!r} is not one of {', '.join(DTYPES)}")
+        if not isinstance(v, str) or v not in DTYPES:  # a list or table is not a dtype name (unhashable)
+            raise bad(source, "communication_data_type", f"{show(v)} is not one of {', '.join(DTYPES)}")
         d.set("distributed.reduce_dtype", DTYPES[v], "communication_data_type")
     d.ignored.extend(k for k in config if k not in PRECISION)
     return d.build()
