@@ -5,6 +5,18 @@ Defaults read from accelerate/utils/dataclasses.py (GradScalerKwargs): init_scal
 growth_factor 2.0, backoff_factor 0.5, growth_interval 2000, enabled True; fp16 and bf16 run
 ``torch.autocast`` on the accelerator (CUDA lists), fp16 with ``torch.amp.GradScaler``.
 
+An ``accelerate config`` YAML file (huggingface/accelerate 16cb6eb80dd9aa8b4df1a63ef57863e455d53b83)
+is read as ``accelerate launch`` reads it: ``distributed_type: FSDP`` adds FSDP's MixedPrecision
+(utils/dataclasses.py FullyShardedDataParallelPlugin.set_mixed_precision: param_dtype = reduce_dtype =
+the mixed-precision dtype, fp32 sharded params kept) under the same autocast (accelerator.py:
+native_amp for every distributed type but DeepSpeed / Megatron-LM); ``distributed_type: DEEPSPEED``
+hands precision to DeepSpeed (state.py: mixed_precision "no" for Accelerate itself;
+DeepSpeedPlugin.set_mixed_precision writes ``fp16: {enabled, auto_cast}`` / ``bf16: {enabled}``,
+zero_stage default 2) and is imported by :mod:`unimp.migrate.deepspeed`; ``mixed_precision: fp8``
+with ``fp8_config`` (TERecipeKwargs / AORecipeKwargs) imports to the ``[fp8]`` table over bf16
+autocast ("When training in fp8, we still rely on bf16 autocast"). A file without
+``mixed_precision`` is an error (it holds no precision setting).
+
 >>> import_policy("bf16").policy.compute_dtype
 'bfloat16'
 >>> export_policy(import_policy("fp16").policy).config["GradScalerKwargs"]["growth_interval"]
@@ -31,9 +43,7 @@ def import_policy(mixed_precision: str = "no", grad_scaler_kwargs: Mapping[str, 
     if mixed_precision not in PRECISIONS:
         raise bad(source, "mixed_precision", f"{mixed_precision!r} is not one of {', '.join(PRECISIONS)}")
     if mixed_precision == "fp8":
-        raise refuse(source, "mixed_precision", "'fp8' (Transformer Engine / MS-AMP / torchao recipes) has no "
-                     "unimp dtype", "import 'bf16' (what Accelerate runs outside the fp8 layers) and keep the fp8 "
-                     "recipe in Accelerate")
+        return _fp8({"fp8_config": {"backend": "TE"}}, source, ignored)
     kw = dict(grad_scaler_kwargs or {})
     check_keys(kw, SCALER_KEYS, source, "GradScalerKwargs.")
     if kw and mixed_precision != "fp16":
@@ -60,13 +70,167 @@ def from_cli(raw: Any, source: str) -> Imported:
     if name is not None:
         scaler = kwargs_of(raw, source, {"GradScalerKwargs": "scaler"}).get("scaler") if raw.strip() else None
         return import_policy(name, scaler, source=source)
-    if isinstance(raw, Mapping) and "mixed_precision" in raw:  # an `accelerate config` file
-        rest = tuple(k for k in raw if k not in ("mixed_precision", "GradScalerKwargs"))
-        return import_policy(raw["mixed_precision"], raw.get("GradScalerKwargs"), source=source, ignored=rest)
+    if isinstance(raw, Mapping) and (CONFIG_KEYS & set(raw) or "mixed_precision" in raw):  # an `accelerate config` file
+        return import_config(raw, source=source)
     kw = kwargs_of(raw, source, {"Accelerator": "accelerator", "GradScalerKwargs": "scaler"})
     acc = kw.get("accelerator", {})
     check_keys(acc, ("mixed_precision",), source, "Accelerator.")
     return import_policy(acc.get("mixed_precision", "no"), kw.get("scaler"), source=source)
+
+
+CONFIG_KEYS = {"distributed_type", "compute_environment", "num_processes", "fsdp_config", "deepspeed_config",
+               "downcast_bf16", "fp8_config", "megatron_lm_config", "use_cpu"}
+FSDP_PRECISION = ("fsdp_mixed_precision_policy", "mixed_precision_policy")
+
+
+def import_config(cfg: Mapping[str, Any], *, source: str = "accelerate config") -> Imported:
+    """The policy ``accelerate launch --config_file`` runs with this YAML file (parsed)."""
+    if "mixed_precision" not in cfg and not _ds_file(cfg):
+        raise bad(source, "mixed_precision", "not given: the file holds no precision setting (Accelerate then runs "
+                                             "'no', full precision, unless --mixed_precision is passed at launch); "
+                                             "add `mixed_precision: 'no'` (or fp16 / bf16 / fp8)")
+    mp = cfg.get("mixed_precision")
+    mp = "no" if mp is None and _ds_file(cfg) else mp
+    if mp not in PRECISIONS:
+        raise bad(source, "mixed_precision", f"{mp!r} is not one of {', '.join(PRECISIONS)}")
+    dist = str(cfg.get("distributed_type", "NO"))
+    handled = {"mixed_precision", "GradScalerKwargs", "distributed_type", "fsdp_config", "deepspeed_config",
+               "downcast_bf16", "fp8_config"}
+    rest = tuple(k for k in cfg if k not in handled)
+    down = cfg.get("downcast_bf16", "no")
+    if down not in ("no", False, None) and dist not in ("XLA", "TPU"):
+        raise bad(source, "downcast_bf16", f"{down!r} off TPU: accelerator.py raises 'Can only use `downcast_bf16` when "
+                                           "using mixed_precision='bf16' and on a TPU'; remove it")
+    if dist in ("XLA", "TPU") and mp == "bf16":
+        raise refuse(source, "distributed_type", "bf16 on TPU sets XLA_USE_BF16 / XLA_DOWNCAST_BF16 (state.py): XLA "
+                     "stores every float32 tensor, optimizer state included, as bf16; unimp keeps float32 masters",
+                     "import mixed_precision: 'bf16' for a GPU run, or keep this run in Accelerate")
+    if dist == "DEEPSPEED":
+        return _deepspeed(cfg, mp, source, rest)
+    if mp == "fp8":
+        return _fp8(cfg, source, rest)
+    fsdp = cfg.get("fsdp_config") or {}
+    if dist == "FSDP" and not isinstance(fsdp, Mapping):
+        raise bad(source, "fsdp_config", "expected a table")
+    if dist != "FSDP" or mp == "no":
+        imp = import_policy(mp, cfg.get("GradScalerKwargs"), source=source,
+                            ignored=rest + tuple(k for k in ("fsdp_config", "deepspeed_config") if k in cfg))
+        return imp
+    for key in FSDP_PRECISION:
+        if key in fsdp:
+            raise refuse(source, f"fsdp_config.{key}", "a custom FSDP MixedPrecision is not read",
+                         "remove it: Accelerate then sets param_dtype = reduce_dtype = the mixed_precision dtype")
+    imp = import_policy(mp, cfg.get("GradScalerKwargs"), source=source, ignored=rest)
+    d = _redraft(imp, source, f"distributed_type FSDP, mixed_precision {mp!r}")
+    low = "bfloat16" if mp == "bf16" else "float16"
+    why = ("fsdp_config: utils/dataclasses.py FullyShardedDataParallelPlugin.set_mixed_precision: "
+           f"MixedPrecision(param_dtype={low}, reduce_dtype={low})")
+    d.set("param_dtype", low, why)
+    d.set("master_weights.enabled", True, "FSDP keeps the sharded float32 params the optimizer steps")
+    d.set("distributed.reduce_dtype", low, why)
+    d.ignored.extend(f"fsdp_config.{k}" for k in fsdp)
+    return d.build()
+
+
+def _redraft(imp: Imported, source: str, why: str) -> Draft:
+    """A Draft continuing ``imp`` (its keys and comments), to add more keys to."""
+    import tomllib
+
+    data = tomllib.loads(imp.text)
+    d = Draft(SYSTEM, source, data["extends"], why)
+    for line in imp.text.splitlines():
+        if line.startswith("# ") and not line.startswith(("# Imported", "# Not precision")):
+            d.notes.append(line[2:])
+    table = ""
+    for line in imp.text.splitlines():
+        if line.startswith("["):
+            table = line.strip("[]")
+        elif " = " in line and not line.startswith(("#", "name", "extends")):
+            key, _, rest = line.partition(" = ")
+            value, _, origin = rest.partition("  # ")
+            d.set(f"{table}.{key}" if table else key, tomllib.loads(f"v = {value}")["v"], origin)
+    d.ignored.extend(imp.ignored)
+    return d
+
+
+def _ds_file(cfg: Mapping[str, Any]) -> Any:
+    ds = cfg.get("deepspeed_config")
+    return ds.get("deepspeed_config_file") if isinstance(ds, Mapping) else None
+
+
+def _deepspeed(cfg: Mapping[str, Any], mp: str, source: str, rest: tuple[str, ...]) -> Imported:
+    """distributed_type DEEPSPEED: the DeepSpeed config DeepSpeedPlugin builds, imported as DeepSpeed."""
+    from . import deepspeed
+
+    ds = cfg.get("deepspeed_config") or {}
+    if not isinstance(ds, Mapping):
+        raise bad(source, "deepspeed_config", "expected a table")
+    path = ds.get("deepspeed_config_file")
+    if path:
+        raise refuse(source, "deepspeed_config.deepspeed_config_file", f"the precision is in that DeepSpeed JSON "
+                     f"({path!r}); its fp16/bf16 \"auto\" values are filled from mixed_precision "
+                     f"({mp!r}, DeepSpeedPlugin.set_mixed_precision)",
+                     f"import it: `unimp import {path} --from deepspeed --assume "
+                     f"{'fp16=true' if mp == 'fp16' else 'bf16=true' if mp in ('bf16', 'fp8') else 'fp16=false'}`")
+    if mp == "fp8":
+        raise refuse(source, "mixed_precision", "fp8 under DeepSpeed (MS-AMP) is not imported",
+                     "keep this run in Accelerate, or import mixed_precision: 'bf16'")
+    stage = ds.get("zero_stage", 2)  # DeepSpeedPlugin.zero_stage default 2
+    config: dict[str, Any] = {"zero_optimization": {"stage": stage}}
+    if mp == "fp16":
+        config["fp16"] = {"enabled": True, "auto_cast": True}
+    elif mp == "bf16":
+        config["bf16"] = {"enabled": True}
+    else:
+        config["fp16"] = {"enabled": False}
+    imp = deepspeed.import_policy(config, source=f"{source}: deepspeed_config (as DeepSpeedPlugin builds it)")
+    ignored = rest + tuple(f"deepspeed_config.{k}" for k in ds if k != "zero_stage")
+    return Imported(SYSTEM, imp.policy, imp.text.replace("imported-deepspeed", "imported-accelerate"), ignored)
+
+
+def _fp8(cfg: Mapping[str, Any], source: str, rest: tuple[str, ...]) -> Imported:
+    """mixed_precision fp8: the fp8_config recipe over bf16 autocast."""
+    fp8 = cfg.get("fp8_config") or {}
+    if not isinstance(fp8, Mapping):
+        raise bad(source, "fp8_config", "expected a table")
+    backend = str(fp8.get("backend", "TE")).upper()
+    p = "fp8_config."
+    if backend in ("MSAMP", "MS-AMP"):
+        raise refuse(source, f"{p}backend", "MS-AMP keeps weights and optimizer states in FP8/FP16 (opt_level "
+                     f"{fp8.get('opt_level', 'O2')!r}); unimp keeps float32 masters", "use backend TE or AO")
+    if backend == "AO":
+        d = Draft(SYSTEM, source, "torchao_float8", "fp8_config.backend AO: torchao Float8Linear (tensorwise) "
+                  "over bf16 autocast")
+        d.ignored.extend(rest + tuple(f"{p}{k}" for k in fp8 if k != "backend"))
+        return d.build()
+    if backend != "TE":
+        raise bad(source, f"{p}backend", f"{backend!r} is not one of TE, MSAMP, AO")
+    d = Draft(SYSTEM, source, "te_delayed", "fp8_config.backend TE: Transformer Engine DelayedScaling over bf16 "
+              "autocast (TERecipeKwargs)")
+    algo = str(fp8.get("amax_compute_algo", "most_recent")).lower()
+    if algo != "max":
+        raise refuse(source, f"{p}amax_compute_algo", f"{algo!r}{'' if 'amax_compute_algo' in fp8 else ' (TERecipeKwargs default)'}"
+                     ": unimp's delayed recipe scales from the max of the amax history", "set amax_compute_algo: max")
+    for key, want in (("margin", 0), ("interval", 1)):
+        if fp8.get(key, want) != want:
+            raise refuse(source, f"{p}{key}", f"{fp8[key]!r}: unimp's delayed recipe has {key} {want}",
+                         f"set {key}: {want}")
+    over = fp8.get("override_linear_precision", (False, False, False))
+    if over not in ((False, False, False), [False, False, False], "(false, false, false)", "[false, false, false]"):
+        raise refuse(source, f"{p}override_linear_precision", f"{over!r}: GEMMs kept in high precision have no key",
+                     "set [false, false, false]")
+    fmt = str(fp8.get("fp8_format", "HYBRID")).upper()
+    if fmt not in ("HYBRID", "E4M3"):
+        raise bad(source, f"{p}fp8_format", f"{fmt!r} is not HYBRID or E4M3")
+    d.set("fp8.amax_history", int(fp8.get("amax_history_len", 1024)), f"{p}amax_history_len" if "amax_history_len"
+          in fp8 else f"{p}amax_history_len not given: TERecipeKwargs default 1024")
+    d.set("fp8.forward_format", "e4m3", f"{p}fp8_format {fmt}")
+    d.set("fp8.gradient_format", "e5m2" if fmt == "HYBRID" else "e4m3", f"{p}fp8_format {fmt}" if "fp8_format" in fp8
+          else f"{p}fp8_format not given: TERecipeKwargs default HYBRID")
+    if "use_autocast_during_eval" in fp8:
+        d.note(f"{p}use_autocast_during_eval: evaluation only, not training numerics (ignored)")
+    d.ignored.extend(rest + (("fp8_config.use_autocast_during_eval",) if "use_autocast_during_eval" in fp8 else ()))
+    return d.build()
 
 
 def export_policy(policy: Policy) -> Exported:

@@ -1,10 +1,14 @@
 """apex.amp: ``amp.initialize(model, optimizer, opt_level="O0".."O3", keep_batchnorm_fp32=...,
 master_weights=..., loss_scale=..., min_loss_scale=..., max_loss_scale=...)``, both directions.
 
-Read from apex/amp/frontend.py (the O0-O3 property sets) and apex/amp/scaler.py (LossScaler):
-O0 float32, loss_scale 1.0; O1 patched torch functions (torch's CUDA autocast lists), dynamic
-loss scale; O2 float16 model with batch norm kept float32 and float32 master weights, dynamic;
-O3 pure float16 (batch norm too), no master weights, loss_scale 1.0. The dynamic LossScaler
+Read from NVIDIA/apex e13873debc4699d39c6861074b9a3b2a02327f92 (the last commit with apex.amp):
+apex/amp/frontend.py (the O0-O3 property sets, ``Properties.__setattr__``, ``initialize``) and
+apex/amp/scaler.py (LossScaler): O0 float32, loss_scale 1.0; O1 patched torch functions (torch's
+CUDA autocast lists), dynamic loss scale; O2 float16 model with batch norm kept float32 and
+float32 master weights, dynamic ("O2 does not patch Torch functions": every op runs in the model's
+fp16); O3 "pure FP16 training" (batch norm too), no master weights, loss_scale 1.0. O2/O3 outputs
+are cast to float32 (_initialize.py patch_forward) unless ``cast_model_outputs``. An override given
+as None keeps the opt_level's value (frontend.py initialize: "additional kwargs that are not None"). The dynamic LossScaler
 starts at 2**16, grows x2 after 2000 clean steps clamped at max_loss_scale (2**24), halves on
 overflow floored at min_loss_scale (None: no floor), and holds the scale as a Python float.
 ``cast_model_type`` and ``patch_torch_functions`` are what the opt_level sets; overriding them
@@ -27,9 +31,11 @@ from .common import Draft, Exported, Imported, bad, check_keys, finish, flag, ha
 
 SYSTEM = "apex"
 OVERRIDES = ("keep_batchnorm_fp32", "master_weights", "loss_scale", "min_loss_scale", "max_loss_scale",
-             "cast_model_type", "patch_torch_functions")
+             "cast_model_type", "patch_torch_functions", "enabled", "verbosity", "num_losses", "cast_model_outputs")
 LEVELS = {"O0": ("fp32", False, False, 1.0), "O1": ("apex_o1", None, False, "dynamic"),
           "O2": ("apex_o2", True, True, "dynamic"), "O3": ("apex_o2", False, False, 1.0)}
+TORCH_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16", "float32": "float32",
+                "float": "float32"}
 
 
 def import_policy(opt_level: str = "O1", *, source: str = "apex.amp.initialize", **overrides: Any) -> Imported:
@@ -37,21 +43,52 @@ def import_policy(opt_level: str = "O1", *, source: str = "apex.amp.initialize",
     check_keys(overrides, OVERRIDES, source)
     if opt_level not in LEVELS:
         raise bad(source, "opt_level", f"{opt_level!r} is not one of O0, O1, O2, O3 (letter O, not zero)")
-    for key in ("cast_model_type", "patch_torch_functions"):
+    overrides = {k: v for k, v in overrides.items() if v is not None}  # None: the opt_level's value
+    notes = []
+    for key, why in (("verbosity", "how much amp prints"), ("num_losses", "how many losses get a LossScaler of "
+                                                                         "this rule (one each)")):
         if key in overrides:
-            raise refuse(source, key, "an override of what the opt_level sets has no policy key",
+            notes.append(f"{key} = {overrides.pop(key)!r}: {why}, not a precision setting (ignored)")
+    if "enabled" in overrides and not flag(source, "enabled", overrides.pop("enabled")):
+        d = Draft(SYSTEM, source, "fp32", "enabled=False: amp.initialize returns the model and optimizer unchanged")
+        d.set("loss_scale.mode", "none", "enabled=False: no loss scaling")
+        d.notes += notes
+        return d.build()
+    if "cast_model_type" in overrides:
+        want = {"O0": "float32", "O2": "float16", "O3": "float16"}.get(opt_level)
+        got = TORCH_DTYPES.get(str(overrides["cast_model_type"]).removeprefix("torch."))
+        if got is None or got != want:
+            raise refuse(source, "cast_model_type", f"{overrides['cast_model_type']!r} differs from what opt_level "
+                         f"{opt_level} sets ({want or 'no cast'}); a model cast apex does not test has no preset here",
+                         "remove it and pick the opt_level that casts the model as you want (O2/O3: fp16)")
+        notes.append(f"cast_model_type = {overrides.pop('cast_model_type')!r}: what opt_level {opt_level} sets")
+    if "patch_torch_functions" in overrides:
+        if bool(overrides["patch_torch_functions"]) != (opt_level == "O1"):
+            raise refuse(source, "patch_torch_functions", "an override of what the opt_level sets has no policy key",
                          "remove it and pick the opt_level that sets it (O1 patches functions, O2/O3 cast the model)")
+        notes.append(f"patch_torch_functions = {overrides.pop('patch_torch_functions')!r}: what opt_level "
+                     f"{opt_level} sets")
+    outputs = overrides.pop("cast_model_outputs", None)
     preset, keep_bn, masters, scale = LEVELS[opt_level]
     d = Draft(SYSTEM, source, preset, f"opt_level {opt_level}")
+    d.notes += notes
     if opt_level == "O3":
-        d.set("param_dtype", "float16", "opt_level O3: pure float16 model")
+        d.set("param_dtype", "float16", "opt_level O3: pure float16 model (frontend.py O3: .half() on the model)")
+    if outputs is not None:
+        if opt_level not in ("O2", "O3") or TORCH_DTYPES.get(str(outputs).removeprefix("torch.")) is None:
+            raise refuse(source, "cast_model_outputs", f"{outputs!r}: apex casts outputs only with O2/O3 (the model "
+                         "cast), to a torch dtype", "remove it, or use O2/O3 with torch.float16/torch.float32")
+        d.set("output_dtype", TORCH_DTYPES[str(outputs).removeprefix("torch.")], "cast_model_outputs")
     bn = overrides.get("keep_batchnorm_fp32", keep_bn)
     if "keep_batchnorm_fp32" in overrides:
         if opt_level in ("O0", "O1"):
-            raise refuse(source, "keep_batchnorm_fp32", f"opt_level {opt_level} does not cast the model",
-                         "remove it, or use O2/O3")
-        bn = flag(source, "keep_batchnorm_fp32", overrides["keep_batchnorm_fp32"]) if not isinstance(
-            overrides["keep_batchnorm_fp32"], str) else overrides["keep_batchnorm_fp32"] == "True"
+            raise refuse(source, "keep_batchnorm_fp32", f"opt_level {opt_level} does not cast the model "
+                         "(frontend.py: 'keep_batchnorm_fp32 should be None')", "remove it, or use O2/O3")
+        raw = overrides["keep_batchnorm_fp32"]
+        if raw not in (True, False, "True", "False"):
+            raise bad(source, "keep_batchnorm_fp32", f"{raw!r}: apex takes a boolean, the string 'True' or 'False', "
+                                                     "or None (frontend.py Properties.__setattr__)")
+        bn = raw in (True, "True")
     if opt_level in ("O2", "O3") and bn != (load(preset).ops.category("batch_norm") == "float32"):
         base = load(preset).ops
         lists = {"lower": [o for o in base.lower if o != "batch_norm"],
@@ -60,11 +97,19 @@ def import_policy(opt_level: str = "O1", *, source: str = "apex.amp.initialize",
         where = "keep_batchnorm_fp32" if "keep_batchnorm_fp32" in overrides else f"opt_level {opt_level} default"
         d.set("ops.lower", lists["lower"], f"{preset} lists, batch_norm per {where}={bn}")
         d.set("ops.float32", lists["float32"], f"{preset} lists, batch_norm per {where}={bn}")
+    if "master_weights" in overrides and opt_level == "O1":
+        raise refuse(source, "master_weights", "O1 keeps the model's float32 weights (frontend.py: 'It doesn't make "
+                     "sense to use master_weights with O1')", "remove it, or use O2")
     if "master_weights" in overrides:
         d.set("master_weights.enabled", flag(source, "master_weights", overrides["master_weights"]), "master_weights")
     elif opt_level in ("O2", "O3"):
         d.set("master_weights.enabled", masters, f"master_weights not given: opt_level {opt_level} default")
     ls = overrides.get("loss_scale", scale)
+    if isinstance(ls, str) and ls != "dynamic":  # Properties.__setattr__: float(value) unless "dynamic"
+        try:
+            ls = float(ls)
+        except ValueError:
+            raise bad(source, "loss_scale", f"{ls!r} is neither 'dynamic' nor a number") from None
     where = "loss_scale" if "loss_scale" in overrides else f"loss_scale not given: opt_level {opt_level} default"
     if ls == "dynamic":
         d.set("loss_scale.mode", "dynamic", where)
@@ -90,13 +135,54 @@ def import_policy(opt_level: str = "O1", *, source: str = "apex.amp.initialize",
     return d.build()
 
 
+def _call_kwargs(text: str, source: str) -> dict[str, Any] | None:
+    """The keyword arguments of the ``amp.initialize(...)`` call in ``text`` (verbatim code such as
+    ``model, optimizer = amp.initialize(model, optimizer, opt_level="O1")``), or None when there is none.
+    ``torch.float16``-style values are read as dtype names; anything else must be a literal."""
+    import ast
+
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute | ast.Name)
+             and (n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id) == "initialize"]
+    if not calls:
+        return None
+    if len(calls) > 1:
+        raise bad(source, "initialize", f"{len(calls)} amp.initialize calls; pass the one to import")
+    out: dict[str, Any] = {}
+    call = calls[0]
+    for kw in call.keywords:
+        if kw.arg is None:
+            raise bad(source, "initialize", "**kwargs cannot be read; write the keyword arguments out")
+        node = kw.value
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
+            out[kw.arg] = f"torch.{node.attr}"
+            continue
+        try:
+            out[kw.arg] = ast.literal_eval(node)
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            raise bad(source, kw.arg, f"{ast.unparse(node)[:60]} is not a literal (unimp executes nothing); write the "
+                                      f"value the run uses, e.g. {kw.arg}='O2'") from None
+    if len(call.args) > 2:
+        raise bad(source, "initialize", "more than (models, optimizers) positional arguments; pass the rest by "
+                                        "keyword")
+    return out
+
+
 def from_cli(raw: Any, source: str) -> Imported:
+    if isinstance(raw, dict):
+        kw = dict(raw)
+        return import_policy(kw.pop("opt_level", "O1"), source=source, **kw)
     if isinstance(raw, str) and "=" not in raw and "(" not in raw:
         return import_policy(raw.strip().strip("'\""), source=source)
     if isinstance(raw, str) and raw.strip()[:2] in LEVELS and raw.strip()[2:3] in (",", ";", " "):
         level, rest = raw.strip()[:2], raw.strip()[3:]
         raw = f"opt_level={level!r}, {rest}" if rest.strip() else f"opt_level={level!r}"
-    kw = kwargs_of(raw, source, {"initialize": "initialize"}).get("initialize", {})
+    kw = _call_kwargs(raw, source) if isinstance(raw, str) else None
+    if kw is None:
+        kw = kwargs_of(raw, source, {"initialize": "initialize"}).get("initialize", {})
     return import_policy(kw.pop("opt_level", "O1"), source=source, **kw)
 
 
