@@ -99,8 +99,8 @@ def import_config(cfg: Mapping[str, Any], *, source: str = "accelerate config") 
     rest = tuple(k for k in cfg if k not in handled)
     down = cfg.get("downcast_bf16", "no")
     if down not in ("no", False, None) and dist not in ("XLA", "TPU"):
-        raise bad(source, "downcast_bf16", f"{down!r} off TPU: accelerator.py raises 'Can only use `downcast_bf16` when "
-                                           "using mixed_precision='bf16' and on a TPU'; remove it")
+        raise bad(source, "downcast_bf16", f"{down!r} off TPU: accelerator.py raises 'Can only use "
+                                           "`downcast_bf16` when using mixed_precision='bf16' and on a TPU'; remove it")
     if dist in ("XLA", "TPU") and mp == "bf16":
         raise refuse(source, "distributed_type", "bf16 on TPU sets XLA_USE_BF16 / XLA_DOWNCAST_BF16 (state.py): XLA "
                      "stores every float32 tensor, optimizer state included, as bf16; unimp keeps float32 masters",
@@ -209,8 +209,9 @@ def _fp8(cfg: Mapping[str, Any], source: str, rest: tuple[str, ...]) -> Imported
               "autocast (TERecipeKwargs)")
     algo = str(fp8.get("amax_compute_algo", "most_recent")).lower()
     if algo != "max":
-        raise refuse(source, f"{p}amax_compute_algo", f"{algo!r}{'' if 'amax_compute_algo' in fp8 else ' (TERecipeKwargs default)'}"
-                     ": unimp's delayed recipe scales from the max of the amax history", "set amax_compute_algo: max")
+        given = "" if "amax_compute_algo" in fp8 else " (TERecipeKwargs default)"
+        raise refuse(source, f"{p}amax_compute_algo", f"{algo!r}{given}: unimp's delayed recipe scales from the max "
+                     "of the amax history", "set amax_compute_algo: max")
     for key, want in (("margin", 0), ("interval", 1)):
         if fp8.get(key, want) != want:
             raise refuse(source, f"{p}{key}", f"{fp8[key]!r}: unimp's delayed recipe has {key} {want}",

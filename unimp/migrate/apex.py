@@ -8,8 +8,8 @@ CUDA autocast lists), dynamic loss scale; O2 float16 model with batch norm kept 
 float32 master weights, dynamic ("O2 does not patch Torch functions": every op runs in the model's
 fp16); O3 "pure FP16 training" (batch norm too), no master weights, loss_scale 1.0. O2/O3 outputs
 are cast to float32 (_initialize.py patch_forward) unless ``cast_model_outputs``. An override given
-as None keeps the opt_level's value (frontend.py initialize: "additional kwargs that are not None"). The dynamic LossScaler
-starts at 2**16, grows x2 after 2000 clean steps clamped at max_loss_scale (2**24), halves on
+as None keeps the opt_level's value (frontend.py initialize: "additional kwargs that are not None").
+The dynamic LossScaler starts at 2**16, grows x2 after 2000 clean steps clamped at max_loss_scale (2**24), halves on
 overflow floored at min_loss_scale (None: no floor), and holds the scale as a Python float.
 ``cast_model_type`` and ``patch_torch_functions`` are what the opt_level sets; overriding them
 is an error (pick the opt_level instead).
