@@ -36,12 +36,21 @@ def module(system: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{SYSTEMS[system]}")
 
 
-def import_from(system: str, raw: Any, source: str | None = None) -> Imported:
-    """A policy from ``raw`` (a string as pasted on the command line, or a parsed config file)."""
+ASSUMES = ("deepspeed",)  # systems whose "auto" values resolve from assumed run arguments (HF Trainer)
+
+
+def import_from(system: str, raw: Any, source: str | None = None, assume: dict[str, Any] | None = None) -> Imported:
+    """A policy from ``raw`` (a string as pasted on the command line, or a parsed config file);
+    ``assume``: the run's arguments a system's ``"auto"`` values resolve from (DeepSpeed: HF Trainer's)."""
     from .common import MAX_TEXT, bad
 
     mod = module(system)
     src = source or system
+    if assume is not None:
+        if system not in ASSUMES:
+            raise bad("<argument>", "--assume", f"{system} has no 'auto' values to resolve; remove --assume "
+                                                f"(it applies to {', '.join(ASSUMES)})")
+        return mod.from_cli(raw, src, assume=assume)
     if isinstance(raw, str) and len(raw) > MAX_TEXT:  # every system, not only those parsing calls
         raise bad(src, "", f"{len(raw)} characters; a pasted configuration is at most {MAX_TEXT}")
     if system == "tf_keras":

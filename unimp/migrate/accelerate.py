@@ -105,17 +105,25 @@ def import_config(cfg: Mapping[str, Any], *, source: str = "accelerate config") 
         raise refuse(source, "distributed_type", "bf16 on TPU sets XLA_USE_BF16 / XLA_DOWNCAST_BF16 (state.py): XLA "
                      "stores every float32 tensor, optimizer state included, as bf16; unimp keeps float32 masters",
                      "import mixed_precision: 'bf16' for a GPU run, or keep this run in Accelerate")
+    notes = [f"distributed_type = {dist!r}: " + {"FSDP": "FSDP MixedPrecision under autocast (below)", "DEEPSPEED":
+                                                   "DeepSpeed runs the precision (state.py)"}.get(
+        dist, "plain data parallel: the mixed_precision autocast (below)")]
+    if "downcast_bf16" in cfg:
+        notes.append(f"downcast_bf16 = {down!r}: applies on TPU only (state.py XLA_DOWNCAST_BF16)")
+    for key in ("fsdp_config", "deepspeed_config"):
+        if key in cfg and not cfg[key]:
+            notes.append(f"{key}: empty")
     if dist == "DEEPSPEED":
-        return _deepspeed(cfg, mp, source, rest)
+        return _with_notes(_deepspeed(cfg, mp, source, rest), notes)
     if mp == "fp8":
-        return _fp8(cfg, source, rest)
+        return _with_notes(_fp8(cfg, source, rest), notes)
     fsdp = cfg.get("fsdp_config") or {}
     if dist == "FSDP" and not isinstance(fsdp, Mapping):
         raise bad(source, "fsdp_config", "expected a table")
     if dist != "FSDP" or mp == "no":
         imp = import_policy(mp, cfg.get("GradScalerKwargs"), source=source,
-                            ignored=rest + tuple(k for k in ("fsdp_config", "deepspeed_config") if k in cfg))
-        return imp
+                            ignored=rest + tuple(k for k in ("fsdp_config", "deepspeed_config") if cfg.get(k)))
+        return _with_notes(imp, notes)
     for key in FSDP_PRECISION:
         if key in fsdp:
             raise refuse(source, f"fsdp_config.{key}", "a custom FSDP MixedPrecision is not read",
@@ -129,7 +137,15 @@ def import_config(cfg: Mapping[str, Any], *, source: str = "accelerate config") 
     d.set("master_weights.enabled", True, "FSDP keeps the sharded float32 params the optimizer steps")
     d.set("distributed.reduce_dtype", low, why)
     d.ignored.extend(f"fsdp_config.{k}" for k in fsdp)
+    d.notes += notes
     return d.build()
+
+
+def _with_notes(imp: Imported, notes: list[str]) -> Imported:
+    """``imp`` with ``notes`` added to its file's header (where each handled source key went)."""
+    head = "".join(f"# {n}\n" for n in notes)
+    first, _, rest = imp.text.partition("\n")
+    return Imported(imp.system, imp.policy, f"{first}\n{head}{rest}", imp.ignored)
 
 
 def _redraft(imp: Imported, source: str, why: str) -> Draft:
@@ -235,14 +251,37 @@ def _fp8(cfg: Mapping[str, Any], source: str, rest: tuple[str, ...]) -> Imported
 
 
 def export_policy(policy: Policy) -> Exported:
-    """``{"mixed_precision": ..., "GradScalerKwargs": {...}}`` for the policy."""
+    """``{"mixed_precision": ..., "GradScalerKwargs": {...}}`` for the policy, or an ``accelerate config``
+    file's keys (``distributed_type: FSDP`` for low-precision params and reduce, ``fp8_config`` for FP8)."""
     mp = {"float16": "fp16", "bfloat16": "bf16"}.get(policy.compute_dtype, "no")
     cfg: dict[str, Any] = {"mixed_precision": mp}
+    low = policy.compute_dtype if mp != "no" else None
+    if low and policy.param_dtype == low and policy.distributed.reduce_dtype == low:
+        cfg = {"distributed_type": "FSDP", "mixed_precision": mp, "fsdp_config": {}}
+    f = policy.fp8
+    if f.enabled and mp == "bf16" and f.recipe in ("delayed", "tensorwise"):
+        cfg["mixed_precision"] = "fp8"
+        if f.recipe == "delayed":
+            cfg["fp8_config"] = {"backend": "TE", "fp8_format": "HYBRID" if f.gradient_format == "e5m2" else "E4M3",
+                                 "amax_history_len": f.amax_history, "amax_compute_algo": "max"}
+        else:
+            cfg["fp8_config"] = {"backend": "AO"}
     if mp == "fp16":
         cfg["GradScalerKwargs"] = torch_amp.scaler_kwargs(policy)
-    handler = ""
-    if "GradScalerKwargs" in cfg:
-        args = ", ".join(f"{k}={v!r}" for k, v in cfg["GradScalerKwargs"].items())
-        handler = f", kwargs_handlers=[GradScalerKwargs({args})]"
-    text = f"accelerator = Accelerator(mixed_precision={mp!r}{handler})\n"
-    return finish(SYSTEM, policy, cfg, text, lambda c: import_policy(c["mixed_precision"], c.get("GradScalerKwargs")))
+    if len(cfg) > 2 or "distributed_type" in cfg or "fp8_config" in cfg:
+        text = "".join(f"{k}: {_yaml(v)}\n" for k, v in cfg.items())
+    else:
+        handler = ""
+        if "GradScalerKwargs" in cfg:
+            args = ", ".join(f"{k}={v!r}" for k, v in cfg["GradScalerKwargs"].items())
+            handler = f", kwargs_handlers=[GradScalerKwargs({args})]"
+        text = f"accelerator = Accelerator(mixed_precision={mp!r}{handler})\n"
+    return finish(SYSTEM, policy, cfg, text, lambda c: from_cli(dict(c), "accelerate"))
+
+
+def _yaml(v: Any) -> str:
+    import json
+
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_yaml(x)}" for k, x in v.items()) + "}"
+    return json.dumps(v)

@@ -126,8 +126,13 @@ def import_policy(opt_level: str = "O1", *, source: str = "apex.amp.initialize",
             d.set("loss_scale.scale_dtype", "float64", "apex holds the scale as a Python float")
     else:
         value = number(source, "loss_scale", ls, minimum=0)
-        d.set("loss_scale.mode", "static", where)
-        d.set("loss_scale.initial", value, where)
+        if value == 1.0:
+            d.set("loss_scale.mode", "none", f"{where}: 1.0, the loss is multiplied by 1 (no loss scaling)")
+        else:
+            d.set("loss_scale.mode", "static", where)
+            d.set("loss_scale.initial", value, where)
+        d.set("loss_scale.skip_nonfinite", False, "a static LossScaler never skips a step (scaler.py update_scale: "
+              "should_skip only when dynamic)")
         for key in ("min_loss_scale", "max_loss_scale"):
             if overrides.get(key) is not None:
                 raise refuse(source, key, "only a dynamic loss scale has a floor or a cap",
@@ -140,9 +145,10 @@ def _call_kwargs(text: str, source: str) -> dict[str, Any] | None:
     ``model, optimizer = amp.initialize(model, optimizer, opt_level="O1")``), or None when there is none.
     ``torch.float16``-style values are read as dtype names; anything else must be a literal."""
     import ast
+    import textwrap
 
     try:
-        tree = ast.parse(text)
+        tree = ast.parse(textwrap.dedent(text))
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute | ast.Name)
@@ -197,6 +203,8 @@ def export_policy(policy: Policy) -> Exported:
         level = "O2" if policy.master_weights.enabled else "O3"
     cfg: dict[str, Any] = {"opt_level": level}
     default = import_policy(level).policy
+    if level in ("O2", "O3") and policy.output_dtype != "float32":
+        cfg["cast_model_outputs"] = f"torch.{policy.output_dtype}"
     if level in ("O2", "O3"):
         bn = policy.ops.category("batch_norm") == "float32"
         if bn != (default.ops.category("batch_norm") == "float32"):
@@ -211,6 +219,8 @@ def export_policy(policy: Policy) -> Exported:
             cfg["max_loss_scale"] = ls.max
     elif ls.mode == "static" and (default.loss_scale.mode != "static" or default.loss_scale.initial != ls.initial):
         cfg["loss_scale"] = ls.initial
+    elif ls.mode == "none" and default.loss_scale.mode != "none":
+        cfg["loss_scale"] = 1.0
     args = ", ".join(f"{k}={v!r}" for k, v in cfg.items())
     text = f"model, optimizer = amp.initialize(model, optimizer, {args})\n"
     return finish(SYSTEM, policy, cfg, text, lambda c: import_policy(**c))

@@ -175,6 +175,12 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
     if stage:
         d.note(f"zero_optimization.stage = {stage}: selects the ZeRO optimizer (its loss scaler, above); the "
                f"partitioning itself is not a precision setting")
+    elif "zero_optimization" in config:
+        d.note("zero_optimization.stage = 0: no ZeRO (the plain engine's optimizer wrapper, above)")
+    for sec in ("fp16", "bf16", "bfloat16"):
+        if sec in config and not (fp16_on if sec == "fp16" else bf16_on and sec == bf16_key):
+            d.note(f"{sec}: not enabled (its enabled is false or it is shadowed by \"bf16\"), so DeepSpeed does not "
+                   f"read its other keys")
     dt = config.get("data_types")
     if isinstance(dt, Mapping) and dt.get("grad_accum_dtype") is not None:
         d.note(f"data_types.grad_accum_dtype = {dt['grad_accum_dtype']!r}: the dtype gradients are accumulated in "
