@@ -18,13 +18,12 @@ import os
 import pathlib
 import socket
 
+import deepspeed
 import pytest
+import torch
 
-deepspeed = pytest.importorskip("deepspeed", reason="the tox torch env installs deepspeed (tox.ini)")
-torch = pytest.importorskip("torch")
-
-from unimp.conformance.loss_scale import reference, sequences  # noqa: E402
-from unimp.migrate import import_from  # noqa: E402
+from unimp.conformance.loss_scale import reference, sequences
+from unimp.migrate import import_from
 
 ROOT = pathlib.Path(__file__).parents[3] / "tests" / "fixtures" / "real_configs" / "deepspeed"
 # The corpus files whose fp16 section DeepSpeed reads as written (no HF "auto" to fill in).

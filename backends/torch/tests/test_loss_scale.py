@@ -81,8 +81,12 @@ def test_real_deepspeed_scalers_replay_their_presets():
     sys.path.insert(0, str(pathlib.Path(__file__).parents[3] / "tests" / "fixtures"))
     from make_loss_scale_systems import SYSTEMS, init
 
+    import importlib.util
+
     init()
     for preset, native in SYSTEMS.items():
+        if preset.startswith("megatron") and importlib.util.find_spec("megatron") is None:
+            continue  # the torch env installs deepspeed, not megatron-core (CUDA-only scaler)
         check_system_replay(native, unimp.load(preset).loss_scale, backend=_device_runner)
 
 
