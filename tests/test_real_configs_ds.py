@@ -160,3 +160,22 @@ def test_auto_needs_the_trainer_arguments(tmp_path, capsys):
     assert main(["import", path, "--from", "deepspeed", "--assume", "fp16=maybe"]) == 1
     err = capsys.readouterr().err
     assert "--assume fp16" in err and "Traceback" not in err
+
+
+def test_every_command_of_the_migration_guide_runs(tmp_path, monkeypatch, capsys):
+    """docs/migrating_ds.md: each `unimp import ... --from X` runs on the corpus file it names."""
+    import re
+    import shlex
+    import shutil
+
+    guide = (ROOT.parents[2] / "docs" / "migrating_ds.md").read_text()
+    files = {"ds_config.json": "deepspeed/dse_autotuning_fp16_z2.json",
+             "ds_config_zero2.json": "deepspeed/hf_ds_config_zero2.json", "fsdp.yaml": "accelerate/templates_fsdp.yaml",
+             "train_gpt3_175b_distributed.sh": "megatron/megatron_train_gpt3_175b_distributed.sh"}
+    for name, corpus in files.items():
+        shutil.copy(ROOT / corpus, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    commands = re.findall(r"`(unimp import (?:[^`]|`[^`]*`)*?--from \w+(?: --assume \S+)?)`", guide)
+    assert {c.split("--from ")[1].split()[0] for c in commands} == set(SYSTEMS) and len(commands) >= 7
+    for command in commands:
+        assert main(shlex.split(command)[1:]) == 0, (command, capsys.readouterr().err)
