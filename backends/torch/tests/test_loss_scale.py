@@ -79,9 +79,9 @@ def test_real_deepspeed_scalers_replay_their_presets():
     """Where DeepSpeed imports (not in the tox matrix: see tests/fixtures/make_loss_scale_systems.py)."""
     pytest.importorskip("deepspeed")
     sys.path.insert(0, str(pathlib.Path(__file__).parents[3] / "tests" / "fixtures"))
-    from make_loss_scale_systems import SYSTEMS, init
-
     import importlib.util
+
+    from make_loss_scale_systems import SYSTEMS, init
 
     init()
     for preset, native in SYSTEMS.items():
