@@ -111,6 +111,9 @@ def test_no_key_is_dropped_silently(system, entry):
         for key in raw:
             assert key in imp.ignored or key in body or key in header or any(i.startswith(f"{key}.") for i in
                                                                              imp.ignored), key
+            if isinstance(raw[key], dict) and key not in imp.ignored:  # a section read: each of its keys too
+                for sub in raw[key]:
+                    assert f"{key}.{sub}" in imp.ignored or sub in body, f"{key}.{sub}"
     else:  # a launch script / code line: every argument is read or listed
         assert all(word.startswith("--") for word in imp.ignored)
 
@@ -179,3 +182,17 @@ def test_every_command_of_the_migration_guide_runs(tmp_path, monkeypatch, capsys
     assert {c.split("--from ")[1].split()[0] for c in commands} == set(SYSTEMS) and len(commands) >= 7
     for command in commands:
         assert main(shlex.split(command)[1:]) == 0, (command, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(("system", "raw", "key"), [
+    ("deepspeed", {"train_batch_size": 8, "zero_optimization": {"stage": 2}}, ""),
+    ("accelerate", "Accelerator()", "mixed_precision"),
+    ("accelerate", {"distributed_type": "MULTI_GPU", "num_processes": 2}, "mixed_precision"),
+    ("apex", {}, "opt_level"),
+    ("megatron", "torchrun pretrain_gpt.py --micro-batch-size 4 --num-layers 2", "--fp16"),
+])
+def test_an_input_without_a_precision_setting_is_an_error(system, raw, key):
+    """Never a float32 policy by default: the error says the input holds no precision setting."""
+    with pytest.raises(PolicyError) as e:
+        import_from(system, raw, "input")
+    assert f"input: {key}:" in str(e.value) and ("no precision" in str(e.value) or "not given" in str(e.value))

@@ -75,7 +75,11 @@ def from_cli(raw: Any, source: str) -> Imported:
     kw = kwargs_of(raw, source, {"Accelerator": "accelerator", "GradScalerKwargs": "scaler"})
     acc = kw.get("accelerator", {})
     check_keys(acc, ("mixed_precision",), source, "Accelerator.")
-    return import_policy(acc.get("mixed_precision", "no"), kw.get("scaler"), source=source)
+    if "mixed_precision" not in acc:
+        raise bad(source, "mixed_precision", "not given: Accelerator() then takes it from ACCELERATE_MIXED_PRECISION "
+                                             "or the accelerate config file, which this input does not hold; pass "
+                                             "mixed_precision ('no', 'fp16', 'bf16' or 'fp8')")
+    return import_policy(acc["mixed_precision"], kw.get("scaler"), source=source)
 
 
 CONFIG_KEYS = {"distributed_type", "compute_environment", "num_processes", "fsdp_config", "deepspeed_config",
@@ -236,6 +240,9 @@ def _fp8(cfg: Mapping[str, Any], source: str, rest: tuple[str, ...]) -> Imported
     if over not in ((False, False, False), [False, False, False], "(false, false, false)", "[false, false, false]"):
         raise refuse(source, f"{p}override_linear_precision", f"{over!r}: GEMMs kept in high precision have no key",
                      "set [false, false, false]")
+    d.note(f"{p}backend TE, amax_compute_algo {algo!r}, margin {fp8.get('margin', 0)}, interval "
+           f"{fp8.get('interval', 1)}, override_linear_precision {over}: unimp's delayed recipe (the max of the amax "
+           f"history, no margin, scales updated every step, every GEMM of the FP8 layers in FP8)")
     fmt = str(fp8.get("fp8_format", "HYBRID")).upper()
     if fmt not in ("HYBRID", "E4M3"):
         raise bad(source, f"{p}fp8_format", f"{fmt!r} is not HYBRID or E4M3")

@@ -178,6 +178,8 @@ def _call_kwargs(text: str, source: str) -> dict[str, Any] | None:
 
 
 def from_cli(raw: Any, source: str) -> Imported:
+    if isinstance(raw, dict) and "opt_level" not in raw:
+        raise bad(source, "opt_level", "not given: the input holds no amp.initialize opt_level; pass it (O0-O3)")
     if isinstance(raw, dict):
         kw = dict(raw)
         return import_policy(kw.pop("opt_level", "O1"), source=source, **kw)

@@ -179,12 +179,16 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
         d.note("zero_optimization.stage = 0: no ZeRO (the plain engine's optimizer wrapper, above)")
     for sec in ("fp16", "bf16", "bfloat16"):
         if sec in config and not (fp16_on if sec == "fp16" else bf16_on and sec == bf16_key):
+            rest = [k for k in config[sec] if k != "enabled"] if isinstance(config[sec], Mapping) else []
             d.note(f"{sec}: not enabled (its enabled is false or it is shadowed by \"bf16\"), so DeepSpeed does not "
-                   f"read its other keys")
+                   f"read its other keys{' (' + ', '.join(rest) + ')' if rest else ''}")
     dt = config.get("data_types")
     if isinstance(dt, Mapping) and dt.get("grad_accum_dtype") is not None:
         d.note(f"data_types.grad_accum_dtype = {dt['grad_accum_dtype']!r}: the dtype gradients are accumulated in "
                f"across micro-batches has no unimp key (ignored)", warn=True)
+    zero = config.get("zero_optimization")
+    if isinstance(zero, Mapping):  # offload, buckets, prefetch...: where and when, not in which dtype
+        d.ignored.extend(f"zero_optimization.{k}" for k in zero if k != "stage")
     d.ignored.extend(k for k in config if k not in PRECISION)
     return d.build()
 

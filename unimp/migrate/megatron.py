@@ -254,6 +254,9 @@ def _fp8(d: Draft, got: dict[str, Any], source: str) -> None:
         for key, want in (("--fp8-margin", 0), ("--fp8-interval", 1)):
             if got.get(key, want) != want:
                 raise refuse(source, key, f"{got[key]}: unimp's delayed recipe has {want}", f"pass {key} {want}")
+        d.note(f"--fp8-amax-compute-algo {algo}, --fp8-margin {got.get('--fp8-margin', 0)}, --fp8-interval "
+               f"{got.get('--fp8-interval', 1)}: unimp's delayed recipe (the max of the amax history, no margin, every "
+               f"step)")
         d.set("fp8.amax_history", number(source, "--fp8-amax-history-len", got.get("--fp8-amax-history-len", 1), int,
                                          minimum=1),
               "--fp8-amax-history-len" if "--fp8-amax-history-len" in got else
