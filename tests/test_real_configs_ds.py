@@ -22,7 +22,9 @@ import pytest
 from unimp.cli import _read_source, main
 from unimp.errors import PolicyError, UnimpWarning, UnsupportedError
 from unimp.migrate import export_to, import_from
+from unimp.loading import load
 from unimp.migrate.common import effective
+from unimp.resolve import parse_text
 
 ROOT = pathlib.Path(__file__).with_name("fixtures") / "real_configs"
 SYSTEMS = ("deepspeed", "apex", "accelerate", "megatron")
@@ -74,7 +76,9 @@ def test_a_real_config_imports_to_what_its_system_runs(system, entry):
             _import(system, entry)
         assert f": {entry['error']}:" in str(e.value), str(e.value)
         return
-    got = _facts(_import(system, entry).policy)
+    imp = _import(system, entry)
+    assert load(parse_text(imp.text, "toml")).fingerprint == imp.policy.fingerprint  # the file is what was read
+    got = _facts(imp.policy)
     want = {k: entry[k] for k in FACTS if k in entry}
     want.setdefault("fp8", None)
     assert {k: got[k] for k in want} == want

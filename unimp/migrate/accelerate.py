@@ -205,7 +205,9 @@ def _deepspeed(cfg: Mapping[str, Any], mp: str, source: str, rest: tuple[str, ..
         config["fp16"] = {"enabled": False}
     imp = deepspeed.import_policy(config, source=f"{source}: deepspeed_config (as DeepSpeedPlugin builds it)")
     ignored = rest + tuple(f"deepspeed_config.{k}" for k in ds if k != "zero_stage")
-    return Imported(SYSTEM, imp.policy, imp.text.replace("imported-deepspeed", "imported-accelerate"), ignored)
+    text = imp.text.replace('"imported-deepspeed"  # unimp import --from deepspeed',
+                            '"imported-accelerate"  # unimp import --from accelerate: distributed_type DEEPSPEED')
+    return Imported(SYSTEM, imp.policy, text, ignored)
 
 
 def _fp8(cfg: Mapping[str, Any], source: str, rest: tuple[str, ...]) -> Imported:

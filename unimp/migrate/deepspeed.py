@@ -208,7 +208,9 @@ def _amp(config: Mapping[str, Any], amp: Mapping[str, Any], stage: int, low: boo
     level = params.pop("opt_level", "O1")
     imp = apex.import_policy(level, source=f"{source}: amp", **params)
     ignored = tuple(k for k in config if k not in PRECISION)
-    return Imported(SYSTEM, imp.policy, imp.text.replace("imported-apex", "imported-deepspeed"), ignored)
+    text = imp.text.replace('"imported-apex"  # unimp import --from apex',
+                            '"imported-deepspeed"  # unimp import --from deepspeed: its amp section (apex)')
+    return Imported(SYSTEM, imp.policy, text, ignored)
 
 
 def _section(config: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:

@@ -298,7 +298,8 @@ def _deepspeed(got: dict[str, Any], other: list[str], script: dict[str, Any], so
                                     f"{flag} disagrees: make them match")
     ignored = tuple(other) + tuple(k for k in got if k not in ("--fp16", "--bf16", "--deepspeed", "--deepspeed_config",
                                                                "--deepspeed-config"))
-    text = imp.text.replace("imported-deepspeed", "imported-megatron")
+    text = imp.text.replace('"imported-deepspeed"  # unimp import --from deepspeed',
+                            '"imported-megatron"  # unimp import --from megatron: the --deepspeed_config it writes')
     unused = [k for k in got if (k.startswith("--") and "loss-scale" in k) or k == "--hysteresis"]
     if unused:
         text = (f"# {', '.join(unused)}: unused with --deepspeed (get_megatron_optimizer returns the bare optimizer; "
