@@ -21,8 +21,8 @@ import pytest
 
 from unimp.cli import _read_source, main
 from unimp.errors import PolicyError, UnimpWarning, UnsupportedError
-from unimp.migrate import export_to, import_from
 from unimp.loading import load
+from unimp.migrate import export_to, import_from
 from unimp.migrate.common import effective
 from unimp.resolve import parse_text
 

@@ -46,16 +46,15 @@ def import_from(system: str, raw: Any, source: str | None = None, assume: dict[s
 
     mod = module(system)
     src = source or system
-    if assume is not None:
-        if system not in ASSUMES:
-            raise bad("<argument>", "--assume", f"{system} has no 'auto' values to resolve; remove --assume "
-                                                f"(it applies to {', '.join(ASSUMES)})")
-        return mod.from_cli(raw, src, assume=assume)
+    if assume is not None and system not in ASSUMES:
+        raise bad("<argument>", "--assume", f"{system} has no 'auto' values to resolve; remove --assume "
+                                            f"(it applies to {', '.join(ASSUMES)})")
+    extra = {"assume": assume} if assume is not None else {}
     if isinstance(raw, str) and len(raw) > MAX_TEXT:  # every system, not only those parsing calls
         raise bad(src, "", f"{len(raw)} characters; a pasted configuration is at most {MAX_TEXT}")
     if system == "tf_keras":
         return mod.from_cli(raw, src, tf_keras=True)
-    return mod.from_cli(raw, src)
+    return mod.from_cli(raw, src, **extra)
 
 
 def export_to(system: str, policy: Any, strict: bool = False) -> Exported:

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..policy import Policy
+from ..spec import show
 from .common import (
     Draft,
     Exported,
@@ -77,7 +78,7 @@ def trainer_args(assume: Mapping[str, Any] | None, source: str) -> dict[str, Any
     for key, value in assume.items():
         if key in ("fp16_backend", "half_precision_backend", "fp16_opt_level"):
             if not isinstance(value, str):
-                raise bad(source, f"--assume {key}", f"expected a name, got {value!r}")
+                raise bad(source, f"--assume {key}", f"expected a name, got {show(value)}")
             out[key] = value
         else:
             out[key] = _truth(value, source, f"--assume {key}")
@@ -166,8 +167,8 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
     comm = config.get("communication_data_type")
     if comm is not None:
         if not isinstance(comm, str) or comm.lower() not in COMM:
-            raise bad(source, "communication_data_type", f"{comm!r} is not one of fp16, bf16, fp32 (runtime/config.py "
-                                                         f"get_communication_data_type raises on it)")
+            raise bad(source, "communication_data_type", f"{show(comm)} is not one of fp16, bf16, fp32 (runtime/"
+                                                         f"config.py get_communication_data_type raises on it)")
         d.set("distributed.reduce_dtype", COMM[comm.lower()], "communication_data_type")
     elif low != "float32":
         d.set("distributed.reduce_dtype", low, "communication_data_type not given: engine.py "
