@@ -2,6 +2,7 @@
 located errors, DeepSpeed's ZeRO awareness and import -> export -> import identity."""
 
 import json
+import re
 
 import pytest
 
@@ -96,11 +97,10 @@ def test_deepspeed_ignores_and_lists_non_precision_keys():
     ("deepspeed", '{"fp16": {"enabled": true, "loss_scale_windw": 10}}', "fp16.loss_scale_windw"),
     ("deepspeed", '{"fp16": {"enabled": "auto"}}', "fp16.enabled"),
     ("accelerate", "fp8", "fp8_config.amax_compute_algo"),
-    ("lightning", "transformer-engine", "precision"),
     ("lightning", "64-true", "precision"),
     ("paddle", "auto_cast(custom_white_list=['not_an_op'])", "auto_cast.custom_white_list[0]"),
-    ("torch", "GradScaler(init_scal=3.0)", "init_scal"),
-    ("torch", "GradScaler(growth_interval=0)", "growth_interval"),
+    ("torch", "GradScaler(init_scal=3.0)", "GradScaler.init_scal"),
+    ("torch", "GradScaler(growth_interval=0)", "GradScaler.growth_interval"),
     ("flax", "DynamicScale(fin_steps=3)", "fin_steps"),
     ("jmp", "params=float64", "policy.params"),
     ("keras", "int8", "policy"),
@@ -135,11 +135,30 @@ def test_export_lists_what_the_target_cannot_express(capsys):
     assert "loss_scale.max" in capsys.readouterr().err
 
 
+# every Paddle op type of canonical op matmul
+MATMUL = ["bmm", "einsum", "fused_gemm_epilogue", "matmul", "matmul_v2", "mul"]
+
+
 def test_paddle_lists_move_canonical_ops_and_export_writes_them_back():
-    imp = importers.paddle({"custom_white_list": ["softmax"], "custom_black_list": ["matmul_v2"]})
+    imp = importers.paddle({"custom_white_list": ["softmax"], "custom_black_list": MATMUL})
     assert imp.policy.ops.category("softmax") == "lower" and imp.policy.ops.category("matmul") == "float32"
     ac = exporters.paddle(imp.policy).config["auto_cast"]
-    assert "softmax" in ac["custom_white_list"] and "matmul_v2" in ac["custom_black_list"]
+    assert ac["custom_white_list"] == ["softmax"] and ac["custom_black_list"] == MATMUL
+
+
+@pytest.mark.parametrize(("lists", "where"), [
+    ({"custom_black_list": ["tanh"]}, "custom_black_list[0]: tanh is only part of canonical op 'activation'"),
+    ({"custom_black_list": ["matmul_v2"]}, "custom_black_list[0]: matmul_v2 is only part of canonical op 'matmul'"),
+])
+def test_paddle_single_op_names_are_never_widened(lists, where):
+    with pytest.raises(unimp.UnsupportedError, match=re.escape(where)):
+        importers.paddle(lists)
+
+
+def test_paddle_op_names_already_in_place_change_nothing():
+    """``custom_black_list=['reduce_sum']`` at O1: reduction already runs in float32 (paddle_o1)."""
+    assert importers.paddle({"custom_black_list": ["reduce_sum"]}).policy.fingerprint == \
+        importers.paddle({}).policy.fingerprint
 
 
 def test_paddle_amp_configs_defaults_are_fleets():
@@ -183,11 +202,11 @@ def test_every_readme_migration_command_runs(tmp_path, monkeypatch, capsys):
 
 def test_paddle_amp_configs_file(tmp_path, capsys):
     f = tmp_path / "amp.yaml"
-    f.write_text("init_loss_scaling: 1024.0\ncustom_black_list: [matmul_v2]\n")
+    f.write_text(f"init_loss_scaling: 1024.0\ncustom_black_list: [{', '.join(MATMUL)}]\n")
     assert main(["import", str(f), "--from", "paddle"]) == 0
     text = capsys.readouterr().out
     assert "initial = 1024.0  # amp_configs.init_loss_scaling" in text
-    assert "matmul <- amp_configs.custom_black_list[0]" in text
+    assert "matmul <- amp_configs.custom_black_list[5]" in text
 
 
 @pytest.mark.parametrize(("args", "message"), [

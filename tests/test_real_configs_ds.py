@@ -189,7 +189,7 @@ def test_every_command_of_the_migration_guide_runs(tmp_path, monkeypatch, capsys
 
 
 @pytest.mark.parametrize(("system", "raw", "key"), [
-    ("deepspeed", {"train_batch_size": 8, "zero_optimization": {"stage": 2}}, ""),
+    ("deepspeed", {"train_batch_size": 8, "zero_optimization": {"stage": 2}}, "fp16"),
     ("accelerate", "Accelerator()", "mixed_precision"),
     ("accelerate", {"distributed_type": "MULTI_GPU", "num_processes": 2}, "mixed_precision"),
     ("apex", {}, "opt_level"),

@@ -160,8 +160,9 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
     else:
         fp16_given = "fp16" in config or "bf16" in config or "bfloat16" in config
         if not fp16_given and "communication_data_type" not in config:
-            raise bad(source, "", "no precision setting: the config has no fp16 / bf16 / amp section (DeepSpeed then "
-                                  "trains in float32); to import float32 add \"fp16\": {\"enabled\": false}")
+            raise bad(source, "fp16", "not given: the config holds no precision setting (no fp16 / bf16 / amp section: "
+                                      "DeepSpeed then trains in float32); to import float32 add \"fp16\": "
+                                      "{\"enabled\": false}")
         d = Draft(SYSTEM, source, "fp32", "neither fp16 nor bf16 enabled: engine.py keeps the module in float32")
         low = "float32"
     comm = config.get("communication_data_type")
