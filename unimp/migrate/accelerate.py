@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..policy import Policy
+from ..spec import short
 from . import torch as torch_amp
 from .common import Draft, Exported, Imported, bad, check_keys, finish, kwargs_of, leading_name, refuse
 
@@ -41,18 +42,18 @@ def import_policy(mixed_precision: str = "no", grad_scaler_kwargs: Mapping[str, 
                   source: str = "accelerate", ignored: tuple[str, ...] = ()) -> Imported:
     """The policy of ``Accelerator(mixed_precision=..., kwargs_handlers=[GradScalerKwargs(**grad_scaler_kwargs)])``."""
     if mixed_precision not in PRECISIONS:
-        raise bad(source, "mixed_precision", f"{mixed_precision!r} is not one of {', '.join(PRECISIONS)}")
+        raise bad(source, "mixed_precision", f"{short(mixed_precision)} is not one of {', '.join(PRECISIONS)}")
     if mixed_precision == "fp8":
         return _fp8({"fp8_config": {"backend": "TE"}}, source, ignored)
     kw = dict(grad_scaler_kwargs or {})
     check_keys(kw, SCALER_KEYS, source, "GradScalerKwargs.")
     if kw and mixed_precision != "fp16":
         raise refuse(source, "GradScalerKwargs", f"Accelerate uses a GradScaler only with fp16, not "
-                     f"{mixed_precision!r}", "remove GradScalerKwargs or use mixed_precision='fp16'")
+                     f"{short(mixed_precision)}", "remove GradScalerKwargs or use mixed_precision='fp16'")
     if mixed_precision == "no":
         d = Draft(SYSTEM, source, "fp32", "mixed_precision='no': full precision")
     else:
-        d = Draft(SYSTEM, source, "torch_autocast_cuda", f"mixed_precision={mixed_precision!r}: torch.autocast "
+        d = Draft(SYSTEM, source, "torch_autocast_cuda", f"mixed_precision={short(mixed_precision)}: torch.autocast "
                   f"on the accelerator (CUDA op lists)")
         if mixed_precision == "bf16":
             d.set("compute_dtype", "bfloat16", "mixed_precision='bf16'")
@@ -96,24 +97,24 @@ def import_config(cfg: Mapping[str, Any], *, source: str = "accelerate config") 
     mp = cfg.get("mixed_precision")
     mp = "no" if mp is None and _ds_file(cfg) else mp
     if mp not in PRECISIONS:
-        raise bad(source, "mixed_precision", f"{mp!r} is not one of {', '.join(PRECISIONS)}")
+        raise bad(source, "mixed_precision", f"{short(mp)} is not one of {', '.join(PRECISIONS)}")
     dist = str(cfg.get("distributed_type", "NO"))
     handled = {"mixed_precision", "GradScalerKwargs", "distributed_type", "fsdp_config", "deepspeed_config",
                "downcast_bf16", "fp8_config"}
     rest = tuple(k for k in cfg if k not in handled)
     down = cfg.get("downcast_bf16", "no")
     if down not in ("no", False, None) and dist not in ("XLA", "TPU"):
-        raise bad(source, "downcast_bf16", f"{down!r} off TPU: accelerator.py raises 'Can only use "
+        raise bad(source, "downcast_bf16", f"{short(down)} off TPU: accelerator.py raises 'Can only use "
                                            "`downcast_bf16` when using mixed_precision='bf16' and on a TPU'; remove it")
     if dist in ("XLA", "TPU") and mp == "bf16":
         raise refuse(source, "distributed_type", "bf16 on TPU sets XLA_USE_BF16 / XLA_DOWNCAST_BF16 (state.py): XLA "
                      "stores every float32 tensor, optimizer state included, as bf16; unimp keeps float32 masters",
                      "import mixed_precision: 'bf16' for a GPU run, or keep this run in Accelerate")
-    notes = [f"distributed_type = {dist!r}: " + {"FSDP": "FSDP MixedPrecision under autocast (below)", "DEEPSPEED":
+    notes = [f"distributed_type = {short(dist)}: " + {"FSDP": "FSDP MixedPrecision under autocast (below)", "DEEPSPEED":
                                                    "DeepSpeed runs the precision (state.py)"}.get(
         dist, "plain data parallel: the mixed_precision autocast (below)")]
     if "downcast_bf16" in cfg:
-        notes.append(f"downcast_bf16 = {down!r}: applies on TPU only (state.py XLA_DOWNCAST_BF16)")
+        notes.append(f"downcast_bf16 = {short(down)}: applies on TPU only (state.py XLA_DOWNCAST_BF16)")
     for key in ("fsdp_config", "deepspeed_config"):
         if key in cfg and not cfg[key]:
             notes.append(f"{key}: empty")
@@ -133,7 +134,7 @@ def import_config(cfg: Mapping[str, Any], *, source: str = "accelerate config") 
             raise refuse(source, f"fsdp_config.{key}", "a custom FSDP MixedPrecision is not read",
                          "remove it: Accelerate then sets param_dtype = reduce_dtype = the mixed_precision dtype")
     imp = import_policy(mp, cfg.get("GradScalerKwargs"), source=source, ignored=rest)
-    d = _redraft(imp, source, f"distributed_type FSDP, mixed_precision {mp!r}")
+    d = _redraft(imp, source, f"distributed_type FSDP, mixed_precision {short(mp)}")
     low = "bfloat16" if mp == "bf16" else "float16"
     why = ("fsdp_config: utils/dataclasses.py FullyShardedDataParallelPlugin.set_mixed_precision: "
            f"MixedPrecision(param_dtype={low}, reduce_dtype={low})")
@@ -188,8 +189,8 @@ def _deepspeed(cfg: Mapping[str, Any], mp: str, source: str, rest: tuple[str, ..
     path = ds.get("deepspeed_config_file")
     if path:
         raise refuse(source, "deepspeed_config.deepspeed_config_file", f"the precision is in that DeepSpeed JSON "
-                     f"({path!r}); its fp16/bf16 \"auto\" values are filled from mixed_precision "
-                     f"({mp!r}, DeepSpeedPlugin.set_mixed_precision)",
+                     f"({short(path)}); its fp16/bf16 \"auto\" values are filled from mixed_precision "
+                     f"({short(mp)}, DeepSpeedPlugin.set_mixed_precision)",
                      f"import it: `unimp import {path} --from deepspeed --assume "
                      f"{'fp16=true' if mp == 'fp16' else 'bf16=true' if mp in ('bf16', 'fp8') else 'fp16=false'}`")
     if mp == "fp8":
@@ -219,35 +220,37 @@ def _fp8(cfg: Mapping[str, Any], source: str, rest: tuple[str, ...]) -> Imported
     p = "fp8_config."
     if backend in ("MSAMP", "MS-AMP"):
         raise refuse(source, f"{p}backend", "MS-AMP keeps weights and optimizer states in FP8/FP16 (opt_level "
-                     f"{fp8.get('opt_level', 'O2')!r}); unimp keeps float32 masters", "use backend TE or AO")
+                     f"{short(fp8.get('opt_level', 'O2'))}); unimp keeps float32 masters", "use backend TE or AO")
     if backend == "AO":
         d = Draft(SYSTEM, source, "torchao_float8", "fp8_config.backend AO: torchao Float8Linear (tensorwise) "
                   "over bf16 autocast")
         d.ignored.extend(rest + tuple(f"{p}{k}" for k in fp8 if k != "backend"))
         return d.build()
     if backend != "TE":
-        raise bad(source, f"{p}backend", f"{backend!r} is not one of TE, MSAMP, AO")
+        raise bad(source, f"{p}backend", f"{short(backend)} is not one of TE, MSAMP, AO")
     d = Draft(SYSTEM, source, "te_delayed", "fp8_config.backend TE: Transformer Engine DelayedScaling over bf16 "
               "autocast (TERecipeKwargs)")
     algo = str(fp8.get("amax_compute_algo", "most_recent")).lower()
     if algo != "max":
         given = "" if "amax_compute_algo" in fp8 else " (TERecipeKwargs default)"
-        raise refuse(source, f"{p}amax_compute_algo", f"{algo!r}{given}: unimp's delayed recipe scales from the max "
+        raise refuse(source, f"{p}amax_compute_algo", f"{short(algo)}{given}: unimp's delayed recipe scales "
+                     "from the max "
                      "of the amax history", "set amax_compute_algo: max")
     for key, want in (("margin", 0), ("interval", 1)):
         if fp8.get(key, want) != want:
-            raise refuse(source, f"{p}{key}", f"{fp8[key]!r}: unimp's delayed recipe has {key} {want}",
+            raise refuse(source, f"{p}{key}", f"{short(fp8[key])}: unimp's delayed recipe has {key} {want}",
                          f"set {key}: {want}")
     over = fp8.get("override_linear_precision", (False, False, False))
     if over not in ((False, False, False), [False, False, False], "(false, false, false)", "[false, false, false]"):
-        raise refuse(source, f"{p}override_linear_precision", f"{over!r}: GEMMs kept in high precision have no key",
+        raise refuse(source, f"{p}override_linear_precision", f"{short(over)}: GEMMs kept in high precision "
+                     "have no key",
                      "set [false, false, false]")
-    d.note(f"{p}backend TE, amax_compute_algo {algo!r}, margin {fp8.get('margin', 0)}, interval "
+    d.note(f"{p}backend TE, amax_compute_algo {short(algo)}, margin {fp8.get('margin', 0)}, interval "
            f"{fp8.get('interval', 1)}, override_linear_precision {over}: unimp's delayed recipe (the max of the amax "
            f"history, no margin, scales updated every step, every GEMM of the FP8 layers in FP8)")
     fmt = str(fp8.get("fp8_format", "HYBRID")).upper()
     if fmt not in ("HYBRID", "E4M3"):
-        raise bad(source, f"{p}fp8_format", f"{fmt!r} is not HYBRID or E4M3")
+        raise bad(source, f"{p}fp8_format", f"{short(fmt)} is not HYBRID or E4M3")
     d.set("fp8.amax_history", int(fp8.get("amax_history_len", 1024)), f"{p}amax_history_len" if "amax_history_len"
           in fp8 else f"{p}amax_history_len not given: TERecipeKwargs default 1024")
     d.set("fp8.forward_format", "e4m3", f"{p}fp8_format {fmt}")

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..loading import load
 from ..policy import Policy
+from ..spec import short
 from .common import Draft, Exported, Imported, bad, check_keys, finish, flag, has_knob, kwargs_of, number, refuse
 
 SYSTEM = "apex"
@@ -42,13 +43,13 @@ def import_policy(opt_level: str = "O1", *, source: str = "apex.amp.initialize",
     """The policy of ``amp.initialize(model, optimizer, opt_level=opt_level, **overrides)``."""
     check_keys(overrides, OVERRIDES, source)
     if opt_level not in LEVELS:
-        raise bad(source, "opt_level", f"{opt_level!r} is not one of O0, O1, O2, O3 (letter O, not zero)")
+        raise bad(source, "opt_level", f"{short(opt_level)} is not one of O0, O1, O2, O3 (letter O, not zero)")
     overrides = {k: v for k, v in overrides.items() if v is not None}  # None: the opt_level's value
     notes = []
     for key, why in (("verbosity", "how much amp prints"), ("num_losses", "how many losses get a LossScaler of "
                                                                          "this rule (one each)")):
         if key in overrides:
-            notes.append(f"{key} = {overrides.pop(key)!r}: {why}, not a precision setting (ignored)")
+            notes.append(f"{key} = {short(overrides.pop(key))}: {why}, not a precision setting (ignored)")
     if "enabled" in overrides and not flag(source, "enabled", overrides.pop("enabled")):
         d = Draft(SYSTEM, source, "fp32", "enabled=False: amp.initialize returns the model and optimizer unchanged")
         d.set("loss_scale.mode", "none", "enabled=False: no loss scaling")
@@ -58,15 +59,16 @@ def import_policy(opt_level: str = "O1", *, source: str = "apex.amp.initialize",
         want = {"O0": "float32", "O2": "float16", "O3": "float16"}.get(opt_level)
         got = TORCH_DTYPES.get(str(overrides["cast_model_type"]).removeprefix("torch."))
         if got is None or got != want:
-            raise refuse(source, "cast_model_type", f"{overrides['cast_model_type']!r} differs from what opt_level "
+            raise refuse(source, "cast_model_type", f"{short(overrides['cast_model_type'])} differs "
+                         f"from what opt_level "
                          f"{opt_level} sets ({want or 'no cast'}); a model cast apex does not test has no preset here",
                          "remove it and pick the opt_level that casts the model as you want (O2/O3: fp16)")
-        notes.append(f"cast_model_type = {overrides.pop('cast_model_type')!r}: what opt_level {opt_level} sets")
+        notes.append(f"cast_model_type = {short(overrides.pop('cast_model_type'))}: what opt_level {opt_level} sets")
     if "patch_torch_functions" in overrides:
         if bool(overrides["patch_torch_functions"]) != (opt_level == "O1"):
             raise refuse(source, "patch_torch_functions", "an override of what the opt_level sets has no policy key",
                          "remove it and pick the opt_level that sets it (O1 patches functions, O2/O3 cast the model)")
-        notes.append(f"patch_torch_functions = {overrides.pop('patch_torch_functions')!r}: what opt_level "
+        notes.append(f"patch_torch_functions = {short(overrides.pop('patch_torch_functions'))}: what opt_level "
                      f"{opt_level} sets")
     outputs = overrides.pop("cast_model_outputs", None)
     preset, keep_bn, masters, scale = LEVELS[opt_level]
@@ -76,7 +78,8 @@ def import_policy(opt_level: str = "O1", *, source: str = "apex.amp.initialize",
         d.set("param_dtype", "float16", "opt_level O3: pure float16 model (frontend.py O3: .half() on the model)")
     if outputs is not None:
         if opt_level not in ("O2", "O3") or TORCH_DTYPES.get(str(outputs).removeprefix("torch.")) is None:
-            raise refuse(source, "cast_model_outputs", f"{outputs!r}: apex casts outputs only with O2/O3 (the model "
+            raise refuse(source, "cast_model_outputs", f"{short(outputs)}: apex casts outputs only "
+                         "with O2/O3 (the model "
                          "cast), to a torch dtype", "remove it, or use O2/O3 with torch.float16/torch.float32")
         d.set("output_dtype", TORCH_DTYPES[str(outputs).removeprefix("torch.")], "cast_model_outputs")
     bn = overrides.get("keep_batchnorm_fp32", keep_bn)
@@ -86,7 +89,8 @@ def import_policy(opt_level: str = "O1", *, source: str = "apex.amp.initialize",
                          "(frontend.py: 'keep_batchnorm_fp32 should be None')", "remove it, or use O2/O3")
         raw = overrides["keep_batchnorm_fp32"]
         if raw not in (True, False, "True", "False"):
-            raise bad(source, "keep_batchnorm_fp32", f"{raw!r}: apex takes a boolean, the string 'True' or 'False', "
+            raise bad(source, "keep_batchnorm_fp32", f"{short(raw)}: apex takes a boolean, "
+                                                     "the string 'True' or 'False', "
                                                      "or None (frontend.py Properties.__setattr__)")
         bn = raw in (True, "True")
     if opt_level in ("O2", "O3") and bn != (load(preset).ops.category("batch_norm") == "float32"):
@@ -109,7 +113,7 @@ def import_policy(opt_level: str = "O1", *, source: str = "apex.amp.initialize",
         try:
             ls = float(ls)
         except ValueError:
-            raise bad(source, "loss_scale", f"{ls!r} is neither 'dynamic' nor a number") from None
+            raise bad(source, "loss_scale", f"{short(ls)} is neither 'dynamic' nor a number") from None
     where = "loss_scale" if "loss_scale" in overrides else f"loss_scale not given: opt_level {opt_level} default"
     if ls == "dynamic":
         d.set("loss_scale.mode", "dynamic", where)

@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..policy import Policy
-from ..spec import show
+from ..spec import short, show
 from .common import (
     Draft,
     Exported,
@@ -186,7 +186,7 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
                    f"read its other keys{' (' + ', '.join(rest) + ')' if rest else ''}")
     dt = config.get("data_types")
     if isinstance(dt, Mapping) and dt.get("grad_accum_dtype") is not None:
-        d.note(f"data_types.grad_accum_dtype = {dt['grad_accum_dtype']!r}: the dtype gradients are accumulated in "
+        d.note(f"data_types.grad_accum_dtype = {show(dt['grad_accum_dtype'])}: the dtype gradients are accumulated in "
                f"across micro-batches has no unimp key (ignored)", warn=True)
     zero = config.get("zero_optimization")
     if isinstance(zero, Mapping):  # offload, buckets, prefetch...: where and when, not in which dtype
@@ -274,7 +274,7 @@ def _fp16(fp16: Mapping[str, Any], stage: int, source: str) -> Draft:
     else:
         for key in ("hysteresis", "consecutive_hysteresis"):
             if key in fp16:
-                d.note(f"fp16.{key} = {fp16[key]!r} is ignored by DeepSpeed without ZeRO (FP16_Optimizer has no "
+                d.note(f"fp16.{key} = {short(fp16[key])} is ignored by DeepSpeed without ZeRO (FP16_Optimizer has no "
                        f"hysteresis); set zero_optimization.stage >= 1 to use it", warn=True)
         d.set("loss_scale.hysteresis", 1, "FP16_Optimizer has no hysteresis")
         d.set("loss_scale.at_min", "clamp", "FP16_Optimizer stays at min_loss_scale")

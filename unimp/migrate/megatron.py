@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..policy import Policy
+from ..spec import short
 from .common import MAX_TEXT, Draft, Exported, Imported, bad, finish, has_knob, number, refuse
 
 SYSTEM = "megatron"
@@ -49,7 +50,7 @@ VALUED = {"--loss-scale": float, "--initial-loss-scale": float, "--min-loss-scal
           "--fp8-amax-history-len": int, "--fp8-amax-compute-algo": str, "--fp8-margin": int, "--fp8-interval": int,
           "--deepspeed_config": str, "--deepspeed-config": str}
 MAX_WORDS = 20000  # words of one script (bounds the work of re-splitting quoted values)
-_HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?([^\n]*)\n(.*?)\n\s*\1\s*(?:\n|$)", re.S)
+_HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?(.*)$")
 _ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_]\w*)=(.*)$", re.S)
 _VAR = re.compile(r"\$\{?([A-Za-z_]\w*)\}?")
 
@@ -59,13 +60,21 @@ def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str,
     if len(text) > 16 * MAX_TEXT:
         raise bad(source, "", f"{len(text)} characters; a launch script is at most {16 * MAX_TEXT}")
     docs: dict[str, str] = {}
-
-    def cut(m: re.Match[str]) -> str:
-        target = m.group(2).strip().lstrip(">").strip()
-        docs[target] = m.group(3)
-        return "\n"
-
-    text = _HEREDOC.sub(cut, text)
+    kept: list[str] = []
+    end, target, body = None, "", []
+    for line in text.split("\n"):  # heredocs cut out line by line (linear: no regex over the whole text)
+        if end is not None:
+            if line.strip() == end:
+                docs[target], end = "\n".join(body), None
+            else:
+                body.append(line)
+            continue
+        m = _HEREDOC.search(line)
+        if m:
+            end, target, body = m.group(1), m.group(2).strip().lstrip(">").strip(), []
+            line = line[:m.start()]
+        kept.append(line)
+    text = "\n".join(kept)
     try:
         first = shlex.split(text.replace("\\\n", " "), comments=True)
     except ValueError as e:
@@ -93,12 +102,14 @@ def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str,
 
 
 def _expand(value: str, assigned: dict[str, str], depth: int = 0) -> str:
-    """``$VAR`` / ``${VAR}`` replaced from the script's assignments (unknown ones left as they are)."""
+    """``$VAR`` / ``${VAR}`` replaced from the script's assignments (unknown ones left as they are;
+    at most 4 levels deep and MAX_TEXT characters, so self-referencing variables stay bounded)."""
     def sub(m: re.Match[str]) -> str:
         v = assigned.get(m.group(1))
         return m.group(0) if v is None or depth > 4 else _expand(v, assigned, depth + 1)
 
-    return _VAR.sub(sub, value)
+    out = _VAR.sub(sub, value) if len(value) <= MAX_TEXT else value
+    return out if len(out) <= MAX_TEXT else value
 
 
 def parse_args(args: str | Sequence[str], source: str = "megatron") -> tuple[dict[str, Any], list[str]]:
@@ -129,16 +140,18 @@ def _parse(args: str | Sequence[str], source: str) -> tuple[dict[str, Any], list
                 value = words[i]
             value = _expand(value, assigned)
             if "$" in value and word not in ("--deepspeed_config", "--deepspeed-config"):
-                raise bad(source, word, f"{value!r}: the script does not assign that variable; write the value")
+                raise bad(source, word, f"{short(value)}: the script does not assign that variable; write the value")
             kind = VALUED[word]
             try:
                 parsed = kind(value) if kind is str else kind(float(value.replace("_", "")))
                 if kind is int and not float(value.replace("_", "")).is_integer():
                     raise ValueError
             except ValueError:
-                raise bad(source, word, f"{value!r} is not {'an integer' if kind is int else 'a number'}") from None
+                word_kind = "an integer" if kind is int else "a number"
+                raise bad(source, word, f"{short(value)} is not {word_kind}") from None
             if word in got and got[word] != parsed:
-                raise bad(source, word, f"given twice ({got[word]!r} and {parsed!r}); keep the one the run uses")
+                raise bad(source, word, f"given twice ({short(got[word])} and {short(parsed)}); keep the one "
+                                        "the run uses")
             got[word] = parsed
         elif word.startswith("--fp8") or word.startswith("--fp4"):
             raise refuse(source, word, "this FP8/FP4 argument has no unimp key",
@@ -235,10 +248,10 @@ def _fp8(d: Draft, got: dict[str, Any], source: str) -> None:
                    warn=True)
         return
     if fmt not in ("e4m3", "hybrid"):
-        raise bad(source, "--fp8-format", f"{fmt!r} is not e4m3 or hybrid")
+        raise bad(source, "--fp8-format", f"{short(fmt)} is not e4m3 or hybrid")
     recipe = got.get("--fp8-recipe", "delayed")
     if recipe not in ("delayed", "tensorwise"):
-        raise refuse(source, "--fp8-recipe", f"{recipe!r} has no unimp recipe (unimp: delayed, tensorwise)",
+        raise refuse(source, "--fp8-recipe", f"{short(recipe)} has no unimp recipe (unimp: delayed, tensorwise)",
                      "use --fp8-recipe delayed or tensorwise")
     d.set("fp8.enabled", True, "--fp8-format")
     d.set("fp8.ops", ["linear"], "--fp8-format: Transformer Engine's linear layers")
@@ -249,7 +262,8 @@ def _fp8(d: Draft, got: dict[str, Any], source: str) -> None:
         algo = got.get("--fp8-amax-compute-algo", "most_recent")
         if algo != "max":
             given = "" if "--fp8-amax-compute-algo" in got else " (transformer_config.py default)"
-            raise refuse(source, "--fp8-amax-compute-algo", f"{algo!r}{given}: unimp's delayed recipe scales from the "
+            raise refuse(source, "--fp8-amax-compute-algo", f"{short(algo)}{given}: unimp's delayed recipe "
+                         "scales from the "
                          "max of the amax history", "pass --fp8-amax-compute-algo max")
         for key, want in (("--fp8-margin", 0), ("--fp8-interval", 1)):
             if got.get(key, want) != want:
@@ -281,7 +295,8 @@ def _deepspeed(got: dict[str, Any], other: list[str], script: dict[str, Any], so
         if target and _expand(target, script["assigned"]) == _expand(path, script["assigned"]):
             body = text
     if body is None:
-        raise refuse(source, "--deepspeed_config", f"{path!r} is not written by this script; Megatron-DeepSpeed takes "
+        raise refuse(source, "--deepspeed_config", f"{short(path)} is not written by this script; "
+                     "Megatron-DeepSpeed takes "
                      "its precision from it (get_megatron_optimizer: 'if args.deepspeed: return optimizer')", fix)
     text = _VAR.sub(lambda m: json.dumps(_expand(m.group(0), script["assigned"])) if "$" in
                     _expand(m.group(0), script["assigned"]) else _expand(m.group(0), script["assigned"]), body)
