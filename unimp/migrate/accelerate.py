@@ -38,6 +38,11 @@ PRECISIONS = ("no", "fp16", "bf16", "fp8")
 SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
 
 
+def _val(v: Any) -> str:
+    """A source value for a note: numbers and booleans as written, anything else quoted and bounded."""
+    return repr(v) if isinstance(v, bool | int | float) else short(v)
+
+
 def import_policy(mixed_precision: str = "no", grad_scaler_kwargs: Mapping[str, Any] | None = None, *,
                   source: str = "accelerate", ignored: tuple[str, ...] = ()) -> Imported:
     """The policy of ``Accelerator(mixed_precision=..., kwargs_handlers=[GradScalerKwargs(**grad_scaler_kwargs)])``."""
@@ -67,6 +72,13 @@ def import_policy(mixed_precision: str = "no", grad_scaler_kwargs: Mapping[str, 
 
 
 def from_cli(raw: Any, source: str) -> Imported:
+    if isinstance(raw, str) and raw.lstrip().startswith("{"):  # a JSON table pasted as a string
+        import json
+
+        try:
+            raw = json.loads(raw)
+        except ValueError as e:
+            raise bad(source, "", f"not a JSON table ({e})") from None
     name, raw = leading_name(raw)
     if name is not None:
         scaler = kwargs_of(raw, source, {"GradScalerKwargs": "scaler"}).get("scaler") if raw.strip() else None
@@ -114,7 +126,7 @@ def import_config(cfg: Mapping[str, Any], *, source: str = "accelerate config") 
                                                    "DeepSpeed runs the precision (state.py)"}.get(
         dist, "plain data parallel: the mixed_precision autocast (below)")]
     if "downcast_bf16" in cfg:
-        notes.append(f"downcast_bf16 = {short(down)}: applies on TPU only (state.py XLA_DOWNCAST_BF16)")
+        notes.append(f"downcast_bf16 = {_val(down)}: applies on TPU only (state.py XLA_DOWNCAST_BF16)")
     for key in ("fsdp_config", "deepspeed_config"):
         if key in cfg and not cfg[key]:
             notes.append(f"{key}: empty")

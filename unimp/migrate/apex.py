@@ -39,6 +39,11 @@ TORCH_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16",
                 "float": "float32"}
 
 
+def _val(v: Any) -> str:
+    """A source value for a note: numbers and booleans as written, anything else quoted and bounded."""
+    return repr(v) if isinstance(v, bool | int | float) else short(v)
+
+
 def import_policy(opt_level: str = "O1", *, source: str = "apex.amp.initialize", **overrides: Any) -> Imported:
     """The policy of ``amp.initialize(model, optimizer, opt_level=opt_level, **overrides)``."""
     check_keys(overrides, OVERRIDES, source)
@@ -49,7 +54,7 @@ def import_policy(opt_level: str = "O1", *, source: str = "apex.amp.initialize",
     for key, why in (("verbosity", "how much amp prints"), ("num_losses", "how many losses get a LossScaler of "
                                                                          "this rule (one each)")):
         if key in overrides:
-            notes.append(f"{key} = {short(overrides.pop(key))}: {why}, not a precision setting (ignored)")
+            notes.append(f"{key} = {_val(overrides.pop(key))}: {why}, not a precision setting (ignored)")
     if "enabled" in overrides and not flag(source, "enabled", overrides.pop("enabled")):
         d = Draft(SYSTEM, source, "fp32", "enabled=False: amp.initialize returns the model and optimizer unchanged")
         d.set("loss_scale.mode", "none", "enabled=False: no loss scaling")
@@ -63,12 +68,12 @@ def import_policy(opt_level: str = "O1", *, source: str = "apex.amp.initialize",
                          f"from what opt_level "
                          f"{opt_level} sets ({want or 'no cast'}); a model cast apex does not test has no preset here",
                          "remove it and pick the opt_level that casts the model as you want (O2/O3: fp16)")
-        notes.append(f"cast_model_type = {short(overrides.pop('cast_model_type'))}: what opt_level {opt_level} sets")
+        notes.append(f"cast_model_type = {_val(overrides.pop('cast_model_type'))}: what opt_level {opt_level} sets")
     if "patch_torch_functions" in overrides:
         if bool(overrides["patch_torch_functions"]) != (opt_level == "O1"):
             raise refuse(source, "patch_torch_functions", "an override of what the opt_level sets has no policy key",
                          "remove it and pick the opt_level that sets it (O1 patches functions, O2/O3 cast the model)")
-        notes.append(f"patch_torch_functions = {short(overrides.pop('patch_torch_functions'))}: what opt_level "
+        notes.append(f"patch_torch_functions = {_val(overrides.pop('patch_torch_functions'))}: what opt_level "
                      f"{opt_level} sets")
     outputs = overrides.pop("cast_model_outputs", None)
     preset, keep_bn, masters, scale = LEVELS[opt_level]

@@ -69,6 +69,11 @@ AUTO_FIX = ("HF Trainer fills it from its arguments (transformers integrations/d
             "(or bf16=true, or fp16=false for float32)")
 
 
+def _val(v: Any) -> str:
+    """A source value for a note: numbers and booleans as written, anything else quoted and bounded."""
+    return repr(v) if isinstance(v, bool | int | float) else short(v)
+
+
 def trainer_args(assume: Mapping[str, Any] | None, source: str) -> dict[str, Any] | None:
     """The Trainer arguments ``"auto"`` resolves from (TrainingArguments defaults for those not given)."""
     if assume is None:
@@ -274,7 +279,7 @@ def _fp16(fp16: Mapping[str, Any], stage: int, source: str) -> Draft:
     else:
         for key in ("hysteresis", "consecutive_hysteresis"):
             if key in fp16:
-                d.note(f"fp16.{key} = {short(fp16[key])} is ignored by DeepSpeed without ZeRO (FP16_Optimizer has no "
+                d.note(f"fp16.{key} = {_val(fp16[key])} is ignored by DeepSpeed without ZeRO (FP16_Optimizer has no "
                        f"hysteresis); set zero_optimization.stage >= 1 to use it", warn=True)
         d.set("loss_scale.hysteresis", 1, "FP16_Optimizer has no hysteresis")
         d.set("loss_scale.at_min", "clamp", "FP16_Optimizer stays at min_loss_scale")
