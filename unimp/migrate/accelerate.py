@@ -218,6 +218,9 @@ def _deepspeed(cfg: Mapping[str, Any], mp: str, source: str, rest: tuple[str, ..
         config["fp16"] = {"enabled": False}
     imp = deepspeed.import_policy(config, source=f"{source}: deepspeed_config (as DeepSpeedPlugin builds it)")
     ignored = rest + tuple(f"deepspeed_config.{k}" for k in ds if k != "zero_stage")
+    where = "deepspeed_config.zero_stage" if "zero_stage" in ds else "deepspeed_config.zero_stage not given"
+    imp = _with_notes(imp, [f"{where} = {_val(stage)}: DeepSpeedPlugin writes it as zero_optimization.stage; mixed_"
+                            f"precision {_val(mp)}: DeepSpeedPlugin.set_mixed_precision writes the fp16/bf16 section"])
     text = imp.text.replace('"imported-deepspeed"  # unimp import --from deepspeed',
                             '"imported-accelerate"  # unimp import --from accelerate: distributed_type DEEPSPEED')
     return Imported(SYSTEM, imp.policy, text, ignored)
@@ -280,7 +283,16 @@ def export_policy(policy: Policy) -> Exported:
     mp = {"float16": "fp16", "bfloat16": "bf16"}.get(policy.compute_dtype, "no")
     cfg: dict[str, Any] = {"mixed_precision": mp}
     low = policy.compute_dtype if mp != "no" else None
-    if low and policy.param_dtype == low and policy.distributed.reduce_dtype == low:
+    notes: list[str] = []
+    ls = policy.loss_scale
+    if low and policy.param_dtype == low and policy.output_dtype == low and not policy.ops.float32:
+        # the whole model in the low dtype: DeepSpeed's engine (module.half() / module.bfloat16())
+        zero = ls.mode == "dynamic" and (ls.hysteresis > 1 or ls.at_min == "error")
+        cfg = {"distributed_type": "DEEPSPEED", "mixed_precision": mp, "deepspeed_config": {"zero_stage": int(zero)}}
+        if zero:
+            notes.append("deepspeed_config.zero_stage = 1: the policy holds no ZeRO stage (partitioning is not a "
+                         "precision setting); 1 is the lowest stage whose optimizer runs this loss scaler: set yours")
+    elif low and policy.param_dtype == low and policy.distributed.reduce_dtype == low:
         cfg = {"distributed_type": "FSDP", "mixed_precision": mp, "fsdp_config": {}}
     f = policy.fp8
     if f.enabled and mp == "bf16" and f.recipe in ("delayed", "tensorwise"):
@@ -290,7 +302,7 @@ def export_policy(policy: Policy) -> Exported:
                                  "amax_history_len": f.amax_history, "amax_compute_algo": "max"}
         else:
             cfg["fp8_config"] = {"backend": "AO"}
-    if mp == "fp16":
+    if mp == "fp16" and cfg.get("distributed_type") != "DEEPSPEED":
         cfg["GradScalerKwargs"] = torch_amp.scaler_kwargs(policy)
     if len(cfg) > 2 or "distributed_type" in cfg or "fp8_config" in cfg:
         text = "".join(f"{k}: {_yaml(v)}\n" for k, v in cfg.items())
@@ -300,7 +312,8 @@ def export_policy(policy: Policy) -> Exported:
             args = ", ".join(f"{k}={v!r}" for k, v in cfg["GradScalerKwargs"].items())
             handler = f", kwargs_handlers=[GradScalerKwargs({args})]"
         text = f"accelerator = Accelerator(mixed_precision={mp!r}{handler})\n"
-    return finish(SYSTEM, policy, cfg, text, lambda c: from_cli(dict(c), "accelerate"))
+    out = finish(SYSTEM, policy, cfg, text, lambda c: from_cli(dict(c), "accelerate"))
+    return Exported(out.system, out.config, out.text, out.unexpressed + tuple(notes))
 
 
 def _yaml(v: Any) -> str:
