@@ -201,3 +201,22 @@ def test_an_input_without_a_precision_setting_is_an_error(system, raw, key):
     with pytest.raises(PolicyError) as e:
         import_from(system, raw, "input")
     assert f"input: {key}:" in str(e.value) and ("no precision" in str(e.value) or "not given" in str(e.value))
+
+
+@pytest.mark.parametrize("entry", [e for s, e in ENTRIES if s == "apex" and e.get("loss_scale", {}).get("mode") ==
+                                   "dynamic"], ids=lambda e: e["name"])
+def test_apex_loss_scaler_replays_the_imported_policy(entry):
+    """apex cannot be installed: its LossScaler transcribed line by line (test_loss_scale_systems.py
+    ApexLossScaler, apex/amp/scaler.py), built with amp.initialize's defaults for the arguments the
+    file leaves out (min_loss_scale=None, max_loss_scale=2.**24: apex/amp/frontend.py initialize)."""
+    from test_loss_scale_systems import ApexLossScaler
+
+    from unimp.conformance.loss_scale import reference, sequences
+
+    spec = _import("apex", entry).policy.loss_scale
+    for seq in sequences(3, 200, 3000, seed=5) + [[True] * 18500]:  # the last one grows to the cap, 2**24
+        real, want = ApexLossScaler(), reference(spec, seq)
+        for i, finite in enumerate(seq):
+            real._has_overflow = not finite
+            assert real.update_scale() == want.skips[i] and real._loss_scale == want.scales[i], (entry["name"], i)
+        assert max(want.scales) <= 2.0 ** 24
