@@ -214,7 +214,7 @@ def test_apex_loss_scaler_replays_the_imported_policy(entry):
     from unimp.conformance.loss_scale import reference, sequences
 
     spec = _import("apex", entry).policy.loss_scale
-    for seq in sequences(3, 200, 3000, seed=5) + [[True] * 18500]:  # the last one grows to the cap, 2**24
+    for seq in [*sequences(3, 200, 3000, seed=5), [True] * 18500]:  # the last one grows to the cap, 2**24
         real, want = ApexLossScaler(), reference(spec, seq)
         for i, finite in enumerate(seq):
             real._has_overflow = not finite
