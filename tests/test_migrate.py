@@ -96,7 +96,7 @@ def test_deepspeed_ignores_and_lists_non_precision_keys():
 @pytest.mark.parametrize(("system", "raw", "where"), [
     ("deepspeed", '{"fp16": {"enabled": true, "loss_scale_windw": 10}}', "fp16.loss_scale_windw"),
     ("deepspeed", '{"fp16": {"enabled": "auto"}}', "fp16.enabled"),
-    ("accelerate", "fp8", "fp8_config.amax_compute_algo"),
+    ("accelerate", '{"mixed_precision": "fp8", "fp8_config": {"backend": "MSAMP"}}', "fp8_config.backend"),
     ("lightning", "64-true", "precision"),
     ("paddle", "auto_cast(custom_white_list=['not_an_op'])", "auto_cast.custom_white_list[0]"),
     ("torch", "GradScaler(init_scal=3.0)", "GradScaler.init_scal"),

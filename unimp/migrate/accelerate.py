@@ -246,11 +246,8 @@ def _fp8(cfg: Mapping[str, Any], source: str, rest: tuple[str, ...]) -> Imported
     d = Draft(SYSTEM, source, "te_delayed", "fp8_config.backend TE: Transformer Engine DelayedScaling over bf16 "
               "autocast (TERecipeKwargs)")
     algo = str(fp8.get("amax_compute_algo", "most_recent")).lower()
-    if algo != "max":
-        given = "" if "amax_compute_algo" in fp8 else " (TERecipeKwargs default)"
-        raise refuse(source, f"{p}amax_compute_algo", f"{short(algo)}{given}: unimp's delayed recipe scales "
-                     "from the max "
-                     "of the amax history", "set amax_compute_algo: max")
+    if algo not in ("max", "most_recent"):
+        raise bad(source, f"{p}amax_compute_algo", f"{short(algo)} is not max or most_recent")
     for key, want in (("margin", 0), ("interval", 1)):
         if fp8.get(key, want) != want:
             raise refuse(source, f"{p}{key}", f"{short(fp8[key])}: unimp's delayed recipe has {key} {want}",
@@ -260,14 +257,22 @@ def _fp8(cfg: Mapping[str, Any], source: str, rest: tuple[str, ...]) -> Imported
         raise refuse(source, f"{p}override_linear_precision", f"{short(over)}: GEMMs kept in high precision "
                      "have no key",
                      "set [false, false, false]")
-    d.note(f"{p}backend TE, amax_compute_algo {short(algo)}, margin {fp8.get('margin', 0)}, interval "
+    d.note(f"{p}backend TE, amax_compute_algo {algo}, amax_history_len {fp8.get('amax_history_len', 1024)}, "
+           f"margin {fp8.get('margin', 0)}, interval "
            f"{fp8.get('interval', 1)}, override_linear_precision {over}: unimp's delayed recipe (the max of the amax "
            f"history, no margin, scales updated every step, every GEMM of the FP8 layers in FP8)")
     fmt = str(fp8.get("fp8_format", "HYBRID")).upper()
     if fmt not in ("HYBRID", "E4M3"):
         raise bad(source, f"{p}fp8_format", f"{short(fmt)} is not HYBRID or E4M3")
-    d.set("fp8.amax_history", int(fp8.get("amax_history_len", 1024)), f"{p}amax_history_len" if "amax_history_len"
-          in fp8 else f"{p}amax_history_len not given: TERecipeKwargs default 1024")
+    given = "" if "amax_compute_algo" in fp8 else " (TERecipeKwargs default)"
+    # Transformer Engine (transformer_engine/pytorch/fp8.py _default_get_amax_and_update_history): "max" takes
+    # torch.max(amax_history), "most_recent" amax_history[0] alone: the max over a history of 1
+    if algo == "most_recent":
+        d.set("fp8.amax_history", 1, f"{p}amax_compute_algo most_recent{given}: the scale follows the latest amax "
+              f"only (the history length is then unused): unimp's max over a history of 1")
+    else:
+        d.set("fp8.amax_history", int(fp8.get("amax_history_len", 1024)), f"{p}amax_history_len" if
+              "amax_history_len" in fp8 else f"{p}amax_history_len not given: TERecipeKwargs default 1024")
     d.set("fp8.forward_format", "e4m3", f"{p}fp8_format {fmt}")
     d.set("fp8.gradient_format", "e5m2" if fmt == "HYBRID" else "e4m3", f"{p}fp8_format {fmt}" if "fp8_format" in fp8
           else f"{p}fp8_format not given: TERecipeKwargs default HYBRID")

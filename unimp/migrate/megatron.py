@@ -260,21 +260,23 @@ def _fp8(d: Draft, got: dict[str, Any], source: str) -> None:
     d.set("fp8.gradient_format", "e5m2" if fmt == "hybrid" else "e4m3", "--fp8-format")
     if recipe == "delayed":
         algo = got.get("--fp8-amax-compute-algo", "most_recent")
-        if algo != "max":
-            given = "" if "--fp8-amax-compute-algo" in got else " (transformer_config.py default)"
-            raise refuse(source, "--fp8-amax-compute-algo", f"{short(algo)}{given}: unimp's delayed recipe "
-                         "scales from the "
-                         "max of the amax history", "pass --fp8-amax-compute-algo max")
+        if algo not in ("max", "most_recent"):
+            raise bad(source, "--fp8-amax-compute-algo", f"{short(algo)} is not max or most_recent")
         for key, want in (("--fp8-margin", 0), ("--fp8-interval", 1)):
             if got.get(key, want) != want:
                 raise refuse(source, key, f"{got[key]}: unimp's delayed recipe has {want}", f"pass {key} {want}")
         d.note(f"--fp8-amax-compute-algo {algo}, --fp8-margin {got.get('--fp8-margin', 0)}, --fp8-interval "
                f"{got.get('--fp8-interval', 1)}: unimp's delayed recipe (the max of the amax history, no margin, every "
                f"step)")
-        d.set("fp8.amax_history", number(source, "--fp8-amax-history-len", got.get("--fp8-amax-history-len", 1), int,
-                                         minimum=1),
-              "--fp8-amax-history-len" if "--fp8-amax-history-len" in got else
-              "--fp8-amax-history-len not given: transformer_config.py default 1")
+        if algo == "most_recent":  # TE _default_get_amax_and_update_history: amax_history[0] = max over 1
+            given = "" if "--fp8-amax-compute-algo" in got else " (transformer_config.py default)"
+            d.set("fp8.amax_history", 1, f"--fp8-amax-compute-algo most_recent{given}: the scale follows the latest "
+                  f"amax only (--fp8-amax-history-len is then unused): unimp's max over a history of 1")
+        else:
+            d.set("fp8.amax_history", number(source, "--fp8-amax-history-len", got.get("--fp8-amax-history-len", 1),
+                                             int, minimum=1),
+                  "--fp8-amax-history-len" if "--fp8-amax-history-len" in got else
+                  "--fp8-amax-history-len not given: transformer_config.py default 1")
     if got.get("--fp8-param-gather"):
         d.note("--fp8-param-gather: the FP8 layers' weights are all-gathered already quantized (float32 main params "
                "kept); where the cast happens, not a policy key (ignored)")
