@@ -220,3 +220,30 @@ def test_apex_loss_scaler_replays_the_imported_policy(entry):
             real._has_overflow = not finite
             assert real.update_scale() == want.skips[i] and real._loss_scale == want.scales[i], (entry["name"], i)
         assert max(want.scales) <= 2.0 ** 24
+
+
+@pytest.mark.parametrize(("script", "facts"), [
+    ('GPT_ARGS="--fp16 --loss-scale 12" --micro-batch-size 4',  # the example: a quoted variable
+     {"compute_dtype": "float16", "loss_scale": {"mode": "static", "initial": 12.0}}),
+    ('ARGS=(\n    --bf16\n    --grad-reduce-in-bf16  # reduce in bf16\n)\ntorchrun pretrain_gpt.py "${ARGS[@]}"',
+     {"compute_dtype": "bfloat16", "reduce_dtype": "bfloat16", "loss_scale": {"mode": "none"}}),
+    ("LS=2048\npython pretrain_gpt.py \\\n  --fp16 \\\n  --initial-loss-scale $LS \\\n  --hysteresis 3",
+     {"loss_scale": {"mode": "dynamic", "initial": 2048.0, "growth_interval": 1000, "hysteresis": 3, "min": 1.0,
+                     "at_min": "clamp"}}),
+])
+def test_megatron_reads_a_launch_script_as_the_shell_does(script, facts):
+    got = _facts(import_from("megatron", script, "run.sh").policy)
+    assert {k: got[k] for k in facts} == facts
+
+
+@pytest.mark.parametrize(("script", "key"), [
+    ("--fp16 --deepspeed --deepspeed_config ds.json", "--deepspeed_config"),  # not written by the script
+    ("--bf16 --fp8-format hybrid --fp8-recipe mxfp8", "--fp8-recipe"),
+    ("--bf16 --fp8-format hybrid --fp8-wgrad", "--fp8-wgrad"),
+    ("--fp16 --loss-scale $SCALE", "--loss-scale"),  # a variable the script does not assign
+    ("--fp16 --loss-scale 8 --loss-scale 16", "--loss-scale"),
+])
+def test_megatron_refuses_what_it_cannot_read_with_the_argument(script, key):
+    with pytest.raises((PolicyError, UnsupportedError)) as e:
+        import_from("megatron", script, "run.sh")
+    assert f"run.sh: {key}:" in str(e.value)
