@@ -239,6 +239,10 @@ def _fp8(cfg: Mapping[str, Any], source: str, rest: tuple[str, ...]) -> Imported
     if backend == "AO":
         d = Draft(SYSTEM, source, "torchao_float8", "fp8_config.backend AO: torchao Float8Linear (tensorwise) "
                   "over bf16 autocast")
+        d.note("fp8_config.backend AO: accelerate/utils/ao.py convert_model_to_fp8_ao keeps the first and last "
+               "nn.Linear out of FP8 (filter_first_and_last_linear_layers) and layers whose dims are not multiples of "
+               "16 (unimp: dims_multiple = 16, the same); the first/last layers are not named here: add "
+               "[[overrides]] with their module paths and fp8 = false to match", warn=True)
         d.ignored.extend(rest + tuple(f"{p}{k}" for k in fp8 if k != "backend"))
         return d.build()
     if backend != "TE":
