@@ -247,3 +247,13 @@ def test_megatron_refuses_what_it_cannot_read_with_the_argument(script, key):
     with pytest.raises((PolicyError, UnsupportedError)) as e:
         import_from("megatron", script, "run.sh")
     assert f"run.sh: {key}:" in str(e.value)
+
+
+def test_megatron_precision_arguments_unimp_cannot_hold_are_refused_or_noted():
+    with pytest.raises(UnsupportedError, match="run.sh: --exp-avg-dtype: 'bf16': unimp keeps Adam's first moment"):
+        import_from("megatron", "--bf16 --use-precision-aware-optimizer --exp-avg-dtype bf16", "run.sh")
+    with pytest.warns(UnimpWarning, match="--first-last-layers-bf16"):
+        imp = import_from("megatron", "--bf16 --fp8-format e4m3 --fp8-recipe tensorwise --first-last-layers-bf16",
+                          "run.sh")
+    assert "# --first-last-layers-bf16: the first/last transformer layers stay bf16" in imp.text
+    assert imp.policy.fp8.recipe == "tensorwise" and imp.policy.fp8.gradient_format == "e4m3"

@@ -43,12 +43,33 @@ from ..spec import short
 from .common import MAX_TEXT, Draft, Exported, Imported, bad, finish, has_knob, number, refuse
 
 SYSTEM = "megatron"
+# Precision arguments unimp has no key for (arguments.py / transformer_config.py): a dtype other than fp32
+# for master weights, master gradients or Adam's moments is refused (unimp keeps them float32); the rest
+# are noted in the policy file with why they are not held.
+STATE_DTYPES = {"--main-params-dtype": "the master weights", "--main-grads-dtype": "the master gradients",
+                "--megatron-fsdp-main-params-dtype": "the master weights (Megatron FSDP)",
+                "--megatron-fsdp-main-grads-dtype": "the master gradients (Megatron FSDP)",
+                "--exp-avg-dtype": "Adam's first moment", "--exp-avg-sq-dtype": "Adam's second moment"}
+NOTED = {"--use-precision-aware-optimizer": "lets the *-dtype arguments apply (all fp32 here: as unimp)",
+         "--keep-fp8-transpose-cache": "memory only",
+         "--ddp-reduce-scatter-with-fp32-accumulation": "the reduce sends low precision but sums in fp32: "
+                                                        "unimp's reduce dtype holds one dtype (the wire's, above)",
+         "--first-last-layers-bf16": "the first/last transformer layers stay bf16 under FP8 (--num-layers-at-start-"
+                                     "in-bf16 / -end-, default 1 each): add [[overrides]] with their module paths "
+                                     "and fp8 = false to match",
+         "--num-layers-at-start-in-bf16": "see --first-last-layers-bf16",
+         "--num-layers-at-end-in-bf16": "see --first-last-layers-bf16",
+         "--output-logit-dtype": "the dtype of the LM head's GEMM output: unimp keeps the op's dtype"}
 FLAGS = ("--fp16", "--bf16", "--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16",
-         "--fp16-lm-cross-entropy", "--attention-softmax-in-fp32", "--fp8-param-gather", "--deepspeed")
+         "--fp16-lm-cross-entropy", "--attention-softmax-in-fp32", "--fp8-param-gather", "--deepspeed",
+         "--use-precision-aware-optimizer", "--keep-fp8-transpose-cache", "--ddp-reduce-scatter-with-fp32-accumulation",
+         "--first-last-layers-bf16")
 VALUED = {"--loss-scale": float, "--initial-loss-scale": float, "--min-loss-scale": float,
           "--loss-scale-window": int, "--hysteresis": int, "--fp8-format": str, "--fp8-recipe": str,
           "--fp8-amax-history-len": int, "--fp8-amax-compute-algo": str, "--fp8-margin": int, "--fp8-interval": int,
-          "--deepspeed_config": str, "--deepspeed-config": str}
+          "--deepspeed_config": str, "--deepspeed-config": str, "--num-layers-at-start-in-bf16": int,
+          "--num-layers-at-end-in-bf16": int, "--output-logit-dtype": str, "--te-precision-config-file": str,
+          **dict.fromkeys(STATE_DTYPES, str)}
 MAX_WORDS = 20000  # words of one script (bounds the work of re-splitting quoted values)
 _HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?(.*)$")
 _ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_]\w*)=(.*)$", re.S)
@@ -139,7 +160,7 @@ def _parse(args: str | Sequence[str], source: str) -> tuple[dict[str, Any], list
                 i += 1
                 value = words[i]
             value = _expand(value, assigned)
-            if "$" in value and word not in ("--deepspeed_config", "--deepspeed-config"):
+            if "$" in value and word not in ("--deepspeed_config", "--deepspeed-config", "--te-precision-config-file"):
                 raise bad(source, word, f"{short(value)}: the script does not assign that variable; write the value")
             kind = VALUED[word]
             try:
@@ -223,8 +244,27 @@ def import_policy(args: str | Sequence[str], *, source: str = "megatron") -> Imp
     if got.get("--attention-softmax-in-fp32"):
         _move(d, "softmax", "float32", "--attention-softmax-in-fp32")
     _fp8(d, got, source)
+    _not_held(d, got, source)
     d.ignored.extend(other)
     return d.build()
+
+
+def _not_held(d: Draft, got: dict[str, Any], source: str) -> None:
+    """The precision arguments unimp has no key for: refused when they change the numerics of what
+    unimp keeps in float32, else noted with the reason."""
+    if "--te-precision-config-file" in got:
+        raise refuse(source, "--te-precision-config-file", "per-module precision read from a Transformer Engine file "
+                     "is not read by unimp", "express those modules as [[overrides]] after importing the rest")
+    for key, what in STATE_DTYPES.items():
+        if key in got and got[key] != "fp32":
+            raise refuse(source, key, f"{short(got[key])}: unimp keeps {what} in float32",
+                         f"remove {key} (fp32 is its default)")
+        if key in got:
+            d.note(f"{key} fp32: {what} in float32, as unimp keeps them")
+    for key, why in NOTED.items():
+        if key in got:
+            d.note(f"{key}{'' if got[key] is True else ' ' + str(got[key])}: {why} (not held)",
+                   warn=key.startswith(("--first", "--num-layers")))
 
 
 def _move(d: Draft, op: str, to: str, why: str) -> None:
