@@ -116,7 +116,8 @@ def test_no_key_is_dropped_silently(system, entry):
         for key in raw:
             assert key in imp.ignored or key in body or key in header or any(i.startswith(f"{key}.") for i in
                                                                              imp.ignored), key
-            if isinstance(raw[key], dict) and key not in imp.ignored:  # a section read: each of its keys too
+            whole = any(line.startswith(f"# {key}") and "not held" in line for line in header.splitlines())
+            if isinstance(raw[key], dict) and key not in imp.ignored and not whole:  # a section read: each key too
                 for sub in raw[key]:
                     assert f"{key}.{sub}" in imp.ignored or sub in body, f"{key}.{sub}"
     else:  # a launch script / code line: every argument is read or listed
@@ -257,3 +258,24 @@ def test_megatron_precision_arguments_unimp_cannot_hold_are_refused_or_noted():
                           "run.sh")
     assert "# --first-last-layers-bf16: the first/last transformer layers stay bf16" in imp.text
     assert imp.policy.fp8.recipe == "tensorwise" and imp.policy.fp8.gradient_format == "e4m3"
+
+
+@pytest.mark.parametrize(("config", "key"), [
+    ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
+     "zero_optimization.zero_quantized_weights"),
+    ({"bf16": {"enabled": True}, "msamp": {"enabled": True, "opt_level": "O2"}}, "msamp.enabled"),
+    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}, "zero_optimization": {"stage": 2}},
+     "fp16.fp16_master_weights_and_grads"),
+    ({"fp16": {"enabled": True}, "communication_data_type": "int8"}, "communication_data_type"),
+    ({"fp16": {"enabled": True}, "amp": {"enabled": True}}, "amp.enabled"),  # engine.py: amp with fp16 raises
+])
+def test_deepspeed_settings_unimp_cannot_hold_are_refused_with_the_key(config, key):
+    with pytest.raises((PolicyError, UnsupportedError)) as e:
+        import_from("deepspeed", config, "ds.json")
+    assert f"ds.json: {key}:" in str(e.value)
+
+
+def test_deepspeed_amp_section_is_apex():
+    """engine.py _configure_optimizer: "amp": {"enabled": true, ...} calls apex.amp.initialize(**amp_params)."""
+    got = import_from("deepspeed", {"amp": {"enabled": True, "opt_level": "O2"}}, "ds.json").policy
+    assert effective(got) == effective(import_from("apex", "O2").policy)

@@ -58,9 +58,16 @@ FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_
              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads")
 BF16_KEYS = ("enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads")
 PRECISION = ("fp16", "bf16", "bfloat16", "zero_optimization", "communication_data_type", "amp", "torch_autocast",
-             "data_types")
+             "data_types", "msamp", "compression_training", "quantize_training", "seq_parallel_communication_data_type")
 COMM = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # runtime/config.py get_communication_data_type
 LOW = {"float16": "fp16", "bfloat16": "bf16"}
+# Top-level keys that change numerics outside the AMP policy: noted (and warned) with why unimp does not hold them
+OUTSIDE = {"compression_training": "DeepSpeed Compression (quantization-aware training / pruning) changes the model, "
+                                   "not its mixed precision",
+           "quantize_training": "MoQ weight quantization changes the model, not its mixed precision",
+           "seq_parallel_communication_data_type": "the sequence-parallel (Ulysses) reduce dtype: unimp's reduce dtype "
+                                                   "is the data-parallel one"}
+QUANTIZED_COMM = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
 # transformers TrainingArguments defaults (training_args.py) for the arguments "auto" reads
 TRAINER_DEFAULTS: dict[str, Any] = {"fp16": False, "bf16": False, "fp16_full_eval": False, "bf16_full_eval": False,
                                     "fp16_backend": "auto", "half_precision_backend": "auto", "fp16_opt_level": "O1"}
@@ -193,7 +200,18 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
     if isinstance(dt, Mapping) and dt.get("grad_accum_dtype") is not None:
         d.note(f"data_types.grad_accum_dtype = {show(dt['grad_accum_dtype'])}: the dtype gradients are accumulated in "
                f"across micro-batches has no unimp key (ignored)", warn=True)
+    for key, why in OUTSIDE.items():
+        if key in config:
+            d.note(f"{key}: {why} (not held)", warn=True)
+    msamp = config.get("msamp")
+    if isinstance(msamp, Mapping) and msamp.get("enabled"):
+        raise refuse(source, "msamp.enabled", "MS-AMP keeps weights and optimizer states in FP8/FP16; unimp keeps "
+                     "float32 masters", "remove the msamp section (or keep this run in DeepSpeed)")
     zero = config.get("zero_optimization")
+    for key in QUANTIZED_COMM if isinstance(zero, Mapping) else ():
+        if zero.get(key):
+            raise refuse(source, f"zero_optimization.{key}", "ZeRO++ quantized communication (int8 weights / int4 "
+                         "gradients on the wire) has no unimp key", f"remove {key}")
     if isinstance(zero, Mapping):  # offload, buckets, prefetch...: where and when, not in which dtype
         d.ignored.extend(f"zero_optimization.{k}" for k in zero if k != "stage")
     d.ignored.extend(k for k in config if k not in PRECISION)
