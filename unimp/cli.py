@@ -128,13 +128,32 @@ def _import(args: argparse.Namespace) -> int:
         raise PolicyError(f"<argument>: empty configuration for --from {args.system}; pass a file or the "
                           f"configuration string (`unimp import --help`)")
     raw, source = _read_source(args.source)
-    imported = import_from(args.system, raw, source)
+    imported = import_from(args.system, raw, source, _assume(args.assume))
     if args.output:
         _write(args.output, checked(imported).text)
         _say(f"wrote {args.output} ({imported.system}, fingerprint {imported.policy.fingerprint})", file=sys.stderr)
     else:
         print(checked(imported).text, end="")
     return 0
+
+
+def _assume(items: list[str] | None) -> dict[str, Any] | None:
+    """``--assume KEY=VALUE`` (repeatable) or ``--assume FILE`` (a JSON/YAML/TOML table, e.g. HF
+    TrainingArguments saved with ``to_json_string()``) as one table; None when not given."""
+    if not items:
+        return None
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if eq and key.strip():
+            out[key.strip()] = value.strip()
+            continue
+        raw, _ = _read_source(item)
+        if not isinstance(raw, dict):
+            raise PolicyError(f"<argument>: --assume {item[:80]!r}: expected KEY=VALUE (e.g. fp16=true) or a "
+                              f"file holding a table of Trainer arguments")
+        out.update(raw)
+    return out
 
 
 def _write(output: str, text: str) -> None:
@@ -216,6 +235,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("source", metavar="FILE|STRING")
     p.add_argument("--from", dest="system", required=True, metavar="SYSTEM", help=", ".join(SYSTEMS))
     p.add_argument("-o", "--output", help="write the policy here instead of printing it")
+    p.add_argument("--assume", action="append", metavar="KEY=VALUE|FILE",
+                   help="run arguments that 'auto' values resolve from (DeepSpeed: HF Trainer's fp16, bf16, "
+                        "fp16_full_eval, bf16_full_eval, fp16_backend, fp16_opt_level; or a TrainingArguments "
+                        "JSON file)")
     p.set_defaults(run=_import)
     p = sub.add_parser("export", help="a policy as another system's AMP configuration")
     p.add_argument("policy")
