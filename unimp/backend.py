@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from .applied import release, remember
 from .errors import StateError, UnimpWarning, UnsupportedError
-from .loss_scale import STATE_KEYS, LossScale, LossScaleState, check_state
+from .loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
 from .plan import Plan
 from .policy import Policy
 from .report import Report
@@ -172,6 +172,10 @@ class Amp(abc.ABC):
     def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
         """Restore state saved by any backend; ``strict`` refuses another policy's state.
 
+        ``strict=False`` relaxes only where the state came from (the fingerprint may differ or be
+        absent, with a warning): every value is still checked against this Amp's rule
+        (:func:`unimp.loss_scale.policy_problems`), so nothing loads that the rule would not produce.
+
         The whole dict is checked first (one :class:`StateError` naming every bad key, its value and the
         fix); then it is applied all at once: a backend that fails half-way is rolled back.
         """
@@ -183,7 +187,7 @@ class Amp(abc.ABC):
                              f"returned")
         problems = check_state(state)
         fp = state.get("policy_fingerprint")
-        if not problems and strict and fp == self.policy.fingerprint:
+        if not problems:  # strict or not: strict=False takes another policy's state, never one this rule can't run
             problems = self._policy_problems(LossScaleState.from_dict(state))
         if problems:
             raise StateError("amp.load_state_dict(): " + "; ".join(problems))
@@ -197,14 +201,9 @@ class Amp(abc.ABC):
         self._apply_state(LossScaleState.from_dict(state))
 
     def _policy_problems(self, st: LossScaleState) -> list[str]:
-        """What in a well-formed state this policy can never produce."""
-        spec, out = self.plan.loss_scale, []
-        fixed = LossScale(spec).initial_state().scale
-        if spec.mode != "dynamic" and st.scale != fixed:
-            out.append(f"scale: {st.scale!r}, but loss_scale.mode = {spec.mode!r} keeps the scale at {fixed!r}")
-        if st.hysteresis_left > spec.hysteresis:
-            out.append(f"hysteresis_left: {st.hysteresis_left} is above loss_scale.hysteresis ({spec.hysteresis})")
-        return out
+        """What in a well-formed state this Amp's rule cannot hold or never produces
+        (:func:`unimp.loss_scale.policy_problems`, on the Plan's resolved spec)."""
+        return policy_problems(self.plan.loss_scale, st)
 
     def _apply_state(self, new: LossScaleState) -> None:
         """``set_loss_scale_state(new)`` all or nothing: on failure the previous state is put back."""
