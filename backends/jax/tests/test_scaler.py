@@ -34,6 +34,7 @@ def _spec(knobs):
 
 
 def _run(spec, finites):
+    spec = device_spec(spec)  # the fallbacks the Plan names (the scaler refuses a knob it cannot honour)
     step = jax.jit(lambda t, f: update_tree(spec, t, f))
     tree, out = initial_tree(spec), []
     for f in finites:
@@ -44,6 +45,7 @@ def _run(spec, finites):
 
 def _jit_runner(spec, seqs):
     """update_tree jitted, vmapped over the sequences (padded), scanned over the steps."""
+    spec = device_spec(spec)  # the fallbacks the Plan names (the scaler refuses a knob it cannot honour)
     T = max(len(s) for s in seqs)
     finites = jnp.asarray([list(s) + [True] * (T - len(s)) for s in seqs]).T  # [T, B]
 

@@ -30,6 +30,7 @@ from .layout import data_formats, layout_findings
 from .optimizer import KerasLossScaleOptimizer, LossScaleOptimizer
 from .params import Swap, swap_params
 from .plan import keras_rule
+from .scaler import device_spec
 from .trace import call_name
 
 
@@ -207,7 +208,7 @@ def wrap_optimizer(plan: Plan, optimizer: Any, binding: Binding, native: bool | 
     """The loss-scaling (and master-weight) wrapper for ``optimizer``; ``None`` stays ``None``."""
     if optimizer is None:
         return None
-    spec = plan.loss_scale
+    spec = device_spec(plan.loss_scale)  # the Plan compiled under on_unsupported: its fallbacks run, named in its notes
     masters = {id(s.low): s.original for s in binding.swaps
                if s.low.trainable and plan.policy.master_weights.enabled}
     binding.master_ids = set(masters)
