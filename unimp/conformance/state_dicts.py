@@ -54,11 +54,17 @@ def garbage_state_dicts(valid: dict[str, Any]) -> Any:
 
 
 def extreme_state(amp: Any) -> dict[str, Any]:
-    """The largest state every backend must hold: scale = the largest float32, counters int32."""
+    """The largest state every backend must hold: scale = the largest float32, counters at the int32
+    bound (the growth tracker at the largest value its schedule reaches: a tracker past the interval
+    is a state the policy never produces, which a backend may refuse where its native rule would not
+    grow from it)."""
     sd = amp.state_dict()
-    return {**sd, "scale": FLT_MAX if amp.policy.loss_scale.mode == "dynamic" else sd["scale"],
-            "growth_tracker": INT32_MAX, "skipped": INT32_MAX, "steps": INT32_MAX,
-            "hysteresis_left": amp.policy.loss_scale.hysteresis}
+    spec = amp.plan.loss_scale
+    tracker = {"interval": spec.growth_interval - 1, "interval_plus_one": spec.growth_interval}.get(
+        spec.growth_schedule, INT32_MAX)
+    return {**sd, "scale": FLT_MAX if spec.mode == "dynamic" else sd["scale"],
+            "growth_tracker": tracker, "skipped": INT32_MAX, "steps": INT32_MAX,
+            "hysteresis_left": spec.hysteresis}
 
 
 def check_refused(amp: Any, bad: Any) -> None:
