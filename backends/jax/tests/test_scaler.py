@@ -1,5 +1,6 @@
 """The jitted scaler against the core reference, Flax DynamicScale and jmp (expected values from them)."""
 
+import dataclasses
 import os
 
 import jax
@@ -176,8 +177,9 @@ def _flax(spec, seq):
 def _jmp(spec, seq):
     import jmp
 
+    factor = int(spec.growth_factor) if spec.growth_factor.is_integer() else spec.growth_factor
     ls = jmp.DynamicLossScale(jnp.float32(spec.initial), period=spec.growth_interval,
-                              factor=int(spec.growth_factor), min_loss_scale=jnp.float32(spec.min))
+                              factor=factor, min_loss_scale=jnp.float32(spec.min))
     adjust = jax.jit(lambda ls, f: ls.adjust(f))
     scales = []
     for f in seq:
@@ -199,6 +201,67 @@ def test_jmp_dynamic_loss_scale_replays_its_preset_and_the_jitted_rule():
     n, longest = replay_size(0.5)
     assert check_system_replay(_jmp, load("jmp_float16").loss_scale, n=n, max_len=longest,
                                backend=_jit_runner, effective=device_spec) == n
+
+
+def _jmp_eager(spec, seq):
+    """jmp's adjust() called eagerly (each jnp op run as it comes): its ``loss_scale / factor`` is a
+    true division there."""
+    import jmp
+
+    factor = int(spec.growth_factor) if spec.growth_factor.is_integer() else spec.growth_factor
+    ls = jmp.DynamicLossScale(jnp.float32(spec.initial), period=spec.growth_interval, factor=factor,
+                              min_loss_scale=jnp.float32(spec.min))
+    scales = []
+    for f in seq:
+        ls = ls.adjust(jnp.asarray(f))
+        scales.append(float(ls.loss_scale))
+    return Replay(scales, [not f for f in seq])
+
+
+def _scalar_runner(spec, seqs):
+    """update_tree jitted on the scalar state a training step holds (no vmap: XLA:CPU's vectorised
+    float32 division is not correctly rounded, its scalar division is)."""
+    spec = device_spec(spec)
+    step = jax.jit(lambda t, f: update_tree(spec, t, f))
+    out = []
+    for seq in seqs:
+        tree, scales, skips = initial_tree(spec), [], []
+        for f in seq:
+            before = int(tree.skipped)
+            tree = step(tree, jnp.asarray(f))
+            scales.append(float(np.asarray(tree.scale)))
+            skips.append(int(tree.skipped) > before)
+        out.append(Replay(scales, skips, None, to_state(tree)))
+    return out
+
+
+@pytest.mark.parametrize("factor", [3, 1.1, 10])
+def test_jmp_non_2_factor_replays_jitted_and_eager(factor):
+    """jmp's DynamicLossScale.adjust writes its backoff ``self.loss_scale / self.factor``
+    (google-deepmind/jmp@9c1cdbbf, jmp/_src/loss_scale.py). Under jax.jit, as a training step runs it,
+    XLA makes that ``loss_scale * (1 / factor)`` in float32 (openxla/xla algebraic_simplifier.cc,
+    HandleDivide: A / Const => A * InvertConstant(Const)): the jmp import of the same arguments
+    replays the jitted object. Called eagerly it divides: ``backoff = "divide"`` replays that, in the
+    reference and in unimp_jax's jitted rule."""
+    pytest.importorskip("jmp")
+    from unimp import importers
+
+    kw = {"loss_scale": 43614.2109375, "period": 3, "factor": factor, "min_loss_scale": 1.0}
+    jitted = importers.jmp("params=float32,compute=float16,output=float32", kw).policy.loss_scale
+    n, longest = replay_size(0.25)
+    assert check_system_replay(_jmp, jitted, n=n, max_len=longest, backend=_jit_runner,
+                               effective=device_spec) == n
+    eager = dataclasses.replace(jitted, backoff="divide", backoff_factor=1.0 / factor)
+    n = max(1, n // 2)  # eager jmp: a dispatch per op
+    assert check_system_replay(_jmp_eager, eager, n=n, max_len=longest, backend=_scalar_runner,
+                               effective=device_spec) == n
+    first = LossScale(eager).update(LossScale(eager).initial_state(), False).scale
+    assert _jmp_eager(eager, [False]).scales == [first]
+    if factor == 1.1:  # the issue's case: 43614.2109375 backs off to 39649.28125 in jmp, jitted or not;
+        # unimp's import multiplied by float32(1 / 1.1) and gave 39649.28515625
+        assert first == _jmp(jitted, [False]).scales[0] == 39649.28125
+        old = dataclasses.replace(jitted, backoff_factor=1.0 / factor)
+        assert LossScale(old).update(LossScale(old).initial_state(), False).scale == 39649.28515625
 
 
 def test_flax_dynamic_scale_preset_at_the_float32_cap():

@@ -161,10 +161,17 @@ class JaxOps:
         return scale * jnp.float32(factor)  # exact product rounded once: factor is float32 here
 
     def div(self, scale: Any, divisor: float) -> Any:
+        """A true division: XLA's algebraic simplifier turns ``x / constant`` into ``x * (1 / constant)``
+        (openxla/xla algebraic_simplifier.cc, HandleDivide), a different rounding, so the divisor goes
+        through an optimization barrier (measured exact on XLA:CPU for the scalar state; a vmapped
+        batch of states is not: XLA:CPU's vectorised division is not correctly rounded)."""
+        import jax
+
         jnp = self.jnp
         if _x64():  # float64 quotient of float32 values: one rounding
-            return (scale.astype(jnp.float64) / jnp.float64(divisor)).astype(self.dtype)
-        return scale / jnp.float32(divisor)  # IEEE division, rounded once (jmp: loss_scale / factor)
+            d = jax.lax.optimization_barrier(jnp.float64(divisor))
+            return (scale.astype(jnp.float64) / d).astype(self.dtype)
+        return scale / jax.lax.optimization_barrier(jnp.float32(divisor))
 
     def where(self, c: Any, a: Any, b: Any) -> Any:
         return self.jnp.where(c, a, b)
