@@ -16,7 +16,8 @@ import math
 from typing import Any
 
 from ..errors import StateError
-from ..loss_scale import STATE_KEYS, LossScaleState
+from ..loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
+from ..policy import LossScaleSpec
 from ..spec import FLT_MAX, INT32_MAX
 
 BAD_SCALES = (math.nan, math.inf, -math.inf, -1.0, 0.0, -0.0, 1e39, 3.5e38, 10**400, 1e-50, "65536", None, True,
@@ -24,9 +25,25 @@ BAD_SCALES = (math.nan, math.inf, -math.inf, -1.0, 0.0, -0.0, 1e39, 3.5e38, 10**
 BAD_COUNTERS = (-1, -(2**40), 2**31, 10**30, 1.5, 0.5, True, False, "3", None, math.nan, math.inf, [], 2.0**40)
 
 
-def garbage_state_dicts(valid: dict[str, Any]) -> Any:
-    """A hypothesis strategy: ``valid`` with 1-3 keys made bad (and maybe others changed validly)."""
+def bad_scales(valid: dict[str, Any], spec: LossScaleSpec | None = None) -> tuple[Any, ...]:
+    """:data:`BAD_SCALES` that are bad for ``spec`` (a float64 scale holds 1e39; a policy with
+    ``min = 0`` backs off to 0.0): those :func:`check_state` or :func:`policy_problems` refuse."""
+    if spec is None:
+        return BAD_SCALES
+
+    def refused(v: Any) -> bool:
+        d = {**valid, "scale": v}
+        return bool(check_state(d)) or bool(policy_problems(spec, LossScaleState.from_dict(d)))
+
+    return tuple(v for v in BAD_SCALES if refused(v))
+
+
+def garbage_state_dicts(valid: dict[str, Any], spec: LossScaleSpec | None = None) -> Any:
+    """A hypothesis strategy: ``valid`` with 1-3 keys made bad (and maybe others changed validly);
+    ``spec``: the Amp's resolved loss scale (what counts as a bad scale depends on it)."""
     from hypothesis import strategies as st
+
+    scales = bad_scales(valid, spec)
 
     @st.composite
     def build(draw: Any) -> dict[str, Any]:
@@ -47,7 +64,7 @@ def garbage_state_dicts(valid: dict[str, Any]) -> Any:
             return draw(st.sampled_from([None, [], "state", 1.0, [("scale", 1.0)]]))
         else:
             for key in draw(st.lists(st.sampled_from(STATE_KEYS), min_size=1, max_size=3, unique=True)):
-                d[key] = draw(st.sampled_from(BAD_SCALES if key == "scale" else BAD_COUNTERS))
+                d[key] = draw(st.sampled_from(scales if key == "scale" else BAD_COUNTERS))
         return d
 
     return build()
@@ -127,7 +144,7 @@ def amp_checks(max_examples: int = 30) -> tuple[Any, Any, Any]:
     @settings(max_examples=max_examples, deadline=None, suppress_health_check=list(HealthCheck))
     @given(data=st.data())
     def test_garbage_state_dicts_are_refused_and_change_nothing(amp: Any, data: Any) -> None:
-        check_refused(amp, data.draw(garbage_state_dicts(amp.state_dict())))
+        check_refused(amp, data.draw(garbage_state_dicts(amp.state_dict(), amp.plan.loss_scale)))
 
     def test_the_largest_valid_state_round_trips(amp: Any) -> None:
         check_round_trip(amp)  # counters are int32 on device: INT32_MAX must not wrap
