@@ -154,3 +154,32 @@ def amp_checks(max_examples: int = 30) -> tuple[Any, Any, Any]:
 
     return (test_garbage_state_dicts_are_refused_and_change_nothing, test_the_largest_valid_state_round_trips,
             test_deepcopy_of_the_amp_works_or_is_refused_clearly)
+
+
+def check_counters_at_bound(amp: Any, step: Any, finite: bool = True) -> LossScaleState:
+    """Load a state with every counter at the int32 bound (growth tracker, steps, skipped), run one real
+    training step (``step(amp, finite)``) and compare the state with the reference
+    :class:`unimp.LossScale` from the same state; the Amp then loads its own state dict. A backend whose
+    native rule cannot run from that tracker refuses the load with a :class:`StateError` and changes
+    nothing (then the check returns the unchanged state). Returns the state after the step.
+
+    The rule (:func:`unimp.scaling.step`): counters saturate, a tracker at or past the interval grows
+    on the next finite step; no device counter wraps to -2**31.
+    """
+    from ..loss_scale import LossScale
+
+    spec = amp.plan.loss_scale
+    sd = {**amp.state_dict(), "growth_tracker": INT32_MAX, "steps": INT32_MAX, "skipped": INT32_MAX,
+          "hysteresis_left": spec.hysteresis}
+    before = amp.state_dict()
+    try:
+        amp.load_state_dict(sd)
+    except StateError:
+        assert amp.state_dict() == before, f"{amp.backend}: a refused load changed the state"
+        return amp.loss_scale_state()
+    want = LossScale(spec).update(LossScaleState.from_dict(sd), finite).state
+    step(amp, finite)
+    got = amp.loss_scale_state()
+    assert got == want, f"{amp.backend}: from the int32 bound, one step gave {got}; the reference {want}"
+    amp.load_state_dict(amp.state_dict())  # an Amp loads its own state dict
+    return got
