@@ -171,6 +171,8 @@ def check_counters_at_bound(amp: Any, step: Any, finite: bool = True) -> LossSca
     spec = amp.plan.loss_scale
     sd = {**amp.state_dict(), "growth_tracker": INT32_MAX, "steps": INT32_MAX, "skipped": INT32_MAX,
           "hysteresis_left": spec.hysteresis}
+    if spec.mode == "dynamic":
+        sd["scale"] = max(1024.0, spec.min)  # a real finite step stays finite in float16 at this scale
     before = amp.state_dict()
     try:
         amp.load_state_dict(sd)

@@ -54,14 +54,18 @@ def _x64() -> bool:
     return bool(jax.config.jax_enable_x64)
 
 
-@functools.cache
 def flushes_subnormals(dtype: str = "float32") -> bool:
     """Whether a multiply in ``dtype`` on the default device flushes a subnormal result to 0
     (measured: XLA:CPU does, float32 and float64 alike, and reads subnormal inputs as 0)."""
+    return _flushes(dtype, _x64())
+
+
+@functools.cache
+def _flushes(dtype: str, x64: bool) -> bool:
     import jax
     import jax.numpy as jnp
 
-    if dtype == "float64" and not _x64():
+    if dtype == "float64" and not x64:
         return False  # no float64 arrays at all: scale_dtype = "float64" is unsupported() here
     t = jnp.dtype(dtype).type
     with jax.ensure_compile_time_eval():  # may be first asked while a step is being traced
