@@ -28,10 +28,12 @@ from unimp.spi import (
     LossScaleAtMinimumError,
     LossScaleSpec,
     LossScaleState,
+    StateError,
     UnsupportedError,
     f32,
     loss_scale_as_run,
     loss_scale_fallbacks,
+    policy_problems,
     step,
     tiny,
 )
@@ -199,6 +201,9 @@ def initial_tree(spec: LossScaleSpec, state: LossScaleState | None = None) -> Lo
 
     spec = runnable(spec)
     st = state or LossScale(spec).initial_state()
+    problems = policy_problems(spec, st)  # the rule as it runs here (a float64 policy on float32, say)
+    if problems:
+        raise StateError("loss-scale state: " + "; ".join(problems))
     if spec.mode == "dynamic" and spec.subnormal == "keep" and 0 < st.scale < tiny(spec) \
             and flushes_subnormals(spec.scale_dtype):
         raise UnsupportedError(f"loss-scale state: scale = {st.scale!r} is below the smallest normal "
