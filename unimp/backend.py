@@ -21,7 +21,7 @@ from .applied import release, remember
 from .errors import StateError, UnimpWarning, UnsupportedError
 from .loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
 from .plan import Plan
-from .policy import Policy
+from .policy import LossScaleSpec, Policy
 from .report import Report
 
 STATE_FORMAT = "unimp.amp/1"
@@ -205,8 +205,13 @@ class Amp(abc.ABC):
 
     def _policy_problems(self, st: LossScaleState) -> list[str]:
         """What in a well-formed state this Amp's rule cannot hold or never produces
-        (:func:`unimp.loss_scale.policy_problems`, on the Plan's resolved spec)."""
-        return policy_problems(self.plan.loss_scale, st)
+        (:func:`unimp.loss_scale.policy_problems`, on the spec this backend runs)."""
+        return policy_problems(self._loss_scale_run(), st)
+
+    def _loss_scale_run(self) -> LossScaleSpec:
+        """The loss-scale knobs this backend really runs: the Plan's resolved spec, with the fallbacks
+        its notes name (a backend that falls back overrides this)."""
+        return self.plan.loss_scale
 
     def _apply_state(self, new: LossScaleState) -> None:
         """``set_loss_scale_state(new)`` all or nothing: on failure the previous state is put back."""

@@ -76,7 +76,7 @@ def extreme_state(amp: Any) -> dict[str, Any]:
     is a state the policy never produces, which a backend may refuse where its native rule would not
     grow from it)."""
     sd = amp.state_dict()
-    spec = amp.plan.loss_scale
+    spec = amp._loss_scale_run()  # what the backend runs (the Plan with its fallbacks)
     tracker = {"interval": spec.growth_interval - 1, "interval_plus_one": spec.growth_interval}.get(
         spec.growth_schedule, INT32_MAX)
     return {**sd, "scale": FLT_MAX if spec.mode == "dynamic" else sd["scale"],
@@ -144,7 +144,7 @@ def amp_checks(max_examples: int = 30) -> tuple[Any, Any, Any]:
     @settings(max_examples=max_examples, deadline=None, suppress_health_check=list(HealthCheck))
     @given(data=st.data())
     def test_garbage_state_dicts_are_refused_and_change_nothing(amp: Any, data: Any) -> None:
-        check_refused(amp, data.draw(garbage_state_dicts(amp.state_dict(), amp.plan.loss_scale)))
+        check_refused(amp, data.draw(garbage_state_dicts(amp.state_dict(), amp._loss_scale_run())))
 
     def test_the_largest_valid_state_round_trips(amp: Any) -> None:
         check_round_trip(amp)  # counters are int32 on device: INT32_MAX must not wrap
@@ -168,7 +168,7 @@ def check_counters_at_bound(amp: Any, step: Any, finite: bool = True) -> LossSca
     """
     from ..loss_scale import LossScale
 
-    spec = amp.plan.loss_scale
+    spec = amp._loss_scale_run()  # what the backend runs (the Plan with its fallbacks)
     sd = {**amp.state_dict(), "growth_tracker": INT32_MAX, "steps": INT32_MAX, "skipped": INT32_MAX,
           "hysteresis_left": spec.hysteresis}
     if spec.mode == "dynamic":
