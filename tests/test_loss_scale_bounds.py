@@ -147,3 +147,10 @@ def test_preset_fingerprints_are_unchanged_by_the_backoff_knob():
     assert unimp.load("mixed_fp16").fingerprint == "77ad2645bffe9fc3"
     assert unimp.load("mixed_fp16").replace(loss_scale={"backoff_factor": 0.5, "backoff": "divide"}
                                             ).fingerprint != "77ad2645bffe9fc3"
+
+
+def test_a_flushing_rule_refuses_a_subnormal_scale_it_never_holds():
+    keras = unimp.load("keras_mixed_float16").loss_scale  # subnormal = "flush", min 0
+    assert policy_problems(keras, LossScaleState(2.0 ** -140)) and not policy_problems(keras, LossScaleState(0.0))
+    assert not policy_problems(unimp.load("mixed_fp16").replace(loss_scale={"min": 0.0}).loss_scale,
+                               LossScaleState(2.0 ** -140))

@@ -21,7 +21,7 @@ from typing import Any
 
 from .errors import StateError
 from .policy import LossScaleSpec
-from .scaling import Arrays, PyOps, f32, held, step
+from .scaling import Arrays, PyOps, f32, held, step, tiny
 from .spec import FLT_MAX, INT32_MAX
 
 STATE_KEYS = ("scale", "growth_tracker", "hysteresis_left", "skipped", "steps")
@@ -119,6 +119,10 @@ def policy_problems(spec: LossScaleSpec, st: LossScaleState) -> list[str]:
     elif spec.scale_dtype == "float32" and f32(st.scale) > FLT_MAX:
         out.append(f"scale: {st.scale:g} is above the largest float32 ({FLT_MAX:g}), the dtype "
                    f"loss_scale.scale_dtype holds it in")
+    elif spec.subnormal == "flush" and 0 < held(spec, st.scale) < tiny(spec) and st.scale != held(spec, spec.min):
+        out.append(f"scale: {st.scale!r} is below the smallest normal {spec.scale_dtype}, which "
+                   f"loss_scale.subnormal = 'flush' never holds (a flushing system reads it as 0); load a "
+                   f"state saved under this policy or set subnormal = 'keep'")
     elif held(spec, st.scale) == 0 and held(spec, spec.min) > 0:
         out.append(f"scale: {st.scale!r} is 0 in {spec.scale_dtype}, below loss_scale.min ({spec.min:g}); only a "
                    f"policy with min = 0 backs off to 0")

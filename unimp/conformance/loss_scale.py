@@ -59,6 +59,7 @@ EDGE_KNOBS: tuple[dict, ...] = (
      "factor_arithmetic": "float32", "growth_interval": 2, "min": 1.0, "max": float("inf")},
     {"initial": 2.0 ** -120, "min": 0.0, "growth_factor": 3.0, "backoff_factor": 1 / 3.0, "backoff": "divide",
      "max": float("inf")},
+    {"initial": 2.0 ** -140, "min": 0.0, "growth_interval": 2, "max": float("inf")},  # GradScaler(init_scale=2**-140)
     {"mode": "static", "initial": 128.0},
     {"mode": "none", "skip_nonfinite": False},
     {"mode": "dynamic", "skip_nonfinite": False, "initial": 8.0},

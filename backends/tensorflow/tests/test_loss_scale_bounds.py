@@ -90,3 +90,24 @@ def test_float64_is_refused_by_the_rule_not_run_in_float32():
     with pytest.raises(StateError, match="above the largest float32"):  # what it runs cannot hold 1e39
         amp.load_state_dict({**amp.state_dict(), "scale": 1e39})
     amp.remove()
+
+
+def test_a_subnormal_initial_scale_is_held_and_follows_the_reference():
+    """torch's GradScaler(init_scale=2**-140) runs; TensorFlow's conversions flush a float32
+    subnormal (Keras' own LossScaleOptimizer(initial_scale=2**-140) reads back 0.0 and stays there):
+    unimp's optimizer holds the scale from its bits, and its scales are the reference's on the skip
+    decisions the real steps took."""
+    policy = unimp.load("mixed_fp16").replace(loss_scale={"initial": 2.0 ** -140, "min": 0.0, "growth_interval": 1})
+    amp = _apply(policy)
+    assert amp.scale == 2.0 ** -140
+    flags, scales = [], []
+    for f in (True, True, False, True):
+        before = amp.skipped_steps
+        _step(amp, f)
+        flags.append(amp.skipped_steps == before)
+        scales.append(amp.scale)
+    assert scales == [o.scale for o in LossScale(policy.loss_scale).replay(flags)]
+    assert amp.scale > 0
+    amp.load_state_dict({**amp.state_dict(), "scale": 2.0 ** -149})
+    assert amp.scale == 2.0 ** -149
+    amp.remove()

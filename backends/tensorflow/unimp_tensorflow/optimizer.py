@@ -24,7 +24,7 @@ from keras.src.utils import tracking
 from unimp.spi import INT32_MAX, LossScale, LossScaleSpec, LossScaleState, StateError, policy_problems
 
 from .distributed import all_reduce, hook_inner, refuse_xla
-from .scaler import State, all_finite, next_state
+from .scaler import State, all_finite, encode, next_state
 
 KerasLSO = keras.optimizers.LossScaleOptimizer
 ONLY_FIRST = "only_first_replica"
@@ -45,6 +45,12 @@ def _unscale(grads: list, scale: tf.Tensor | None, variables: list | None = None
         else:
             out.append(g / tf.cast(scale, g.dtype))
     return out
+
+
+def _held(scale: float) -> tf.Tensor:
+    """A scale as the float32 tensor the state holds, subnormals built from their bits (TensorFlow's
+    conversions flush them: Keras' Constant(2**-140) initializer reads back 0.0)."""
+    return encode(tf.constant(scale, tf.float64))
 
 
 class _Counters:
@@ -84,7 +90,7 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         init = LossScale(self.spec).initial_state()
         # Under tf.distribute these are mirrored variables, written only in the cross-replica context
         # (one update, every replica's copy set to the same value).
-        self.dynamic_scale = self.add_variable((), keras.initializers.Constant(init.scale), "float32",
+        self.dynamic_scale = self.add_variable((), lambda shape, dtype: _held(init.scale), "float32",
                                                aggregation=ONLY_FIRST, name="unimp_scale")
         self.step_counter = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST,
                                               name="unimp_growth_tracker")
@@ -105,9 +111,9 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         problems = policy_problems(self.spec, state)  # the rule as it runs here (a float32 scale)
         if problems:
             raise StateError("loss-scale state: " + "; ".join(problems))
-        for var, value in zip((self.dynamic_scale, self.step_counter, self._hysteresis, self._skipped,
-                               self._steps), (state.scale, state.growth_tracker, state.hysteresis_left,
-                                              state.skipped, state.steps), strict=True):
+        self.dynamic_scale.assign(_held(state.scale))
+        for var, value in zip((self.step_counter, self._hysteresis, self._skipped, self._steps),
+                              (state.growth_tracker, state.hysteresis_left, state.skipped, state.steps), strict=True):
             var.assign(tf.cast(value, var.dtype))
 
     # ------------------------------------------------------------------ Keras hooks
