@@ -30,6 +30,7 @@ from .layout import data_formats, layout_findings
 from .optimizer import KerasLossScaleOptimizer, LossScaleOptimizer
 from .params import Swap, swap_params
 from .plan import keras_rule
+from .scaler import device_spec
 from .trace import call_name
 
 
@@ -207,14 +208,14 @@ def wrap_optimizer(plan: Plan, optimizer: Any, binding: Binding, native: bool | 
     """The loss-scaling (and master-weight) wrapper for ``optimizer``; ``None`` stays ``None``."""
     if optimizer is None:
         return None
-    spec = plan.loss_scale
+    spec = device_spec(plan.loss_scale)  # the Plan compiled under on_unsupported: its fallbacks run, named in its notes
     masters = {id(s.low): s.original for s in binding.swaps
                if s.low.trainable and plan.policy.master_weights.enabled}
     binding.master_ids = set(masters)
     distributed = is_distributed(getattr(optimizer, "_distribution_strategy", None))
-    use_keras = keras_rule(spec) and not binding.swaps and not distributed if native is None else native
+    use_keras = keras_rule(plan.loss_scale) and not binding.swaps and not distributed if native is None else native
     if use_keras:
-        if not keras_rule(spec) or binding.swaps:
+        if not keras_rule(plan.loss_scale) or binding.swaps:
             raise UnsupportedError("unimp (tensorflow): native_loss_scale=True needs the policy's loss_scale "
                                    "to be Keras' fixed rule (dynamic, x2 / x0.5, hysteresis 1, min 0, max inf, "
                                    "growth_requires_finite false) and no low-precision params; fix: drop "

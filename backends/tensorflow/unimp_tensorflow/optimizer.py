@@ -21,10 +21,10 @@ import keras
 import tensorflow as tf
 from keras.src.utils import tracking
 
-from unimp.spi import LossScale, LossScaleSpec, LossScaleState, StateError
+from unimp.spi import INT32_MAX, LossScale, LossScaleSpec, LossScaleState, StateError, policy_problems
 
 from .distributed import all_reduce, hook_inner, refuse_xla
-from .scaler import State, all_finite, next_state
+from .scaler import State, all_finite, encode, next_state
 
 KerasLSO = keras.optimizers.LossScaleOptimizer
 ONLY_FIRST = "only_first_replica"
@@ -47,6 +47,12 @@ def _unscale(grads: list, scale: tf.Tensor | None, variables: list | None = None
     return out
 
 
+def _held(scale: float) -> tf.Tensor:
+    """A scale as the float32 tensor the state holds, subnormals built from their bits (TensorFlow's
+    conversions flush them: Keras' Constant(2**-140) initializer reads back 0.0)."""
+    return encode(tf.constant(scale, tf.float64))
+
+
 class _Counters:
     """The canonical ``skipped`` / ``steps`` counters (int64 optimizer variables)."""
 
@@ -54,6 +60,10 @@ class _Counters:
     def _make_counters(self) -> None:
         self._skipped = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST, name="unimp_skipped")
         self._steps = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST, name="unimp_steps")
+
+    def _count(self, var: Any) -> None:
+        """One more step / skip, saturating at the int32 bound as the core's rule does (never wraps)."""
+        var.assign(tf.minimum(var + 1, INT32_MAX))
 
 
 class LossScaleOptimizer(_Counters, KerasLSO):
@@ -80,7 +90,7 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         init = LossScale(self.spec).initial_state()
         # Under tf.distribute these are mirrored variables, written only in the cross-replica context
         # (one update, every replica's copy set to the same value).
-        self.dynamic_scale = self.add_variable((), keras.initializers.Constant(init.scale), "float32",
+        self.dynamic_scale = self.add_variable((), lambda shape, dtype: _held(init.scale), "float32",
                                                aggregation=ONLY_FIRST, name="unimp_scale")
         self.step_counter = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST,
                                               name="unimp_growth_tracker")
@@ -98,9 +108,12 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         return LossScaleState(float(s[0]), int(s[1]), int(s[2]), int(s[3]), int(s[4]))
 
     def set_loss_scale_state(self, state: LossScaleState) -> None:
-        for var, value in zip((self.dynamic_scale, self.step_counter, self._hysteresis, self._skipped,
-                               self._steps), (state.scale, state.growth_tracker, state.hysteresis_left,
-                                              state.skipped, state.steps), strict=True):
+        problems = policy_problems(self.spec, state)  # the rule as it runs here (a float32 scale)
+        if problems:
+            raise StateError("loss-scale state: " + "; ".join(problems))
+        self.dynamic_scale.assign(_held(state.scale))
+        for var, value in zip((self.step_counter, self._hysteresis, self._skipped, self._steps),
+                              (state.growth_tracker, state.hysteresis_left, state.skipped, state.steps), strict=True):
             var.assign(tf.cast(value, var.dtype))
 
     # ------------------------------------------------------------------ Keras hooks
@@ -146,7 +159,7 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         grads = list(grads)
         if self.spec.mode == "none" and not self.spec.skip_nonfinite:
             self._apply_inner(grads, trainable_variables)
-            self._steps.assign_add(1)
+            self._count(self._steps)
             return
         finite = self.check_finite(grads)
         if self.spec.skip_nonfinite:
@@ -196,7 +209,7 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         else:
             step()
         if self.spec.mode == "none" and not self.spec.skip_nonfinite:
-            self._steps.assign_add(1)
+            self._count(self._steps)
         else:
             self._update(agreed)
 
@@ -265,6 +278,11 @@ class KerasLossScaleOptimizer(_Counters, KerasLSO):
         if state.hysteresis_left != 1:
             raise StateError(f"Keras' LossScaleOptimizer has no hysteresis; got hysteresis_left="
                              f"{state.hysteresis_left} (expected 1)")
+        if state.growth_tracker >= self.spec.growth_interval:  # keras LossScaleOptimizer grows at == steps - 1
+            raise StateError(f"growth_tracker: {state.growth_tracker} is not below loss_scale.growth_interval "
+                             f"({self.spec.growth_interval}): Keras' LossScaleOptimizer grows only when its "
+                             f"step_counter equals growth_interval - 1, so it would never grow from there where "
+                             f"the rule grows on the next finite step; apply with native_loss_scale=False")
         self._skipped.assign(state.skipped)
         self._steps.assign(state.steps)
         if self.built:
@@ -279,10 +297,10 @@ class KerasLossScaleOptimizer(_Counters, KerasLSO):
         return super().scale_loss(loss)
 
     def _common_apply(self, grads: list, trainable_variables: list | None = None) -> None:
-        self._steps.assign_add(1)
+        self._count(self._steps)
         super()._common_apply(grads, trainable_variables)
 
     def _stateful_handle_non_finite_grads(self) -> None:
-        self._skipped.assign_add(1)
+        self._count(self._skipped)
         super()._stateful_handle_non_finite_grads()
 
