@@ -68,6 +68,7 @@ def test_scan_carry_keeps_its_dtype_as_flax_own_mixed_precision_does(preset):
     for _ in range(3):
         p, s, loss, finite = step(p, s)
         losses.append(float(loss))
+        assert bool(finite)
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
     amp.remove()
 
