@@ -2,6 +2,7 @@
 
 import functools
 import os
+import re
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
@@ -159,9 +160,74 @@ def test_keras_model(name, preset, cell, tmp_path):
     # .keras saved while applied: loads without unimp, float32, equal to the removed (trained) model
     path = str(tmp_path / "m.keras")
     model.save(path)
-    loaded = keras.models.load_model(path, compile=False)
+    loaded = keras.models.load_model(path)  # the default call: compiled with Keras' own optimizer classes
+    assert type(loaded.optimizer).__module__.startswith("keras.")
     amp.remove()
     assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(model.weights, loaded.weights))
     assert {w.dtype for w in loaded.weights} <= {"float32", "int32", "int64"}
     c.check("save/load", "`.keras` saved while applied loads with keras.models.load_model (no unimp); "
                          "float32 weights = the model after remove()")
+
+
+# ---------------------------------------------------------------- composite attention layers (issue 27, item 17)
+def gemma():
+    return keras_hub.models.GemmaBackbone(vocabulary_size=64, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+                                          hidden_dim=32, intermediate_dim=64, head_dim=16)
+
+
+BACKBONES = {  # keras_hub attention: Gemma's is a composite layer (raw einsums), GPT-2's/BERT's subclass MHA
+    "gemma": (gemma, TOKENS),
+    "gpt2": (lambda: gpt2().backbone, TOKENS),
+    "bert": (lambda: bert().backbone, {**TOKENS, "segment_ids": np.zeros((4, 12), "int32")}),
+}
+KERAS_OWN = {"mixed_bf16": "mixed_bfloat16", "mixed_fp16": "mixed_float16"}
+
+
+def plain(path):
+    """A layer/op path without Keras' uniquifying suffixes (``rotary_embedding_1_1`` -> ``rotary_embedding``)."""
+    return re.sub(r"(_\d+)+(?=$|[/.])", "", path)
+
+
+def matmul_dtypes(model, x):
+    """Every matmul-class op of the traced forward graph (TF's own op list: GRAPH_OPS["matmul"]) and its dtype."""
+    import tensorflow as tf
+
+    from unimp_tensorflow.ops import GRAPH_OPS
+
+    graph = tf.function(lambda: model(x, training=False)).get_concrete_function().graph
+    return sorted((plain(op.name.split("/", 1)[1]), op.get_attr("T").name)
+                  for op in graph.get_operations() if op.type in GRAPH_OPS["matmul"])
+
+
+@pytest.mark.parametrize("preset", list(KERAS_OWN))
+@pytest.mark.parametrize("name", list(BACKBONES))
+def test_attention_layers_follow_the_policy_as_keras_own_policy_does(name, preset):
+    """Oracle: Keras' own mixed policy set by hand on the same keras_hub backbone (random init)."""
+    from unimp_tensorflow.index import walk
+
+    factory, x = BACKBONES[name]
+    keras.utils.set_random_seed(0)
+    model = factory()
+    model(x)
+    keras.config.set_dtype_policy(KERAS_OWN[preset])
+    try:
+        native = factory()
+    finally:
+        keras.config.set_dtype_policy("float32")
+    amp = unimp.apply(preset, model)
+    ours, theirs = matmul_dtypes(model, x), matmul_dtypes(native, x)
+    low = unimp.load(preset).compute_dtype
+    assert ours == theirs and (name != "gemma" or any(  # Gemma's two attention einsums, in its own scope
+        op.endswith("attention/MatMul") and dtype == low for op, dtype in ours)), (ours, theirs)
+    # per layer: what the policy lowers computes as Keras' own policy computes it, and every layer that
+    # computes (the composite attention included) has a report row
+    rows = {plain(r.path): r for r in amp.report(x).rows}
+    native_layers = {plain(u.path): u.layer for u in walk(native)}
+    lowered = [u for u in amp._binding.units if u.kind in unimp.load(preset).ops.lower]
+    ran = set(observed_outputs(model, amp._binding.units, x)) | {u.path for u in amp._binding.units if u.container}
+    assert lowered and {plain(p) for p in ran} <= set(rows), ran - set(rows)
+    for u in lowered:
+        assert rows[plain(u.path)].compute_dtype == low == native_layers[plain(u.path)].compute_dtype, u.path
+    if name == "gemma":
+        assert rows["decoder_block.attention"].kind == "attention"
+    amp.remove()

@@ -95,8 +95,11 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
     binding.findings += layout_findings(binding.formats, pol.layout.channels_last)
     plans = []
     for u in units:
-        if u.container:
-            plans.append((u, FollowInputs(u.layer.variable_dtype), None))
+        if u.container:  # a composite (attention) follows its op's rule; other containers their inputs
+            compute = _decide(plan, u)[0] if u.kind is not None else None
+            kp = FollowInputs(u.layer.variable_dtype) if compute is None else keras_policy(compute,
+                                                                                        u.layer.variable_dtype)
+            plans.append((u, kp, None))
             continue
         compute, param, category = _decide(plan, u)
         if not u.has_params:
