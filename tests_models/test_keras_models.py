@@ -16,10 +16,39 @@ import unimp
 STEPS = 10
 RNG = np.random.default_rng(0)
 TOKENS = {"token_ids": RNG.integers(0, 64, (4, 12)).astype("int32"), "padding_mask": np.ones((4, 12), bool)}
-# preset -> (Keras' own policy written by hand, relative loss tolerance per step; 0 = bit-identical)
-NATIVE = {"fp32": ("float32", 0.0), "mixed_bf16": ("mixed_bfloat16", 3e-2), "pure_bf16": ("mixed_bfloat16", 5e-2),
-          "mixed_fp16": ("mixed_float16", 2e-2), "fp16_master": ("mixed_float16", 2e-2),
-          "keras_mixed_float16": ("mixed_float16", 0.0)}
+# preset -> Keras' own policy written by hand. fp32 must be bit-identical over the whole run. The
+# low-precision presets differ from Keras' own by design (norms in float32 with a float32 output),
+# and a 10-step trajectory amplifies any rounding difference chaotically (BatchNorm over 8 samples:
+# measured 0.028 on an AVX512 EPYC, 0.116 on an AVX2-only one), so each step's loss is compared with
+# Keras' own at the same weights (see reference_tolerance).
+NATIVE = {"fp32": "float32", "mixed_bf16": "mixed_bfloat16", "pure_bf16": "mixed_bfloat16",
+          "mixed_fp16": "mixed_float16", "fp16_master": "mixed_float16", "keras_mixed_float16": "mixed_float16"}
+UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def reference_tolerance(compute_dtype, layers):
+    """Relative loss tolerance of one forward in ``compute_dtype`` against another rounding of it:
+    the probabilistic rounding-error bound u * sqrt(n) (Higham & Mary, SIAM J. Sci. Comput. 41(5), 2019)
+    with u the dtype's unit roundoff and n the layers that compute. No CPU enters it.
+
+    Measured (max over 10 steps, AVX512-BF16 host and --simulate avx2 alike): MobileNetV2 (155 layers)
+    fp16 1.6e-3 of 6.1e-3, bf16 7.3e-3 of 4.8e-2; GPT-2/BERT (15-18 layers) <= 1e-4.
+    """
+    return UNIT_ROUNDOFF[compute_dtype] * layers ** 0.5
+
+
+class ReferenceLoss(keras.callbacks.Callback):
+    """Keras' own policy's loss at the weights each step starts from (same batch, before the update)."""
+
+    def __init__(self, native, x, y):
+        super().__init__()
+        self.native, self.x, self.y, self.losses = native, x, y, []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # the values the applied model computes with (low copies under pure_bf16), as float32 variables
+        self.native.set_weights([keras.ops.convert_to_numpy(keras.ops.cast(w, "float32")) for w in self.model.weights])
+        self.losses.append(float(LOSS(self.y, self.native(self.x, training=True))))
 
 
 def gpt2():
@@ -57,12 +86,12 @@ def build(name, policy="float32"):
     return model
 
 
-def fit(model, optimizer, name):
+def fit(model, optimizer, name, callbacks=()):
     _, x, y = DATA[name]
     # 10 eager steps cost less than tracing a train function (measured: MobileNetV2 cell 27 s vs 37 s)
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  run_eagerly=True)
-    return model.fit(x, y, batch_size=len(y), epochs=STEPS, verbose=0, shuffle=False).history["loss"]
+    model.compile(optimizer=optimizer, loss=LOSS, run_eagerly=True)
+    return model.fit(x, y, batch_size=len(y), epochs=STEPS, verbose=0, shuffle=False,
+                     callbacks=list(callbacks)).history["loss"]
 
 
 @functools.cache
@@ -122,30 +151,23 @@ def test_keras_model(name, preset, cell, tmp_path):
     c.check("remove", "untouched model bit for bit (weights, dtype policies, outputs)")
 
     # 10 steps vs Keras' own AMP written by hand (same initial weights)
-    native_policy, tol = NATIVE[preset]
-    why = ""
-    if name == "mobilenet_v2" and preset != "fp32":
-        # 52 conv/BatchNorm layers trained on 8 samples: batch statistics amplify rounding differences
-        # (unimp: batch_norm in float32 with a float32 output; Keras' own: float16/bfloat16 output)
-        tol, why = 0.1, " — BatchNorm over 8 samples amplifies rounding"
-    elif preset == "keras_mixed_float16":
-        # the preset keeps layer_norm in float32 with a float32 output; Keras' own mixed_float16 hands a
-        # norm's result on in float16. After a top-level norm (BERT's embeddings norm, GPT-2's final norm
-        # feeding the tied-embedding logits) the next ops see float32 instead of float16.
-        tol, why = 1e-4, (" — after a top-level LayerNorm the stream is float32 (the preset's layer_norm "
-                          "output), float16 in Keras' own policy")
+    native_policy = NATIVE[preset]
     amp = unimp.apply(preset, model, keras.optimizers.Adam(1e-3))
-    losses = fit(model, amp.optimizer, name)
-    spec = unimp.load(preset).loss_scale
-    want = native_losses(name, native_policy, spec.initial if spec.mode == "dynamic" else 2.0 ** 15)
-    assert np.isfinite(losses).all()
-    if tol == 0.0:
+    if native_policy == "float32":
+        losses = fit(model, amp.optimizer, name)
+        want = native_losses(name, native_policy, 2.0 ** 15)
         assert losses == want, (losses, want)
         c.check("loss", f"{STEPS} steps, bit-identical to Keras `{native_policy}`")
     else:
-        rel = float(np.max(np.abs(np.subtract(losses, want)) / np.abs(want)))
-        assert rel <= tol, (losses, want)
-        c.check("loss", f"{STEPS} steps vs Keras `{native_policy}`: max rel diff {rel:.1e} (tolerance {tol:g}){why}")
+        _, x, y = DATA[name]
+        reference = ReferenceLoss(build(name, native_policy), x, y)
+        losses = fit(model, amp.optimizer, name, [reference])
+        assert np.isfinite(losses).all() and losses[-1] < losses[0], losses  # it trains
+        rel = float(np.max(np.abs(np.subtract(losses, reference.losses)) / np.abs(reference.losses)))
+        tol = reference_tolerance(unimp.load(preset).compute_dtype, len(amp._binding.units))
+        assert rel <= tol, (losses, reference.losses)
+        c.check("loss", f"{STEPS} steps; each step's loss vs Keras `{native_policy}` at the same weights: max rel "
+                        f"diff {rel:.1e} (tolerance u*sqrt(layers) = {tol:.1e})")
 
     # report rows vs output dtypes seen by our own hooks; lower-list layers compute in the preset's dtype
     policy = unimp.load(preset)
