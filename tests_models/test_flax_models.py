@@ -12,6 +12,7 @@ import optax
 import pytest
 from flax import linen, nnx, serialization
 from flax.nnx.nn import attention as nnx_attention
+from tolerance import reference_tolerance
 
 import unimp
 
@@ -21,14 +22,6 @@ STEPS = 10
 # a 10-step trajectory amplifies rounding differences chaotically, by an amount that depends on the CPU.
 NATIVE = {"fp32": jnp.float32, "mixed_bf16": jnp.bfloat16, "pure_bf16": jnp.bfloat16, "mixed_fp16": jnp.float16,
           "fp16_master": jnp.float16, "jmp_float16": jnp.float16, "flax_dynamic_scale": jnp.float16}
-UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
-
-
-def reference_tolerance(dtype, layers):
-    """Relative loss tolerance of one forward in ``dtype`` against another rounding of it: the probabilistic
-    rounding-error bound u * sqrt(n) (Higham & Mary, SIAM J. Sci. Comput. 41(5), 2019), u the dtype's unit
-    roundoff, n the layers that compute. No CPU enters it."""
-    return UNIT_ROUNDOFF[jnp.dtype(dtype).name] * layers ** 0.5
 
 
 def as_float32(tree):
@@ -124,7 +117,7 @@ def compare(c, preset, losses, want, layers=None):
         c.check("loss", f"{STEPS} steps, bit-identical to Flax layers with dtype={name}")
     else:
         assert losses[-1] < losses[0], losses  # it trains
-        tol = reference_tolerance(dtype, layers)
+        tol = reference_tolerance(jnp.dtype(dtype).name, layers)
         rel = float(np.max(np.abs(np.subtract(losses, want)) / np.abs(want)))
         assert rel <= tol, (losses, want)
         c.check("loss", f"{STEPS} steps; each step's loss vs Flax layers with dtype={name} (hand-written) at the "

@@ -10,6 +10,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
+from tolerance import reference_tolerance
 
 import unimp
 
@@ -20,22 +21,10 @@ TOKENS = {"token_ids": RNG.integers(0, 64, (4, 12)).astype("int32"), "padding_ma
 # low-precision presets differ from Keras' own by design (norms in float32 with a float32 output),
 # and a 10-step trajectory amplifies any rounding difference chaotically (BatchNorm over 8 samples:
 # measured 0.028 on an AVX512 EPYC, 0.116 on an AVX2-only one), so each step's loss is compared with
-# Keras' own at the same weights (see reference_tolerance).
+# Keras' own at the same weights (tests_models/tolerance.py).
 NATIVE = {"fp32": "float32", "mixed_bf16": "mixed_bfloat16", "pure_bf16": "mixed_bfloat16",
           "mixed_fp16": "mixed_float16", "fp16_master": "mixed_float16", "keras_mixed_float16": "mixed_float16"}
-UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def reference_tolerance(compute_dtype, layers):
-    """Relative loss tolerance of one forward in ``compute_dtype`` against another rounding of it:
-    the probabilistic rounding-error bound u * sqrt(n) (Higham & Mary, SIAM J. Sci. Comput. 41(5), 2019)
-    with u the dtype's unit roundoff and n the layers that compute. No CPU enters it.
-
-    Measured (max over 10 steps, AVX512-BF16 host and --simulate avx2 alike): MobileNetV2 (155 layers)
-    fp16 1.6e-3 of 6.1e-3, bf16 7.3e-3 of 4.8e-2; GPT-2/BERT (15-18 layers) <= 1e-4.
-    """
-    return UNIT_ROUNDOFF[compute_dtype] * layers ** 0.5
 
 
 class ReferenceLoss(keras.callbacks.Callback):
