@@ -220,8 +220,9 @@ def _open_checked(real: Path, flags: int) -> int:
             os.close(fd)
             raise OSError(errno.ELOOP, "the file changed after it was checked")
         return fd
-    dir_flags = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(real.anchor, os.O_RDONLY | os.O_DIRECTORY)
+    # O_PATH (Linux): a directory one may search but not list is walked as opening it by name would
+    dir_flags = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(real.anchor, dir_flags)
     try:
         for part in real.parts[1:-1]:
             inner = os.open(part, dir_flags, dir_fd=fd)
