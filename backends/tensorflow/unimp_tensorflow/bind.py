@@ -96,8 +96,11 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
     binding.findings += layout_findings(binding.formats, pol.layout.channels_last)
     plans = []
     for u in units:
-        if u.container:
-            plans.append((u, FollowInputs(u.layer.variable_dtype), None))
+        if u.container:  # a composite (attention) follows its op's rule; other containers their inputs
+            compute = _decide(plan, u)[0] if u.kind is not None else None
+            kp = FollowInputs(u.layer.variable_dtype) if compute is None else keras_policy(compute,
+                                                                                        u.layer.variable_dtype)
+            plans.append((u, kp, None))
             continue
         compute, param, category = _decide(plan, u)
         if not u.has_params:
@@ -125,7 +128,24 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
             patch_stream(u.layer, u.parent, binding)
     for layer in {id(s.layer): s.layer for s in binding.swaps}.values():
         patch_save(layer, binding)
+    patch_compile_config(model, binding)
     return binding
+
+
+def patch_compile_config(model: Any, binding: Binding) -> None:
+    """``model.save`` names Keras' own optimizer for a unimp wrapper the model was compiled with
+    (see :class:`~unimp_tensorflow.optimizer.SavesAsKeras`): the file loads without unimp."""
+    own, original = model.__dict__.get("get_compile_config"), model.get_compile_config
+
+    def get_compile_config() -> Any:
+        config = original()
+        optimizer = getattr(model, "optimizer", None)
+        if isinstance(config, dict) and isinstance(optimizer, LossScaleOptimizer | KerasLossScaleOptimizer):
+            config["optimizer"] = optimizer.keras_config()
+        return config
+
+    object.__setattr__(model, "get_compile_config", get_compile_config)
+    binding.instance_methods.append((model, own, "get_compile_config"))
 
 
 class _SaveStore:

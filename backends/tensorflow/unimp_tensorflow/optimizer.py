@@ -6,6 +6,14 @@ int64 variables. :class:`KerasLossScaleOptimizer` *is* Keras' rule, used where t
 for exactly that rule; it only adds the step/skip counters of the canonical state. A skipped
 step calls nothing on the inner optimizer: variables, slots and ``iterations`` keep their bits.
 
+Saved in a ``.keras`` file (``compile(optimizer=amp.optimizer)``, ``fit``, ``model.save``) both
+write what Keras' own classes would (:class:`SavesAsKeras`): the model's compile config names
+``keras.optimizers.LossScaleOptimizer`` (dynamic scaling) or the inner optimizer itself (no or a
+static scale, as Keras' ``mixed_bfloat16`` compiles), with the variables in that class's layout,
+so ``keras.models.load_model(path)`` loads the file with or without unimp. unimp's exact state
+(hysteresis, skipped/step counters) rides along under ``optimizer/unimp_state``, which only an
+applied model reads back (``load_weights``).
+
 >>> import keras, unimp
 >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), unimp.load("mixed_fp16").loss_scale)
 >>> opt.loss_scale_state().scale
@@ -14,11 +22,15 @@ step calls nothing on the inner optimizer: variables, slots and ``iterations`` k
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
+from keras.src.saving import serialization_lib
+from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.utils import tracking
 
 from unimp.spi import INT32_MAX, LossScale, LossScaleSpec, LossScaleState, StateError, policy_problems
@@ -53,6 +65,79 @@ def _held(scale: float) -> tf.Tensor:
     return encode(tf.constant(scale, tf.float64))
 
 
+class ExactState(KerasSaveable):
+    """unimp's loss-scale state as a child of the optimizer in a saved file (``optimizer/unimp_state``).
+
+    Keras' own classes have no such child, so a loader without unimp never reads it.
+    """
+
+    FIELDS = ("scale", "growth_tracker", "hysteresis_left", "skipped", "steps")
+
+    def __init__(self, optimizer: Any) -> None:
+        self._optimizer = weakref.ref(optimizer)  # not an attribute Keras' saver would walk into
+
+    def _obj_type(self) -> str:
+        return "Loss"  # Keras' saver walks only its own object types; this one has no children
+
+    def save_own_variables(self, store: Any) -> None:
+        state = self._optimizer().loss_scale_state()
+        for i, name in enumerate(self.FIELDS):
+            store[str(i)] = np.asarray(getattr(state, name), "float64" if name == "scale" else "int64")
+
+    def load_own_variables(self, store: Any) -> None:
+        if len(store.keys()) == len(self.FIELDS):
+            values = [np.asarray(store[str(i)]) for i in range(len(self.FIELDS))]
+            self._optimizer().set_loss_scale_state(LossScaleState(float(values[0]), *(int(v) for v in values[1:])))
+
+
+class SavesAsKeras:
+    """What a saved file holds for a unimp loss-scale optimizer: the Keras object that runs its rule.
+
+    ``keras_config()`` is that object's serialized config: ``keras.optimizers.LossScaleOptimizer``
+    (initial scale and growth interval from the policy) for dynamic scaling, else the inner
+    optimizer (with ``loss_scale_factor`` for a static scale). ``save_own_variables`` writes
+    that class's variables in its order, ``load_own_variables`` reads them back (or unimp's own
+    layout), so the file loads the same with or without unimp.
+    """
+
+    spec: LossScaleSpec
+
+    @tracking.no_automatic_dependency_tracking
+    def _make_exact_state(self) -> None:
+        object.__setattr__(self, "unimp_state", ExactState(self))
+
+    def keras_config(self) -> dict[str, Any]:
+        inner = serialization_lib.serialize_keras_object(self.inner_optimizer)
+        if self.spec.mode != "dynamic":
+            if self.spec.mode == "static":
+                inner["config"]["loss_scale_factor"] = float(self.spec.initial)
+            return inner
+        return {"module": "keras.optimizers", "class_name": "LossScaleOptimizer", "registered_name": None,
+                "config": {"name": self.name, "inner_optimizer": inner, "initial_scale": float(self.spec.initial),
+                           "dynamic_growth_steps": int(self.spec.growth_interval)}}
+
+    def _keras_layout(self) -> list[Any]:
+        """Keras' own variables for this rule: LossScaleOptimizer's four, then the inner optimizer's."""
+        inner = list(self.inner_optimizer.variables)
+        if self.spec.mode != "dynamic":
+            return inner
+        return [self.iterations, self._learning_rate, self._tracker_variable(), self._scale_variable(), *inner]
+
+    def save_own_variables(self, store: Any) -> None:
+        if not self.built:
+            return keras.optimizers.Optimizer.save_own_variables(self, store)
+        for i, value in enumerate(self._keras_layout()):
+            store[str(i)] = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+
+    def load_own_variables(self, store: Any) -> None:
+        layout = self._keras_layout() if self.built else []
+        if layout and len(store.keys()) == len(layout) != len(self.variables):
+            for i, var in enumerate(layout):
+                var.assign(store[str(i)])
+            return
+        keras.optimizers.Optimizer.load_own_variables(self, store)  # unimp's own layout (older files)
+
+
 class _Counters:
     """The canonical ``skipped`` / ``steps`` counters (int64 optimizer variables)."""
 
@@ -66,7 +151,7 @@ class _Counters:
         var.assign(tf.minimum(var + 1, INT32_MAX))
 
 
-class LossScaleOptimizer(_Counters, KerasLSO):
+class LossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
     """Loss scaling by unimp's reference rule; optionally float32 masters for low-precision params.
 
     ``masters`` maps ``id(model variable)`` to its float32 master: the inner optimizer updates
@@ -83,6 +168,7 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         self.reduce_dtype = reduce_dtype  # dtype of the cross-replica gradient sum (tf.distribute)
         self._masters = dict(masters or {})
         self._make_state()
+        self._make_exact_state()
         hook_inner(inner_optimizer)  # this wrapper sums gradients across replicas itself
 
     @tracking.no_automatic_dependency_tracking
@@ -99,6 +185,12 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         self._make_counters()
 
     # ------------------------------------------------------------------ state
+    def _tracker_variable(self) -> Any:
+        return self.step_counter
+
+    def _scale_variable(self) -> Any:
+        return self.dynamic_scale
+
     def _state(self) -> State:
         return State(self.dynamic_scale.value, self.step_counter.value, self._hysteresis.value,
                      self._skipped.value, self._steps.value)
@@ -232,8 +324,6 @@ class LossScaleOptimizer(_Counters, KerasLSO):
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
-        from keras.src.saving import serialization_lib
-
         inner = serialization_lib.deserialize_keras_object(config["inner_optimizer"],
                                                            custom_objects=custom_objects)
         ls = dict(config["loss_scale"])
@@ -246,7 +336,7 @@ def _assign_cast(var: Any, master: Any) -> Any:
     return var.assign(tf.cast(master, var.dtype))
 
 
-class KerasLossScaleOptimizer(_Counters, KerasLSO):
+class KerasLossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
     """Keras' own ``LossScaleOptimizer`` rule, plus the canonical skip/step counters."""
 
     def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, name: str | None = None) -> None:
@@ -257,6 +347,13 @@ class KerasLossScaleOptimizer(_Counters, KerasLSO):
         self.spec = spec
         self._pending: LossScaleState | None = None
         self._make_counters()
+        self._make_exact_state()
+
+    def _tracker_variable(self) -> Any:
+        return self.step_counter
+
+    def _scale_variable(self) -> Any:
+        return self.dynamic_scale
 
     @tracking.no_automatic_dependency_tracking
     def build(self, var_list: list) -> None:
