@@ -189,6 +189,17 @@ class Policy:
 
     # ---------------------------------------------------------------- queries backends share
     @property
+    def output_cast(self) -> str | None:
+        """The dtype backends cast the model's floating outputs to; None for ``output_dtype = "unchanged"``
+        (each output stays in the dtype its producing op ran in).
+
+        >>> import unimp
+        >>> unimp.load("fp32").output_cast, unimp.load("torch_autocast_cpu").output_cast
+        ('float32', None)
+        """
+        return None if self.output_dtype == "unchanged" else self.output_dtype
+
+    @property
     def low_precision_params(self) -> bool:
         return is_low(self.param_dtype)
 
