@@ -111,11 +111,11 @@ def last_op_lowered(policy: Policy, output_dtype: str) -> Policy:
 
 def check_output_dtype(kit: Kit, policy: Policy) -> None:
     """The model's output is cast to ``output_dtype``; with ``"unchanged"`` it is in the dtype the last layer
-    ran in (nothing casts it). The policy's counterpart with the last op lowered runs too: its output must be
+    ran in (nothing casts it). The policy with the last op lowered runs too, both ways: its output must be
     low under ``"unchanged"`` (a backend that casts anyway fails) and cast under ``"float32"``."""
     variants = [policy]
     if policy.compute_dtype != "float32":
-        variants.append(last_op_lowered(policy, "float32" if policy.output_cast is None else "unchanged"))
+        variants += [last_op_lowered(policy, "unchanged"), last_op_lowered(policy, "float32")]
     for i, pol in enumerate(variants):
         try:
             amp = setup(kit, pol)
