@@ -1,7 +1,8 @@
 """The model's forward under the compiled plan: autocast, unimp's op rules, layout, output dtype.
 
 With no op moves this is exactly ``with torch.autocast(device, dtype): model(x)`` plus the
-policy's output cast (none for ``output_dtype = "unchanged"``: the outputs as autocast leaves them). With moves, the ops run the policy's way (:mod:`unimp_torch.op_overrides`):
+policy's output cast (none for ``output_dtype = "unchanged"``: the outputs as autocast leaves them).
+With moves, the ops run the policy's way (:mod:`unimp_torch.op_overrides`):
 in eager through unimp's Autocast kernels when no moved op has a C++ Autocast kernel on the device
 (every other call costs nothing), else through :class:`PolicyMode`; under ``torch.compile``
 always through :class:`PolicyMode` (traced into the graph; the kernels stay inactive).
@@ -234,7 +235,8 @@ class PolicyForward:
 
 
 def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, table: Mapping[str, str],
-                  output: torch.dtype | None, channels_last: bool, params: torch.dtype | None = None) -> Callable[[], None]:
+                  output: torch.dtype | None, channels_last: bool,
+                  params: torch.dtype | None = None) -> Callable[[], None]:
     """Put a :class:`PolicyForward` on the instance (and a :class:`SingleOpForward` on each of
     torch's single-op modules whose op the kernels move to float32); returns the undo. ``output``: the
     dtype floating outputs are cast to (None: not cast, as autocast leaves them). ``params``:
