@@ -31,11 +31,12 @@ torch.bfloat16
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -198,6 +199,20 @@ class PolicyForward:
     def rules(self) -> _Rules:
         """unimp's eager op rules of this forward (inside autocast), marked as this thread's."""
         return _Rules(self)
+
+    @contextlib.contextmanager
+    def region(self) -> Iterator[None]:
+        """Code around the model (a loss on its outputs) under the policy as its forward runs: autocast and
+        the eager op rules, as ``torch.autocast`` covers a whole step (Lightning's ``forward_context``)."""
+        if self.autocast is None:
+            yield
+            return
+        with torch.autocast(self.device, dtype=self.autocast):
+            if self.mode is None:
+                yield
+                return
+            with self.rules(), _checkpoint_under_rules:
+                yield
 
     def _run(self, compiling: bool, args: tuple, kwargs: dict) -> Any:
         # the class's forward through functools.partial, not function.__get__ (dynamo in torch 2.11
