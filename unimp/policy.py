@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .dtypes import is_low
+from .dtypes import OUTPUT_DTYPES, is_low
 from .resolve import resolve, to_text
 
 
@@ -184,6 +184,21 @@ class Policy:
             d["loss_scale"].pop("backoff")
         text = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def loads_state_of(self, fingerprint: Any) -> bool:
+        """Whether a state dict saved under ``fingerprint`` is this policy's: the same fingerprint, or one that
+        differs only in ``output_dtype`` (casting the outputs changes no loss-scale state, so state dicts saved
+        before a preset's outputs became ``"unchanged"`` keep loading strictly).
+
+        >>> import unimp
+        >>> p = unimp.load("mixed_fp16")
+        >>> p.loads_state_of(p.replace(output_dtype="float32").fingerprint), p.loads_state_of("0" * 16)
+        (True, False)
+        """
+        if fingerprint == self.fingerprint:
+            return True
+        return isinstance(fingerprint, str) and any(
+            self.replace(output_dtype=d).fingerprint == fingerprint for d in OUTPUT_DTYPES if d != self.output_dtype)
 
     def replace(self, **changes: Any) -> Policy:
         """A new, re-validated policy; table keys merge (``loss_scale={"mode": "static"}``)."""
