@@ -13,6 +13,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,8 +198,12 @@ class Policy:
         """
         if fingerprint == self.fingerprint:
             return True
-        return isinstance(fingerprint, str) and any(
-            self.replace(output_dtype=d).fingerprint == fingerprint for d in OUTPUT_DTYPES if d != self.output_dtype)
+        if not isinstance(fingerprint, str):
+            return False
+        with warnings.catch_warnings():  # this policy was validated (and warned about) when loaded
+            warnings.simplefilter("ignore")
+            return any(self.replace(output_dtype=d).fingerprint == fingerprint
+                       for d in OUTPUT_DTYPES if d != self.output_dtype)
 
     def replace(self, **changes: Any) -> Policy:
         """A new, re-validated policy; table keys merge (``loss_scale={"mode": "static"}``)."""
