@@ -189,7 +189,8 @@ class Amp(abc.ABC):
         fp = state.get("policy_fingerprint")
         if not problems:  # strict or not: strict=False takes another policy's state, never one this rule can't run
             problems = self._policy_problems(LossScaleState.from_dict(state))
-        if fp != self.policy.fingerprint and strict:
+        same = self.policy.loads_state_of(fp)
+        if not same and strict:
             raise StateError(f"amp.load_state_dict(): state_dict was saved under policy fingerprint {fp!r:.60}, "
                              f"this Amp uses {self.policy.fingerprint} ({self.policy.name}); load the same "
                              + ("policy" if problems else "policy, or pass strict=False to take the loss-scale "
@@ -197,7 +198,7 @@ class Amp(abc.ABC):
                              + "".join(f"; {p}" for p in problems))
         if problems:
             raise StateError("amp.load_state_dict(): " + "; ".join(problems))
-        if fp != self.policy.fingerprint:
+        if not same:
             warnings.warn(f"amp.load_state_dict(strict=False): state_dict was saved under policy fingerprint "
                           f"{fp!r:.60}, this Amp uses {self.policy.fingerprint} ({self.policy.name}); its "
                           f"loss-scale state is taken", UnimpWarning, stacklevel=2)

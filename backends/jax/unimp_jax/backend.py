@@ -26,7 +26,7 @@ NOTES = (
     "activation, softmax, log_softmax, transcendental, reduction, loss are JAX functions: the policy "
     "controls them inside Flax layers and where wrapped as layers (unimp_jax.Op / unimp_jax.LinenOp); "
     "called bare in your code they run in their inputs' dtype (a loss on the model's output runs in "
-    "output_dtype)",
+    "output_dtype; with output_dtype \"unchanged\" in the last layer's dtype: cast the logits to float32 first)",
     "softmax inside attention: linen MultiHeadDotProductAttention gets force_fp32_for_softmax when the "
     "policy lists softmax as float32; nnx MultiHeadAttention computes it in the layer's dtype (Flax decides)",
     "layout.channels_last: not applicable on XLA (the compiler picks layouts; Flax convs are NHWC already)",

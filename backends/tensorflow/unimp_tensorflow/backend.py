@@ -73,7 +73,8 @@ class TensorFlowBackend(Backend):
 
                 undo(model, optimizer, wrapper, binding, masters_on=False)
                 raise
-        patch_output(model, plan.policy.output_dtype, binding)
+        if plan.policy.output_cast is not None:  # "unchanged": the last layer's compute dtype, as Keras gives it
+            patch_output(model, plan.policy.output_cast, binding)
         if wrapper is not None and getattr(model, "optimizer", None) is optimizer:
             binding.compiled_optimizer = optimizer
             model.optimizer = wrapper

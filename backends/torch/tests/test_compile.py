@@ -1,5 +1,7 @@
 """torch.compile traces the policy's forward: zero graph breaks, eager's outputs, other models unaffected."""
 
+import copy
+
 import pytest
 import torch
 from models import Block, ConvNet
@@ -26,10 +28,13 @@ def _check(amp, *args, backend="inductor", **kwargs):
 def test_convnet_and_block_compile_without_graph_breaks(policy):
     torch._dynamo.reset()
     for model, x in ((ConvNet(), torch.randn(2, 3, 8, 8)), (Block(), torch.randn(2, 4, 16))):
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the presets' output dtype is torch.autocast's:
+            native = copy.deepcopy(model)(x).dtype  # ConvNet's head Linear bf16, Block's residual add float32
         amp = unimp.apply(policy, model, torch.optim.AdamW(model.parameters()))
         # inductor once (the real code path); AOT autograd (where autocast and casts are traced) otherwise
         eager, compiled = _check(amp, x, backend="inductor" if policy == "mixed_bf16" else "aot_eager")
-        assert compiled.dtype == eager.dtype == torch.float32
+        # CUSTOM runs linear (the head) in float32
+        assert compiled.dtype == eager.dtype == (torch.float32 if policy is CUSTOM else native)
         torch.testing.assert_close(compiled, eager, atol=2e-2, rtol=2e-2)
         amp.remove()
 
@@ -41,10 +46,12 @@ def test_hf_llama_compiles_without_graph_breaks():
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
     model = transformers.LlamaForCausalLM(config)
-    amp = unimp.apply("mixed_bf16", model, torch.optim.AdamW(model.parameters()))
     ids = torch.randint(0, 64, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        native = copy.deepcopy(model)(ids).logits.dtype  # torch.autocast: lm_head's bf16, not cast
+    amp = unimp.apply("mixed_bf16", model, torch.optim.AdamW(model.parameters()))
     eager, compiled = _check(amp, ids, labels=ids, backend="aot_eager")  # autocast traced by AOT; no C++ build
-    assert type(compiled) is type(eager) and compiled.logits.dtype == torch.float32
+    assert type(compiled) is type(eager) and compiled.logits.dtype == eager.logits.dtype == native == torch.bfloat16
     torch.testing.assert_close(compiled.logits, eager.logits, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(compiled.loss, eager.loss, atol=1e-3, rtol=1e-3)
     amp.remove()

@@ -25,7 +25,7 @@ from .forward import PolicyForward, patch_forward
 from .fp8 import Fp8Binding
 from .index import model_index
 from .integrations.save_pretrained import save_full_precision
-from .layers import DTYPES, Rule, kind, type_names, wrap
+from .layers import DTYPES, Rule, kind, output_cast, type_names, wrap
 from .layout import has_conv2d, restore_layout, to_channels_last
 from .optimizer import AmpOptimizer
 from .params import ParamState, cast_params
@@ -207,7 +207,7 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
             p.is_floating_point() and p.dtype != torch.float64 and p.itemsize < compute.itemsize
             for p in model.parameters()) else None  # e.g. float16 storage, float32 compute
         amp._undo.append(patch_forward(model, device, autocast, details.op_moves,
-                                       DTYPES[policy.output_dtype], bool(amp._layout), params_up))
+                                       output_cast(policy), bool(amp._layout), params_up))
         model.__dict__["forward"].observer = amp._observer
         amp._undo.append(save_full_precision(amp, model))  # HF save_pretrained: the fp32 masters
         if optimizer is not None:

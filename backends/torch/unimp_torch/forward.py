@@ -1,7 +1,8 @@
 """The model's forward under the compiled plan: autocast, unimp's op rules, layout, output dtype.
 
 With no op moves this is exactly ``with torch.autocast(device, dtype): model(x)`` plus the
-policy's output cast. With moves, the ops run the policy's way (:mod:`unimp_torch.op_overrides`):
+policy's output cast (none for ``output_dtype = "unchanged"``: the outputs as autocast leaves them).
+With moves, the ops run the policy's way (:mod:`unimp_torch.op_overrides`):
 in eager through unimp's Autocast kernels when no moved op has a C++ Autocast kernel on the device
 (every other call costs nothing), else through :class:`PolicyMode`; under ``torch.compile``
 always through :class:`PolicyMode` (traced into the graph; the kernels stay inactive).
@@ -22,15 +23,20 @@ under the same rules as the forward did. Outside a unimp forward torch is left u
 >>> m(torch.randn(2, 4)).dtype
 torch.float32
 >>> undo()
+>>> undo = patch_forward(m, "cpu", torch.bfloat16, {}, None, channels_last=False)  # "unchanged"
+>>> m(torch.randn(2, 4)).dtype
+torch.bfloat16
+>>> undo()
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -42,9 +48,11 @@ from .layers import install_forward, params_as
 from .op_overrides import EagerPolicyMode, PolicyMode, SingleOpForward, acquire, active, release, single_op
 
 
-def cast_output(out: Any, dtype: torch.dtype) -> Any:
+def cast_output(out: Any, dtype: torch.dtype | None) -> Any:
     """Floating tensors in ``out`` (nested tuples/lists/dicts, HF ``ModelOutput``) cast to ``dtype``;
-    a container is rebuilt only when something in it changed (``out`` itself otherwise)."""
+    a container is rebuilt only when something in it changed (``out`` itself otherwise). ``None``: ``out``."""
+    if dtype is None:
+        return out
     if isinstance(out, torch.Tensor):
         return out.to(dtype) if out.dtype != dtype and out.is_floating_point() else out
     if isinstance(out, list | tuple):
@@ -158,7 +166,7 @@ class PolicyForward:
     pickles of the model bring their own; ``observer`` (the first-forward report) is not copied."""
 
     def __init__(self, module: nn.Module, inner: Callable | None, device: str, autocast: torch.dtype | None,
-                 table: Mapping[str, str], output: torch.dtype, channels_last: bool,
+                 table: Mapping[str, str], output: torch.dtype | None, channels_last: bool,
                  params: torch.dtype | None = None) -> None:
         self.module = module
         self.inner = inner  # the instance forward that was there before, else None (the class's)
@@ -168,7 +176,7 @@ class PolicyForward:
         # eager: aten name -> category for unimp's Autocast kernels, else the mode's eager variant
         self.kernels = kernel_table(dict(table), device) if self.mode is not None else None
         self.eager_mode = EagerPolicyMode(table, device) if self.mode is not None and self.kernels is None else None
-        self.output = output
+        self.output = output  # None: outputs not cast (output_dtype = "unchanged")
         self.channels_last = channels_last
         # without autocast, parameters stored below the compute dtype (param_dtype float16 with
         # compute_dtype float32) are cast up to it for the forward (differentiably: their gradients
@@ -191,6 +199,20 @@ class PolicyForward:
     def rules(self) -> _Rules:
         """unimp's eager op rules of this forward (inside autocast), marked as this thread's."""
         return _Rules(self)
+
+    @contextlib.contextmanager
+    def region(self) -> Iterator[None]:
+        """Code around the model (a loss on its outputs) under the policy as its forward runs: autocast and
+        the eager op rules, as ``torch.autocast`` covers a whole step (Lightning's ``forward_context``)."""
+        if self.autocast is None:
+            yield
+            return
+        with torch.autocast(self.device, dtype=self.autocast):
+            if self.mode is None:
+                yield
+                return
+            with self.rules(), _checkpoint_under_rules:
+                yield
 
     def _run(self, compiling: bool, args: tuple, kwargs: dict) -> Any:
         # the class's forward through functools.partial, not function.__get__ (dynamo in torch 2.11
@@ -228,9 +250,11 @@ class PolicyForward:
 
 
 def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, table: Mapping[str, str],
-                  output: torch.dtype, channels_last: bool, params: torch.dtype | None = None) -> Callable[[], None]:
+                  output: torch.dtype | None, channels_last: bool,
+                  params: torch.dtype | None = None) -> Callable[[], None]:
     """Put a :class:`PolicyForward` on the instance (and a :class:`SingleOpForward` on each of
-    torch's single-op modules whose op the kernels move to float32); returns the undo. ``params``:
+    torch's single-op modules whose op the kernels move to float32); returns the undo. ``output``: the
+    dtype floating outputs are cast to (None: not cast, as autocast leaves them). ``params``:
     the dtype that parameters stored lower are cast up to for the forward when there is no autocast."""
     had_own = "forward" in model.__dict__
     inner = model.__dict__.get("forward")
