@@ -23,6 +23,7 @@ from .loss_scale import STATE_KEYS, LossScale, LossScaleState, check_state
 from .plan import Plan
 from .policy import Policy
 from .report import Report
+from .transaction import Snapshot
 
 STATE_FORMAT = "unimp.amp/1"
 
@@ -75,6 +76,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         """Bind the plan to ``model`` (+ ``optimizer``); returns the backend's Amp."""
+
+    def snapshot(self, model: Any, optimizer: Any = None) -> Snapshot:
+        """What ``apply`` may change on ``model`` and ``optimizer``, restored if ``apply`` fails
+        (:mod:`unimp.transaction`). The default covers their own attributes; a backend whose
+        apply changes submodules or array values names them too."""
+        return Snapshot([model, optimizer])
 
     def scope(self, policy: Policy) -> Any:
         """A context manager building new models under ``policy`` (optional)."""

@@ -153,6 +153,16 @@ class _Hook:
 def cast_params(model: nn.Module, plan: Plan, optimized: set[int]) -> ParamState:
     """Give every parameter the Plan's param dtype; masters for those in ``optimized`` (ids)."""
     state = ParamState()
+    try:
+        _cast(model, plan, optimized, state)
+        state.link()
+    except BaseException:  # half-way: the slots, dtypes and hooks changed so far are put back
+        state.restore()
+        raise
+    return state
+
+
+def _cast(model: nn.Module, plan: Plan, optimized: set[int], state: ParamState) -> None:
     masters = plan.policy.uses_master_weights
     done: dict[int, nn.Parameter] = {}
     for path, module in model.named_modules():
@@ -179,5 +189,3 @@ def cast_params(model: nn.Module, plan: Plan, optimized: set[int]) -> ParamState
             else:
                 state.in_place.append((p, p.data))
                 p.data = p.data.to(dtype)
-    state.link()
-    return state
