@@ -129,3 +129,21 @@ def test_torchscript_is_refused_before_anything_changes(where):
     with pytest.raises(UnsupportedError, match=f"model: {path} is a TorchScript module .*before torch.jit.script"):
         unimp.apply("pure_bf16", model, opt)
     assert state_of(model, opt) == before
+
+
+@pytest.mark.parametrize("preset", ["pure_bf16", "fp16_master", "mixed_fp16", "mixed_bf16"])
+def test_snapshot_covers_everything_apply_changes(preset):
+    """The backend's snapshot alone (without bind's own undo) puts back all that a complete apply
+    changed: what the core restores on any failure, wherever it happens."""
+    from unimp_torch.backend import TorchBackend
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.BatchNorm1d(16), nn.Linear(16, 8))
+    opt = _trained(model)
+    before = state_of(model, opt)
+    snap = TorchBackend().snapshot(model, opt)
+    amp = unimp.apply({"extends": preset, "overrides": [{"modules": ["1"], "compute_dtype": "float32"}]}, model, opt)
+    assert state_of(model, opt) != before
+    snap.restore()
+    unimp.applied.release(amp._applied_ids)
+    assert state_of(model, opt) == before
