@@ -271,3 +271,48 @@ def test_loss_scale_state_that_does_not_fit_the_device_is_refused_whole():
         amp.load_state_dict(dict(good, scale=8.0, growth_tracker=2**40))
     assert amp.state_dict() == good
     amp.remove()
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw", "adamw_fused"])
+@pytest.mark.parametrize("preset", ["fp16_master", "pure_bf16", "mixed_fp16"])
+def test_interrupt_in_a_step_post_hook_keeps_weights_and_counters(preset, opt_name):
+    """Ctrl-C from a user's optimizer step post-hook (torch.optim.Optimizer.profile_hook_step runs
+    instance post-hooks after the inner step): the inner step is done, so the model's weights equal
+    the masters cast, the step is counted, and the next forward runs on the new weights. The hook
+    also sees the updated model (unimp's own post-hook runs first)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
+            "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True)}[opt_name]
+    opt = make(model.parameters())
+    amp = unimp.apply(preset, model, opt)
+    seen = []
+
+    def hook(optimizer, args, kwargs):
+        seen.append([p.detach().clone() for p in model.parameters()])
+        raise KeyboardInterrupt
+
+    handle = opt.register_step_post_hook(hook)
+    x = _batch(0)
+    amp.backward(amp.model(x).float().square().mean())
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = amp.state_dict()["steps"]
+    with pytest.raises(KeyboardInterrupt):
+        amp.optimizer.step()
+    handle.remove()
+    masters = {id(low): m for _, low, m in amp.master_weights}
+    for p, old in zip(model.parameters(), before, strict=True):
+        assert not torch.equal(p, old)  # the step happened
+        if id(p) in masters:
+            assert torch.equal(p, masters[id(p)].to(p.dtype))  # and the model holds it
+    for p, s in zip(model.parameters(), seen[0], strict=True):
+        assert torch.equal(p, s)  # the user's hook saw the stepped model
+    assert amp.state_dict()["steps"] == steps + 1
+    assert amp.optimizer.found_inf is None  # this step's grads are spent
+    # the next step works on fresh grads, counted once
+    amp.optimizer.zero_grad()
+    amp.backward(amp.model(x).float().square().mean())
+    amp.optimizer.step()
+    assert amp.state_dict()["steps"] == steps + 2
+    amp.remove()

@@ -27,7 +27,7 @@ from .index import model_index
 from .integrations.save_pretrained import save_full_precision
 from .layers import DTYPES, Rule, kind, type_names, wrap
 from .layout import has_conv2d, restore_layout, to_channels_last
-from .optimizer import AmpOptimizer
+from .optimizer import AfterInnerStep, AmpOptimizer
 from .params import ParamState, cast_params
 from .scaler import DeviceLossScale
 from .trace import Observer, observe
@@ -213,6 +213,7 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         if optimizer is not None:
             names = {id(p): n for n, p in model.named_parameters()} | {id(m): n for n, _, m in amp.params.masters}
             amp.optimizer = AmpOptimizer(optimizer, amp.scaler, amp.params, on_skip, amp._check_live, names)
+            amp._undo.append(AfterInnerStep.attach(amp.optimizer))
         if fsdp:
             from .distributed import attach_fsdp
 
