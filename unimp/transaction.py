@@ -49,7 +49,7 @@ class _Saved:
         if isinstance(c, dict):
             wanted = [(k, _restored(v)) for k, v in self.contents]
             now = list(c.items())
-            if len(now) != len(wanted) or any(k is not j and k != j or a is not b  # identity: values may be arrays
+            if len(now) != len(wanted) or any((k is not j and k != j) or a is not b  # identity: values may be arrays
                                               for (k, a), (j, b) in zip(now, wanted, strict=True)):
                 c.clear()
                 c.update(wanted)

@@ -235,15 +235,20 @@ def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, t
     had_own = "forward" in model.__dict__
     inner = model.__dict__.get("forward")
     forward = PolicyForward(model, inner, device, autocast, table, output, channels_last, params)
-    undos = [install_forward(model, forward, inner, had_own)]
-    for module in model.modules() if forward.kernels else ():
-        name = single_op(module) if module is not model else None
-        if name is not None and forward.kernels.get(name) == "float32":
-            undos.append(install_forward(module, SingleOpForward(module, name, device), None, False))
+    undos: list[Callable[[], None]] = []
 
     def undo_and_release() -> None:
         for undo in reversed(undos):
             undo()
         forward.close()
 
+    try:
+        undos.append(install_forward(model, forward, inner, had_own))
+        for module in model.modules() if forward.kernels else ():
+            name = single_op(module) if module is not model else None
+            if name is not None and forward.kernels.get(name) == "float32":
+                undos.append(install_forward(module, SingleOpForward(module, name, device), None, False))
+    except BaseException:  # half-way: the forwards installed so far and the kernels' hold released
+        undo_and_release()
+        raise
     return undo_and_release

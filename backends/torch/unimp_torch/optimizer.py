@@ -33,7 +33,7 @@ import torch
 
 from unimp.spi import UnsupportedError
 
-from .params import ParamState
+from .params import MasterGrad, ParamState
 from .scaler import DeviceLossScale
 from .validate import check_optimizer_state
 
@@ -67,6 +67,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         # (found_inf, skip, fresh params) of the step in flight until _finish has run
         self._pending: tuple[torch.Tensor | None, bool, list[torch.Tensor]] | None = None
         self._skipped_now: bool | None = None
+        self._losses_spent = 0  # scaler.losses when the last step was done: equal = no loss scaled since
 
     # delegate what LR schedulers and users read
     @property
@@ -145,6 +146,8 @@ class AmpOptimizer(torch.optim.Optimizer):
             return None
         if self._current():
             return self._unscaled[0]
+        if self.scaler.spec.mode != "none" and self.scaler.losses == self._losses_spent:
+            self._refuse_unscaled_backward()
         for _, low, master in self.params.masters:
             master.grad = None if low.grad is None else low.grad.to(master.dtype)
         grads = []
@@ -161,7 +164,26 @@ class AmpOptimizer(torch.optim.Optimizer):
         if self.agree is not None:
             self.agree(found)  # on the device, no host read
         self._unscaled = (found, self.scaler.losses)
+        # the model's low-precision params now show the unscaled fp32 grads the optimizer steps, so
+        # GradScaler's idiom (unscale_, then clip_grad_norm_(model.parameters())) clips the masters
+        for _, low, master in self.params.masters:
+            if low.grad is not None and master.grad is not None and not master.grad.is_sparse:
+                low.grad = MasterGrad(master.grad, low.dtype)
         return found
+
+    def _refuse_unscaled_backward(self) -> None:
+        """No loss was scaled since the last step: gradients from a plain ``loss.backward()`` would be
+        divided by the loss scale. Refused (nothing changed) when there are gradients at all."""
+        grads = [n for p in self.master_params() if p.grad is not None for n in (self.names.get(id(p), "?"),)]
+        grads += [name for name, low, _ in self.params.masters if low.grad is not None]
+        if not grads:
+            return
+        raise UnsupportedError(
+            f"amp.optimizer.step(): no loss was scaled since the last step, but parameters have gradients "
+            f"(e.g. {grads[0]}): they come from a plain loss.backward(), and stepping would divide them by "
+            f"the loss scale ({self.scaler.scale.item():g}). Call amp.backward(loss) (or "
+            f"amp.scale_loss(loss).backward()) instead of loss.backward(); with a Trainer, use unimp's "
+            f"integration (unimp_torch.integrations.hf / .lightning)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._live("amp.optimizer.zero_grad()")
@@ -169,6 +191,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         for _, low, _ in self.params.masters:
             if set_to_none:
                 low.grad = None
+            elif isinstance(low.grad, MasterGrad):  # the next backward accumulates in low precision again
+                low.grad = torch.zeros_like(low)
             elif low.grad is not None:
                 low.grad.zero_()
 
@@ -255,6 +279,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         self.last_skipped = found > 0 if skip else torch.zeros((), dtype=torch.bool)
         self.scaler.update(found)
         self._unscaled = None
+        self._losses_spent = self.scaler.losses
 
 
 class AfterInnerStep:
