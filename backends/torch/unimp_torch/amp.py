@@ -30,7 +30,7 @@ from .layout import has_conv2d, restore_layout, to_channels_last
 from .optimizer import AfterInnerStep, AmpOptimizer
 from .params import ParamState, cast_params
 from .scaler import DeviceLossScale
-from .trace import Observer, observe
+from .trace import Observer, example_inputs, observe
 
 
 class TorchAmp(Amp):
@@ -139,8 +139,14 @@ class TorchAmp(Amp):
             observed = observe(self.module, args, kwargs)
         elif self._observer.rows is not None:
             observed = self._observer.rows
+        elif (spec := getattr(self.module.__dict__.get("forward"), "compiled_inputs", None)) is not None:
+            # the forwards ran compiled (torch.compile traces the policy, nothing is observed inside a
+            # graph): one eager no-grad forward on inputs shaped like the first call's, as the first
+            # eager forward would have been observed (buffers and RNG left as they were)
+            self._observer.rows = observe(self.module, *example_inputs(spec))
+            observed = self._observer.rows
         else:
-            raise self.no_forward("a compiled forward is not observed: under torch.compile, pass the input")
+            raise self.no_forward()
         fp8 = self.fp8.layers if self.fp8 is not None else {}
         rows = [ReportRow(path or "<model>", r["kind"], r["compute_dtype"], r["param_dtype"], r["output_dtype"],
                           fp8.get(path))

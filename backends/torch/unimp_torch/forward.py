@@ -39,6 +39,7 @@ from torch import nn
 
 from .autocast import kernel_table
 from .layers import install_forward, params_as
+from .trace import input_spec
 from .op_overrides import EagerPolicyMode, PolicyMode, SingleOpForward, acquire, active, release, single_op
 
 
@@ -175,6 +176,7 @@ class PolicyForward:
         # come back in their own dtype)
         self.params = params
         self.observer: Any = None  # observe.Observer until the first eager forward has run
+        self.compiled_inputs: Any = None  # trace.input_spec of the last compiled call (report() after compile)
         self._hold: weakref.finalize | None = None
         self._acquire()
 
@@ -214,13 +216,15 @@ class PolicyForward:
         if self.channels_last:
             args = tuple(_nhwc(a) for a in args)
         compiling = torch.compiler.is_compiling()  # decided once per forward
+        if compiling:  # traced: the graph's inputs' shapes/dtypes are left here for amp.report()
+            self.compiled_inputs = input_spec(args, kwargs)
         if not compiling and self.observer is not None:
             observer, self.observer = self.observer, None  # the first eager forward, observed as it runs
             return observer.run(self.module, lambda: cast_output(self._run(False, args, kwargs), self.output))
         return cast_output(self._run(compiling, args, kwargs), self.output)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "observer": None, "_hold": None}
+        return {**self.__dict__, "observer": None, "_hold": None, "compiled_inputs": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
