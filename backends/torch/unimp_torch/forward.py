@@ -39,8 +39,8 @@ from torch import nn
 
 from .autocast import kernel_table
 from .layers import install_forward, params_as
-from .trace import input_spec
 from .op_overrides import EagerPolicyMode, PolicyMode, SingleOpForward, acquire, active, release, single_op
+from .trace import input_spec
 
 
 def cast_output(out: Any, dtype: torch.dtype) -> Any:
