@@ -5,7 +5,8 @@ attributes it sets (modules, layers, the optimizer) and the values it replaces t
 those attribute dicts (a tensor's storage, a variable's value) as ``(get, set)`` pairs. The
 snapshot keeps references, never copies of arrays: ``restore()`` puts back every attribute (and
 the contents of the dicts and lists it holds, two levels down, in the same container objects),
-drops the attributes ``apply`` added, and sets each value back to the object it was. No attribute
+drops the attributes ``apply`` added, gives each object its class back, and sets each value back
+to the object it was. No attribute
 is written where nothing changed, so restoring an untouched model changes nothing.
 
 >>> class Layer: ...
@@ -52,7 +53,7 @@ class _Saved:
             if len(now) != len(wanted) or any((k is not j and k != j) or a is not b  # identity: values may be arrays
                                               for (k, a), (j, b) in zip(now, wanted, strict=True)):
                 c.clear()
-                c.update(wanted)
+                c.update(dict(wanted))
         else:
             wanted = [_restored(v) for v in self.contents]
             if len(c) != len(wanted) or any(a is not b for a, b in zip(c, wanted, strict=True)):
@@ -70,19 +71,21 @@ class Snapshot:
 
     def __init__(self, objects: Iterable[Any] = (),
                  values: Iterable[tuple[Callable[[], Any], Callable[[Any], None]]] = ()) -> None:
-        self.objects: list[tuple[Any, dict[str, Any]]] = []
+        self.objects: list[tuple[Any, type, dict[str, Any]]] = []
         seen: set[int] = set()
         for obj in objects:
             attrs = getattr(obj, "__dict__", None)
             if attrs is None or id(obj) in seen:
                 continue
             seen.add(id(obj))
-            self.objects.append((obj, {k: _copy(v, _DEPTH) for k, v in attrs.items()}))
+            self.objects.append((obj, type(obj), {k: _copy(v, _DEPTH) for k, v in attrs.items()}))
         self.values = [(get(), get, put) for get, put in values]
 
     def restore(self) -> None:
         """Everything back as it was when the snapshot was taken (in the same objects)."""
-        for obj, saved in self.objects:
+        for obj, cls, saved in self.objects:
+            if type(obj) is not cls:  # a backend may give a layer a subclass for the duration
+                object.__setattr__(obj, "__class__", cls)
             attrs = obj.__dict__
             for key in [k for k in attrs if k not in saved]:
                 del attrs[key]
