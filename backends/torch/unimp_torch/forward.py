@@ -26,8 +26,10 @@ torch.float32
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -194,10 +196,12 @@ class PolicyForward:
         """unimp's eager op rules of this forward (inside autocast), marked as this thread's."""
         return _Rules(self)
 
-    def _run(self, compiling: bool, args: tuple, kwargs: dict) -> Any:
+    def _run(self, compiling: bool, args: tuple, kwargs: dict, inner: Callable | None = None) -> Any:
         # the class's forward through functools.partial, not function.__get__ (dynamo in torch 2.11
-        # cannot trace __get__ and breaks the graph there)
-        inner = self.inner if self.inner is not None else functools.partial(type(self.module).forward, self.module)
+        # cannot trace __get__ and breaks the graph there); ``inner``: another entry point instead
+        if inner is None:
+            inner = self.inner if self.inner is not None else functools.partial(type(self.module).forward,
+                                                                                 self.module)
         if self.autocast is None:
             if self.params is None:
                 return inner(*args, **kwargs)
@@ -231,6 +235,44 @@ class PolicyForward:
         self._acquire()  # a copy or an unpickled model (maybe in another process) holds its own kernels
 
 
+class PolicyMethod:
+    """Another entry point of the model (``generate``, ``get_image_features``, ``encode``, ...) under
+    the policy's compute rules, as ``with torch.autocast(...)`` around the call would run it: the
+    submodules it calls (HF ``generate`` runs ``self.get_encoder()(...)`` directly, CLIP's feature
+    methods call their towers) are inside the policy. Its result is returned as the method made it
+    (the policy's output dtype is ``forward``'s, as native autocast leaves results alone)."""
+
+    def __init__(self, forward: PolicyForward, name: str) -> None:
+        self.forward = forward
+        self.name = name
+        self.__doc__ = getattr(getattr(type(forward.module), name), "__doc__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.forward.module
+        method = functools.partial(getattr(type(module), self.name), module)
+        return self.forward._run(torch.compiler.is_compiling(), args, kwargs, method)
+
+    def __repr__(self) -> str:
+        return f"<{type(self.forward.module).__name__}.{self.name} under a unimp policy>"
+
+
+def entry_points(model: nn.Module) -> list[str]:
+    """The model's public methods besides ``forward`` that may compute: those its own classes
+    define (not ``torch.nn.Module``'s, nor overrides of them such as ``to``/``state_dict``)."""
+    torch_names = set(dir(nn.Module))
+    names = []
+    for name in dir(type(model)):
+        if name.startswith("_") or name in torch_names or name in model.__dict__:
+            continue
+        attr = inspect.getattr_static(type(model), name, None)
+        if not inspect.isfunction(attr):  # properties, class/static methods, attributes
+            continue
+        if attr.__module__ is not None and attr.__module__.split(".")[0] == "torch":
+            continue
+        names.append(name)
+    return names
+
+
 def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, table: Mapping[str, str],
                   output: torch.dtype, channels_last: bool, params: torch.dtype | None = None) -> Callable[[], None]:
     """Put a :class:`PolicyForward` on the instance (and a :class:`SingleOpForward` on each of
@@ -248,6 +290,9 @@ def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, t
 
     try:
         undos.append(install_forward(model, forward, inner, had_own))
+        if autocast is not None or params is not None:  # every other entry point under the same rules
+            for name in entry_points(model):
+                undos.append(_install_method(model, PolicyMethod(forward, name)))
         for module in model.modules() if forward.kernels else ():
             name = single_op(module) if module is not model else None
             if name is not None and forward.kernels.get(name) == "float32":
@@ -256,3 +301,15 @@ def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, t
         undo_and_release()
         raise
     return undo_and_release
+
+
+def _install_method(model: nn.Module, method: PolicyMethod) -> Callable[[], None]:
+    with contextlib.suppress(TypeError, ValueError):  # callers may read the signature (HF generate does)
+        method.__signature__ = inspect.signature(getattr(model, method.name))  # type: ignore[attr-defined]
+    model.__dict__[method.name] = method
+
+    def undo() -> None:
+        if model.__dict__.get(method.name) is method:
+            del model.__dict__[method.name]
+
+    return undo
