@@ -5,7 +5,6 @@ real failure half-way: a layer whose parameter cannot be cast, after earlier lay
 
 import warnings
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -4,12 +4,12 @@ of the same model called eagerly (the layers record what they run while jit trac
 
 import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import flax.linen as nn
 from flax import nnx
 
 import unimp

@@ -11,8 +11,18 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from unimp.spi import (CANONICAL_OPS, Amp, Backend, Fp8Support, Plan, Policy, Snapshot, UnimpWarning, compile_ops,
-                       native_table)
+from unimp.spi import (
+    CANONICAL_OPS,
+    Amp,
+    Backend,
+    Fp8Support,
+    Plan,
+    Policy,
+    Snapshot,
+    UnimpWarning,
+    compile_ops,
+    native_table,
+)
 
 from .layers import is_linen, is_nnx
 from .ops import NATIVE_OPS

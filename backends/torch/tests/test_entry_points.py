@@ -91,7 +91,7 @@ def test_generate_runs_the_encoder_under_the_policy(name, policy):
     torch.manual_seed(0)
     model, inputs = GENERATORS[name]()
     model.eval()
-    call = lambda m: _generate(m, inputs)  # noqa: E731
+    call = lambda m: _generate(m, inputs)
     ref, ref_ops = _native(model, POLICIES[policy], call)
     got, ops = _unimp(policy, model, call)
     assert ref_ops and all(d == torch.bfloat16 for _, d in ref_ops)
@@ -106,7 +106,7 @@ def test_generate_under_pure_bf16_runs(name):
     torch.manual_seed(0)
     model, inputs = GENERATORS[name]()
     model.eval()
-    call = lambda m: _generate(m, inputs)  # noqa: E731
+    call = lambda m: _generate(m, inputs)
     _, ref_ops = _native(copy.deepcopy(model).bfloat16(), torch.bfloat16, call)
     got, ops = _unimp("pure_bf16", model, call)
     assert [op for op, _ in ops] == [op for op, _ in ref_ops]
@@ -131,7 +131,7 @@ def test_clip_feature_methods_run_under_the_policy(method, policy):
     model = clip().eval()
     inputs = ({"pixel_values": torch.randn(2, 3, 16, 16)} if method == "get_image_features"
               else {"input_ids": torch.randint(0, 64, (2, 8))})
-    call = lambda m: getattr(m, method)(**inputs)  # noqa: E731
+    call = lambda m: getattr(m, method)(**inputs)
     with torch.no_grad():
         ref, ref_ops = _native(model, POLICIES[policy], call)
         got, ops = _unimp(policy, model, call)
