@@ -77,10 +77,11 @@ class Backend(abc.ABC):
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         """Bind the plan to ``model`` (+ ``optimizer``); returns the backend's Amp."""
 
-    def snapshot(self, model: Any, optimizer: Any = None) -> Snapshot:
+    def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
         """What ``apply`` may change on ``model`` and ``optimizer``, restored if ``apply`` fails
         (:mod:`unimp.transaction`). The default covers their own attributes; a backend whose
-        apply changes submodules or array values names them too."""
+        apply changes submodules or array values names them too (``plan``: the Plan about to be
+        applied, e.g. to copy values only where apply casts them in place)."""
         return Snapshot([model, optimizer])
 
     def scope(self, policy: Policy) -> Any:

@@ -97,7 +97,8 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
                         f"{chosen.model_types})")
     plan = chosen.compile(pol, model)
     # all or nothing: whatever apply changed before it failed is put back (unimp.transaction)
-    amp = all_or_nothing(chosen.snapshot(model, optimizer), lambda: chosen.apply(plan, model, optimizer, **options))
+    amp = all_or_nothing(chosen.snapshot(model, optimizer, plan),
+                         lambda: chosen.apply(plan, model, optimizer, **options))
     amp._applied_ids = _remember(model, amp.model)
     return amp
 

@@ -111,7 +111,7 @@ class JaxBackend(Backend):
                            compute_reason=reason, fixed=fixed, notes=notes, details=details,
                            fp8=fp8_support(platform))
 
-    def snapshot(self, model: Any, optimizer: Any = None) -> Snapshot:
+    def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
         """An nnx Module: every submodule (attributes, class) and every Variable's value; a linen
         Module is immutable (apply changes none of it, nor the params it is given)."""
         if not is_nnx(model):

@@ -48,14 +48,16 @@ class PaddleBackend(Backend):
 
         return compile_dygraph(policy, model_place(model), model_index(model))
 
-    def snapshot(self, model: Any, optimizer: Any = None) -> Snapshot:
-        """A dygraph Layer: every sublayer's attributes (forwards, hooks), the optimizer's, and every
-        parameter's and buffer's dtype and value (O2 casts them in place, so values are copied)."""
+    def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
+        """A dygraph Layer: every sublayer's attributes (forwards, hooks) and the optimizer's; when
+        the Plan runs O2 (``decorate`` casts parameters in place), every parameter's and buffer's
+        dtype and value too (copied: the only case that needs a copy)."""
         if _is_program(model):
             return Snapshot([model, optimizer])
         layers = [model, *model.sublayers()]
+        o2 = plan is None or (plan.details.amp_active and plan.details.level == "O2")
         tensors = {id(t): t for layer in layers for t in (*layer._parameters.values(), *layer._buffers.values())
-                   if t is not None}
+                   if t is not None} if o2 else {}
         return Snapshot([*layers, optimizer], [_value(t) for t in tensors.values()])
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:

@@ -42,17 +42,16 @@ class TensorFlowBackend(Backend):
 
         return compile_plan(policy, model_index(model) if model is not None else None)
 
-    def snapshot(self, model: Any, optimizer: Any = None) -> Snapshot:
-        """Every layer (attributes, dtype policy, instance methods, variable tracker), the model's
-        and the optimizer's attributes, and every variable's value."""
+    def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
+        """Every layer (attributes, dtype policy, instance methods, variable tracker) and the
+        optimizer's attributes. Variables are held by identity in those attributes: apply gives
+        layers new low-precision variables and never assigns to the user's (no copy is taken)."""
         import keras
 
         layers = [model, *model._flatten_layers(include_self=False, recursive=True)] \
             if isinstance(model, keras.layers.Layer) else [model]
         trackers = [t for layer in layers if (t := layer.__dict__.get("_tracker")) is not None]
-        variables = {id(v): v for layer in layers for v in getattr(layer, "variables", ())}
-        return Snapshot([*layers, *trackers, optimizer],
-                        [((lambda v=v: v.value), v.assign) for v in variables.values()])
+        return Snapshot([*layers, *trackers, optimizer])
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         """Set per-layer dtype policies on ``model`` and wrap ``optimizer`` for loss scaling.

@@ -38,7 +38,7 @@ class TorchBackend(Backend):
 
         return compile_plan(policy, device_of(model), model_index(model) if model is not None else None)
 
-    def snapshot(self, model: Any, optimizer: Any = None) -> Snapshot:
+    def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
         """Every module's attributes (parameters, buffers, submodules, forward, hooks), every
         parameter's and buffer's storage, and the optimizer's groups and state: a failed apply
         leaves them as they were."""
