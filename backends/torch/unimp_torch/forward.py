@@ -245,7 +245,8 @@ class PolicyMethod:
     def __init__(self, forward: PolicyForward, name: str) -> None:
         self.forward = forward
         self.name = name
-        self.__doc__ = getattr(getattr(type(forward.module), name), "__doc__", None)
+        self.__wrapped__ = getattr(type(forward.module), name)  # what introspection sees (Lightning's is_overridden)
+        self.__doc__ = getattr(self.__wrapped__, "__doc__", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.forward.module
@@ -256,13 +257,18 @@ class PolicyMethod:
         return f"<{type(self.forward.module).__name__}.{self.name} under a unimp policy>"
 
 
+_NOT_ENTRY = ("_", "save", "push_to_hub", "load", "from_")
+
+
 def entry_points(model: nn.Module) -> list[str]:
     """The model's public methods besides ``forward`` that may compute: those its own classes
-    define (not ``torch.nn.Module``'s, nor overrides of them such as ``to``/``state_dict``)."""
+    define (not ``torch.nn.Module``'s, nor overrides of them such as ``to``/``state_dict``), except
+    backward passes (Lightning's ``backward``/``manual_backward``), which autocast does not cover,
+    and saving/loading (``save_pretrained``, ``push_to_hub``, ``load_*``, ``from_*``: no compute)."""
     torch_names = set(dir(nn.Module))
     names = []
     for name in dir(type(model)):
-        if name.startswith("_") or name in torch_names or name in model.__dict__:
+        if name.startswith(_NOT_ENTRY) or name in torch_names or name in model.__dict__ or "backward" in name:
             continue
         attr = inspect.getattr_static(type(model), name, None)
         if not inspect.isfunction(attr):  # properties, class/static methods, attributes
