@@ -50,7 +50,8 @@ class _Saved:
         if isinstance(c, dict):
             wanted = [(k, _restored(v)) for k, v in self.contents]
             now = list(c.items())
-            if len(now) != len(wanted) or any((k is not j and k != j) or a is not b  # identity: values may be arrays
+            # by identity only: keys and values may be arrays (torch.optim's state is keyed by parameters)
+            if len(now) != len(wanted) or any(k is not j or a is not b
                                               for (k, a), (j, b) in zip(now, wanted, strict=True)):
                 c.clear()
                 c.update(dict(wanted))
@@ -82,19 +83,33 @@ class Snapshot:
         self.values = [(get(), get, put) for get, put in values]
 
     def restore(self) -> None:
-        """Everything back as it was when the snapshot was taken (in the same objects)."""
+        """Everything back as it was when the snapshot was taken (in the same objects). Every object
+        and value is restored even if one fails; the first failure is raised afterwards."""
+        errors: list[Exception] = []
         for obj, cls, saved in self.objects:
-            if type(obj) is not cls:  # a backend may give a layer a subclass for the duration
-                object.__setattr__(obj, "__class__", cls)
-            attrs = obj.__dict__
-            for key in [k for k in attrs if k not in saved]:
-                del attrs[key]
-            for key, value in saved.items():
-                value = _restored(value)
-                if attrs.get(key, _MISSING) is not value:
-                    attrs[key] = value
+            try:
+                _restore_object(obj, cls, saved)
+            except Exception as e:
+                errors.append(e)
         for value, _, put in self.values:
-            put(value)
+            try:
+                put(value)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+def _restore_object(obj: Any, cls: type, saved: dict[str, Any]) -> None:
+    if type(obj) is not cls:  # a backend may give a layer a subclass for the duration
+        object.__setattr__(obj, "__class__", cls)
+    attrs = obj.__dict__
+    for key in [k for k in attrs if k not in saved]:
+        del attrs[key]
+    for key, value in saved.items():
+        value = _restored(value)
+        if attrs.get(key, _MISSING) is not value:
+            attrs[key] = value
 
 
 _MISSING = object()
