@@ -149,3 +149,26 @@ def test_methods_are_restored_by_remove_and_torch_methods_are_left_alone():
     assert not {"to", "state_dict", "train", "parameters"} & set(model.__dict__)
     amp.remove()
     assert "get_image_features" not in model.__dict__ and "forward" not in model.__dict__
+
+
+def test_copies_and_pickles_run_their_own_entry_points():
+    """copy.deepcopy / torch.save of the applied model: the copy's generate runs the copy's weights
+    under the policy (as forward does), with the same result."""
+    import io
+
+    torch.manual_seed(0)
+    model, inputs = t5()
+    model.eval()
+    amp = unimp.apply("mixed_bf16", model)
+    want = _generate(model, inputs)
+    copied = copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    amp.remove()
+    for other in (copied, loaded):
+        assert other.__dict__["generate"].forward.module is other
+        with OpLog() as log:
+            got = _generate(other, inputs)
+        assert torch.equal(got, want) and all(d == torch.bfloat16 for _, d in log.ops)

@@ -26,7 +26,6 @@ torch.float32
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -253,6 +252,13 @@ class PolicyMethod:
         method = functools.partial(getattr(type(module), self.name), module)
         return self.forward._run(torch.compiler.is_compiling(), args, kwargs, method)
 
+    @property
+    def __signature__(self) -> inspect.Signature:  # the bound method's (callers read it: HF generate does)
+        return inspect.signature(getattr(type(self.forward.module), self.name).__get__(self.forward.module))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # copies and pickles: rebuilt over the copied forward
+        return (PolicyMethod, (self.forward, self.name))
+
     def __repr__(self) -> str:
         return f"<{type(self.forward.module).__name__}.{self.name} under a unimp policy>"
 
@@ -310,8 +316,6 @@ def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, t
 
 
 def _install_method(model: nn.Module, method: PolicyMethod) -> Callable[[], None]:
-    with contextlib.suppress(TypeError, ValueError):  # callers may read the signature (HF generate does)
-        method.__signature__ = inspect.signature(getattr(model, method.name))  # type: ignore[attr-defined]
     model.__dict__[method.name] = method
 
     def undo() -> None:
