@@ -65,7 +65,12 @@ class TorchAmp(Amp):
         return self.scaler.scale_loss(loss)
 
     def unscale_(self) -> torch.Tensor | None:
-        """Unscale this step's grads now (e.g. before inspecting them); returns found_inf."""
+        """Unscale this step's grads now (e.g. before clipping or inspecting them); returns found_inf.
+
+        With master weights, the model's low-precision parameters then show their masters' unscaled
+        fp32 gradients (:class:`unimp_torch.params.MasterGrad`), so GradScaler's idiom
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` clips what the optimizer steps.
+        Refused when no loss was scaled since the last step (a plain ``loss.backward()``)."""
         self._check_live("amp.unscale_()")
         return self.optimizer.unscale_() if self.optimizer is not None else None
 
