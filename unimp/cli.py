@@ -14,22 +14,11 @@ from typing import Any
 
 from .errors import PolicyError, UnsupportedError
 from .loading import dumps, load, preset_names
+from .migrate.common import printable
 from .ops import OPS
 from .report import format_table
 from .resolve import flatten
 from .spec import json_schema
-
-
-def printable(text: str) -> str:
-    r"""``text`` safe for a terminal: control characters, escape sequences and lone surrogates escaped.
-
-    >>> print(printable("a\x1b[31mb\udc80"))
-    a\x1b[31mb\udc80
-    """
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
-                   for c in text)
 
 
 def _say(text: str, file: Any = None) -> None:
@@ -133,20 +122,63 @@ def _read_source(text: str) -> tuple[object, str]:
 
 def _import(args: argparse.Namespace) -> int:
     from .migrate import import_from
+    from .migrate.common import checked
 
     if not args.source.strip():  # an unset shell variable, not "the system's defaults"
         raise PolicyError(f"<argument>: empty configuration for --from {args.system}; pass a file or the "
                           f"configuration string (`unimp import --help`)")
     raw, source = _read_source(args.source)
-    imported = import_from(args.system, raw, source)
+    imported = import_from(args.system, raw, source, _assume(args.assume))
     if args.output:
-        from pathlib import Path
-
-        Path(args.output).write_text(imported.text)
+        _write(args.output, checked(imported).text)
         _say(f"wrote {args.output} ({imported.system}, fingerprint {imported.policy.fingerprint})", file=sys.stderr)
     else:
-        print(imported.text, end="")
+        print(checked(imported).text, end="")
     return 0
+
+
+def _assume(items: list[str] | None) -> dict[str, Any] | None:
+    """``--assume KEY=VALUE`` (repeatable) or ``--assume FILE`` (a JSON/YAML/TOML table, e.g. HF
+    TrainingArguments saved with ``to_json_string()``) as one table; None when not given."""
+    if not items:
+        return None
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if eq and key.strip():
+            out[key.strip()] = value.strip()
+            continue
+        raw, _ = _read_source(item)
+        if not isinstance(raw, dict):
+            raise PolicyError(f"<argument>: --assume {item[:80]!r}: expected KEY=VALUE (e.g. fp16=true) or a "
+                              f"file holding a table of Trainer arguments")
+        out.update(raw)
+    return out
+
+
+def _write(output: str, text: str) -> None:
+    """``text`` to the file ``output`` (whole, or not at all); every failure a located error with the fix."""
+    import os
+    from pathlib import Path
+
+    path = Path(output)
+    where = f"<argument>: -o {printable(output[:200])}"
+    if path.is_dir():
+        raise PolicyError(f"{where}: is a directory; name a file in it (e.g. {printable(str(path / 'policy.toml'))})")
+    if not path.parent.is_dir():
+        raise PolicyError(f"{where}: no directory {printable(str(path.parent)[:200])}; create it first or "
+                          f"write elsewhere")
+    data = text.encode("utf-8")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise PolicyError(f"{where}: cannot write ({e.strerror or e}); choose another file") from None
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -203,6 +235,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("source", metavar="FILE|STRING")
     p.add_argument("--from", dest="system", required=True, metavar="SYSTEM", help=", ".join(SYSTEMS))
     p.add_argument("-o", "--output", help="write the policy here instead of printing it")
+    p.add_argument("--assume", action="append", metavar="KEY=VALUE|FILE",
+                   help="run arguments that 'auto' values resolve from (DeepSpeed: HF Trainer's fp16, bf16, "
+                        "fp16_full_eval, bf16_full_eval, fp16_backend, fp16_opt_level; or a TrainingArguments "
+                        "JSON file)")
     p.set_defaults(run=_import)
     p = sub.add_parser("export", help="a policy as another system's AMP configuration")
     p.add_argument("policy")

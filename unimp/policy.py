@@ -58,6 +58,7 @@ class LossScaleSpec:
     scale_dtype: str = "float32"
     subnormal: str = "keep"
     factor_arithmetic: str = "float64"
+    backoff: str = "multiply"
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,8 @@ class Policy:
         d.pop("name")
         if self.fp8 == Fp8Spec():  # policies without FP8 keep the fingerprint they had before [fp8] existed
             d.pop("fp8")
+        if d["loss_scale"]["backoff"] == "multiply":  # policies keep the fingerprint they had before the knob
+            d["loss_scale"].pop("backoff")
         text = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import PolicyError
 from ..ops import suggest
+from ..spec import show
 from .common import Exported, Imported
 
 SYSTEMS: dict[str, str] = {
@@ -36,17 +37,36 @@ def module(system: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{SYSTEMS[system]}")
 
 
-def import_from(system: str, raw: Any, source: str | None = None) -> Imported:
-    """A policy from ``raw`` (a string as pasted on the command line, or a parsed config file)."""
-    from .common import MAX_TEXT, bad
+ASSUMES = ("deepspeed",)  # systems whose "auto" values resolve from assumed run arguments (HF Trainer)
+
+
+def import_from(system: str, raw: Any, source: str | None = None, assume: dict[str, Any] | None = None) -> Imported:
+    """A policy from ``raw`` (a string as pasted on the command line, or a parsed config file);
+    ``assume``: the run's arguments a system's ``"auto"`` values resolve from (DeepSpeed: HF Trainer's).
+
+    Every system's input goes through one path: its size and shape are bounded and checked
+    (:func:`~unimp.migrate.common.plain`) before the system's reader sees it, and the policy file
+    is checked to load back to the policy reported (:func:`~unimp.migrate.common.checked`).
+    """
+    from .common import MAX_TEXT, bad, checked, plain
 
     mod = module(system)
     src = source or system
+    if assume is not None and system not in ASSUMES:
+        raise bad("<argument>", "--assume", f"{system} has no 'auto' values to resolve; remove --assume "
+                                            f"(it applies to {', '.join(ASSUMES)})")
+    extra = {"assume": plain(assume, "<argument>: --assume")} if assume is not None else {}
     if isinstance(raw, str) and len(raw) > MAX_TEXT:  # every system, not only those parsing calls
         raise bad(src, "", f"{len(raw)} characters; a pasted configuration is at most {MAX_TEXT}")
+    raw = plain(raw, src)
+    if isinstance(raw, list) and not (system == "megatron" and all(isinstance(a, str) for a in raw)):
+        raise bad(src, "", f"expected a table (a configuration file) or a string, got {show(raw)}; pass the "
+                           f"{system} configuration itself")
+    if not isinstance(raw, str | dict | list):
+        raise bad(src, "", f"expected a table (a configuration file) or a string, got {show(raw)}")
     if system == "tf_keras":
-        return mod.from_cli(raw, src, tf_keras=True)
-    return mod.from_cli(raw, src)
+        return checked(mod.from_cli(raw, src, tf_keras=True))
+    return checked(mod.from_cli(raw, src, **extra))
 
 
 def export_to(system: str, policy: Any, strict: bool = False) -> Exported:

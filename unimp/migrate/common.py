@@ -11,6 +11,7 @@ growth_interval = 100  # growth_interval
 from __future__ import annotations
 
 import ast
+import datetime
 import json
 import math
 import warnings
@@ -23,9 +24,13 @@ from ..loading import load, preset_names
 from ..loss_scale import f32
 from ..policy import Policy
 from ..resolve import flatten
-from ..spec import TABLES, short, show
+from ..spec import FLT_MAX, TABLES, short, show
 
 MAX_TEXT = 65536  # characters of a pasted configuration (an AST of a longer one is not worth building)
+MAX_VALUES = 20_000  # values (tables, lists, scalars; an alias counted each time it is used) in one source
+MAX_DEPTH = 32  # nesting of tables and lists in one source (real configurations nest 3 or 4 deep)
+MAX_BITS = 1000  # bits of an integer a source may hold (any larger is out of every dtype's range)
+MAX_NAME = 80  # characters of a source key quoted in a message or comment
 
 
 @dataclass(frozen=True)
@@ -71,13 +76,89 @@ def has_knob(path: str) -> bool:
     return key in TABLES.get(table, {})
 
 
+def printable(text: str) -> str:
+    r"""``text`` safe for a terminal and a TOML comment: control characters (newlines included),
+    escape sequences and lone surrogates escaped.
+
+    >>> print(printable("a\x1b[31mb\ncd\udc80"))
+    a\x1b[31mb\ncd\udc80
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in text)
+
+
+def name(key: Any) -> str:
+    """A source key (or location) as quoted in a message or comment: escaped, at most ``MAX_NAME`` characters."""
+    text = key if isinstance(key, str) else show(key)
+    text = printable(text[:MAX_NAME * 2])
+    return text if len(text) <= MAX_NAME else text[:MAX_NAME] + "..."
+
+
 def refuse(source: str, key: str, message: str, fix: str) -> UnsupportedError:
     """What the source says that unimp cannot express: names the source key and the fix."""
-    return UnsupportedError(f"{source}: {key}: {message}; {fix}")
+    return UnsupportedError(f"{printable(source)}: {name(key) + ': ' if key else ''}{message}; {fix}")
 
 
 def bad(source: str, key: str, message: str) -> PolicyError:
-    return PolicyError(f"{source}: {key}: {message}")
+    """Malformed source input: names the source (file or ``<argument>``) and the key."""
+    return PolicyError(f"{printable(source)}: {name(key) + ': ' if key else ''}{message}")
+
+
+def plain(raw: Any, source: str) -> Any:
+    """``raw`` (a parsed configuration) as plain data, checked in bounded time and memory: tables with
+    string keys, lists, strings, numbers, booleans and null; at most ``MAX_VALUES`` values (a YAML
+    alias counts each time it is used, so an alias bomb stops here) nested ``MAX_DEPTH`` deep.
+
+    >>> plain({"fp16": {"enabled": True}}, "x")
+    {'fp16': {'enabled': True}}
+    >>> plain({1: 2}, "x")
+    Traceback (most recent call last):
+    unimp.errors.PolicyError: x: (top level): a key is a string, got an integer 1; quote it
+    """
+    out: list[Any] = [None]
+    stack: list[tuple[Any, list[Any] | dict[str, Any], Any, str, int]] = [(raw, out, 0, "", 0)]
+    count = 0
+    while stack:
+        value, parent, slot, where, depth = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise bad(source, "", f"over {MAX_VALUES} values (YAML aliases count each time they are used); a "
+                                  f"mixed-precision configuration holds far fewer: pass the file itself, "
+                                  f"without aliases")
+        if depth > MAX_DEPTH:
+            raise bad(source, where, f"nested over {MAX_DEPTH} levels deep; a configuration is a few levels deep")
+        if isinstance(value, Mapping):
+            table: dict[str, Any] = {}
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise bad(source, where or "(top level)", f"a key is a string, got {show(key)}; quote it")
+                table[key] = None
+                stack.append((item, table, key, f"{where}{'.' if where else ''}{key[:MAX_NAME]}", depth + 1))
+            parent[slot] = table
+        elif isinstance(value, list | tuple):
+            items: list[Any] = [None] * len(value)
+            for i, item in enumerate(value):
+                stack.append((item, items, i, f"{where}[{i}]", depth + 1))
+            parent[slot] = items
+        elif value is None or isinstance(value, str | bool | float):
+            parent[slot] = value
+        elif isinstance(value, int):
+            if value.bit_length() > MAX_BITS:
+                raise bad(source, where, f"{show(value)} is out of range (at most {FLT_MAX:.4g}); write the value "
+                                         f"the system runs")
+            parent[slot] = value
+        elif isinstance(value, datetime.date | datetime.time):  # YAML timestamps in unrelated keys: their text
+            parent[slot] = value.isoformat()
+        elif isinstance(value, set | frozenset):
+            raise bad(source, where, f"a set ({len(value)} items) is not a configuration value; write a list")
+        else:
+            raise bad(source, where, f"{show(value)} is not a configuration value (a table, list, string, number, "
+                                     f"boolean or null); write it as one")
+        if len(stack) > MAX_VALUES:
+            raise bad(source, where, f"over {MAX_VALUES} values; a mixed-precision configuration holds far fewer")
+    return out[0]
 
 
 class Draft:
@@ -115,7 +196,7 @@ class Draft:
             policy = load(self.data())
         except PolicyError as e:
             raise PolicyError([self._locate(p) for p in e.problems]) from None
-        return Imported(self.system, policy, self.render(), tuple(self.ignored))
+        return checked(Imported(self.system, policy, self.render(), tuple(self.ignored)))
 
     def _locate(self, problem: str) -> str:
         """A load problem (``<dict>: loss_scale.min: ...``) restated with the source key."""
@@ -126,16 +207,17 @@ class Draft:
         return f"{self.source}: {text}"
 
     def render(self) -> str:
-        lines = [f"# Imported from {self.system} ({short(self.source)}) by `unimp import`.",
-                 *(f"# {n}" for n in self.notes)]
+        """The policy file: every comment escaped (a source key cannot add a line or a control character)."""
+        lines = [f"# Imported from {self.system} ({printable(short(self.source))}) by `unimp import`.",
+                 *(f"# {printable(n)}" for n in self.notes)]
         if self.ignored:
-            lines.append(f"# Not precision settings (ignored): {', '.join(self.ignored)}")
+            lines.append(f"# Not precision settings (ignored): {printable(', '.join(self.ignored))}")
         lines += [f'name = "imported-{self.system}"  # unimp import --from {self.system}',
-                  f'extends = "{self.extends}"  # {self.why}']
+                  f'extends = "{self.extends}"  # {printable(self.why)}']
         tables: dict[str, list[str]] = {}
         for path, (value, origin) in self.keys.items():
             table, _, key = path.rpartition(".")
-            line = f"{key} = {toml_value(value)}  # {origin}"
+            line = f"{key} = {toml_value(value)}  # {printable(origin)}"
             if table:
                 tables.setdefault(table, []).append(line)
             else:
@@ -143,6 +225,23 @@ class Draft:
         for table, rows in tables.items():
             lines += ["", f"[{table}]", *rows]
         return "\n".join(lines) + "\n"
+
+
+def checked(imported: Imported) -> Imported:
+    """``imported``, once its text loads back to its policy's fingerprint (what is written is what was
+    reported); a mismatch is an error, never a different file."""
+    from ..resolve import parse_text
+
+    try:
+        again = load(parse_text(imported.text, "toml"))
+    except PolicyError as e:
+        raise PolicyError(f"{imported.system}: the policy file does not load back ({e}); nothing written. "
+                          f"This is a unimp bug: please report it with the configuration") from None
+    if again.fingerprint != imported.policy.fingerprint:
+        raise PolicyError(f"{imported.system}: the policy file loads as fingerprint {again.fingerprint}, not the "
+                          f"{imported.policy.fingerprint} read; nothing written. This is a unimp bug: please report "
+                          f"it with the configuration")
+    return imported
 
 
 def toml_value(value: Any) -> str:
@@ -156,40 +255,149 @@ def toml_value(value: Any) -> str:
 
 # ---------------------------------------------------------------- what users paste
 
-def parse_calls(text: str, source: str) -> list[tuple[str | None, dict[str, Any]]]:
-    """Keyword arguments as users paste them, literals only (nothing is executed).
+@dataclass(frozen=True)
+class Call:
+    """One call as written in pasted code: ``name`` its dotted name (``None`` for a bare ``k=v`` list),
+    literal positional ``args`` and keyword ``kwargs``."""
 
-    >>> parse_calls("GradScaler(init_scale=1024.0); growth_interval=10", "x")
-    [('GradScaler', {'init_scale': 1024.0}), (None, {'growth_interval': 10})]
+    name: str | None
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    target: str | None = None  # the name it is assigned to (``policy = Policy(...)``)
+
+    @property
+    def last(self) -> str | None:
+        """The call's own name (``set_global_policy`` of ``keras.mixed_precision.set_global_policy``)."""
+        return None if self.name is None else self.name.rpartition(".")[2]
+
+
+class Name(str):
+    """A name in pasted code (``torch.float16``, ``optimizer``), kept as its text."""
+
+    __slots__ = ()
+
+
+DTYPE_CALLS = ("float32", "float16", "bfloat16", "float64", "asarray", "array", "tensor", "half_dtype",
+               "full_dtype")  # jnp.float32(2**15)
+
+
+def calls(text: str, source: str, known: Any = None) -> list[Call]:
+    """The calls in pasted code, literals only (nothing is executed): ``k=v, ...`` lists,
+    ``Call(...)``, ``x = Call(...)``, ``with Call(...):`` and calls spanning lines; a dotted name as a
+    value (``torch.float16``) is kept as its text, a dtype constructor (``jnp.float32(1024.0)``) as its
+    argument.
+
+    >>> [(c.name, c.args, c.kwargs) for c in calls("trainer = pl.Trainer(precision='bf16-mixed')", "x")]
+    [('pl.Trainer', (), {'precision': 'bf16-mixed'})]
+    >>> calls("with torch.autocast('cuda', dtype=torch.float16):", "x")[0].kwargs
+    {'dtype': 'torch.float16'}
     """
     if len(text) > MAX_TEXT:
         raise bad(source, "", f"{len(text)} characters; a pasted configuration is at most {MAX_TEXT}")
-    out: list[tuple[str | None, dict[str, Any]]] = []
-    for part in text.replace("\n", ";").split(";"):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            node = ast.parse(part if "(" in part.split("=", 1)[0] else f"_({part})", mode="eval").body
-        except (SyntaxError, ValueError, RecursionError, MemoryError):
-            raise bad(source, "", f"cannot read {short(part)}: expected key=value pairs or Call(key=value, ...)") \
-                from None
-        if not isinstance(node, ast.Call) or node.args:
+    parts = _statements(text)
+    out: list[Call] = []
+    for part in parts:
+        node = _call_of(part, known)
+        if node is None:
+            try:
+                node = ast.parse(f"_({part})", mode="eval").body
+            except (SyntaxError, ValueError, RecursionError, MemoryError):
+                raise bad(source, "", f"cannot read {short(part)}: expected key=value pairs or Call(key=value, ...)") \
+                    from None
+        if not isinstance(node, ast.Call):
             raise bad(source, "", f"cannot read {short(part)}: expected keyword arguments (key=value)")
-        name = _call_name(node.func)
+        name = _dotted(node.func)
+        if any(isinstance(a, ast.Starred) for a in node.args):
+            raise bad(source, name or "", f"{short(part)}: *args cannot be read; write the arguments out")
+        args = tuple(_value(a, part, source, f"{name}() argument {i + 1}") for i, a in enumerate(node.args))
         kwargs: dict[str, Any] = {}
         for kw in node.keywords:
             if kw.arg is None:
                 raise bad(source, "", f"{short(part)}: **kwargs cannot be read; write the keys out")
-            try:
-                kwargs[kw.arg] = ast.literal_eval(kw.value)
-            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-                value = _power(kw.value)
-                if value is None:
-                    raise bad(source, kw.arg, f"{short(ast.unparse(kw.value))} is not a literal; write the value "
-                                              f"(a number, string, boolean or list)") from None
-                kwargs[kw.arg] = value
-        out.append((None if name == "_" else name, kwargs))
+            kwargs[kw.arg] = _value(kw.value, part, source, kw.arg)
+        out.append(Call(None if name == "_" else name, tuple(plain(list(args), source)), plain(kwargs, source),
+                        _target(part)))
+    return out
+
+
+def _target(part: str) -> str | None:
+    """``x`` of ``x = Call(...)``."""
+    try:
+        body = ast.parse(part).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    st = body[0] if len(body) == 1 else None
+    if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+        return st.targets[0].id
+    return None
+
+
+def _statements(text: str) -> list[str]:
+    """The statements of ``text``: as Python parses it when it does (calls may span lines), else its
+    lines and ``;``-separated parts."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        tree = None
+    code = ast.Expr | ast.Assign | ast.With | ast.Return
+    if tree is not None and tree.body and all(isinstance(st, code | ast.Import | ast.ImportFrom) for st in tree.body):
+        # imports name modules, they set nothing: skipped
+        segments = (ast.get_source_segment(text, st) or "" for st in tree.body if isinstance(st, code))
+        return [p.strip() for p in segments if p.strip()]
+    return [p.strip() for p in text.replace("\n", ";").split(";") if p.strip()]
+
+
+def _call_of(part: str, known: Any = None) -> ast.Call | None:
+    """The call a statement makes (``Call(...)``, ``x = Call(...)``, ``with Call(...) as y:``), or None."""
+    code = part + " pass" if part.rstrip().endswith(":") else part
+    try:
+        body = ast.parse(code).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if len(body) != 1:
+        return None
+    st = body[0]
+    node = st.items[0].context_expr if isinstance(st, ast.With) else st.value if isinstance(
+        st, ast.Expr | ast.Assign | ast.Return) else None
+    if not isinstance(node, ast.Call):
+        return None
+    if isinstance(st, ast.Assign) and known is not None and _dotted(node.func).rpartition(".")[2] not in known:
+        return None  # `init_scale=f(x)`: a keyword argument, not a call
+    return node
+
+
+def _value(node: ast.AST, part: str, source: str, key: str) -> Any:
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        pass
+    value = _power(node, source, key)
+    if value is not None:
+        return value
+    if isinstance(node, ast.Attribute | ast.Name):  # torch.float16, an optimizer variable: kept as their name
+        dotted = _dotted(node)
+        if dotted != "?":
+            return Name(dotted)
+    if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords:
+        func = node.func.func if isinstance(node.func, ast.Call) and not node.func.args else node.func
+        if _dotted(func).rpartition(".")[2] in DTYPE_CALLS:  # jnp.float32(x), jmp.half_dtype()(x)
+            return _value(node.args[0], part, source, key)
+    segment = ast.get_source_segment(part, node) or ""
+    raise bad(source, key, f"{short(segment)} is not a literal; write the value (a number, string, boolean or list)")
+
+
+def parse_calls(text: str, source: str) -> list[tuple[str | None, dict[str, Any]]]:
+    """Keyword arguments as users paste them (:func:`calls` without positional arguments).
+
+    >>> parse_calls("GradScaler(init_scale=1024.0); growth_interval=10", "x")
+    [('GradScaler', {'init_scale': 1024.0}), (None, {'growth_interval': 10})]
+    """
+    out = []
+    for c in calls(text, source):
+        if c.args:
+            raise bad(source, c.name or "", f"{name(c.name or '')}(...): positional arguments cannot be read here; "
+                                            f"write them as key=value")
+        out.append((c.last, c.kwargs))
     return out
 
 
@@ -203,50 +411,72 @@ def leading_name(raw: Any) -> tuple[str | None, Any]:
     if not isinstance(raw, str):
         return None, raw
     first, _, rest = raw.replace("\n", ";").partition(";")
-    if "=" in first or "(" in first:
+    if "=" in first or "(" in first or " " in first.strip():  # a name has no spaces ("from x import y" is code)
         return None, raw
     return first.strip().strip("'\""), rest.strip()
 
 
-def _power(node: ast.AST) -> float | int | None:
-    """``2**16`` / ``2.0**-3`` (how scales are usually written) without evaluating anything else."""
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
-        try:
-            base, exp = ast.literal_eval(node.left), ast.literal_eval(node.right)
-        except (ValueError, TypeError, SyntaxError):
-            return None
-        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in (base, exp)) and abs(exp) <= 1100:
-            try:
-                return base ** exp
-            except (OverflowError, ZeroDivisionError):
-                return None
-    return None
+def _power(node: ast.AST, source: str, key: str) -> float | int | None:
+    """``2**16`` / ``2.0**-3`` (how scales are usually written) without evaluating anything else;
+    a power out of every dtype's range is refused before it is computed."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow)):
+        return None
+    try:
+        base, exp = ast.literal_eval(node.left), ast.literal_eval(node.right)
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return None
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (base, exp)):
+        return None
+    for v in (base, exp):
+        number(source, key, v)  # type and range of each side (an integer of 4,000 digits stops here)
+    if base != 0 and abs(exp) * abs(math.log2(abs(base))) > MAX_BITS:
+        raise bad(source, key, f"a power of {abs(exp) * abs(math.log2(abs(base))):.3g} bits is out of range "
+                               f"(at most {FLT_MAX:.4g}); write the value the system runs")
+    try:
+        return base ** exp
+    except (OverflowError, ZeroDivisionError):
+        raise bad(source, key, "the power is out of range or divides by zero; write the value") from None
 
 
-def _call_name(func: ast.AST) -> str:
-    if isinstance(func, ast.Name):
-        return func.id
-    if isinstance(func, ast.Attribute):
-        return func.attr
-    return "?"
+def _dotted(func: ast.AST) -> str:
+    """``a.b.c`` of a name or attribute chain; ``?`` for anything else."""
+    parts: list[str] = []
+    while isinstance(func, ast.Attribute) and len(parts) < 16:
+        parts.append(func.attr)
+        func = func.value
+    if not isinstance(func, ast.Name):
+        return "?"
+    return ".".join([func.id, *reversed(parts)])
 
 
-def kwargs_of(raw: Any, source: str, calls: Mapping[str, str]) -> dict[str, dict[str, Any]]:
-    """Group pasted keyword arguments by role: ``calls`` maps call names (``GradScaler``) to roles;
-    a bare ``k=v`` list goes to the first role. A dict is taken as ``{role: kwargs}`` when its keys
-    are roles, else as the first role's kwargs."""
-    roles = list(dict.fromkeys(calls.values()))
+def kwargs_of(raw: Any, source: str, calls_: Mapping[str, str],
+              positional: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, dict[str, Any]]:
+    """Group pasted keyword arguments by role: ``calls_`` maps call names (``GradScaler``) to roles;
+    a bare ``k=v`` list goes to the first role. ``positional`` names a call's positional parameters
+    (its signature); without it positional arguments are refused. A dict is taken as
+    ``{role: kwargs}`` when its keys are roles, else as the first role's kwargs."""
+    roles = list(dict.fromkeys(calls_.values()))
     if isinstance(raw, Mapping):
-        if raw and all(k in roles or k in calls for k in raw):
-            return {calls.get(k, k): dict(v) for k, v in raw.items() if _table(v, source, k)}
+        if raw and all(k in roles or k in calls_ for k in raw):
+            return {calls_.get(k, k): dict(v) for k, v in raw.items() if _table(v, source, k)}
         return {roles[0]: dict(raw)}
     if not isinstance(raw, str):
         raise bad(source, "", f"expected a string or a table, got {show(raw)}")
     out: dict[str, dict[str, Any]] = {}
-    for name, kw in parse_calls(raw, source):
-        role = roles[0] if name is None else calls.get(name)
+    for c in calls(raw, source, calls_):
+        role = roles[0] if c.name is None else calls_.get(c.last or "")
         if role is None:
-            raise bad(source, name or "", f"unknown call {short(name)}; expected one of {', '.join(calls)}")
+            raise bad(source, c.name or "", f"unknown call {short(c.name)}; expected one of {', '.join(calls_)}")
+        kw = dict(c.kwargs)
+        if c.args:
+            names = (positional or {}).get(c.last or "", ())
+            if len(c.args) > len(names):
+                raise bad(source, c.name or "", f"{len(c.args)} positional arguments; {name(c.last or '')} takes "
+                                                f"{len(names)} ({', '.join(names) or 'none'}): write them as key=value")
+            for k, v in zip(names, c.args, strict=False):
+                if k in kw:
+                    raise bad(source, f"{c.name}.{k}", "given both by position and by name; keep one")
+                kw[k] = v
         out.setdefault(role, {}).update(kw)
     return out
 
@@ -270,10 +500,16 @@ def check_keys(given: Mapping[str, Any], known: Mapping[str, Any] | tuple[str, .
 
 
 def number(source: str, key: str, value: Any, kind: type = float, minimum: float | None = None) -> Any:
-    """A numeric source value checked for type (``kind`` int or float) and lower bound."""
+    """A numeric source value checked for type (``kind`` int or float), range and lower bound."""
+    if isinstance(value, Name):
+        raise bad(source, key, f"`{name(str(value))}` is a name in the code, not a value; write the number it "
+                               f"holds")
     ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if ok and isinstance(value, int) and value.bit_length() > MAX_BITS:
+        raise bad(source, key, f"{show(value)} is out of range (at most {FLT_MAX:.4g}); write the value the "
+                               f"system runs")
     if kind is int:
-        ok = ok and float(value).is_integer()
+        ok = ok and math.isfinite(value) and float(value).is_integer()
     if not ok or (isinstance(value, float) and math.isnan(value)):
         word = "an integer" if kind is int else "a number"
         raise bad(source, key, f"expected {word}, got {show(value)}")
@@ -282,7 +518,25 @@ def number(source: str, key: str, value: Any, kind: type = float, minimum: float
     return int(value) if kind is int else float(value)
 
 
+def text(source: str, key: str, value: Any, choices: Any = None) -> str:
+    """A string source value, checked for type (and against ``choices`` when given), never quoted whole.
+
+    >>> text("x", "dtype", "fp16", ("fp16", "bf16"))
+    'fp16'
+    """
+    if not isinstance(value, str):
+        raise bad(source, key, f"expected a string, got {show(value)}")
+    if isinstance(value, Name) and (choices is None or value not in choices):
+        raise bad(source, key, f"`{name(str(value))}` is a name in the code, not a value; write the value it holds"
+                  + (f" ({', '.join(map(str, choices))})" if choices else ""))
+    if choices is not None and value not in choices:
+        raise bad(source, key, f"{short(value)} is not one of {', '.join(map(str, choices))}")
+    return value
+
+
 def flag(source: str, key: str, value: Any) -> bool:
+    if isinstance(value, Name):
+        raise bad(source, key, f"`{name(str(value))}` is a name in the code, not a value; write True or False")
     if not isinstance(value, bool):
         raise bad(source, key, f"expected true or false, got {show(value)}")
     return value
@@ -292,7 +546,7 @@ def flag(source: str, key: str, value: Any) -> bool:
 
 _DYNAMIC_ONLY = ("initial", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min", "max",
                  "growth_schedule", "on_max", "growth_requires_finite", "hysteresis_refill", "at_min",
-                 "scale_dtype", "subnormal", "factor_arithmetic")
+                 "scale_dtype", "subnormal", "factor_arithmetic", "backoff")
 
 
 def effective(policy: Policy) -> dict[str, Any]:
@@ -307,6 +561,9 @@ def effective(policy: Policy) -> dict[str, Any]:
     factors = (flat.get("loss_scale.growth_factor"), flat.get("loss_scale.backoff_factor"))
     if all(f is None or f32(f) == f for f in factors):
         flat.pop("loss_scale.factor_arithmetic", None)  # float32 factors: both arithmetics round the same product
+    g = flat.get("loss_scale.growth_factor")
+    if g is not None and math.frexp(g)[0] == 0.5 and flat.get("loss_scale.backoff_factor") == 1.0 / g:
+        flat.pop("loss_scale.backoff", None)  # a power-of-two factor: scale / g and scale * (1 / g) are one product
     if flat.get("param_dtype") == "float32":
         flat = {k: v for k, v in flat.items() if not k.startswith("master_weights.")}
     return {k: tuple(v) if isinstance(v, list) else v for k, v in flat.items()}

@@ -1,20 +1,33 @@
-"""DeepSpeed: the ``fp16`` / ``bf16`` / ``zero_optimization`` / ``communication_data_type`` sections
-of a DeepSpeed JSON config, both directions.
+"""DeepSpeed: the ``fp16`` / ``bf16`` / ``amp`` / ``zero_optimization`` / ``communication_data_type``
+sections of a DeepSpeed JSON config, both directions, read as the engine reads them.
 
-Defaults read from deepspeed/runtime/fp16/loss_scaler.py and the config constants: loss_scale 0
-(dynamic), initial_scale_power 16, loss_scale_window 1000, hysteresis 2, consecutive_hysteresis
-false, min_loss_scale 1. Without ZeRO the engine builds ``FP16_Optimizer`` (fused_optimizer.py),
-whose ``_update_scale`` has no hysteresis and clamps at min_loss_scale; with ZeRO (stage 1-3)
-the ``DynamicLossScaler`` counts hysteresis (refilled on growth, or on every clean step with
-consecutive_hysteresis) and raises when a backoff is needed at the minimum. Other top-level keys
-(batch sizes, optimizer, scheduler, ...) are not precision settings: they are ignored and listed
-in the file's header. Unknown keys inside ``fp16`` / ``bf16`` are errors.
+Sources (microsoft/DeepSpeed at 38327e07f6cd39b63418f60cedd1651b0be3e7c3):
+
+- deepspeed/runtime/engine.py ``DeepSpeedEngine._configure_distributed_model``: ``module.half()``
+  (fp16) or ``module.bfloat16()`` (bf16): the whole model, every op and its output, runs in the low
+  dtype; no op list keeps float32. The fp32 masters live in the optimizer wrapper
+  (``_configure_fp16_optimizer`` / ``_configure_bf16_optimizer`` / ``_configure_zero_optimizer``).
+- engine.py ``communication_data_type``: gradients are reduced in fp16 / bf16 unless
+  ``communication_data_type`` (``fp16`` | ``bf16`` | ``fp32``, runtime/config.py
+  ``get_communication_data_type``) says otherwise.
+- runtime/constants.py: loss_scale 0 (dynamic), initial_scale_power 16, loss_scale_window 1000,
+  hysteresis 2, consecutive_hysteresis false, min_loss_scale 1. Without ZeRO the engine builds
+  ``FP16_Optimizer`` (fp16/fused_optimizer.py ``_update_scale``: no hysteresis, clamps at
+  min_loss_scale); under ZeRO 1-3 ``DynamicLossScaler`` (fp16/loss_scaler.py): hysteresis counted,
+  refilled on growth (or every clean step with consecutive_hysteresis), raises at the minimum.
+- ``"auto"`` values are what HF Trainer fills in (transformers/integrations/deepspeed.py,
+  ``HfTrainerDeepSpeedConfig.trainer_config_process``): ``fp16.enabled`` = (fp16 or fp16_full_eval)
+  with the amp backend, ``bf16.enabled`` = bf16 or bf16_full_eval, ``amp.enabled`` = the apex
+  backend, ``amp.opt_level`` = fp16_opt_level; pass the Trainer arguments as ``assume``.
+
+Other top-level keys (batch sizes, optimizer, scheduler, ...) are not precision settings: they
+are listed as ignored. Unknown keys inside ``fp16`` / ``bf16`` are errors.
 
 >>> imp = import_policy({"fp16": {"enabled": True, "loss_scale_window": 500}, "zero_optimization": {"stage": 2}})
->>> imp.policy.loss_scale.growth_interval, imp.policy.loss_scale.hysteresis
-(500, 2)
->>> import_policy({"fp16": {"enabled": True}}).policy.loss_scale.hysteresis
-1
+>>> imp.policy.loss_scale.growth_interval, imp.policy.loss_scale.hysteresis, imp.policy.output_dtype
+(500, 2, 'float16')
+>>> import_policy({"bf16": {"enabled": "auto"}}, assume={"bf16": True}).policy.param_dtype
+'bfloat16'
 """
 
 from __future__ import annotations
@@ -23,8 +36,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..loading import preset_names
 from ..policy import Policy
+from ..spec import short, show
 from .common import (
     Draft,
     Exported,
@@ -44,60 +57,185 @@ SYSTEM = "deepspeed"
 FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads")
 BF16_KEYS = ("enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads")
-PRECISION = ("fp16", "bf16", "bfloat16", "zero_optimization", "communication_data_type", "amp", "torch_autocast")
-DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "bf16": "bfloat16",
-          "bfloat16": "bfloat16"}
+PRECISION = ("fp16", "bf16", "bfloat16", "zero_optimization", "communication_data_type", "amp", "torch_autocast",
+             "data_types", "msamp", "compression_training", "quantize_training", "seq_parallel_communication_data_type")
+COMM = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # runtime/config.py get_communication_data_type
+LOW = {"float16": "fp16", "bfloat16": "bf16"}
+# Top-level keys that change numerics outside the AMP policy: noted (and warned) with why unimp does not hold them
+OUTSIDE = {"compression_training": "DeepSpeed Compression (quantization-aware training / pruning) changes the model, "
+                                   "not its mixed precision",
+           "quantize_training": "MoQ weight quantization changes the model, not its mixed precision",
+           "seq_parallel_communication_data_type": "the sequence-parallel (Ulysses) reduce dtype: unimp's reduce dtype "
+                                                   "is the data-parallel one"}
+QUANTIZED_COMM = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
+# transformers TrainingArguments defaults (training_args.py) for the arguments "auto" reads
+TRAINER_DEFAULTS: dict[str, Any] = {"fp16": False, "bf16": False, "fp16_full_eval": False, "bf16_full_eval": False,
+                                    "fp16_backend": "auto", "half_precision_backend": "auto", "fp16_opt_level": "O1"}
+AUTO_FIX = ("HF Trainer fills it from its arguments (transformers integrations/deepspeed.py, HfTrainerDeepSpeedConfig."
+            "trainer_config_process); pass them: `unimp import FILE --from deepspeed --assume fp16=true` "
+            "(or bf16=true, or fp16=false for float32)")
 
 
-def _zero_preset() -> str:
-    return "deepspeed_zero_fp16" if "deepspeed_zero_fp16" in preset_names() else "deepspeed_fp16"
+def _val(v: Any) -> str:
+    """A source value for a note: numbers and booleans as written, anything else quoted and bounded."""
+    return repr(v) if isinstance(v, bool | int | float) else short(v)
 
 
-def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config") -> Imported:
-    """The policy a DeepSpeed engine built from ``config`` trains with."""
+def trainer_args(assume: Mapping[str, Any] | None, source: str) -> dict[str, Any] | None:
+    """The Trainer arguments ``"auto"`` resolves from (TrainingArguments defaults for those not given)."""
+    if assume is None:
+        return None
+    check_keys(assume, TRAINER_DEFAULTS, source, "--assume ")
+    out = dict(TRAINER_DEFAULTS)
+    for key, value in assume.items():
+        if key in ("fp16_backend", "half_precision_backend", "fp16_opt_level"):
+            if not isinstance(value, str):
+                raise bad(source, f"--assume {key}", f"expected a name, got {show(value)}")
+            out[key] = value
+        else:
+            out[key] = _truth(value, source, f"--assume {key}")
+    return out
+
+
+def _truth(value: Any, source: str, key: str) -> bool:
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+        return value.lower() in ("true", "1", "yes")
+    return flag(source, key, value)
+
+
+def resolve_auto(config: Mapping[str, Any], args: Mapping[str, Any] | None, source: str) -> dict[str, Any]:
+    """``config`` with the precision ``"auto"`` values replaced as HF Trainer replaces them."""
+    cfg = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in config.items()}
+    backend = (args or {}).get("half_precision_backend", "auto")
+    backend = (args or {}).get("fp16_backend", "auto") if backend == "auto" else backend
+    for sec, key in (("fp16", "enabled"), ("bf16", "enabled"), ("bfloat16", "enabled"), ("amp", "enabled"),
+                     ("amp", "opt_level")):
+        table = cfg.get(sec)
+        if not isinstance(table, dict) or table.get(key) != "auto":
+            continue
+        if args is None:
+            raise bad(source, f"{sec}.{key}", f'"auto": {AUTO_FIX}')
+        half = args["fp16"] or args["fp16_full_eval"]
+        table[key] = {("fp16", "enabled"): half and backend != "apex", ("amp", "enabled"): half and backend == "apex",
+                      ("amp", "opt_level"): args["fp16_opt_level"]}.get(
+            (sec, key), args["bf16"] or args["bf16_full_eval"])
+    for sec in ("fp16", "bf16", "bfloat16", "amp"):
+        for key, value in (cfg.get(sec) or {}).items() if isinstance(cfg.get(sec), dict) else ():
+            if value == "auto":
+                raise bad(source, f"{sec}.{key}", '"auto" is not filled by HF Trainer for this key (only fp16.enabled, '
+                                                  'bf16.enabled, amp.enabled and amp.opt_level are); DeepSpeed would '
+                                                  'fail on it: write the value')
+    if cfg.get("communication_data_type") == "auto":
+        raise bad(source, "communication_data_type", '"auto" is not filled by HF Trainer; write fp16, bf16 or fp32')
+    return cfg
+
+
+def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config",
+                  assume: Mapping[str, Any] | None = None) -> Imported:
+    """The policy a DeepSpeed engine built from ``config`` trains with (``assume``: HF Trainer
+    arguments that ``"auto"`` values resolve from, e.g. ``{"bf16": True}``)."""
     if not isinstance(config, Mapping):
         raise bad(source, "", "expected a JSON object (the DeepSpeed config)")
+    config = resolve_auto(config, trainer_args(assume, source), source)
     fp16 = _section(config, "fp16", source)
-    bf16 = _section(config, "bf16", source) or _section(config, "bfloat16", source)
+    bf16_key = "bf16" if "bf16" in config else "bfloat16"  # get_bfloat16_enabled: "bf16" first
+    bf16 = _section(config, bf16_key, source)
     check_keys(fp16, FP16_KEYS, source, "fp16.")
-    check_keys(bf16, BF16_KEYS, source, "bf16.")
-    for key in ("amp", "torch_autocast"):
-        sec = _section(config, key, source)
-        if sec.get("enabled"):
-            fix = ("import the apex opt_level with `unimp import O1 --from apex`" if key == "amp"
-                   else "use fp16 or bf16 sections instead")
-            raise refuse(source, f"{key}.enabled", f"DeepSpeed's {key!r} mode is not imported", fix)
+    check_keys(bf16, BF16_KEYS, source, f"{bf16_key}.")
     stage = _stage(config, source)
     fp16_on = flag(source, "fp16.enabled", fp16.get("enabled", False))
-    bf16_on = flag(source, "bf16.enabled", bf16.get("enabled", False))
+    bf16_on = flag(source, f"{bf16_key}.enabled", bf16.get("enabled", False))
+    amp = _section(config, "amp", source)
+    if amp and flag(source, "amp.enabled", amp.get("enabled", False)):
+        return _amp(config, amp, stage, fp16_on or bf16_on, source)
+    if _section(config, "torch_autocast", source).get("enabled"):
+        raise refuse(source, "torch_autocast.enabled", "DeepSpeed's torch_autocast mode is not imported",
+                     "use the fp16 or bf16 section (the engine's whole-model low precision) instead")
     if fp16_on and bf16_on:
         raise bad(source, "fp16.enabled", "fp16 and bf16 are both enabled (DeepSpeed refuses this); enable one")
-    for sec, key in (("fp16", "fp16_master_weights_and_grads"), ("bf16", "bf16_master_weights_and_grads")):
+    for sec, key in (("fp16", "fp16_master_weights_and_grads"), (bf16_key, "bf16_master_weights_and_grads")):
         if (fp16 if sec == "fp16" else bf16).get(key):
             raise refuse(source, f"{sec}.{key}", "master weights in the low dtype are not expressible (unimp keeps "
                          "float32 masters)", f"remove {key}")
-    if fp16.get("auto_cast"):
-        raise refuse(source, "fp16.auto_cast", "casting the model's inputs is not a policy key",
-                     "remove it: unimp casts the inputs of each op to the policy's dtype")
     if fp16_on:
         d = _fp16(fp16, stage, source)
+        low = "float16"
     elif bf16_on:
-        d = Draft(SYSTEM, source, "pure_bf16", "bf16.enabled: bf16 params, fp32 master weights in the optimizer")
-        d.set("compute_dtype", "bfloat16", "bf16.enabled")
-        d.set("param_dtype", "bfloat16", "bf16.enabled")
-        d.set("master_weights.enabled", True, "bf16.enabled: fp32 masters")
-        check = flag(source, "bf16.check_grad_overflow", bf16.get("check_grad_overflow", False))
-        d.set("loss_scale.skip_nonfinite", check, "bf16.check_grad_overflow" if "check_grad_overflow" in bf16 else
-              "bf16.check_grad_overflow not given: false (every step is taken)")
+        low = "bfloat16"
+        d = Draft(SYSTEM, source, "deepspeed_bf16", f"{bf16_key}.enabled: engine.py _configure_distributed_model "
+                  f"calls module.bfloat16(); fp32 masters in the optimizer")
+        check = flag(source, f"{bf16_key}.check_grad_overflow", bf16.get("check_grad_overflow", False))
+        d.set("loss_scale.skip_nonfinite", check, f"{bf16_key}.check_grad_overflow" if "check_grad_overflow" in bf16
+              else f"{bf16_key}.check_grad_overflow not given: false (every step is taken)")
+        if "immediate_grad_update" in bf16:
+            d.note(f"{bf16_key}.immediate_grad_update: when the optimizer applies gradients, not a dtype (ignored)")
     else:
-        d = Draft(SYSTEM, source, "fp32", "neither fp16 nor bf16 enabled: full precision")
-    if "communication_data_type" in config and config["communication_data_type"] is not None:
-        v = config["communication_data_type"]
-        if v not in DTYPES:
-            raise bad(source, "communication_data_type", f"{v!r} is not one of {', '.join(DTYPES)}")
-        d.set("distributed.reduce_dtype", DTYPES[v], "communication_data_type")
+        fp16_given = "fp16" in config or "bf16" in config or "bfloat16" in config
+        if not fp16_given and "communication_data_type" not in config:
+            raise bad(source, "fp16", "not given: the config holds no precision setting (no fp16 / bf16 / amp section: "
+                                      "DeepSpeed then trains in float32); to import float32 add \"fp16\": "
+                                      "{\"enabled\": false}")
+        d = Draft(SYSTEM, source, "fp32", "neither fp16 nor bf16 enabled: engine.py keeps the module in float32")
+        low = "float32"
+    comm = config.get("communication_data_type")
+    if comm is not None:
+        if not isinstance(comm, str) or comm.lower() not in COMM:
+            raise bad(source, "communication_data_type", f"{show(comm)} is not one of fp16, bf16, fp32 (runtime/"
+                                                         f"config.py get_communication_data_type raises on it)")
+        d.set("distributed.reduce_dtype", COMM[comm.lower()], "communication_data_type")
+    elif low != "float32":
+        d.set("distributed.reduce_dtype", low, "communication_data_type not given: engine.py "
+              f"communication_data_type defaults to the model's {LOW[low]}")
+    if stage:
+        d.note(f"zero_optimization.stage = {stage}: selects the ZeRO optimizer (its loss scaler, above); the "
+               f"partitioning itself is not a precision setting")
+    elif "zero_optimization" in config:
+        d.note("zero_optimization.stage = 0: no ZeRO (the plain engine's optimizer wrapper, above)")
+    for sec in ("fp16", "bf16", "bfloat16"):
+        if sec in config and not (fp16_on if sec == "fp16" else bf16_on and sec == bf16_key):
+            rest = [k for k in config[sec] if k != "enabled"] if isinstance(config[sec], Mapping) else []
+            d.note(f"{sec}: not enabled (its enabled is false or it is shadowed by \"bf16\"), so DeepSpeed does not "
+                   f"read its other keys{' (' + ', '.join(rest) + ')' if rest else ''}")
+    dt = config.get("data_types")
+    if isinstance(dt, Mapping) and dt.get("grad_accum_dtype") is not None:
+        d.note(f"data_types.grad_accum_dtype = {show(dt['grad_accum_dtype'])}: the dtype gradients are accumulated in "
+               f"across micro-batches has no unimp key (ignored)", warn=True)
+    for key, why in OUTSIDE.items():
+        if key in config:
+            d.note(f"{key}: {why} (not held)", warn=True)
+    msamp = config.get("msamp")
+    if isinstance(msamp, Mapping) and msamp.get("enabled"):
+        raise refuse(source, "msamp.enabled", "MS-AMP keeps weights and optimizer states in FP8/FP16; unimp keeps "
+                     "float32 masters", "remove the msamp section (or keep this run in DeepSpeed)")
+    zero = config.get("zero_optimization")
+    for key in QUANTIZED_COMM if isinstance(zero, Mapping) else ():
+        if zero.get(key):
+            raise refuse(source, f"zero_optimization.{key}", "ZeRO++ quantized communication (int8 weights / int4 "
+                         "gradients on the wire) has no unimp key", f"remove {key}")
+    if isinstance(zero, Mapping):  # offload, buckets, prefetch...: where and when, not in which dtype
+        d.ignored.extend(f"zero_optimization.{k}" for k in zero if k != "stage")
     d.ignored.extend(k for k in config if k not in PRECISION)
     return d.build()
+
+
+def _amp(config: Mapping[str, Any], amp: Mapping[str, Any], stage: int, low: bool, source: str) -> Imported:
+    """``"amp": {"enabled": true, ...}``: engine.py _configure_optimizer calls ``apex.amp.initialize(model,
+    optimizer, **amp_params)`` (amp_params: the section without ``enabled``)."""
+    from . import apex
+
+    if stage:
+        raise bad(source, "amp.enabled", "amp with ZeRO (engine.py _do_optimizer_sanity_check asserts 'Amp and ZeRO "
+                                         "are not currently compatible'); remove one")
+    if low:
+        raise bad(source, "amp.enabled", "amp with fp16/bf16 enabled (engine.py raises 'Cannot enable both amp with "
+                                         "(legacy) fp16 or bfloat16 mode'); remove one")
+    params = {k: v for k, v in amp.items() if k != "enabled"}
+    level = params.pop("opt_level", "O1")
+    imp = apex.import_policy(level, source=f"{source}: amp", **params)
+    ignored = tuple(k for k in config if k not in PRECISION)
+    text = imp.text.replace('"imported-apex"  # unimp import --from apex',
+                            '"imported-deepspeed"  # unimp import --from deepspeed: its amp section (apex)')
+    return Imported(SYSTEM, imp.policy, text, ignored)
 
 
 def _section(config: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
@@ -122,14 +260,25 @@ def _stage(config: Mapping[str, Any], source: str) -> int:
 def _fp16(fp16: Mapping[str, Any], stage: int, source: str) -> Draft:
     p = "fp16."
     zero = stage > 0
+    why = "engine.py _configure_distributed_model calls module.half(); fp32 masters in the optimizer"
     if zero:
-        d = Draft(SYSTEM, source, _zero_preset(), f"fp16 with ZeRO stage {stage}: DynamicLossScaler")
+        d = Draft(SYSTEM, source, "deepspeed_zero_fp16", f"fp16.enabled with ZeRO stage {stage}: {why}; "
+                  f"loss_scaler.py DynamicLossScaler")
     else:
-        d = Draft(SYSTEM, source, "deepspeed_fp16", "fp16 without ZeRO: FP16_Optimizer")
+        d = Draft(SYSTEM, source, "deepspeed_fp16", f"fp16.enabled without ZeRO: {why}; fused_optimizer.py "
+                  f"FP16_Optimizer")
+    if "auto_cast" in fp16:
+        flag(source, "fp16.auto_cast", fp16["auto_cast"])
+        d.note("fp16.auto_cast: the engine casts floating inputs to fp16 (engine.py forward); unimp casts each op's "
+               "inputs to the policy's dtype: the same numerics")
     static = number(source, "fp16.loss_scale", fp16.get("loss_scale", 0), minimum=0)
     if static > 0:
         d.set("loss_scale.mode", "static", "fp16.loss_scale > 0: static scale")
         d.set("loss_scale.initial", static, "fp16.loss_scale")
+        for key in ("initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+                    "min_loss_scale"):
+            if key in fp16:
+                d.note(f"fp16.{key} is unused with a static fp16.loss_scale (ignored)")
         return d
     d.set("loss_scale.mode", "dynamic", "fp16.loss_scale = 0" if "loss_scale" in fp16 else
           "fp16.loss_scale not given: 0 (dynamic)")
@@ -148,7 +297,7 @@ def _fp16(fp16: Mapping[str, Any], stage: int, source: str) -> Draft:
     else:
         for key in ("hysteresis", "consecutive_hysteresis"):
             if key in fp16:
-                d.note(f"fp16.{key} = {fp16[key]!r} is ignored by DeepSpeed without ZeRO (FP16_Optimizer has no "
+                d.note(f"fp16.{key} = {_val(fp16[key])} is ignored by DeepSpeed without ZeRO (FP16_Optimizer has no "
                        f"hysteresis); set zero_optimization.stage >= 1 to use it", warn=True)
         d.set("loss_scale.hysteresis", 1, "FP16_Optimizer has no hysteresis")
         d.set("loss_scale.at_min", "clamp", "FP16_Optimizer stays at min_loss_scale")
@@ -158,9 +307,16 @@ def _fp16(fp16: Mapping[str, Any], stage: int, source: str) -> Draft:
 
 
 def export_policy(policy: Policy) -> Exported:
-    """A DeepSpeed config (``fp16``/``bf16``, ``zero_optimization.stage``, ``communication_data_type``)."""
+    """A DeepSpeed config (``fp16``/``bf16``, ``zero_optimization.stage``, ``communication_data_type``).
+
+    The policy holds no ZeRO stage: a policy with the ZeRO optimizers' loss scaler is written with
+    ``"zero_optimization": {"stage": 1}`` (the lowest stage that runs it) and that is listed as not
+    expressed, so ``--strict`` fails until the user names the stage their run uses.
+    """
     cfg: dict[str, Any] = {}
+    notes: list[str] = []
     ls = policy.loss_scale
+    low = policy.compute_dtype if policy.compute_dtype in LOW else None
     if policy.compute_dtype == "float16":
         sec: dict[str, Any] = {"enabled": True}
         if ls.mode == "static":
@@ -172,19 +328,25 @@ def export_policy(policy: Policy) -> Exported:
             zero = ls.hysteresis > 1 or ls.at_min == "error"
             if zero:
                 sec.update(hysteresis=ls.hysteresis, consecutive_hysteresis="finite" in ls.hysteresis_refill)
-            cfg["zero_optimization"] = {"stage": 1 if zero else 0}
+                cfg["zero_optimization"] = {"stage": 1}
+                notes.append("zero_optimization.stage = 1: the policy holds no ZeRO stage (partitioning is not a "
+                             "precision setting); 1 is the lowest stage whose optimizer runs this loss scaler "
+                             "(DynamicLossScaler): set the stage your run uses (1, 2 or 3 give the same numerics)")
         cfg = {"fp16": sec, **cfg}
     elif policy.compute_dtype == "bfloat16":
         cfg["bf16"] = {"enabled": True, **({"check_grad_overflow": True} if ls.skip_nonfinite else {})}
-    if policy.distributed.reduce_dtype != "float32":
-        cfg["communication_data_type"] = {"float16": "fp16", "bfloat16": "bf16"}[policy.distributed.reduce_dtype]
-    return finish(SYSTEM, policy, cfg, json.dumps(cfg, indent=2) + "\n", import_policy)
+    else:
+        cfg["fp16"] = {"enabled": False}  # float32: an explicit setting (an empty config is refused on import)
+    if low is not None and policy.distributed.reduce_dtype != low:
+        cfg["communication_data_type"] = {"float32": "fp32", **LOW}[policy.distributed.reduce_dtype]
+    out = finish(SYSTEM, policy, cfg, json.dumps(cfg, indent=2) + "\n", import_policy)
+    return Exported(out.system, out.config, out.text, out.unexpressed + tuple(notes))
 
 
-def from_cli(raw: Any, source: str) -> Imported:
+def from_cli(raw: Any, source: str, assume: Mapping[str, Any] | None = None) -> Imported:
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
         except ValueError as e:
             raise bad(source, "", f"not a DeepSpeed JSON config ({e})") from None
-    return import_policy(raw, source=source)
+    return import_policy(raw, source=source, assume=assume)

@@ -24,6 +24,11 @@ KEYS = ("growth_factor", "backoff_factor", "growth_interval", "fin_steps", "scal
 
 def import_policy(*, source: str = "flax DynamicScale", **kwargs: Any) -> Imported:
     """The policy of ``DynamicScale(**kwargs)`` (compute and op lists: the ``mixed_fp16`` preset's)."""
+    return read(kwargs, source)
+
+
+def read(kwargs: dict[str, Any], source: str) -> Imported:
+    """:func:`import_policy` of a table of ``DynamicScale`` arguments."""
     check_keys(kwargs, KEYS, source)
     if "fin_steps" in kwargs and number(source, "fin_steps", kwargs["fin_steps"], int) != 0:
         raise refuse(source, "fin_steps", "a non-zero counter is training state, not configuration",
@@ -40,7 +45,7 @@ def import_policy(*, source: str = "flax DynamicScale", **kwargs: Any) -> Import
 
 
 def from_cli(raw: Any, source: str) -> Imported:
-    return import_policy(source=source, **kwargs_of(raw, source, {"DynamicScale": "scale"}).get("scale", {}))
+    return read(kwargs_of(raw, source, {"DynamicScale": "scale"}, {"DynamicScale": KEYS}).get("scale", {}), source)
 
 
 def export_policy(policy: Policy) -> Exported:

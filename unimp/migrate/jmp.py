@@ -21,7 +21,22 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..policy import Policy
-from .common import Draft, Exported, Imported, bad, check_keys, finish, has_knob, kwargs_of, number, refuse, take
+from ..scaling import f32
+from .common import (
+    Draft,
+    Exported,
+    Imported,
+    bad,
+    calls,
+    check_keys,
+    finish,
+    has_knob,
+    number,
+    refuse,
+    short,
+    take,
+    text,
+)
 
 SYSTEM = "jmp"
 NAMES = {"full": "float32", "f32": "float32", "float32": "float32", "f16": "float16", "float16": "float16",
@@ -29,25 +44,28 @@ NAMES = {"full": "float32", "f32": "float32", "float32": "float32", "f16": "floa
 DYNAMIC_KEYS = ("loss_scale", "counter", "period", "factor", "min_loss_scale")
 
 
-def parse_policy(text: str, source: str = "jmp") -> dict[str, str]:
+def parse_policy(spec: str, source: str = "jmp") -> dict[str, str]:
     """``{"params", "compute", "output"}`` dtypes of a jmp policy string (``jmp.get_policy``'s grammar)."""
     def dtype(value: str, key: str) -> str:
         if value in ("f64", "float64"):
             raise refuse(source, key, "float64 is not a dtype unimp policies hold", "use float32")
         if value not in NAMES:
-            raise bad(source, key, f"unknown dtype {value!r} (full, half, float32, float16, bfloat16 or f32/f16/bf16)")
+            raise bad(source, key, f"unknown dtype {short(value)} (full, half, float32, float16, bfloat16 or "
+                                   f"f32/f16/bf16)")
         return NAMES[value]
 
-    text = text.strip()
-    if "=" not in text:
-        one = dtype(text, "policy")
+    policy_text = text(source, "policy", spec).strip()
+    if "=" not in policy_text:
+        one = dtype(policy_text, "policy")
         return {"params": one, "compute": one, "output": one}
     got: dict[str, str] = {}
-    for part in text.split(","):
+    for part in policy_text.split(","):
         key, _, value = part.partition("=")
         full = {"p": "params", "c": "compute", "o": "output"}.get(key.strip(), key.strip())
         if full not in ("params", "compute", "output"):
             raise bad(source, f"policy.{key.strip()}", "unknown key; expected params (p), compute (c), output (o)")
+        if full in got:
+            raise bad(source, f"policy.{full}", "given twice; keep one")
         got[full] = dtype(value.strip(), f"policy.{full}")
     params = got.get("params", "float32")
     compute = got.get("compute", params)
@@ -66,9 +84,13 @@ def import_policy(policy: str = "params=float32,compute=float16,output=float32",
     d.set("output_dtype", dt["output"], f"policy output={dt['output']}")
     if dt["params"] != "float32":
         d.set("master_weights.enabled", False, "jmp keeps no float32 copy of the params")
-    if no_op or (dynamic_loss_scale is None and static_loss_scale is None and dt["compute"] != "float16"):
-        d.set("loss_scale.mode", "none", "NoOpLossScale" if no_op else "no loss scale given (not float16)")
+        d.set("distributed.reduce_dtype", dt["params"], f"gradients of {dt['params']} params are {dt['params']}")
+    if no_op or (dynamic_loss_scale is None and static_loss_scale is None):
+        d.set("loss_scale.mode", "none", "NoOpLossScale" if no_op else "no loss scale given")
         d.set("loss_scale.skip_nonfinite", False, "no loss scale: every step is taken")
+        if not no_op and dt["compute"] == "float16":
+            d.note("float16 compute without a loss scale: import the jmp.DynamicLossScale(...) line too if the "
+                   "training step uses one", warn=True)
         return d.build()
     if static_loss_scale is not None:
         d.set("loss_scale.mode", "static", "StaticLossScale")
@@ -80,12 +102,14 @@ def import_policy(policy: str = "params=float32,compute=float16,output=float32",
         raise refuse(source, "DynamicLossScale.counter", "a non-zero counter is training state, not configuration",
                      "import with counter=0 and resume it with amp.load_state_dict")
     p = "DynamicLossScale."
-    d.set("loss_scale.mode", "dynamic", "DynamicLossScale" if dynamic_loss_scale is not None else
-          "no loss scale given: DynamicLossScale(2**15) as jmp's README uses")
+    d.set("loss_scale.mode", "dynamic", "DynamicLossScale")
     take(d, "loss_scale.initial", kw, "loss_scale", 32768.0, prefix=p)
     take(d, "loss_scale.growth_interval", kw, "period", 2000, kind=int, prefix=p)
     factor = take(d, "loss_scale.growth_factor", kw, "factor", 2.0, prefix=p)
-    d.set("loss_scale.backoff_factor", 1.0 / factor if factor > 1 else factor, f"{p}factor: backoff is 1 / factor")
+    d.set("loss_scale.backoff_factor", f32(1.0 / f32(factor)) if factor > 1 else factor,
+          f"{p}factor: adjust() writes loss_scale / factor; under jax.jit XLA makes it loss_scale * (1 / factor) "
+          f"in float32 (its algebraic simplifier's HandleDivide), what a training step runs; an un-jitted "
+          f"adjust() divides: loss_scale.backoff = 'divide' with backoff_factor = 1 / growth_factor")
     floor = number(source, f"{p}min_loss_scale", kw.get("min_loss_scale", 1.0))
     if floor != 1.0:
         d.note(f"{p}min_loss_scale = {floor!r} is lost when the loss scale passes through jax.jit or any "
@@ -98,27 +122,51 @@ def import_policy(policy: str = "params=float32,compute=float16,output=float32",
     return d.build()
 
 
+CALLS = {"get_policy": "policy", "DynamicLossScale": "dynamic", "StaticLossScale": "static",
+         "NoOpLossScale": "no_op"}
+POSITIONAL = {"get_policy": ("policy",), "DynamicLossScale": DYNAMIC_KEYS, "StaticLossScale": ("loss_scale",),
+              "NoOpLossScale": ()}
+
+
 def from_cli(raw: Any, source: str) -> Imported:
-    if isinstance(raw, str) and "(" not in raw:
-        return import_policy(raw, source=source)
     if isinstance(raw, Mapping):
-        return import_policy(raw.get("policy", "float32"), raw.get("DynamicLossScale"), source=source,
-                             static_loss_scale=(raw.get("StaticLossScale") or {}).get("loss_scale"))
-    pol, dyn, static, no_op = "float32", None, None, False
-    for part in raw.replace("\n", ";").split(";"):
-        part = part.strip()
-        if not part:
-            continue
-        if part.startswith(("get_policy(", "jmp.get_policy(")):
-            pol = part[part.index("(") + 1:part.rindex(")")].strip().strip("'\"")
-        elif "NoOpLossScale" in part:
-            no_op = True
-        elif "(" in part:
-            kw = kwargs_of(part, source, {"DynamicLossScale": "dynamic", "StaticLossScale": "static"})
-            dyn = kw.get("dynamic", dyn)
-            static = kw["static"].get("loss_scale") if "static" in kw else static
+        check_keys(raw, ("policy", "DynamicLossScale", "StaticLossScale", "NoOpLossScale"), source)
+        static = raw.get("StaticLossScale")
+        if static is not None and not isinstance(static, Mapping):
+            raise bad(source, "StaticLossScale", "expected a table {loss_scale = ...}")
+        dyn = raw.get("DynamicLossScale")
+        if dyn is not None and not isinstance(dyn, Mapping):
+            raise bad(source, "DynamicLossScale", "expected a table of DynamicLossScale arguments")
+        return import_policy(text(source, "policy", raw.get("policy", "float32")), dyn, source=source,
+                             static_loss_scale=(static or {}).get("loss_scale"), no_op="NoOpLossScale" in raw)
+    pol, dyn, static, no_op = None, None, None, False
+    parts = [p.strip() for p in raw.replace("\n", ";").split(";") if p.strip()]
+    code = "\n".join(p for p in parts if "(" in p)
+    for p in parts:
+        if "(" not in p:  # a bare policy string ("p=f32,c=f16")
+            pol = p.strip("'\"")
+    for c in calls(code, source, CALLS) if code else []:
+        role = CALLS.get(c.last or "")
+        if role is None:
+            raise bad(source, c.name or "", f"unknown call {short(c.name)}; expected one of {', '.join(CALLS)} "
+                                            f"(or a policy string)")
+        names = POSITIONAL[c.last or ""]
+        if len(c.args) > len(names):
+            raise bad(source, c.name or "", f"{len(c.args)} positional arguments; {short(c.last)} takes {len(names)}")
+        kw = {**dict(zip(names, c.args, strict=False)), **c.kwargs}
+        if role == "policy":
+            check_keys(kw, ("policy",), source, "get_policy.")
+            pol = text(source, "get_policy.policy", kw.get("policy"))
+        elif role == "dynamic":
+            dyn = kw
+        elif role == "static":
+            check_keys(kw, ("loss_scale",), source, "StaticLossScale.")
+            static = kw.get("loss_scale")
         else:
-            pol = part.strip("'\"")
+            no_op = True
+    if pol is None:
+        raise bad(source, "policy", "nothing read about the dtypes: no jmp.get_policy(...) or policy string; "
+                                    "import the policy line too")
     return import_policy(pol, dyn, static_loss_scale=static, no_op=no_op, source=source)
 
 

@@ -1,79 +1,385 @@
-"""Lightning: ``Trainer(precision=...)`` / ``Fabric(precision=...)`` strings, both directions.
+"""Lightning (``Trainer`` / ``Fabric``) and NeMo's Megatron trainer: ``precision``, both directions.
 
-Read from lightning/fabric/plugins/precision (precision.py, amp.py, half.py): "32-true" (aliases
-"32", 32) full precision; "16-mixed" ("16", 16) ``torch.autocast`` float16 + ``torch.amp.GradScaler()``
-defaults; "bf16-mixed" ("bf16") autocast bfloat16 without a scaler; "16-true" / "bf16-true" the
-whole model (parameters and every op) in that dtype, no scaler, no master weights; "64-true" and
-"transformer-engine(-float16)" (fp8) have no unimp equivalent.
+Read as Lightning reads it (Lightning-AI/pytorch-lightning):
+
+- values: ``src/lightning/fabric/plugins/precision/precision.py`` (``_PRECISION_INPUT``: 64, 32, 16,
+  "64", "32", "16", "bf16" and the "-true"/"-mixed"/"transformer-engine" strings) and
+  ``fabric/connector.py::_convert_precision_to_unified_args`` (aliases "16" -> "16-mixed",
+  "bf16" -> "bf16-mixed", "32" -> "32-true", "64" -> "64-true");
+- plugins: ``pytorch/trainer/connectors/accelerator_connector.py::_check_and_init_precision``:
+  "16-mixed"/"bf16-mixed" -> ``MixedPrecision(precision, device)`` with device "cpu" when
+  ``accelerator="cpu"`` (and "16-mixed" on CPU becomes "bf16-mixed"), else "cuda";
+  ``pytorch/plugins/precision/amp.py::MixedPrecision.__init__``: "16-mixed" gets
+  ``torch.amp.GradScaler(device=device)`` (its defaults), "bf16-mixed" no scaler;
+  ``plugins/precision/half.py::HalfPrecision``: "-true" converts the module (``module.to(dtype)``),
+  no autocast, no scaler, no float32 copy; Fabric's ``HalfPrecision.convert_output`` casts outputs
+  back to float32, the Trainer's keeps them; ``fabric/plugins/precision/transformer_engine.py``:
+  "transformer-engine(-float16)" converts the module to bfloat16 (float16), runs
+  ``torch.autocast("cuda", weights dtype)`` around ``te.fp8_autocast(DelayedScaling())`` (FP8 Linear
+  layers whose dims are multiples of 8/16), no scaler, outputs cast to float32.
+- where: a ``precision`` key at the top (a Trainer/Fabric kwargs file, litgpt's config_hub) or under
+  ``trainer:`` (NeMo, composed hydra configs); ``Trainer(precision=...)`` / ``Fabric(...)`` lines.
+- NeMo (NVIDIA/NeMo ``nemo/collections/nlp/parts/megatron_trainer_builder.py::_plugins`` and
+  ``_grad_scaler``, ``nlp_overrides.py::GradScaler``/``MegatronHalfPrecisionPlugin``): with a
+  ``model:`` section holding NeMo's precision keys, fp16 uses NeMo's GradScaler(init_scale=
+  native_amp_init_scale (2**32), growth_interval=native_amp_growth_interval (1000), hysteresis (2)),
+  the hysteresis refilled on every finite step; ``megatron_amp_O2`` keeps half parameters with
+  float32 main parameters in the optimizer (fp16: float16 gradient accumulation, bf16: float32).
 
 >>> import_policy("bf16-true").policy.param_dtype
 'bfloat16'
+>>> from_cli({"trainer": {"precision": 16}}, "t.yaml").policy.loss_scale.initial
+65536.0
 >>> export_policy(import_policy("16-mixed").policy).config
 '16-mixed'
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
+from ..errors import PolicyError
+from ..loading import load
 from ..policy import Policy
 from . import torch as torch_amp
-from .common import Draft, Exported, Imported, bad, finish, refuse
+from .common import Draft, Exported, Imported, bad, calls, finish, flag, number, refuse, short, text
 
 SYSTEM = "lightning"
 ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true", "transformer-engine",
               "transformer-engine-float16")
+TRAINERS = ("Trainer", "Fabric")
+LITGPT_KEYS = ("checkpoint_dir", "quantize", "out_dir")  # litgpt/finetune/*.py, litgpt/pretrain.py setup()
+# NeMo model keys that decide numerics (nemo/collections/nlp/parts/megatron_trainer_builder.py and
+# examples/nlp/language_modeling/conf/megatron_gpt_config.yaml "# Mixed precision" block)
+NEMO_KEYS = ("megatron_amp_O2", "native_amp_init_scale", "native_amp_growth_interval", "hysteresis",
+             "fp32_residual_connection", "fp16_lm_cross_entropy", "fsdp", "fsdp_grad_reduce_dtype",
+             "transformer_engine", "fp8", "fp8_e4m3", "fp8_hybrid", "fp8_margin", "fp8_interval",
+             "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad", "precision")
+INTERPOLATION = re.compile(r"^\$\{([A-Za-z0-9_.]+)\}$")
 
 
-def import_policy(precision: str | int = "32-true", *, source: str = "lightning") -> Imported:
-    """The policy of ``Trainer(precision=precision)``."""
-    name = ALIASES.get(str(precision), str(precision))
-    if name not in PRECISIONS:
-        raise bad(source, "precision", f"{precision!r} is not one of {', '.join(PRECISIONS)} (or 64, 32, 16, 'bf16')")
+def import_policy(precision: str | int = "32-true", *, source: str = "lightning", fabric: bool = False,
+                  accelerator: str | None = None, nemo: Mapping[str, Any] | None = None) -> Imported:
+    """The policy of ``Trainer(precision=precision, accelerator=accelerator)`` (``fabric``:
+    ``Fabric(...)``); ``nemo`` is a NeMo config's ``model:`` section (its precision keys)."""
+    return _read(precision, source, fabric, accelerator, nemo, [])
+
+
+def _name(precision: Any, source: str, where: str) -> str:
+    """The unified precision string (``_convert_precision_to_unified_args``)."""
+    ok = isinstance(precision, str) or (isinstance(precision, int) and not isinstance(precision, bool))
+    name = ALIASES.get(str(precision), str(precision)) if ok else None
+    if name not in PRECISIONS or (isinstance(precision, int) and precision not in (16, 32, 64)):
+        raise bad(source, where, f"{short(precision)} is not one of {', '.join(PRECISIONS)} (or 64, 32, 16, 'bf16')")
+    return name
+
+
+def _read(precision: Any, source: str, fabric: bool, accelerator: Any, nemo: Mapping[str, Any] | None,
+          ignored: list[str], where: str = "precision", bert: bool = False) -> Imported:
+    name = _name(precision, source, where)
+    said = f"{where}={precision if isinstance(precision, int) else short(precision)}"
+    if accelerator is not None:
+        said += f" with {where.removesuffix('precision')}accelerator={short(accelerator)}"
     if name == "64-true":
-        raise refuse(source, "precision", "'64-true' trains in float64, which unimp policies do not hold",
+        raise refuse(source, where, "'64-true' trains in float64, which unimp policies do not hold",
                      "use '32-true' (policy fp32)")
-    if name.startswith("transformer-engine"):
-        raise refuse(source, "precision", f"{name!r} runs Transformer Engine fp8 layers, which unimp has no dtype "
-                     f"for", "import 'bf16-mixed' and keep Transformer Engine for the fp8 layers")
-    where = f"precision={precision!r}"
+    device = "cuda"
+    if accelerator is not None:
+        acc = text(source, "accelerator", accelerator)
+        if acc == "cpu":
+            device = "cpu"
+        elif acc == "mps" and name.endswith("-mixed"):
+            raise refuse(source, "accelerator", "'mps' autocast has its own op lists, which unimp does not hold",
+                         "import with accelerator 'gpu' or 'cpu'")
+    if name == "16-mixed" and device == "cpu" and not fabric:
+        name, said = "bf16-mixed", f"{said} with accelerator='cpu': Lightning runs 'bf16-mixed' (fp16 AMP on CPU)"
+    if nemo is not None and name in ("16-mixed", "bf16-mixed"):
+        return _nemo(name, said, nemo, source, ignored, bert)
+    if nemo is not None:  # MegatronTrainerBuilder._plugins builds no precision plugin for it
+        ignored = [*ignored, *(f"model.{k} (NeMo builds no precision plugin for {name})" for k in nemo)]
     if name == "32-true":
-        return Draft(SYSTEM, source, "fp32", f"{where}: full precision").build()
-    low = "float16" if name.startswith("16") else "bfloat16"
-    if name.endswith("-mixed"):
-        d = Draft(SYSTEM, source, "torch_autocast_cuda", f"{where}: torch.autocast (CUDA op lists)")
-        d.set("compute_dtype", low, where)
+        d = Draft(SYSTEM, source, "fp32", f"{said}: full precision")
+    elif name.startswith("transformer-engine"):
+        d = _transformer_engine(name, said, source)
+    elif name.endswith("-mixed"):
+        low = "float16" if name.startswith("16") else "bfloat16"
+        d = Draft(SYSTEM, source, f"torch_autocast_{device}", f"{said}: MixedPrecision -> torch.autocast('{device}')")
+        d.set("compute_dtype", low, said)
         if low == "float16":
-            torch_amp.add_scaler(d, {}, prefix="GradScaler().")
+            torch_amp.add_scaler(d, {}, prefix="MixedPrecision: GradScaler() ")
         else:
-            d.set("loss_scale.mode", "none", f"{where}: no GradScaler")
-            d.set("loss_scale.skip_nonfinite", False, f"{where}: every step is taken")
-        return d.build()
-    d = Draft(SYSTEM, source, "fp32", f"{where}: the model converted to {low}")
-    d.set("compute_dtype", low, where)
-    d.set("param_dtype", low, f"{where}: parameters converted")
-    d.set("output_dtype", low, f"{where}: outputs in {low}")
-    d.set("ops.float32", [], f"{where}: every op runs in {low}")
-    d.set("master_weights.enabled", False, f"{where}: no float32 copy")
+            d.set("loss_scale.mode", "none", f"{said}: MixedPrecision takes no scaler")
+            d.set("loss_scale.skip_nonfinite", False, f"{said}: every step is taken")
+        d.set("distributed.reduce_dtype", "float32", f"{said}: parameters (and gradients) stay float32")
+    else:
+        low = "float16" if name.startswith("16") else "bfloat16"
+        d = Draft(SYSTEM, source, "fp32", f"{said}: HalfPrecision converts the model to {low}")
+        d.set("compute_dtype", low, said)
+        d.set("param_dtype", low, f"{said}: module.to({low})")
+        d.set("output_dtype", "float32" if fabric else low,
+              f"{said}: Fabric's HalfPrecision.convert_output casts to float32" if fabric else
+              f"{said}: the Trainer's HalfPrecision keeps outputs in {low}")
+        d.set("ops.float32", [], f"{said}: no autocast, every op runs in {low}")
+        d.set("master_weights.enabled", False, f"{said}: the optimizer steps the {low} parameters")
+        d.set("distributed.reduce_dtype", low, f"{said}: gradients are {low}")
+    d.ignored.extend(ignored)
     return d.build()
 
 
+def _transformer_engine(name: str, said: str, source: str) -> Draft:
+    low = "float16" if name.endswith("float16") else "bfloat16"
+    d = Draft(SYSTEM, source, "torch_autocast_cuda",
+              f"{said}: TransformerEnginePrecision's fallback torch.autocast('cuda', {low})")
+    d.set("compute_dtype", low, f"{said}: fallback_compute_dtype = weights_dtype")
+    d.set("param_dtype", low, f"{said}: convert_module: module.to({low})")
+    d.set("master_weights.enabled", False, f"{said}: the optimizer steps the {low} parameters")
+    d.set("output_dtype", "float32", f"{said}: convert_output casts to float32")
+    d.set("loss_scale.mode", "none", f"{said}: TransformerEnginePrecision takes no scaler")
+    d.set("loss_scale.skip_nonfinite", False, f"{said}: every step is taken")
+    d.set("distributed.reduce_dtype", low, f"{said}: gradients are {low}")
+    te = load("te_delayed").fp8
+    d.set("fp8.enabled", True, f"{said}: te.fp8_autocast(enabled=True)")
+    d.set("fp8.ops", ["linear"], f"{said}: _convert_layers replaces torch.nn.Linear with te.Linear")
+    d.set("fp8.recipe", "delayed", f"{said}: recipe DelayedScaling()")
+    d.set("fp8.amax_history", te.amax_history, "DelayedScaling() default (preset te_delayed)")
+    d.set("fp8.forward_format", "e4m3", "DelayedScaling() default Format.HYBRID")
+    d.set("fp8.gradient_format", "e5m2", "DelayedScaling() default Format.HYBRID")
+    d.set("fp8.dims_multiple", 16, "_convert_layers skips Linear layers whose dims are not multiples of 8/16")
+    return d
+
+
+def _nemo(name: str, said: str, model: Mapping[str, Any], source: str, ignored: list[str],
+          bert: bool = False) -> Imported:
+    """NeMo's Megatron trainer (MegatronTrainerBuilder._plugins) for a 16/bf16 ``trainer.precision``;
+    ``bert``: MegatronBertTrainerBuilder, whose _grad_scaler passes no hysteresis (NeMo GradScaler's 1)."""
+    for key in ("fp32_residual_connection", "fp16_lm_cross_entropy", "fsdp"):
+        if key in model and flag(source, f"model.{key}", model[key]):
+            raise refuse(source, f"model.{key}", "True changes the dtype of tensors no canonical op names "
+                         "(the residual stream, the LM-head loss, FSDP's flat parameters)",
+                         "set it to False to import, or keep NeMo for this run")
+    fp8 = "fp8" in model and flag(source, "model.fp8", model["fp8"])
+    low = "float16" if name == "16-mixed" else "bfloat16"
+    o2 = flag(source, "model.megatron_amp_O2", model.get("megatron_amp_O2", False))
+    if o2:
+        d = Draft(SYSTEM, source, "megatron_fp16", f"{said} + model.megatron_amp_O2: MegatronHalfPrecisionPlugin, "
+                  f"Megatron half model (Megatron's fp32 softmax/norm lists)")
+        d.set("compute_dtype", low, said)
+        d.set("param_dtype", low, "model.megatron_amp_O2: the model is converted to half (Float16Module)")
+        d.set("master_weights.enabled", True, "model.megatron_amp_O2: MainParamsOptimizerWrapper keeps fp32 "
+                                              "main parameters")
+        d.set("distributed.reduce_dtype", "float32" if low == "bfloat16" else "float16",
+              "MegatronHalfPrecisionPlugin: 'BF16 uses FP32 grad accumulation'" if low == "bfloat16" else
+              "MegatronHalfPrecisionPlugin: 'FP16 uses FP16 grad accumulation'")
+    else:
+        d = Draft(SYSTEM, source, "torch_autocast_cuda", f"{said}, model.megatron_amp_O2 False: "
+                  f"PipelineMixedPrecisionPlugin -> torch.autocast")
+        d.set("compute_dtype", low, said)
+        d.set("distributed.reduce_dtype", "float32", f"{said}: parameters (and gradients) stay float32")
+    if low == "float16":
+        p = "model."
+        init = number(source, f"{p}native_amp_init_scale", model.get("native_amp_init_scale", 2.0**32))
+        interval = number(source, f"{p}native_amp_growth_interval", model.get("native_amp_growth_interval", 1000),
+                          int, minimum=1)
+        hyst = 1 if bert else number(source, f"{p}hysteresis", model.get("hysteresis", 2), int, minimum=1)
+        given = (lambda k: f"{p}{k}" if k in model else f"{p}{k} not given: NeMo default")
+        if bert:
+            given = (lambda k, g=given: "name megatron_bert: MegatronBertTrainerBuilder._grad_scaler passes no "
+                     "hysteresis (GradScaler default 1)" if k == "hysteresis" else g(k))
+        d.set("loss_scale.mode", "dynamic", "NeMo GradScaler (fp16)")
+        d.set("loss_scale.initial", init, given("native_amp_init_scale"))
+        d.set("loss_scale.growth_factor", 2.0, "NeMo GradScaler: torch's growth_factor 2.0")
+        d.set("loss_scale.backoff_factor", 0.5, "NeMo GradScaler: torch's backoff_factor 0.5")
+        d.set("loss_scale.growth_interval", interval, given("native_amp_growth_interval"))
+        d.set("loss_scale.growth_schedule", "interval", "NeMo GradScaler: torch._amp_update_scale_")
+        d.set("loss_scale.hysteresis", hyst, given("hysteresis"))
+        d.set("loss_scale.hysteresis_refill", ["finite"], "NeMo GradScaler.update: refilled on every finite step")
+        d.set("loss_scale.min", 0.0, "NeMo GradScaler: no floor (torch's)")
+        d.set("loss_scale.max", float("inf"), "NeMo GradScaler: no cap (torch's)")
+        d.set("loss_scale.on_max", "keep", "torch._amp_update_scale_ keeps the scale when growth is not finite")
+        d.set("loss_scale.growth_requires_finite", True, "torch._amp_update_scale_")
+        d.set("loss_scale.at_min", "clamp", "NeMo GradScaler never raises")
+        d.set("loss_scale.scale_dtype", "float32", "torch's scale is a float32 tensor")
+        d.set("loss_scale.factor_arithmetic", "float64", "torch._amp_update_scale_ (as torch GradScaler)")
+        d.set("loss_scale.skip_nonfinite", True, "NeMo GradScaler._maybe_opt_step skips the step")
+    else:
+        d.set("loss_scale.mode", "none", f"{said}: NeMo builds no scaler for bf16")
+        d.set("loss_scale.skip_nonfinite", False, f"{said}: every step is taken")
+    if fp8:
+        _nemo_fp8(d, model, source)
+    checked = [f"model.{k}={model[k]}" for k in ("fp32_residual_connection", "fp16_lm_cross_entropy", "fsdp", "fp8",
+                                                  "megatron_amp_O2") if k in model and not model[k]]
+    if checked:
+        d.note(f"Read, changing nothing: {', '.join(checked)}")
+    read = {"megatron_amp_O2", "fp32_residual_connection", "fp16_lm_cross_entropy", "fsdp", "fp8"}
+    if low == "float16":
+        read |= {"native_amp_init_scale", "native_amp_growth_interval"} | (set() if bert else {"hysteresis"})
+    if fp8:
+        read |= {k for k in NEMO_KEYS if k.startswith("fp8")}
+    why = {"native_amp_init_scale": "fp16 only", "native_amp_growth_interval": "fp16 only",
+           "hysteresis": "not read by MegatronBertTrainerBuilder" if bert else "fp16 only",
+           "precision": "follows trainer.precision", "transformer_engine": "layer choice",
+           "fsdp_grad_reduce_dtype": "fsdp is off"}
+    for k in model:
+        if k not in read:
+            reason = why.get(k, "fp8 is off" if k.startswith("fp8") else "not a precision setting")
+            ignored.append(f"model.{k} ({reason})")
+    d.ignored.extend(ignored)
+    return d.build()
+
+
+def _nemo_fp8(d: Draft, model: Mapping[str, Any], source: str) -> None:
+    """NeMo's fp8 keys (megatron_gpt_config.yaml: fp8_e4m3 / fp8_hybrid / fp8_margin / fp8_interval /
+    fp8_amax_history_len / fp8_amax_compute_algo -> Transformer Engine's DelayedScaling)."""
+    def get(k: str, default: Any) -> Any:
+        return model.get(k, default)
+
+    if number(source, "model.fp8_margin", get("fp8_margin", 0), int) != 0:
+        raise refuse(source, "model.fp8_margin", "a scaling margin has no [fp8] key", "set it to 0 to import")
+    if number(source, "model.fp8_interval", get("fp8_interval", 1), int) != 1:
+        raise refuse(source, "model.fp8_interval", "an amax update interval has no [fp8] key", "set it to 1")
+    if text(source, "model.fp8_amax_compute_algo", get("fp8_amax_compute_algo", "max")) != "max":
+        raise refuse(source, "model.fp8_amax_compute_algo", "only 'max' over the history is held",
+                     "set it to 'max'")
+    e4m3 = flag(source, "model.fp8_e4m3", get("fp8_e4m3", False))
+    hybrid = flag(source, "model.fp8_hybrid", get("fp8_hybrid", True))
+    if e4m3 == hybrid:
+        raise bad(source, "model.fp8_e4m3", "set exactly one of fp8_e4m3 and fp8_hybrid to True")
+    d.set("fp8.enabled", True, "model.fp8")
+    d.set("fp8.ops", ["linear"], "model.fp8: TE TransformerLayer linear layers")
+    d.set("fp8.recipe", "delayed", "model.fp8: TE DelayedScaling")
+    d.set("fp8.amax_history", number(source, "model.fp8_amax_history_len", get("fp8_amax_history_len", 1024),
+                                     int, minimum=1), "model.fp8_amax_history_len")
+    d.set("fp8.forward_format", "e4m3", "model.fp8_e4m3/fp8_hybrid")
+    d.set("fp8.gradient_format", "e4m3" if e4m3 else "e5m2",
+          "model.fp8_e4m3: Format.E4M3" if e4m3 else "model.fp8_hybrid: Format.HYBRID")
+
+
+def _resolve(value: Any, root: Mapping[str, Any], source: str, where: str) -> Any:
+    """An OmegaConf ``${a.b}`` interpolation resolved inside the same file, or a located error."""
+    m = INTERPOLATION.match(value) if isinstance(value, str) else None
+    if m is None:
+        if isinstance(value, str) and "${" in value:
+            raise bad(source, where, f"{short(value)} is an OmegaConf interpolation unimp cannot resolve; import "
+                                     f"the resolved config (`python train.py --cfg job`)")
+        return value
+    node: Any = root
+    for part in m.group(1).split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            raise bad(source, where, f"{short(value)} refers to a key this file does not hold; import the "
+                                     f"resolved config (`python train.py --cfg job`)")
+        node = node[part]
+    return node
+
+
+def _from_mapping(raw: Mapping[str, Any], source: str) -> Imported:
+    trainer: Mapping[str, Any] = raw
+    prefix = ""
+    ignored: list[str] = []
+    if "trainer" in raw and isinstance(raw["trainer"], Mapping):
+        trainer, prefix = raw["trainer"], "trainer."
+        ignored += [f"{k} (not the trainer)" for k in raw if k not in ("trainer", "model")]
+    elif "precision" not in raw and "fabric" in raw and isinstance(raw["fabric"], Mapping):
+        trainer, prefix = raw["fabric"], "fabric."
+    if isinstance(trainer.get("plugins"), list | Mapping | str) and trainer.get("plugins"):
+        raise refuse(source, f"{prefix}plugins", "a plugin object may set its own precision (MixedPrecision with "
+                     "a scaler, a custom plugin), which a config file cannot show", "remove it to import the "
+                     "precision string, or import the plugin's GradScaler(...) with --from torch")
+    if "precision" not in trainer:
+        target = str(trainer.get("_target_", ""))
+        if "defaults" in trainer:
+            raise bad(source, f"{prefix}precision", "not in this file; hydra takes it from the files in its "
+                      "`defaults` list: import the composed config (`python train.py --cfg job > cfg.yaml`)")
+        if target.rpartition(".")[2] in TRAINERS:  # a Trainer config without precision: say what Lightning runs
+            raise bad(source, f"{prefix}precision", f"nothing read: not in this file; {short(target)} then runs "
+                      f"its default '32-true' (accelerator_connector.py: precision None -> '32-true'): add "
+                      f"`precision: 32-true` to import that, or import the config that sets it")
+        raise bad(source, "precision", "nothing read: no `precision` key at the top, under `trainer:` or in a "
+                  "Trainer(...) call, so this is not a Lightning precision setting; pass the Trainer config "
+                  "(or --from the system this file belongs to)")
+    where = f"{prefix}precision"
+    precision = _resolve(trainer["precision"], raw, source, where)
+    fabric = prefix == "fabric."
+    if not prefix and any(k in raw for k in LITGPT_KEYS):  # litgpt's CLI configs: L.Fabric(precision=...)
+        fabric = True
+        quantize = raw.get("quantize")
+        if quantize is not None:
+            raise refuse(source, "quantize", f"{short(quantize)}: litgpt runs BitsandbytesPrecision, weights held "
+                         f"in {short(str(quantize)[4:])} (quantized), which a unimp policy does not hold",
+                         "import a config without `quantize` (full or LoRA finetuning)")
+        if precision is None:
+            raise bad(source, "precision", "null: litgpt picks get_default_supported_precision(training=True) on "
+                                           "the machine it runs on (bf16 or 16); write the precision to import it")
+    model = raw.get("model") if prefix == "trainer." else None
+    nemo = model if isinstance(model, Mapping) and any(k in model for k in NEMO_KEYS if k != "precision") else None
+    if isinstance(model, Mapping) and nemo is None:
+        ignored.append("model (no NeMo precision key)")
+    accelerator = trainer.get("accelerator")
+    ignored += [f"{prefix}{k}" for k in trainer if k not in ("precision", "accelerator", "_target_")]
+    if "_target_" in trainer:
+        ignored.append(f"{prefix}_target_ (the Trainer class)")
+    bert = str(raw.get("name", "")).startswith("megatron_bert")
+    return _read(precision, source, fabric, accelerator, nemo, ignored, where, bert)
+
+
 def from_cli(raw: Any, source: str) -> Imported:
-    if isinstance(raw, dict):
-        return import_policy(raw.get("precision", "32-true"), source=source)
-    text = str(raw).strip()
-    text = text.split("=", 1)[1].strip() if text.startswith("precision") else text
-    return import_policy(text.strip("'\""), source=source)
+    if isinstance(raw, Mapping):
+        return _from_mapping(raw, source)
+    value = raw.strip()
+    if "(" not in value and "=" not in value and ":" not in value:
+        return import_policy(value.strip("'\""), source=source)
+    if "(" not in value and ":" in value:  # `precision: 16` pasted from a YAML file
+        from ..resolve import parse_text
+        from .common import plain
+
+        try:
+            parsed = parse_text(value, "yaml")
+        except PolicyError:  # parse_text turns every parser error into one
+            parsed = None
+        if not isinstance(parsed, Mapping):
+            raise bad(source, "", f"cannot read {short(value)}: expected a precision, Trainer(precision=...) or "
+                                  f"a YAML `precision:` key")
+        return _from_mapping(plain(parsed, source), source)
+    found: list[tuple[str, dict[str, Any]]] = []
+    for c in calls(value, source, TRAINERS):
+        if c.name is not None and c.last not in TRAINERS:
+            raise bad(source, c.name, f"unknown call {short(c.name)}; expected Trainer(...) or Fabric(...)")
+        if c.args:
+            raise bad(source, c.name or "", "positional arguments cannot be read; write precision=...")
+        found.append((c.last or "", c.kwargs))
+    kwargs: dict[str, Any] = {}
+    fabric = False
+    for call, kw in found:
+        fabric = fabric or call == "Fabric"
+        kwargs.update(kw)
+    if "precision" not in kwargs:
+        raise bad(source, "precision", "nothing read: no precision=... in what was given; Lightning's default is "
+                                       "'32-true': pass precision='32-true' to import that")
+    if kwargs.get("plugins"):
+        raise refuse(source, "plugins", "a plugin object may set its own precision", "remove it to import")
+    ignored = [k for k in kwargs if k not in ("precision", "accelerator")]
+    return _read(kwargs["precision"], source, fabric, kwargs.get("accelerator"), None, ignored)
 
 
 def export_policy(policy: Policy) -> Exported:
     """The ``precision`` string closest to the policy."""
     c, p = policy.compute_dtype, policy.param_dtype
-    if c == "float32":
+    if policy.fp8.enabled and c != "float32":
+        name = "transformer-engine" if c == "bfloat16" else "transformer-engine-float16"
+    elif c == "float32":
         name = "32-true"
     elif p == "float32":
         name = "16-mixed" if c == "float16" else "bf16-mixed"
     else:
         name = "16-true" if p == "float16" else "bf16-true"
-    return finish(SYSTEM, policy, name, f"trainer = Trainer(precision={name!r})\n", import_policy)
+    cpu = policy.ops.category("softmax") != "float32" and name.endswith("-mixed") and c == "bfloat16"
+    fabric = name.endswith("-true") and c != "float32" and policy.output_dtype == "float32"
+    if fabric:  # Fabric's HalfPrecision casts outputs back to float32, the Trainer's does not
+        text_ = f"fabric = Fabric(precision={name!r})\n"
+        config: Any = {"fabric": {"precision": name}}
+    else:
+        text_ = f"trainer = Trainer(precision={name!r}" + (", accelerator='cpu'" if cpu else "") + ")\n"
+        config = {"precision": name, "accelerator": "cpu"} if cpu else name
+    return finish(SYSTEM, policy, config, text_, lambda c: from_cli(c, "lightning"))

@@ -1,45 +1,149 @@
-"""Megatron-LM: the precision arguments of ``pretrain_gpt.py`` & co., both directions.
+"""Megatron-LM: the precision arguments of ``pretrain_gpt.py`` & co., both directions, from a
+command line or a whole launch script.
 
-Read from megatron/training/arguments.py and megatron/core/optimizer (grad_scaler.py,
-``get_megatron_optimizer``): ``--fp16`` float16 params with float32 main params and
-``DynamicGradScaler(initial_scale=--initial-loss-scale 2**32, min_scale=--min-loss-scale 1.0,
-growth_factor 2.0, backoff_factor 0.5, growth_interval=--loss-scale-window 1000,
-hysteresis=--hysteresis 2)``, or ``ConstantGradScaler(--loss-scale)`` when given; ``--bf16``
-bfloat16 params with float32 main params, no scaler unless ``--loss-scale``; gradients are
-reduced in the params' dtype unless ``--accumulate-allreduce-grads-in-fp32`` (implied by
-``--bf16``). Other arguments are not precision settings: ignored and listed in the header.
+Read from NVIDIA/Megatron-LM d98e8a64ddf34856e74b24714e3bedb2f5a39553: megatron/training/arguments.py
+(``_add_mixed_precision_args`` defaults, ``validate_args``), megatron/core/optimizer
+(grad_scaler.py, ``get_megatron_optimizer``), megatron/core/transformer/module.py
+(``Float16Module``: the model converted to fp16/bf16, outputs upcast to fp32 on the last stage) and
+megatron/core/transformer/transformer_config.py (the ``--fp8-*`` arguments). ``--fp16``: float16
+params with float32 main params and ``DynamicGradScaler(initial_scale=--initial-loss-scale 2**32,
+min_scale=--min-loss-scale 1.0, growth_factor 2.0, backoff_factor 0.5, growth_interval=
+--loss-scale-window 1000, hysteresis=--hysteresis 2)``, or ``ConstantGradScaler(--loss-scale)``;
+``--bf16``: bfloat16 params, float32 main params, no scaler unless ``--loss-scale``; gradients are
+reduced in the params' dtype unless ``--accumulate-allreduce-grads-in-fp32`` (which ``--bf16``
+implies unless ``--grad-reduce-in-bf16``). ``--fp8-format`` runs Transformer Engine's linear layers
+in FP8 (recipe ``--fp8-recipe``, default delayed).
+
+A launch script is read as the shell would hand the arguments over: comments dropped, continued
+lines joined, quoted variables (``GPT_ARGS="... --fp16 ..."``) and arrays split again, ``$VAR``
+values taken from the script's own assignments. Every argument the script mentions is read
+(branches are not evaluated). ``--deepspeed`` (Megatron-DeepSpeed) hands the optimizer to
+DeepSpeed (bigscience-workshop/Megatron-DeepSpeed megatron/optimizer/__init__.py
+``get_megatron_optimizer``: ``if args.deepspeed: return optimizer``): the DeepSpeed config the
+script writes (``cat <<EOT > $config_json``) is imported as DeepSpeed. Other arguments are not
+precision settings: ignored and listed in the header.
 
 >>> imp = import_policy("--fp16 --loss-scale-window 500 --hysteresis 3 --micro-batch-size 4")
 >>> imp.policy.loss_scale.growth_interval, imp.policy.loss_scale.hysteresis, imp.ignored
 (500, 3, ('--micro-batch-size',))
->>> export_policy(imp.policy).config
-'--fp16 --initial-loss-scale 4294967296 --min-loss-scale 1.0 --loss-scale-window 500 --hysteresis 3'
+>>> import_policy('GPT_ARGS="--fp16 --loss-scale 12" --micro-batch-size 4').policy.loss_scale.initial
+12.0
 """
 
 from __future__ import annotations
 
+import json
+import re
 import shlex
 from collections.abc import Sequence
 from typing import Any
 
 from ..policy import Policy
-from .common import Draft, Exported, Imported, bad, finish, has_knob, number
+from ..spec import short
+from .common import MAX_TEXT, Draft, Exported, Imported, bad, finish, has_knob, number, refuse
 
 SYSTEM = "megatron"
-FLAGS = ("--fp16", "--bf16", "--accumulate-allreduce-grads-in-fp32")
+# Precision arguments unimp has no key for (arguments.py / transformer_config.py): a dtype other than fp32
+# for master weights, master gradients or Adam's moments is refused (unimp keeps them float32); the rest
+# are noted in the policy file with why they are not held.
+STATE_DTYPES = {"--main-params-dtype": "the master weights", "--main-grads-dtype": "the master gradients",
+                "--megatron-fsdp-main-params-dtype": "the master weights (Megatron FSDP)",
+                "--megatron-fsdp-main-grads-dtype": "the master gradients (Megatron FSDP)",
+                "--exp-avg-dtype": "Adam's first moment", "--exp-avg-sq-dtype": "Adam's second moment"}
+NOTED = {"--use-precision-aware-optimizer": "lets the *-dtype arguments apply (all fp32 here: as unimp)",
+         "--keep-fp8-transpose-cache": "memory only",
+         "--ddp-reduce-scatter-with-fp32-accumulation": "the reduce sends low precision but sums in fp32: "
+                                                        "unimp's reduce dtype holds one dtype (the wire's, above)",
+         "--first-last-layers-bf16": "the first/last transformer layers stay bf16 under FP8 (--num-layers-at-start-"
+                                     "in-bf16 / -end-, default 1 each): add [[overrides]] with their module paths "
+                                     "and fp8 = false to match",
+         "--num-layers-at-start-in-bf16": "see --first-last-layers-bf16",
+         "--num-layers-at-end-in-bf16": "see --first-last-layers-bf16",
+         "--output-logit-dtype": "the dtype of the LM head's GEMM output: unimp keeps the op's dtype"}
+FLAGS = ("--fp16", "--bf16", "--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16",
+         "--fp16-lm-cross-entropy", "--attention-softmax-in-fp32", "--fp8-param-gather", "--deepspeed",
+         "--use-precision-aware-optimizer", "--keep-fp8-transpose-cache", "--ddp-reduce-scatter-with-fp32-accumulation",
+         "--first-last-layers-bf16")
 VALUED = {"--loss-scale": float, "--initial-loss-scale": float, "--min-loss-scale": float,
-          "--loss-scale-window": int, "--hysteresis": int}
+          "--loss-scale-window": int, "--hysteresis": int, "--fp8-format": str, "--fp8-recipe": str,
+          "--fp8-amax-history-len": int, "--fp8-amax-compute-algo": str, "--fp8-margin": int, "--fp8-interval": int,
+          "--deepspeed_config": str, "--deepspeed-config": str, "--num-layers-at-start-in-bf16": int,
+          "--num-layers-at-end-in-bf16": int, "--output-logit-dtype": str, "--te-precision-config-file": str,
+          **dict.fromkeys(STATE_DTYPES, str)}
+MAX_WORDS = 20000  # words of one script (bounds the work of re-splitting quoted values)
+_HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?(.*)$")
+_ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_]\w*)=(.*)$", re.S)
+_VAR = re.compile(r"\$\{?([A-Za-z_]\w*)\}?")
+
+
+def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """(words, variable assignments, heredoc bodies by the file they are written to) of a script."""
+    if len(text) > 16 * MAX_TEXT:
+        raise bad(source, "", f"{len(text)} characters; a launch script is at most {16 * MAX_TEXT}")
+    docs: dict[str, str] = {}
+    kept: list[str] = []
+    end, target, body = None, "", []
+    for line in text.split("\n"):  # heredocs cut out line by line (linear: no regex over the whole text)
+        if end is not None:
+            if line.strip() == end:
+                docs[target], end = "\n".join(body), None
+            else:
+                body.append(line)
+            continue
+        m = _HEREDOC.search(line)
+        if m:
+            end, target, body = m.group(1), m.group(2).strip().lstrip(">").strip(), []
+            line = line[:m.start()]
+        kept.append(line)
+    text = "\n".join(kept)
+    try:
+        first = shlex.split(text.replace("\\\n", " "), comments=True)
+    except ValueError as e:
+        raise bad(source, "", f"cannot split the command line or script ({e}); check its quotes") from None
+    words: list[str] = []
+    assigned: dict[str, str] = {}
+    todo = [(w, 0) for w in reversed(first)]
+    while todo:
+        word, depth = todo.pop()
+        if len(words) > MAX_WORDS:
+            raise bad(source, "", f"over {MAX_WORDS} words; pass the training command line itself")
+        m = _ASSIGN.match(word)
+        if m and not word.startswith("-"):
+            assigned[m.group(1)] = m.group(2).strip().strip("()")
+            word = m.group(2).strip("()")
+        if depth < 2 and any(c.isspace() for c in word) and "--" in word:
+            try:
+                todo.extend((w, depth + 1) for w in reversed(shlex.split(word, comments=True)))
+            except ValueError:
+                words.append(word)
+            continue
+        if word:
+            words.append(word)
+    return words, assigned, docs
+
+
+def _expand(value: str, assigned: dict[str, str], depth: int = 0) -> str:
+    """``$VAR`` / ``${VAR}`` replaced from the script's assignments (unknown ones left as they are;
+    at most 4 levels deep and MAX_TEXT characters, so self-referencing variables stay bounded)."""
+    def sub(m: re.Match[str]) -> str:
+        v = assigned.get(m.group(1))
+        return m.group(0) if v is None or depth > 4 else _expand(v, assigned, depth + 1)
+
+    out = _VAR.sub(sub, value) if len(value) <= MAX_TEXT else value
+    return out if len(out) <= MAX_TEXT else value
 
 
 def parse_args(args: str | Sequence[str], source: str = "megatron") -> tuple[dict[str, Any], list[str]]:
-    """(precision arguments, other argument names) of a Megatron command line."""
+    """(precision arguments, other argument names) of a Megatron command line or launch script."""
+    got, other, _ = _parse(args, source)
+    return got, other
+
+
+def _parse(args: str | Sequence[str], source: str) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
     if isinstance(args, str):
-        try:
-            words = shlex.split(args.replace("\\\n", " "), comments=True)
-        except ValueError as e:
-            raise bad(source, "", f"cannot split the command line ({e})") from None
+        words, assigned, docs = _words(args, source)
     else:
-        words = list(args)
+        words, assigned, docs = list(args), {}, {}
     got: dict[str, Any] = {}
     other: list[str] = []
     i = 0
@@ -55,28 +159,49 @@ def parse_args(args: str | Sequence[str], source: str = "megatron") -> tuple[dic
                     raise bad(source, word, "expects a value")
                 i += 1
                 value = words[i]
+            value = _expand(value, assigned)
+            if "$" in value and word not in ("--deepspeed_config", "--deepspeed-config", "--te-precision-config-file"):
+                raise bad(source, word, f"{short(value)}: the script does not assign that variable; write the value")
+            kind = VALUED[word]
             try:
-                got[word] = VALUED[word](float(value)) if VALUED[word] is int and float(value).is_integer() \
-                    else VALUED[word](value)
+                parsed = kind(value) if kind is str else kind(float(value.replace("_", "")))
+                if kind is int and not float(value.replace("_", "")).is_integer():
+                    raise ValueError
             except ValueError:
-                raise bad(source, word, f"{value!r} is not a number") from None
+                word_kind = "an integer" if kind is int else "a number"
+                raise bad(source, word, f"{short(value)} is not {word_kind}") from None
+            if word in got and got[word] != parsed:
+                raise bad(source, word, f"given twice ({short(got[word])} and {short(parsed)}); keep the one "
+                                        "the run uses")
+            got[word] = parsed
+        elif word.startswith("--fp8") or word.startswith("--fp4"):
+            raise refuse(source, word, "this FP8/FP4 argument has no unimp key",
+                         "remove it (unimp reads --fp8-format, --fp8-recipe, --fp8-amax-history-len, "
+                         "--fp8-amax-compute-algo, --fp8-margin, --fp8-interval, --fp8-param-gather)")
         elif word.startswith("--"):
             other.append(word)
         i += 1
-    return got, other
+    return got, list(dict.fromkeys(other)), {"assigned": assigned, "docs": docs}
 
 
 def import_policy(args: str | Sequence[str], *, source: str = "megatron") -> Imported:
-    """The policy of a Megatron-LM run with these command-line arguments."""
-    got, other = parse_args(args, source)
-    if not got and not other:  # nothing Megatron reads: a wrong file or string, not a float32 run
-        raise bad(source, "", "no Megatron argument found (they start with --); pass the command line, e.g. "
-                              "'--fp16 --loss-scale-window 1000' (a float32 run: any of its arguments)")
+    """The policy of a Megatron-LM run with these command-line arguments (or this launch script)."""
+    got, other, script = _parse(args, source)
     if got.get("--fp16") and got.get("--bf16"):
         raise bad(source, "--bf16", "--fp16 and --bf16 together (Megatron refuses this); keep one")
+    if got.get("--deepspeed"):
+        return _deepspeed(got, other, script, source)
+    if not (got.get("--fp16") or got.get("--bf16")):
+        if not got and not other:
+            raise bad(source, "", "no Megatron argument found (they start with --); pass the command line or the "
+                                  "launch script, e.g. '--fp16 --loss-scale-window 1000'")
+        raise bad(source, "--fp16", "no precision argument (--fp16 / --bf16): the run trains in float32; to import "
+                                    "that, import 'fp32' (`unimp show fp32`) — found only "
+                                    f"{', '.join(other[:4]) or 'loss-scale arguments'}")
     static = got.get("--loss-scale")
     if got.get("--fp16"):
-        d = Draft(SYSTEM, source, "megatron_fp16", "--fp16: float16 params, float32 main params, DynamicGradScaler")
+        d = Draft(SYSTEM, source, "megatron_fp16", "--fp16: Float16Module (fp16 model, fp32 outputs), float32 main "
+                                                   "params, DynamicGradScaler")
         if static is None:
             d.set("loss_scale.mode", "dynamic", "--loss-scale not given: DynamicGradScaler")
             for path, key, default in (("initial", "--initial-loss-scale", 2.0 ** 32), ("min", "--min-loss-scale", 1.0),
@@ -92,22 +217,151 @@ def import_policy(args: str | Sequence[str], *, source: str = "megatron") -> Imp
             d.set("loss_scale.at_min", "clamp", "DynamicGradScaler stays at min_scale")
             if has_knob("loss_scale.scale_dtype"):
                 d.set("loss_scale.scale_dtype", "float32", "DynamicGradScaler holds a float32 tensor")
+        if got.get("--grad-reduce-in-bf16"):
+            raise bad(source, "--grad-reduce-in-bf16", "applies to --bf16 only; remove it")
         reduce = "float32" if got.get("--accumulate-allreduce-grads-in-fp32") else "float16"
         d.set("distributed.reduce_dtype", reduce, "--accumulate-allreduce-grads-in-fp32" if reduce == "float32"
               else "gradients reduced in the params' dtype (no --accumulate-allreduce-grads-in-fp32)")
-    elif got.get("--bf16"):
-        d = Draft(SYSTEM, source, "pure_bf16", "--bf16: bfloat16 params, float32 main params")
-        d.set("distributed.reduce_dtype", "float32", "--bf16 implies --accumulate-allreduce-grads-in-fp32")
     else:
-        d = Draft(SYSTEM, source, "fp32", "neither --fp16 nor --bf16: float32")
-    if static is not None:
-        if not (got.get("--fp16") or got.get("--bf16")):
-            d.note("--loss-scale without --fp16/--bf16 is unused by Megatron", warn=True)
+        d = Draft(SYSTEM, source, "megatron_bf16", "--bf16: Float16Module (bf16 model, fp32 outputs), float32 main "
+                                                   "params")
+        if got.get("--grad-reduce-in-bf16"):
+            d.set("distributed.reduce_dtype", "bfloat16", "--grad-reduce-in-bf16")
         else:
-            d.set("loss_scale.mode", "static", "--loss-scale: ConstantGradScaler")
-            d.set("loss_scale.initial", number(source, "--loss-scale", static), "--loss-scale")
+            d.set("distributed.reduce_dtype", "float32", "--bf16 implies --accumulate-allreduce-grads-in-fp32 "
+                                                         "(arguments.py validate_args)")
+    if static is not None:
+        d.set("loss_scale.mode", "static", "--loss-scale: ConstantGradScaler")
+        d.set("loss_scale.initial", number(source, "--loss-scale", static), "--loss-scale")
+        if got.get("--bf16"):
+            d.set("loss_scale.skip_nonfinite", True, "--loss-scale: the optimizer skips steps with inf/nan grads")
+    for key in ("--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis"):
+        if key in got and (static is not None or got.get("--bf16")):
+            d.note(f"{key} is unused without a dynamic scaler (get_megatron_optimizer builds one for --fp16 without "
+                   f"--loss-scale only): ignored", warn=True)
+    if got.get("--fp16-lm-cross-entropy"):
+        _move(d, "loss", "lower", "--fp16-lm-cross-entropy: the LM loss in the model dtype")
+    if got.get("--attention-softmax-in-fp32"):
+        _move(d, "softmax", "float32", "--attention-softmax-in-fp32")
+    _fp8(d, got, source)
+    _not_held(d, got, source)
     d.ignored.extend(other)
     return d.build()
+
+
+def _not_held(d: Draft, got: dict[str, Any], source: str) -> None:
+    """The precision arguments unimp has no key for: refused when they change the numerics of what
+    unimp keeps in float32, else noted with the reason."""
+    if "--te-precision-config-file" in got:
+        raise refuse(source, "--te-precision-config-file", "per-module precision read from a Transformer Engine file "
+                     "is not read by unimp", "express those modules as [[overrides]] after importing the rest")
+    for key, what in STATE_DTYPES.items():
+        if key in got and got[key] != "fp32":
+            raise refuse(source, key, f"{short(got[key])}: unimp keeps {what} in float32",
+                         f"remove {key} (fp32 is its default)")
+        if key in got:
+            d.note(f"{key} fp32: {what} in float32, as unimp keeps them")
+    for key, why in NOTED.items():
+        if key in got:
+            d.note(f"{key}{'' if got[key] is True else ' ' + str(got[key])}: {why} (not held)",
+                   warn=key.startswith(("--first", "--num-layers")))
+
+
+def _move(d: Draft, op: str, to: str, why: str) -> None:
+    from ..loading import load
+
+    base = load(d.extends).ops
+    lists = {"lower": [o for o in base.lower if o != op], "float32": [o for o in base.float32 if o != op]}
+    lists[to].append(op)
+    for name in ("lower", "float32"):
+        prev = d.keys.get(f"ops.{name}")
+        d.set(f"ops.{name}", [o for o in (prev[0] if prev else lists[name]) if o != op] + ([op] if name == to else []),
+              why if not prev else f"{prev[1]}; {why}")
+
+
+def _fp8(d: Draft, got: dict[str, Any], source: str) -> None:
+    fmt = got.get("--fp8-format")
+    fp8_keys = [k for k in got if k.startswith("--fp8-")]
+    if fmt is None:
+        if fp8_keys:
+            d.note(f"{', '.join(fp8_keys)} without --fp8-format: FP8 is off (transformer_config.py: fp8 None); ignored",
+                   warn=True)
+        return
+    if fmt not in ("e4m3", "hybrid"):
+        raise bad(source, "--fp8-format", f"{short(fmt)} is not e4m3 or hybrid")
+    recipe = got.get("--fp8-recipe", "delayed")
+    if recipe not in ("delayed", "tensorwise"):
+        raise refuse(source, "--fp8-recipe", f"{short(recipe)} has no unimp recipe (unimp: delayed, tensorwise)",
+                     "use --fp8-recipe delayed or tensorwise")
+    d.set("fp8.enabled", True, "--fp8-format")
+    d.set("fp8.ops", ["linear"], "--fp8-format: Transformer Engine's linear layers")
+    d.set("fp8.recipe", recipe, "--fp8-recipe" if "--fp8-recipe" in got else "--fp8-recipe not given: delayed")
+    d.set("fp8.forward_format", "e4m3", "--fp8-format")
+    d.set("fp8.gradient_format", "e5m2" if fmt == "hybrid" else "e4m3", "--fp8-format")
+    if recipe == "delayed":
+        algo = got.get("--fp8-amax-compute-algo", "most_recent")
+        if algo not in ("max", "most_recent"):
+            raise bad(source, "--fp8-amax-compute-algo", f"{short(algo)} is not max or most_recent")
+        for key, want in (("--fp8-margin", 0), ("--fp8-interval", 1)):
+            if got.get(key, want) != want:
+                raise refuse(source, key, f"{got[key]}: unimp's delayed recipe has {want}", f"pass {key} {want}")
+        d.note(f"--fp8-amax-compute-algo {algo}, --fp8-margin {got.get('--fp8-margin', 0)}, --fp8-interval "
+               f"{got.get('--fp8-interval', 1)}: unimp's delayed recipe (the max of the amax history, no margin, every "
+               f"step)")
+        if algo == "most_recent":  # TE _default_get_amax_and_update_history: amax_history[0] = max over 1
+            given = "" if "--fp8-amax-compute-algo" in got else " (transformer_config.py default)"
+            d.set("fp8.amax_history", 1, f"--fp8-amax-compute-algo most_recent{given}: the scale follows the latest "
+                  f"amax only (--fp8-amax-history-len is then unused): unimp's max over a history of 1")
+        else:
+            d.set("fp8.amax_history", number(source, "--fp8-amax-history-len", got.get("--fp8-amax-history-len", 1),
+                                             int, minimum=1),
+                  "--fp8-amax-history-len" if "--fp8-amax-history-len" in got else
+                  "--fp8-amax-history-len not given: transformer_config.py default 1")
+    if got.get("--fp8-param-gather"):
+        d.note("--fp8-param-gather: the FP8 layers' weights are all-gathered already quantized (float32 main params "
+               "kept); where the cast happens, not a policy key (ignored)")
+
+
+def _deepspeed(got: dict[str, Any], other: list[str], script: dict[str, Any], source: str) -> Imported:
+    """Megatron-DeepSpeed ``--deepspeed``: the DeepSpeed config's fp16/bf16 sections decide."""
+    from . import deepspeed
+
+    path = got.get("--deepspeed_config") or got.get("--deepspeed-config")
+    fix = f"import that DeepSpeed config: `unimp import {path or 'ds_config.json'} --from deepspeed`"
+    if path is None:
+        raise refuse(source, "--deepspeed", "Megatron-DeepSpeed hands the optimizer and loss scaling to DeepSpeed "
+                     "(get_megatron_optimizer: 'if args.deepspeed: return optimizer') and no --deepspeed_config is "
+                     "given", fix)
+    body = None
+    for target, text in script["docs"].items():
+        if target and _expand(target, script["assigned"]) == _expand(path, script["assigned"]):
+            body = text
+    if body is None:
+        raise refuse(source, "--deepspeed_config", f"{short(path)} is not written by this script; "
+                     "Megatron-DeepSpeed takes "
+                     "its precision from it (get_megatron_optimizer: 'if args.deepspeed: return optimizer')", fix)
+    text = _VAR.sub(lambda m: json.dumps(_expand(m.group(0), script["assigned"])) if "$" in
+                    _expand(m.group(0), script["assigned"]) else _expand(m.group(0), script["assigned"]), body)
+    try:
+        cfg = json.loads(text)
+    except ValueError as e:
+        raise bad(source, "--deepspeed_config", f"the DeepSpeed config the script writes is not JSON after its "
+                                                f"variables are filled in ({e})") from None
+    imp = deepspeed.import_policy(cfg, source=f"{source}: --deepspeed_config {path} (the script's heredoc)")
+    ds_low = {"float16": "--fp16", "bfloat16": "--bf16"}.get(imp.policy.param_dtype)
+    for flag in ("--fp16", "--bf16"):
+        if got.get(flag) and flag != ds_low:
+            raise bad(source, flag, f"the DeepSpeed config the run uses trains in {imp.policy.param_dtype}; Megatron's "
+                                    f"{flag} disagrees: make them match")
+    ignored = tuple(other) + tuple(k for k in got if k not in ("--fp16", "--bf16", "--deepspeed", "--deepspeed_config",
+                                                               "--deepspeed-config"))
+    text = imp.text.replace('"imported-deepspeed"  # unimp import --from deepspeed',
+                            '"imported-megatron"  # unimp import --from megatron: the --deepspeed_config it writes')
+    unused = [k for k in got if (k.startswith("--") and "loss-scale" in k) or k == "--hysteresis"]
+    if unused:
+        text = (f"# {', '.join(unused)}: unused with --deepspeed (get_megatron_optimizer returns the bare optimizer; "
+                f"DeepSpeed's fp16 section scales the loss)\n") + text
+    return Imported(SYSTEM, imp.policy, text, ignored)
 
 
 def from_cli(raw: Any, source: str) -> Imported:
@@ -121,19 +375,43 @@ def _num(x: float) -> str:
 
 
 def export_policy(policy: Policy) -> Exported:
-    """Megatron command-line arguments for the policy."""
+    """Megatron command-line arguments for the policy (float32: no precision argument at all, so
+    nothing to paste; listed)."""
     args: list[str] = []
     ls = policy.loss_scale
     if policy.compute_dtype == "float16":
         args.append("--fp16")
     elif policy.compute_dtype == "bfloat16":
         args.append("--bf16")
-    if args and ls.mode == "static":
+    else:
+        text = "# float32: Megatron trains in float32 when neither --fp16 nor --bf16 is given\n"
+        return Exported(SYSTEM, "", text, _fp32_unexpressed(policy))
+    if ls.mode == "static":
         args += ["--loss-scale", _num(ls.initial)]
     elif args == ["--fp16"] and ls.mode == "dynamic":
         args += ["--initial-loss-scale", _num(ls.initial), "--min-loss-scale", repr(ls.min),
                  "--loss-scale-window", str(ls.growth_interval), "--hysteresis", str(ls.hysteresis)]
     if args[:1] == ["--fp16"] and policy.distributed.reduce_dtype == "float32":
         args.append("--accumulate-allreduce-grads-in-fp32")
+    if args[:1] == ["--bf16"] and policy.distributed.reduce_dtype == "bfloat16":
+        args.append("--grad-reduce-in-bf16")
+    if policy.ops.category("loss") == "lower":
+        args.append("--fp16-lm-cross-entropy")
+    if policy.ops.category("softmax") == "float32":
+        args.append("--attention-softmax-in-fp32")
+    f = policy.fp8
+    if f.enabled and f.recipe in ("delayed", "tensorwise"):
+        args += ["--fp8-format", "hybrid" if f.gradient_format == "e5m2" else "e4m3", "--fp8-recipe", f.recipe]
+        if f.recipe == "delayed":
+            args += ["--fp8-amax-history-len", str(f.amax_history), "--fp8-amax-compute-algo", "max"]
     text = " ".join(args)
     return finish(SYSTEM, policy, text, text + "\n", import_policy)
+
+
+def _fp32_unexpressed(policy: Policy) -> tuple[str, ...]:
+    """What a float32 Megatron run (no precision argument: every op, param and reduction in float32,
+    the ``fp32`` preset) does not reproduce of ``policy``."""
+    from ..loading import load
+    from .common import unexpressed
+
+    return unexpressed(policy, load("fp32"), SYSTEM)

@@ -7,9 +7,13 @@ decr_ratio 0.5, incr_every_n_steps 2000, decr_every_n_nan_or_inf 1) and fleet's
 distributed_strategy.proto (AMPConfig: init_loss_scaling 32768, incr_every_n_steps 1000,
 decr_every_n_nan_or_inf 2, incr_ratio 2, decr_ratio 0.8; the static graph's
 update_loss_scaling rule). A native op name in a custom list moves its canonical op
-(``unimp ops``); a name unimp has no canonical op for is an error.
+(``unimp ops``) when the list names every op type of it (or the op already runs there); a part
+of a canonical op (``tanh`` of ``activation``) is refused, never widened; a name unimp has no
+canonical op for is an error. ``use_fp16_guard`` (fleet, default true) is refused in pure mode,
+where only ops inside ``fp16_guard()`` blocks run low; ``use_promote`` is read at O2 only.
 
->>> imp = import_policy({"level": "O1", "custom_black_list": ["matmul_v2"]}, {"init_loss_scaling": 1024.0})
+>>> imp = import_policy({"level": "O1", "custom_black_list": list(PADDLE_NATIVE_OPS["matmul"][:6])},
+...                     {"init_loss_scaling": 1024.0})
 >>> imp.policy.ops.category("matmul"), imp.policy.loss_scale.initial
 ('float32', 1024.0)
 >>> export_policy(imp.policy).config["auto_cast"]["custom_black_list"][:2]
@@ -24,7 +28,21 @@ from typing import Any
 from ..loading import load
 from ..ops import CANONICAL_OPS, kind_of
 from ..policy import Policy
-from .common import Draft, Exported, Imported, bad, check_keys, finish, flag, has_knob, kwargs_of, refuse, take
+from ..spec import show
+from .common import (
+    Draft,
+    Exported,
+    Imported,
+    bad,
+    check_keys,
+    finish,
+    flag,
+    has_knob,
+    kwargs_of,
+    refuse,
+    short,
+    take,
+)
 
 SYSTEM = "paddle"
 # Paddle's names per canonical op (lower case: op types as in paddle.amp's white/black lists; capitalised:
@@ -56,6 +74,8 @@ PADDLE_NATIVE_OPS: dict[str, tuple[str, ...]] = {
     "concat": ("concat", "stack"),
 }
 AUTO_CAST_KEYS = ("enable", "custom_white_list", "custom_black_list", "level", "dtype", "use_promote")
+DECORATE_KEYS = ("models", "optimizers", "level", "dtype", "master_weight", "save_dtype", "master_grad",
+                 "excluded_layers")
 SCALER_KEYS = ("enable", "init_loss_scaling", "incr_ratio", "decr_ratio", "incr_every_n_steps",
                "decr_every_n_nan_or_inf", "use_dynamic_loss_scaling")
 AMP_CONFIG_KEYS = ("init_loss_scaling", "incr_every_n_steps", "decr_every_n_nan_or_inf", "incr_ratio", "decr_ratio",
@@ -68,25 +88,41 @@ AMP_CONFIGS = {"init_loss_scaling": 32768.0, "incr_ratio": 2.0, "decr_ratio": 0.
 
 
 def import_policy(auto_cast: Mapping[str, Any] | None = None, grad_scaler: Mapping[str, Any] | None = None, *,
-                  source: str = "paddle") -> Imported:
+                  source: str = "paddle", decorate: Mapping[str, Any] | None = None,
+                  ignored: tuple[str, ...] = (), notes: tuple[str, ...] = ()) -> Imported:
     """The policy of ``with paddle.amp.auto_cast(**auto_cast)`` + ``paddle.amp.GradScaler(**grad_scaler)``
-    (no GradScaler given: ``GradScaler()`` for float16, none for bfloat16)."""
+    (no GradScaler given: ``GradScaler()`` for float16, none for bfloat16) + ``paddle.amp.decorate(**decorate)``."""
     ac, gs = dict(auto_cast or {}), grad_scaler
     check_keys(ac, AUTO_CAST_KEYS, source, "auto_cast.")
-    level = ac.get("level", "O1")
-    dtype = ac.get("dtype", "float16")
-    if level not in ("O0", "OD", "O1", "O2"):
-        raise bad(source, "auto_cast.level", f"{level!r} is not one of O0, OD, O1, O2")
-    if dtype not in ("float16", "bfloat16"):
-        raise bad(source, "auto_cast.dtype", f"{dtype!r} is not float16 or bfloat16")
+    dec = dict(decorate or {})
+    check_keys(dec, DECORATE_KEYS, source, "decorate.")
+    level = ac.get("level", dec.get("level", "O1"))
+    dtype = ac.get("dtype", dec.get("dtype", "float16"))
+    if not isinstance(level, str) or level not in ("O0", "OD", "O1", "O2"):
+        raise bad(source, "auto_cast.level", f"{short(level)} is not one of O0, OD, O1, O2")
+    if not isinstance(dtype, str) or dtype not in ("float16", "bfloat16"):
+        raise bad(source, "auto_cast.dtype", f"{short(dtype)} is not float16 or bfloat16")
+    if "level" in dec and dec["level"] != level:
+        raise bad(source, "decorate.level", f"{short(dec['level'])} differs from auto_cast's level {level}; keep one")
     if not flag(source, "auto_cast.enable", ac.get("enable", True)) or level == "O0":
         d = Draft(SYSTEM, source, "fp32", "auto_cast disabled (enable=False or level O0)")
+        d.ignored.extend(ignored)
+        d.notes.extend(notes)
         return d.build()
-    if ac.get("use_promote", True) is not True:
-        raise refuse(source, "auto_cast.use_promote", "False (run mixed-dtype ops in float32) has no policy key",
-                     "remove it: unimp promotes the ops in ops.promote")
+    promote_notes = []
+    if "use_promote" in ac and not flag(source, "auto_cast.use_promote", ac["use_promote"]):
+        if level == "O2":
+            raise refuse(source, "auto_cast.use_promote", "False at O2 (ops with a float32 input run in the low "
+                         "dtype, not promoted) has no policy key", "remove it: unimp promotes the ops in ops.promote")
+        promote_notes.append("auto_cast.use_promote (read at level O2 only: python/paddle/amp/auto_cast.py auto_cast)")
     d = Draft(SYSTEM, source, "paddle_o2" if level == "O2" else "paddle_o1", f"auto_cast level {level}")
+    d.notes.extend(notes)
+    d.ignored.extend([*ignored, *promote_notes])
     d.set("compute_dtype", dtype, "auto_cast.dtype" if "dtype" in ac else "auto_cast.dtype not given: float16")
+    if level == "O2":
+        _decorate(d, dec, dtype, source)
+    elif dec:
+        raise bad(source, "decorate", f"paddle.amp.decorate is for level O2 (auto_cast level is {level})")
     base = load(d.extends)
     lists = {"lower": list(base.ops.lower), "float32": list(base.ops.float32), "promote": list(base.ops.promote)}
     origin = f"{d.extends} lists"
@@ -94,7 +130,7 @@ def import_policy(auto_cast: Mapping[str, Any] | None = None, grad_scaler: Mappi
         lists = {"lower": lists["lower"], "float32": [o for o in CANONICAL_OPS if o not in lists["lower"]],
                  "promote": []}
         origin = "level OD: only the white list runs low"
-    moves = _moves(ac, source, "auto_cast.")
+    moves = _moves(ac, source, "auto_cast.", lists)
     _apply(d, lists, moves, origin)
     if gs is None and dtype == "bfloat16":
         d.set("loss_scale.mode", "none", "no GradScaler given (bfloat16)")
@@ -106,8 +142,72 @@ def import_policy(auto_cast: Mapping[str, Any] | None = None, grad_scaler: Mappi
     return d.build()
 
 
+def _decorate(d: Draft, dec: dict[str, Any], dtype: str, source: str) -> None:
+    """``paddle.amp.decorate(models, optimizers, level='O2', dtype, master_weight=None, save_dtype=None,
+    master_grad=False, excluded_layers=None)`` (python/paddle/amp/auto_cast.py ``amp_decorate``:
+    master_weight None means True at O2; master_grad keeps float32 gradients)."""
+    if dec.get("excluded_layers") is not None:
+        raise refuse(source, "decorate.excluded_layers", "layers are objects a config cannot name",
+                     "write an [[overrides]] entry with their class names (types = [...]) and param_dtype float32")
+    mw = dec.get("master_weight")
+    masters = True if mw is None else flag(source, "decorate.master_weight", mw)
+    d.set("param_dtype", dtype, "level O2: decorate casts the parameters")
+    d.set("master_weights.enabled", masters, "decorate.master_weight" if mw is not None else
+          "decorate.master_weight not given: True at O2")
+    master_grad = flag(source, "decorate.master_grad", dec.get("master_grad", False))
+    d.set("distributed.reduce_dtype", "float32" if master_grad else dtype,
+          "decorate.master_grad: float32 gradients" if master_grad else
+          f"decorate.master_grad not set: gradients of the {dtype} parameters are {dtype}")
+    for k in ("save_dtype", "models", "optimizers"):
+        if k in dec:
+            d.ignored.append(f"decorate.{k} ({'checkpoint dtype' if k == 'save_dtype' else 'objects'})")
+
+
+def import_paddleclas(config: Mapping[str, Any], *, source: str = "PaddleClas") -> Imported:
+    """A PaddleClas config's ``AMP`` section as PaddleClas runs it (ppcls/engine/engine.py
+    ``Engine._init_amp``: use_amp default True when the section is there, level O1/O2 (others become
+    O1), use_promote, ``build_scaler`` -> ``paddle.amp.GradScaler(init_loss_scaling=scale_loss (1.0),
+    use_dynamic_loss_scaling (False))``, O2 ``paddle.amp.decorate(level, save_dtype='float32')``;
+    ppcls/utils/amp.py ``AutoCast``: ``paddle.amp.auto_cast(level=amp_level)``, ``use_promote`` passed only
+    under Paddle 2.5)."""
+    amp = config.get("AMP")
+    others = tuple(f"{k} (not the AMP section)" for k in config if k != "AMP")
+    if amp is None:
+        raise bad(source, "AMP", "nothing read: no AMP section (PaddleClas trains in float32 without one)")
+    if not isinstance(amp, Mapping):
+        raise bad(source, "AMP", "expected a table")
+    check_keys(amp, ("use_amp", "scale_loss", "use_dynamic_loss_scaling", "use_promote", "level", "use_fp16_test"),
+               source, "AMP.")
+    use = flag(source, "AMP.use_amp", amp.get("use_amp", True))
+    ignored = (*others, "AMP.use_fp16_test (evaluation only)")
+    if "use_promote" in amp:  # ppcls/utils/amp.py AutoCast passes it only when paddle.__version__[:3] is 2.5/0.0
+        flag(source, "AMP.use_promote", amp["use_promote"])
+        ignored += ("AMP.use_promote (AutoCast passes it to auto_cast only under Paddle 2.5; later Paddle runs "
+                    "auto_cast's default True)",)
+    if not use:
+        ignored += tuple(f"AMP.{k} (use_amp is False)" for k in amp if k not in ("use_amp", "use_fp16_test",
+                                                                                "use_promote"))
+        return import_policy({"enable": False}, source=source, ignored=ignored,
+                             notes=("AMP.use_amp False: AutoCast(False) and build_scaler(False) (no AMP)",))
+    level = amp.get("level", "O1")
+    level = level if level in ("O1", "O2") else "O1"  # Engine._init_amp: anything else is set to O1
+    ac = {"level": level}
+    gs = {"init_loss_scaling": amp.get("scale_loss", 1.0),
+          "use_dynamic_loss_scaling": amp.get("use_dynamic_loss_scaling", False)}
+    said = [f"AMP.{k}={amp[k]!s:.40}" for k in ("use_amp", "level", "scale_loss", "use_dynamic_loss_scaling")
+            if k in amp]
+    note = (f"PaddleClas Engine._init_amp: {', '.join(said) or 'AMP section'} -> auto_cast(level={level!r}), "
+            f"GradScaler(init_loss_scaling={gs['init_loss_scaling']!s:.40}, use_dynamic_loss_scaling="
+            f"{gs['use_dynamic_loss_scaling']!s:.10})" + (", decorate(level='O2', save_dtype='float32')"
+                                                          if level == "O2" else ""))
+    return import_policy(ac, gs, source=source, ignored=ignored, notes=(note,),
+                         decorate={"level": level, "save_dtype": "float32"} if level == "O2" else None)
+
+
 def import_amp_configs(amp_configs: Mapping[str, Any], *, source: str = "paddle amp_configs") -> Imported:
     """The policy of fleet ``strategy.amp = True; strategy.amp_configs = amp_configs`` (static graph)."""
+    if not isinstance(amp_configs, Mapping):
+        raise bad(source, "amp_configs", f"expected a table of AMPConfig keys, got {show(amp_configs)}")
     cfg = dict(amp_configs)
     check_keys(cfg, AMP_CONFIG_KEYS, source, "amp_configs.")
     if cfg.get("custom_black_varnames"):
@@ -118,6 +218,14 @@ def import_amp_configs(amp_configs: Mapping[str, Any], *, source: str = "paddle 
                      "remove it (unimp keeps optimizer state in float32)")
     bf16 = flag(source, "amp_configs.use_pure_bf16", cfg.get("use_pure_bf16", False))
     pure = flag(source, "amp_configs.use_pure_fp16", cfg.get("use_pure_fp16", False)) or bf16
+    # AMPConfig.use_fp16_guard defaults to true (distributed_strategy.proto); AMPOptimizer passes it to
+    # static.amp.decorate only in pure mode ("use_fp16_guard is not support amp-o1":
+    # fleet/meta_optimizers/amp_optimizer.py _init_wrapped_opt)
+    guard = flag(source, "amp_configs.use_fp16_guard", cfg.get("use_fp16_guard", True))
+    if pure and guard:
+        raise refuse(source, "amp_configs.use_fp16_guard", "true (the proto default) with pure fp16/bf16: only ops "
+                     "built inside paddle.static.amp.fp16_guard() blocks run in the low dtype, which depends on the "
+                     "program, not the config", "set use_fp16_guard: false (every op follows the lists) to import")
     d = Draft(SYSTEM, source, "paddle_static_o1", "fleet amp (static graph update_loss_scaling rule)")
     if bf16:
         d.set("compute_dtype", "bfloat16", "amp_configs.use_pure_bf16")
@@ -127,14 +235,23 @@ def import_amp_configs(amp_configs: Mapping[str, Any], *, source: str = "paddle 
         d.set("master_weights.enabled", True, "pure AMP keeps float32 masters")
     base = load(d.extends)
     lists = {"lower": list(base.ops.lower), "float32": list(base.ops.float32), "promote": list(base.ops.promote)}
-    _apply(d, lists, _moves(cfg, source, "amp_configs."), f"{d.extends} lists")
+    _apply(d, lists, _moves(cfg, source, "amp_configs.", lists), f"{d.extends} lists")
     _scaler(d, cfg, AMP_CONFIGS, "amp_configs.")
+    if not pure and "use_fp16_guard" in cfg:
+        d.ignored.append("amp_configs.use_fp16_guard (read with pure fp16/bf16 only)")
     return d.build()
 
 
-def _moves(given: Mapping[str, Any], source: str, prefix: str) -> dict[str, tuple[str, str]]:
-    """canonical op -> (list, source key) from custom_white_list / custom_black_list."""
+def _moves(given: Mapping[str, Any], source: str, prefix: str,
+           lists: Mapping[str, list[str]] | None = None) -> dict[str, tuple[str, str]]:
+    """canonical op -> (list, source key) from custom_white_list / custom_black_list.
+
+    unimp moves whole canonical ops; a Paddle op type that is one of several of its canonical op
+    (``tanh`` of ``activation``) would move its siblings too, so it is accepted only when the op
+    already runs where the list puts it, or when every op type of that canonical op is listed;
+    otherwise it is refused with the reason (never widened)."""
     moves: dict[str, tuple[str, str]] = {}
+    listed: dict[str, dict[str, set[str]]] = {}
     for key, target in (("custom_white_list", "lower"), ("custom_black_list", "float32")):
         names = given.get(key) or []
         if isinstance(names, str | bytes) or not isinstance(names, list | tuple | set | frozenset):
@@ -143,11 +260,24 @@ def _moves(given: Mapping[str, Any], source: str, prefix: str) -> dict[str, tupl
             op = kind_of(name, PADDLE_NATIVE_OPS) if isinstance(name, str) else None
             where = f"{prefix}{key}[{i}]"
             if op is None:
-                raise refuse(source, where, f"{name!r} is not an op unimp controls (no canonical op has it)",
+                raise refuse(source, where, f"{short(name)} is not an op unimp controls (no canonical op has it)",
                              "remove it, or use one of the Paddle names `unimp ops` lists")
             if op in moves and moves[op][0] != target:
-                raise bad(source, where, f"{name!r} is also in {moves[op][1]} (canonical op {op}); keep one")
+                raise bad(source, where, f"{short(name)} is also in {moves[op][1]} (canonical op {op}); keep one")
             moves[op] = (target, where)
+            listed.setdefault(op, {}).setdefault(target, set()).add(name)
+    for op, (target, where) in list(moves.items()):
+        if lists is not None and op in lists[target]:
+            del moves[op]  # already runs there: the list changes nothing
+            continue
+        siblings = sorted(n for n in PADDLE_NATIVE_OPS[op] if n[:1].islower())
+        missing = [n for n in siblings if n not in listed[op][target]]
+        if missing and len(siblings) > 1:
+            raise refuse(source, where, f"{', '.join(sorted(listed[op][target]))} is only part of canonical op "
+                         f"{op!r} ({', '.join(siblings)}); unimp moves whole canonical ops, so importing it would "
+                         f"also move {', '.join(missing)}",
+                         f"list all of {', '.join(siblings)} to move the whole op, or remove it (Paddle then runs "
+                         f"it as the level's lists say)")
     return moves
 
 
@@ -182,17 +312,32 @@ def _scaler(d: Draft, kw: dict[str, Any], defaults: Mapping[str, Any], prefix: s
         d.set("loss_scale.factor_arithmetic", "float32", "Paddle multiplies in float32")
 
 
+POSITIONAL = {"auto_cast": ("enable", "custom_white_list", "custom_black_list", "level", "dtype", "use_promote"),
+              "amp_guard": ("enable", "custom_white_list", "custom_black_list", "level", "dtype", "use_promote"),
+              "GradScaler": ("enable", "init_loss_scaling", "incr_ratio", "decr_ratio", "incr_every_n_steps",
+                             "decr_every_n_nan_or_inf", "use_dynamic_loss_scaling"),
+              "decorate": DECORATE_KEYS}
+CALLS = {"auto_cast": "auto_cast", "amp_guard": "auto_cast", "GradScaler": "scaler", "amp_configs": "amp_configs",
+         "decorate": "decorate"}
+
+
 def from_cli(raw: Any, source: str) -> Imported:
+    if isinstance(raw, Mapping) and "AMP" in raw:  # a PaddleClas config
+        return import_paddleclas(raw, source=source)
     if isinstance(raw, Mapping) and "amp_configs" in raw:
         return import_amp_configs(raw["amp_configs"], source=source)
-    roles = {"auto_cast", "amp_guard", "GradScaler"}
+    roles = {"auto_cast", "amp_guard", "GradScaler", "decorate"}
     if isinstance(raw, Mapping) and raw and not roles & set(raw) and not set(raw) <= set(AUTO_CAST_KEYS):
         return import_amp_configs(raw, source=source)  # a file holding fleet's amp_configs
-    kw = kwargs_of(raw, source, {"auto_cast": "auto_cast", "amp_guard": "auto_cast", "GradScaler": "scaler",
-                                 "amp_configs": "amp_configs"})
+    kw = kwargs_of(raw, source, CALLS, POSITIONAL)
     if "amp_configs" in kw:
         return import_amp_configs(kw["amp_configs"], source=source)
-    return import_policy(kw.get("auto_cast"), kw.get("scaler"), source=source)
+    if not kw.get("auto_cast") and not kw.get("decorate") and "scaler" in kw and "auto_cast" not in kw:
+        raise bad(source, "auto_cast", "nothing read about the dtype: only a GradScaler was given; add the "
+                                       "paddle.amp.auto_cast(...) line")
+    dec = kw.get("decorate")
+    return import_policy(kw.get("auto_cast", {"level": dec.get("level", "O1")} if dec else None), kw.get("scaler"),
+                         source=source, decorate=dec)
 
 
 def export_policy(policy: Policy) -> Exported:

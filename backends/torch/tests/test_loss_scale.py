@@ -79,10 +79,14 @@ def test_real_deepspeed_scalers_replay_their_presets():
     """Where DeepSpeed imports (not in the tox matrix: see tests/fixtures/make_loss_scale_systems.py)."""
     pytest.importorskip("deepspeed")
     sys.path.insert(0, str(pathlib.Path(__file__).parents[3] / "tests" / "fixtures"))
+    import importlib.util
+
     from make_loss_scale_systems import SYSTEMS, init
 
     init()
     for preset, native in SYSTEMS.items():
+        if preset.startswith("megatron") and importlib.util.find_spec("megatron") is None:
+            continue  # the torch env installs deepspeed, not megatron-core (CUDA-only scaler)
         check_system_replay(native, unimp.load(preset).loss_scale, backend=_device_runner)
 
 
