@@ -23,6 +23,7 @@ from .loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
 from .plan import Plan
 from .policy import LossScaleSpec, Policy
 from .report import Report
+from .transaction import Snapshot
 
 STATE_FORMAT = "unimp.amp/1"
 
@@ -75,6 +76,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         """Bind the plan to ``model`` (+ ``optimizer``); returns the backend's Amp."""
+
+    def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
+        """What ``apply`` may change on ``model`` and ``optimizer``, restored if ``apply`` fails
+        (:mod:`unimp.transaction`). The default covers their own attributes; a backend whose
+        apply changes submodules or array values names them too (``plan``: the Plan about to be
+        applied, e.g. to copy values only where apply casts them in place)."""
+        return Snapshot([model, optimizer])
 
     def scope(self, policy: Policy) -> Any:
         """A context manager building new models under ``policy`` (optional)."""

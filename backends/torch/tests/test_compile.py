@@ -1,6 +1,7 @@
 """torch.compile traces the policy's forward: zero graph breaks, eager's outputs, other models unaffected."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -144,3 +145,59 @@ def test_every_preset_traces_without_graph_breaks():
         explained = torch._dynamo.explain(amp.model)(x)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), (preset, explained.break_reasons)
         amp.remove()
+
+
+@pytest.mark.parametrize(("policy", "how"), [
+    ("mixed_bf16", "torch.compile(amp.model)"), ("mixed_bf16", "amp.model.compile()"),
+    ("mixed_bf16", "apply(torch.compile(model))"), ("pure_bf16", "torch.compile(amp.model)"),
+    (CUSTOM, "amp.model.compile()")], ids=lambda v: "custom" if isinstance(v, dict) else v)
+def test_report_after_compiled_training_equals_eager(policy, how):
+    """amp.report() without inputs after training only through torch.compile (no eager call ever):
+    every layer with the dtypes of the report of the same model run eagerly; no graph break, no
+    recompilation for it; the model's BatchNorm statistics and RNG untouched by the report."""
+    for make, x in ((ConvNet, torch.randn(2, 3, 8, 8)), (Block, torch.randn(2, 4, 16))):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        eager_model = make()
+        eager_amp = unimp.apply(policy, eager_model, torch.optim.AdamW(eager_model.parameters()))
+        eager_amp.model(x)
+        expected = eager_amp.report().rows
+        eager_amp.remove()
+
+        torch.manual_seed(0)
+        model = make()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if how == "apply(torch.compile(model))":
+            amp = unimp.apply(policy, torch.compile(model, backend="aot_eager"), opt)
+            run = amp.model
+        else:
+            amp = unimp.apply(policy, model, opt)
+            if how == "amp.model.compile()":
+                amp.model.compile(backend="aot_eager")
+                run = amp.model
+            else:
+                run = torch.compile(amp.model, backend="aot_eager")
+        counters.clear()
+        for _ in range(3):
+            amp.backward(run(x).float().square().mean())
+            amp.optimizer.step()
+            amp.optimizer.zero_grad()
+        assert not counters["graph_break"]  # (Block's own `seen` dict makes dynamo recompile it once)
+        assert counters["stats"]["unique_graphs"] == (1 if make is ConvNet else 2)
+        buffers = [b.clone() for b in model.buffers()]
+        rng = torch.get_rng_state()
+        report = amp.report()
+        assert report.rows == expected, "\n".join(report.diff(dataclasses.replace(report, rows=expected)))
+        assert report.steps == 3
+        assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers(), strict=True))
+        assert torch.equal(rng, torch.get_rng_state())
+        amp.remove()
+
+
+def test_report_before_any_call_names_the_fix():
+    model = Block()
+    amp = unimp.apply("mixed_bf16", model, torch.optim.AdamW(model.parameters()))
+    torch.compile(amp.model, backend="aot_eager")  # compiled, never called
+    with pytest.raises(unimp.spi.NoForwardError, match=r"no forward has run under this Amp yet; run amp.model\(x\)"):
+        amp.report()
+    amp.remove()
