@@ -171,6 +171,24 @@ def test_auto_needs_the_trainer_arguments(tmp_path, capsys):
     assert "--assume fp16" in err and "Traceback" not in err
 
 
+def test_the_trainer_precision_adds_the_section_the_file_lacks(capsys):
+    """HF Trainer hands its precision to Accelerate (transformers training_args.py __post_init__:
+    ACCELERATE_MIXED_PRECISION); accelerate utils/dataclasses.py DeepSpeedPlugin.set_mixed_precision
+    adds ``bf16: {enabled: true}`` (or ``fp16: {enabled: true, auto_cast: true}``) when the config has
+    no such section. HF's zero3 file has only an fp16 "auto" section: with bf16=true it trains bf16,
+    never float32; the other section enabled is Accelerate's ValueError."""
+    path = str(ROOT / "deepspeed" / "hf_ds_config_zero3.json")
+    assert main(["import", path, "--from", "deepspeed", "--assume", "bf16=true"]) == 0
+    out = capsys.readouterr().out
+    assert 'extends = "deepspeed_bf16"' in out and "DeepSpeedPlugin.set_mixed_precision" in out
+    policy = import_from("deepspeed", {"zero_optimization": {"stage": 2}}, "x", {"fp16": "true"}).policy
+    assert (policy.param_dtype, policy.loss_scale.mode, policy.loss_scale.hysteresis) == ("float16", "dynamic", 2)
+    with pytest.raises(PolicyError, match="x: bf16.enabled: true while the Trainer runs fp16"):
+        import_from("deepspeed", {"bf16": {"enabled": True}}, "x", {"fp16": "true"})
+    assert import_from("deepspeed", {"fp16": {"enabled": False}}, "x", {"bf16": "false"}).policy.param_dtype == \
+        "float32"
+
+
 def test_every_command_of_the_migration_guide_runs(tmp_path, monkeypatch, capsys):
     """docs/migrating_ds.md: each `unimp import ... --from X` runs on the corpus file it names."""
     import re
