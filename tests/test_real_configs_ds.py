@@ -120,8 +120,10 @@ def test_no_key_is_dropped_silently(system, entry):
             if isinstance(raw[key], dict) and key not in imp.ignored and not whole:  # a section read: each key too
                 for sub in raw[key]:
                     assert f"{key}.{sub}" in imp.ignored or sub in body, f"{key}.{sub}"
-    else:  # a launch script / code line: every argument is read or listed
-        assert all(word.startswith("--") for word in imp.ignored)
+    else:  # a launch script / code line: every argument is read or listed (and the DeepSpeed JSON it writes)
+        assert all(word.startswith("--") or "--deepspeed_config" in imp.text for word in imp.ignored)
+    ignored_line = next((line for line in imp.text.splitlines() if line.startswith("# Not precision")), "")
+    assert all(word in ignored_line for word in imp.ignored)  # the file the user reads lists each one
 
 
 def test_the_zero_stage_is_listed_not_rewritten(capsys):

@@ -31,7 +31,7 @@ from typing import Any
 from ..policy import Policy
 from ..spec import short
 from . import torch as torch_amp
-from .common import Draft, Exported, Imported, bad, check_keys, finish, kwargs_of, leading_name, refuse
+from .common import Draft, Exported, Imported, bad, check_keys, finish, kwargs_of, leading_name, refuse, relabel
 
 SYSTEM = "accelerate"
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
@@ -219,11 +219,9 @@ def _deepspeed(cfg: Mapping[str, Any], mp: str, source: str, rest: tuple[str, ..
     imp = deepspeed.import_policy(config, source=f"{source}: deepspeed_config (as DeepSpeedPlugin builds it)")
     ignored = rest + tuple(f"deepspeed_config.{k}" for k in ds if k != "zero_stage")
     where = "deepspeed_config.zero_stage" if "zero_stage" in ds else "deepspeed_config.zero_stage not given"
-    imp = _with_notes(imp, [f"{where} = {_val(stage)}: DeepSpeedPlugin writes it as zero_optimization.stage; mixed_"
-                            f"precision {_val(mp)}: DeepSpeedPlugin.set_mixed_precision writes the fp16/bf16 section"])
-    text = imp.text.replace('"imported-deepspeed"  # unimp import --from deepspeed',
-                            '"imported-accelerate"  # unimp import --from accelerate: distributed_type DEEPSPEED')
-    return Imported(SYSTEM, imp.policy, text, ignored)
+    return relabel(imp, SYSTEM, source, "distributed_type DEEPSPEED", ignored,
+                   (f"{where} = {_val(stage)}: DeepSpeedPlugin writes it as zero_optimization.stage; mixed_precision "
+                    f"{_val(mp)}: DeepSpeedPlugin.set_mixed_precision writes the fp16/bf16 section",))
 
 
 def _fp8(cfg: Mapping[str, Any], source: str, rest: tuple[str, ...]) -> Imported:

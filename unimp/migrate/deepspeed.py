@@ -50,6 +50,7 @@ from .common import (
     number,
     power_of_two,
     refuse,
+    relabel,
     take,
 )
 
@@ -259,9 +260,7 @@ def _amp(config: Mapping[str, Any], amp: Mapping[str, Any], stage: int, low: boo
     level = params.pop("opt_level", "O1")
     imp = apex.import_policy(level, source=f"{source}: amp", **params)
     ignored = tuple(k for k in config if k not in PRECISION)
-    text = imp.text.replace('"imported-apex"  # unimp import --from apex',
-                            '"imported-deepspeed"  # unimp import --from deepspeed: its amp section (apex)')
-    return Imported(SYSTEM, imp.policy, text, ignored)
+    return relabel(imp, SYSTEM, source, "its amp section (apex)", ignored)
 
 
 def _section(config: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:

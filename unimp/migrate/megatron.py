@@ -40,7 +40,7 @@ from typing import Any
 
 from ..policy import Policy
 from ..spec import short
-from .common import MAX_TEXT, Draft, Exported, Imported, bad, finish, has_knob, number, refuse
+from .common import MAX_TEXT, Draft, Exported, Imported, bad, finish, has_knob, number, refuse, relabel
 
 SYSTEM = "megatron"
 # Precision arguments unimp has no key for (arguments.py / transformer_config.py): a dtype other than fp32
@@ -355,13 +355,10 @@ def _deepspeed(got: dict[str, Any], other: list[str], script: dict[str, Any], so
                                     f"{flag} disagrees: make them match")
     ignored = tuple(other) + tuple(k for k in got if k not in ("--fp16", "--bf16", "--deepspeed", "--deepspeed_config",
                                                                "--deepspeed-config"))
-    text = imp.text.replace('"imported-deepspeed"  # unimp import --from deepspeed',
-                            '"imported-megatron"  # unimp import --from megatron: the --deepspeed_config it writes')
     unused = [k for k in got if (k.startswith("--") and "loss-scale" in k) or k == "--hysteresis"]
-    if unused:
-        text = (f"# {', '.join(unused)}: unused with --deepspeed (get_megatron_optimizer returns the bare optimizer; "
-                f"DeepSpeed's fp16 section scales the loss)\n") + text
-    return Imported(SYSTEM, imp.policy, text, ignored)
+    notes = (f"{', '.join(unused)}: unused with --deepspeed (get_megatron_optimizer returns the bare optimizer; "
+             f"DeepSpeed's fp16 section scales the loss)",) if unused else ()
+    return relabel(imp, SYSTEM, source, "the --deepspeed_config it writes", ignored, notes)
 
 
 def from_cli(raw: Any, source: str) -> Imported:
