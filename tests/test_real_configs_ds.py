@@ -185,8 +185,20 @@ def test_the_trainer_precision_adds_the_section_the_file_lacks(capsys):
     assert 'extends = "deepspeed_bf16"' in out and "DeepSpeedPlugin.set_mixed_precision" in out
     policy = import_from("deepspeed", {"zero_optimization": {"stage": 2}}, "x", {"fp16": "true"}).policy
     assert (policy.param_dtype, policy.loss_scale.mode, policy.loss_scale.hysteresis) == ("float16", "dynamic", 2)
-    with pytest.raises(PolicyError, match="x: bf16.enabled: true while the Trainer runs fp16"):
+    with pytest.raises(PolicyError, match="x: bf16.enabled: "):  # HF's mismatch check, or Accelerate's
         import_from("deepspeed", {"bf16": {"enabled": True}}, "x", {"fp16": "true"})
+
+
+def test_a_file_value_the_trainer_arguments_contradict_is_refused_as_hf_refuses_it():
+    """HfTrainerDeepSpeedConfig.fill_match (transformers integrations/deepspeed.py): a value that is
+    not "auto" must equal the Trainer's, else trainer_config_finalize raises. LLaMA-Factory's fp8 file
+    has fp16.enabled false: with fp16=true HF refuses the run (it never trains float32)."""
+    raw = {"fp16": {"enabled": False}, "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}}
+    with pytest.raises(PolicyError, match=r"x: fp16.enabled: False while the Trainer arguments give True"):
+        import_from("deepspeed", raw, "x", {"fp16": "true"})
+    assert import_from("deepspeed", raw, "x", {"bf16": "true"}).policy.param_dtype == "bfloat16"
+    with pytest.raises(PolicyError, match=r"x: bf16.enabled: True while the Trainer arguments give False"):
+        import_from("deepspeed", {"bf16": {"enabled": True}}, "x", {"fp16": "false"})
     assert import_from("deepspeed", {"fp16": {"enabled": False}}, "x", {"bf16": "false"}).policy.param_dtype == \
         "float32"
 

@@ -112,14 +112,20 @@ def resolve_auto(config: Mapping[str, Any], args: Mapping[str, Any] | None, sour
     for sec, key in (("fp16", "enabled"), ("bf16", "enabled"), ("bfloat16", "enabled"), ("amp", "enabled"),
                      ("amp", "opt_level")):
         table = cfg.get(sec)
-        if not isinstance(table, dict) or table.get(key) != "auto":
+        if not isinstance(table, dict) or args is None and table.get(key) != "auto":
             continue
         if args is None:
             raise bad(source, f"{sec}.{key}", f'"auto": {AUTO_FIX}')
         half = args["fp16"] or args["fp16_full_eval"]
-        table[key] = {("fp16", "enabled"): half and backend != "apex", ("amp", "enabled"): half and backend == "apex",
-                      ("amp", "opt_level"): args["fp16_opt_level"]}.get(
-            (sec, key), args["bf16"] or args["bf16_full_eval"])
+        hf = {("fp16", "enabled"): half and backend != "apex", ("amp", "enabled"): half and backend == "apex",
+              ("amp", "opt_level"): args["fp16_opt_level"]}.get((sec, key), args["bf16"] or args["bf16_full_eval"])
+        if table.get(key) == "auto":
+            table[key] = hf
+        elif key in table and table[key] != hf and sec != "bfloat16":  # HfTrainerDeepSpeedConfig.fill_match
+            raise bad(source, f"{sec}.{key}", f"{_val(table[key])} while the Trainer arguments give {_val(hf)}: HF "
+                      f"Trainer refuses the run (integrations/deepspeed.py trainer_config_finalize: 'Please correct "
+                      f"the following DeepSpeed config values that mismatch TrainingArguments values'); make "
+                      f"--assume match the file, or set {sec}.{key} to \"auto\"")
     for sec in ("fp16", "bf16", "bfloat16", "amp"):
         for key, value in (cfg.get(sec) or {}).items() if isinstance(cfg.get(sec), dict) else ():
             if value == "auto":

@@ -274,6 +274,80 @@ def _resolve(value: Any, root: Mapping[str, Any], source: str, where: str) -> An
     return node
 
 
+# NeMo 2 (nemo/lightning/pytorch/plugins/mixed_precision.py::MegatronMixedPrecision.__init__) -> the
+# Megatron-core settings it configures, written as the Megatron arguments of the same name; its defaults
+NEMO2_PLUGIN = "MegatronMixedPrecision"
+NEMO2_ARGS = {"fp16_initial_loss_scale": ("--initial-loss-scale", 4294967296.0),
+              "fp16_min_loss_scale": ("--min-loss-scale", 1.0), "fp16_loss_scale_window": ("--loss-scale-window", 1000),
+              "fp16_hysteresis": ("--hysteresis", 2), "fp16_loss_scale": ("--loss-scale", None),
+              "fp8": ("--fp8-format", None), "fp8_recipe": ("--fp8-recipe", "delayed"),
+              "fp8_margin": ("--fp8-margin", 0), "fp8_amax_history_len": ("--fp8-amax-history-len", 1),
+              "fp8_amax_compute_algo": ("--fp8-amax-compute-algo", "most_recent"),
+              "first_last_layers_bf16": ("--first-last-layers-bf16", False),
+              "num_layers_at_start_in_bf16": ("--num-layers-at-start-in-bf16", 0),
+              "num_layers_at_end_in_bf16": ("--num-layers-at-end-in-bf16", 0)}
+NEMO2_SAME = {"autocast_enabled": False, "autocast_dtype": None, "params_dtype": None, "pipeline_dtype": None,
+              "fp8_wgrad": True, "fp8_dot_product_attention": False, "fp8_multi_head_attention": False,
+              "fp4": None, "reuse_grad_buf_for_mxfp8_param_ag": False}
+NEMO2_NOTED = ("fp8_params", "fp8_param_gather")
+
+
+def _nemo2(plugin: Mapping[str, Any], raw: Mapping[str, Any], at: str, source: str, ignored: list[str]) -> Imported:
+    """NeMo 2's ``MegatronMixedPrecision`` plugin: ``convert_module`` wraps the model in Megatron's
+    ``Float16Module`` (fp16 / bf16 model, fp32 outputs) with Megatron-core's float32 main params, its
+    ``DynamicGradScaler`` settings (``fp16_*``), ``grad_reduce_in_fp32`` (default true) and FP8
+    settings: imported as the Megatron run with the same settings."""
+    from . import megatron
+    from .common import relabel
+
+    kw = {k: _resolve(v, raw, source, f"{at}.{k}") for k, v in plugin.items() if k != "_target_"}
+    known = ("precision", "grad_reduce_in_fp32", *NEMO2_ARGS, *NEMO2_SAME, *NEMO2_NOTED)
+    for key in kw:
+        if key not in known:
+            raise bad(source, f"{at}.{key}", f"not an argument of {NEMO2_PLUGIN} (known: {', '.join(known)})")
+    for key, default in NEMO2_SAME.items():
+        if kw.get(key) not in (default, None) and not (default is False and kw.get(key) is False):
+            raise refuse(source, f"{at}.{key}", f"{short(kw[key])}: unimp imports {NEMO2_PLUGIN} with its default "
+                         f"({default}) only", f"remove {key}")
+    if "precision" not in kw:
+        raise bad(source, f"{at}.precision", f"not given: {NEMO2_PLUGIN} requires it ('16-mixed', 'bf16-mixed', '32')")
+    precision = str(kw["precision"])
+    low = {"bf16": "--bf16", "bf16-mixed": "--bf16", "16": "--fp16", "16-mixed": "--fp16", "fp16": "--fp16",
+           "fp16-mixed": "--fp16", "32": "", "fp32": "", "32-true": ""}.get(precision)
+    if low is None:
+        raise bad(source, f"{at}.precision", f"{short(kw['precision'])} is not one of '16-mixed', 'bf16-mixed', '32' "
+                                             f"(mixed_precision.py: anything else runs float32)")
+    why = f"{at}: NeMo 2 {NEMO2_PLUGIN}(precision={precision!r}): Megatron-core's Float16Module and optimizer"
+    if not low:
+        if kw.get("fp8") is not None:
+            raise refuse(source, f"{at}.fp8", "FP8 over a float32 model is not imported", "use precision bf16-mixed")
+        d = Draft(SYSTEM, source, "fp32", f"{at}.precision={precision!r}: MegatronMixedPrecision keeps float32")
+        d.ignored.extend([*ignored, *(f"{at}.{k}" for k in kw if k != "precision")])
+        return d.build()
+    reduce32 = flag(source, f"{at}.grad_reduce_in_fp32", kw.get("grad_reduce_in_fp32", True))
+    args = [low]
+    if reduce32 and low == "--fp16":
+        args.append("--accumulate-allreduce-grads-in-fp32")
+    if not reduce32 and low == "--bf16":
+        args.append("--grad-reduce-in-bf16")
+    for key, (arg, default) in NEMO2_ARGS.items():
+        value = kw.get(key, default)
+        if key.startswith("fp16_") and key not in kw and kw.get("fp16_loss_scale") is not None:
+            continue  # a static scale: the DynamicGradScaler defaults are not read (ConstantGradScaler)
+        if value is None or (value == default and not key.startswith("fp16_")) or (
+                key.startswith("fp16_") and low == "--bf16") or (key.startswith("fp8_") and kw.get("fp8") is None):
+            continue
+        args += [arg] if value is True else [arg, str(value)]
+    imp = megatron.import_policy(args, source=f"{source}: {at}")
+    notes = [f"{at} read as the Megatron arguments {' '.join(args)} (NeMo 2 sets the same Megatron-core config "
+             f"fields: DtypeConfig in mixed_precision.py; grad_reduce_in_fp32 "
+             f"{'true (default)' if 'grad_reduce_in_fp32' not in kw else str(reduce32).lower()})"]
+    notes += [f"{at}.{k}: where the FP8 weights are cast, not a dtype (ignored)" for k in NEMO2_NOTED if kw.get(k)]
+    if low == "--bf16":
+        notes += [f"{at}.{k}: read for 16-mixed only (ignored)" for k in kw if k.startswith("fp16_")]
+    return relabel(imp, SYSTEM, source, why, tuple(ignored), tuple(notes))
+
+
 def _from_mapping(raw: Mapping[str, Any], source: str) -> Imported:
     trainer: Mapping[str, Any] = raw
     prefix = ""
@@ -283,6 +357,17 @@ def _from_mapping(raw: Mapping[str, Any], source: str) -> Imported:
         ignored += [f"{k} (not the trainer)" for k in raw if k not in ("trainer", "model")]
     elif "precision" not in raw and "fabric" in raw and isinstance(raw["fabric"], Mapping):
         trainer, prefix = raw["fabric"], "fabric."
+    for where, node in (("plugins", raw.get("plugins")), (f"{prefix}plugins", trainer.get("plugins"))):
+        for i, plugin in enumerate(node if isinstance(node, list) else [node]):
+            if isinstance(plugin, Mapping) and str(plugin.get("_target_", "")).endswith(NEMO2_PLUGIN):
+                at = f"{where}[{i}]" if isinstance(node, list) else where
+                if "precision" in trainer:
+                    raise bad(source, f"{prefix}precision", f"given together with {at} ({NEMO2_PLUGIN}): Lightning "
+                              "refuses a precision and a precision plugin (accelerator_connector.py); keep one")
+                rest = [i for i in ignored if not i.startswith("plugins ")] + (["model (not the trainer)"] if
+                                                                               "model" in raw and prefix else [])
+                return _nemo2(plugin, raw, at, source, rest + [f"{prefix}{k}" for k in trainer if k != "plugins"]
+                              if prefix else [k for k in raw if k != "plugins"])
     if isinstance(trainer.get("plugins"), list | Mapping | str) and trainer.get("plugins"):
         raise refuse(source, f"{prefix}plugins", "a plugin object may set its own precision (MixedPrecision with "
                      "a scaler, a custom plugin), which a config file cannot show", "remove it to import the "
