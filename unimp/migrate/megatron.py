@@ -71,9 +71,9 @@ VALUED = {"--loss-scale": float, "--initial-loss-scale": float, "--min-loss-scal
           "--num-layers-at-end-in-bf16": int, "--output-logit-dtype": str, "--te-precision-config-file": str,
           **dict.fromkeys(STATE_DTYPES, str)}
 MAX_WORDS = 20000  # words of one script (bounds the work of re-splitting quoted values)
-_HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?(.*)$")
+_HEREDOC = re.compile(r"(?<!<)<<-?(?!<)\s*['\"]?(\w+)['\"]?(.*)$")  # not a here-string (<<<)
 _ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_]\w*)=(.*)$", re.S)
-_VAR = re.compile(r"\$\{?([A-Za-z_]\w*)\}?")
+_VAR = re.compile(r"\$\{([A-Za-z_]\w*)(:?-)([^}$]*)\}|\$\{?([A-Za-z_]\w*)\}?")  # ${V:-default} / $V / ${V}
 
 
 def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
@@ -90,6 +90,8 @@ def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str,
             else:
                 body.append(line)
             continue
+        if line.lstrip().startswith("#") and line.rstrip().endswith("\\"):
+            line = line.rstrip()[:-1]  # a comment ends at its line: its trailing backslash continues nothing
         m = _HEREDOC.search(line)
         if m:
             end, target, body = m.group(1), m.group(2).strip().lstrip(">").strip(), []
@@ -122,12 +124,19 @@ def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str,
     return words, assigned, docs
 
 
-def _expand(value: str, assigned: dict[str, str], depth: int = 0) -> str:
-    """``$VAR`` / ``${VAR}`` replaced from the script's assignments (unknown ones left as they are;
-    at most 4 levels deep and MAX_TEXT characters, so self-referencing variables stay bounded)."""
+def _expand(value: str, assigned: dict[str, str], depth: int = 0, defaults: list[str] | None = None) -> str:
+    """``$VAR`` / ``${VAR}`` replaced from the script's assignments, ``${VAR:-default}`` by its
+    default when the script does not assign VAR (as the shell runs it with VAR unset; recorded in
+    ``defaults``); unknown ones left as they are; at most 4 levels deep and MAX_TEXT characters, so
+    self-referencing variables stay bounded."""
     def sub(m: re.Match[str]) -> str:
-        v = assigned.get(m.group(1))
-        return m.group(0) if v is None or depth > 4 else _expand(v, assigned, depth + 1)
+        name = m.group(1) or m.group(4)
+        v = assigned.get(name)
+        if m.group(1) and (v is None or (v == "" and m.group(2) == ":-")):
+            if defaults is not None:
+                defaults.append(f"${{{name}{m.group(2)}{m.group(3)}}}")
+            v = m.group(3)
+        return m.group(0) if v is None or depth > 4 else _expand(v, assigned, depth + 1, defaults)
 
     out = _VAR.sub(sub, value) if len(value) <= MAX_TEXT else value
     return out if len(out) <= MAX_TEXT else value
@@ -146,9 +155,13 @@ def _parse(args: str | Sequence[str], source: str) -> tuple[dict[str, Any], list
         words, assigned, docs = list(args), {}, {}
     got: dict[str, Any] = {}
     other: list[str] = []
+    defaults: list[str] = []
     i = 0
     while i < len(words):
         word, value = words[i], None
+        if word.startswith("--") and "$" in word:  # --${PRECISION:-bf16}: the argument the shell passes
+            expanded = _expand(word, assigned, defaults=defaults)
+            word = expanded if "$" not in expanded and expanded.startswith("--") else word
         if word.startswith("--") and "=" in word:
             word, value = word.split("=", 1)
         if word in FLAGS:
@@ -159,7 +172,7 @@ def _parse(args: str | Sequence[str], source: str) -> tuple[dict[str, Any], list
                     raise bad(source, word, "expects a value")
                 i += 1
                 value = words[i]
-            value = _expand(value, assigned)
+            value = _expand(value, assigned, defaults=defaults)
             if "$" in value and word not in ("--deepspeed_config", "--deepspeed-config", "--te-precision-config-file"):
                 raise bad(source, word, f"{short(value)}: the script does not assign that variable; write the value")
             kind = VALUED[word]
@@ -181,7 +194,7 @@ def _parse(args: str | Sequence[str], source: str) -> tuple[dict[str, Any], list
         elif word.startswith("--"):
             other.append(word)
         i += 1
-    return got, list(dict.fromkeys(other)), {"assigned": assigned, "docs": docs}
+    return got, list(dict.fromkeys(other)), {"assigned": assigned, "docs": docs, "defaults": defaults}
 
 
 def import_policy(args: str | Sequence[str], *, source: str = "megatron") -> Imported:
@@ -245,6 +258,9 @@ def import_policy(args: str | Sequence[str], *, source: str = "megatron") -> Imp
         _move(d, "softmax", "float32", "--attention-softmax-in-fp32")
     _fp8(d, got, source)
     _not_held(d, got, source)
+    if script.get("defaults"):
+        d.note(f"{', '.join(dict.fromkeys(script['defaults']))}: the script does not set it, so the shell passes the "
+               f"default (a value exported before the script runs would change it)", warn=True)
     d.ignored.extend(other)
     return d.build()
 
