@@ -125,3 +125,66 @@ def test_import_export_import_is_the_identity_where_the_system_holds_it(item):
         assert out.unexpressed == (), out.unexpressed
         again = import_from(system, out.config).policy
     assert effective(again) == effective(first)
+
+
+@pytest.mark.parametrize(("raw", "facts"), [
+    # fabric/strategies/deepspeed.py::_format_precision_config: fp16 {enabled, loss_scale 0, initial_scale_power 16,
+    # loss_scale_window 1000, hysteresis 2, min_loss_scale 1}; DeepSpeed engine.py module.half(), ZeRO DynamicLossScaler
+    ('Trainer(precision="16-mixed", strategy="deepspeed_stage_3")',
+     {"param_dtype": "float16", "output_dtype": "float16", "reduce_dtype": "float16", "initial": 65536.0,
+      "hysteresis": 2, "at_min": "error"}),
+    ({"trainer": {"precision": "bf16-mixed", "strategy": {"_target_": "lightning.pytorch.strategies.DeepSpeedStrategy",
+                                                          "stage": 1}}},
+     {"param_dtype": "bfloat16", "output_dtype": "bfloat16", "reduce_dtype": "bfloat16", "mode": "none"}),
+    # plugins/precision/fsdp.py::FSDPPrecision.mixed_precision_config: param_dtype float32, reduce_dtype the low dtype
+    ('Trainer(precision="bf16-mixed", strategy="fsdp")',
+     {"param_dtype": "float32", "compute_dtype": "bfloat16", "reduce_dtype": "bfloat16", "mode": "none"}),
+    ({"trainer": {"precision": "16-mixed", "strategy": {"_target_": "lightning.pytorch.strategies.FSDPStrategy"}}},
+     {"param_dtype": "float32", "compute_dtype": "float16", "reduce_dtype": "float16", "initial": 65536.0}),
+    ('Trainer(precision="bf16-mixed", strategy="ddp")', {"param_dtype": "float32", "reduce_dtype": "float32"}),
+])
+def test_lightning_strategy_decides_who_runs_the_precision(raw, facts):
+    """A DeepSpeed strategy hands the precision to DeepSpeed (whole model in the low dtype, its
+    scaler); an FSDP strategy reduces in the low dtype; DDP keeps float32 gradients."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnimpWarning)
+        p = import_from("lightning", raw, "t").policy
+    got = {"param_dtype": p.param_dtype, "output_dtype": p.output_dtype, "reduce_dtype": p.distributed.reduce_dtype,
+           "compute_dtype": p.compute_dtype, "initial": p.loss_scale.initial, "hysteresis": p.loss_scale.hysteresis,
+           "at_min": p.loss_scale.at_min, "mode": p.loss_scale.mode}
+    assert {k: got[k] for k in facts} == facts
+
+
+def test_lightning_deepspeed_strategy_with_its_own_config_points_at_it():
+    raw = {"trainer": {"precision": 16, "strategy": {"_target_": "lightning.pytorch.strategies.DeepSpeedStrategy",
+                                                     "config": "ds.json"}}}
+    with pytest.raises(unimp.UnsupportedError, match=r"t: trainer.strategy.config: .*--from deepspeed"):
+        import_from("lightning", raw, "t")
+
+
+@pytest.mark.parametrize(("plugin", "facts"), [
+    # nemo/lightning/pytorch/plugins/mixed_precision.py::MegatronMixedPrecision.__init__ defaults: fp16_initial_loss_scale
+    # 2**32, fp16_min_loss_scale 1, fp16_loss_scale_window 1000, fp16_hysteresis 2, grad_reduce_in_fp32 True
+    ({"precision": "16-mixed"}, {"param_dtype": "float16", "reduce_dtype": "float32", "initial": 4294967296.0,
+                                 "growth_interval": 1000, "hysteresis": 2, "min": 1.0, "mode": "dynamic"}),
+    ({"precision": "16-mixed", "fp16_loss_scale": 1024}, {"mode": "static", "initial": 1024.0}),
+    ({"precision": "bf16-mixed", "grad_reduce_in_fp32": False}, {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16",
+                                                                 "mode": "none"}),
+    ({"precision": "32"}, {"param_dtype": "float32", "mode": "none"}),
+])
+def test_nemo2_megatron_mixed_precision_plugin(plugin, facts):
+    raw = {"trainer": {"devices": 1}, "plugins": {"_target_": "nemo.lightning.MegatronMixedPrecision", **plugin}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnimpWarning)
+        p = import_from("lightning", raw, "t").policy
+    got = {"param_dtype": p.param_dtype, "reduce_dtype": p.distributed.reduce_dtype, "initial": p.loss_scale.initial,
+           "growth_interval": p.loss_scale.growth_interval, "hysteresis": p.loss_scale.hysteresis,
+           "min": p.loss_scale.min, "mode": p.loss_scale.mode}
+    assert {k: got[k] for k in facts} == facts
+
+
+def test_nemo2_plugin_and_a_trainer_precision_conflict():
+    raw = {"trainer": {"precision": "bf16-mixed"}, "plugins": {"_target_": "nemo.lightning.MegatronMixedPrecision",
+                                                               "precision": "bf16-mixed"}}
+    with pytest.raises(unimp.PolicyError, match="t: trainer.precision: given together with plugins"):
+        import_from("lightning", raw, "t")

@@ -77,9 +77,70 @@ def _name(precision: Any, source: str, where: str) -> str:
     return name
 
 
+def _strategy(strategy: Any, source: str, where: str) -> tuple[str, int, dict[str, Any]]:
+    """("fsdp" | "deepspeed" | "", ZeRO stage, DeepSpeedStrategy kwargs) of a Trainer/Fabric ``strategy``
+    (a registry name such as "fsdp" / "deepspeed_stage_3_offload", or a hydra ``_target_`` mapping)."""
+    kw: dict[str, Any] = {}
+    if isinstance(strategy, Mapping):
+        kw = {k: v for k, v in strategy.items() if k != "_target_"}
+        name = str(strategy.get("_target_", "")).rpartition(".")[2]
+        kind = {"FSDPStrategy": "fsdp", "DeepSpeedStrategy": "deepspeed"}.get(name, "")
+        stage = kw.get("stage", 2)
+    elif isinstance(strategy, str):
+        m = re.match(r"^deepspeed(?:_stage_(\d))?", strategy)
+        kind = "deepspeed" if m else "fsdp" if strategy.startswith("fsdp") else ""
+        stage = int(m.group(1)) if m and m.group(1) else 2  # strategies/deepspeed.py register_strategies
+    else:
+        return "", 0, {}
+    if kind == "deepspeed" and kw.get("config") is not None:
+        raise refuse(source, f"{where}.config", "DeepSpeedStrategy(config=...) takes the precision from that DeepSpeed "
+                     "config (strategies/deepspeed.py _format_precision_config fills only a missing fp16/bf16 "
+                     "section)", "import that config: `unimp import ds_config.json --from deepspeed`")
+    return kind, number(source, f"{where}.stage", stage, int, minimum=0), kw
+
+
+# DeepSpeedStrategy defaults (lightning src/lightning/pytorch/strategies/deepspeed.py DeepSpeedStrategy.__init__)
+DS_SCALER = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+             "min_loss_scale": 1}
+
+
+def _deepspeed(name: str, said: str, stage: int, kw: Mapping[str, Any], source: str, where: str,
+               ignored: list[str]) -> Imported:
+    """strategy deepspeed*: DeepSpeed runs the precision. fabric/strategies/deepspeed.py
+    ``_format_precision_config``: "16-mixed"/"16-true" add ``fp16`` {enabled, loss_scale, ...} with the
+    strategy's scaler arguments, "bf16-*" ``bf16`` {enabled}; the engine then converts the whole model."""
+    from . import deepspeed
+    from .common import relabel
+
+    config: dict[str, Any] = {"zero_optimization": {"stage": stage}}
+    if name.startswith("16"):
+        config["fp16"] = {"enabled": True, **{k: kw.get(k, v) for k, v in DS_SCALER.items()}}
+    elif name.startswith("bf16"):
+        config["bf16"] = {"enabled": True}
+    elif name == "32-true":
+        config["fp16"] = {"enabled": False}
+    else:
+        raise refuse(source, where, f"{said} under DeepSpeed is not imported", "use 16-mixed, bf16-mixed or 32-true")
+    imp = deepspeed.import_policy(config, source=f"{source}: {where} (the DeepSpeed config Lightning builds)")
+    rest = [f"{where}.{k}" for k in kw if k not in (*DS_SCALER, "stage")]
+    if name.startswith("bf16"):
+        rest += [f"{where}.{k} (read for 16-mixed only)" for k in kw if k in DS_SCALER]
+    return relabel(imp, SYSTEM, source, f"{where} DeepSpeed with {said}", tuple([*ignored, *rest]),
+                   (f"{where}: DeepSpeedStrategy (stage {stage}) with {said}: strategies/deepspeed.py "
+                    f"_format_precision_config writes {json_text(config)}; the engine converts the whole model",))
+
+
+def json_text(value: Any) -> str:
+    import json
+
+    return json.dumps(value, sort_keys=True)
+
+
 def _read(precision: Any, source: str, fabric: bool, accelerator: Any, nemo: Mapping[str, Any] | None,
-          ignored: list[str], where: str = "precision", bert: bool = False) -> Imported:
+          ignored: list[str], where: str = "precision", bert: bool = False, strategy: Any = None) -> Imported:
     name = _name(precision, source, where)
+    at = f"{where.removesuffix('precision')}strategy"
+    kind, stage, skw = _strategy(strategy, source, at) if nemo is None else ("", 0, {})
     said = f"{where}={precision if isinstance(precision, int) else short(precision)}"
     if accelerator is not None:
         said += f" with {where.removesuffix('precision')}accelerator={short(accelerator)}"
@@ -98,6 +159,8 @@ def _read(precision: Any, source: str, fabric: bool, accelerator: Any, nemo: Map
         name, said = "bf16-mixed", f"{said} with accelerator='cpu': Lightning runs 'bf16-mixed' (fp16 AMP on CPU)"
     if nemo is not None and name in ("16-mixed", "bf16-mixed"):
         return _nemo(name, said, nemo, source, ignored, bert)
+    if kind == "deepspeed":
+        return _deepspeed(name, said, stage, skw, source, at, ignored)
     if nemo is not None:  # MegatronTrainerBuilder._plugins builds no precision plugin for it
         ignored = [*ignored, *(f"model.{k} (NeMo builds no precision plugin for {name})" for k in nemo)]
     if name == "32-true":
@@ -113,7 +176,11 @@ def _read(precision: Any, source: str, fabric: bool, accelerator: Any, nemo: Map
         else:
             d.set("loss_scale.mode", "none", f"{said}: MixedPrecision takes no scaler")
             d.set("loss_scale.skip_nonfinite", False, f"{said}: every step is taken")
-        d.set("distributed.reduce_dtype", "float32", f"{said}: parameters (and gradients) stay float32")
+        if kind == "fsdp":  # plugins/precision/fsdp.py FSDPPrecision.mixed_precision_config
+            d.set("distributed.reduce_dtype", low, f"{said} with {at} FSDP: FSDPPrecision.mixed_precision_config: "
+                  f"MixedPrecision(param_dtype=float32, reduce_dtype={low})")
+        else:
+            d.set("distributed.reduce_dtype", "float32", f"{said}: parameters (and gradients) stay float32")
     else:
         low = "float16" if name.startswith("16") else "bfloat16"
         d = Draft(SYSTEM, source, "fp32", f"{said}: HalfPrecision converts the model to {low}")
@@ -402,11 +469,14 @@ def _from_mapping(raw: Mapping[str, Any], source: str) -> Imported:
     if isinstance(model, Mapping) and nemo is None:
         ignored.append("model (no NeMo precision key)")
     accelerator = trainer.get("accelerator")
-    ignored += [f"{prefix}{k}" for k in trainer if k not in ("precision", "accelerator", "_target_")]
+    ignored += [f"{prefix}{k}" for k in trainer if k not in ("precision", "accelerator", "_target_", "strategy")]
+    strategy = _resolve(trainer.get("strategy"), raw, source, f"{prefix}strategy")
+    if "strategy" in trainer and (nemo is not None or not _strategy(strategy, source, f"{prefix}strategy")[0]):
+        ignored.append(f"{prefix}strategy")
     if "_target_" in trainer:
         ignored.append(f"{prefix}_target_ (the Trainer class)")
     bert = str(raw.get("name", "")).startswith("megatron_bert")
-    return _read(precision, source, fabric, accelerator, nemo, ignored, where, bert)
+    return _read(precision, source, fabric, accelerator, nemo, ignored, where, bert, strategy)
 
 
 def from_cli(raw: Any, source: str) -> Imported:
@@ -444,8 +514,10 @@ def from_cli(raw: Any, source: str) -> Imported:
                                        "'32-true': pass precision='32-true' to import that")
     if kwargs.get("plugins"):
         raise refuse(source, "plugins", "a plugin object may set its own precision", "remove it to import")
-    ignored = [k for k in kwargs if k not in ("precision", "accelerator")]
-    return _read(kwargs["precision"], source, fabric, kwargs.get("accelerator"), None, ignored)
+    strategy = kwargs.get("strategy")
+    ignored = [k for k in kwargs if k not in ("precision", "accelerator") and (k != "strategy" or not _strategy(
+        strategy, source, "strategy")[0])]
+    return _read(kwargs["precision"], source, fabric, kwargs.get("accelerator"), None, ignored, strategy=strategy)
 
 
 def export_policy(policy: Policy) -> Exported:
