@@ -163,8 +163,9 @@ def test_lightning_deepspeed_strategy_with_its_own_config_points_at_it():
 
 
 @pytest.mark.parametrize(("plugin", "facts"), [
-    # nemo/lightning/pytorch/plugins/mixed_precision.py::MegatronMixedPrecision.__init__ defaults: fp16_initial_loss_scale
-    # 2**32, fp16_min_loss_scale 1, fp16_loss_scale_window 1000, fp16_hysteresis 2, grad_reduce_in_fp32 True
+    # nemo/lightning/pytorch/plugins/mixed_precision.py::MegatronMixedPrecision.__init__ defaults:
+    # fp16_initial_loss_scale 2**32, fp16_min_loss_scale 1, fp16_loss_scale_window 1000, fp16_hysteresis 2,
+    # grad_reduce_in_fp32 True
     ({"precision": "16-mixed"}, {"param_dtype": "float16", "reduce_dtype": "float32", "initial": 4294967296.0,
                                  "growth_interval": 1000, "hysteresis": 2, "min": 1.0, "mode": "dynamic"}),
     ({"precision": "16-mixed", "fp16_loss_scale": 1024}, {"mode": "static", "initial": 1024.0}),

@@ -112,7 +112,7 @@ def resolve_auto(config: Mapping[str, Any], args: Mapping[str, Any] | None, sour
     for sec, key in (("fp16", "enabled"), ("bf16", "enabled"), ("bfloat16", "enabled"), ("amp", "enabled"),
                      ("amp", "opt_level")):
         table = cfg.get(sec)
-        if not isinstance(table, dict) or args is None and table.get(key) != "auto":
+        if not isinstance(table, dict) or (args is None and table.get(key) != "auto"):
             continue
         if args is None:
             raise bad(source, f"{sec}.{key}", f'"auto": {AUTO_FIX}')
