@@ -189,3 +189,26 @@ def test_nemo2_plugin_and_a_trainer_precision_conflict():
                                                                "precision": "bf16-mixed"}}
     with pytest.raises(unimp.PolicyError, match="t: trainer.precision: given together with plugins"):
         import_from("lightning", raw, "t")
+
+
+def test_paddle_fleet_lines_pasted_as_written():
+    """fleet: ``strategy.amp = True; strategy.amp_configs = {...}`` (DistributedStrategy) pasted verbatim
+    imports as the amp_configs dict; ``strategy.amp = False`` says fleet runs float32."""
+    text = ('strategy = fleet.DistributedStrategy()\nstrategy.amp = True\n'
+            'strategy.amp_configs = {"init_loss_scaling": 1024, "custom_white_list": ["softmax"]}')
+    p = import_from("paddle", text, "t").policy
+    assert p.loss_scale.initial == 1024.0 and p.compute_dtype == "float16" and p.ops.category("softmax") == "lower"
+    with pytest.raises(unimp.PolicyError, match="t: strategy.amp: False"):
+        import_from("paddle", text.replace("amp = True", "amp = False"), "t")
+
+
+@pytest.mark.parametrize("line", ["paddle.static.amp.decorate(optimizer, use_fp16_guard=True)",
+                                  "opt = paddle.fluid.contrib.mixed_precision.decorate(opt, init_loss_scaling=128.0)"])
+def test_paddle_static_decorate_is_refused_with_the_fleet_form(line):
+    """static.amp.decorate is not paddle.amp.decorate (its arguments and two overloads' defaults differ,
+    python/paddle/static/amp/decorator.py): a located refusal whose fix command itself imports."""
+    with pytest.raises(unimp.UnsupportedError) as e:
+        import_from("paddle", line, "t")
+    assert "static-graph decorate" in str(e.value)
+    fix = re.search(r"`unimp import '(.*)' --from paddle`", str(e.value)).group(1)
+    assert import_from("paddle", fix, "t").policy.loss_scale.initial == 32768.0
