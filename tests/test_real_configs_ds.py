@@ -311,3 +311,28 @@ def test_deepspeed_amp_section_is_apex():
     """engine.py _configure_optimizer: "amp": {"enabled": true, ...} calls apex.amp.initialize(**amp_params)."""
     got = import_from("deepspeed", {"amp": {"enabled": True, "opt_level": "O2"}}, "ds.json").policy
     assert effective(got) == effective(import_from("apex", "O2").policy)
+
+
+@pytest.mark.parametrize(("raw", "facts"), [
+    # accelerator.py Accelerator.__init__: bf16 native_amp on device 'cpu'; get_mixed_precision_context_manager:
+    # torch.autocast(device_type=state.device.type) -> the CPU op lists
+    ({"distributed_type": "MULTI_CPU", "mixed_precision": "bf16"}, {"extends_cpu": True, "param_dtype": "float32"}),
+    ({"distributed_type": "NO", "use_cpu": True, "mixed_precision": "bf16"}, {"extends_cpu": True}),
+    # native_amp is off for MEGATRON_LM; utils/dataclasses.py MegatronLMPlugin.set_mixed_precision sets args fp16/bf16
+    ({"distributed_type": "MEGATRON_LM", "mixed_precision": "bf16"},
+     {"param_dtype": "bfloat16", "output_dtype": "float32", "reduce_dtype": "float32", "masters": True}),
+    ({"distributed_type": "MEGATRON_LM", "mixed_precision": "fp16"},
+     {"param_dtype": "float16", "output_dtype": "float32", "masters": True}),
+])
+def test_accelerate_device_and_megatron_decide_the_numerics(raw, facts):
+    imp = import_from("accelerate", raw, "a.yaml")
+    p = imp.policy
+    got = {"extends_cpu": 'extends = "torch_autocast_cpu"' in imp.text, "param_dtype": p.param_dtype,
+           "output_dtype": p.output_dtype, "reduce_dtype": p.distributed.reduce_dtype,
+           "masters": p.master_weights.enabled}
+    assert {k: got[k] for k in facts} == facts
+
+
+def test_accelerate_fp16_on_cpu_is_refused_with_why():
+    with pytest.raises(UnsupportedError, match="a.yaml: mixed_precision: 'fp16' on CPU"):
+        import_from("accelerate", {"distributed_type": "MULTI_CPU", "mixed_precision": "fp16"}, "a.yaml")
