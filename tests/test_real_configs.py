@@ -212,3 +212,12 @@ def test_paddle_static_decorate_is_refused_with_the_fleet_form(line):
     assert "static-graph decorate" in str(e.value)
     fix = re.search(r"`unimp import '(.*)' --from paddle`", str(e.value)).group(1)
     assert import_from("paddle", fix, "t").policy.loss_scale.initial == 32768.0
+
+
+def test_lightning_on_tpu_is_refused_with_why():
+    """fabric/plugins/precision/xla.py XLAPrecision: 16-true / bf16-true set XLA_USE_F16 / XLA_USE_BF16
+    (every float32 tensor held low, optimizer state included); '-mixed' is not an XLA precision."""
+    with pytest.raises(unimp.UnsupportedError, match="t: accelerator: 'tpu' with bf16-true: XLAPrecision"):
+        import_from("lightning", 'Trainer(precision="bf16-true", accelerator="tpu")', "t")
+    assert import_from("lightning", 'Trainer(precision="32-true", accelerator="tpu")', "t").policy.param_dtype == \
+        "float32"

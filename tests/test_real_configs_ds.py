@@ -336,3 +336,11 @@ def test_accelerate_device_and_megatron_decide_the_numerics(raw, facts):
 def test_accelerate_fp16_on_cpu_is_refused_with_why():
     with pytest.raises(UnsupportedError, match="a.yaml: mixed_precision: 'fp16' on CPU"):
         import_from("accelerate", {"distributed_type": "MULTI_CPU", "mixed_precision": "fp16"}, "a.yaml")
+
+
+def test_megatron_precision_from_a_variable_the_script_does_not_set_is_located():
+    """``--${PRECISION}`` with PRECISION unassigned is set at launch: never 'float32' by default."""
+    with pytest.raises(PolicyError, match=r"s.sh: --\$\{PRECISION\}: no --fp16 / --bf16 written out"):
+        import_from("megatron", "torchrun pretrain_gpt.py --${PRECISION} --micro-batch-size 2", "s.sh")
+    imp = import_from("megatron", "export PRECISION=fp16\ntorchrun pretrain_gpt.py --$PRECISION", "s.sh")
+    assert imp.policy.param_dtype == "float16"

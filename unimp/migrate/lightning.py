@@ -152,6 +152,11 @@ def _read(precision: Any, source: str, fabric: bool, accelerator: Any, nemo: Map
         acc = text(source, "accelerator", accelerator)
         if acc == "cpu":
             device = "cpu"
+        elif acc == "tpu" and name != "32-true":  # accelerator_connector.py: XLAAccelerator -> XLAPrecision
+            raise refuse(source, "accelerator", f"'tpu' with {name}: XLAPrecision sets XLA_USE_BF16 / XLA_USE_F16 "
+                         "(fabric/plugins/precision/xla.py): XLA stores every float32 tensor, optimizer state "
+                         "included, in the low dtype; unimp keeps float32 masters",
+                         "import the run's GPU precision (accelerator 'gpu') or '32-true'")
         elif acc == "mps" and name.endswith("-mixed"):
             raise refuse(source, "accelerator", "'mps' autocast has its own op lists, which unimp does not hold",
                          "import with accelerator 'gpu' or 'cpu'")

@@ -208,6 +208,11 @@ def import_policy(args: str | Sequence[str], *, source: str = "megatron") -> Imp
         if not got and not other:
             raise bad(source, "", "no Megatron argument found (they start with --); pass the command line or the "
                                   "launch script, e.g. '--fp16 --loss-scale-window 1000'")
+        unset = [w for w in other if "$" in w]
+        if unset:
+            raise bad(source, unset[0], f"no --fp16 / --bf16 written out, and {', '.join(unset[:3])} come(s) from a "
+                                        f"variable the script does not assign (set when it is launched), which may "
+                                        f"be the precision; write the argument the run uses (or assign the variable)")
         raise bad(source, "--fp16", "no precision argument (--fp16 / --bf16): the run trains in float32; to import "
                                     "that, import 'fp32' (`unimp show fp32`) — found only "
                                     f"{', '.join(other[:4]) or 'loss-scale arguments'}")
