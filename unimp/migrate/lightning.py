@@ -459,7 +459,8 @@ def _from_mapping(raw: Mapping[str, Any], source: str) -> Imported:
     where = f"{prefix}precision"
     precision = _resolve(trainer["precision"], raw, source, where)
     fabric = prefix == "fabric."
-    if not prefix and any(k in raw for k in LITGPT_KEYS):  # litgpt's CLI configs: L.Fabric(precision=...)
+    litgpt = not prefix and any(k in raw for k in LITGPT_KEYS)
+    if litgpt:  # litgpt's CLI configs: L.Fabric(precision=...)
         fabric = True
         quantize = raw.get("quantize")
         if quantize is not None:
@@ -480,6 +481,11 @@ def _from_mapping(raw: Mapping[str, Any], source: str) -> Imported:
         ignored.append(f"{prefix}strategy")
     if "_target_" in trainer:
         ignored.append(f"{prefix}_target_ (the Trainer class)")
+    if litgpt and strategy is None and "lora_r" not in raw and (raw.get("devices", "auto"), raw.get("num_nodes", 1)) \
+            != (1, 1):  # litgpt pretrain.py, finetune/full.py, adapter*.py: FSDPStrategy when devices * num_nodes > 1
+        strategy = "fsdp"
+        ignored = [i if i != "devices" else "devices (more than one: litgpt runs Fabric's FSDPStrategy, pretrain.py "
+                   "/ finetune full.py setup)" for i in ignored]
     bert = str(raw.get("name", "")).startswith("megatron_bert")
     return _read(precision, source, fabric, accelerator, nemo, ignored, where, bert, strategy)
 
