@@ -35,9 +35,11 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import UnimpWarning
 from ..policy import Policy
 from ..spec import short
 from .common import MAX_TEXT, Draft, Exported, Imported, bad, finish, has_knob, number, refuse, relabel
@@ -76,8 +78,12 @@ _ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_]\w*)=(.*)$", re.S)
 _VAR = re.compile(r"\$\{([A-Za-z_]\w*)(:?-)([^}$]*)\}|\$\{?([A-Za-z_]\w*)\}?")  # ${V:-default} / $V / ${V}
 
 
-def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
-    """(words, variable assignments, heredoc bodies by the file they are written to) of a script."""
+_POSITIONAL = re.compile(r"""^["']?\$\{?[0-9]\}?["']?;?$""")  # X=$2 in an option-parsing case branch
+
+
+def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str, str], list[str]]:
+    """(words, variable assignments, heredoc bodies by the file they are written to, assignments from
+    the script's own arguments that were not applied) of a script."""
     if len(text) > 16 * MAX_TEXT:
         raise bad(source, "", f"{len(text)} characters; a launch script is at most {16 * MAX_TEXT}")
     docs: dict[str, str] = {}
@@ -104,6 +110,7 @@ def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str,
         raise bad(source, "", f"cannot split the command line or script ({e}); check its quotes") from None
     words: list[str] = []
     assigned: dict[str, str] = {}
+    positional: list[str] = []
     todo = [(w, 0) for w in reversed(first)]
     while todo:
         word, depth = todo.pop()
@@ -111,7 +118,14 @@ def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str,
             raise bad(source, "", f"over {MAX_WORDS} words; pass the training command line itself")
         m = _ASSIGN.match(word)
         if m and not word.startswith("-"):
-            assigned[m.group(1)] = m.group(2).strip().strip("()")
+            name, value = m.group(1), m.group(2).strip().strip("()")
+            if name in assigned and _POSITIONAL.match(value):  # `-z) ZERO_STAGE=$2;`: the default stays
+                positional.append(f"{name}={value.rstrip(';')}")
+                continue
+            own = re.compile(r"\$\{" + name + r"\}|\$" + name + r"(?!\w)")
+            if name in assigned and own.search(value):  # X="${X}.json": the shell reads X's previous value
+                value = own.sub(assigned[name].replace("\\", "\\\\"), value)
+            assigned[name] = value
             word = m.group(2).strip("()")
         if depth < 2 and any(c.isspace() for c in word) and "--" in word:
             try:
@@ -121,7 +135,7 @@ def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str,
             continue
         if word:
             words.append(word)
-    return words, assigned, docs
+    return words, assigned, docs, positional
 
 
 def _expand(value: str, assigned: dict[str, str], depth: int = 0, defaults: list[str] | None = None) -> str:
@@ -132,6 +146,8 @@ def _expand(value: str, assigned: dict[str, str], depth: int = 0, defaults: list
     def sub(m: re.Match[str]) -> str:
         name = m.group(1) or m.group(4)
         v = assigned.get(name)
+        if v is not None and re.search(r"\$\{?" + name + r"(?!\w)", v):  # PATH="$PATH:..." with no earlier value
+            return m.group(0)
         if m.group(1) and (v is None or (v == "" and m.group(2) == ":-")):
             if defaults is not None:
                 defaults.append(f"${{{name}{m.group(2)}{m.group(3)}}}")
@@ -150,9 +166,9 @@ def parse_args(args: str | Sequence[str], source: str = "megatron") -> tuple[dic
 
 def _parse(args: str | Sequence[str], source: str) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
     if isinstance(args, str):
-        words, assigned, docs = _words(args, source)
+        words, assigned, docs, positional = _words(args, source)
     else:
-        words, assigned, docs = list(args), {}, {}
+        words, assigned, docs, positional = list(args), {}, {}, []
     got: dict[str, Any] = {}
     other: list[str] = []
     defaults: list[str] = []
@@ -194,7 +210,8 @@ def _parse(args: str | Sequence[str], source: str) -> tuple[dict[str, Any], list
         elif word.startswith("--"):
             other.append(word)
         i += 1
-    return got, list(dict.fromkeys(other)), {"assigned": assigned, "docs": docs, "defaults": defaults}
+    return got, list(dict.fromkeys(other)), {"assigned": assigned, "docs": docs, "defaults": defaults,
+                                             "positional": positional}
 
 
 def import_policy(args: str | Sequence[str], *, source: str = "megatron") -> Imported:
@@ -263,9 +280,8 @@ def import_policy(args: str | Sequence[str], *, source: str = "megatron") -> Imp
         _move(d, "softmax", "float32", "--attention-softmax-in-fp32")
     _fp8(d, got, source)
     _not_held(d, got, source)
-    if script.get("defaults"):
-        d.note(f"{', '.join(dict.fromkeys(script['defaults']))}: the script does not set it, so the shell passes the "
-               f"default (a value exported before the script runs would change it)", warn=True)
+    for note in _launch_notes(script):
+        d.note(note, warn=True)
     d.ignored.extend(other)
     return d.build()
 
@@ -343,6 +359,19 @@ def _fp8(d: Draft, got: dict[str, Any], source: str) -> None:
                "kept); where the cast happens, not a policy key (ignored)")
 
 
+def _launch_notes(script: dict[str, Any]) -> list[str]:
+    """What the launch command may change: ``${VAR:-default}`` read with its default, ``X=$2``
+    option branches not applied (the script's own default kept)."""
+    notes = []
+    if script.get("defaults"):
+        notes.append(f"{', '.join(dict.fromkeys(script['defaults']))}: the script does not set it, so the shell "
+                     f"passes the default (a value exported before the script runs would change it)")
+    if script.get("positional"):
+        notes.append(f"{', '.join(dict.fromkeys(script['positional']))}: set from the script's own arguments (an "
+                     f"option it parses); read with the script's default (passing that option would change it)")
+    return notes
+
+
 def _deepspeed(got: dict[str, Any], other: list[str], script: dict[str, Any], source: str) -> Imported:
     """Megatron-DeepSpeed ``--deepspeed``: the DeepSpeed config's fp16/bf16 sections decide."""
     from . import deepspeed
@@ -379,7 +408,10 @@ def _deepspeed(got: dict[str, Any], other: list[str], script: dict[str, Any], so
     unused = [k for k in got if (k.startswith("--") and "loss-scale" in k) or k == "--hysteresis"]
     notes = (f"{', '.join(unused)}: unused with --deepspeed (get_megatron_optimizer returns the bare optimizer; "
              f"DeepSpeed's fp16 section scales the loss)",) if unused else ()
-    return relabel(imp, SYSTEM, source, "the --deepspeed_config it writes", ignored, notes)
+    launch = tuple(_launch_notes(script))
+    for note in launch:
+        warnings.warn(f"{source}: {note}", UnimpWarning, stacklevel=2)
+    return relabel(imp, SYSTEM, source, "the --deepspeed_config it writes", ignored, notes + launch)
 
 
 def from_cli(raw: Any, source: str) -> Imported:
