@@ -221,3 +221,14 @@ def test_lightning_on_tpu_is_refused_with_why():
         import_from("lightning", 'Trainer(precision="bf16-true", accelerator="tpu")', "t")
     assert import_from("lightning", 'Trainer(precision="32-true", accelerator="tpu")', "t").policy.param_dtype == \
         "float32"
+
+
+def test_nemo2_plugin_dtype_arguments_as_its_recipes_write_them():
+    """nemo/collections/llm/recipes/precision/mixed_precision.py bf16_mixed(): params_dtype and
+    pipeline_dtype torch.bfloat16: the same Float16Module run; another dtype is refused."""
+    plugin = {"_target_": "nemo.lightning.MegatronMixedPrecision", "precision": "bf16-mixed",
+              "params_dtype": "torch.bfloat16", "pipeline_dtype": "torch.bfloat16", "autocast_enabled": False}
+    p = import_from("lightning", {"trainer": {"devices": 1}, "plugins": plugin}, "t").policy
+    assert (p.param_dtype, p.distributed.reduce_dtype) == ("bfloat16", "float32")
+    with pytest.raises(unimp.UnsupportedError, match="t: plugins.params_dtype"):
+        import_from("lightning", {"trainer": {}, "plugins": {**plugin, "params_dtype": "torch.float16"}}, "t")

@@ -362,6 +362,8 @@ NEMO2_SAME = {"autocast_enabled": False, "autocast_dtype": None, "params_dtype":
               "fp8_wgrad": True, "fp8_dot_product_attention": False, "fp8_multi_head_attention": False,
               "fp4": None, "reuse_grad_buf_for_mxfp8_param_ag": False}
 NEMO2_NOTED = ("fp8_params", "fp8_param_gather")
+DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16", "fp16": "float16",
+               "float32": "float32", "float": "float32", "fp32": "float32"}
 
 
 def _nemo2(plugin: Mapping[str, Any], raw: Mapping[str, Any], at: str, source: str, ignored: list[str]) -> Imported:
@@ -377,6 +379,15 @@ def _nemo2(plugin: Mapping[str, Any], raw: Mapping[str, Any], at: str, source: s
     for key in kw:
         if key not in known:
             raise bad(source, f"{at}.{key}", f"not an argument of {NEMO2_PLUGIN} (known: {', '.join(known)})")
+    low_name = {"bf16": "bfloat16", "bf16-mixed": "bfloat16", "16": "float16", "16-mixed": "float16",
+                "fp16": "float16", "fp16-mixed": "float16"}.get(str(kw.get("precision")), "float32")
+    dtype_notes = []
+    for key in ("params_dtype", "pipeline_dtype", "autocast_dtype"):  # nemo/collections/llm/recipes/precision
+        value = kw.get(key)  # bf16_mixed(): params_dtype = pipeline_dtype = torch.bfloat16, as Float16Module runs
+        if isinstance(value, str) and DTYPE_NAMES.get(value.removeprefix("torch.")) in (low_name, "float32"):
+            kw.pop(key)  # float32 is MegatronMixedPrecision's own params_dtype default; the model is still converted
+            dtype_notes.append(f"{at}.{key} = {value}: Float16Module converts the model to the precision's dtype "
+                               f"either way (mixed_precision.py convert_module)")
     for key, default in NEMO2_SAME.items():
         if kw.get(key) not in (default, None) and not (default is False and kw.get(key) is False):
             raise refuse(source, f"{at}.{key}", f"{short(kw[key])}: unimp imports {NEMO2_PLUGIN} with its default "
@@ -415,6 +426,7 @@ def _nemo2(plugin: Mapping[str, Any], raw: Mapping[str, Any], at: str, source: s
              f"fields: DtypeConfig in mixed_precision.py; grad_reduce_in_fp32 "
              f"{'true (default)' if 'grad_reduce_in_fp32' not in kw else str(reduce32).lower()})"]
     notes += [f"{at}.{k}: where the FP8 weights are cast, not a dtype (ignored)" for k in NEMO2_NOTED if kw.get(k)]
+    notes += dtype_notes
     if low == "--bf16":
         notes += [f"{at}.{k}: read for 16-mixed only (ignored)" for k in kw if k.startswith("fp16_")]
     return relabel(imp, SYSTEM, source, why, tuple(ignored), tuple(notes))
