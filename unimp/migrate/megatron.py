@@ -172,10 +172,12 @@ def _parse(args: str | Sequence[str], source: str) -> tuple[dict[str, Any], list
     got: dict[str, Any] = {}
     other: list[str] = []
     defaults: list[str] = []
+    referenced: set[str] = set()
     i = 0
     while i < len(words):
         word, value = words[i], None
         if word.startswith("--") and "$" in word:  # --${PRECISION:-bf16}: the argument the shell passes
+            referenced.update(_names(word))
             expanded = _expand(word, assigned, defaults=defaults)
             word = expanded if "$" not in expanded and expanded.startswith("--") else word
         if word.startswith("--") and "=" in word:
@@ -188,6 +190,7 @@ def _parse(args: str | Sequence[str], source: str) -> tuple[dict[str, Any], list
                     raise bad(source, word, "expects a value")
                 i += 1
                 value = words[i]
+            referenced.update(_names(value))
             value = _expand(value, assigned, defaults=defaults)
             if "$" in value and word not in ("--deepspeed_config", "--deepspeed-config", "--te-precision-config-file"):
                 raise bad(source, word, f"{short(value)}: the script does not assign that variable; write the value")
@@ -211,7 +214,12 @@ def _parse(args: str | Sequence[str], source: str) -> tuple[dict[str, Any], list
             other.append(word)
         i += 1
     return got, list(dict.fromkeys(other)), {"assigned": assigned, "docs": docs, "defaults": defaults,
-                                             "positional": positional}
+                                             "positional": positional, "referenced": referenced}
+
+
+def _names(text: str) -> set[str]:
+    """The variables ``text`` refers to (``$V``, ``${V}``, ``${V:-default}``)."""
+    return {m.group(1) or m.group(4) for m in _VAR.finditer(text)}
 
 
 def import_policy(args: str | Sequence[str], *, source: str = "megatron") -> Imported:
@@ -359,6 +367,18 @@ def _fp8(d: Draft, got: dict[str, Any], source: str) -> None:
                "kept); where the cast happens, not a policy key (ignored)")
 
 
+def _reach(names: set[str], assigned: dict[str, str]) -> set[str]:
+    """``names`` and every variable their values refer to."""
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(_names(assigned.get(name, "")) - seen)
+    return seen
+
+
 def _launch_notes(script: dict[str, Any]) -> list[str]:
     """What the launch command may change: ``${VAR:-default}`` read with its default, ``X=$2``
     option branches not applied (the script's own default kept)."""
@@ -366,9 +386,11 @@ def _launch_notes(script: dict[str, Any]) -> list[str]:
     if script.get("defaults"):
         notes.append(f"{', '.join(dict.fromkeys(script['defaults']))}: the script does not set it, so the shell "
                      f"passes the default (a value exported before the script runs would change it)")
-    if script.get("positional"):
-        notes.append(f"{', '.join(dict.fromkeys(script['positional']))}: set from the script's own arguments (an "
-                     f"option it parses); read with the script's default (passing that option would change it)")
+    used = _reach(script.get("referenced", set()), script.get("assigned", {}))
+    positional = [p for p in script.get("positional", []) if p.partition("=")[0] in used]
+    if positional:
+        notes.append(f"{', '.join(dict.fromkeys(positional))}: set from the script's own arguments (an option it "
+                     f"parses); read with the script's default (passing that option would change it)")
     return notes
 
 
@@ -390,6 +412,7 @@ def _deepspeed(got: dict[str, Any], other: list[str], script: dict[str, Any], so
         raise refuse(source, "--deepspeed_config", f"{short(path)} is not written by this script; "
                      "Megatron-DeepSpeed takes "
                      "its precision from it (get_megatron_optimizer: 'if args.deepspeed: return optimizer')", fix)
+    script = {**script, "referenced": script.get("referenced", set()) | _names(body) | _names(path)}
     text = _VAR.sub(lambda m: json.dumps(_expand(m.group(0), script["assigned"])) if "$" in
                     _expand(m.group(0), script["assigned"]) else _expand(m.group(0), script["assigned"]), body)
     try:
