@@ -372,6 +372,7 @@ def measure_variants(build: Callable[[], nn.Module], data: Callable[[], tuple], 
     del runs
     if device == "cuda":
         for label, make in variants.items():  # peak memory: one variant alive at a time
+            torch._dynamo.reset()  # dynamo's caches hold the compiled variants' models (and their state) alive
             gc.collect()
             torch.cuda.empty_cache()
             torch.manual_seed(0)

@@ -158,8 +158,8 @@ def test_scales_are_bounded_by_float32(key):
 
 
 def test_factors_that_round_to_zero_in_float32_are_refused():
-    refused({"loss_scale": {"backoff_factor": 1e-300}}, "smallest normal float32")
-    refused({"loss_scale": {"initial": 1e-300, "min": 0.0}}, "smallest normal float32")
+    refused({"loss_scale": {"backoff_factor": 1e-300}}, "smallest float32 (subnormal)")
+    refused({"loss_scale": {"initial": 1e-300, "min": 0.0}}, "smallest float32 (subnormal)")
 
 
 NUMBERS = {(t, k): f for t, fields in TABLES.items() for k, f in fields.items() if f.kind in ("int", "float")}

@@ -57,7 +57,42 @@ def test_grammar_levels_host_flags_and_removal():
     assert flags == host.features - {"avx512_bf16"}
     arch, flags = hardware.parse_features("avx512 avx512_bf16", host=host)
     assert CpuFacts(arch, "", flags).native_bf16
-    assert hardware.parse_features("arm64,bf16", host=host)[0] == "arm64"
+    assert hardware.parse_features("-avx512_bf16", host=host)[1] == host.features - {"avx512_bf16"}  # from host
+    assert hardware.parse_features("arm64_fp16", host=facts("arm64_bf16"))[1] == frozenset(LEVELS["arm64_fp16"])
+
+
+@pytest.mark.parametrize("spec, host, asked", [
+    ("amx", "avx2", "amx_bf16"),  # the case: would make `auto` pick bf16 on an AVX2-only CPU
+    ("avx512_bf16", "avx512", "avx512_bf16"),
+    ("avx2,avx512_bf16", "avx2", "avx512_bf16"),  # a single flag
+    ("host,amx_fp16", "amx", "amx_fp16"),
+    ("arm64_bf16", "arm64_fp16", "bf16"),
+])
+def test_a_simulation_cannot_add_a_feature_the_host_lacks(spec, host, asked):
+    with pytest.raises(PolicyError, match=rf"UNIMP_CPU_FEATURES='{spec}'.*asks for .*{asked}.*which this CPU lacks"
+                                          rf".*test CPU.*can only take features away"):
+        hardware.parse_features(spec, host=facts(host))
+
+
+@pytest.mark.parametrize("spec, host", [("arm64", "avx512_bf16"), ("avx2", "arm64_bf16")])
+def test_a_simulation_cannot_change_the_architecture(spec, host):
+    with pytest.raises(PolicyError, match=rf"'{spec}' is an .* CPU class and this CPU is"):
+        hardware.parse_features(spec, host=facts(host))
+
+
+def test_a_class_keeps_only_the_minor_flags_the_host_has_and_the_caps_follow():
+    skylake_sp = CpuFacts("x86_64", "test CPU", frozenset(LEVELS["avx512"]) - {"avx512_vnni"})  # no VNNI
+    sim = hardware.simulated("avx512", skylake_sp)
+    assert sim.features == skylake_sp.features and sim.avx512_core and not sim.native_bf16
+    env = hardware.simulated_env("avx512", base={}, host=skylake_sp)
+    assert env["ONEDNN_MAX_CPU_ISA"] == hardware.onednn_isa(sim) == "AVX512_CORE"  # not AVX512_CORE_VNNI
+
+
+@pytest.mark.parametrize("spec, match", [("", "empty; name a CPU class"), (" , ", "empty"),
+                                         ("avx2," * 300, "longer than 1024 characters")])
+def test_an_empty_or_unbounded_spec_is_a_located_error(spec, match):
+    with pytest.raises(PolicyError, match=rf"UNIMP_CPU_FEATURES=.*{match}"):
+        hardware.parse_features(spec, host=facts("avx512_bf16"))
 
 
 def test_a_bad_token_names_the_variable_and_the_choices():
@@ -66,12 +101,26 @@ def test_a_bad_token_names_the_variable_and_the_choices():
 
 
 def test_the_environment_variable_replaces_the_host_facts(monkeypatch):
+    monkeypatch.setattr(hardware, "host", lambda: facts("avx512_bf16"))
     monkeypatch.setenv(hardware.ENV, "avx2")
     sim = hardware.cpu()
-    assert sim.simulated == "avx2" and not sim.native_bf16 and sim.model == hardware.host().model
+    assert sim.simulated == "avx2" and not sim.native_bf16 and sim.model == "test CPU"
     assert "[simulated: UNIMP_CPU_FEATURES=avx2]" in sim.describe()
+    monkeypatch.setenv(hardware.ENV, "")  # empty: the real CPU, as unset
+    assert hardware.cpu() == facts("avx512_bf16")
     monkeypatch.delenv(hardware.ENV)
-    assert hardware.cpu() == hardware.host()
+    assert hardware.cpu() == facts("avx512_bf16")
+
+
+def test_the_environment_variable_cannot_make_auto_pick_bf16_on_a_cpu_without_bf16_units(monkeypatch):
+    monkeypatch.setattr(hardware, "host", lambda: facts("avx2"))
+    monkeypatch.setenv(hardware.ENV, "amx")
+    with pytest.raises(PolicyError, match="'amx' asks for .*amx_bf16.*which this CPU lacks"):
+        hardware.resolve_cpu_auto("torch")
+    monkeypatch.setenv(hardware.ENV, "host")
+    assert hardware.resolve_cpu_auto("torch")[0] == "float32"
+    with pytest.warns(UnimpWarning, match="no native bfloat16 units"):  # an explicit bf16 is still warned
+        hardware.warn_emulated("bfloat16", "compute_dtype", "torch")
 
 
 def test_host_facts_are_this_cpus_proc_cpuinfo():
@@ -86,22 +135,53 @@ def test_host_facts_are_this_cpus_proc_cpuinfo():
                                              ("avx512_bf16", "AVX512_CORE_BF16", "avx512"),
                                              ("amx", "AVX512_CORE_AMX", "avx512"),
                                              ("avx2_ne_convert", "AVX2_VNNI_2", "avx2")])
-def test_simulated_env_tells_onednn_aten_and_xla_the_same_cpu(spec, isa, aten):
-    env = hardware.simulated_env(spec, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+def test_simulated_env_tells_onednn_aten_and_xla_the_same_cpu(spec, isa, aten, monkeypatch):
+    host = CpuFacts("x86_64", "test CPU", frozenset(LEVELS["amx"]) | {"avx_vnni", "avx_ne_convert"})
+    env = hardware.simulated_env(spec, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=2 "
+                                                          "--xla_cpu_max_isa=AVX512"}, host=host)
     assert env[hardware.ENV] == spec and env["ONEDNN_MAX_CPU_ISA"] == env["DNNL_MAX_CPU_ISA"] == isa
     assert env["ATEN_CPU_CAPABILITY"] == aten
     assert ("TF_ENABLE_ONEDNN_OPTS" in env) is (spec == "avx2")  # TF aborts on oneDNN capped below bf16
     assert env["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=2",
                                         f"--xla_cpu_max_isa={'AVX2' if aten == 'avx2' else 'AVX512'}"]
+    monkeypatch.setattr(hardware, "host", lambda: host)  # what unimp reports in the child is what the caps say
+    monkeypatch.setenv(hardware.ENV, env[hardware.ENV])
+    assert hardware.onednn_isa(hardware.cpu()) == env["ONEDNN_MAX_CPU_ISA"]
+
+
+def hardware_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "unimp.hardware", *args], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[1], timeout=60)
 
 
 def test_simulate_command_runs_a_child_that_sees_the_simulated_cpu():
+    spec = "host,-avx512_bf16,-amx_bf16,-bf16"  # fewer features than any host has: no bf16 units anywhere
     code = ("import os; from unimp import hardware; f = hardware.cpu(); "
-            "print(f.native_bf16, os.environ['ONEDNN_MAX_CPU_ISA'], os.environ['ATEN_CPU_CAPABILITY'])")
-    out = subprocess.run([sys.executable, "-m", "unimp.hardware", "--simulate", "avx2", "--",
-                          sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).parents[1])
-    assert out.stdout.split() == ["False", "AVX2", "avx2"]
+            "print(f.native_bf16, f.features == hardware.simulated(os.environ['UNIMP_CPU_FEATURES']).features, "
+            "os.environ.get('ONEDNN_MAX_CPU_ISA') == hardware.onednn_isa(f))")
+    out = hardware_cli("--simulate", spec, "--", sys.executable, "-c", code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True", "True"]
+
+
+@pytest.mark.parametrize("args, rc, message", [
+    (["--simulate", "avx3"], 2, "UNIMP_CPU_FEATURES='avx3': unknown token 'avx3'"),
+    (["--simulate", ""], 2, "UNIMP_CPU_FEATURES='': empty"),
+    (["--simulate"], 2, "--simulate needs a SPEC"),
+    (["--simulate", "--", "true"], 2, "--simulate needs a SPEC"),
+    (["--simulate", "host", "--", "/nonexistent/unimp-cmd"], 127, "cannot run '/nonexistent/unimp-cmd'"),
+    (["--frobnicate"], 2, "usage: python -m unimp.hardware"),
+])
+def test_simulate_command_reports_bad_input_in_one_located_line(args, rc, message):
+    out = hardware_cli(*args)
+    assert out.returncode == rc and message in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_simulate_command_refuses_a_cpu_the_host_is_not():
+    other = "avx2" if hardware.host().arch == "arm64" else "arm64_bf16"  # another architecture than this one
+    out = hardware_cli("--simulate", other, "--", sys.executable, "-c", "print('ran')")
+    assert out.returncode == 2 and "can only take features away" in out.stderr and "ran" not in out.stdout
 
 
 def test_emulated_dtype_warning_points_at_the_callers_line_and_names_the_fix():

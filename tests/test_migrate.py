@@ -195,9 +195,10 @@ def test_every_readme_migration_command_runs(monkeypatch, capsys):
     section = readme[readme.index("## Migrating from"):]
     section = section[:section.index("\n## ", 1)]
     monkeypatch.chdir(root)
-    commands = re.findall(r"`(unimp import [^`]*--from \w+)`", section)
-    assert {shlex.split(c)[-1] for c in commands} == {"lightning", "torch", "keras", "tf_keras", "paddle", "jmp",
-                                                      "flax"}
+    commands = re.findall(r"`(unimp import [^`]*--from \w+(?: --assume \S+)?)`", section)
+    assert {c.split("--from ")[1].split()[0] for c in commands} == {
+        "lightning", "torch", "keras", "tf_keras", "paddle", "jmp", "flax", "deepspeed", "apex", "accelerate",
+        "megatron"}
     for command in commands:
         assert main(shlex.split(command)[1:]) == 0, (command, capsys.readouterr().err)
 

@@ -118,8 +118,12 @@ def test_state_dict_is_canonical_and_checks_the_policy():
     stranger = unimp.apply("mixed_bf16", Model())
     with pytest.raises(unimp.StateError, match="fingerprint"):
         stranger.load_state_dict(sd)
-    with pytest.warns(unimp.UnimpWarning):
+    with pytest.raises(unimp.StateError, match="keeps the scale at 1.0"):  # strict=False: provenance only
         stranger.load_state_dict(sd, strict=False)
+    cousin = unimp.apply(pol.replace(loss_scale={"growth_interval": 5}), Model())
+    with pytest.warns(unimp.UnimpWarning, match="strict=False"):
+        cousin.load_state_dict(sd, strict=False)
+    assert cousin.scale == 65536.0 and cousin.skipped_steps == 1
     with pytest.raises(unimp.StateError, match="not an unimp state_dict"):
         stranger.load_state_dict({"scale": 1.0})
 

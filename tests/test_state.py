@@ -27,10 +27,11 @@ def amp():
 
 
 @pytest.mark.parametrize("key,value,words", [
-    ("scale", math.nan, "scale: nan is not a positive finite float32"),
+    ("scale", math.nan, "scale: nan is not a finite number >= 0"),
     ("scale", math.inf, "scale: inf"), ("scale", -math.inf, "scale: -inf"), ("scale", -2.0, "scale: -2.0"),
     ("scale", 0.0, "scale: 0.0"), ("scale", 1e39, "scale: 1e+39"), ("scale", "65536", "scale: expected a number"),
-    ("scale", None, "scale: expected a number"), ("scale", 10**400, "positive finite float32"),
+    ("scale", None, "scale: expected a number"), ("scale", 10**400, "is not a finite number"),
+    ("scale", -0.0, "scale: -0.0"),
     ("steps", -1, "steps: an integer -1 is out of range"), ("growth_tracker", 2**31, "int32"),
     ("steps", 2.5, "steps: expected a whole number, got a number 2.5"),
     ("skipped", True, "skipped: expected a whole number, got a boolean"),
@@ -45,7 +46,7 @@ def test_each_kind_of_garbage_is_one_state_error_naming_key_and_value(amp, key, 
     with pytest.raises(StateError) as e:
         amp.load_state_dict(sd)
     assert words in str(e.value)
-    if "loss_scale.hysteresis" not in words:  # a fact of the policy: only the Amp knows it
+    if "loss_scale" not in str(e.value):  # a fact of the policy (its float32 scale, its floor): only the Amp knows it
         with pytest.raises(StateError, match=key):
             LossScaleState.from_dict(sd)
 
@@ -139,3 +140,17 @@ def test_deepcopy_that_cannot_copy_is_refused_with_the_fix(amp):
 class _Uncopyable:
     def __deepcopy__(self, memo):
         raise AttributeError("no attribute 'optimizer'")
+
+
+def test_a_state_saved_before_the_outputs_became_unchanged_loads_strictly(amp):
+    """mixed_fp16's outputs became "unchanged" (its fingerprint changed): a state dict saved under the old
+    fingerprint (output_dtype float32, main at e0dc498) still loads strictly; another policy's does not."""
+    state = amp.state_dict()
+    old = {**state, "policy_fingerprint": POLICY.replace(output_dtype="float32").fingerprint}
+    assert POLICY.output_dtype == "unchanged" and old["policy_fingerprint"] != state["policy_fingerprint"]
+    assert unimp.load("mixed_fp16").replace(output_dtype="float32").fingerprint == "77ad2645bffe9fc3"
+    amp.load_state_dict(old)
+    assert amp.state_dict() == state
+    other = {**state, "policy_fingerprint": POLICY.replace(loss_scale={"growth_interval": 2}).fingerprint}
+    with pytest.raises(StateError, match="fingerprint"):
+        amp.load_state_dict(other)

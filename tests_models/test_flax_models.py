@@ -12,14 +12,22 @@ import optax
 import pytest
 from flax import linen, nnx, serialization
 from flax.nnx.nn import attention as nnx_attention
+from tolerance import reference_tolerance
 
 import unimp
 
 STEPS = 10
-# preset -> (the layers' `dtype` in Flax's own mixed precision, written by hand; relative loss tolerance)
-NATIVE = {"fp32": (jnp.float32, 0.0), "mixed_bf16": (jnp.bfloat16, 3e-2), "pure_bf16": (jnp.bfloat16, 5e-2),
-          "mixed_fp16": (jnp.float16, 1e-2), "fp16_master": (jnp.float16, 1e-2),
-          "jmp_float16": (jnp.float16, 1e-2), "flax_dynamic_scale": (jnp.float16, 1e-2)}
+# preset -> the layers' `dtype` in Flax's own mixed precision, written by hand. fp32 must be bit-identical over
+# the whole run; the low-precision presets are compared step by step at the same weights (reference_tolerance):
+# a 10-step trajectory amplifies rounding differences chaotically, by an amount that depends on the CPU.
+NATIVE = {"fp32": jnp.float32, "mixed_bf16": jnp.bfloat16, "pure_bf16": jnp.bfloat16, "mixed_fp16": jnp.float16,
+          "fp16_master": jnp.float16, "jmp_float16": jnp.float16, "flax_dynamic_scale": jnp.float16}
+
+
+def as_float32(tree):
+    return jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
 TOKENS = jax.random.randint(jax.random.key(0), (4, 17), 0, 64)
 IMAGES = jax.random.normal(jax.random.key(1), (8, 16, 16, 1))
 LABELS = jax.random.randint(jax.random.key(2), (8,), 0, 10)
@@ -98,18 +106,22 @@ def native_nnx(dtype):
     return [float(step(model, opt)) for _ in range(STEPS)]
 
 
-def compare(c, preset, losses, want):
-    dtype, tol = NATIVE[preset]
+def compare(c, preset, losses, want, layers=None):
+    """fp32: ``want`` is Flax's own whole run, bit for bit. Otherwise ``want`` is Flax's own loss at the
+    weights each of unimp's steps started from, within :func:`reference_tolerance` of ``layers``."""
+    dtype = NATIVE[preset]
     assert np.isfinite(losses).all()
     name = jnp.dtype(dtype).name
-    if tol == 0.0:
+    if dtype == jnp.float32:
         assert losses == want, (losses, want)
         c.check("loss", f"{STEPS} steps, bit-identical to Flax layers with dtype={name}")
     else:
+        assert losses[-1] < losses[0], losses  # it trains
+        tol = reference_tolerance(jnp.dtype(dtype).name, layers)
         rel = float(np.max(np.abs(np.subtract(losses, want)) / np.abs(want)))
         assert rel <= tol, (losses, want)
-        c.check("loss", f"{STEPS} steps vs Flax layers with dtype={name} (hand-written): max rel diff "
-                        f"{rel:.1e} (tolerance {tol:g})")
+        c.check("loss", f"{STEPS} steps; each step's loss vs Flax layers with dtype={name} (hand-written) at the "
+                        f"same weights: max rel diff {rel:.1e} (tolerance u*sqrt(layers) = {tol:.1e})")
 
 
 @pytest.mark.parametrize("preset", list(NATIVE))
@@ -134,8 +146,20 @@ def test_nnx_minigpt(preset, cell):
         opt.update(model, grads)
         return loss
 
-    losses = [float(step(amp.model, amp.optimizer)) for _ in range(STEPS)]
-    compare(c, preset, losses, native_nnx(NATIVE[preset][0]))
+    dtype = NATIVE[preset]
+    if dtype == jnp.float32:
+        losses = [float(step(amp.model, amp.optimizer)) for _ in range(STEPS)]
+        compare(c, preset, losses, native_nnx(dtype))
+    else:
+        native = MiniGPT(nnx.Rngs(0), dtype=dtype)
+        reference = nnx.jit(lambda m: lm_loss(m, TOKENS))
+        losses, want = [], []
+        for _ in range(STEPS):  # Flax's own loss at the weights this step starts from
+            nnx.update(native, as_float32(nnx.state(amp.model, nnx.Param)))
+            want.append(float(reference(native)))
+            losses.append(float(step(amp.model, amp.optimizer)))
+        layers = len(amp.report(TOKENS[:, :-1]).rows) - 1
+        compare(c, preset, losses, want, layers)
 
     policy = unimp.load(preset)
     rows = {r.path: r for r in amp.report(TOKENS[:, :-1]).rows}
@@ -245,11 +269,18 @@ def test_linen_cnn(preset, cell):
         updates, opt_state = amp.optimizer.update(grads, opt_state, p)
         return amp.apply_updates(p, updates, opt_state), opt_state, loss
 
-    losses = []
+    dtype, native = NATIVE[preset], CNN(dtype=NATIVE[preset])
+    reference = jax.jit(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+        native.apply({"params": p}, IMAGES).astype(jnp.float32), LABELS).mean())
+    losses, want = [], []
     for _ in range(STEPS):
+        want.append(float(reference(as_float32(amp.params))))  # Flax's own loss at this step's weights
         amp.params, amp.opt_state, loss = step(amp.params, amp.opt_state)
         losses.append(float(loss))
-    compare(c, preset, losses, linen_losses(NATIVE[preset][0]))
+    if dtype == jnp.float32:
+        compare(c, preset, losses, linen_losses(dtype))
+    else:
+        compare(c, preset, losses, want, len(amp.report(IMAGES).rows) - 1)
 
     # report rows vs the outputs linen itself captures (capture_intermediates)
     report = {r.path: r for r in amp.report(IMAGES).rows}

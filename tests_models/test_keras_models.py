@@ -2,6 +2,7 @@
 
 import functools
 import os
+import re
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
@@ -9,16 +10,34 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
+from tolerance import reference_tolerance
 
 import unimp
 
 STEPS = 10
 RNG = np.random.default_rng(0)
 TOKENS = {"token_ids": RNG.integers(0, 64, (4, 12)).astype("int32"), "padding_mask": np.ones((4, 12), bool)}
-# preset -> (Keras' own policy written by hand, relative loss tolerance per step; 0 = bit-identical)
-NATIVE = {"fp32": ("float32", 0.0), "mixed_bf16": ("mixed_bfloat16", 3e-2), "pure_bf16": ("mixed_bfloat16", 5e-2),
-          "mixed_fp16": ("mixed_float16", 2e-2), "fp16_master": ("mixed_float16", 2e-2),
-          "keras_mixed_float16": ("mixed_float16", 0.0)}
+# preset -> Keras' own policy written by hand. fp32 must be bit-identical over the whole run. The
+# low-precision presets differ from Keras' own by design (norms in float32 with a float32 output),
+# and a 10-step trajectory amplifies any rounding difference chaotically (BatchNorm over 8 samples:
+# measured 0.028 on an AVX512 EPYC, 0.116 on an AVX2-only one), so each step's loss is compared with
+# Keras' own at the same weights (tests_models/tolerance.py).
+NATIVE = {"fp32": "float32", "mixed_bf16": "mixed_bfloat16", "pure_bf16": "mixed_bfloat16",
+          "mixed_fp16": "mixed_float16", "fp16_master": "mixed_float16", "keras_mixed_float16": "mixed_float16"}
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+class ReferenceLoss(keras.callbacks.Callback):
+    """Keras' own policy's loss at the weights each step starts from (same batch, before the update)."""
+
+    def __init__(self, native, x, y):
+        super().__init__()
+        self.native, self.x, self.y, self.losses = native, x, y, []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # the values the applied model computes with (low copies under pure_bf16), as float32 variables
+        self.native.set_weights([keras.ops.convert_to_numpy(keras.ops.cast(w, "float32")) for w in self.model.weights])
+        self.losses.append(float(LOSS(self.y, self.native(self.x, training=True))))
 
 
 def gpt2():
@@ -56,12 +75,12 @@ def build(name, policy="float32"):
     return model
 
 
-def fit(model, optimizer, name):
+def fit(model, optimizer, name, callbacks=()):
     _, x, y = DATA[name]
     # 10 eager steps cost less than tracing a train function (measured: MobileNetV2 cell 27 s vs 37 s)
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  run_eagerly=True)
-    return model.fit(x, y, batch_size=len(y), epochs=STEPS, verbose=0, shuffle=False).history["loss"]
+    model.compile(optimizer=optimizer, loss=LOSS, run_eagerly=True)
+    return model.fit(x, y, batch_size=len(y), epochs=STEPS, verbose=0, shuffle=False,
+                     callbacks=list(callbacks)).history["loss"]
 
 
 @functools.cache
@@ -121,30 +140,23 @@ def test_keras_model(name, preset, cell, tmp_path):
     c.check("remove", "untouched model bit for bit (weights, dtype policies, outputs)")
 
     # 10 steps vs Keras' own AMP written by hand (same initial weights)
-    native_policy, tol = NATIVE[preset]
-    why = ""
-    if name == "mobilenet_v2" and preset != "fp32":
-        # 52 conv/BatchNorm layers trained on 8 samples: batch statistics amplify rounding differences
-        # (unimp: batch_norm in float32 with a float32 output; Keras' own: float16/bfloat16 output)
-        tol, why = 0.1, " — BatchNorm over 8 samples amplifies rounding"
-    elif preset == "keras_mixed_float16":
-        # the preset keeps layer_norm in float32 with a float32 output; Keras' own mixed_float16 hands a
-        # norm's result on in float16. After a top-level norm (BERT's embeddings norm, GPT-2's final norm
-        # feeding the tied-embedding logits) the next ops see float32 instead of float16.
-        tol, why = 1e-4, (" — after a top-level LayerNorm the stream is float32 (the preset's layer_norm "
-                          "output), float16 in Keras' own policy")
+    native_policy = NATIVE[preset]
     amp = unimp.apply(preset, model, keras.optimizers.Adam(1e-3))
-    losses = fit(model, amp.optimizer, name)
-    spec = unimp.load(preset).loss_scale
-    want = native_losses(name, native_policy, spec.initial if spec.mode == "dynamic" else 2.0 ** 15)
-    assert np.isfinite(losses).all()
-    if tol == 0.0:
+    if native_policy == "float32":
+        losses = fit(model, amp.optimizer, name)
+        want = native_losses(name, native_policy, 2.0 ** 15)
         assert losses == want, (losses, want)
         c.check("loss", f"{STEPS} steps, bit-identical to Keras `{native_policy}`")
     else:
-        rel = float(np.max(np.abs(np.subtract(losses, want)) / np.abs(want)))
-        assert rel <= tol, (losses, want)
-        c.check("loss", f"{STEPS} steps vs Keras `{native_policy}`: max rel diff {rel:.1e} (tolerance {tol:g}){why}")
+        _, x, y = DATA[name]
+        reference = ReferenceLoss(build(name, native_policy), x, y)
+        losses = fit(model, amp.optimizer, name, [reference])
+        assert np.isfinite(losses).all() and losses[-1] < losses[0], losses  # it trains
+        rel = float(np.max(np.abs(np.subtract(losses, reference.losses)) / np.abs(reference.losses)))
+        tol = reference_tolerance(unimp.load(preset).compute_dtype, len(amp._binding.units))
+        assert rel <= tol, (losses, reference.losses)
+        c.check("loss", f"{STEPS} steps; each step's loss vs Keras `{native_policy}` at the same weights: max rel "
+                        f"diff {rel:.1e} (tolerance u*sqrt(layers) = {tol:.1e})")
 
     # report rows vs output dtypes seen by our own hooks; lower-list layers compute in the preset's dtype
     policy = unimp.load(preset)
@@ -159,9 +171,74 @@ def test_keras_model(name, preset, cell, tmp_path):
     # .keras saved while applied: loads without unimp, float32, equal to the removed (trained) model
     path = str(tmp_path / "m.keras")
     model.save(path)
-    loaded = keras.models.load_model(path, compile=False)
+    loaded = keras.models.load_model(path)  # the default call: compiled with Keras' own optimizer classes
+    assert type(loaded.optimizer).__module__.startswith("keras.")
     amp.remove()
     assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(model.weights, loaded.weights))
     assert {w.dtype for w in loaded.weights} <= {"float32", "int32", "int64"}
     c.check("save/load", "`.keras` saved while applied loads with keras.models.load_model (no unimp); "
                          "float32 weights = the model after remove()")
+
+
+# ---------------------------------------------------------------- composite attention layers (issue 27, item 17)
+def gemma():
+    return keras_hub.models.GemmaBackbone(vocabulary_size=64, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+                                          hidden_dim=32, intermediate_dim=64, head_dim=16)
+
+
+BACKBONES = {  # keras_hub attention: Gemma's is a composite layer (raw einsums), GPT-2's/BERT's subclass MHA
+    "gemma": (gemma, TOKENS),
+    "gpt2": (lambda: gpt2().backbone, TOKENS),
+    "bert": (lambda: bert().backbone, {**TOKENS, "segment_ids": np.zeros((4, 12), "int32")}),
+}
+KERAS_OWN = {"mixed_bf16": "mixed_bfloat16", "mixed_fp16": "mixed_float16"}
+
+
+def plain(path):
+    """A layer/op path without Keras' uniquifying suffixes (``rotary_embedding_1_1`` -> ``rotary_embedding``)."""
+    return re.sub(r"(_\d+)+(?=$|[/.])", "", path)
+
+
+def matmul_dtypes(model, x):
+    """Every matmul-class op of the traced forward graph (TF's own op list: GRAPH_OPS["matmul"]) and its dtype."""
+    import tensorflow as tf
+
+    from unimp_tensorflow.ops import GRAPH_OPS
+
+    graph = tf.function(lambda: model(x, training=False)).get_concrete_function().graph
+    return sorted((plain(op.name.split("/", 1)[1]), op.get_attr("T").name)
+                  for op in graph.get_operations() if op.type in GRAPH_OPS["matmul"])
+
+
+@pytest.mark.parametrize("preset", list(KERAS_OWN))
+@pytest.mark.parametrize("name", list(BACKBONES))
+def test_attention_layers_follow_the_policy_as_keras_own_policy_does(name, preset):
+    """Oracle: Keras' own mixed policy set by hand on the same keras_hub backbone (random init)."""
+    from unimp_tensorflow.index import walk
+
+    factory, x = BACKBONES[name]
+    keras.utils.set_random_seed(0)
+    model = factory()
+    model(x)
+    keras.config.set_dtype_policy(KERAS_OWN[preset])
+    try:
+        native = factory()
+    finally:
+        keras.config.set_dtype_policy("float32")
+    amp = unimp.apply(preset, model)
+    ours, theirs = matmul_dtypes(model, x), matmul_dtypes(native, x)
+    low = unimp.load(preset).compute_dtype
+    assert ours == theirs and (name != "gemma" or any(  # Gemma's two attention einsums, in its own scope
+        op.endswith("attention/MatMul") and dtype == low for op, dtype in ours)), (ours, theirs)
+    # per layer: what the policy lowers computes as Keras' own policy computes it, and every layer that
+    # computes (the composite attention included) has a report row
+    rows = {plain(r.path): r for r in amp.report(x).rows}
+    native_layers = {plain(u.path): u.layer for u in walk(native)}
+    lowered = [u for u in amp._binding.units if u.kind in unimp.load(preset).ops.lower]
+    ran = set(observed_outputs(model, amp._binding.units, x)) | {u.path for u in amp._binding.units if u.container}
+    assert lowered and {plain(p) for p in ran} <= set(rows), ran - set(rows)
+    for u in lowered:
+        assert rows[plain(u.path)].compute_dtype == low == native_layers[plain(u.path)].compute_dtype, u.path
+    if name == "gemma":
+        assert rows["decoder_block.attention"].kind == "attention"
+    amp.remove()

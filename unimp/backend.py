@@ -19,10 +19,11 @@ from typing import Any, ClassVar
 
 from .applied import release, remember
 from .errors import StateError, UnimpWarning, UnsupportedError
-from .loss_scale import STATE_KEYS, LossScale, LossScaleState, check_state
+from .loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
 from .plan import Plan
-from .policy import Policy
+from .policy import LossScaleSpec, Policy
 from .report import Report
+from .transaction import Snapshot
 
 STATE_FORMAT = "unimp.amp/1"
 
@@ -75,6 +76,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         """Bind the plan to ``model`` (+ ``optimizer``); returns the backend's Amp."""
+
+    def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
+        """What ``apply`` may change on ``model`` and ``optimizer``, restored if ``apply`` fails
+        (:mod:`unimp.transaction`). The default covers their own attributes; a backend whose
+        apply changes submodules or array values names them too (``plan``: the Plan about to be
+        applied, e.g. to copy values only where apply casts them in place)."""
+        return Snapshot([model, optimizer])
 
     def scope(self, policy: Policy) -> Any:
         """A context manager building new models under ``policy`` (optional)."""
@@ -172,6 +180,10 @@ class Amp(abc.ABC):
     def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
         """Restore state saved by any backend; ``strict`` refuses another policy's state.
 
+        ``strict=False`` relaxes only where the state came from (the fingerprint may differ or be
+        absent, with a warning): every value is still checked against this Amp's rule
+        (:func:`unimp.loss_scale.policy_problems`), so nothing loads that the rule would not produce.
+
         The whole dict is checked first (one :class:`StateError` naming every bad key, its value and the
         fix); then it is applied all at once: a backend that fails half-way is rolled back.
         """
@@ -183,28 +195,32 @@ class Amp(abc.ABC):
                              f"returned")
         problems = check_state(state)
         fp = state.get("policy_fingerprint")
-        if not problems and strict and fp == self.policy.fingerprint:
+        if not problems:  # strict or not: strict=False takes another policy's state, never one this rule can't run
             problems = self._policy_problems(LossScaleState.from_dict(state))
+        same = self.policy.loads_state_of(fp)
+        if not same and strict:
+            raise StateError(f"amp.load_state_dict(): state_dict was saved under policy fingerprint {fp!r:.60}, "
+                             f"this Amp uses {self.policy.fingerprint} ({self.policy.name}); load the same "
+                             + ("policy" if problems else "policy, or pass strict=False to take the loss-scale "
+                                                          "state anyway")
+                             + "".join(f"; {p}" for p in problems))
         if problems:
             raise StateError("amp.load_state_dict(): " + "; ".join(problems))
-        if fp != self.policy.fingerprint:
-            msg = (f"state_dict was saved under policy fingerprint {fp!r:.60}, this Amp uses "
-                   f"{self.policy.fingerprint} ({self.policy.name}); load the same policy, or pass "
-                   f"strict=False to take the loss-scale state anyway")
-            if strict:
-                raise StateError(msg)
-            warnings.warn(msg, UnimpWarning, stacklevel=2)
+        if not same:
+            warnings.warn(f"amp.load_state_dict(strict=False): state_dict was saved under policy fingerprint "
+                          f"{fp!r:.60}, this Amp uses {self.policy.fingerprint} ({self.policy.name}); its "
+                          f"loss-scale state is taken", UnimpWarning, stacklevel=2)
         self._apply_state(LossScaleState.from_dict(state))
 
     def _policy_problems(self, st: LossScaleState) -> list[str]:
-        """What in a well-formed state this policy can never produce."""
-        spec, out = self.plan.loss_scale, []
-        fixed = LossScale(spec).initial_state().scale
-        if spec.mode != "dynamic" and st.scale != fixed:
-            out.append(f"scale: {st.scale!r}, but loss_scale.mode = {spec.mode!r} keeps the scale at {fixed!r}")
-        if st.hysteresis_left > spec.hysteresis:
-            out.append(f"hysteresis_left: {st.hysteresis_left} is above loss_scale.hysteresis ({spec.hysteresis})")
-        return out
+        """What in a well-formed state this Amp's rule cannot hold or never produces
+        (:func:`unimp.loss_scale.policy_problems`, on the spec this backend runs)."""
+        return policy_problems(self._loss_scale_run(), st)
+
+    def _loss_scale_run(self) -> LossScaleSpec:
+        """The loss-scale knobs this backend really runs: the Plan's resolved spec, with the fallbacks
+        its notes name (a backend that falls back overrides this)."""
+        return self.plan.loss_scale
 
     def _apply_state(self, new: LossScaleState) -> None:
         """``set_loss_scale_state(new)`` all or nothing: on failure the previous state is put back."""

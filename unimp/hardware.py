@@ -9,34 +9,42 @@ framework, with the reason every backend writes into its Plan; ``emulated`` says
 
 Simulating a smaller machine
 ----------------------------
-``UNIMP_CPU_FEATURES`` replaces the facts read from the CPU. Grammar (tokens separated by
-commas or spaces, applied left to right)::
+``UNIMP_CPU_FEATURES`` replaces the facts read from the CPU with a subset of them. Grammar (tokens
+separated by commas or spaces, applied left to right)::
 
     UNIMP_CPU_FEATURES = token ("," token)*
     token = LEVEL          the feature set of a CPU class (sets the architecture), see LEVELS
           | "host"         the features of the real CPU
           | FLAG           add one feature flag (a /proc/cpuinfo name, e.g. avx512_bf16)
-          | "-" FLAG       remove one feature flag
+          | "-" FLAG       remove one feature flag (a spec that starts with one starts from "host")
 
 e.g. ``avx2`` (an AVX2-only x86-64 CPU), ``avx512`` (AVX512 without BF16), ``avx512_bf16``,
-``amx``, ``host,-avx512_bf16``, ``arm64,bf16``. Frameworks only see the simulation through their
+``host,-avx512_bf16``, ``-amx_bf16``. A simulation can only take features away (a framework cannot
+run instructions the CPU lacks): a flag the real CPU lacks, a CPU class whose low-precision units
+(what :meth:`CpuFacts.describe` names) it lacks, or another architecture is a :class:`PolicyError`
+naming the token; a class's minor flags the CPU lacks (e.g. ``avx512_vnni`` on Skylake-SP) are
+left out. Frameworks only see the simulation through their
 own variables: ``simulated_env("avx2")`` gives ``UNIMP_CPU_FEATURES`` plus ``ONEDNN_MAX_CPU_ISA``
 (oneDNN in torch, IPEX and Paddle), ``ATEN_CPU_CAPABILITY`` (torch's vectorised kernels) and
-``XLA_FLAGS=--xla_cpu_max_isa`` (JAX/XLA:CPU). TensorFlow decides from its own CPUID check whether
+``XLA_FLAGS=--xla_cpu_max_isa`` (JAX/XLA:CPU), all derived from the same facts :func:`cpu` reports
+in the child. TensorFlow decides from its own CPUID check whether
 to use oneDNN's bf16 kernels and aborts the process when oneDNN is capped below them, so for a
 CPU without them the simulation also sets ``TF_ENABLE_ONEDNN_OPTS=0`` (TF then runs its Eigen
 kernels, as it does for bf16 on such a CPU). Launch a process under it with
 ``python -m unimp.hardware --simulate avx2 -- COMMAND``; ``python -m unimp.hardware`` prints the facts.
-A simulation can only take features away: a framework cannot run instructions the CPU lacks.
 
 >>> facts = CpuFacts("x86_64", "demo", frozenset(LEVELS["avx2"]))
 >>> facts.native_bf16, facts.bf16_kernels, facts.describe()
 (False, False, 'demo (x86_64: AVX2; no AVX512, no AVX512-BF16/AMX-BF16, no AVX512-FP16/AMX-FP16)')
 >>> resolve_cpu_auto("torch", facts)[0]
 'float32'
->>> parse_features("avx512,avx512_bf16,-avx512dq", host=facts)[1] >= {"avx512_bf16", "avx512bw"}
+>>> zen4 = CpuFacts("x86_64", "demo", frozenset(LEVELS["avx512_bf16"]))
+>>> parse_features("avx512,avx512_bf16,-avx512dq", host=zen4)[1] >= {"avx512_bf16", "avx512bw"}
 True
->>> simulated_env("avx2", base={})["ONEDNN_MAX_CPU_ISA"]
+>>> parse_features("amx", host=zen4)
+Traceback (most recent call last):
+unimp.errors.PolicyError: UNIMP_CPU_FEATURES='amx': 'amx' asks for amx_bf16, ... which this CPU lacks ...
+>>> simulated_env("avx2", base={}, host=zen4)["ONEDNN_MAX_CPU_ISA"]
 'AVX2'
 >>> resolve_auto(fast_bf16=True, fast_fp16=True, where="cuda")
 ('bfloat16', 'auto: cuda runs bfloat16 fast')
@@ -196,37 +204,63 @@ def host() -> CpuFacts:
     return CpuFacts(_arch(platform.machine()), model, flags & RELEVANT)
 
 
+MAX_SPEC_CHARS = 1024
+
+
 def parse_features(spec: str, *, host: CpuFacts) -> tuple[str, frozenset[str]]:
-    """(architecture, features) for an ``UNIMP_CPU_FEATURES`` value; PolicyError names a bad token."""
-    arch, flags = host.arch, set()
-    for token in spec.replace(",", " ").split():
+    """(architecture, features) for an ``UNIMP_CPU_FEATURES`` value: a subset of ``host``'s.
+
+    PolicyError names a bad token, an empty spec, or a token that asks for more than ``host`` has.
+    """
+    where = f"{ENV}={spec[:60]!r}{'...' if len(spec) > 60 else ''}"
+    if len(spec) > MAX_SPEC_CHARS:
+        raise PolicyError(f"{where}: longer than {MAX_SPEC_CHARS} characters; name a CPU class such as avx2")
+    tokens = spec.replace(",", " ").split()
+    if not tokens:
+        raise PolicyError(f"{where}: empty; name a CPU class ({', '.join(LEVELS)}) or 'host' "
+                          f"(leave the variable unset for the real CPU)")
+    lacks = f"which this CPU lacks ({host.describe()}); a simulation can only take features away"
+    arch, flags = host.arch, set(host.features) if tokens[0].startswith("-") else set()
+    for token in tokens:
         name = token.lower()
         if name == "host":
-            arch, flags = host.arch, flags | set(host.features)
+            arch, flags = host.arch, set(host.features)
         elif name in LEVELS:
-            arch = "arm64" if name in ARM_LEVELS else "x86_64"
-            flags |= set(LEVELS[name])
+            level_arch = "arm64" if name in ARM_LEVELS else "x86_64"
+            if level_arch != host.arch:
+                raise PolicyError(f"{where}: {token!r} is an {level_arch} CPU class and this CPU is {host.arch}; "
+                                  f"a simulation can only take features away")
+            level = frozenset(LEVELS[name])
+            kept = level & host.features  # minor flags the host lacks are left out, units must all be there
+            if CpuFacts(level_arch, "", kept).describe() != CpuFacts(level_arch, "", level).describe():
+                raise PolicyError(f"{where}: {token!r} asks for {', '.join(sorted(level - kept))}, {lacks}")
+            arch, flags = level_arch, flags | kept
         elif name.startswith("-") and name[1:] in RELEVANT:
             flags.discard(name[1:])
         elif name in RELEVANT:
+            if name not in host.features:
+                raise PolicyError(f"{where}: {token!r} asks for {name}, {lacks}")
             flags.add(name)
         else:
-            raise PolicyError(f"{ENV}={spec!r}: unknown token {token!r}; use a CPU class "
+            raise PolicyError(f"{where}: unknown token {token[:40]!r}; use a CPU class "
                               f"({', '.join(LEVELS)}), 'host', or a feature flag ({', '.join(sorted(RELEVANT))}) "
                               f"with an optional leading '-' to remove it")
     return arch, frozenset(flags)
 
 
 def cpu() -> CpuFacts:
-    """This CPU's facts, or the simulated CPU's when ``UNIMP_CPU_FEATURES`` is set."""
-    return _cpu(os.environ.get(ENV, "").strip())
+    """This CPU's facts, or the simulated CPU's when ``UNIMP_CPU_FEATURES`` is set (non-empty)."""
+    spec = os.environ.get(ENV, "")
+    return simulated(spec) if spec.strip() else host()
+
+
+def simulated(spec: str, real: CpuFacts | None = None) -> CpuFacts:
+    """The facts a simulation ``spec`` leaves of ``real`` (default: this CPU) — what :func:`cpu` reports."""
+    return _simulated(spec, real or host())
 
 
 @functools.lru_cache(maxsize=8)
-def _cpu(spec: str) -> CpuFacts:
-    real = host()
-    if not spec:
-        return real
+def _simulated(spec: str, real: CpuFacts) -> CpuFacts:
     arch, flags = parse_features(spec, host=real)
     return CpuFacts(arch, real.model, flags, simulated=spec)
 
@@ -250,25 +284,31 @@ def onednn_isa(facts: CpuFacts) -> str | None:
     return "AVX2" if "avx2" in f else "AVX" if "avx" in f else "SSE41"
 
 
-def simulated_env(spec: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+def simulated_env(spec: str, base: Mapping[str, str] | None = None, *, host: CpuFacts | None = None
+                  ) -> dict[str, str]:
     """``base`` (default ``os.environ``) plus the variables that make unimp and the frameworks see ``spec``.
 
-    >>> env = simulated_env("avx2", base={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    The frameworks' caps come from the same facts :func:`cpu` reports under ``spec`` (on ``host``,
+    default this CPU), so they always agree.
+
+    >>> zen4 = CpuFacts("x86_64", "demo", frozenset(LEVELS["avx512_bf16"]))
+    >>> env = simulated_env("avx2", base={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, host=zen4)
     >>> env["ATEN_CPU_CAPABILITY"], env["XLA_FLAGS"]
     ('avx2', '--xla_force_host_platform_device_count=2 --xla_cpu_max_isa=AVX2')
     """
     env = dict(os.environ if base is None else base)
-    arch, flags = parse_features(spec, host=host())
-    facts = CpuFacts(arch, "", flags, simulated=spec)
+    facts = simulated(spec, host)
     env[ENV] = spec
     isa = onednn_isa(facts)
     if isa is not None:
+        flags = facts.features
         env["ONEDNN_MAX_CPU_ISA"] = env["DNNL_MAX_CPU_ISA"] = isa
         env["ATEN_CPU_CAPABILITY"] = "avx512" if facts.avx512_core else "avx2" if "avx2" in flags else "default"
         if not facts.bf16_kernels:  # TF checks CPUID itself, then oneDNN refuses: terminate() (measured)
             env["TF_ENABLE_ONEDNN_OPTS"] = "0"
         xla = "AVX512" if facts.avx512_core else "AVX2" if "avx2" in flags else "SSE4_2"
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_cpu_max_isa={xla}".strip()
+        kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_cpu_max_isa=")]
+        env["XLA_FLAGS"] = " ".join([*kept, f"--xla_cpu_max_isa={xla}"])
     return env
 
 
@@ -349,26 +389,45 @@ def cpu_has_fast_fp16() -> bool:
     return cpu().native_fp16
 
 
+USAGE = "usage: python -m unimp.hardware [--simulate SPEC [-- COMMAND ...]]"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m unimp.hardware [--simulate SPEC -- COMMAND...]``: print the facts, or run COMMAND simulated."""
+    """``python -m unimp.hardware [--simulate SPEC -- COMMAND...]``: print the facts, or run COMMAND simulated.
+
+    A bad SPEC (or ``UNIMP_CPU_FEATURES``) exits 2 and a COMMAND that cannot start 127, each with one line.
+    """
     import subprocess
 
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["--simulate"] and len(args) >= 2:
-        spec, rest = args[1], args[2:]
-        rest = rest[1:] if rest[:1] == ["--"] else rest
-        env = simulated_env(spec)
-        if not rest:
-            for k in (ENV, "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "XLA_FLAGS",
-                      "TF_ENABLE_ONEDNN_OPTS"):
-                if k in env:
-                    print(f"{k}={env[k]}")
-            return 0
-        return subprocess.call(rest, env=env)
-    if args:
-        print("usage: python -m unimp.hardware [--simulate SPEC [-- COMMAND ...]]", file=sys.stderr)
+    prog = "python -m unimp.hardware"
+    try:
+        if args[:1] == ["--simulate"]:
+            if len(args) < 2 or args[1] == "--":
+                print(f"{prog}: --simulate needs a SPEC (a CPU class such as avx2, or host,-FLAG)\n{USAGE}",
+                      file=sys.stderr)
+                return 2
+            spec, rest = args[1], args[2:]
+            rest = rest[1:] if rest[:1] == ["--"] else rest
+            env = simulated_env(spec)
+            if not rest:
+                for k in (ENV, "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "XLA_FLAGS",
+                          "TF_ENABLE_ONEDNN_OPTS"):
+                    if k in env:
+                        print(f"{k}={env[k]}")
+                return 0
+            try:
+                return subprocess.call(rest, env=env)
+            except OSError as e:
+                print(f"{prog} --simulate {spec}: cannot run {rest[0][:200]!r}: {e.strerror or e}", file=sys.stderr)
+                return 127
+        if args:
+            print(USAGE, file=sys.stderr)
+            return 2
+        facts = cpu()
+    except PolicyError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
-    facts = cpu()
     print(facts.describe())
     print("features:", " ".join(sorted(facts.features)) or "(none read)")
     for fw, kw in (("torch", {}), ("XLA:CPU", {"bf16": False})):

@@ -21,7 +21,7 @@ from typing import Any
 
 from .errors import StateError
 from .policy import LossScaleSpec
-from .scaling import Arrays, PyOps, f32, held, step
+from .scaling import Arrays, PyOps, f32, held, step, tiny
 from .spec import FLT_MAX, INT32_MAX
 
 STATE_KEYS = ("scale", "growth_tracker", "hysteresis_left", "skipped", "steps")
@@ -66,8 +66,9 @@ def _show(value: Any) -> str:
 
 def check_state(d: Any) -> list[str]:
     """Every problem of a loss-scale state (a mapping of :data:`STATE_KEYS`), each naming the key,
-    the value and the fix; ``[]`` when it is usable. Bounds: the scale is a positive finite float32,
-    counters are int32 (what every backend holds on device) and ``skipped <= steps``."""
+    the value and the fix; ``[]`` when it is usable. Bounds: the scale is a finite number >= 0 (what
+    a policy's held dtype makes of it is :func:`policy_problems`'), counters are int32 (what every
+    backend holds on device; the rule saturates them there) and ``skipped <= steps``."""
     if not isinstance(d, Mapping):
         return [f"expected a mapping with keys {', '.join(STATE_KEYS)}, got {_show(d)}"]
     problems = []
@@ -78,9 +79,10 @@ def check_state(d: Any) -> list[str]:
         v = d["scale"]
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             problems.append(f"scale: expected a number, got {_show(v)}; pass a Python float")
-        elif not _finite(v) or not 0 < f32(float(v)) <= FLT_MAX:
-            problems.append(f"scale: {v!r} is not a positive finite float32 (between {2.0**-149:g} and "
-                            f"{FLT_MAX:g}); a dynamic scale starts at loss_scale.initial, 65536.0 by default")
+        elif not _finite(v) or not (v > 0 or (v == 0 and math.copysign(1.0, v) > 0)):
+            shown = repr(float(v)) if isinstance(v, float) else _show(v)
+            problems.append(f"scale: {shown} is not a finite number >= 0; a dynamic scale starts at "
+                            f"loss_scale.initial, 65536.0 by default")
     counters = {}
     for key in STATE_KEYS[1:]:
         if key not in d:
@@ -98,6 +100,35 @@ def check_state(d: Any) -> list[str]:
         problems.append(f"skipped ({counters['skipped']}) is more than steps ({counters['steps']}); a step is "
                         f"skipped at most once")
     return problems
+
+
+def policy_problems(spec: LossScaleSpec, st: LossScaleState) -> list[str]:
+    """What in a well-formed state (:func:`check_state`) the rule of ``spec`` cannot hold or never
+    produces, each naming the key and the fix; ``[]`` when :meth:`LossScale.update` runs from it.
+    Every Amp checks this on load, ``strict`` or not (``strict`` is about the saved fingerprint).
+
+    >>> import unimp
+    >>> policy_problems(unimp.load("mixed_fp16").loss_scale, LossScaleState(scale=1e39))
+    ['scale: 1e+39 is above the largest float32 (3.40282e+38), the dtype loss_scale.scale_dtype holds it in']
+    """
+    out = []
+    fixed = LossScale(spec).initial_state().scale
+    if spec.mode != "dynamic":
+        if st.scale != fixed:
+            out.append(f"scale: {st.scale!r}, but loss_scale.mode = {spec.mode!r} keeps the scale at {fixed!r}")
+    elif spec.scale_dtype == "float32" and f32(st.scale) > FLT_MAX:
+        out.append(f"scale: {st.scale:g} is above the largest float32 ({FLT_MAX:g}), the dtype "
+                   f"loss_scale.scale_dtype holds it in")
+    elif spec.subnormal == "flush" and 0 < held(spec, st.scale) < tiny(spec) and st.scale != held(spec, spec.min):
+        out.append(f"scale: {st.scale!r} is below the smallest normal {spec.scale_dtype}, which "
+                   f"loss_scale.subnormal = 'flush' never holds (a flushing system reads it as 0); load a "
+                   f"state saved under this policy or set subnormal = 'keep'")
+    elif held(spec, st.scale) == 0 and held(spec, spec.min) > 0:
+        out.append(f"scale: {st.scale!r} is 0 in {spec.scale_dtype}, below loss_scale.min ({spec.min:g}); only a "
+                   f"policy with min = 0 backs off to 0")
+    if st.hysteresis_left > spec.hysteresis:
+        out.append(f"hysteresis_left: {st.hysteresis_left} is above loss_scale.hysteresis ({spec.hysteresis})")
+    return out
 
 
 def _finite(v: Any) -> bool:

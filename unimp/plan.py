@@ -242,7 +242,8 @@ def describe_loss_scale(s: LossScaleSpec) -> str:
     if s.mode == "static":
         return f"static {s.initial:g}{skip}"
     return (f"dynamic from {s.initial:g} (x{s.growth_factor:g} after {s.growth_interval} finite steps, "
-            f"x{s.backoff_factor:g} on overflow, hysteresis {s.hysteresis}, min {s.min:g} (at min: {s.at_min}), "
+            + (f"/{s.growth_factor:g} on overflow" if s.backoff == "divide" else f"x{s.backoff_factor:g} on overflow")
+            + f", hysteresis {s.hysteresis}, min {s.min:g} (at min: {s.at_min}), "
             f"max {s.max:g} (on max: {s.on_max}); held in {s.scale_dtype}, subnormals {s.subnormal}, "
             f"factors in {s.factor_arithmetic}){skip}")
 

@@ -14,6 +14,7 @@ Everything here works on plain dicts (the resolved form :meth:`unimp.Policy.from
 from __future__ import annotations
 
 import copy
+import errno
 import functools
 import json
 import math
@@ -139,9 +140,9 @@ def load_named(name: str, base: Path, chain: tuple[str, ...], roots: tuple[Path,
     """The resolved dict of a file or preset, and the file's path; ``spent`` counts the bytes read
     along one ``extends`` chain, which together stay within ``MAX_FILE_BYTES`` (so a chain is as
     bounded as one file)."""
-    path = _locate(name, base, roots, named_by_user)
+    path, checked = _locate(name, base, roots, named_by_user)
     try:
-        key = str(path.resolve())
+        key = str(checked or path.resolve())
     except (OSError, RuntimeError) as e:
         raise PolicyError(f"{name}: cannot resolve the path ({e})") from None
     if key in chain:
@@ -150,26 +151,29 @@ def load_named(name: str, base: Path, chain: tuple[str, ...], roots: tuple[Path,
     if len(chain) >= MAX_EXTENDS_DEPTH:
         raise PolicyError(f"{path}: extends: more than {MAX_EXTENDS_DEPTH} levels deep")
     spent = [0] if spent is None else spent
-    raw = read_file(path, limit=MAX_FILE_BYTES - spent[0], spent=spent)
+    raw = read_file(path, limit=MAX_FILE_BYTES - spent[0], spent=spent, checked=checked)
     return _resolve(raw, None, str(path), path.parent, (*chain, key), roots, spent), str(path)
 
 
-def _locate(name: str, base: Path, roots: tuple[Path, ...] = (), named_by_user: bool = True) -> Path:
-    """The file ``name`` stands for. One the user named directly may be anywhere; one named by
-    ``extends`` must be a preset or lie inside ``base``'s tree (or an opted-in root)."""
+def _locate(name: str, base: Path, roots: tuple[Path, ...] = (),
+            named_by_user: bool = True) -> tuple[Path, Path | None]:
+    """The file ``name`` stands for, and for an ``extends`` path the real path that was checked.
+
+    One the user named directly may be anywhere; one named by ``extends`` must be a preset or lie
+    inside ``base``'s tree (or an opted-in root), and is then read only at that checked real path.
+    """
     names = preset_names()
     looks_like_path = any(sep in name for sep in "/\\") or Path(name).suffix in FORMATS
     if not looks_like_path and name in names:
-        return preset_path(name)
+        return preset_path(name), None
     try:
         path = Path(name) if Path(name).is_absolute() else base / name
-        if not named_by_user:
-            _check_inside(name, path, base, roots)
+        checked = None if named_by_user else _check_inside(name, path, base, roots)
         found, exists = path.is_file(), os.path.lexists(path)
     except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python 3.11)
         raise PolicyError(f"{short(name)}: cannot use this path ({getattr(e, 'strerror', None) or e})") from None
     if found:
-        return path
+        return path, checked
     if exists:
         raise PolicyError(f"{short(name)}: not a regular file (a directory, device, pipe or broken link); "
                           f"name a policy file")
@@ -180,9 +184,9 @@ def _locate(name: str, base: Path, roots: tuple[Path, ...] = (), named_by_user: 
     raise PolicyError(f"{short(name)}: not a policy file and not a preset ({tail})")
 
 
-def _check_inside(name: str, path: Path, base: Path, roots: tuple[Path, ...]) -> None:
-    """Refuse an ``extends`` path outside the naming file's tree (symlinks followed) or the opted-in
-    roots, and any path into a pseudo-filesystem (/proc, /sys, /dev)."""
+def _check_inside(name: str, path: Path, base: Path, roots: tuple[Path, ...]) -> Path:
+    """The real path of ``path`` (symlinks followed); refuse an ``extends`` path outside the naming
+    file's tree or the opted-in roots, and any path into a pseudo-filesystem (/proc, /sys, /dev)."""
     real = path.resolve()
     if real.parts[:2] in PSEUDO_FS:
         raise PolicyError(f"{short(name)}: extends may not read {real.parts[1]} files")
@@ -193,23 +197,64 @@ def _check_inside(name: str, path: Path, base: Path, roots: tuple[Path, ...]) ->
         raise PolicyError(f"{short(name)}: extends names {where} (after following links); use a preset name or a "
                           f"path inside {base}, or opt that directory in: unimp.load(..., extends_roots=[dir]) "
                           f"or {EXTENDS_ROOTS_ENV}=dir")
+    return real
 
 
-def read_file(path: Path, limit: int = MAX_FILE_BYTES, spent: list[int] | None = None) -> Any:
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_WALK = bool(_NOFOLLOW) and os.open in os.supports_dir_fd and hasattr(os, "O_DIRECTORY")
+
+
+def _open_checked(real: Path, flags: int) -> int:
+    """Open the file at the checked real path ``real`` itself: no link is followed on the way.
+
+    Each directory of ``real`` (which has no links: it was resolved) is opened relative to the
+    last with ``O_NOFOLLOW``, so a link swapped in after the check fails (ELOOP/ENOTDIR) instead
+    of leading elsewhere. Where ``dir_fd`` is missing, the opened file's (st_dev, st_ino) must be
+    the checked path's.
+    """
+    if not _WALK:
+        before = os.stat(real, follow_symlinks=False)
+        fd = os.open(real, flags | _NOFOLLOW)
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
+            os.close(fd)
+            raise OSError(errno.ELOOP, "the file changed after it was checked")
+        return fd
+    # O_PATH (Linux): a directory one may search but not list is walked as opening it by name would
+    dir_flags = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(real.anchor, dir_flags)
+    try:
+        for part in real.parts[1:-1]:
+            inner = os.open(part, dir_flags, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        return os.open(real.name, flags | _NOFOLLOW, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def read_file(path: Path, limit: int = MAX_FILE_BYTES, spent: list[int] | None = None,
+              checked: Path | None = None) -> Any:
     """Parse a TOML/YAML/JSON file into plain data; every failure is a located PolicyError.
 
     At most ``limit`` bytes are read, whatever the file claims its size is (``/proc`` files say 0).
+    ``checked``: the real path an ``extends`` check accepted; the file is opened there and only
+    there (a link swapped in after the check is refused, not followed).
     """
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise PolicyError(f"{path}: unknown file type {short(path.suffix)} (use .toml, .yaml, .yml or .json)")
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
     try:  # non-blocking open + fstat: a pipe or device swapped in after the check cannot hang the read
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(path, flags) if checked is None else _open_checked(checked, flags)
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 raise PolicyError(f"{path}: not a regular file; name a policy file")
             data = f.read(max(limit, 0) + 1)
     except OSError as e:
+        if checked is not None and e.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+            raise PolicyError(f"{path}: changed after extends checked it (a link or file was swapped in); "
+                              f"extends reads only {checked}") from None
         raise PolicyError(f"{path}: cannot read ({e.strerror or e})") from None
     if len(data) > limit:
         whole = "" if limit == MAX_FILE_BYTES else " (with the files it extends)"

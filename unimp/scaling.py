@@ -1,7 +1,8 @@
 """The loss-scale update rule, written once over a few array primitives.
 
 :func:`step` is the whole rule of :class:`unimp.policy.LossScaleSpec`: growth (three schedules),
-cap, finiteness check, backoff, floor, hysteresis, subnormal flushing and the ``at_min`` check.
+cap, finiteness check, backoff (multiply or divide), floor, hysteresis, subnormal flushing, the
+``at_min`` check and the counters' bound (int32 on device: they saturate, never wrap).
 It never imports a framework: it calls an :class:`ArrayOps` adapter (einops ``_backends`` style)
 for the few primitives it needs, so the same rule runs on Python floats (:class:`PyOps`, the
 reference of :mod:`unimp.loss_scale`), torch tensors, jit-traced JAX arrays, TensorFlow tensors...
@@ -23,7 +24,7 @@ import struct
 from typing import Any, NamedTuple, Protocol
 
 from .policy import LossScaleSpec
-from .spec import FLT_TINY
+from .spec import FLT_TINY, INT32_MAX
 
 DBL_TINY = 2.0 ** -1022  # smallest normal float64
 
@@ -54,6 +55,9 @@ class ArrayOps(Protocol):
     def mul(self, scale: Any, factor: float) -> Any:
         """``scale * factor`` formed exactly (or in float64) and rounded once to the held dtype,
         subnormals kept: round-to-nearest-even, overflow to inf."""
+
+    def div(self, scale: Any, divisor: float) -> Any:
+        """``scale / divisor``, correctly rounded once to the held dtype (as :meth:`mul`)."""
 
     def where(self, cond: Any, a: Any, b: Any) -> Any: ...
     def isfinite(self, x: Any) -> Any: ...
@@ -115,9 +119,9 @@ def step(ops: ArrayOps, spec: LossScaleSpec, st: Arrays, finite: Any) -> tuple[A
     (``at_min = "error"`` and a backoff is needed at the floor) the reference raises and the
     state must not advance: the adapter decides how (raise, host check, frozen state).
     """
-    steps = st.steps + 1
+    steps = _inc(ops, st.steps)
     skip = ops.logical_not(finite) if spec.skip_nonfinite else None
-    skipped = st.skipped + ops.count(skip) if skip is not None else st.skipped
+    skipped = _inc(ops, st.skipped, skip) if skip is not None else st.skipped
     no_error = None
     if spec.mode != "dynamic":
         return st._replace(skipped=skipped, steps=steps), skip, no_error
@@ -125,15 +129,19 @@ def step(ops: ArrayOps, spec: LossScaleSpec, st: Arrays, finite: Any) -> tuple[A
     full, zero = ops.counter(spec.hysteresis), ops.counter(0)
     n = spec.growth_interval
     # ---- a finite step
+    # tracker + 1 is only taken below the bound: no int32 counter ever wraps (a loaded tracker past
+    # the interval grows on the next finite step, as tracker + 1 >= n says)
     if spec.growth_schedule == "interval":
-        grow = tracker + 1 >= n
+        grow = tracker >= n - 1
         tracker_ok = ops.where(grow, zero, tracker + 1)
     elif spec.growth_schedule == "interval_plus_one":  # Flax
         grow = tracker >= n
         tracker_ok = ops.where(grow, zero, tracker + 1)
-    else:  # window (DeepSpeed): clean steps since the last overflow, not reset on growth
+    else:  # window (DeepSpeed): clean steps since the last overflow, not reset on growth; at the int32
+        # bound it continues from its residue (tracker % n + 1): the same growth steps as DeepSpeed's
+        # unbounded Python int
         grow = ops.logical_and(tracker > 0, tracker % n == 0)
-        tracker_ok = tracker + 1
+        tracker_ok = ops.where(tracker < ops.counter(INT32_MAX), tracker + 1, tracker % n + 1)
     new = _product(ops, spec, scale, spec.growth_factor)
     over = new > ops.scalar(held_at_most(spec, spec.max))  # inf > any finite cap: clamp wins (on_max)
     kept = ops.where(ops.isfinite(new), new, scale) if spec.growth_requires_finite else new
@@ -145,7 +153,7 @@ def step(ops: ArrayOps, spec: LossScaleSpec, st: Arrays, finite: Any) -> tuple[A
     # ---- a non-finite step
     absorb = hyst > 1
     floor = ops.scalar(held(spec, spec.min))
-    backed = ops.maximum(_product(ops, spec, scale, spec.backoff_factor), floor)
+    backed = ops.maximum(_product(ops, spec, scale, spec.backoff_factor, divide=spec.backoff == "divide"), floor)
     scale_bad = ops.where(absorb, scale, backed)
     hyst_bad = ops.where(absorb, hyst - 1, full if "backoff" in spec.hysteresis_refill else hyst)
     error = no_error
@@ -157,9 +165,17 @@ def step(ops: ArrayOps, spec: LossScaleSpec, st: Arrays, finite: Any) -> tuple[A
     return new_st, skip, error
 
 
-def _product(ops: ArrayOps, spec: LossScaleSpec, scale: Any, value: float) -> Any:
-    """``scale * factor`` in the held dtype, flushed to 0 below its smallest normal when asked."""
-    p = ops.mul(scale, factor(spec, value))
+def _inc(ops: ArrayOps, counter: Any, flag: Any = True) -> Any:
+    """``counter + 1`` (where ``flag``), saturating at the int32 bound every device holds counters in
+    (``steps`` and ``skipped`` stay at 2**31 - 1 rather than wrap to -2**31)."""
+    room = counter < ops.counter(INT32_MAX)
+    return counter + ops.count(room if flag is True else ops.logical_and(flag, room))
+
+
+def _product(ops: ArrayOps, spec: LossScaleSpec, scale: Any, value: float, divide: bool = False) -> Any:
+    """``scale * factor`` (``divide``: ``scale / growth_factor``, jmp's backoff) in the held dtype,
+    flushed to 0 below its smallest normal when asked."""
+    p = ops.div(scale, factor(spec, spec.growth_factor)) if divide else ops.mul(scale, factor(spec, value))
     if spec.subnormal == "flush":
         p = ops.where(p < ops.scalar(tiny(spec)), ops.scalar(0.0), p)
     return p
@@ -186,6 +202,9 @@ class PyOps:
 
     def mul(self, scale: float, factor: float) -> float:
         return held(self.spec, scale * factor)
+
+    def div(self, scale: float, divisor: float) -> float:
+        return held(self.spec, scale / divisor)  # float64 quotient of float32 values: one rounding to float32
 
     def where(self, cond: bool, a: Any, b: Any) -> Any:
         return a if cond else b

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .dtypes import COMPUTE_DTYPES, FLOAT_DTYPES
+from .dtypes import COMPUTE_DTYPES, FLOAT_DTYPES, OUTPUT_DTYPES
 from .ops import CANONICAL_OPS, OP_LISTS, suggest
 
 GROWTH_SCHEDULES = ("interval", "interval_plus_one", "window")
@@ -26,7 +26,8 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp", "delayed")
 MAX_AMAX_HISTORY = 1 << 16  # entries of a delayed-scaling amax history (Transformer Engine uses 1024)
 HYSTERESIS_EVENTS = ("finite", "growth", "backoff")
 FLT_MAX = 3.4028234663852886e38  # largest float32: every backend holds the scale in float32
-FLT_TINY = 2.0 ** -126  # smallest normal float32: a smaller scale or factor rounds towards 0
+FLT_TINY = 2.0 ** -126  # smallest normal float32: below it a flushing device (XLA:CPU, TensorFlow) gives 0
+FLT_TRUE_MIN = 2.0 ** -149  # smallest subnormal float32: every system's scale accepts down to it (IEEE)
 INT32_MAX = 2**31 - 1  # counters are int32 on device (JAX, TensorFlow); a larger interval wraps
 MAX_NAME = 256  # characters of a name, a glob or a type name
 MAX_PATH = 1024  # characters of an `extends` value
@@ -60,7 +61,9 @@ TOP: dict[str, Field] = {
                      max_len=MAX_PATH),
     "compute_dtype": _enum(COMPUTE_DTYPES, "bfloat16", "dtype of ops in the `lower` list"),
     "param_dtype": _enum(FLOAT_DTYPES, "float32", "dtype parameters hold in forward"),
-    "output_dtype": _enum(FLOAT_DTYPES, "float32", "dtype of the model's outputs"),
+    "output_dtype": _enum(OUTPUT_DTYPES, "float32",
+                          "dtype the model's floating outputs are cast to; \"unchanged\": not cast, each output "
+                          "in the dtype its producing op ran in (torch.autocast, Keras 3, Paddle auto_cast)"),
     "on_unsupported": _enum(("error", "fallback"), "error",
                             "what to do when a backend cannot honour a request"),
 }
@@ -76,12 +79,12 @@ TABLES: dict[str, dict[str, Field]] = {
     },
     "loss_scale": {
         "mode": _enum(("none", "static", "dynamic"), "dynamic", "loss scaling mode"),
-        "initial": Field("float", 65536.0, "initial (or static) scale", exclusive_minimum=0.0, minimum=FLT_TINY,
+        "initial": Field("float", 65536.0, "initial (or static) scale", exclusive_minimum=0.0, minimum=FLT_TRUE_MIN,
                          maximum=FLT_MAX),
         "growth_factor": Field("float", 2.0, "scale multiplier on growth", exclusive_minimum=1.0,
                                maximum=FLT_MAX),
         "backoff_factor": Field("float", 0.5, "scale multiplier on backoff",
-                                exclusive_minimum=0.0, minimum=FLT_TINY, exclusive_maximum=1.0),
+                                exclusive_minimum=0.0, minimum=FLT_TRUE_MIN, exclusive_maximum=1.0),
         "growth_interval": Field("int", 2000, "finite steps between growths", minimum=1, maximum=INT32_MAX),
         "hysteresis": Field("int", 1, "non-finite steps absorbed before a backoff", minimum=1,
                             maximum=INT32_MAX),
@@ -110,6 +113,9 @@ TABLES: dict[str, dict[str, Field]] = {
         "factor_arithmetic": _enum(("float64", "float32"), "float64",
                                    "scale x factor: formed in float64, rounded once (torch's kernel), or "
                                    "the factor rounded to float32 first (jmp, Flax, Paddle, Megatron)"),
+        "backoff": _enum(("multiply", "divide"), "multiply",
+                         "a backoff: scale x backoff_factor (torch, Keras, Flax, DeepSpeed, Paddle), or "
+                         "scale / growth_factor (jmp; backoff_factor is then 1 / growth_factor)"),
     },
     "master_weights": {
         "enabled": Field("bool", True, "keep float32 masters when params are lower precision"),
@@ -326,6 +332,7 @@ def _check_number(field: Field, value: Any, path: str, problems: Problems) -> An
     for bound, ok, op in bounds:
         if bound is not None and not ok(value, bound):  # int/float comparison is exact: no overflow
             why = {FLT_MAX: "the largest float32", FLT_TINY: "the smallest normal float32",
+                   FLT_TRUE_MIN: "the smallest float32 (subnormal)",
                    INT32_MAX: "the largest int32 (counters are int32 on device)"}.get(bound)
             tail = f", {why}" if why else ""
             inf = "; use inf for no cap" if field.allow_inf and op == "<=" else ""
@@ -486,6 +493,15 @@ def check_resolved(policy: dict[str, Any], problems: Problems) -> None:
                       f"skip_nonfinite = true unless that is what you want", UnimpWarning, stacklevel=2)
     if ls["initial"] > ls["max"]:
         problems.add("loss_scale.initial", f"initial ({ls['initial']:g}) is above max ({ls['max']:g})")
+    if ls["subnormal"] == "flush" and ls["mode"] != "none" and ls["initial"] < FLT_TINY:
+        problems.add("loss_scale.initial", f"initial ({ls['initial']:g}) is below 2^-126 with subnormal = 'flush': "
+                                           f"a flushing system holds it as 0 (Keras 3 on TensorFlow reads "
+                                           f"initial_scale=2**-140 back as 0.0) and never scales again; set "
+                                           f"initial >= 2^-126 or subnormal = 'keep'")
+    if ls["backoff"] == "divide" and ls["backoff_factor"] != 1.0 / ls["growth_factor"]:
+        problems.add("loss_scale.backoff_factor",
+                     f"backoff = 'divide' backs off by scale / growth_factor, so backoff_factor must be 1 / "
+                     f"growth_factor = {1.0 / ls['growth_factor']!r}; got {ls['backoff_factor']!r}")
     fp8 = policy["fp8"]
     if fp8["recipe"] != "delayed" and fp8["amax_history"] != TABLES["fp8"]["amax_history"].default:
         problems.add("fp8.amax_history", f"applies to recipe = 'delayed' only (recipe is {fp8['recipe']!r}: its "
@@ -551,6 +567,7 @@ def bounds_table() -> str:
     rows = ["| key | kind | accepted |", "|---|---|---|"]
 
     names = {FLT_MAX: "3.4028235e38 (largest float32)", FLT_TINY: "2^-126 (smallest normal float32)",
+             FLT_TRUE_MIN: "2^-149 (smallest subnormal float32)",
              INT32_MAX: "2147483647 (largest int32)"}
 
     def num(x: float) -> str:

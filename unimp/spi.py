@@ -47,7 +47,7 @@ from .fp8 import (
 from .hardware import CpuFacts, cpu, resolve_auto, resolve_cpu_auto, warn_emulated
 from .layout import LayoutFindings
 from .loading import load
-from .loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState, f32
+from .loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState, f32, policy_problems
 from .migrate.paddle import PADDLE_NATIVE_OPS
 from .ops import CANONICAL_OPS, OPS, class_names, kind_of, kind_of_names, native_table
 from .plan import (
@@ -62,12 +62,13 @@ from .plan import (
 from .policy import LayerDecision, Layout, LossScaleSpec, Policy
 from .registry import apply, remember
 from .report import Report, ReportRow
-from .scaling import ArrayOps, Arrays, held, step
-from .spec import FLT_TINY
+from .scaling import ArrayOps, Arrays, held, step, tiny
+from .spec import FLT_TINY, INT32_MAX
+from .transaction import Snapshot
 
 __all__ = [
     # the plug-in
-    "TAGS", "Amp", "Backend", "NoForwardError", "is_applied", "remember",
+    "TAGS", "Amp", "Backend", "NoForwardError", "Snapshot", "is_applied", "remember",
     # the input
     "LayerDecision", "Layout", "LossScaleSpec", "Policy", "apply", "load",
     # the compiled contract and the op vocabulary
@@ -82,7 +83,7 @@ __all__ = [
     "CpuFacts", "LossScale", "LossScaleAtMinimumError", "LossScaleState", "cpu", "dtype_name", "f32", "is_low",
     "resolve_auto", "resolve_cpu_auto", "warn_emulated", "widest",
     # the loss-scale rule, written once over an array adapter (unimp.scaling)
-    "ArrayOps", "Arrays", "FLT_TINY", "held", "step",
+    "ArrayOps", "Arrays", "FLT_TINY", "INT32_MAX", "held", "policy_problems", "step", "tiny",
     # the output, errors, warnings
     "PolicyError", "Report", "ReportRow", "StateError", "UnimpWarning", "UnsupportedError",
     # the conformance kit base and the probe

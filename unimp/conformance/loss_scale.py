@@ -55,6 +55,11 @@ EDGE_KNOBS: tuple[dict, ...] = (
     {"hysteresis": 3, "hysteresis_refill": ["finite", "backoff"], "min": 2.5, "initial": 40.0},
     {"hysteresis": 2, "hysteresis_refill": [], "on_max": "keep", "max": 300.0, "initial": 16.0},
     {"growth_factor": 1.1, "backoff_factor": 0.9, "factor_arithmetic": "float32", "initial": 3.0, "min": 0.5},
+    {"initial": 43614.2109375, "growth_factor": 1.1, "backoff_factor": 1 / 1.1, "backoff": "divide",
+     "factor_arithmetic": "float32", "growth_interval": 2, "min": 1.0, "max": float("inf")},
+    {"initial": 2.0 ** -120, "min": 0.0, "growth_factor": 3.0, "backoff_factor": 1 / 3.0, "backoff": "divide",
+     "max": float("inf")},
+    {"initial": 2.0 ** -140, "min": 0.0, "growth_interval": 2, "max": float("inf")},  # GradScaler(init_scale=2**-140)
     {"mode": "static", "initial": 128.0},
     {"mode": "none", "skip_nonfinite": False},
     {"mode": "dynamic", "skip_nonfinite": False, "initial": 8.0},

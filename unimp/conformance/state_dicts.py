@@ -16,7 +16,8 @@ import math
 from typing import Any
 
 from ..errors import StateError
-from ..loss_scale import STATE_KEYS, LossScaleState
+from ..loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
+from ..policy import LossScaleSpec
 from ..spec import FLT_MAX, INT32_MAX
 
 BAD_SCALES = (math.nan, math.inf, -math.inf, -1.0, 0.0, -0.0, 1e39, 3.5e38, 10**400, 1e-50, "65536", None, True,
@@ -24,9 +25,25 @@ BAD_SCALES = (math.nan, math.inf, -math.inf, -1.0, 0.0, -0.0, 1e39, 3.5e38, 10**
 BAD_COUNTERS = (-1, -(2**40), 2**31, 10**30, 1.5, 0.5, True, False, "3", None, math.nan, math.inf, [], 2.0**40)
 
 
-def garbage_state_dicts(valid: dict[str, Any]) -> Any:
-    """A hypothesis strategy: ``valid`` with 1-3 keys made bad (and maybe others changed validly)."""
+def bad_scales(valid: dict[str, Any], spec: LossScaleSpec | None = None) -> tuple[Any, ...]:
+    """:data:`BAD_SCALES` that are bad for ``spec`` (a float64 scale holds 1e39; a policy with
+    ``min = 0`` backs off to 0.0): those :func:`check_state` or :func:`policy_problems` refuse."""
+    if spec is None:
+        return BAD_SCALES
+
+    def refused(v: Any) -> bool:
+        d = {**valid, "scale": v}
+        return bool(check_state(d)) or bool(policy_problems(spec, LossScaleState.from_dict(d)))
+
+    return tuple(v for v in BAD_SCALES if refused(v))
+
+
+def garbage_state_dicts(valid: dict[str, Any], spec: LossScaleSpec | None = None) -> Any:
+    """A hypothesis strategy: ``valid`` with 1-3 keys made bad (and maybe others changed validly);
+    ``spec``: the Amp's resolved loss scale (what counts as a bad scale depends on it)."""
     from hypothesis import strategies as st
+
+    scales = bad_scales(valid, spec)
 
     @st.composite
     def build(draw: Any) -> dict[str, Any]:
@@ -47,18 +64,24 @@ def garbage_state_dicts(valid: dict[str, Any]) -> Any:
             return draw(st.sampled_from([None, [], "state", 1.0, [("scale", 1.0)]]))
         else:
             for key in draw(st.lists(st.sampled_from(STATE_KEYS), min_size=1, max_size=3, unique=True)):
-                d[key] = draw(st.sampled_from(BAD_SCALES if key == "scale" else BAD_COUNTERS))
+                d[key] = draw(st.sampled_from(scales if key == "scale" else BAD_COUNTERS))
         return d
 
     return build()
 
 
 def extreme_state(amp: Any) -> dict[str, Any]:
-    """The largest state every backend must hold: scale = the largest float32, counters int32."""
+    """The largest state every backend must hold: scale = the largest float32, counters at the int32
+    bound (the growth tracker at the largest value its schedule reaches: a tracker past the interval
+    is a state the policy never produces, which a backend may refuse where its native rule would not
+    grow from it)."""
     sd = amp.state_dict()
-    return {**sd, "scale": FLT_MAX if amp.policy.loss_scale.mode == "dynamic" else sd["scale"],
-            "growth_tracker": INT32_MAX, "skipped": INT32_MAX, "steps": INT32_MAX,
-            "hysteresis_left": amp.policy.loss_scale.hysteresis}
+    spec = amp._loss_scale_run()  # what the backend runs (the Plan with its fallbacks)
+    tracker = {"interval": spec.growth_interval - 1, "interval_plus_one": spec.growth_interval}.get(
+        spec.growth_schedule, INT32_MAX)
+    return {**sd, "scale": FLT_MAX if spec.mode == "dynamic" else sd["scale"],
+            "growth_tracker": tracker, "skipped": INT32_MAX, "steps": INT32_MAX,
+            "hysteresis_left": spec.hysteresis}
 
 
 def check_refused(amp: Any, bad: Any) -> None:
@@ -121,7 +144,7 @@ def amp_checks(max_examples: int = 30) -> tuple[Any, Any, Any]:
     @settings(max_examples=max_examples, deadline=None, suppress_health_check=list(HealthCheck))
     @given(data=st.data())
     def test_garbage_state_dicts_are_refused_and_change_nothing(amp: Any, data: Any) -> None:
-        check_refused(amp, data.draw(garbage_state_dicts(amp.state_dict())))
+        check_refused(amp, data.draw(garbage_state_dicts(amp.state_dict(), amp._loss_scale_run())))
 
     def test_the_largest_valid_state_round_trips(amp: Any) -> None:
         check_round_trip(amp)  # counters are int32 on device: INT32_MAX must not wrap
@@ -131,3 +154,34 @@ def amp_checks(max_examples: int = 30) -> tuple[Any, Any, Any]:
 
     return (test_garbage_state_dicts_are_refused_and_change_nothing, test_the_largest_valid_state_round_trips,
             test_deepcopy_of_the_amp_works_or_is_refused_clearly)
+
+
+def check_counters_at_bound(amp: Any, step: Any, finite: bool = True) -> LossScaleState:
+    """Load a state with every counter at the int32 bound (growth tracker, steps, skipped), run one real
+    training step (``step(amp, finite)``) and compare the state with the reference
+    :class:`unimp.LossScale` from the same state; the Amp then loads its own state dict. A backend whose
+    native rule cannot run from that tracker refuses the load with a :class:`StateError` and changes
+    nothing (then the check returns the unchanged state). Returns the state after the step.
+
+    The rule (:func:`unimp.scaling.step`): counters saturate, a tracker at or past the interval grows
+    on the next finite step; no device counter wraps to -2**31.
+    """
+    from ..loss_scale import LossScale
+
+    spec = amp._loss_scale_run()  # what the backend runs (the Plan with its fallbacks)
+    sd = {**amp.state_dict(), "growth_tracker": INT32_MAX, "steps": INT32_MAX, "skipped": INT32_MAX,
+          "hysteresis_left": spec.hysteresis}
+    if spec.mode == "dynamic":
+        sd["scale"] = max(1024.0, spec.min)  # a real finite step stays finite in float16 at this scale
+    before = amp.state_dict()
+    try:
+        amp.load_state_dict(sd)
+    except StateError:
+        assert amp.state_dict() == before, f"{amp.backend}: a refused load changed the state"
+        return amp.loss_scale_state()
+    want = LossScale(spec).update(LossScaleState.from_dict(sd), finite).state
+    step(amp, finite)
+    got = amp.loss_scale_state()
+    assert got == want, f"{amp.backend}: from the int32 bound, one step gave {got}; the reference {want}"
+    amp.load_state_dict(amp.state_dict())  # an Amp loads its own state dict
+    return got

@@ -72,6 +72,7 @@ def import_policy(mixed_precision: str = "no", grad_scaler_kwargs: Mapping[str, 
     else:
         d = Draft(SYSTEM, source, "torch_autocast_cuda", f"mixed_precision={short(mixed_precision)}: torch.autocast "
                   f"on the accelerator (CUDA op lists)")
+        d.set("output_dtype", "float32", "prepare_model: forward wrapped in autocast then convert_outputs_to_fp32")
         if mixed_precision == "bf16":
             d.set("compute_dtype", "bfloat16", "mixed_precision='bf16'")
             d.set("loss_scale.mode", "none", "mixed_precision='bf16': no GradScaler")

@@ -564,7 +564,7 @@ def flag(source: str, key: str, value: Any) -> bool:
 
 _DYNAMIC_ONLY = ("initial", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min", "max",
                  "growth_schedule", "on_max", "growth_requires_finite", "hysteresis_refill", "at_min",
-                 "scale_dtype", "subnormal", "factor_arithmetic")
+                 "scale_dtype", "subnormal", "factor_arithmetic", "backoff")
 
 
 def effective(policy: Policy) -> dict[str, Any]:
@@ -579,6 +579,9 @@ def effective(policy: Policy) -> dict[str, Any]:
     factors = (flat.get("loss_scale.growth_factor"), flat.get("loss_scale.backoff_factor"))
     if all(f is None or f32(f) == f for f in factors):
         flat.pop("loss_scale.factor_arithmetic", None)  # float32 factors: both arithmetics round the same product
+    g = flat.get("loss_scale.growth_factor")
+    if g is not None and math.frexp(g)[0] == 0.5 and flat.get("loss_scale.backoff_factor") == 1.0 / g:
+        flat.pop("loss_scale.backoff", None)  # a power-of-two factor: scale / g and scale * (1 / g) are one product
     if flat.get("param_dtype") == "float32":
         flat = {k: v for k, v in flat.items() if not k.startswith("master_weights.")}
     return {k: tuple(v) if isinstance(v, list) else v for k, v in flat.items()}

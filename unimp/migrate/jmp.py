@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..policy import Policy
+from ..scaling import f32
 from .common import (
     Draft,
     Exported,
@@ -105,7 +106,10 @@ def import_policy(policy: str = "params=float32,compute=float16,output=float32",
     take(d, "loss_scale.initial", kw, "loss_scale", 32768.0, prefix=p)
     take(d, "loss_scale.growth_interval", kw, "period", 2000, kind=int, prefix=p)
     factor = take(d, "loss_scale.growth_factor", kw, "factor", 2.0, prefix=p)
-    d.set("loss_scale.backoff_factor", 1.0 / factor if factor > 1 else factor, f"{p}factor: backoff is 1 / factor")
+    d.set("loss_scale.backoff_factor", f32(1.0 / f32(factor)) if factor > 1 else factor,
+          f"{p}factor: adjust() writes loss_scale / factor; under jax.jit XLA makes it loss_scale * (1 / factor) "
+          f"in float32 (its algebraic simplifier's HandleDivide), what a training step runs; an un-jitted "
+          f"adjust() divides: loss_scale.backoff = 'divide' with backoff_factor = 1 / growth_factor")
     floor = number(source, f"{p}min_loss_scale", kw.get("min_loss_scale", 1.0))
     if floor != 1.0:
         d.note(f"{p}min_loss_scale = {floor!r} is lost when the loss scale passes through jax.jit or any "
@@ -168,7 +172,10 @@ def from_cli(raw: Any, source: str) -> Imported:
 
 def export_policy(policy: Policy) -> Exported:
     """``{"policy": "params=...,compute=...,output=...", "DynamicLossScale": {...}}``."""
-    name = f"params={policy.param_dtype},compute={policy.compute_dtype},output={policy.output_dtype}"
+    # jmp casts outputs to one dtype (Policy.cast_to_output); "unchanged" has none: the compute dtype, listed
+    # as unexpressed (the re-import reads output=<compute> back)
+    output = policy.output_cast or policy.compute_dtype
+    name = f"params={policy.param_dtype},compute={policy.compute_dtype},output={output}"
     ls = policy.loss_scale
     cfg: dict[str, Any] = {"policy": name}
     if ls.mode == "dynamic":

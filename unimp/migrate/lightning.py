@@ -186,6 +186,8 @@ def _read(precision: Any, source: str, fabric: bool, accelerator: Any, nemo: Map
                   f"MixedPrecision(param_dtype=float32, reduce_dtype={low})")
         else:
             d.set("distributed.reduce_dtype", "float32", f"{said}: parameters (and gradients) stay float32")
+        if fabric:  # the Trainer leaves autocast's outputs ("unchanged", the preset's)
+            d.set("output_dtype", "float32", f"{said}: Fabric's MixedPrecision.convert_output casts to float32")
     else:
         low = "float16" if name.startswith("16") else "bfloat16"
         d = Draft(SYSTEM, source, "fp32", f"{said}: HalfPrecision converts the model to {low}")
@@ -555,8 +557,9 @@ def export_policy(policy: Policy) -> Exported:
     else:
         name = "16-true" if p == "float16" else "bf16-true"
     cpu = policy.ops.category("softmax") != "float32" and name.endswith("-mixed") and c == "bfloat16"
-    fabric = name.endswith("-true") and c != "float32" and policy.output_dtype == "float32"
-    if fabric:  # Fabric's HalfPrecision casts outputs back to float32, the Trainer's does not
+    # Fabric's Half/MixedPrecision cast outputs back to float32, the Trainer's do not
+    fabric = c != "float32" and policy.output_dtype == "float32" and (name.endswith("-true") or not cpu)
+    if fabric:
         text_ = f"fabric = Fabric(precision={name!r})\n"
         config: Any = {"fabric": {"precision": name}}
     else:

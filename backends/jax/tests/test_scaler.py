@@ -1,5 +1,6 @@
 """The jitted scaler against the core reference, Flax DynamicScale and jmp (expected values from them)."""
 
+import dataclasses
 import os
 
 import jax
@@ -34,6 +35,7 @@ def _spec(knobs):
 
 
 def _run(spec, finites):
+    spec = device_spec(spec)  # the fallbacks the Plan names (the scaler refuses a knob it cannot honour)
     step = jax.jit(lambda t, f: update_tree(spec, t, f))
     tree, out = initial_tree(spec), []
     for f in finites:
@@ -44,16 +46,26 @@ def _run(spec, finites):
 
 def _jit_runner(spec, seqs):
     """update_tree jitted, vmapped over the sequences (padded), scanned over the steps."""
+    spec = device_spec(spec)  # the fallbacks the Plan names (the scaler refuses a knob it cannot honour)
     T = max(len(s) for s in seqs)
     finites = jnp.asarray([list(s) + [True] * (T - len(s)) for s in seqs]).T  # [T, B]
 
-    step = jax.jit(jax.vmap(lambda t, x: update_tree(spec, t, x)))  # one compile per spec
-    tree = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (len(seqs),)), initial_tree(spec))
-    history = []
-    for f in finites:
-        tree = step(tree, f)
-        history.append(tree)
-    trees = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *history)
+    if spec.backoff == "divide":  # scanned on the scalar state a training step holds: XLA:CPU's
+        # vectorised float32 division (a vmapped batch) is not correctly rounded, its scalar one is
+        @jax.jit
+        def scan(f):
+            return jax.lax.scan(lambda t, x: (update_tree(spec, t, x),) * 2, initial_tree(spec), f)[1]
+
+        per_seq = [scan(finites[:, b]) for b in range(len(seqs))]
+        trees = jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs], axis=1), *per_seq)
+    else:
+        step = jax.jit(jax.vmap(lambda t, x: update_tree(spec, t, x)))  # one compile per spec
+        tree = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (len(seqs),)), initial_tree(spec))
+        history = []
+        for f in finites:
+            tree = step(tree, f)
+            history.append(tree)
+        trees = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *history)
     scales = np.asarray(trees.scale, np.float64)
     skipped, error = np.asarray(trees.skipped), np.asarray(trees.at_min_error)
     out = []
@@ -174,8 +186,9 @@ def _flax(spec, seq):
 def _jmp(spec, seq):
     import jmp
 
+    factor = int(spec.growth_factor) if spec.growth_factor.is_integer() else spec.growth_factor
     ls = jmp.DynamicLossScale(jnp.float32(spec.initial), period=spec.growth_interval,
-                              factor=int(spec.growth_factor), min_loss_scale=jnp.float32(spec.min))
+                              factor=factor, min_loss_scale=jnp.float32(spec.min))
     adjust = jax.jit(lambda ls, f: ls.adjust(f))
     scales = []
     for f in seq:
@@ -197,6 +210,50 @@ def test_jmp_dynamic_loss_scale_replays_its_preset_and_the_jitted_rule():
     n, longest = replay_size(0.5)
     assert check_system_replay(_jmp, load("jmp_float16").loss_scale, n=n, max_len=longest,
                                backend=_jit_runner, effective=device_spec) == n
+
+
+def _jmp_eager(spec, seq):
+    """jmp's adjust() called eagerly (each jnp op run as it comes): its ``loss_scale / factor`` is a
+    true division there."""
+    import jmp
+
+    factor = int(spec.growth_factor) if spec.growth_factor.is_integer() else spec.growth_factor
+    ls = jmp.DynamicLossScale(jnp.float32(spec.initial), period=spec.growth_interval, factor=factor,
+                              min_loss_scale=jnp.float32(spec.min))
+    scales = []
+    for f in seq:
+        ls = ls.adjust(jnp.asarray(f))
+        scales.append(float(ls.loss_scale))
+    return Replay(scales, [not f for f in seq])
+
+
+@pytest.mark.parametrize("factor", [3, 1.1, 10])
+def test_jmp_non_2_factor_replays_jitted_and_eager(factor):
+    """jmp's DynamicLossScale.adjust writes its backoff ``self.loss_scale / self.factor``
+    (google-deepmind/jmp@9c1cdbbf, jmp/_src/loss_scale.py). Under jax.jit, as a training step runs it,
+    XLA makes that ``loss_scale * (1 / factor)`` in float32 (openxla/xla algebraic_simplifier.cc,
+    HandleDivide: A / Const => A * InvertConstant(Const)): the jmp import of the same arguments
+    replays the jitted object. Called eagerly it divides: ``backoff = "divide"`` replays that, in the
+    reference and in unimp_jax's jitted rule."""
+    pytest.importorskip("jmp")
+    from unimp import importers
+
+    kw = {"loss_scale": 43614.2109375, "period": 3, "factor": factor, "min_loss_scale": 1.0}
+    jitted = importers.jmp("params=float32,compute=float16,output=float32", kw).policy.loss_scale
+    n, longest = replay_size(0.25)
+    assert check_system_replay(_jmp, jitted, n=n, max_len=longest, backend=_jit_runner,
+                               effective=device_spec) == n
+    eager = dataclasses.replace(jitted, backoff="divide", backoff_factor=1.0 / factor)
+    n = max(1, n // 2)  # eager jmp: a dispatch per op
+    assert check_system_replay(_jmp_eager, eager, n=n, max_len=longest, backend=_jit_runner,
+                               effective=device_spec) == n
+    first = LossScale(eager).update(LossScale(eager).initial_state(), False).scale
+    assert _jmp_eager(eager, [False]).scales == [first]
+    if factor == 1.1:  # the issue's case: 43614.2109375 backs off to 39649.28125 in jmp, jitted or not;
+        # unimp's import multiplied by float32(1 / 1.1) and gave 39649.28515625
+        assert first == _jmp(jitted, [False]).scales[0] == 39649.28125
+        old = dataclasses.replace(jitted, backoff_factor=1.0 / factor)
+        assert LossScale(old).update(LossScale(old).initial_state(), False).scale == 39649.28515625
 
 
 def test_flax_dynamic_scale_preset_at_the_float32_cap():

@@ -17,7 +17,7 @@ from unimp.spi import Amp, LossScaleState, Plan, StateError
 
 from .layers import is_nnx
 from .optimizer import AmpOptState, all_finite, apply_updates, find_state, wrap
-from .scaler import check, initial_tree, to_state
+from .scaler import check, device_spec, initial_tree, to_state
 
 
 class JaxAmp(Amp):
@@ -90,15 +90,18 @@ class JaxAmp(Amp):
         if new is not None:
             self.set_fp8_state(new)
 
+    def _loss_scale_run(self) -> Any:
+        return device_spec(self.plan.loss_scale)  # the fallbacks validate() named in the Plan
+
     def loss_scale_state(self) -> LossScaleState:
         tree = find_state(self._opt_state_holder()).loss_scale
-        check(tree, self.plan.loss_scale)
+        check(tree, self._loss_scale_run())
         return to_state(tree)
 
     def _with_loss_scale(self, opt_state: Any, state: LossScaleState) -> Any:
         import jax
 
-        tree = initial_tree(self.plan.loss_scale, state)
+        tree = initial_tree(self._loss_scale_run(), state)
         return jax.tree_util.tree_map(
             lambda x: x._replace(loss_scale=tree) if isinstance(x, AmpOptState) else x, opt_state,
             is_leaf=lambda x: isinstance(x, AmpOptState))

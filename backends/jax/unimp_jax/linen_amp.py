@@ -19,11 +19,18 @@ never mutated. Everything below is pure and ``jax.jit``-able:
 >>> amp.params, amp.opt_state, loss = step(amp.params, amp.opt_state, x)
 >>> amp.skipped_steps
 0
+
+``nn.scan`` bodies keep their carry's dtype: a lowered layer may feed the carry (bf16) and a float32
+norm hand it back, which ``jax.lax.scan`` refuses; the body's carry is cast back to the dtype it
+came in with, as a mixed-precision model written by hand does (:func:`keep_carry`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import sys
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,6 +52,51 @@ def _own_params(m: Any) -> dict[str, Any]:
 
 def _as_variables(params: Any) -> dict[str, Any]:
     return dict(params) if isinstance(params, Mapping) and "params" in params else {"params": params}
+
+
+@functools.cache
+def _scan_body_codes() -> frozenset[types.CodeType]:
+    """The code of the function ``flax.core.lift.scan`` runs as ``jax.lax.scan``'s body (``scanned``)."""
+    from flax.core import lift
+
+    found, todo = set(), [lift.scan.__code__]
+    while todo:
+        for const in todo.pop().co_consts:
+            if isinstance(const, types.CodeType):
+                todo.append(const)
+                if const.co_name == "scanned":
+                    found.add(const)
+    return frozenset(found)
+
+
+def in_scan_body(m: Any, depth: int = 12) -> bool:
+    """Whether this call of ``m`` is the body of a linen ``nn.scan`` (a lifted clone run by lift.scan)."""
+    if not m.path or isinstance(m.parent, nn.Module):  # lifted bodies are clones bound to a bare scope
+        return False
+    codes, frame = _scan_body_codes(), sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def keep_carry(args: tuple, out: Any) -> Any:
+    """``(carry, ys)`` with the carry's float leaves in the dtypes of the carry that came in (``args[0]``)."""
+    if not args or not (isinstance(out, tuple) and len(out) == 2):
+        return out
+    carry_in, (carry, ys) = args[0], out
+    tu = jax.tree_util
+    if tu.tree_structure(carry) != tu.tree_structure(carry_in):
+        return out
+
+    def cast(new: Any, old: Any) -> Any:
+        want, got = dtype_name(old), dtype_name(new)
+        return new.astype(want) if want and got and want != got else new
+
+    return tu.tree_map(cast, carry, carry_in), ys
 
 
 class LinenAmp(JaxAmp):
@@ -123,14 +175,19 @@ class LinenAmp(JaxAmp):
                 out = self.model.apply(variables, *args, **kwargs)
         finally:
             self._fp8_tree = None
-        if kwargs.get("mutable"):
-            return cast_floats(out[0], self.policy.output_dtype), out[1]
-        return cast_floats(out, self.policy.output_dtype)
+        if kwargs.get("mutable"):  # output_cast None ("unchanged"): as the last layer left it
+            return cast_floats(out[0], self.policy.output_cast), out[1]
+        return cast_floats(out, self.policy.output_cast)
 
     def _intercept(self, next_fun: Any, args: Any, kwargs: Any, ctx: Any) -> Any:
         if ctx.method_name != "__call__":
             return next_fun(*args, **kwargs)
         m = ctx.module
+        if in_scan_body(m):
+            return keep_carry(args, self._layer_call(next_fun, args, kwargs, m))
+        return self._layer_call(next_fun, args, kwargs, m)
+
+    def _layer_call(self, next_fun: Any, args: Any, kwargs: Any, m: Any) -> Any:
         path = ".".join(map(str, m.path))
         lp = self.layers.get(path) or self._plan_for(path, m)
         if lp is None:

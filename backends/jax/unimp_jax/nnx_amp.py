@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from unimp.spi import LayoutFindings, LossScaleState, Plan, Report, ReportRow, fp8_report_notes
+from unimp.spi import LayoutFindings, LossScaleState, Plan, Report, ReportRow, UnsupportedError, fp8_report_notes
 
 from . import fp8
 from .amp import JaxAmp
@@ -42,6 +42,18 @@ _RECORDERS: list[dict[str, ReportRow]] = []
 # code runs only while tracing, and a compiled step traced for an equal token is reused by every
 # Amp with that token. It holds ShapeDtypeStructs only (no arrays, no model).
 _LAST_INPUTS: dict[str, Any] = {}
+SCAN_CARRY = "scan body function carry input and carry output must have equal types"
+
+
+def scan_carry_error(e: TypeError) -> UnsupportedError:
+    """A located unimp error for ``jax.lax.scan``'s carry check inside an ``nnx.scan`` under a policy."""
+    detail = next((line for line in str(e).splitlines() if "carry component" in line), str(e).splitlines()[0])
+    return UnsupportedError(
+        f"unimp (jax/nnx): an nnx.scan body hands its carry back in another dtype than it came in "
+        f"({detail.strip()}): under the policy a layer at the end of the body (typically a float32 "
+        f"norm) changes it. Fix: cast the carry back at the end of the body, as a mixed-precision model "
+        f"written by hand does (`return y.astype(x.dtype)`), or keep that layer in the carry's dtype "
+        f"with an override, e.g. overrides = [{{modules = [\"blocks.norm\"], compute_dtype = \"bfloat16\"}}]")
 
 
 class AmpOptimizer(nnx.Optimizer):
@@ -87,7 +99,14 @@ def _wrapped_class(cls: type) -> type:
             _LAST_INPUTS[token] = jax.tree_util.tree_map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, (args, kwargs))
         call = functools.partial(cls.__call__, self)
-        if lp is None:
+        if lp is None and token is not None:  # the model itself: jax.lax.scan's carry check, located
+            try:
+                out = call(*args, **kwargs)
+            except TypeError as e:
+                if SCAN_CARRY not in str(e):
+                    raise
+                raise scan_carry_error(e) from None
+        elif lp is None:
             out = call(*args, **kwargs)
         else:
             record = _RECORDERS[-1] if _RECORDERS else None
@@ -135,7 +154,7 @@ class NnxAmp(JaxAmp):
             self._cast_params(parts, m, param_dtype)
             attrs.update({"_unimp_layer": lp} if lp else {})
             if not parts:
-                attrs["_unimp_output"] = (policy.output_dtype, self._token)
+                attrs["_unimp_output"] = (policy.output_cast, self._token)  # None: "unchanged", not cast
             if lp and "param_dtype" in vars(m):
                 attrs["param_dtype"] = jnp.dtype(param_dtype)
             if attrs:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from unimp.spi import Policy
 
-from .scaler import LossScaleTree, initial_tree, update_tree
+from .scaler import LossScaleTree, device_spec, initial_tree, update_tree, validate
 
 
 class AmpOptState(NamedTuple):
@@ -92,7 +92,8 @@ def _build(tx: Any, policy: Policy) -> Any:
     import jax.numpy as jnp
     import optax
 
-    spec = policy.loss_scale
+    validate(policy.loss_scale, f"policy {policy.name!r} ({policy.source})", policy.on_unsupported)
+    spec = device_spec(policy.loss_scale)  # what validate() said runs (on_unsupported = "fallback")
     masters = policy.uses_master_weights
     checks = can_skip(policy)  # False (mode none/static, skip_nonfinite off): no finiteness check, no selects
     f32 = jnp.float32

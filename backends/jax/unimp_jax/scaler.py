@@ -28,11 +28,14 @@ from unimp.spi import (
     LossScaleAtMinimumError,
     LossScaleSpec,
     LossScaleState,
+    StateError,
     UnsupportedError,
     f32,
     loss_scale_as_run,
     loss_scale_fallbacks,
+    policy_problems,
     step,
+    tiny,
 )
 
 
@@ -53,15 +56,23 @@ def _x64() -> bool:
     return bool(jax.config.jax_enable_x64)
 
 
+def flushes_subnormals(dtype: str = "float32") -> bool:
+    """Whether a multiply in ``dtype`` on the default device flushes a subnormal result to 0
+    (measured: XLA:CPU does, float32 and float64 alike, and reads subnormal inputs as 0)."""
+    return _flushes(dtype, _x64())
+
+
 @functools.cache
-def flushes_subnormals() -> bool:
-    """Whether a float32 multiply on the default device flushes a subnormal result to 0 (measured:
-    XLA:CPU does)."""
+def _flushes(dtype: str, x64: bool) -> bool:
     import jax
     import jax.numpy as jnp
 
+    if dtype == "float64" and not x64:
+        return False  # no float64 arrays at all: scale_dtype = "float64" is unsupported() here
+    t = jnp.dtype(dtype).type
     with jax.ensure_compile_time_eval():  # may be first asked while a step is being traced
-        return float(jax.jit(lambda x: x * jnp.float32(0.5))(jnp.float32(2.0 ** -126))) == 0.0
+        smallest = float(np.finfo(np.dtype(dtype)).tiny)
+        return float(jax.jit(lambda x: x * t(0.5))(t(smallest))) == 0.0
 
 
 def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
@@ -72,8 +83,18 @@ def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
     if spec.scale_dtype == "float64" and not _x64():
         out["scale_dtype"] = ("float32", "JAX holds float64 only with jax_enable_x64; fix: "
                               "jax.config.update('jax_enable_x64', True) or scale_dtype = 'float32'")
+    if spec.scale_dtype == "float32" and spec.subnormal == "keep" and spec.initial < FLT_TINY \
+            and flushes_subnormals():
+        out["initial"] = (FLT_TINY, "this XLA device reads a float32 scale below 2^-126 as 0; fix: initial >= "
+                          "2^-126, or scale_dtype = 'float64' with jax_enable_x64")
+    if not _x64() and spec.backoff == "multiply" and 0 < f32(spec.backoff_factor) < FLT_TINY \
+            and flushes_subnormals():
+        out["backoff_factor"] = (0.0, "without jax_enable_x64 the factor is a float32 below 2^-126, which this "
+                                 "XLA device reads as 0; fix: jax.config.update('jax_enable_x64', True) or "
+                                 "backoff_factor >= 2^-126")
     if spec.factor_arithmetic == "float64" and not _x64():
-        for key in ("growth_factor", "backoff_factor"):
+        used = ("growth_factor", "backoff_factor") if spec.backoff == "multiply" else ("growth_factor",)
+        for key in used:
             value = getattr(spec, key)
             if f32(value) != value:
                 out["factor_arithmetic"] = ("float32", (
@@ -84,28 +105,41 @@ def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
 
 
 def stops_below_tiny(spec: LossScaleSpec) -> bool:
-    """``subnormal = "keep"`` on a device that flushes float32 subnormals, with a floor below 2^-126:
-    the step that would take the scale below 2^-126 is not applied, the state freezes, and
-    :func:`check` raises :class:`UnsupportedError` on the host (the rule cannot be honoured there)."""
-    return (spec.mode == "dynamic" and spec.subnormal == "keep" and spec.min < FLT_TINY
-            and flushes_subnormals())
+    """``subnormal = "keep"`` on a device that flushes subnormals of the held dtype, with a floor
+    below its smallest normal (2^-126 in float32; 2^-1022 in float64, where 8.8e-39 is a normal
+    number and runs exactly): the step that would take the scale below it is not applied, the state
+    freezes, and :func:`check` raises :class:`UnsupportedError` on the host."""
+    return (spec.mode == "dynamic" and spec.subnormal == "keep" and spec.min < tiny(spec)
+            and flushes_subnormals(spec.scale_dtype))
 
 
-SUBNORMAL_NOTE = ("loss_scale.subnormal = 'keep' cannot be honoured below 2^-126 here: this XLA device flushes "
-                  "float32 subnormals, so a step that would take the scale below 2^-126 is not applied and "
-                  "raises UnsupportedError on the host; fix: subnormal = 'flush' or min >= 2^-126")
+def subnormal_note(spec: LossScaleSpec) -> str:
+    bound = "2^-126" if spec.scale_dtype == "float32" else "2^-1022"
+    return (f"loss_scale.subnormal = 'keep' cannot be honoured below {bound} here: this XLA device flushes "
+            f"{spec.scale_dtype} subnormals, so a step that would take the scale below {bound} is not applied "
+            f"and raises UnsupportedError on the host; fix: subnormal = 'flush', min >= {bound}"
+            + (", or scale_dtype = 'float64' with jax_enable_x64" if spec.scale_dtype == "float32" else ""))
 
 
 def validate(spec: LossScaleSpec, where: str, on_unsupported: str = "error") -> list[str]:
     """Refuse knobs this device cannot reproduce bit for bit (``on_unsupported = "error"``), or
     return the Plan notes saying what runs instead (``"fallback"``)."""
     notes = loss_scale_fallbacks(spec, unsupported(spec), where, on_unsupported)
-    return notes + ([SUBNORMAL_NOTE] if stops_below_tiny(spec) else [])
+    run = device_spec(spec)
+    return notes + ([subnormal_note(run)] if stops_below_tiny(run) else [])
 
 
 def device_spec(spec: LossScaleSpec) -> LossScaleSpec:
     """The knobs that really run here (``spec`` with the fallbacks :func:`validate` reports)."""
     return loss_scale_as_run(spec, unsupported(spec))
+
+
+def runnable(spec: LossScaleSpec) -> LossScaleSpec:
+    """``spec`` itself when this device honours every knob, else :class:`UnsupportedError` naming
+    each: the scaler never runs a knob :func:`unsupported` declared (the fallback is chosen where the
+    policy's ``on_unsupported`` is read: :func:`validate`, then :func:`device_spec`)."""
+    loss_scale_fallbacks(spec, unsupported(spec), "unimp_jax loss scale", "error")
+    return spec
 
 
 class JaxOps:
@@ -132,6 +166,19 @@ class JaxOps:
             return (scale.astype(jnp.float64) * jnp.float64(factor)).astype(self.dtype)
         return scale * jnp.float32(factor)  # exact product rounded once: factor is float32 here
 
+    def div(self, scale: Any, divisor: float) -> Any:
+        """A true division: XLA's algebraic simplifier turns ``x / constant`` into ``x * (1 / constant)``
+        (openxla/xla algebraic_simplifier.cc, HandleDivide), a different rounding, so the divisor goes
+        through an optimization barrier (measured exact on XLA:CPU for the scalar state; a vmapped
+        batch of states is not: XLA:CPU's vectorised division is not correctly rounded)."""
+        import jax
+
+        jnp = self.jnp
+        if _x64():  # float64 quotient of float32 values: one rounding
+            d = jax.lax.optimization_barrier(jnp.float64(divisor))
+            return (scale.astype(jnp.float64) / d).astype(self.dtype)
+        return scale / jax.lax.optimization_barrier(jnp.float32(divisor))
+
     def where(self, c: Any, a: Any, b: Any) -> Any:
         return self.jnp.where(c, a, b)
 
@@ -152,8 +199,16 @@ def initial_tree(spec: LossScaleSpec, state: LossScaleState | None = None) -> Lo
     """Device state for ``state`` (default: the reference's initial state)."""
     import jax.numpy as jnp
 
-    spec = device_spec(spec)
+    spec = runnable(spec)
     st = state or LossScale(spec).initial_state()
+    problems = policy_problems(spec, st)  # the rule as it runs here (a float64 policy on float32, say)
+    if problems:
+        raise StateError("loss-scale state: " + "; ".join(problems))
+    if spec.mode == "dynamic" and spec.subnormal == "keep" and 0 < st.scale < tiny(spec) \
+            and flushes_subnormals(spec.scale_dtype):
+        raise UnsupportedError(f"loss-scale state: scale = {st.scale!r} is below the smallest normal "
+                               f"{spec.scale_dtype} and this XLA device reads it as 0; "
+                               + subnormal_note(spec).split("; ", 1)[1])
     i32 = lambda v: jnp.asarray(v, jnp.int32)
     return LossScaleTree(JaxOps(spec).scalar(st.scale), i32(st.growth_tracker),
                          i32(st.hysteresis_left), i32(st.skipped), i32(st.steps), jnp.asarray(False))
@@ -171,7 +226,7 @@ def check(tree: LossScaleTree, spec: LossScaleSpec) -> None:
     scale that would have gone below 2^-126 on a flushing device (:func:`stops_below_tiny`)."""
     if bool(tree.at_min_error):
         if not (spec.at_min == "error" and float(np.asarray(tree.scale)) <= spec.min):
-            raise UnsupportedError(f"{SUBNORMAL_NOTE} (seen after step {int(tree.steps)})")
+            raise UnsupportedError(f"{subnormal_note(spec)} (seen after step {int(tree.steps)})")
         raise LossScaleAtMinimumError(
             f"loss scale already at its minimum ({spec.min:g}) and gradients are still not finite "
             f"(seen after step {int(tree.steps)}); set loss_scale.at_min = 'clamp' to keep training at "
@@ -183,11 +238,12 @@ def update_tree(spec: LossScaleSpec, t: LossScaleTree, finite: Any) -> LossScale
     After an ``at_min = "error"`` hit the state no longer moves (the reference raised)."""
     import jax.numpy as jnp
 
-    spec = device_spec(spec)
+    spec = runnable(spec)
     finite = jnp.asarray(finite, bool)
     new, _, error = step(JaxOps(spec), spec, Arrays(*t[:5]), finite)
     frozen = t.at_min_error if error is None else t.at_min_error | error
     if stops_below_tiny(spec):
-        frozen = frozen | ((new.scale < FLT_TINY) & (t.scale >= FLT_TINY))
+        smallest = JaxOps(spec).scalar(tiny(spec))
+        frozen = frozen | ((new.scale < smallest) & (t.scale >= smallest))
     kept = [jnp.where(frozen, old, v).astype(old.dtype) for old, v in zip(t[:5], new, strict=True)]
     return LossScaleTree(*kept, at_min_error=frozen)

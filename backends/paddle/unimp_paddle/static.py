@@ -144,6 +144,9 @@ class StaticAmp(Amp):
         return out
 
     # ------------------------------------------------------------------ contract
+    def _loss_scale_run(self) -> Any:
+        return dataclasses.replace(self.plan.loss_scale, mode="none")  # no scaling in static Programs (Plan note)
+
     def loss_scale_state(self) -> LossScaleState:
         return self._state
 

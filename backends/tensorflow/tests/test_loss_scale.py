@@ -55,6 +55,7 @@ def _initial(spec, batch):
 
 def _tf_runner(spec, seqs):
     """The rule's transition over a batch of sequences (tf.scan in one tf.function)."""
+    spec = device_spec(spec)  # the fallbacks the Plan names (transition refuses a knob declared unsupported)
     T, B = max(map(len, seqs)), len(seqs)
     fs = tf.constant(np.array([list(s) + [True] * (T - len(s)) for s in seqs]).T)
     no_error = tf.zeros([B], tf.bool)

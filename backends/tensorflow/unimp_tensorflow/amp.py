@@ -54,6 +54,11 @@ class TensorFlowAmp(Amp):
         return self.optimizer.apply_gradients(grads_and_vars)
 
     # ------------------------------------------------------------------ loss-scale state
+    def _loss_scale_run(self) -> Any:
+        from .scaler import device_spec
+
+        return device_spec(self.plan.loss_scale)  # float64 runs as float32 where the Plan falls back
+
     def loss_scale_state(self) -> LossScaleState:
         return self._state if self.optimizer is None else self.optimizer.loss_scale_state()
 

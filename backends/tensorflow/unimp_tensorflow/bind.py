@@ -30,6 +30,7 @@ from .layout import data_formats, layout_findings
 from .optimizer import KerasLossScaleOptimizer, LossScaleOptimizer
 from .params import Swap, swap_params
 from .plan import keras_rule
+from .scaler import device_spec
 from .trace import call_name
 
 
@@ -95,8 +96,11 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
     binding.findings += layout_findings(binding.formats, pol.layout.channels_last)
     plans = []
     for u in units:
-        if u.container:
-            plans.append((u, FollowInputs(u.layer.variable_dtype), None))
+        if u.container:  # a composite (attention) follows its op's rule; other containers their inputs
+            compute = _decide(plan, u)[0] if u.kind is not None else None
+            kp = FollowInputs(u.layer.variable_dtype) if compute is None else keras_policy(compute,
+                                                                                        u.layer.variable_dtype)
+            plans.append((u, kp, None))
             continue
         compute, param, category = _decide(plan, u)
         if not u.has_params:
@@ -124,7 +128,24 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
             patch_stream(u.layer, u.parent, binding)
     for layer in {id(s.layer): s.layer for s in binding.swaps}.values():
         patch_save(layer, binding)
+    patch_compile_config(model, binding)
     return binding
+
+
+def patch_compile_config(model: Any, binding: Binding) -> None:
+    """``model.save`` names Keras' own optimizer for a unimp wrapper the model was compiled with
+    (see :class:`~unimp_tensorflow.optimizer.SavesAsKeras`): the file loads without unimp."""
+    own, original = model.__dict__.get("get_compile_config"), model.get_compile_config
+
+    def get_compile_config() -> Any:
+        config = original()
+        optimizer = getattr(model, "optimizer", None)
+        if isinstance(config, dict) and isinstance(optimizer, LossScaleOptimizer | KerasLossScaleOptimizer):
+            config["optimizer"] = optimizer.keras_config()
+        return config
+
+    object.__setattr__(model, "get_compile_config", get_compile_config)
+    binding.instance_methods.append((model, own, "get_compile_config"))
 
 
 class _SaveStore:
@@ -207,14 +228,14 @@ def wrap_optimizer(plan: Plan, optimizer: Any, binding: Binding, native: bool | 
     """The loss-scaling (and master-weight) wrapper for ``optimizer``; ``None`` stays ``None``."""
     if optimizer is None:
         return None
-    spec = plan.loss_scale
+    spec = device_spec(plan.loss_scale)  # the Plan compiled under on_unsupported: its fallbacks run, named in its notes
     masters = {id(s.low): s.original for s in binding.swaps
                if s.low.trainable and plan.policy.master_weights.enabled}
     binding.master_ids = set(masters)
     distributed = is_distributed(getattr(optimizer, "_distribution_strategy", None))
-    use_keras = keras_rule(spec) and not binding.swaps and not distributed if native is None else native
+    use_keras = keras_rule(plan.loss_scale) and not binding.swaps and not distributed if native is None else native
     if use_keras:
-        if not keras_rule(spec) or binding.swaps:
+        if not keras_rule(plan.loss_scale) or binding.swaps:
             raise UnsupportedError("unimp (tensorflow): native_loss_scale=True needs the policy's loss_scale "
                                    "to be Keras' fixed rule (dynamic, x2 / x0.5, hysteresis 1, min 0, max inf, "
                                    "growth_requires_finite false) and no low-precision params; fix: drop "

@@ -3,7 +3,10 @@
 Paths are layer names joined by ``.`` (``block1.dense``), so policy globs (``block*.dense``)
 read the same as torch module paths. A layer whose class maps to a canonical op (``Dense`` ->
 ``linear``) is one *unit*: its sublayers (e.g. the projections inside ``MultiHeadAttention``)
-get the unit's dtype. Other containers are walked into.
+get the unit's dtype. Other containers are walked into; a *composite* container whose class name
+says which op its own code runs (``COMPOSITE_KINDS``: keras_hub's ``CachedGemmaAttention``,
+``LlamaAttention``, ... compute their attention matmuls with raw ops) carries that kind, so it
+follows the policy's rule for it while its sublayers are decided one by one.
 
 >>> import keras
 >>> m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="fc"),
@@ -24,6 +27,9 @@ from .ops import NATIVE_OPS
 
 # Activation functions that are canonical ops of their own (Activation("log_softmax")).
 ACTIVATION_KINDS = {"softmax": "softmax", "log_softmax": "log_softmax"}
+# Composite layers (sublayers of their own, no canonical class) by class-name suffix: the op their
+# own code runs between the sublayers (keras_hub: CachedGemmaAttention, LlamaAttention, ...).
+COMPOSITE_KINDS = (("Attention", "attention"),)
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,19 @@ def kind_of_layer(layer: Any) -> str | None:
     return kind_of_names(type_names(layer), NATIVE_OPS)
 
 
+def composite_kind(names: tuple[str, ...]) -> str | None:
+    """The op a composite layer's own code runs, from its class names (most specific first).
+
+    >>> composite_kind(("CachedGemmaAttention",)), composite_kind(("TransformerDecoder",))
+    ('attention', None)
+    """
+    for name in names:
+        for suffix, kind in COMPOSITE_KINDS:
+            if name.endswith(suffix):
+                return kind
+    return None
+
+
 def sublayers(layer: Any) -> list[Any]:
     """Direct sublayers, without Keras InputLayers."""
     import keras
@@ -78,7 +97,8 @@ def _walk(layer: Any, prefix: str, parent: Any = None) -> Iterator[Unit]:
         kind = kind_of_layer(sub)
         children = sublayers(sub)
         if kind is None and children:
-            yield Unit(path, sub, None, type_names(sub), container=True, parent=parent)
+            names = type_names(sub)
+            yield Unit(path, sub, composite_kind(names), names, container=True, parent=parent)
             yield from _walk(sub, path, sub)
         else:
             yield Unit(path, sub, kind, type_names(sub), parent=parent)

@@ -6,6 +6,14 @@ int64 variables. :class:`KerasLossScaleOptimizer` *is* Keras' rule, used where t
 for exactly that rule; it only adds the step/skip counters of the canonical state. A skipped
 step calls nothing on the inner optimizer: variables, slots and ``iterations`` keep their bits.
 
+Saved in a ``.keras`` file (``compile(optimizer=amp.optimizer)``, ``fit``, ``model.save``) both
+write what Keras' own classes would (:class:`SavesAsKeras`): the model's compile config names
+``keras.optimizers.LossScaleOptimizer`` (dynamic scaling) or the inner optimizer itself (no or a
+static scale, as Keras' ``mixed_bfloat16`` compiles), with the variables in that class's layout,
+so ``keras.models.load_model(path)`` loads the file with or without unimp. unimp's exact state
+(hysteresis, skipped/step counters) rides along under ``optimizer/unimp_state``, which only an
+applied model reads back (``load_weights``).
+
 >>> import keras, unimp
 >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), unimp.load("mixed_fp16").loss_scale)
 >>> opt.loss_scale_state().scale
@@ -14,17 +22,21 @@ step calls nothing on the inner optimizer: variables, slots and ``iterations`` k
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
+from keras.src.saving import serialization_lib
+from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.utils import tracking
 
-from unimp.spi import LossScale, LossScaleSpec, LossScaleState, StateError
+from unimp.spi import INT32_MAX, LossScale, LossScaleSpec, LossScaleState, StateError, policy_problems
 
 from .distributed import all_reduce, hook_inner, refuse_xla
-from .scaler import State, all_finite, next_state
+from .scaler import State, all_finite, encode, next_state
 
 KerasLSO = keras.optimizers.LossScaleOptimizer
 ONLY_FIRST = "only_first_replica"
@@ -47,6 +59,85 @@ def _unscale(grads: list, scale: tf.Tensor | None, variables: list | None = None
     return out
 
 
+def _held(scale: float) -> tf.Tensor:
+    """A scale as the float32 tensor the state holds, subnormals built from their bits (TensorFlow's
+    conversions flush them: Keras' Constant(2**-140) initializer reads back 0.0)."""
+    return encode(tf.constant(scale, tf.float64))
+
+
+class ExactState(KerasSaveable):
+    """unimp's loss-scale state as a child of the optimizer in a saved file (``optimizer/unimp_state``).
+
+    Keras' own classes have no such child, so a loader without unimp never reads it.
+    """
+
+    FIELDS = ("scale", "growth_tracker", "hysteresis_left", "skipped", "steps")
+
+    def __init__(self, optimizer: Any) -> None:
+        self._optimizer = weakref.ref(optimizer)  # not an attribute Keras' saver would walk into
+
+    def _obj_type(self) -> str:
+        return "Loss"  # Keras' saver walks only its own object types; this one has no children
+
+    def save_own_variables(self, store: Any) -> None:
+        state = self._optimizer().loss_scale_state()
+        for i, name in enumerate(self.FIELDS):
+            store[str(i)] = np.asarray(getattr(state, name), "float64" if name == "scale" else "int64")
+
+    def load_own_variables(self, store: Any) -> None:
+        if len(store.keys()) == len(self.FIELDS):
+            values = [np.asarray(store[str(i)]) for i in range(len(self.FIELDS))]
+            self._optimizer().set_loss_scale_state(LossScaleState(float(values[0]), *(int(v) for v in values[1:])))
+
+
+class SavesAsKeras:
+    """What a saved file holds for a unimp loss-scale optimizer: the Keras object that runs its rule.
+
+    ``keras_config()`` is that object's serialized config: ``keras.optimizers.LossScaleOptimizer``
+    (initial scale and growth interval from the policy) for dynamic scaling, else the inner
+    optimizer (with ``loss_scale_factor`` for a static scale). ``save_own_variables`` writes
+    that class's variables in its order, ``load_own_variables`` reads them back (or unimp's own
+    layout), so the file loads the same with or without unimp.
+    """
+
+    spec: LossScaleSpec
+
+    @tracking.no_automatic_dependency_tracking
+    def _make_exact_state(self) -> None:
+        object.__setattr__(self, "unimp_state", ExactState(self))
+
+    def keras_config(self) -> dict[str, Any]:
+        inner = serialization_lib.serialize_keras_object(self.inner_optimizer)
+        if self.spec.mode != "dynamic":
+            if self.spec.mode == "static":
+                inner["config"]["loss_scale_factor"] = float(self.spec.initial)
+            return inner
+        return {"module": "keras.optimizers", "class_name": "LossScaleOptimizer", "registered_name": None,
+                "config": {"name": self.name, "inner_optimizer": inner, "initial_scale": float(self.spec.initial),
+                           "dynamic_growth_steps": int(self.spec.growth_interval)}}
+
+    def _keras_layout(self) -> list[Any]:
+        """Keras' own variables for this rule: LossScaleOptimizer's four, then the inner optimizer's."""
+        inner = list(self.inner_optimizer.variables)
+        if self.spec.mode != "dynamic":
+            return inner
+        return [self.iterations, self._learning_rate, self._tracker_variable(), self._scale_variable(), *inner]
+
+    def save_own_variables(self, store: Any) -> None:
+        if not self.built:
+            return keras.optimizers.Optimizer.save_own_variables(self, store)
+        for i, value in enumerate(self._keras_layout()):
+            store[str(i)] = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+
+    def load_own_variables(self, store: Any) -> None:
+        layout = self._keras_layout() if self.built else []
+        if layout and len(store.keys()) == len(layout) != len(self.variables):
+            for i, var in enumerate(layout):
+                var.assign(store[str(i)])
+            return
+        keras.optimizers.Optimizer.load_own_variables(self, store)  # unimp's own layout (older files)
+
+
 class _Counters:
     """The canonical ``skipped`` / ``steps`` counters (int64 optimizer variables)."""
 
@@ -55,8 +146,12 @@ class _Counters:
         self._skipped = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST, name="unimp_skipped")
         self._steps = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST, name="unimp_steps")
 
+    def _count(self, var: Any) -> None:
+        """One more step / skip, saturating at the int32 bound as the core's rule does (never wraps)."""
+        var.assign(tf.minimum(var + 1, INT32_MAX))
 
-class LossScaleOptimizer(_Counters, KerasLSO):
+
+class LossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
     """Loss scaling by unimp's reference rule; optionally float32 masters for low-precision params.
 
     ``masters`` maps ``id(model variable)`` to its float32 master: the inner optimizer updates
@@ -73,6 +168,7 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         self.reduce_dtype = reduce_dtype  # dtype of the cross-replica gradient sum (tf.distribute)
         self._masters = dict(masters or {})
         self._make_state()
+        self._make_exact_state()
         hook_inner(inner_optimizer)  # this wrapper sums gradients across replicas itself
 
     @tracking.no_automatic_dependency_tracking
@@ -80,7 +176,7 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         init = LossScale(self.spec).initial_state()
         # Under tf.distribute these are mirrored variables, written only in the cross-replica context
         # (one update, every replica's copy set to the same value).
-        self.dynamic_scale = self.add_variable((), keras.initializers.Constant(init.scale), "float32",
+        self.dynamic_scale = self.add_variable((), lambda shape, dtype: _held(init.scale), "float32",
                                                aggregation=ONLY_FIRST, name="unimp_scale")
         self.step_counter = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST,
                                               name="unimp_growth_tracker")
@@ -89,6 +185,12 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         self._make_counters()
 
     # ------------------------------------------------------------------ state
+    def _tracker_variable(self) -> Any:
+        return self.step_counter
+
+    def _scale_variable(self) -> Any:
+        return self.dynamic_scale
+
     def _state(self) -> State:
         return State(self.dynamic_scale.value, self.step_counter.value, self._hysteresis.value,
                      self._skipped.value, self._steps.value)
@@ -98,9 +200,12 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         return LossScaleState(float(s[0]), int(s[1]), int(s[2]), int(s[3]), int(s[4]))
 
     def set_loss_scale_state(self, state: LossScaleState) -> None:
-        for var, value in zip((self.dynamic_scale, self.step_counter, self._hysteresis, self._skipped,
-                               self._steps), (state.scale, state.growth_tracker, state.hysteresis_left,
-                                              state.skipped, state.steps), strict=True):
+        problems = policy_problems(self.spec, state)  # the rule as it runs here (a float32 scale)
+        if problems:
+            raise StateError("loss-scale state: " + "; ".join(problems))
+        self.dynamic_scale.assign(_held(state.scale))
+        for var, value in zip((self.step_counter, self._hysteresis, self._skipped, self._steps),
+                              (state.growth_tracker, state.hysteresis_left, state.skipped, state.steps), strict=True):
             var.assign(tf.cast(value, var.dtype))
 
     # ------------------------------------------------------------------ Keras hooks
@@ -146,7 +251,7 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         grads = list(grads)
         if self.spec.mode == "none" and not self.spec.skip_nonfinite:
             self._apply_inner(grads, trainable_variables)
-            self._steps.assign_add(1)
+            self._count(self._steps)
             return
         finite = self.check_finite(grads)
         if self.spec.skip_nonfinite:
@@ -196,7 +301,7 @@ class LossScaleOptimizer(_Counters, KerasLSO):
         else:
             step()
         if self.spec.mode == "none" and not self.spec.skip_nonfinite:
-            self._steps.assign_add(1)
+            self._count(self._steps)
         else:
             self._update(agreed)
 
@@ -219,8 +324,6 @@ class LossScaleOptimizer(_Counters, KerasLSO):
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
-        from keras.src.saving import serialization_lib
-
         inner = serialization_lib.deserialize_keras_object(config["inner_optimizer"],
                                                            custom_objects=custom_objects)
         ls = dict(config["loss_scale"])
@@ -233,7 +336,7 @@ def _assign_cast(var: Any, master: Any) -> Any:
     return var.assign(tf.cast(master, var.dtype))
 
 
-class KerasLossScaleOptimizer(_Counters, KerasLSO):
+class KerasLossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
     """Keras' own ``LossScaleOptimizer`` rule, plus the canonical skip/step counters."""
 
     def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, name: str | None = None) -> None:
@@ -244,6 +347,13 @@ class KerasLossScaleOptimizer(_Counters, KerasLSO):
         self.spec = spec
         self._pending: LossScaleState | None = None
         self._make_counters()
+        self._make_exact_state()
+
+    def _tracker_variable(self) -> Any:
+        return self.step_counter
+
+    def _scale_variable(self) -> Any:
+        return self.dynamic_scale
 
     @tracking.no_automatic_dependency_tracking
     def build(self, var_list: list) -> None:
@@ -265,6 +375,11 @@ class KerasLossScaleOptimizer(_Counters, KerasLSO):
         if state.hysteresis_left != 1:
             raise StateError(f"Keras' LossScaleOptimizer has no hysteresis; got hysteresis_left="
                              f"{state.hysteresis_left} (expected 1)")
+        if state.growth_tracker >= self.spec.growth_interval:  # keras LossScaleOptimizer grows at == steps - 1
+            raise StateError(f"growth_tracker: {state.growth_tracker} is not below loss_scale.growth_interval "
+                             f"({self.spec.growth_interval}): Keras' LossScaleOptimizer grows only when its "
+                             f"step_counter equals growth_interval - 1, so it would never grow from there where "
+                             f"the rule grows on the next finite step; apply with native_loss_scale=False")
         self._skipped.assign(state.skipped)
         self._steps.assign(state.steps)
         if self.built:
@@ -279,10 +394,10 @@ class KerasLossScaleOptimizer(_Counters, KerasLSO):
         return super().scale_loss(loss)
 
     def _common_apply(self, grads: list, trainable_variables: list | None = None) -> None:
-        self._steps.assign_add(1)
+        self._count(self._steps)
         super()._common_apply(grads, trainable_variables)
 
     def _stateful_handle_non_finite_grads(self) -> None:
-        self._skipped.assign_add(1)
+        self._count(self._skipped)
         super()._stateful_handle_non_finite_grads()
 

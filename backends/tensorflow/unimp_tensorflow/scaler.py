@@ -4,7 +4,9 @@ Pure functions of tensors, so one step traces into a ``tf.function`` with no hos
 scale is stored in float32 and computed in float64 on the float32 grid (products rounded once,
 as the reference's ``f32(scale * factor)``; subnormals kept or flushed as the policy says, even
 though TensorFlow's CPU kernels flush float32 subnormals). ``scale_dtype = "float64"`` cannot be
-held (the Keras optimizer's scale variable is float32): :func:`unsupported` says so.
+held (the Keras optimizer's scale variable is float32): :func:`unsupported` says so, and
+:func:`next_state` refuses such a spec (the Plan's ``on_unsupported = "fallback"`` passes
+:func:`device_spec` instead, the float32 rule its notes name).
 
 >>> import tensorflow as tf, unimp
 >>> spec = unimp.load({"loss_scale": {"initial": 8.0, "growth_interval": 1}}).loss_scale
@@ -20,7 +22,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from unimp.spi import FLT_TINY, Arrays, LossScaleSpec, loss_scale_as_run, step
+from unimp.spi import FLT_TINY, Arrays, LossScaleSpec, loss_scale_as_run, loss_scale_fallbacks, step
 
 
 class State(NamedTuple):
@@ -72,14 +74,21 @@ class TfOps:
         return tf.cast(flag, tf.int64)
 
     def mul(self, scale: tf.Tensor, factor: float) -> tf.Tensor:
-        p = scale * factor
-        sub = p < FLT_TINY
-        rounded_sub = tf.math.rint(tf.where(sub, p, tf.zeros_like(p)) * _TWO_149) / _TWO_149  # exact in float64
-        return tf.where(sub, rounded_sub, tf.cast(tf.cast(tf.where(sub, _tiny(p), p), tf.float32), tf.float64))
+        return _on_grid(scale * factor)
+
+    def div(self, scale: tf.Tensor, divisor: float) -> tf.Tensor:
+        return _on_grid(scale / divisor)  # float64 quotient of float32 values, then one float32 rounding
 
     where, isfinite = staticmethod(tf.where), staticmethod(tf.math.is_finite)
     logical_and, logical_not = staticmethod(tf.logical_and), staticmethod(tf.logical_not)
     maximum = staticmethod(tf.maximum)
+
+
+def _on_grid(p: tf.Tensor) -> tf.Tensor:
+    """A float64 value rounded to the nearest float32 (subnormals as IEEE float32 rounds them)."""
+    sub = p < FLT_TINY
+    rounded_sub = tf.math.rint(tf.where(sub, p, tf.zeros_like(p)) * _TWO_149) / _TWO_149  # exact in float64
+    return tf.where(sub, rounded_sub, tf.cast(tf.cast(tf.where(sub, _tiny(p), p), tf.float32), tf.float64))
 
 
 def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
@@ -93,6 +102,13 @@ def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
 def device_spec(spec: LossScaleSpec) -> LossScaleSpec:
     """The knobs that really run (``spec`` with the fallbacks :func:`unsupported` names)."""
     return loss_scale_as_run(spec, unsupported(spec))
+
+
+def runnable(spec: LossScaleSpec) -> LossScaleSpec:
+    """``spec`` itself when every knob is honoured here, else :class:`UnsupportedError` naming each:
+    the rule never runs a knob :func:`unsupported` declared."""
+    loss_scale_fallbacks(spec, unsupported(spec), "unimp_tensorflow loss scale", "error")
+    return spec
 
 
 def next_state(spec: LossScaleSpec, st: State, finite: tf.Tensor) -> State:
@@ -109,7 +125,7 @@ def next_state(spec: LossScaleSpec, st: State, finite: tf.Tensor) -> State:
 
 def transition(spec: LossScaleSpec, st: State, finite: tf.Tensor) -> tuple[State, tf.Tensor | None]:
     """(next state, ``at_min = "error"`` flag or None) of :func:`next_state`, without the assertion."""
-    spec = device_spec(spec)
+    spec = runnable(spec)
     if spec.mode != "dynamic":
         new, _, _ = step(TfOps(), spec, Arrays(*st), finite)
         return State(*new), None

@@ -1,6 +1,8 @@
 """Observe one real forward: per layer, the dtype it computed in, its variables' and its output's.
 
-Each observed layer's ``call`` is wrapped for the duration of one eager forward. The compute
+Every layer that computes is observed: units, and subclassed containers (their own ops run
+between their sublayers' calls); a Sequential/functional model only joins its layers. Each
+observed layer's ``call`` is wrapped for the duration of one eager forward. The compute
 dtype is the widest float input the layer's ``call`` received after Keras' input casting; for
 layers that cast by themselves (``autocast = False``: Embedding, normalisations) it is the dtype
 they produce.
@@ -22,7 +24,7 @@ import keras
 
 from unimp.spi import widest
 
-from .index import Unit
+from .index import Unit, is_graph
 
 Seen = tuple[str | None, str | None, str | None]  # compute, param, output
 
@@ -56,7 +58,7 @@ def observe(model: Any, units: Iterable[Unit], x: Any) -> tuple[dict[str, Seen],
     produced: dict[str, str | None] = {}  # a layer's own result dtype, before unimp's cast to its block's
     patched, inners = [], []
     for u in units:
-        if u.container:
+        if u.container and is_graph(u.layer):  # a Sequential/functional model only joins its layers
             continue
         layer = u.layer
         name = call_name(layer)

@@ -78,7 +78,7 @@ def test_export_lists_the_cap_torch_cannot_express():
     assert any(line.startswith("loss_scale.max = 16777216.0") for line in out.unexpressed)
     # and the cap is exactly what differs: the real GradScaler passes it
     finites = [True] * 4
-    scaler = torch.amp.GradScaler("cpu", **{k: v for k, v in out.config["GradScaler"].items() if k != "device"})
-    assert _real(scaler, finites) != trajectory(policy.loss_scale, finites)[0]
+    native = {k: v for k, v in out.config["GradScaler"].items() if k != "device"}
+    assert _real(torch.amp.GradScaler("cpu", **native), finites) != trajectory(policy.loss_scale, finites)[0]
     with pytest.raises(unimp.UnsupportedError, match="loss_scale.max"):
         out.strict()

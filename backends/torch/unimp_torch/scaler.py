@@ -20,7 +20,17 @@ from collections.abc import Iterable
 
 import torch
 
-from unimp.spi import Arrays, LossScale, LossScaleAtMinimumError, LossScaleSpec, LossScaleState, StateError, held, step
+from unimp.spi import (
+    INT32_MAX,
+    Arrays,
+    LossScale,
+    LossScaleAtMinimumError,
+    LossScaleSpec,
+    LossScaleState,
+    StateError,
+    held,
+    step,
+)
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -29,7 +39,8 @@ def torch_rule(spec: LossScaleSpec) -> bool:
     """Whether ``spec`` is exactly torch GradScaler's rule (so its fused kernel can run it)."""
     return (spec.mode == "dynamic" and spec.growth_schedule == "interval" and spec.hysteresis == 1
             and spec.min == 0.0 and math.isinf(spec.max) and spec.growth_requires_finite
-            and spec.scale_dtype == "float32" and spec.factor_arithmetic == "float64" and spec.subnormal == "keep")
+            and spec.scale_dtype == "float32" and spec.factor_arithmetic == "float64" and spec.subnormal == "keep"
+            and spec.backoff == "multiply")
 
 
 class DeviceLossScale:
@@ -38,7 +49,7 @@ class DeviceLossScale:
     def __init__(self, spec: LossScaleSpec, device: str | torch.device) -> None:
         self.spec = spec
         self.device = torch.device(device)
-        self.native = torch_rule(spec)
+        self.native = False
         self._ops = TorchOps(spec, self.device)
         self.checks = spec.mode != "none" or spec.skip_nonfinite  # finiteness is needed at all
         self.losses = 0  # losses scaled so far: new gradients may have arrived since this changed
@@ -60,6 +71,9 @@ class DeviceLossScale:
                                  f"{str(dtype)[6:]} counter ({e}); load a state_dict saved by unimp") from None
         self.scale, self.tracker, self.hysteresis, self.skipped = tensors
         self.steps = st.steps
+        # torch's kernel grows at tracker + 1 == interval (int32, wrapping): the same as the rule's
+        # tracker + 1 >= interval only from a tracker below the interval (where it then stays)
+        self.native = torch_rule(self.spec) and st.growth_tracker < self.spec.growth_interval
         self._inv = None
 
     def state(self) -> LossScaleState:
@@ -95,11 +109,11 @@ class DeviceLossScale:
     def update(self, found_inf: torch.Tensor | None) -> None:
         """Advance the rule by one optimizer step (``found_inf`` None: the step was not checked)."""
         s = self.spec
-        self.steps += 1
+        self.steps = min(self.steps + 1, INT32_MAX)  # the rule's counters saturate (unimp.scaling.step)
         if found_inf is None:
             return
         if s.skip_nonfinite:
-            self.skipped += (found_inf > 0).to(torch.int64)
+            self.skipped += ((found_inf > 0) & (self.skipped < INT32_MAX)).to(torch.int64)
         if s.mode != "dynamic":
             return
         if self.native:
@@ -148,6 +162,9 @@ class TorchOps:
 
     def mul(self, scale: torch.Tensor, factor: float) -> torch.Tensor:
         return (scale.double() * factor).to(self.dtype)  # one rounding, subnormals kept (IEEE)
+
+    def div(self, scale: torch.Tensor, divisor: float) -> torch.Tensor:
+        return (scale.double() / divisor).to(self.dtype)  # float64 quotient of float32 values: one rounding
 
     where, isfinite = staticmethod(torch.where), staticmethod(torch.isfinite)
     logical_and, logical_not = staticmethod(torch.logical_and), staticmethod(torch.logical_not)
