@@ -124,6 +124,22 @@ class Amp(abc.ABC):
             if callable(method) and not getattr(method, "_live_checked", False):
                 setattr(cls, name, _live_only(method, f"amp.{name}()"))
 
+    def check_loss_dtype(self, dtype: str) -> None:
+        """Warn (once per Amp) when a loss reaches the Amp in a low-precision dtype while the policy runs
+        ``loss`` in float32: it was computed outside the policy, on outputs the policy leaves in the
+        compute dtype (``output_dtype = "unchanged"``, as native autocast leaves them). Backends call
+        it with the loss's dtype name where the loss enters (``amp.backward``, ``amp.value_and_grad``)."""
+        if dtype not in ("float16", "bfloat16") or self.policy.ops.category("loss") != "float32" or \
+                self.__dict__.get("_warned_loss_dtype"):
+            return
+        self._warned_loss_dtype = True
+        warnings.warn(
+            f"unimp ({self.backend}): the loss reached the Amp in {dtype}, but the policy runs `loss` in "
+            f"float32: it was computed outside the policy on the model's {dtype} outputs (output_dtype = "
+            f"{self.policy.output_dtype!r} leaves them as the last op ran, as torch.autocast does). Cast the "
+            f"outputs to float32 before the loss (e.g. `F.cross_entropy(logits.float(), y)`), compute the "
+            f"loss inside the model, or set output_dtype = \"float32\"", UnimpWarning, stacklevel=3)
+
     def __init__(self, plan: Plan, model: Any, optimizer: Any = None) -> None:
         self.plan = plan
         self.policy: Policy = plan.policy

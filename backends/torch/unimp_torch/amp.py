@@ -58,6 +58,7 @@ class TorchAmp(Amp):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` on the scaled loss (call several times to accumulate)."""
         self._check_live("amp.backward()")
+        self.check_loss_dtype(str(loss.dtype).removeprefix("torch."))
         self.scaler.scale_loss(loss).backward(**kwargs)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
