@@ -8,8 +8,7 @@ scaling from an amax history); the rest runs bf16. Prints the report and the los
 
 from __future__ import annotations
 
-import argparse
-
+import fp8_compare  # examples/fp8_compare.py, beside this file
 import keras
 import numpy as np
 
@@ -33,15 +32,7 @@ def train(policy: str, epochs: int) -> tuple[list[float], unimp.Amp]:
 
 
 def main(argv: list[str] | None = None) -> tuple[list[float], list[float]]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--epochs", type=int, default=40)
-    ap.add_argument("--policy", default="fp8_delayed")
-    args = ap.parse_args(argv)
-    fp8, amp = train(args.policy, args.epochs)
-    print(amp.report(), end="\n\n")
-    bf16, _ = train("mixed_bf16", args.epochs)
-    print(f"final loss: {args.policy} {fp8[-1]:.4f}, mixed_bf16 {bf16[-1]:.4f} (ratio {fp8[-1] / bf16[-1]:.4f})")
-    return fp8, bf16
+    return fp8_compare.main(__doc__, train, "epochs", "fp8_delayed", argv)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,7 @@ rest runs bf16. Prints the report's FP8 column and the losses against ``mixed_bf
 
 from __future__ import annotations
 
-import argparse
-
+import fp8_compare  # examples/fp8_compare.py, beside this file
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,15 +37,7 @@ def train(policy: str, steps: int) -> tuple[list[float], unimp.Amp]:
 
 
 def main(argv: list[str] | None = None) -> tuple[list[float], list[float]]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--policy", default="fp8_tensorwise")
-    args = ap.parse_args(argv)
-    fp8, amp = train(args.policy, args.steps)
-    print(amp.report(), end="\n\n")
-    bf16, _ = train("mixed_bf16", args.steps)
-    print(f"final loss: {args.policy} {fp8[-1]:.4f}, mixed_bf16 {bf16[-1]:.4f} (ratio {fp8[-1] / bf16[-1]:.4f})")
-    return fp8, bf16
+    return fp8_compare.main(__doc__, train, "steps", "fp8_tensorwise", argv)
 
 
 if __name__ == "__main__":

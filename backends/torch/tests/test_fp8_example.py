@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "fp8_torch.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+import fp8_compare
 
 
 def test_fp8_example_runs_and_reports_its_fp8_layers(capsys):
-    spec = importlib.util.spec_from_file_location("fp8_torch", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    fp8, bf16 = mod.main(["--steps", "12"])
-    out = capsys.readouterr().out
-    recipe = "delayed" if "fp8_torch" == "fp8_keras" else "tensorwise"
-    assert sum(line.split()[-1] == recipe for line in out.splitlines() if line.split()[1:2] == ["linear"]) >= 2
-    assert fp8[-1] < fp8[0] and bf16[-1] < bf16[0]
+    fp8_compare.check("fp8_torch", ["--steps", "12"], "tensorwise", lambda: capsys.readouterr().out)
