@@ -7,6 +7,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import unimp
+from unimp.dtypes import reference_tolerance
 
 CUSTOM = {"extends": "mixed_bf16", "ops": {"lower": ["softmax", "conv"], "float32": ["matmul", "linear"]},
           "overrides": [{"modules": ["head"], "compute_dtype": "float32"}]}
@@ -28,9 +29,15 @@ def test_convnet_and_block_compile_without_graph_breaks(policy):
     for model, x in ((ConvNet(), torch.randn(2, 3, 8, 8)), (Block(), torch.randn(2, 4, 16))):
         amp = unimp.apply(policy, model, torch.optim.AdamW(model.parameters()))
         # inductor once (the real code path); AOT autograd (where autocast and casts are traced) otherwise
-        eager, compiled = _check(amp, x, backend="inductor" if policy == "mixed_bf16" else "aot_eager")
+        backend = "inductor" if policy == "mixed_bf16" else "aot_eager"
+        eager, compiled = _check(amp, x, backend=backend)
         assert compiled.dtype == eager.dtype == torch.float32
-        torch.testing.assert_close(compiled, eager, atol=2e-2, rtol=2e-2)
+        if backend == "aot_eager":  # the traced graph runs eager's kernels: bit for bit
+            assert torch.equal(compiled, eager)
+        else:  # inductor fuses ops and skips roundings between them: one more rounding of a bf16 forward
+            layers = sum(1 for m in model.modules() if next(m.children(), None) is None)
+            rel = float((compiled - eager).norm() / eager.norm())
+            assert rel <= reference_tolerance("bfloat16", layers), rel
         amp.remove()
 
 
@@ -45,8 +52,7 @@ def test_hf_llama_compiles_without_graph_breaks():
     ids = torch.randint(0, 64, (2, 8))
     eager, compiled = _check(amp, ids, labels=ids, backend="aot_eager")  # autocast traced by AOT; no C++ build
     assert type(compiled) is type(eager) and compiled.logits.dtype == torch.float32
-    torch.testing.assert_close(compiled.logits, eager.logits, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(compiled.loss, eager.loss, atol=1e-3, rtol=1e-3)
+    assert torch.equal(compiled.logits, eager.logits) and torch.equal(compiled.loss, eager.loss)  # eager's kernels
     amp.remove()
 
 
