@@ -18,7 +18,7 @@ NATIVE = {"fp32": None, "torch_autocast_cpu": torch.bfloat16, "mixed_bf16": torc
 # trajectory amplifies a rounding difference chaotically, by an amount that depends on the CPU, so
 # each step's loss is compared with torch's own at the same weights (tests_models/tolerance.py).
 EXACT = {"fp32", "torch_autocast_cpu"}
-# presets with low-precision parameters: the hand-written reference keeps fp32 masters by hand
+# presets with low-precision parameters: the hand-written reference holds them in that dtype (norms fp32)
 LOW_PARAMS = {"pure_bf16": torch.bfloat16, "fp16_master": torch.float16}
 NORMS = (torch.nn.LayerNorm, torch.nn.modules.batchnorm._BatchNorm, torch.nn.GroupNorm)
 # layers torch's autocast runs in its low dtype (HF GPT-2's Conv1D is an addmm): under a low-precision
@@ -27,43 +27,24 @@ LOWERED = ("Linear", "Conv2d", "Conv1D")
 
 
 def lower_params(model, dtype):
-    """The model's parameters in ``dtype`` except the norms' (apex O2 style); returns them, unique."""
-    unique = list({id(p): p for p in model.parameters()}.values())
+    """The model's parameters in ``dtype`` except the norms' (apex O2 style)."""
     keep = {id(p) for m in model.modules() if isinstance(m, NORMS) for p in m.parameters()}
-    for p in unique:
+    for p in model.parameters():
         if id(p) not in keep:
             p.data = p.data.to(dtype)
-    return unique
 
 
-def train_native(model, loss_of, dtype, params=None, steps=STEPS, lr=1e-3):
-    """torch's own AMP written by hand: autocast, and a GradScaler for float16. With ``params``
-    (a low dtype): the model's parameters in that dtype except the norms', and fp32 master copies
-    that the optimizer steps (apex O2 style: grads copied onto the masters, the masters copied
-    back). ``loss_of(model)`` runs one forward and returns the loss."""
-    unique = list({id(p): p for p in model.parameters()}.values())
-    masters = unique
-    if params is not None:
-        masters = [torch.nn.Parameter(p.detach().clone()) for p in unique]
-        lower_params(model, params)
-    opt = torch.optim.AdamW(masters, lr)
-    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
+def train_native(model, loss_of, dtype, steps=STEPS, lr=1e-3):
+    """torch's own AMP written by hand: autocast (plain float32 for ``dtype`` None) and AdamW.
+    ``loss_of(model)`` runs one forward and returns the loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr)
     losses = []
     for _ in range(steps):
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
             loss = loss_of(model)
-        scaler.scale(loss).backward()
-        if params is not None:
-            for p, m in zip(unique, masters):
-                m.grad = p.grad.float()
-                p.grad = None
-        scaler.step(opt)
-        scaler.update()
+        loss.backward()
+        opt.step()
         opt.zero_grad()
-        if params is not None:
-            with torch.no_grad():
-                for p, m in zip(unique, masters):
-                    p.copy_(m)
         losses.append(loss.item())
     return losses
 
@@ -100,10 +81,9 @@ def check_training(c, preset, amp, model, native, loss_of, lr=1e-3, steps=STEPS)
         amp.optimizer.zero_grad()
         losses.append(loss.item())
     what = "plain float32" if dtype is None else f"hand-written torch.autocast('cpu', {dtype})"
-    what += " + GradScaler" if dtype == torch.float16 and exact else ""
     what += f" with {low} weights (norms fp32)" if low else ""
     if exact:
-        want = train_native(native, loss_of, dtype, None, steps, lr)
+        want = train_native(native, loss_of, dtype, steps, lr)
         assert losses == want, (losses, want)
         c.check("loss", f"{steps} steps, bit-identical to {what}")
         return losses
