@@ -6,7 +6,8 @@
 
 The block trains under ``mixed_bf16`` (``--policies mixed_bf16,pure_bf16`` adds the bf16-params
 preset). Native is what a careful user writes by hand for the same policy: ``fully_shard`` with a
-``MixedPrecisionPolicy`` (param dtype as the policy's, ``reduce_dtype`` float32, float32 output;
+``MixedPrecisionPolicy`` (param dtype as the policy's, ``reduce_dtype`` float32, the policy's output dtype:
+none for ``"unchanged"``;
 for ``pure_bf16`` the two LayerNorms as float32 units of their own), ``torch.autocast(bf16)``
 around the forward, fused AdamW. unimp: ``unimp_torch.fully_shard(model, policy)`` +
 ``unimp.apply(policy, model, opt)`` and the training loop of docs/design.md. Both models alive, interleaved rounds
@@ -108,7 +109,8 @@ def native_fsdp(policy: unimp.Policy, model: nn.Module, device: str) -> Step:
                 fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce,
                                                               cast_forward_inputs=False))
     fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=DT[policy.param_dtype], reduce_dtype=reduce,
-                                                      output_dtype=torch.float32, cast_forward_inputs=False))
+                                                      output_dtype=DT[policy.output_cast] if policy.output_cast
+                                                      else None, cast_forward_inputs=False))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{n} devices: {', '.join(str(x) for x in jax.devices())}")
 
     def loss_fn(model: nnx.Module, tokens: jax.Array, targets: jax.Array, poison: jax.Array) -> jax.Array:
-        logits = model(tokens)  # float32 (the policy's output_dtype)
+        logits = model(tokens).astype(jnp.float32)  # the loss in float32, whatever the head ran in
         per_example = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(-1)
         return (per_example * jnp.where(poison, jnp.inf, 1.0)).mean()  # a poisoned row overflows its device
 

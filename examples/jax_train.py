@@ -47,7 +47,8 @@ class Classifier(nnx.Module):
 
 
 def loss_fn(model: Classifier, tokens: jax.Array, targets: jax.Array) -> jax.Array:
-    logits = model(tokens)  # the model's output is in the policy's output_dtype (float32)
+    # the loss in float32: with output_dtype "unchanged" (mixed_bf16) the logits are in the head's dtype
+    logits = model(tokens).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 

@@ -72,7 +72,7 @@ def hostile(tmp_path, monkeypatch):
 
 def _answer(args, capsys):
     """``main(args)`` within the bounded-work contract (CPU time and memory, tests/bounded.py)."""
-    from tests.bounded import answer
+    from bounded import answer
 
     rc = answer(main, args, seconds=2.0)
     assert rc == 1, capsys.readouterr()

@@ -113,6 +113,8 @@ def test_op_in_two_lists_of_one_file_is_an_error():
     ({"loss_scale": {"growth_intervall": 5}}, "loss_scale", "did you mean 'growth_interval'"),
     ({"compute_dtype": "bf16"}, "compute_dtype", "not one of"),
     ({"compute_dtype": "bfloat"}, "compute_dtype", "did you mean 'bfloat16'"),
+    ({"output_dtype": "unchange"}, "output_dtype", "did you mean 'unchanged'"),
+    ({"output_dtype": "auto"}, "output_dtype", "not one of"),
     ({"layout": {"channels_last": "yes"}}, "layout.channels_last", "true or false"),
     ({"colour": "red"}, "", "unknown key 'colour'"),
     ({"overrides": [{"compute_dtype": "float32"}]}, "overrides[0]", "matches nothing"),

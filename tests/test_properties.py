@@ -186,7 +186,7 @@ def valid_policies(draw):
         "name": draw(st.text(min_size=1, max_size=10).filter(str.strip)),
         "extends": draw(st.sampled_from(unimp.preset_names())),
         "compute_dtype": draw(st.sampled_from(["float16", "bfloat16", "float32", "auto"])),
-        "param_dtype": draw(dtype), "output_dtype": draw(dtype),
+        "param_dtype": draw(dtype), "output_dtype": draw(st.one_of(dtype, st.just("unchanged"))),
         "ops": {"lower": ops[:a], "float32": ops[a:b], "promote": ops[b:c]},
         "loss_scale": {"mode": draw(st.sampled_from(["none", "static", "dynamic"])), "initial": initial,
                        "skip_nonfinite": True,

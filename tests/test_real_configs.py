@@ -125,3 +125,110 @@ def test_import_export_import_is_the_identity_where_the_system_holds_it(item):
         assert out.unexpressed == (), out.unexpressed
         again = import_from(system, out.config).policy
     assert effective(again) == effective(first)
+
+
+@pytest.mark.parametrize(("raw", "facts"), [
+    # fabric/strategies/deepspeed.py::_format_precision_config: fp16 {enabled, loss_scale 0, initial_scale_power 16,
+    # loss_scale_window 1000, hysteresis 2, min_loss_scale 1}; DeepSpeed engine.py module.half(), ZeRO DynamicLossScaler
+    ('Trainer(precision="16-mixed", strategy="deepspeed_stage_3")',
+     {"param_dtype": "float16", "output_dtype": "float16", "reduce_dtype": "float16", "initial": 65536.0,
+      "hysteresis": 2, "at_min": "error"}),
+    ({"trainer": {"precision": "bf16-mixed", "strategy": {"_target_": "lightning.pytorch.strategies.DeepSpeedStrategy",
+                                                          "stage": 1}}},
+     {"param_dtype": "bfloat16", "output_dtype": "bfloat16", "reduce_dtype": "bfloat16", "mode": "none"}),
+    # plugins/precision/fsdp.py::FSDPPrecision.mixed_precision_config: param_dtype float32, reduce_dtype the low dtype
+    ('Trainer(precision="bf16-mixed", strategy="fsdp")',
+     {"param_dtype": "float32", "compute_dtype": "bfloat16", "reduce_dtype": "bfloat16", "mode": "none"}),
+    ({"trainer": {"precision": "16-mixed", "strategy": {"_target_": "lightning.pytorch.strategies.FSDPStrategy"}}},
+     {"param_dtype": "float32", "compute_dtype": "float16", "reduce_dtype": "float16", "initial": 65536.0}),
+    ('Trainer(precision="bf16-mixed", strategy="ddp")', {"param_dtype": "float32", "reduce_dtype": "float32"}),
+])
+def test_lightning_strategy_decides_who_runs_the_precision(raw, facts):
+    """A DeepSpeed strategy hands the precision to DeepSpeed (whole model in the low dtype, its
+    scaler); an FSDP strategy reduces in the low dtype; DDP keeps float32 gradients."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnimpWarning)
+        p = import_from("lightning", raw, "t").policy
+    got = {"param_dtype": p.param_dtype, "output_dtype": p.output_dtype, "reduce_dtype": p.distributed.reduce_dtype,
+           "compute_dtype": p.compute_dtype, "initial": p.loss_scale.initial, "hysteresis": p.loss_scale.hysteresis,
+           "at_min": p.loss_scale.at_min, "mode": p.loss_scale.mode}
+    assert {k: got[k] for k in facts} == facts
+
+
+def test_lightning_deepspeed_strategy_with_its_own_config_points_at_it():
+    raw = {"trainer": {"precision": 16, "strategy": {"_target_": "lightning.pytorch.strategies.DeepSpeedStrategy",
+                                                     "config": "ds.json"}}}
+    with pytest.raises(unimp.UnsupportedError, match=r"t: trainer.strategy.config: .*--from deepspeed"):
+        import_from("lightning", raw, "t")
+
+
+@pytest.mark.parametrize(("plugin", "facts"), [
+    # nemo/lightning/pytorch/plugins/mixed_precision.py::MegatronMixedPrecision.__init__ defaults:
+    # fp16_initial_loss_scale 2**32, fp16_min_loss_scale 1, fp16_loss_scale_window 1000, fp16_hysteresis 2,
+    # grad_reduce_in_fp32 True
+    ({"precision": "16-mixed"}, {"param_dtype": "float16", "reduce_dtype": "float32", "initial": 4294967296.0,
+                                 "growth_interval": 1000, "hysteresis": 2, "min": 1.0, "mode": "dynamic"}),
+    ({"precision": "16-mixed", "fp16_loss_scale": 1024}, {"mode": "static", "initial": 1024.0}),
+    ({"precision": "bf16-mixed", "grad_reduce_in_fp32": False}, {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16",
+                                                                 "mode": "none"}),
+    ({"precision": "32"}, {"param_dtype": "float32", "mode": "none"}),
+])
+def test_nemo2_megatron_mixed_precision_plugin(plugin, facts):
+    raw = {"trainer": {"devices": 1}, "plugins": {"_target_": "nemo.lightning.MegatronMixedPrecision", **plugin}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnimpWarning)
+        p = import_from("lightning", raw, "t").policy
+    got = {"param_dtype": p.param_dtype, "reduce_dtype": p.distributed.reduce_dtype, "initial": p.loss_scale.initial,
+           "growth_interval": p.loss_scale.growth_interval, "hysteresis": p.loss_scale.hysteresis,
+           "min": p.loss_scale.min, "mode": p.loss_scale.mode}
+    assert {k: got[k] for k in facts} == facts
+
+
+def test_nemo2_plugin_and_a_trainer_precision_conflict():
+    raw = {"trainer": {"precision": "bf16-mixed"}, "plugins": {"_target_": "nemo.lightning.MegatronMixedPrecision",
+                                                               "precision": "bf16-mixed"}}
+    with pytest.raises(unimp.PolicyError, match="t: trainer.precision: given together with plugins"):
+        import_from("lightning", raw, "t")
+
+
+def test_paddle_fleet_lines_pasted_as_written():
+    """fleet: ``strategy.amp = True; strategy.amp_configs = {...}`` (DistributedStrategy) pasted verbatim
+    imports as the amp_configs dict; ``strategy.amp = False`` says fleet runs float32."""
+    text = ('strategy = fleet.DistributedStrategy()\nstrategy.amp = True\n'
+            'strategy.amp_configs = {"init_loss_scaling": 1024, "custom_white_list": ["softmax"]}')
+    p = import_from("paddle", text, "t").policy
+    assert p.loss_scale.initial == 1024.0 and p.compute_dtype == "float16" and p.ops.category("softmax") == "lower"
+    with pytest.raises(unimp.PolicyError, match="t: strategy.amp: False"):
+        import_from("paddle", text.replace("amp = True", "amp = False"), "t")
+
+
+@pytest.mark.parametrize("line", ["paddle.static.amp.decorate(optimizer, use_fp16_guard=True)",
+                                  "opt = paddle.fluid.contrib.mixed_precision.decorate(opt, init_loss_scaling=128.0)"])
+def test_paddle_static_decorate_is_refused_with_the_fleet_form(line):
+    """static.amp.decorate is not paddle.amp.decorate (its arguments and two overloads' defaults differ,
+    python/paddle/static/amp/decorator.py): a located refusal whose fix command itself imports."""
+    with pytest.raises(unimp.UnsupportedError) as e:
+        import_from("paddle", line, "t")
+    assert "static-graph decorate" in str(e.value)
+    fix = re.search(r"`unimp import '(.*)' --from paddle`", str(e.value)).group(1)
+    assert import_from("paddle", fix, "t").policy.loss_scale.initial == 32768.0
+
+
+def test_lightning_on_tpu_is_refused_with_why():
+    """fabric/plugins/precision/xla.py XLAPrecision: 16-true / bf16-true set XLA_USE_F16 / XLA_USE_BF16
+    (every float32 tensor held low, optimizer state included); '-mixed' is not an XLA precision."""
+    with pytest.raises(unimp.UnsupportedError, match="t: accelerator: 'tpu' with bf16-true: XLAPrecision"):
+        import_from("lightning", 'Trainer(precision="bf16-true", accelerator="tpu")', "t")
+    assert import_from("lightning", 'Trainer(precision="32-true", accelerator="tpu")', "t").policy.param_dtype == \
+        "float32"
+
+
+def test_nemo2_plugin_dtype_arguments_as_its_recipes_write_them():
+    """nemo/collections/llm/recipes/precision/mixed_precision.py bf16_mixed(): params_dtype and
+    pipeline_dtype torch.bfloat16: the same Float16Module run; another dtype is refused."""
+    plugin = {"_target_": "nemo.lightning.MegatronMixedPrecision", "precision": "bf16-mixed",
+              "params_dtype": "torch.bfloat16", "pipeline_dtype": "torch.bfloat16", "autocast_enabled": False}
+    p = import_from("lightning", {"trainer": {"devices": 1}, "plugins": plugin}, "t").policy
+    assert (p.param_dtype, p.distributed.reduce_dtype) == ("bfloat16", "float32")
+    with pytest.raises(unimp.UnsupportedError, match="t: plugins.params_dtype"):
+        import_from("lightning", {"trainer": {}, "plugins": {**plugin, "params_dtype": "torch.float16"}}, "t")

@@ -120,8 +120,10 @@ def test_no_key_is_dropped_silently(system, entry):
             if isinstance(raw[key], dict) and key not in imp.ignored and not whole:  # a section read: each key too
                 for sub in raw[key]:
                     assert f"{key}.{sub}" in imp.ignored or sub in body, f"{key}.{sub}"
-    else:  # a launch script / code line: every argument is read or listed
-        assert all(word.startswith("--") for word in imp.ignored)
+    else:  # a launch script / code line: every argument is read or listed (and the DeepSpeed JSON it writes)
+        assert all(word.startswith("--") or "--deepspeed_config" in imp.text for word in imp.ignored)
+    ignored_line = next((line for line in imp.text.splitlines() if line.startswith("# Not precision")), "")
+    assert all(word in ignored_line for word in imp.ignored)  # the file the user reads lists each one
 
 
 def test_the_zero_stage_is_listed_not_rewritten(capsys):
@@ -169,6 +171,36 @@ def test_auto_needs_the_trainer_arguments(tmp_path, capsys):
     assert main(["import", path, "--from", "deepspeed", "--assume", "fp16=maybe"]) == 1
     err = capsys.readouterr().err
     assert "--assume fp16" in err and "Traceback" not in err
+
+
+def test_the_trainer_precision_adds_the_section_the_file_lacks(capsys):
+    """HF Trainer hands its precision to Accelerate (transformers training_args.py __post_init__:
+    ACCELERATE_MIXED_PRECISION); accelerate utils/dataclasses.py DeepSpeedPlugin.set_mixed_precision
+    adds ``bf16: {enabled: true}`` (or ``fp16: {enabled: true, auto_cast: true}``) when the config has
+    no such section. HF's zero3 file has only an fp16 "auto" section: with bf16=true it trains bf16,
+    never float32; the other section enabled is Accelerate's ValueError."""
+    path = str(ROOT / "deepspeed" / "hf_ds_config_zero3.json")
+    assert main(["import", path, "--from", "deepspeed", "--assume", "bf16=true"]) == 0
+    out = capsys.readouterr().out
+    assert 'extends = "deepspeed_bf16"' in out and "DeepSpeedPlugin.set_mixed_precision" in out
+    policy = import_from("deepspeed", {"zero_optimization": {"stage": 2}}, "x", {"fp16": "true"}).policy
+    assert (policy.param_dtype, policy.loss_scale.mode, policy.loss_scale.hysteresis) == ("float16", "dynamic", 2)
+    with pytest.raises(PolicyError, match="x: bf16.enabled: "):  # HF's mismatch check, or Accelerate's
+        import_from("deepspeed", {"bf16": {"enabled": True}}, "x", {"fp16": "true"})
+
+
+def test_a_file_value_the_trainer_arguments_contradict_is_refused_as_hf_refuses_it():
+    """HfTrainerDeepSpeedConfig.fill_match (transformers integrations/deepspeed.py): a value that is
+    not "auto" must equal the Trainer's, else trainer_config_finalize raises. LLaMA-Factory's fp8 file
+    has fp16.enabled false: with fp16=true HF refuses the run (it never trains float32)."""
+    raw = {"fp16": {"enabled": False}, "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}}
+    with pytest.raises(PolicyError, match=r"x: fp16.enabled: False while the Trainer arguments give True"):
+        import_from("deepspeed", raw, "x", {"fp16": "true"})
+    assert import_from("deepspeed", raw, "x", {"bf16": "true"}).policy.param_dtype == "bfloat16"
+    with pytest.raises(PolicyError, match=r"x: bf16.enabled: True while the Trainer arguments give False"):
+        import_from("deepspeed", {"bf16": {"enabled": True}}, "x", {"fp16": "false"})
+    assert import_from("deepspeed", {"fp16": {"enabled": False}}, "x", {"bf16": "false"}).policy.param_dtype == \
+        "float32"
 
 
 def test_every_command_of_the_migration_guide_runs(tmp_path, monkeypatch, capsys):
@@ -279,3 +311,36 @@ def test_deepspeed_amp_section_is_apex():
     """engine.py _configure_optimizer: "amp": {"enabled": true, ...} calls apex.amp.initialize(**amp_params)."""
     got = import_from("deepspeed", {"amp": {"enabled": True, "opt_level": "O2"}}, "ds.json").policy
     assert effective(got) == effective(import_from("apex", "O2").policy)
+
+
+@pytest.mark.parametrize(("raw", "facts"), [
+    # accelerator.py Accelerator.__init__: bf16 native_amp on device 'cpu'; get_mixed_precision_context_manager:
+    # torch.autocast(device_type=state.device.type) -> the CPU op lists
+    ({"distributed_type": "MULTI_CPU", "mixed_precision": "bf16"}, {"extends_cpu": True, "param_dtype": "float32"}),
+    ({"distributed_type": "NO", "use_cpu": True, "mixed_precision": "bf16"}, {"extends_cpu": True}),
+    # native_amp is off for MEGATRON_LM; utils/dataclasses.py MegatronLMPlugin.set_mixed_precision sets args fp16/bf16
+    ({"distributed_type": "MEGATRON_LM", "mixed_precision": "bf16"},
+     {"param_dtype": "bfloat16", "output_dtype": "float32", "reduce_dtype": "float32", "masters": True}),
+    ({"distributed_type": "MEGATRON_LM", "mixed_precision": "fp16"},
+     {"param_dtype": "float16", "output_dtype": "float32", "masters": True}),
+])
+def test_accelerate_device_and_megatron_decide_the_numerics(raw, facts):
+    imp = import_from("accelerate", raw, "a.yaml")
+    p = imp.policy
+    got = {"extends_cpu": 'extends = "torch_autocast_cpu"' in imp.text, "param_dtype": p.param_dtype,
+           "output_dtype": p.output_dtype, "reduce_dtype": p.distributed.reduce_dtype,
+           "masters": p.master_weights.enabled}
+    assert {k: got[k] for k in facts} == facts
+
+
+def test_accelerate_fp16_on_cpu_is_refused_with_why():
+    with pytest.raises(UnsupportedError, match="a.yaml: mixed_precision: 'fp16' on CPU"):
+        import_from("accelerate", {"distributed_type": "MULTI_CPU", "mixed_precision": "fp16"}, "a.yaml")
+
+
+def test_megatron_precision_from_a_variable_the_script_does_not_set_is_located():
+    """``--${PRECISION}`` with PRECISION unassigned is set at launch: never 'float32' by default."""
+    with pytest.raises(PolicyError, match=r"s.sh: --\$\{PRECISION\}: no --fp16 / --bf16 written out"):
+        import_from("megatron", "torchrun pretrain_gpt.py --${PRECISION} --micro-batch-size 2", "s.sh")
+    imp = import_from("megatron", "export PRECISION=fp16\ntorchrun pretrain_gpt.py --$PRECISION", "s.sh")
+    assert imp.policy.param_dtype == "float16"

@@ -84,3 +84,35 @@ def test_found_through_its_entry_point(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["numpy", "float16"]
+
+
+class _CastsAnyway(NumpyKit):
+    """A broken backend: casts the model's output to float32 whatever the policy says."""
+
+    def apply(self, policy, model, optimizer):
+        amp = super().apply(policy, model, optimizer)
+        model.output_dtype = "float32"
+        return amp
+
+
+class _NeverCasts(NumpyKit):
+    """A broken backend: never casts the model's output."""
+
+    def apply(self, policy, model, optimizer):
+        amp = super().apply(policy, model, optimizer)
+        model.output_dtype = None
+        return amp
+
+
+@pytest.mark.parametrize(("kit", "fails_on"), [(_CastsAnyway, "unchanged"), (_NeverCasts, "float32")])
+def test_output_dtype_check_catches_a_wrong_cast(kit, fails_on):
+    """check_output_dtype runs each policy with its last op lowered both ways, so a backend that casts an
+    "unchanged" output (or leaves a "float32" one low) fails, even under a preset whose last op is float32."""
+    from unimp.conformance import ConformanceFailure
+    from unimp.conformance.checks import check_output_dtype
+
+    pol = unimp.load("mixed_fp16")
+    assert pol.output_dtype == "unchanged"
+    check_output_dtype(NumpyKit(), pol)
+    with pytest.raises(ConformanceFailure, match=f"output_{fails_on}.*model output dtype"):
+        check_output_dtype(kit(), pol)

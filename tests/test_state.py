@@ -140,3 +140,17 @@ def test_deepcopy_that_cannot_copy_is_refused_with_the_fix(amp):
 class _Uncopyable:
     def __deepcopy__(self, memo):
         raise AttributeError("no attribute 'optimizer'")
+
+
+def test_a_state_saved_before_the_outputs_became_unchanged_loads_strictly(amp):
+    """mixed_fp16's outputs became "unchanged" (its fingerprint changed): a state dict saved under the old
+    fingerprint (output_dtype float32, main at e0dc498) still loads strictly; another policy's does not."""
+    state = amp.state_dict()
+    old = {**state, "policy_fingerprint": POLICY.replace(output_dtype="float32").fingerprint}
+    assert POLICY.output_dtype == "unchanged" and old["policy_fingerprint"] != state["policy_fingerprint"]
+    assert unimp.load("mixed_fp16").replace(output_dtype="float32").fingerprint == "77ad2645bffe9fc3"
+    amp.load_state_dict(old)
+    assert amp.state_dict() == state
+    other = {**state, "policy_fingerprint": POLICY.replace(loss_scale={"growth_interval": 2}).fingerprint}
+    with pytest.raises(StateError, match="fingerprint"):
+        amp.load_state_dict(other)

@@ -89,6 +89,27 @@ def within(got, want, layers):
     return loss, grad
 
 
+def test_hf_trainer_custom_loss_on_unchanged_outputs_equals_trainer_bf16(tmp_path):
+    """A ``compute_loss_func`` on the logits: Trainer(bf16=True) gets them cast to float32 by Accelerate
+    (``convert_outputs_to_fp32``); torch_autocast_cpu leaves them bf16 (as torch.autocast) and runs compute_loss
+    under the policy, where the loss is float32: the same run, bit for bit."""
+    seen = []
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        seen.append(outputs.logits.dtype)
+        logits = outputs.logits[:, :-1].flatten(0, 1)
+        return torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten())
+
+    runs = []
+    for policy, kw in (("torch_autocast_cpu", {}), (None, {"bf16": True})):
+        trainer = hf_trainer(tmp_path / str(policy), policy, steps=3, **kw)
+        trainer.compute_loss_func = loss_func
+        trainer.train()
+        runs.append(params(trainer.model))
+    assert seen == [torch.bfloat16] * 3 + [torch.float32] * 3
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
 def test_hf_trainer_mixed_fp16_scales_the_loss(tmp_path):
     """Gradients reach the optimizer unscaled: each step's gradient norm (the Trainer's own log) and
     loss equal float32's at the weights that step starts from, on the batch the Trainer feeds, within

@@ -95,3 +95,64 @@ def test_float16_storage_float32_compute_gpt2():
         amp.optimizer.zero_grad()
     assert torch.isfinite(loss)
     amp.remove()
+
+
+# ---------------------------------------------------------------- entry points other than forward
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """(aten op, output dtype) of every matmul/conv op that runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.split(".")[0] in ("mm", "bmm", "addmm", "baddbmm", "convolution"):
+            self.ops.append((func.__name__, (out[0] if isinstance(out, tuple | list) else out).dtype))
+        return out
+
+
+def t5_generate():
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return (transformers.T5ForConditionalGeneration(cfg).eval(),
+            lambda m: m.generate(input_ids=IDS[:2, :7], max_new_tokens=4, do_sample=False, num_beams=1))
+
+
+def clip_image_features():
+    torch.manual_seed(0)
+    cfg = transformers.CLIPConfig(
+        text_config={"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                     "num_attention_heads": 4, "max_position_embeddings": 16},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                       "image_size": 16, "patch_size": 8, "num_channels": 3}, projection_dim=16)
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    return transformers.CLIPModel(cfg).eval(), lambda m: m.get_image_features(pixel_values=pixels)
+
+
+ENTRY_POINTS = {"hf_t5_generate": t5_generate, "hf_clip_get_image_features": clip_image_features}
+
+
+@pytest.mark.parametrize("preset", list(NATIVE))
+@pytest.mark.parametrize("name", list(ENTRY_POINTS))
+def test_hf_entry_point(name, preset, cell):
+    """``generate()`` (which runs ``get_encoder()(...)`` itself) and CLIP's feature method run under
+    the policy: every matmul/conv in the dtype native ``torch.autocast`` around the same call runs it
+    (on the model in the preset's parameter dtype), and, for torch's own CPU autocast, the same output."""
+    c = cell("torch", name, preset)
+    model, call = ENTRY_POINTS[name]()
+    dtype = NATIVE[preset]
+    native = copy.deepcopy(model).to(LOW_PARAMS.get(preset, torch.float32))
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None), \
+            _OpLog() as ref:
+        want = call(native)
+    amp = unimp.apply(preset, model)
+    with torch.no_grad(), _OpLog() as got:
+        out = call(amp.model)
+    amp.remove()
+    assert ref.ops and got.ops == ref.ops, (got.ops, ref.ops)
+    c.check("entry point", f"{len(got.ops)} matmul/conv ops in the dtypes of native autocast around the call")
+    if preset in ("fp32", "torch_autocast_cpu"):
+        assert torch.equal(getattr(out, "pooler_output", out), getattr(want, "pooler_output", want))
+        c.check("output", "equal to native autocast around the call")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from unimp.conformance.checks import close, loss_tolerance
-from unimp.conformance.expect import expected_layers
+from unimp.conformance.expect import expected_layers, expected_output_dtype
 from unimp.conformance.observe import RESUME_RULE, observation_policy
 from unimp.conformance.probe import PROBE
 from unimp.loss_scale import LossScale, LossScaleState
@@ -50,6 +50,13 @@ def compare_dtypes(obs: dict[str, dict]) -> list[str]:
                     problems.append(
                         f"dtypes: policy {pol}, layer {layer.path} ({layer.kind}): {a} observed {va}, {b} observed "
                         f"{vb}; the core expects {[exp.compute_dtype, exp.param_dtype, exp.output_dtype]}")
+            last = PROBE[-1].kind  # the model's output: cast to output_dtype, or "unchanged" = the last layer's
+            if (da.get("output") and db.get("output") and da["output"] != db["output"] and "fixed" not in
+                    (da["control"].get(last), db["control"].get(last))
+                    and da["honoured"].get(last) and db["honoured"].get(last)):
+                problems.append(f"dtypes: policy {pol}, model output: {a} observed {da['output']}, {b} observed "
+                                f"{db['output']}; the core expects "
+                                f"{expected_output_dtype(observation_policy(pol), da['compute_dtype'])}")
     return problems
 
 

@@ -23,6 +23,7 @@ from .loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
 from .plan import Plan
 from .policy import LossScaleSpec, Policy
 from .report import Report
+from .transaction import Snapshot
 
 STATE_FORMAT = "unimp.amp/1"
 
@@ -76,6 +77,13 @@ class Backend(abc.ABC):
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         """Bind the plan to ``model`` (+ ``optimizer``); returns the backend's Amp."""
 
+    def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
+        """What ``apply`` may change on ``model`` and ``optimizer``, restored if ``apply`` fails
+        (:mod:`unimp.transaction`). The default covers their own attributes; a backend whose
+        apply changes submodules or array values names them too (``plan``: the Plan about to be
+        applied, e.g. to copy values only where apply casts them in place)."""
+        return Snapshot([model, optimizer])
+
     def scope(self, policy: Policy) -> Any:
         """A context manager building new models under ``policy`` (optional)."""
         from .errors import UnsupportedError
@@ -115,6 +123,22 @@ class Amp(abc.ABC):
             method = cls.__dict__.get(name)
             if callable(method) and not getattr(method, "_live_checked", False):
                 setattr(cls, name, _live_only(method, f"amp.{name}()"))
+
+    def check_loss_dtype(self, dtype: str) -> None:
+        """Warn (once per Amp) when a loss reaches the Amp in a low-precision dtype while the policy runs
+        ``loss`` in float32: it was computed outside the policy, on outputs the policy leaves in the
+        compute dtype (``output_dtype = "unchanged"``, as native autocast leaves them). Backends call
+        it with the loss's dtype name where the loss enters (``amp.backward``, ``amp.value_and_grad``)."""
+        if dtype not in ("float16", "bfloat16") or self.policy.ops.category("loss") != "float32" or \
+                self.__dict__.get("_warned_loss_dtype"):
+            return
+        self._warned_loss_dtype = True
+        warnings.warn(
+            f"unimp ({self.backend}): the loss reached the Amp in {dtype}, but the policy runs `loss` in "
+            f"float32: it was computed outside the policy on the model's {dtype} outputs (output_dtype = "
+            f"{self.policy.output_dtype!r} leaves them as the last op ran, as torch.autocast does). Cast the "
+            f"outputs to float32 before the loss (e.g. `F.cross_entropy(logits.float(), y)`), compute the "
+            f"loss inside the model, or set output_dtype = \"float32\"", UnimpWarning, stacklevel=3)
 
     def __init__(self, plan: Plan, model: Any, optimizer: Any = None) -> None:
         self.plan = plan
@@ -189,7 +213,8 @@ class Amp(abc.ABC):
         fp = state.get("policy_fingerprint")
         if not problems:  # strict or not: strict=False takes another policy's state, never one this rule can't run
             problems = self._policy_problems(LossScaleState.from_dict(state))
-        if fp != self.policy.fingerprint and strict:
+        same = self.policy.loads_state_of(fp)
+        if not same and strict:
             raise StateError(f"amp.load_state_dict(): state_dict was saved under policy fingerprint {fp!r:.60}, "
                              f"this Amp uses {self.policy.fingerprint} ({self.policy.name}); load the same "
                              + ("policy" if problems else "policy, or pass strict=False to take the loss-scale "
@@ -197,7 +222,7 @@ class Amp(abc.ABC):
                              + "".join(f"; {p}" for p in problems))
         if problems:
             raise StateError("amp.load_state_dict(): " + "; ".join(problems))
-        if fp != self.policy.fingerprint:
+        if not same:
             warnings.warn(f"amp.load_state_dict(strict=False): state_dict was saved under policy fingerprint "
                           f"{fp!r:.60}, this Amp uses {self.policy.fingerprint} ({self.policy.name}); its "
                           f"loss-scale state is taken", UnimpWarning, stacklevel=2)

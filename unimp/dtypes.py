@@ -13,6 +13,7 @@ from typing import Any
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 COMPUTE_DTYPES = (*FLOAT_DTYPES, "auto")
+OUTPUT_DTYPES = (*FLOAT_DTYPES, "unchanged")  # "unchanged": outputs not cast (as torch.autocast/Keras/Paddle give)
 LOW_PRECISION = ("float16", "bfloat16")
 
 _RANK = {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 3}

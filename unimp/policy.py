@@ -13,11 +13,12 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .dtypes import is_low
+from .dtypes import OUTPUT_DTYPES, is_low
 from .resolve import resolve, to_text
 
 
@@ -185,12 +186,42 @@ class Policy:
         text = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def loads_state_of(self, fingerprint: Any) -> bool:
+        """Whether a state dict saved under ``fingerprint`` is this policy's: the same fingerprint, or one that
+        differs only in ``output_dtype`` (casting the outputs changes no loss-scale state, so state dicts saved
+        before a preset's outputs became ``"unchanged"`` keep loading strictly).
+
+        >>> import unimp
+        >>> p = unimp.load("mixed_fp16")
+        >>> p.loads_state_of(p.replace(output_dtype="float32").fingerprint), p.loads_state_of("0" * 16)
+        (True, False)
+        """
+        if fingerprint == self.fingerprint:
+            return True
+        if not isinstance(fingerprint, str):
+            return False
+        with warnings.catch_warnings():  # this policy was validated (and warned about) when loaded
+            warnings.simplefilter("ignore")
+            return any(self.replace(output_dtype=d).fingerprint == fingerprint
+                       for d in OUTPUT_DTYPES if d != self.output_dtype)
+
     def replace(self, **changes: Any) -> Policy:
         """A new, re-validated policy; table keys merge (``loss_scale={"mode": "static"}``)."""
         source = f"{self.source} (replace)"
         return Policy.from_resolved(resolve(changes, parent=self.to_dict(), source=source), source)
 
     # ---------------------------------------------------------------- queries backends share
+    @property
+    def output_cast(self) -> str | None:
+        """The dtype backends cast the model's floating outputs to; None for ``output_dtype = "unchanged"``
+        (each output stays in the dtype its producing op ran in).
+
+        >>> import unimp
+        >>> unimp.load("fp32").output_cast, unimp.load("torch_autocast_cpu").output_cast
+        ('float32', None)
+        """
+        return None if self.output_dtype == "unchanged" else self.output_dtype
+
     @property
     def low_precision_params(self) -> bool:
         return is_low(self.param_dtype)

@@ -18,6 +18,7 @@ from .applied import remember as _remember
 from .backend import Amp, Backend
 from .errors import UnsupportedError
 from .loading import load
+from .transaction import all_or_nothing
 
 GROUP = "unimp.backends"
 HINTS = {"torch": "unimp-torch (torch.nn.Module)", "flax": "unimp-jax (Flax nnx/linen Module)",
@@ -83,7 +84,8 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
           **options: Any) -> Amp:
     """Bind a policy (file, preset name, dict or Policy) to a model and optimizer.
 
-    The backend is detected from the model's type unless ``backend`` names one.
+    The backend is detected from the model's type unless ``backend`` names one. If applying
+    fails, the model and optimizer are left exactly as they were (``Backend.snapshot``).
     """
     pol = load(policy)
     if is_applied(model):
@@ -94,7 +96,9 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
         raise TypeError(f"backend {backend!r} does not accept {type(model)!r} (it takes "
                         f"{chosen.model_types})")
     plan = chosen.compile(pol, model)
-    amp = chosen.apply(plan, model, optimizer, **options)
+    # all or nothing: whatever apply changed before it failed is put back (unimp.transaction)
+    amp = all_or_nothing(chosen.snapshot(model, optimizer, plan),
+                         lambda: chosen.apply(plan, model, optimizer, **options))
     amp._applied_ids = _remember(model, amp.model)
     return amp
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .dtypes import COMPUTE_DTYPES, FLOAT_DTYPES
+from .dtypes import COMPUTE_DTYPES, FLOAT_DTYPES, OUTPUT_DTYPES
 from .ops import CANONICAL_OPS, OP_LISTS, suggest
 
 GROWTH_SCHEDULES = ("interval", "interval_plus_one", "window")
@@ -61,7 +61,9 @@ TOP: dict[str, Field] = {
                      max_len=MAX_PATH),
     "compute_dtype": _enum(COMPUTE_DTYPES, "bfloat16", "dtype of ops in the `lower` list"),
     "param_dtype": _enum(FLOAT_DTYPES, "float32", "dtype parameters hold in forward"),
-    "output_dtype": _enum(FLOAT_DTYPES, "float32", "dtype of the model's outputs"),
+    "output_dtype": _enum(OUTPUT_DTYPES, "float32",
+                          "dtype the model's floating outputs are cast to; \"unchanged\": not cast, each output "
+                          "in the dtype its producing op ran in (torch.autocast, Keras 3, Paddle auto_cast)"),
     "on_unsupported": _enum(("error", "fallback"), "error",
                             "what to do when a backend cannot honour a request"),
 }

@@ -64,10 +64,11 @@ from .registry import apply, remember
 from .report import Report, ReportRow
 from .scaling import ArrayOps, Arrays, held, step, tiny
 from .spec import FLT_TINY, INT32_MAX
+from .transaction import Snapshot
 
 __all__ = [
     # the plug-in
-    "TAGS", "Amp", "Backend", "NoForwardError", "is_applied", "remember",
+    "TAGS", "Amp", "Backend", "NoForwardError", "Snapshot", "is_applied", "remember",
     # the input
     "LayerDecision", "Layout", "LossScaleSpec", "Policy", "apply", "load",
     # the compiled contract and the op vocabulary

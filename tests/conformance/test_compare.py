@@ -37,6 +37,21 @@ def test_a_backend_that_lowers_log_softmax_is_named():
                for p in problems), problems
 
 
+def test_a_backend_that_casts_an_unchanged_output_is_named():
+    """custom_moved_ops (output_dtype "unchanged", log_softmax lowered): the output is the last layer's bf16;
+    a backend that casts it to float32 anyway is named."""
+    obs = {n: o for n, o in observations().items() if isinstance(o["dtypes"].get("custom_moved_ops"), dict)
+           and o["dtypes"]["custom_moved_ops"].get("output") == "bfloat16"}
+    if not obs:
+        pytest.skip("no observed backend ran custom_moved_ops in bfloat16 (observations from before 'output')")
+    name, good = next(iter(obs.items()))
+    bad = copy.deepcopy(good)
+    bad["dtypes"]["custom_moved_ops"]["output"] = "float32"
+    problems = compare_dtypes({name: good, "broken": bad})
+    assert any("model output" in p and "broken observed float32" in p and "core expects bfloat16" in p
+               for p in problems), problems
+
+
 def test_a_scaler_that_grows_one_step_late_is_named():
     obs = observations()
     name, good = next(iter(obs.items()))

@@ -19,7 +19,7 @@ from ..errors import StateError, UnsupportedError
 from ..loading import load
 from ..loss_scale import STATE_KEYS, LossScale, LossScaleState
 from ..policy import Policy
-from .expect import expected_layers
+from .expect import expected_layers, expected_output_dtype
 from .kit import Kit
 from .probe import PROBE, probe_batches, probe_weights, reference_forward, reference_loss
 from .select import CHECK_POLICIES
@@ -99,15 +99,39 @@ def check_layer_dtypes(kit: Kit, policy: Policy) -> None:
         amp.remove()
 
 
+def last_op_lowered(policy: Policy, output_dtype: str) -> Policy:
+    """``policy`` with the probe's last op (``log_softmax``) in the ``lower`` list and ``output_dtype``: a
+    low-precision last layer, so a cast output and an uncast one differ."""
+    last = PROBE[-1].kind
+    ops = {name: [o for o in getattr(policy.ops, name) if o != last] for name in ("lower", "float32", "promote")}
+    ops["lower"].append(last)
+    return policy.replace(name=f"{policy.name}+{last}_lowered+output_{output_dtype}", ops=ops,
+                          output_dtype=output_dtype)
+
+
 def check_output_dtype(kit: Kit, policy: Policy) -> None:
-    """The model's output is in ``output_dtype``."""
-    amp = setup(kit, policy)
-    try:
-        got = kit.dtype_name(kit.output(amp, probe_batches(1)[0]))
-        if got != policy.output_dtype:
-            raise _fail(kit, policy, "model output dtype", policy.output_dtype, got)
-    finally:
-        amp.remove()
+    """The model's output is cast to ``output_dtype``; with ``"unchanged"`` it is in the dtype the last layer
+    ran in (nothing casts it). The policy with the last op lowered runs too, both ways: its output must be
+    low under ``"unchanged"`` (a backend that casts anyway fails) and cast under ``"float32"``."""
+    variants = [policy]
+    if policy.compute_dtype != "float32":
+        variants += [last_op_lowered(policy, "unchanged"), last_op_lowered(policy, "float32")]
+    for i, pol in enumerate(variants):
+        try:
+            amp = setup(kit, pol)
+        except NotApplicable:
+            if i == 0:
+                raise
+            continue  # the counterpart needs a policy this backend refuses (clearly: setup checked it)
+        try:
+            got = kit.dtype_name(kit.output(amp, probe_batches(1)[0]))
+            want = expected_output_dtype(pol, plan=amp.plan)
+            if got != want:
+                how = (f"output_dtype {pol.output_dtype!r}" if pol.output_cast else
+                       f"output_dtype 'unchanged': the last layer ({PROBE[-1].path}) ran in {want}")
+                raise _fail(kit, pol, f"model output dtype ({how})", want, got)
+        finally:
+            amp.remove()
 
 
 def _bits_equal(low: Any, master: Any, dtype: str) -> bool:

@@ -57,5 +57,17 @@ def expected_layers(policy: Policy, compute_dtype: str | None = None,
     return out
 
 
-def expected_output_dtype(policy: Policy) -> str:
-    return policy.output_dtype
+def expected_output_dtype(policy: Policy, compute_dtype: str | None = None, plan: Plan | None = None) -> str:
+    """The probe model's output dtype: ``output_dtype``, or for ``"unchanged"`` the dtype its last layer
+    (``logp``) ran in by :func:`expected_layers` (nothing casts it, as under torch.autocast or Keras).
+
+    >>> import unimp
+    >>> pol = unimp.load("mixed_bf16")
+    >>> expected_output_dtype(pol), expected_output_dtype(pol.replace(output_dtype="float16"))
+    ('float32', 'float16')
+    >>> expected_output_dtype(pol.replace(ops={"lower": ["linear", "log_softmax"], "float32": []}))
+    'bfloat16'
+    """
+    if policy.output_cast is not None:
+        return policy.output_cast
+    return expected_layers(policy, compute_dtype, plan)[PROBE[-1].path].output_dtype

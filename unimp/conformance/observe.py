@@ -67,8 +67,10 @@ def observation_policy(name: str) -> Policy:
 def _dtypes(kit: Kit, policy: Policy) -> dict[str, Any]:
     amp = setup(kit, policy)
     try:
-        obs = kit.observe(amp, probe_batches(1)[0])
+        batch = probe_batches(1)[0]
+        obs = kit.observe(amp, batch)
         return {"layers": {k: [v.compute_dtype, v.param_dtype, v.output_dtype] for k, v in obs.items()},
+                "output": kit.dtype_name(kit.output(amp, batch)),  # the model's output (output_dtype)
                 "control": {d.op: d.control for d in amp.plan.ops},
                 "honoured": {d.op: d.honoured for d in amp.plan.ops},
                 "fallback": bool(amp.plan.fallbacks or amp.plan.param_fallback or amp.plan.override_fallbacks),

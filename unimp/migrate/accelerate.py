@@ -31,7 +31,7 @@ from typing import Any
 from ..policy import Policy
 from ..spec import short
 from . import torch as torch_amp
-from .common import Draft, Exported, Imported, bad, check_keys, finish, kwargs_of, leading_name, refuse
+from .common import Draft, Exported, Imported, bad, check_keys, finish, kwargs_of, leading_name, refuse, relabel
 
 SYSTEM = "accelerate"
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
@@ -44,7 +44,7 @@ def _val(v: Any) -> str:
 
 
 def import_policy(mixed_precision: str = "no", grad_scaler_kwargs: Mapping[str, Any] | None = None, *,
-                  source: str = "accelerate", ignored: tuple[str, ...] = ()) -> Imported:
+                  source: str = "accelerate", ignored: tuple[str, ...] = (), device: str = "cuda") -> Imported:
     """The policy of ``Accelerator(mixed_precision=..., kwargs_handlers=[GradScalerKwargs(**grad_scaler_kwargs)])``."""
     if mixed_precision not in PRECISIONS:
         raise bad(source, "mixed_precision", f"{short(mixed_precision)} is not one of {', '.join(PRECISIONS)}")
@@ -57,9 +57,22 @@ def import_policy(mixed_precision: str = "no", grad_scaler_kwargs: Mapping[str, 
                      f"{short(mixed_precision)}", "remove GradScalerKwargs or use mixed_precision='fp16'")
     if mixed_precision == "no":
         d = Draft(SYSTEM, source, "fp32", "mixed_precision='no': full precision")
+    elif device == "cpu":
+        if mixed_precision == "fp16":
+            raise refuse(source, "mixed_precision", "'fp16' on CPU: accelerator.py Accelerator.__init__ sets "
+                         "native_amp for fp16 only when device.type != 'cpu' (the run is full precision) until "
+                         "huggingface/accelerate PR #3373, later versions autocast fp16 on CPU: which one runs "
+                         "depends on the installed Accelerate",
+                         "import mixed_precision 'bf16' (CPU autocast) or 'no'")
+        d = Draft(SYSTEM, source, "torch_autocast_cpu", "mixed_precision='bf16' on CPU: accelerator.py native_amp for "
+                  "device 'cpu', torch.autocast(device_type='cpu') (CPU op lists)")
+        d.set("compute_dtype", "bfloat16", "mixed_precision='bf16'")
+        d.set("loss_scale.mode", "none", "mixed_precision='bf16': no GradScaler")
+        d.set("loss_scale.skip_nonfinite", False, "mixed_precision='bf16': every step is taken")
     else:
         d = Draft(SYSTEM, source, "torch_autocast_cuda", f"mixed_precision={short(mixed_precision)}: torch.autocast "
                   f"on the accelerator (CUDA op lists)")
+        d.set("output_dtype", "float32", "prepare_model: forward wrapped in autocast then convert_outputs_to_fp32")
         if mixed_precision == "bf16":
             d.set("compute_dtype", "bfloat16", "mixed_precision='bf16'")
             d.set("loss_scale.mode", "none", "mixed_precision='bf16': no GradScaler")
@@ -79,6 +92,19 @@ def from_cli(raw: Any, source: str) -> Imported:
             raw = json.loads(raw)
         except ValueError as e:
             raise bad(source, "", f"not a JSON table ({e})") from None
+    if isinstance(raw, str) and ":" in raw and "(" not in raw and "=" not in raw:  # lines pasted from the YAML file
+        from ..errors import PolicyError
+        from ..resolve import parse_text
+        from .common import plain
+
+        try:
+            parsed = parse_text(raw, "yaml")
+        except PolicyError:  # parse_text turns every parser error into one
+            parsed = None
+        if not isinstance(parsed, Mapping):
+            raise bad(source, "", f"cannot read {short(raw)}: expected a precision, Accelerator(mixed_precision=...) "
+                                  f"or lines of an accelerate config YAML file")
+        return import_config(plain(parsed, source), source=source)
     name, raw = leading_name(raw)
     if name is not None:
         scaler = kwargs_of(raw, source, {"GradScalerKwargs": "scaler"}).get("scaler") if raw.strip() else None
@@ -123,7 +149,8 @@ def import_config(cfg: Mapping[str, Any], *, source: str = "accelerate config") 
                      "stores every float32 tensor, optimizer state included, as bf16; unimp keeps float32 masters",
                      "import mixed_precision: 'bf16' for a GPU run, or keep this run in Accelerate")
     notes = [f"distributed_type = {short(dist)}: " + {"FSDP": "FSDP MixedPrecision under autocast (below)", "DEEPSPEED":
-                                                   "DeepSpeed runs the precision (state.py)"}.get(
+                                                   "DeepSpeed runs the precision (state.py)", "MEGATRON_LM":
+                                                   "Megatron-LM runs the precision (no Accelerate autocast)"}.get(
         dist, "plain data parallel: the mixed_precision autocast (below)")]
     if "downcast_bf16" in cfg:
         notes.append(f"downcast_bf16 = {_val(down)}: applies on TPU only (state.py XLA_DOWNCAST_BF16)")
@@ -132,14 +159,22 @@ def import_config(cfg: Mapping[str, Any], *, source: str = "accelerate config") 
             notes.append(f"{key}: empty")
     if dist == "DEEPSPEED":
         return _with_notes(_deepspeed(cfg, mp, source, rest), notes)
+    if dist == "MEGATRON_LM":
+        return _with_notes(_megatron(mp, source, rest), notes)
     if mp == "fp8":
         return _with_notes(_fp8(cfg, source, rest), notes)
     fsdp = cfg.get("fsdp_config") or {}
     if dist == "FSDP" and not isinstance(fsdp, Mapping):
         raise bad(source, "fsdp_config", "expected a table")
+    cpu = dist == "MULTI_CPU" or cfg.get("use_cpu") is True
+    if cpu and dist == "FSDP":
+        raise refuse(source, "use_cpu", "FSDP on CPU is not imported", "import a GPU config")
     if dist != "FSDP" or mp == "no":
-        imp = import_policy(mp, cfg.get("GradScalerKwargs"), source=source,
-                            ignored=rest + tuple(k for k in ("fsdp_config", "deepspeed_config") if cfg.get(k)))
+        imp = import_policy(mp, cfg.get("GradScalerKwargs"), source=source, device="cpu" if cpu else "cuda",
+                            ignored=tuple(k for k in rest if not (cpu and k == "use_cpu")) + tuple(
+                                k for k in ("fsdp_config", "deepspeed_config") if cfg.get(k)))
+        if cpu and "use_cpu" in cfg:
+            notes.append("use_cpu = true: the run is on the CPU (state.py device 'cpu')")
         return _with_notes(imp, notes)
     for key in FSDP_PRECISION:
         if key in fsdp:
@@ -219,11 +254,26 @@ def _deepspeed(cfg: Mapping[str, Any], mp: str, source: str, rest: tuple[str, ..
     imp = deepspeed.import_policy(config, source=f"{source}: deepspeed_config (as DeepSpeedPlugin builds it)")
     ignored = rest + tuple(f"deepspeed_config.{k}" for k in ds if k != "zero_stage")
     where = "deepspeed_config.zero_stage" if "zero_stage" in ds else "deepspeed_config.zero_stage not given"
-    imp = _with_notes(imp, [f"{where} = {_val(stage)}: DeepSpeedPlugin writes it as zero_optimization.stage; mixed_"
-                            f"precision {_val(mp)}: DeepSpeedPlugin.set_mixed_precision writes the fp16/bf16 section"])
-    text = imp.text.replace('"imported-deepspeed"  # unimp import --from deepspeed',
-                            '"imported-accelerate"  # unimp import --from accelerate: distributed_type DEEPSPEED')
-    return Imported(SYSTEM, imp.policy, text, ignored)
+    return relabel(imp, SYSTEM, source, "distributed_type DEEPSPEED", ignored,
+                   (f"{where} = {_val(stage)}: DeepSpeedPlugin writes it as zero_optimization.stage; mixed_precision "
+                    f"{_val(mp)}: DeepSpeedPlugin.set_mixed_precision writes the fp16/bf16 section",))
+
+
+def _megatron(mp: str, source: str, rest: tuple[str, ...]) -> Imported:
+    """distributed_type MEGATRON_LM: accelerator.py builds no autocast (native_amp is off for Megatron-LM);
+    utils/dataclasses.py MegatronLMPlugin.set_mixed_precision sets Megatron's fp16 / bf16 argument."""
+    from . import megatron
+
+    if mp == "fp8":
+        raise refuse(source, "mixed_precision", "fp8 through the Megatron-LM plugin is not imported",
+                     "import the Megatron-LM arguments with --from megatron")
+    if mp == "no":
+        return import_policy("no", source=source, ignored=rest)
+    arg = "--fp16" if mp == "fp16" else "--bf16"
+    imp = megatron.import_policy([arg], source=f"{source}: megatron_lm_config")
+    return relabel(imp, SYSTEM, source, f"distributed_type MEGATRON_LM: MegatronLMPlugin.set_mixed_precision -> {arg}",
+                   rest, (f"mixed_precision {_val(mp)}: MegatronLMPlugin.set_mixed_precision sets Megatron's "
+                          f"{arg[2:]} argument, read as `{arg}` (Megatron's defaults for the rest)",))
 
 
 def _fp8(cfg: Mapping[str, Any], source: str, rest: tuple[str, ...]) -> Imported:

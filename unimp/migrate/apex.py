@@ -214,8 +214,8 @@ def export_policy(policy: Policy) -> Exported:
         level = "O2" if policy.master_weights.enabled else "O3"
     cfg: dict[str, Any] = {"opt_level": level}
     default = import_policy(level).policy
-    if level in ("O2", "O3") and policy.output_dtype != "float32":
-        cfg["cast_model_outputs"] = f"torch.{policy.output_dtype}"
+    if level in ("O2", "O3") and policy.output_cast not in (None, "float32"):  # "unchanged": apex casts (listed)
+        cfg["cast_model_outputs"] = f"torch.{policy.output_cast}"
     if level in ("O2", "O3"):
         bn = policy.ops.category("batch_norm") == "float32"
         if bn != (default.ops.category("batch_norm") == "float32"):

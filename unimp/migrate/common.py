@@ -47,6 +47,24 @@ class Imported:
     ignored: tuple[str, ...] = ()
 
 
+def relabel(imp: Imported, system: str, source: str, why: str, ignored: tuple[str, ...] = (),
+            notes: tuple[str, ...] = ()) -> Imported:
+    """``imp`` (read by another system's importer, e.g. the DeepSpeed config an Accelerate file
+    builds) as ``system``'s import: its title, its name line (``why``: how that config came about),
+    ``notes`` added to its header, and every ignored key -- its own and ``ignored`` -- listed in the
+    file, so nothing the user's source held is dropped from what they read."""
+    lines = imp.text.splitlines()
+    body = next(i for i, line in enumerate(lines) if line.startswith("name = "))
+    kept = [line for line in lines[1:body] if not line.startswith("# Not precision settings (ignored): ")]
+    every = tuple(dict.fromkeys((*imp.ignored, *ignored)))
+    head = [f"# Imported from {system} ({printable(short(source))}) by `unimp import`.", *kept,
+            *(f"# {printable(n)}" for n in notes)]
+    if every:
+        head.append(f"# Not precision settings (ignored): {printable(', '.join(every))}")
+    name = f'name = "imported-{system}"  # unimp import --from {system}: {printable(why)}'
+    return Imported(system, imp.policy, "\n".join([*head, name, *lines[body + 1:]]) + "\n", every)
+
+
 @dataclass(frozen=True)
 class Exported:
     """A policy written as another system's configuration.

@@ -50,6 +50,7 @@ from .common import (
     number,
     power_of_two,
     refuse,
+    relabel,
     take,
 )
 
@@ -111,14 +112,20 @@ def resolve_auto(config: Mapping[str, Any], args: Mapping[str, Any] | None, sour
     for sec, key in (("fp16", "enabled"), ("bf16", "enabled"), ("bfloat16", "enabled"), ("amp", "enabled"),
                      ("amp", "opt_level")):
         table = cfg.get(sec)
-        if not isinstance(table, dict) or table.get(key) != "auto":
+        if not isinstance(table, dict) or (args is None and table.get(key) != "auto"):
             continue
         if args is None:
             raise bad(source, f"{sec}.{key}", f'"auto": {AUTO_FIX}')
         half = args["fp16"] or args["fp16_full_eval"]
-        table[key] = {("fp16", "enabled"): half and backend != "apex", ("amp", "enabled"): half and backend == "apex",
-                      ("amp", "opt_level"): args["fp16_opt_level"]}.get(
-            (sec, key), args["bf16"] or args["bf16_full_eval"])
+        hf = {("fp16", "enabled"): half and backend != "apex", ("amp", "enabled"): half and backend == "apex",
+              ("amp", "opt_level"): args["fp16_opt_level"]}.get((sec, key), args["bf16"] or args["bf16_full_eval"])
+        if table.get(key) == "auto":
+            table[key] = hf
+        elif key in table and table[key] != hf and sec != "bfloat16":  # HfTrainerDeepSpeedConfig.fill_match
+            raise bad(source, f"{sec}.{key}", f"{_val(table[key])} while the Trainer arguments give {_val(hf)}: HF "
+                      f"Trainer refuses the run (integrations/deepspeed.py trainer_config_finalize: 'Please correct "
+                      f"the following DeepSpeed config values that mismatch TrainingArguments values'); make "
+                      f"--assume match the file, or set {sec}.{key} to \"auto\"")
     for sec in ("fp16", "bf16", "bfloat16", "amp"):
         for key, value in (cfg.get(sec) or {}).items() if isinstance(cfg.get(sec), dict) else ():
             if value == "auto":
@@ -127,7 +134,29 @@ def resolve_auto(config: Mapping[str, Any], args: Mapping[str, Any] | None, sour
                                                   'fail on it: write the value')
     if cfg.get("communication_data_type") == "auto":
         raise bad(source, "communication_data_type", '"auto" is not filled by HF Trainer; write fp16, bf16 or fp32')
+    if args is not None:
+        _accelerate_adds(cfg, "no" if backend == "apex" else "fp16" if args["fp16"] else "bf16" if args["bf16"] else
+                         "no", source)
     return cfg
+
+
+def _accelerate_adds(cfg: dict[str, Any], mp: str, source: str) -> None:
+    """The section HF Trainer's Accelerate adds: transformers training_args.py ``__post_init__`` sets
+    ACCELERATE_MIXED_PRECISION to fp16 / bf16 (not with the apex backend) and accelerate
+    utils/dataclasses.py ``DeepSpeedPlugin.set_mixed_precision`` writes ``fp16: {enabled, auto_cast}`` /
+    ``bf16: {enabled}`` when the config lacks it, and raises when the other one is enabled."""
+    if mp == "no":
+        return
+    other = "bf16" if mp == "fp16" else "fp16"
+    table = cfg.get(other)
+    if isinstance(table, Mapping) and str(table.get("enabled", "False")).lower() == "true":
+        raise bad(source, f"{other}.enabled", f"true while the Trainer runs {mp} (--assume {mp}=true): Accelerate's "
+                                              f"DeepSpeedPlugin.set_mixed_precision raises \"`--mixed_precision` arg "
+                                              f"cannot be set to `{mp}` when `{other}` is set in the DeepSpeed config "
+                                              f"file\"; drop one")
+    if mp not in cfg:
+        cfg[mp] = {"enabled": True, "auto_cast": True} if mp == "fp16" else {"enabled": True}
+        cfg.setdefault("__added__", []).append(mp)
 
 
 def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config",
@@ -137,6 +166,7 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
     if not isinstance(config, Mapping):
         raise bad(source, "", "expected a JSON object (the DeepSpeed config)")
     config = resolve_auto(config, trainer_args(assume, source), source)
+    added = config.pop("__added__", [])
     fp16 = _section(config, "fp16", source)
     bf16_key = "bf16" if "bf16" in config else "bfloat16"  # get_bfloat16_enabled: "bf16" first
     bf16 = _section(config, bf16_key, source)
@@ -186,6 +216,9 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
     elif low != "float32":
         d.set("distributed.reduce_dtype", low, "communication_data_type not given: engine.py "
               f"communication_data_type defaults to the model's {LOW[low]}")
+    for sec in added:
+        d.note(f"{sec}: not in the file; with --assume {sec}=true HF Trainer's Accelerate adds "
+               f"{json.dumps(config[sec])} (accelerate utils/dataclasses.py DeepSpeedPlugin.set_mixed_precision)")
     if stage:
         d.note(f"zero_optimization.stage = {stage}: selects the ZeRO optimizer (its loss scaler, above); the "
                f"partitioning itself is not a precision setting")
@@ -233,9 +266,7 @@ def _amp(config: Mapping[str, Any], amp: Mapping[str, Any], stage: int, low: boo
     level = params.pop("opt_level", "O1")
     imp = apex.import_policy(level, source=f"{source}: amp", **params)
     ignored = tuple(k for k in config if k not in PRECISION)
-    text = imp.text.replace('"imported-apex"  # unimp import --from apex',
-                            '"imported-deepspeed"  # unimp import --from deepspeed: its amp section (apex)')
-    return Imported(SYSTEM, imp.policy, text, ignored)
+    return relabel(imp, SYSTEM, source, "its amp section (apex)", ignored)
 
 
 def _section(config: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:

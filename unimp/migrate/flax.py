@@ -12,11 +12,25 @@ growth_interval 2000, fin_steps 0, scale 65536.0, minimum_scale float32 tiny; gr
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..policy import Policy
 from ..spec import FLT_TINY
-from .common import Draft, Exported, Imported, check_keys, finish, has_knob, kwargs_of, number, refuse, take
+from .common import (
+    MAX_TEXT,
+    Draft,
+    Exported,
+    Imported,
+    bad,
+    check_keys,
+    finish,
+    has_knob,
+    kwargs_of,
+    number,
+    refuse,
+    take,
+)
 
 SYSTEM = "flax"
 KEYS = ("growth_factor", "backoff_factor", "growth_interval", "fin_steps", "scale", "minimum_scale")
@@ -44,7 +58,21 @@ def read(kwargs: dict[str, Any], source: str) -> Imported:
     return d.build()
 
 
+HALF = re.compile(r"(?:^|[\s.])half_precision\s*=\s*(True|False)\b")
+
+
 def from_cli(raw: Any, source: str) -> Imported:
+    m = HALF.search(raw) if isinstance(raw, str) and len(raw) <= MAX_TEXT else None
+    if m and "DynamicScale" not in raw:  # the flax examples' ml_collections config (configs/default.py)
+        if m.group(1) == "False":
+            d = Draft(SYSTEM, source, "fp32", "config.half_precision = False: examples/imagenet/train.py create_model "
+                      "uses jnp.float32 and create_train_state builds no DynamicScale")
+            d.set("loss_scale.mode", "none", "half_precision False: no DynamicScale")
+            return d.build()
+        raise bad(source, "half_precision", "True: the flax examples pick the dtype from the platform "
+                  "(examples/imagenet/train.py create_model: jnp.bfloat16 on TPU, jnp.float16 elsewhere; "
+                  "create_train_state: DynamicScale() on GPU only); import `DynamicScale()` for a GPU run, or the "
+                  "preset mixed_bf16 for a TPU run")
     return read(kwargs_of(raw, source, {"DynamicScale": "scale"}, {"DynamicScale": KEYS}).get("scale", {}), source)
 
 

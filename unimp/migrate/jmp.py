@@ -172,7 +172,10 @@ def from_cli(raw: Any, source: str) -> Imported:
 
 def export_policy(policy: Policy) -> Exported:
     """``{"policy": "params=...,compute=...,output=...", "DynamicLossScale": {...}}``."""
-    name = f"params={policy.param_dtype},compute={policy.compute_dtype},output={policy.output_dtype}"
+    # jmp casts outputs to one dtype (Policy.cast_to_output); "unchanged" has none: the compute dtype, listed
+    # as unexpressed (the re-import reads output=<compute> back)
+    output = policy.output_cast or policy.compute_dtype
+    name = f"params={policy.param_dtype},compute={policy.compute_dtype},output={output}"
     ls = policy.loss_scale
     cfg: dict[str, Any] = {"policy": name}
     if ls.mode == "dynamic":

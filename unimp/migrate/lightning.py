@@ -77,9 +77,70 @@ def _name(precision: Any, source: str, where: str) -> str:
     return name
 
 
+def _strategy(strategy: Any, source: str, where: str) -> tuple[str, int, dict[str, Any]]:
+    """("fsdp" | "deepspeed" | "", ZeRO stage, DeepSpeedStrategy kwargs) of a Trainer/Fabric ``strategy``
+    (a registry name such as "fsdp" / "deepspeed_stage_3_offload", or a hydra ``_target_`` mapping)."""
+    kw: dict[str, Any] = {}
+    if isinstance(strategy, Mapping):
+        kw = {k: v for k, v in strategy.items() if k != "_target_"}
+        name = str(strategy.get("_target_", "")).rpartition(".")[2]
+        kind = {"FSDPStrategy": "fsdp", "DeepSpeedStrategy": "deepspeed"}.get(name, "")
+        stage = kw.get("stage", 2)
+    elif isinstance(strategy, str):
+        m = re.match(r"^deepspeed(?:_stage_(\d))?", strategy)
+        kind = "deepspeed" if m else "fsdp" if strategy.startswith("fsdp") else ""
+        stage = int(m.group(1)) if m and m.group(1) else 2  # strategies/deepspeed.py register_strategies
+    else:
+        return "", 0, {}
+    if kind == "deepspeed" and kw.get("config") is not None:
+        raise refuse(source, f"{where}.config", "DeepSpeedStrategy(config=...) takes the precision from that DeepSpeed "
+                     "config (strategies/deepspeed.py _format_precision_config fills only a missing fp16/bf16 "
+                     "section)", "import that config: `unimp import ds_config.json --from deepspeed`")
+    return kind, number(source, f"{where}.stage", stage, int, minimum=0), kw
+
+
+# DeepSpeedStrategy defaults (lightning src/lightning/pytorch/strategies/deepspeed.py DeepSpeedStrategy.__init__)
+DS_SCALER = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+             "min_loss_scale": 1}
+
+
+def _deepspeed(name: str, said: str, stage: int, kw: Mapping[str, Any], source: str, where: str,
+               ignored: list[str]) -> Imported:
+    """strategy deepspeed*: DeepSpeed runs the precision. fabric/strategies/deepspeed.py
+    ``_format_precision_config``: "16-mixed"/"16-true" add ``fp16`` {enabled, loss_scale, ...} with the
+    strategy's scaler arguments, "bf16-*" ``bf16`` {enabled}; the engine then converts the whole model."""
+    from . import deepspeed
+    from .common import relabel
+
+    config: dict[str, Any] = {"zero_optimization": {"stage": stage}}
+    if name.startswith("16"):
+        config["fp16"] = {"enabled": True, **{k: kw.get(k, v) for k, v in DS_SCALER.items()}}
+    elif name.startswith("bf16"):
+        config["bf16"] = {"enabled": True}
+    elif name == "32-true":
+        config["fp16"] = {"enabled": False}
+    else:
+        raise refuse(source, where, f"{said} under DeepSpeed is not imported", "use 16-mixed, bf16-mixed or 32-true")
+    imp = deepspeed.import_policy(config, source=f"{source}: {where} (the DeepSpeed config Lightning builds)")
+    rest = [f"{where}.{k}" for k in kw if k not in (*DS_SCALER, "stage")]
+    if name.startswith("bf16"):
+        rest += [f"{where}.{k} (read for 16-mixed only)" for k in kw if k in DS_SCALER]
+    return relabel(imp, SYSTEM, source, f"{where} DeepSpeed with {said}", tuple([*ignored, *rest]),
+                   (f"{where}: DeepSpeedStrategy (stage {stage}) with {said}: strategies/deepspeed.py "
+                    f"_format_precision_config writes {json_text(config)}; the engine converts the whole model",))
+
+
+def json_text(value: Any) -> str:
+    import json
+
+    return json.dumps(value, sort_keys=True)
+
+
 def _read(precision: Any, source: str, fabric: bool, accelerator: Any, nemo: Mapping[str, Any] | None,
-          ignored: list[str], where: str = "precision", bert: bool = False) -> Imported:
+          ignored: list[str], where: str = "precision", bert: bool = False, strategy: Any = None) -> Imported:
     name = _name(precision, source, where)
+    at = f"{where.removesuffix('precision')}strategy"
+    kind, stage, skw = _strategy(strategy, source, at) if nemo is None else ("", 0, {})
     said = f"{where}={precision if isinstance(precision, int) else short(precision)}"
     if accelerator is not None:
         said += f" with {where.removesuffix('precision')}accelerator={short(accelerator)}"
@@ -91,6 +152,11 @@ def _read(precision: Any, source: str, fabric: bool, accelerator: Any, nemo: Map
         acc = text(source, "accelerator", accelerator)
         if acc == "cpu":
             device = "cpu"
+        elif acc == "tpu" and name != "32-true":  # accelerator_connector.py: XLAAccelerator -> XLAPrecision
+            raise refuse(source, "accelerator", f"'tpu' with {name}: XLAPrecision sets XLA_USE_BF16 / XLA_USE_F16 "
+                         "(fabric/plugins/precision/xla.py): XLA stores every float32 tensor, optimizer state "
+                         "included, in the low dtype; unimp keeps float32 masters",
+                         "import the run's GPU precision (accelerator 'gpu') or '32-true'")
         elif acc == "mps" and name.endswith("-mixed"):
             raise refuse(source, "accelerator", "'mps' autocast has its own op lists, which unimp does not hold",
                          "import with accelerator 'gpu' or 'cpu'")
@@ -98,6 +164,8 @@ def _read(precision: Any, source: str, fabric: bool, accelerator: Any, nemo: Map
         name, said = "bf16-mixed", f"{said} with accelerator='cpu': Lightning runs 'bf16-mixed' (fp16 AMP on CPU)"
     if nemo is not None and name in ("16-mixed", "bf16-mixed"):
         return _nemo(name, said, nemo, source, ignored, bert)
+    if kind == "deepspeed":
+        return _deepspeed(name, said, stage, skw, source, at, ignored)
     if nemo is not None:  # MegatronTrainerBuilder._plugins builds no precision plugin for it
         ignored = [*ignored, *(f"model.{k} (NeMo builds no precision plugin for {name})" for k in nemo)]
     if name == "32-true":
@@ -113,7 +181,13 @@ def _read(precision: Any, source: str, fabric: bool, accelerator: Any, nemo: Map
         else:
             d.set("loss_scale.mode", "none", f"{said}: MixedPrecision takes no scaler")
             d.set("loss_scale.skip_nonfinite", False, f"{said}: every step is taken")
-        d.set("distributed.reduce_dtype", "float32", f"{said}: parameters (and gradients) stay float32")
+        if kind == "fsdp":  # plugins/precision/fsdp.py FSDPPrecision.mixed_precision_config
+            d.set("distributed.reduce_dtype", low, f"{said} with {at} FSDP: FSDPPrecision.mixed_precision_config: "
+                  f"MixedPrecision(param_dtype=float32, reduce_dtype={low})")
+        else:
+            d.set("distributed.reduce_dtype", "float32", f"{said}: parameters (and gradients) stay float32")
+        if fabric:  # the Trainer leaves autocast's outputs ("unchanged", the preset's)
+            d.set("output_dtype", "float32", f"{said}: Fabric's MixedPrecision.convert_output casts to float32")
     else:
         low = "float16" if name.startswith("16") else "bfloat16"
         d = Draft(SYSTEM, source, "fp32", f"{said}: HalfPrecision converts the model to {low}")
@@ -274,6 +348,92 @@ def _resolve(value: Any, root: Mapping[str, Any], source: str, where: str) -> An
     return node
 
 
+# NeMo 2 (nemo/lightning/pytorch/plugins/mixed_precision.py::MegatronMixedPrecision.__init__) -> the
+# Megatron-core settings it configures, written as the Megatron arguments of the same name; its defaults
+NEMO2_PLUGIN = "MegatronMixedPrecision"
+NEMO2_ARGS = {"fp16_initial_loss_scale": ("--initial-loss-scale", 4294967296.0),
+              "fp16_min_loss_scale": ("--min-loss-scale", 1.0), "fp16_loss_scale_window": ("--loss-scale-window", 1000),
+              "fp16_hysteresis": ("--hysteresis", 2), "fp16_loss_scale": ("--loss-scale", None),
+              "fp8": ("--fp8-format", None), "fp8_recipe": ("--fp8-recipe", "delayed"),
+              "fp8_margin": ("--fp8-margin", 0), "fp8_amax_history_len": ("--fp8-amax-history-len", 1),
+              "fp8_amax_compute_algo": ("--fp8-amax-compute-algo", "most_recent"),
+              "first_last_layers_bf16": ("--first-last-layers-bf16", False),
+              "num_layers_at_start_in_bf16": ("--num-layers-at-start-in-bf16", 0),
+              "num_layers_at_end_in_bf16": ("--num-layers-at-end-in-bf16", 0)}
+NEMO2_SAME = {"autocast_enabled": False, "autocast_dtype": None, "params_dtype": None, "pipeline_dtype": None,
+              "fp8_wgrad": True, "fp8_dot_product_attention": False, "fp8_multi_head_attention": False,
+              "fp4": None, "reuse_grad_buf_for_mxfp8_param_ag": False}
+NEMO2_NOTED = ("fp8_params", "fp8_param_gather")
+DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16", "fp16": "float16",
+               "float32": "float32", "float": "float32", "fp32": "float32"}
+
+
+def _nemo2(plugin: Mapping[str, Any], raw: Mapping[str, Any], at: str, source: str, ignored: list[str]) -> Imported:
+    """NeMo 2's ``MegatronMixedPrecision`` plugin: ``convert_module`` wraps the model in Megatron's
+    ``Float16Module`` (fp16 / bf16 model, fp32 outputs) with Megatron-core's float32 main params, its
+    ``DynamicGradScaler`` settings (``fp16_*``), ``grad_reduce_in_fp32`` (default true) and FP8
+    settings: imported as the Megatron run with the same settings."""
+    from . import megatron
+    from .common import relabel
+
+    kw = {k: _resolve(v, raw, source, f"{at}.{k}") for k, v in plugin.items() if k != "_target_"}
+    known = ("precision", "grad_reduce_in_fp32", *NEMO2_ARGS, *NEMO2_SAME, *NEMO2_NOTED)
+    for key in kw:
+        if key not in known:
+            raise bad(source, f"{at}.{key}", f"not an argument of {NEMO2_PLUGIN} (known: {', '.join(known)})")
+    low_name = {"bf16": "bfloat16", "bf16-mixed": "bfloat16", "16": "float16", "16-mixed": "float16",
+                "fp16": "float16", "fp16-mixed": "float16"}.get(str(kw.get("precision")), "float32")
+    dtype_notes = []
+    for key in ("params_dtype", "pipeline_dtype", "autocast_dtype"):  # nemo/collections/llm/recipes/precision
+        value = kw.get(key)  # bf16_mixed(): params_dtype = pipeline_dtype = torch.bfloat16, as Float16Module runs
+        if isinstance(value, str) and DTYPE_NAMES.get(value.removeprefix("torch.")) in (low_name, "float32"):
+            kw.pop(key)  # float32 is MegatronMixedPrecision's own params_dtype default; the model is still converted
+            dtype_notes.append(f"{at}.{key} = {value}: Float16Module converts the model to the precision's dtype "
+                               f"either way (mixed_precision.py convert_module)")
+    for key, default in NEMO2_SAME.items():
+        if kw.get(key) not in (default, None) and not (default is False and kw.get(key) is False):
+            raise refuse(source, f"{at}.{key}", f"{short(kw[key])}: unimp imports {NEMO2_PLUGIN} with its default "
+                         f"({default}) only", f"remove {key}")
+    if "precision" not in kw:
+        raise bad(source, f"{at}.precision", f"not given: {NEMO2_PLUGIN} requires it ('16-mixed', 'bf16-mixed', '32')")
+    precision = str(kw["precision"])
+    low = {"bf16": "--bf16", "bf16-mixed": "--bf16", "16": "--fp16", "16-mixed": "--fp16", "fp16": "--fp16",
+           "fp16-mixed": "--fp16", "32": "", "fp32": "", "32-true": ""}.get(precision)
+    if low is None:
+        raise bad(source, f"{at}.precision", f"{short(kw['precision'])} is not one of '16-mixed', 'bf16-mixed', '32' "
+                                             f"(mixed_precision.py: anything else runs float32)")
+    why = f"{at}: NeMo 2 {NEMO2_PLUGIN}(precision={precision!r}): Megatron-core's Float16Module and optimizer"
+    if not low:
+        if kw.get("fp8") is not None:
+            raise refuse(source, f"{at}.fp8", "FP8 over a float32 model is not imported", "use precision bf16-mixed")
+        d = Draft(SYSTEM, source, "fp32", f"{at}.precision={precision!r}: MegatronMixedPrecision keeps float32")
+        d.ignored.extend([*ignored, *(f"{at}.{k}" for k in kw if k != "precision")])
+        return d.build()
+    reduce32 = flag(source, f"{at}.grad_reduce_in_fp32", kw.get("grad_reduce_in_fp32", True))
+    args = [low]
+    if reduce32 and low == "--fp16":
+        args.append("--accumulate-allreduce-grads-in-fp32")
+    if not reduce32 and low == "--bf16":
+        args.append("--grad-reduce-in-bf16")
+    for key, (arg, default) in NEMO2_ARGS.items():
+        value = kw.get(key, default)
+        if key.startswith("fp16_") and key not in kw and kw.get("fp16_loss_scale") is not None:
+            continue  # a static scale: the DynamicGradScaler defaults are not read (ConstantGradScaler)
+        if value is None or (value == default and not key.startswith("fp16_")) or (
+                key.startswith("fp16_") and low == "--bf16") or (key.startswith("fp8_") and kw.get("fp8") is None):
+            continue
+        args += [arg] if value is True else [arg, str(value)]
+    imp = megatron.import_policy(args, source=f"{source}: {at}")
+    notes = [f"{at} read as the Megatron arguments {' '.join(args)} (NeMo 2 sets the same Megatron-core config "
+             f"fields: DtypeConfig in mixed_precision.py; grad_reduce_in_fp32 "
+             f"{'true (default)' if 'grad_reduce_in_fp32' not in kw else str(reduce32).lower()})"]
+    notes += [f"{at}.{k}: where the FP8 weights are cast, not a dtype (ignored)" for k in NEMO2_NOTED if kw.get(k)]
+    notes += dtype_notes
+    if low == "--bf16":
+        notes += [f"{at}.{k}: read for 16-mixed only (ignored)" for k in kw if k.startswith("fp16_")]
+    return relabel(imp, SYSTEM, source, why, tuple(ignored), tuple(notes))
+
+
 def _from_mapping(raw: Mapping[str, Any], source: str) -> Imported:
     trainer: Mapping[str, Any] = raw
     prefix = ""
@@ -283,6 +443,17 @@ def _from_mapping(raw: Mapping[str, Any], source: str) -> Imported:
         ignored += [f"{k} (not the trainer)" for k in raw if k not in ("trainer", "model")]
     elif "precision" not in raw and "fabric" in raw and isinstance(raw["fabric"], Mapping):
         trainer, prefix = raw["fabric"], "fabric."
+    for where, node in (("plugins", raw.get("plugins")), (f"{prefix}plugins", trainer.get("plugins"))):
+        for i, plugin in enumerate(node if isinstance(node, list) else [node]):
+            if isinstance(plugin, Mapping) and str(plugin.get("_target_", "")).endswith(NEMO2_PLUGIN):
+                at = f"{where}[{i}]" if isinstance(node, list) else where
+                if "precision" in trainer:
+                    raise bad(source, f"{prefix}precision", f"given together with {at} ({NEMO2_PLUGIN}): Lightning "
+                              "refuses a precision and a precision plugin (accelerator_connector.py); keep one")
+                rest = [i for i in ignored if not i.startswith("plugins ")] + (["model (not the trainer)"] if
+                                                                               "model" in raw and prefix else [])
+                return _nemo2(plugin, raw, at, source, rest + [f"{prefix}{k}" for k in trainer if k != "plugins"]
+                              if prefix else [k for k in raw if k != "plugins"])
     if isinstance(trainer.get("plugins"), list | Mapping | str) and trainer.get("plugins"):
         raise refuse(source, f"{prefix}plugins", "a plugin object may set its own precision (MixedPrecision with "
                      "a scaler, a custom plugin), which a config file cannot show", "remove it to import the "
@@ -302,7 +473,8 @@ def _from_mapping(raw: Mapping[str, Any], source: str) -> Imported:
     where = f"{prefix}precision"
     precision = _resolve(trainer["precision"], raw, source, where)
     fabric = prefix == "fabric."
-    if not prefix and any(k in raw for k in LITGPT_KEYS):  # litgpt's CLI configs: L.Fabric(precision=...)
+    litgpt = not prefix and any(k in raw for k in LITGPT_KEYS)
+    if litgpt:  # litgpt's CLI configs: L.Fabric(precision=...)
         fabric = True
         quantize = raw.get("quantize")
         if quantize is not None:
@@ -317,11 +489,19 @@ def _from_mapping(raw: Mapping[str, Any], source: str) -> Imported:
     if isinstance(model, Mapping) and nemo is None:
         ignored.append("model (no NeMo precision key)")
     accelerator = trainer.get("accelerator")
-    ignored += [f"{prefix}{k}" for k in trainer if k not in ("precision", "accelerator", "_target_")]
+    ignored += [f"{prefix}{k}" for k in trainer if k not in ("precision", "accelerator", "_target_", "strategy")]
+    strategy = _resolve(trainer.get("strategy"), raw, source, f"{prefix}strategy")
+    if "strategy" in trainer and (nemo is not None or not _strategy(strategy, source, f"{prefix}strategy")[0]):
+        ignored.append(f"{prefix}strategy")
     if "_target_" in trainer:
         ignored.append(f"{prefix}_target_ (the Trainer class)")
+    if litgpt and strategy is None and "lora_r" not in raw and (raw.get("devices", "auto"), raw.get("num_nodes", 1)) \
+            != (1, 1):  # litgpt pretrain.py, finetune/full.py, adapter*.py: FSDPStrategy when devices * num_nodes > 1
+        strategy = "fsdp"
+        ignored = [i if i != "devices" else "devices (more than one: litgpt runs Fabric's FSDPStrategy, pretrain.py "
+                   "/ finetune full.py setup)" for i in ignored]
     bert = str(raw.get("name", "")).startswith("megatron_bert")
-    return _read(precision, source, fabric, accelerator, nemo, ignored, where, bert)
+    return _read(precision, source, fabric, accelerator, nemo, ignored, where, bert, strategy)
 
 
 def from_cli(raw: Any, source: str) -> Imported:
@@ -359,8 +539,10 @@ def from_cli(raw: Any, source: str) -> Imported:
                                        "'32-true': pass precision='32-true' to import that")
     if kwargs.get("plugins"):
         raise refuse(source, "plugins", "a plugin object may set its own precision", "remove it to import")
-    ignored = [k for k in kwargs if k not in ("precision", "accelerator")]
-    return _read(kwargs["precision"], source, fabric, kwargs.get("accelerator"), None, ignored)
+    strategy = kwargs.get("strategy")
+    ignored = [k for k in kwargs if k not in ("precision", "accelerator") and (k != "strategy" or not _strategy(
+        strategy, source, "strategy")[0])]
+    return _read(kwargs["precision"], source, fabric, kwargs.get("accelerator"), None, ignored, strategy=strategy)
 
 
 def export_policy(policy: Policy) -> Exported:
@@ -375,8 +557,9 @@ def export_policy(policy: Policy) -> Exported:
     else:
         name = "16-true" if p == "float16" else "bf16-true"
     cpu = policy.ops.category("softmax") != "float32" and name.endswith("-mixed") and c == "bfloat16"
-    fabric = name.endswith("-true") and c != "float32" and policy.output_dtype == "float32"
-    if fabric:  # Fabric's HalfPrecision casts outputs back to float32, the Trainer's does not
+    # Fabric's Half/MixedPrecision cast outputs back to float32, the Trainer's do not
+    fabric = c != "float32" and policy.output_dtype == "float32" and (name.endswith("-true") or not cpu)
+    if fabric:
         text_ = f"fabric = Fabric(precision={name!r})\n"
         config: Any = {"fabric": {"precision": name}}
     else:

@@ -35,12 +35,14 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import UnimpWarning
 from ..policy import Policy
 from ..spec import short
-from .common import MAX_TEXT, Draft, Exported, Imported, bad, finish, has_knob, number, refuse
+from .common import MAX_TEXT, Draft, Exported, Imported, bad, finish, has_knob, number, refuse, relabel
 
 SYSTEM = "megatron"
 # Precision arguments unimp has no key for (arguments.py / transformer_config.py): a dtype other than fp32
@@ -71,13 +73,17 @@ VALUED = {"--loss-scale": float, "--initial-loss-scale": float, "--min-loss-scal
           "--num-layers-at-end-in-bf16": int, "--output-logit-dtype": str, "--te-precision-config-file": str,
           **dict.fromkeys(STATE_DTYPES, str)}
 MAX_WORDS = 20000  # words of one script (bounds the work of re-splitting quoted values)
-_HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?(.*)$")
+_HEREDOC = re.compile(r"(?<!<)<<-?(?!<)\s*['\"]?(\w+)['\"]?(.*)$")  # not a here-string (<<<)
 _ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_]\w*)=(.*)$", re.S)
-_VAR = re.compile(r"\$\{?([A-Za-z_]\w*)\}?")
+_VAR = re.compile(r"\$\{([A-Za-z_]\w*)(:?-)([^}$]*)\}|\$\{?([A-Za-z_]\w*)\}?")  # ${V:-default} / $V / ${V}
 
 
-def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
-    """(words, variable assignments, heredoc bodies by the file they are written to) of a script."""
+_POSITIONAL = re.compile(r"""^["']?\$\{?[0-9]\}?["']?;?$""")  # X=$2 in an option-parsing case branch
+
+
+def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str, str], list[str]]:
+    """(words, variable assignments, heredoc bodies by the file they are written to, assignments from
+    the script's own arguments that were not applied) of a script."""
     if len(text) > 16 * MAX_TEXT:
         raise bad(source, "", f"{len(text)} characters; a launch script is at most {16 * MAX_TEXT}")
     docs: dict[str, str] = {}
@@ -90,6 +96,8 @@ def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str,
             else:
                 body.append(line)
             continue
+        if line.lstrip().startswith("#") and line.rstrip().endswith("\\"):
+            line = line.rstrip()[:-1]  # a comment ends at its line: its trailing backslash continues nothing
         m = _HEREDOC.search(line)
         if m:
             end, target, body = m.group(1), m.group(2).strip().lstrip(">").strip(), []
@@ -102,6 +110,7 @@ def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str,
         raise bad(source, "", f"cannot split the command line or script ({e}); check its quotes") from None
     words: list[str] = []
     assigned: dict[str, str] = {}
+    positional: list[str] = []
     todo = [(w, 0) for w in reversed(first)]
     while todo:
         word, depth = todo.pop()
@@ -109,7 +118,14 @@ def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str,
             raise bad(source, "", f"over {MAX_WORDS} words; pass the training command line itself")
         m = _ASSIGN.match(word)
         if m and not word.startswith("-"):
-            assigned[m.group(1)] = m.group(2).strip().strip("()")
+            name, value = m.group(1), m.group(2).strip().strip("()")
+            if name in assigned and _POSITIONAL.match(value):  # `-z) ZERO_STAGE=$2;`: the default stays
+                positional.append(f"{name}={value.rstrip(';')}")
+                continue
+            own = re.compile(r"\$\{" + name + r"\}|\$" + name + r"(?!\w)")
+            if name in assigned and own.search(value):  # X="${X}.json": the shell reads X's previous value
+                value = own.sub(assigned[name].replace("\\", "\\\\"), value)
+            assigned[name] = value
             word = m.group(2).strip("()")
         if depth < 2 and any(c.isspace() for c in word) and "--" in word:
             try:
@@ -119,15 +135,24 @@ def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str,
             continue
         if word:
             words.append(word)
-    return words, assigned, docs
+    return words, assigned, docs, positional
 
 
-def _expand(value: str, assigned: dict[str, str], depth: int = 0) -> str:
-    """``$VAR`` / ``${VAR}`` replaced from the script's assignments (unknown ones left as they are;
-    at most 4 levels deep and MAX_TEXT characters, so self-referencing variables stay bounded)."""
+def _expand(value: str, assigned: dict[str, str], depth: int = 0, defaults: list[str] | None = None) -> str:
+    """``$VAR`` / ``${VAR}`` replaced from the script's assignments, ``${VAR:-default}`` by its
+    default when the script does not assign VAR (as the shell runs it with VAR unset; recorded in
+    ``defaults``); unknown ones left as they are; at most 4 levels deep and MAX_TEXT characters, so
+    self-referencing variables stay bounded."""
     def sub(m: re.Match[str]) -> str:
-        v = assigned.get(m.group(1))
-        return m.group(0) if v is None or depth > 4 else _expand(v, assigned, depth + 1)
+        name = m.group(1) or m.group(4)
+        v = assigned.get(name)
+        if v is not None and re.search(r"\$\{?" + name + r"(?!\w)", v):  # PATH="$PATH:..." with no earlier value
+            return m.group(0)
+        if m.group(1) and (v is None or (v == "" and m.group(2) == ":-")):
+            if defaults is not None:
+                defaults.append(f"${{{name}{m.group(2)}{m.group(3)}}}")
+            v = m.group(3)
+        return m.group(0) if v is None or depth > 4 else _expand(v, assigned, depth + 1, defaults)
 
     out = _VAR.sub(sub, value) if len(value) <= MAX_TEXT else value
     return out if len(out) <= MAX_TEXT else value
@@ -141,14 +166,20 @@ def parse_args(args: str | Sequence[str], source: str = "megatron") -> tuple[dic
 
 def _parse(args: str | Sequence[str], source: str) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
     if isinstance(args, str):
-        words, assigned, docs = _words(args, source)
+        words, assigned, docs, positional = _words(args, source)
     else:
-        words, assigned, docs = list(args), {}, {}
+        words, assigned, docs, positional = list(args), {}, {}, []
     got: dict[str, Any] = {}
     other: list[str] = []
+    defaults: list[str] = []
+    referenced: set[str] = set()
     i = 0
     while i < len(words):
         word, value = words[i], None
+        if word.startswith("--") and "$" in word:  # --${PRECISION:-bf16}: the argument the shell passes
+            referenced.update(_names(word))
+            expanded = _expand(word, assigned, defaults=defaults)
+            word = expanded if "$" not in expanded and expanded.startswith("--") else word
         if word.startswith("--") and "=" in word:
             word, value = word.split("=", 1)
         if word in FLAGS:
@@ -159,7 +190,8 @@ def _parse(args: str | Sequence[str], source: str) -> tuple[dict[str, Any], list
                     raise bad(source, word, "expects a value")
                 i += 1
                 value = words[i]
-            value = _expand(value, assigned)
+            referenced.update(_names(value))
+            value = _expand(value, assigned, defaults=defaults)
             if "$" in value and word not in ("--deepspeed_config", "--deepspeed-config", "--te-precision-config-file"):
                 raise bad(source, word, f"{short(value)}: the script does not assign that variable; write the value")
             kind = VALUED[word]
@@ -181,7 +213,13 @@ def _parse(args: str | Sequence[str], source: str) -> tuple[dict[str, Any], list
         elif word.startswith("--"):
             other.append(word)
         i += 1
-    return got, list(dict.fromkeys(other)), {"assigned": assigned, "docs": docs}
+    return got, list(dict.fromkeys(other)), {"assigned": assigned, "docs": docs, "defaults": defaults,
+                                             "positional": positional, "referenced": referenced}
+
+
+def _names(text: str) -> set[str]:
+    """The variables ``text`` refers to (``$V``, ``${V}``, ``${V:-default}``)."""
+    return {m.group(1) or m.group(4) for m in _VAR.finditer(text)}
 
 
 def import_policy(args: str | Sequence[str], *, source: str = "megatron") -> Imported:
@@ -195,6 +233,11 @@ def import_policy(args: str | Sequence[str], *, source: str = "megatron") -> Imp
         if not got and not other:
             raise bad(source, "", "no Megatron argument found (they start with --); pass the command line or the "
                                   "launch script, e.g. '--fp16 --loss-scale-window 1000'")
+        unset = [w for w in other if "$" in w]
+        if unset:
+            raise bad(source, unset[0], f"no --fp16 / --bf16 written out, and {', '.join(unset[:3])} come(s) from a "
+                                        f"variable the script does not assign (set when it is launched), which may "
+                                        f"be the precision; write the argument the run uses (or assign the variable)")
         raise bad(source, "--fp16", "no precision argument (--fp16 / --bf16): the run trains in float32; to import "
                                     "that, import 'fp32' (`unimp show fp32`) — found only "
                                     f"{', '.join(other[:4]) or 'loss-scale arguments'}")
@@ -245,6 +288,8 @@ def import_policy(args: str | Sequence[str], *, source: str = "megatron") -> Imp
         _move(d, "softmax", "float32", "--attention-softmax-in-fp32")
     _fp8(d, got, source)
     _not_held(d, got, source)
+    for note in _launch_notes(script):
+        d.note(note, warn=True)
     d.ignored.extend(other)
     return d.build()
 
@@ -322,6 +367,33 @@ def _fp8(d: Draft, got: dict[str, Any], source: str) -> None:
                "kept); where the cast happens, not a policy key (ignored)")
 
 
+def _reach(names: set[str], assigned: dict[str, str]) -> set[str]:
+    """``names`` and every variable their values refer to."""
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(_names(assigned.get(name, "")) - seen)
+    return seen
+
+
+def _launch_notes(script: dict[str, Any]) -> list[str]:
+    """What the launch command may change: ``${VAR:-default}`` read with its default, ``X=$2``
+    option branches not applied (the script's own default kept)."""
+    notes = []
+    if script.get("defaults"):
+        notes.append(f"{', '.join(dict.fromkeys(script['defaults']))}: the script does not set it, so the shell "
+                     f"passes the default (a value exported before the script runs would change it)")
+    used = _reach(script.get("referenced", set()), script.get("assigned", {}))
+    positional = [p for p in script.get("positional", []) if p.partition("=")[0] in used]
+    if positional:
+        notes.append(f"{', '.join(dict.fromkeys(positional))}: set from the script's own arguments (an option it "
+                     f"parses); read with the script's default (passing that option would change it)")
+    return notes
+
+
 def _deepspeed(got: dict[str, Any], other: list[str], script: dict[str, Any], source: str) -> Imported:
     """Megatron-DeepSpeed ``--deepspeed``: the DeepSpeed config's fp16/bf16 sections decide."""
     from . import deepspeed
@@ -340,6 +412,7 @@ def _deepspeed(got: dict[str, Any], other: list[str], script: dict[str, Any], so
         raise refuse(source, "--deepspeed_config", f"{short(path)} is not written by this script; "
                      "Megatron-DeepSpeed takes "
                      "its precision from it (get_megatron_optimizer: 'if args.deepspeed: return optimizer')", fix)
+    script = {**script, "referenced": script.get("referenced", set()) | _names(body) | _names(path)}
     text = _VAR.sub(lambda m: json.dumps(_expand(m.group(0), script["assigned"])) if "$" in
                     _expand(m.group(0), script["assigned"]) else _expand(m.group(0), script["assigned"]), body)
     try:
@@ -355,13 +428,13 @@ def _deepspeed(got: dict[str, Any], other: list[str], script: dict[str, Any], so
                                     f"{flag} disagrees: make them match")
     ignored = tuple(other) + tuple(k for k in got if k not in ("--fp16", "--bf16", "--deepspeed", "--deepspeed_config",
                                                                "--deepspeed-config"))
-    text = imp.text.replace('"imported-deepspeed"  # unimp import --from deepspeed',
-                            '"imported-megatron"  # unimp import --from megatron: the --deepspeed_config it writes')
     unused = [k for k in got if (k.startswith("--") and "loss-scale" in k) or k == "--hysteresis"]
-    if unused:
-        text = (f"# {', '.join(unused)}: unused with --deepspeed (get_megatron_optimizer returns the bare optimizer; "
-                f"DeepSpeed's fp16 section scales the loss)\n") + text
-    return Imported(SYSTEM, imp.policy, text, ignored)
+    notes = (f"{', '.join(unused)}: unused with --deepspeed (get_megatron_optimizer returns the bare optimizer; "
+             f"DeepSpeed's fp16 section scales the loss)",) if unused else ()
+    launch = tuple(_launch_notes(script))
+    for note in launch:
+        warnings.warn(f"{source}: {note}", UnimpWarning, stacklevel=2)
+    return relabel(imp, SYSTEM, source, "the --deepspeed_config it writes", ignored, notes + launch)
 
 
 def from_cli(raw: Any, source: str) -> Imported:

@@ -22,6 +22,7 @@ where only ops inside ``fp16_guard()`` blocks run low; ``use_promote`` is read a
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,10 +31,12 @@ from ..ops import CANONICAL_OPS, kind_of
 from ..policy import Policy
 from ..spec import show
 from .common import (
+    MAX_TEXT,
     Draft,
     Exported,
     Imported,
     bad,
+    calls,
     check_keys,
     finish,
     flag,
@@ -321,6 +324,37 @@ CALLS = {"auto_cast": "auto_cast", "amp_guard": "auto_cast", "GradScaler": "scal
          "decorate": "decorate"}
 
 
+def _fleet_lines(text: str, source: str) -> dict[str, Any] | None:
+    """``strategy.amp_configs = {...}`` (with ``strategy.amp = True``) as pasted from a fleet script:
+    the literal dict, or None when the text holds no such assignment."""
+    import ast
+
+    if len(text) > MAX_TEXT:
+        raise bad(source, "", f"{len(text)} characters; a pasted configuration is at most {MAX_TEXT}")
+    try:
+        tree = ast.parse(textwrap.dedent(text))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    found: dict[str, Any] | None = None
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+            continue
+        target = node.targets[0]
+        attr = target.attr if isinstance(target, ast.Attribute) else target.id if isinstance(target, ast.Name) else ""
+        if attr == "amp" and isinstance(node.value, ast.Constant) and node.value.value is False:
+            raise bad(source, "strategy.amp", "False: fleet trains without AMP (float32), amp_configs unread; to "
+                                              "import that, import 'fp32'")
+        if attr == "amp_configs":
+            try:
+                value = ast.literal_eval(node.value)
+            except (ValueError, SyntaxError, RecursionError, MemoryError):
+                raise bad(source, "strategy.amp_configs", "not a literal dict; write the values") from None
+            if not isinstance(value, dict):
+                raise bad(source, "strategy.amp_configs", f"expected a dict, got {show(value)}")
+            found = value
+    return found
+
+
 def from_cli(raw: Any, source: str) -> Imported:
     if isinstance(raw, Mapping) and "AMP" in raw:  # a PaddleClas config
         return import_paddleclas(raw, source=source)
@@ -329,6 +363,18 @@ def from_cli(raw: Any, source: str) -> Imported:
     roles = {"auto_cast", "amp_guard", "GradScaler", "decorate"}
     if isinstance(raw, Mapping) and raw and not roles & set(raw) and not set(raw) <= set(AUTO_CAST_KEYS):
         return import_amp_configs(raw, source=source)  # a file holding fleet's amp_configs
+    fleet = _fleet_lines(raw, source) if isinstance(raw, str) and "amp_configs" in raw else None
+    if fleet is not None:
+        return import_amp_configs(fleet, source=source)
+    for c in calls(raw, source, CALLS) if isinstance(raw, str) else ():
+        if c.last == "decorate" and c.name and any(p in c.name for p in ("static.", "fluid.", "mixed_precision.")):
+            raise refuse(source, c.name, "the static-graph decorate wraps the optimizer with its own loss scaling, "
+                         "amp_lists and use_pure_fp16 / use_fp16_guard, not the dygraph paddle.amp.decorate; its two "
+                         "overloads default differently (python/paddle/static/amp/decorator.py: the use_pure_fp16 "
+                         "form 2**15 / 1000 steps / 2 / 0.8, the level form 2**16 / 2000 / 1 / 0.5)",
+                         "write its values as fleet amp_configs, e.g. `unimp import "
+                         "'strategy.amp_configs = {\"init_loss_scaling\": 32768, \"use_pure_fp16\": False}' "
+                         "--from paddle`")
     kw = kwargs_of(raw, source, CALLS, POSITIONAL)
     if "amp_configs" in kw:
         return import_amp_configs(kw["amp_configs"], source=source)

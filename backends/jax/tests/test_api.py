@@ -75,7 +75,8 @@ def test_every_flax_layer_follows_the_policy(policy):
         assert seen["rms"].compute_dtype == "bfloat16" and seen["head"].compute_dtype == "float32"
         # batch_norm in float32: fp32 math, output keeps the activation dtype (unimp.ops meaning)
         assert seen["bn"].compute_dtype == "float32" and seen["bn"].output_dtype == seen["rms"].output_dtype
-        assert amp.model(TOKENS).dtype == jnp.dtype(pol.output_dtype)
+        # output_dtype "unchanged": the output is the head's (float32 by its override), not cast
+        assert pol.output_dtype == "unchanged" and amp.model(TOKENS).dtype == jnp.dtype(seen["head"].output_dtype)
     finally:
         amp.remove()
 
@@ -118,10 +119,27 @@ def _linen(policy, tx=None):
         return unimp.apply(policy, module, tx or optax.adam(1e-2), params=params, inputs=X)
 
 
+@pytest.mark.parametrize("output", ["unchanged", "float32"])
+def test_output_dtype_unchanged_keeps_the_last_layers_dtype_and_float32_casts(output):
+    """``unchanged``: the output of a model ending in a Dense/Linear is what Flax's own mixed layer gives
+    (``dtype=bfloat16``: bfloat16); ``float32``: cast. nnx and linen alike."""
+    pol = unimp.load("mixed_bf16").replace(output_dtype=output)
+    native = nn.Dense(8, dtype=jnp.bfloat16).init_with_output(jax.random.key(0), X)[0].dtype  # Flax's own
+    want = native if output == "unchanged" else jnp.float32
+    assert native == jnp.bfloat16
+    assert _linen(pol).apply(_linen(pol).params, X).dtype == want
+    model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.Linear(32, 8, rngs=nnx.Rngs(1)))
+    amp = unimp.apply(pol, model, optax.sgd(0.1))
+    assert amp.model(X).dtype == want
+    amp.remove()
+    assert model(X).dtype == jnp.float32  # removed: the plain model again
+
+
 def _linen_step(amp):
     @jax.jit
     def step(params, opt_state, x, poison):
-        loss_fn = lambda p: (amp.apply(p, x) ** 2).mean() * jnp.where(poison, jnp.inf, 1.0)
+        # the loss in float32 (the presets leave the head's float16 output as Flax gives it)
+        loss_fn = lambda p: (amp.apply(p, x).astype(jnp.float32) ** 2).mean() * jnp.where(poison, jnp.inf, 1.0)
         _, grads, finite = amp.value_and_grad(loss_fn)(opt_state, params)
         updates, opt_state = amp.optimizer.update(grads, opt_state, params)
         return amp.apply_updates(params, updates, opt_state), opt_state, finite

@@ -18,7 +18,7 @@ from unimp.conformance.loss_scale import check_system_replay
 from unimp.migrate.corpus import entries, imported, pasted
 
 ROOT = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "real_configs"
-FLAX = [e for e in entries(ROOT, "flax") if "expect" in e]
+FLAX = [e for e in entries(ROOT, "flax") if "expect" in e and "DynamicScale" in pasted(ROOT, e)]  # a DynamicScale line
 
 
 @pytest.mark.parametrize("entry", FLAX, ids=lambda e: f"{e['file']}:{e['lines'][0]}")

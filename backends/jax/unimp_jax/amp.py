@@ -40,7 +40,12 @@ class JaxAmp(Amp):
         ``policy.distributed.reduce_dtype``, the loss is averaged over it, and ``finite`` is agreed by
         every device (see :mod:`unimp_jax.distributed`).
         """
-        return make_value_and_grad(self.plan.loss_scale.mode, loss_fn, has_aux, axis_name=axis_name,
+        def checked(*args: Any, **kwargs: Any) -> Any:  # the loss's dtype is known when it is traced
+            out = loss_fn(*args, **kwargs)
+            self.check_loss_dtype(str((out[0] if has_aux else out).dtype))
+            return out
+
+        return make_value_and_grad(self.plan.loss_scale.mode, checked, has_aux, axis_name=axis_name,
                                    reduce_dtype=self.policy.distributed.reduce_dtype)
 
     def data_parallel(self, step_fn: Callable[..., Any], mesh: Any = None, axis_name: str = "data",

@@ -11,7 +11,18 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from unimp.spi import CANONICAL_OPS, Amp, Backend, Fp8Support, Plan, Policy, UnimpWarning, compile_ops, native_table
+from unimp.spi import (
+    CANONICAL_OPS,
+    Amp,
+    Backend,
+    Fp8Support,
+    Plan,
+    Policy,
+    Snapshot,
+    UnimpWarning,
+    compile_ops,
+    native_table,
+)
 
 from .layers import is_linen, is_nnx
 from .ops import NATIVE_OPS
@@ -26,7 +37,7 @@ NOTES = (
     "activation, softmax, log_softmax, transcendental, reduction, loss are JAX functions: the policy "
     "controls them inside Flax layers and where wrapped as layers (unimp_jax.Op / unimp_jax.LinenOp); "
     "called bare in your code they run in their inputs' dtype (a loss on the model's output runs in "
-    "output_dtype)",
+    "output_dtype; with output_dtype \"unchanged\" in the last layer's dtype: cast the logits to float32 first)",
     "softmax inside attention: linen MultiHeadDotProductAttention gets force_fp32_for_softmax when the "
     "policy lists softmax as float32; nnx MultiHeadAttention computes it in the layer's dtype (Flax decides)",
     "layout.channels_last: not applicable on XLA (the compiler picks layouts; Flax convs are NHWC already)",
@@ -99,6 +110,18 @@ class JaxBackend(Backend):
         return compile_ops(self.name, policy, control=control, native=native, compute_dtype=dtype,
                            compute_reason=reason, fixed=fixed, notes=notes, details=details,
                            fp8=fp8_support(platform))
+
+    def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
+        """An nnx Module: every submodule (attributes, class) and every Variable's value; a linen
+        Module is immutable (apply changes none of it, nor the params it is given)."""
+        if not is_nnx(model):
+            return Snapshot([model, optimizer])
+        from flax import nnx
+
+        nodes = [node for _, node in nnx.iter_graph(model)]
+        modules = [n for n in nodes if isinstance(n, nnx.Module)]
+        variables = [n for n in nodes if isinstance(n, nnx.Variable)]
+        return Snapshot([*modules, optimizer], [(v.get_value, v.set_value) for v in variables])
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         if not self.accepts(model):

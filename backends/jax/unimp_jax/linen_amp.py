@@ -175,9 +175,9 @@ class LinenAmp(JaxAmp):
                 out = self.model.apply(variables, *args, **kwargs)
         finally:
             self._fp8_tree = None
-        if kwargs.get("mutable"):
-            return cast_floats(out[0], self.policy.output_dtype), out[1]
-        return cast_floats(out, self.policy.output_dtype)
+        if kwargs.get("mutable"):  # output_cast None ("unchanged"): as the last layer left it
+            return cast_floats(out[0], self.policy.output_cast), out[1]
+        return cast_floats(out, self.policy.output_cast)
 
     def _intercept(self, next_fun: Any, args: Any, kwargs: Any, ctx: Any) -> Any:
         if ctx.method_name != "__call__":

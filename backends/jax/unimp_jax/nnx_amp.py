@@ -154,7 +154,7 @@ class NnxAmp(JaxAmp):
             self._cast_params(parts, m, param_dtype)
             attrs.update({"_unimp_layer": lp} if lp else {})
             if not parts:
-                attrs["_unimp_output"] = (policy.output_dtype, self._token)
+                attrs["_unimp_output"] = (policy.output_cast, self._token)  # None: "unchanged", not cast
             if lp and "param_dtype" in vars(m):
                 attrs["param_dtype"] = jnp.dtype(param_dtype)
             if attrs:

@@ -189,3 +189,27 @@ def test_exported_weights_rebuild_the_trained_model(kit):
     assert not np.array_equal(kit.export_weights(amp)["fc1.weight"], probe_weights()["fc1.weight"])
     np.testing.assert_array_equal(kit.forward_fingerprint(rebuilt, b[2]), kit.forward_fingerprint(amp.model, b[2]))
     amp.remove()
+
+
+class _LowOutput(paddle.nn.Layer):
+    """Ends in an op whose output is bfloat16 on any place (a cast): CPU Paddle has no low-precision AMP."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = paddle.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x).astype("bfloat16")
+
+
+@pytest.mark.parametrize("output", ["unchanged", "float32", "float16"])
+def test_output_dtype_unchanged_leaves_the_last_ops_dtype_and_a_dtype_casts(output):
+    paddle.seed(0)
+    model, x = _LowOutput(), paddle.randn([2, 8])
+    with paddle.amp.auto_cast():  # Paddle's own (python/paddle/amp/auto_cast.py): outputs as the ops made them
+        native = model(x).dtype
+    amp = unimp.apply(unimp.load("fp32").replace(output_dtype=output), model, None)
+    want = native if output == "unchanged" else getattr(paddle, output)
+    assert native == paddle.bfloat16 and amp.model(x).dtype == want
+    amp.remove()
+    assert model(x).dtype == paddle.bfloat16

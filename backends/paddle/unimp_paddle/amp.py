@@ -158,8 +158,8 @@ class DygraphAmp(Amp):
     def _forward(self, original: Any, args: dict[str, Any], top: bool) -> Any:
         import paddle
 
-        out_dtype = self.policy.output_dtype
-        want = _pd_dtype(out_dtype)
+        out_dtype = self.policy.output_cast  # None: "unchanged", as auto_cast leaves the outputs
+        want = _pd_dtype(out_dtype) if out_dtype else None
         white, black = _list_sets(args)
         call = _call_args(args)
         exact = _needs_exact_lists(call, white, black)
@@ -176,7 +176,7 @@ class DygraphAmp(Amp):
                 if exact:  # some canonical op Paddle lists by default is gray in the policy
                     tracer_of()._set_amp_op_list(white, black)
                 out = original(*a, **kw)
-            if top and getattr(out, "dtype", want) != want and out.is_floating_point():
+            if top and want is not None and getattr(out, "dtype", want) != want and out.is_floating_point():
                 out = out.astype(out_dtype)
             return out
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any, ClassVar
 
-from unimp.spi import Amp, Backend, Plan, Policy, native_table
+from unimp.spi import Amp, Backend, Plan, Policy, Snapshot, native_table
 
 from .device import model_place
 from .ops import NATIVE_OPS
@@ -48,6 +48,18 @@ class PaddleBackend(Backend):
 
         return compile_dygraph(policy, model_place(model), model_index(model))
 
+    def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
+        """A dygraph Layer: every sublayer's attributes (forwards, hooks) and the optimizer's; when
+        the Plan runs O2 (``decorate`` casts parameters in place), every parameter's and buffer's
+        dtype and value too (copied: the only case that needs a copy)."""
+        if _is_program(model):
+            return Snapshot([model, optimizer])
+        layers = [model, *model.sublayers()]
+        o2 = plan is None or (plan.details.amp_active and plan.details.level == "O2")
+        tensors = {id(t): t for layer in layers for t in (*layer._parameters.values(), *layer._buffers.values())
+                   if t is not None} if o2 else {}
+        return Snapshot([*layers, optimizer], [_value(t) for t in tensors.values()])
+
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         if _is_program(model):
             from .static import StaticAmp
@@ -69,3 +81,20 @@ def _default_place() -> str:
     import paddle
 
     return "gpu" if paddle.device.get_device().startswith("gpu") else "cpu"
+
+
+def _value(t: Any) -> tuple[Any, Any]:
+    """``(get, put)`` of a paddle tensor's dtype and bits (a copy: O2 casts tensors in place)."""
+    import paddle
+
+    def get() -> tuple[Any, Any]:
+        return t.dtype, t.numpy().copy()
+
+    def put(saved: tuple[Any, Any]) -> None:
+        dtype, value = saved
+        if t.dtype != dtype:
+            t._to(dtype=dtype)
+        with paddle.no_grad():
+            t.set_value(paddle.to_tensor(value, dtype=dtype))
+
+    return get, put

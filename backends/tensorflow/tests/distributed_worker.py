@@ -87,7 +87,8 @@ def custom_loop(mirrored, poison, policy=POLICY, steps=STEPS):
     def train_step(x, y, bad_step):
         def replica_fn(x, y):
             with tf.GradientTape() as tape:
-                logits = amp.model(x, training=True)
+                # the head's output is left in its compute dtype (as Keras does): the loss in float32
+                logits = tf.cast(amp.model(x, training=True), tf.float32)
                 per = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
                 loss = tf.reduce_sum(per) / GLOBAL
                 rid = tf.distribute.get_replica_context().replica_id_in_sync_group

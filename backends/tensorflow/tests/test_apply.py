@@ -59,6 +59,17 @@ def build(factory):
     return m
 
 
+def keras_output_dtype(factory, policy="mixed_bfloat16"):
+    """Keras' own answer: the model built under its ``policy`` (Layer.__call__ returns the last layer's
+    compute dtype; nothing casts the model's outputs)."""
+    old = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        return keras.backend.standardize_dtype(build(factory)(X[:2]).dtype)
+    finally:
+        keras.config.set_dtype_policy(old)
+
+
 def expected(policy, path, layer):
     """The core's decision for one layer (follow-inputs layers checked separately)."""
     names = tuple(c.__name__ for c in type(layer).__mro__)
@@ -81,7 +92,8 @@ def test_fit_and_report_and_remove(factory):
             assert row.compute_dtype == want.compute_dtype, row
         # inside a subclassed block, results come back in the block's (input) dtype: float32 here
         assert row.output_dtype == ("float32" if row.path.startswith("block.") else row.compute_dtype), row
-    assert report.rows[-1].output_dtype == "float32"
+    native = keras_output_dtype(factory)
+    assert report.rows[-1].output_dtype == native == "bfloat16"  # output_dtype "unchanged": Keras' own
     follow = {r.path: r.compute_dtype for r in report.rows if r.kind == "activation"}  # act follows its input
     assert follow == ({"block.act": "float32"} if factory is Subclassed else {"act": "bfloat16"})
     amp.model.compile(optimizer=amp.optimizer,
@@ -89,7 +101,7 @@ def test_fit_and_report_and_remove(factory):
     hist = amp.model.fit(X, Y, batch_size=16, epochs=2, verbose=0)
     assert np.isfinite(hist.history["loss"]).all()
     assert amp.state_dict()["steps"] == 4 and int(opt.iterations.numpy()) == 4
-    assert amp.model(X).dtype == "float32"
+    assert amp.model(X).dtype == native
     trained = [w.numpy().copy() for w in model.weights]
     assert any(not np.array_equal(a, b) for a, b in zip(weights, trained))
     restored = amp.remove()
@@ -98,6 +110,17 @@ def test_fit_and_report_and_remove(factory):
     assert all(np.array_equal(a, w.numpy()) for a, w in zip(trained, model.weights))  # training kept
     assert all(layer.compute_dtype == "float32" for layer in model._flatten_layers())
     assert not np.array_equal(before, model(X).numpy())  # trained, and in float32 again
+
+
+@pytest.mark.parametrize("output", ["unchanged", "float32"])
+def test_output_dtype_unchanged_is_keras_own_and_float32_casts(output):
+    model = build(functional)
+    amp = unimp.apply(unimp.load("mixed_bf16").replace(output_dtype=output), model, keras.optimizers.SGD(0.1))
+    want = keras_output_dtype(functional) if output == "unchanged" else "float32"
+    assert keras.backend.standardize_dtype(amp.model(X).dtype) == want and want != ("float32" if output ==
+                                                                                    "unchanged" else "")
+    amp.remove()
+    assert "call" not in vars(model) and model(X).dtype == "float32"
 
 
 def test_promote_layer_runs_in_widest_input():
@@ -118,7 +141,9 @@ def _loop(amp, fn):
 
     def step(x, y, poison):
         with tf.GradientTape() as tape:
-            logits = amp.model(x, training=True)
+            # the presets leave the head's output in its compute dtype, as Keras does: the loss in float32
+            # (Keras' mixed precision guide casts the outputs to float32 for a custom loop's loss)
+            logits = tf.cast(amp.model(x, training=True), tf.float32)
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
             scaled = amp.scale_loss(loss * tf.where(poison, np.float32(np.inf), np.float32(1.0)))
         amp.apply_gradients(zip(tape.gradient(scaled, variables), variables))

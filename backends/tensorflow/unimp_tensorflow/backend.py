@@ -13,7 +13,7 @@ import contextlib
 import sys
 from typing import Any, ClassVar
 
-from unimp.spi import Amp, Backend, Plan, Policy, native_table
+from unimp.spi import Amp, Backend, Plan, Policy, Snapshot, native_table
 
 from .ops import NATIVE_OPS
 from .plan import compile_plan
@@ -41,6 +41,17 @@ class TensorFlowBackend(Backend):
         from .index import model_index
 
         return compile_plan(policy, model_index(model) if model is not None else None)
+
+    def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
+        """Every layer (attributes, dtype policy, instance methods, variable tracker) and the
+        optimizer's attributes. Variables are held by identity in those attributes: apply gives
+        layers new low-precision variables and never assigns to the user's (no copy is taken)."""
+        import keras
+
+        layers = [model, *model._flatten_layers(include_self=False, recursive=True)] \
+            if isinstance(model, keras.layers.Layer) else [model]
+        trackers = [t for layer in layers if (t := layer.__dict__.get("_tracker")) is not None]
+        return Snapshot([*layers, *trackers, optimizer])
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         """Set per-layer dtype policies on ``model`` and wrap ``optimizer`` for loss scaling.
@@ -73,7 +84,8 @@ class TensorFlowBackend(Backend):
 
                 undo(model, optimizer, wrapper, binding, masters_on=False)
                 raise
-        patch_output(model, plan.policy.output_dtype, binding)
+        if plan.policy.output_cast is not None:  # "unchanged": the last layer's compute dtype, as Keras gives it
+            patch_output(model, plan.policy.output_cast, binding)
         if wrapper is not None and getattr(model, "optimizer", None) is optimizer:
             binding.compiled_optimizer = optimizer
             model.optimizer = wrapper

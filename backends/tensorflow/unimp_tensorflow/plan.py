@@ -137,7 +137,9 @@ def compile_plan(policy: Policy, index: Iterable[LayerInfo] | None = None) -> Pl
     elif warn_emulated(policy, compute):
         reason += f" (emulated on this CPU, slower than float32: {cpu().describe()})"
     want = requested_dtype(policy, "loss", compute)
-    follows_f32 = want is None and policy.output_dtype == "float32"
+    # a loss in no op list follows its inputs: float32 only when the model's outputs are cast to float32
+    # ("unchanged" outputs may be low; the Keras loss computes in float32 whatever it gets)
+    follows_f32 = want is None and policy.output_cast == "float32"
     fixed = {"loss": (None, LOSS_WHY + "; it takes the float32 model output, so it follows its inputs")
              if follows_f32 else ("float32", LOSS_WHY)}
     control = {op: "layer" for op in CANONICAL_OPS if op not in fixed}

@@ -40,13 +40,22 @@ SEQS = [CALM, *sequences(4, 200, 2500, seed=24)]
 @pytest.fixture(scope="module", autouse=True)
 def one_process_group():
     """DeepSpeed's scaler logs overflows with dist.get_rank(): a one-process gloo group."""
-    if not deepspeed.comm.is_initialized():
+    import torch.distributed as dist
+
+    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    saved = {k: os.environ.get(k) for k in keys}
+    ours = not dist.is_initialized()
+    if ours:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
     yield
+    if ours:  # later tests (test_distributed.py) need a process without a default group, as they found it
+        dist.destroy_process_group()
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def _deepspeed_scaler(config: dict):

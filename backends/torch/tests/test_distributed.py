@@ -202,6 +202,10 @@ def test_mixed_precision_policy_is_compiled_from_the_policy():
     mp = unimp_torch.mixed_precision_policy(pol, root=True)
     assert (mp.param_dtype, mp.reduce_dtype, mp.output_dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
     assert unimp_torch.mixed_precision_policy(pol, "float16").output_dtype is None
+    # "unchanged": the root casts nothing (FSDP's own default output_dtype=None), "float32" casts
+    mp = unimp_torch.mixed_precision_policy
+    assert mp(pol.replace(output_dtype="unchanged"), root=True).output_dtype is None
+    assert mp(pol.replace(output_dtype="float32"), root=True).output_dtype == torch.float32
 
 
 def test_ddp_without_process_group_is_a_clear_error():

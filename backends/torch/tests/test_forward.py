@@ -26,7 +26,9 @@ def test_deepcopy_runs_its_own_weights(preset):
     amp.optimizer.step()
     before = amp.model(x)
     ema = copy.deepcopy(model)
-    assert torch.equal(ema(x), before) and ema(x).dtype == F32  # same weights, same policy
+    with torch.autocast("cpu", dtype=BF16):  # the oracle: torch.autocast leaves the last Linear's bf16 output
+        native = mlp()(x).dtype
+    assert torch.equal(ema(x), before) and ema(x).dtype == before.dtype == native == BF16  # same weights, policy
     with torch.no_grad():
         for p in ema.parameters():
             p.zero_()
@@ -178,3 +180,66 @@ def test_functional_calls_follow_the_policy_both_directions():
     assert plan.op("matmul").control == "op" and plan.details.op_moves["matmul"] == "float32"
     assert compile_plan(unimp.load({"extends": "mixed_bf16", "ops": {"float32": ["matmul"]}}),
                         "cuda").details.op_moves["matmul"] == "float32"
+
+
+@pytest.mark.parametrize("output", ["unchanged", "float32"])
+def test_output_dtype_unchanged_leaves_autocasts_dtype_and_float32_casts(output):
+    """``unchanged``: the output of the last (lowered) Linear as torch.autocast gives it; ``float32``: cast."""
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=BF16):
+        native = mlp()(x).dtype
+    model = mlp()
+    amp = unimp.apply(unimp.load("mixed_bf16").replace(output_dtype=output), model)
+    assert native == BF16 and amp.model(x).dtype == (native if output == "unchanged" else F32)
+    assert amp.report().row("<model>").output_dtype == ("bfloat16" if output == "unchanged" else "float32")
+    amp.remove()
+    assert model(x).dtype == F32
+
+
+def _tensors(out, prefix=""):
+    """Every tensor in a (nested) model output, by its position/key."""
+    if isinstance(out, torch.Tensor):
+        return {prefix: out}
+    if isinstance(out, dict):
+        items = out.items()
+    elif isinstance(out, (list, tuple)):
+        items = enumerate(out)
+    else:
+        return {}
+    return {k: v for key, item in items for k, v in _tensors(item, f"{prefix}.{key}").items()}
+
+
+def _hf(name):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=16))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "softmax"])
+def test_torch_autocast_cpu_outputs_are_torch_autocasts(name):
+    """The oracle: ``torch.autocast("cpu", bfloat16)`` on a copy of the same model, same inputs. Every output
+    tensor (logits, hidden states, the loss; a softmax's probabilities) has autocast's dtype and values."""
+    if name == "softmax":
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8), nn.Softmax(-1))
+        args, kwargs = (torch.randn(4, 16),), {}
+    else:
+        model = _hf(name)
+        ids = torch.randint(0, 64, (2, 8))
+        args, kwargs = (), {"input_ids": ids, "labels": ids, "output_hidden_states": True, "use_cache": False}
+    model.eval()  # no dropout: the two forwards see the same values
+    reference = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=BF16):
+        native = _tensors(reference(*args, **kwargs))
+    amp = unimp.apply("torch_autocast_cpu", model)
+    ours = _tensors(amp.model(*args, **kwargs))
+    assert {k: v.dtype for k, v in ours.items()} == {k: v.dtype for k, v in native.items()}
+    assert any(v.dtype == BF16 for v in native.values())  # the last op's low output is not cast
+    for k, v in native.items():
+        assert torch.equal(ours[k], v), k
+    amp.remove()

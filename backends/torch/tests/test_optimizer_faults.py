@@ -271,3 +271,132 @@ def test_loss_scale_state_that_does_not_fit_the_device_is_refused_whole():
         amp.load_state_dict(dict(good, scale=8.0, growth_tracker=2**40))
     assert amp.state_dict() == good
     amp.remove()
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw", "adamw_fused"])
+@pytest.mark.parametrize("preset", ["fp16_master", "pure_bf16", "mixed_fp16"])
+def test_interrupt_in_a_step_post_hook_keeps_weights_and_counters(preset, opt_name):
+    """Ctrl-C from a user's optimizer step post-hook (torch.optim.Optimizer.profile_hook_step runs
+    instance post-hooks after the inner step): the inner step is done, so the model's weights equal
+    the masters cast, the step is counted, and the next forward runs on the new weights. The hook
+    also sees the updated model (unimp's own post-hook runs first)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
+            "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True)}[opt_name]
+    opt = make(model.parameters())
+    amp = unimp.apply(preset, model, opt)
+    seen = []
+
+    def hook(optimizer, args, kwargs):
+        seen.append([p.detach().clone() for p in model.parameters()])
+        raise KeyboardInterrupt
+
+    handle = opt.register_step_post_hook(hook)
+    x = _batch(0)
+    amp.backward(amp.model(x).float().square().mean())
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = amp.state_dict()["steps"]
+    with pytest.raises(KeyboardInterrupt):
+        amp.optimizer.step()
+    handle.remove()
+    masters = {id(low): m for _, low, m in amp.master_weights}
+    for p, old in zip(model.parameters(), before, strict=True):
+        assert not torch.equal(p, old)  # the step happened
+        if id(p) in masters:
+            assert torch.equal(p, masters[id(p)].to(p.dtype))  # and the model holds it
+    for p, s in zip(model.parameters(), seen[0], strict=True):
+        assert torch.equal(p, s)  # the user's hook saw the stepped model
+    assert amp.state_dict()["steps"] == steps + 1
+    assert amp.optimizer.found_inf is None  # this step's grads are spent
+    # the next step works on fresh grads, counted once
+    amp.optimizer.zero_grad()
+    amp.backward(amp.model(x).float().square().mean())
+    amp.optimizer.step()
+    assert amp.state_dict()["steps"] == steps + 2
+    amp.remove()
+
+
+# ---------------------------------------------------------------- GradScaler idioms carried over (issue 27 item 14)
+@pytest.mark.parametrize("overflow", [False, True], ids=["finite", "overflow"])
+@pytest.mark.parametrize("foreach", [None, False])
+def test_gradscaler_clip_idiom_on_model_parameters_clips_the_masters(overflow, foreach):
+    """``amp.unscale_()`` then ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` under
+    fp16_master: the returned norm and the stepped weights are those of torch.amp.GradScaler's idiom
+    (``scaler.unscale_(opt)``, ``clip_grad_norm_(params, c)``, ``scaler.step(opt)``; the
+    'Gradient clipping' recipe of torch's AMP examples) on an fp32 model holding the same scaled
+    gradients: the masters are what the optimizer steps, so they are what is clipped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    ref = copy.deepcopy(model)  # the fp32 masters' twin
+    amp = unimp.apply("fp16_master", model, torch.optim.SGD(model.parameters(), lr=0.5))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=amp.scale, growth_interval=2000)
+    scaler.scale(torch.ones(()))  # GradScaler makes its scale tensor on the first scale() (torch/amp/grad_scaler.py)
+    for i in range(3):
+        loss = amp.model(_batch(i)).float().square().mean() * (1e30 if overflow and i == 1 else 1.0)
+        amp.backward(loss)
+        for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+            r.grad = p.grad.float()  # the same scaled gradients, in the reference's fp32
+        amp.unscale_()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, foreach=foreach)
+        scaler.unscale_(ref_opt)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, foreach=foreach)
+        # the norm is the fp32 norm of the same unscaled grads: equal up to the summation order of
+        # torch's foreach kernel against its per-tensor one (a few float32 ulps)
+        torch.testing.assert_close(norm, ref_norm, rtol=4 * torch.finfo(torch.float32).eps, atol=0, equal_nan=True)
+        amp.optimizer.step()
+        scaler.step(ref_opt)
+        scaler.update()
+        amp.optimizer.zero_grad()
+        ref_opt.zero_grad()
+        assert amp.skipped_steps == int(overflow and i >= 1)
+        for (_, low, master), r in zip(amp.master_weights, ref.parameters(), strict=True):
+            torch.testing.assert_close(master, r.detach(), rtol=4 * torch.finfo(torch.float32).eps, atol=1e-7)
+            assert torch.equal(low, master.to(low.dtype))
+    assert amp.scale == scaler.get_scale()
+    amp.remove()
+
+
+@pytest.mark.parametrize("verb", ["step", "unscale_", "clip_grad_norm_"])
+@pytest.mark.parametrize("preset", ["fp16_master", "mixed_fp16"])
+def test_plain_backward_before_a_scaled_step_is_refused(preset, verb):
+    """``loss.backward()`` (no amp.backward) then ``amp.optimizer.step()``: the gradients are not
+    scaled, so unscaling would divide them by the loss scale (65,536) and step on them silently (as
+    a Trainer given amp.optimizer without unimp's integration did). Refused with the right call;
+    nothing is stepped or counted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    amp = unimp.apply(preset, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    # one correct step first: the check is per step, not only before the first
+    amp.backward(amp.model(_batch(0)).float().square().mean())
+    amp.optimizer.step()
+    amp.optimizer.zero_grad()
+    before, state = _params(model), amp.state_dict()
+    amp.model(_batch(1)).float().square().mean().backward()
+    do = {"step": lambda: amp.optimizer.step(), "unscale_": lambda: amp.unscale_(),
+          "clip_grad_norm_": lambda: amp.clip_grad_norm_(1.0)}[verb]
+    with pytest.raises(unimp.errors.UnsupportedError, match=r"no loss was scaled since the last step.*"
+                       r"plain loss\.backward\(\).*Call amp\.backward\(loss\)"):
+        do()
+    _assert_same(_params(model), before)
+    assert amp.state_dict() == state
+    # the right call works on the same batch
+    amp.optimizer.zero_grad()
+    amp.backward(amp.model(_batch(1)).float().square().mean())
+    amp.optimizer.step()
+    assert amp.state_dict()["steps"] == state["steps"] + 1
+    amp.remove()
+
+
+def test_plain_backward_without_loss_scaling_steps():
+    """Without loss scaling (pure_bf16: scale 1) a plain backward is the same as amp.backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    amp = unimp.apply("pure_bf16", model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = _params(model)
+    amp.model(_batch(0)).float().square().mean().backward()
+    amp.optimizer.step()
+    assert not all(torch.equal(a, b) for a, b in zip(_params(model), before, strict=True))
+    amp.remove()

@@ -25,12 +25,12 @@ from .forward import PolicyForward, patch_forward
 from .fp8 import Fp8Binding
 from .index import model_index
 from .integrations.save_pretrained import save_full_precision
-from .layers import DTYPES, Rule, kind, type_names, wrap
+from .layers import DTYPES, Rule, kind, output_cast, type_names, wrap
 from .layout import has_conv2d, restore_layout, to_channels_last
-from .optimizer import AmpOptimizer
+from .optimizer import AfterInnerStep, AmpOptimizer
 from .params import ParamState, cast_params
 from .scaler import DeviceLossScale
-from .trace import Observer, observe
+from .trace import Observer, example_inputs, observe
 
 
 class TorchAmp(Amp):
@@ -58,6 +58,7 @@ class TorchAmp(Amp):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` on the scaled loss (call several times to accumulate)."""
         self._check_live("amp.backward()")
+        self.check_loss_dtype(str(loss.dtype).removeprefix("torch."))
         self.scaler.scale_loss(loss).backward(**kwargs)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,12 @@ class TorchAmp(Amp):
         return self.scaler.scale_loss(loss)
 
     def unscale_(self) -> torch.Tensor | None:
-        """Unscale this step's grads now (e.g. before inspecting them); returns found_inf."""
+        """Unscale this step's grads now (e.g. before clipping or inspecting them); returns found_inf.
+
+        With master weights, the model's low-precision parameters then show their masters' unscaled
+        fp32 gradients (:class:`unimp_torch.params.MasterGrad`), so GradScaler's idiom
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` clips what the optimizer steps.
+        Refused when no loss was scaled since the last step (a plain ``loss.backward()``)."""
         self._check_live("amp.unscale_()")
         return self.optimizer.unscale_() if self.optimizer is not None else None
 
@@ -139,8 +145,14 @@ class TorchAmp(Amp):
             observed = observe(self.module, args, kwargs)
         elif self._observer.rows is not None:
             observed = self._observer.rows
+        elif (spec := getattr(self.module.__dict__.get("forward"), "compiled_inputs", None)) is not None:
+            # the forwards ran compiled (torch.compile traces the policy, nothing is observed inside a
+            # graph): one eager no-grad forward on inputs shaped like the first call's, as the first
+            # eager forward would have been observed (buffers and RNG left as they were)
+            self._observer.rows = observe(self.module, *example_inputs(spec))
+            observed = self._observer.rows
         else:
-            raise self.no_forward("a compiled forward is not observed: under torch.compile, pass the input")
+            raise self.no_forward()
         fp8 = self.fp8.layers if self.fp8 is not None else {}
         rows = [ReportRow(path or "<model>", r["kind"], r["compute_dtype"], r["param_dtype"], r["output_dtype"],
                           fp8.get(path))
@@ -207,12 +219,13 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
             p.is_floating_point() and p.dtype != torch.float64 and p.itemsize < compute.itemsize
             for p in model.parameters()) else None  # e.g. float16 storage, float32 compute
         amp._undo.append(patch_forward(model, device, autocast, details.op_moves,
-                                       DTYPES[policy.output_dtype], bool(amp._layout), params_up))
+                                       output_cast(policy), bool(amp._layout), params_up))
         model.__dict__["forward"].observer = amp._observer
         amp._undo.append(save_full_precision(amp, model))  # HF save_pretrained: the fp32 masters
         if optimizer is not None:
             names = {id(p): n for n, p in model.named_parameters()} | {id(m): n for n, _, m in amp.params.masters}
             amp.optimizer = AmpOptimizer(optimizer, amp.scaler, amp.params, on_skip, amp._check_live, names)
+            amp._undo.append(AfterInnerStep.attach(amp.optimizer))
         if fsdp:
             from .distributed import attach_fsdp
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from unimp.spi import Backend, Plan, Policy, native_table
+from unimp.spi import Backend, Plan, Policy, Snapshot, native_table
 
 from .ops import NATIVE_OPS
 
@@ -37,6 +37,21 @@ class TorchBackend(Backend):
         from .validate import device_of
 
         return compile_plan(policy, device_of(model), model_index(model) if model is not None else None)
+
+    def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
+        """Every module's attributes (parameters, buffers, submodules, forward, hooks), every
+        parameter's and buffer's storage, and the optimizer's groups and state: a failed apply
+        leaves them as they were."""
+        import torch
+
+        tensors = [t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values())
+                   if isinstance(t, torch.Tensor)] if isinstance(model, torch.nn.Module) else []
+
+        def value(t: Any) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+            return (lambda: t.data), (lambda data: setattr(t, "data", data))
+
+        modules = list(model.modules()) if isinstance(model, torch.nn.Module) else [model]
+        return Snapshot([*modules, optimizer], [value(t) for t in {id(t): t for t in tensors}.values()])
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, *,
               on_skip: Callable[[], Any] | None = None, **options: Any) -> Any:

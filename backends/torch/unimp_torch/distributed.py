@@ -25,7 +25,9 @@ skips the same steps and holds the same scale.
 >>> import unimp
 >>> mp = mixed_precision_policy(unimp.load("pure_bf16"), root=True)
 >>> mp.param_dtype, mp.reduce_dtype, mp.output_dtype, mp.cast_forward_inputs
-(torch.bfloat16, torch.float32, torch.float32, False)
+(torch.bfloat16, torch.float32, None, False)
+>>> mixed_precision_policy(unimp.load("fp32"), root=True).output_dtype
+torch.float32
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from torch import nn
 
 from unimp.spi import Plan, UnimpWarning, UnsupportedError, load
 
-from .layers import DTYPES, NAMES, kind, type_names
+from .layers import DTYPES, NAMES, kind, output_cast, type_names
 
 ORDER_FIX = ("amp = unimp.apply(policy, model, optimizer); model = amp.ddp(**ddp_kwargs) "
              "(unimp first, then DDP, so DDP reduces the parameters the policy gives the model)")
@@ -160,7 +162,8 @@ def mixed_precision_policy(policy: Any, param_dtype: str | None = None, *, root:
     """The ``MixedPrecisionPolicy`` of one FSDP unit under ``policy``.
 
     ``param_dtype``: the dtype the unit's parameters hold in forward (default the policy's);
-    ``reduce_dtype`` = ``[distributed] reduce_dtype``; the root casts outputs to ``output_dtype``;
+    ``reduce_dtype`` = ``[distributed] reduce_dtype``; the root casts outputs to ``output_dtype`` (not at
+    all for ``"unchanged"``: ``output_dtype=None``, FSDP's own default);
     ``cast_forward_inputs=False`` because a policy decides per op, not per module input (autocast
     lowers each op; a residual stream keeps its dtype, as without FSDP).
     """
@@ -169,7 +172,7 @@ def mixed_precision_policy(policy: Any, param_dtype: str | None = None, *, root:
     policy = load(policy)
     return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype or policy.param_dtype],
                                 reduce_dtype=DTYPES[policy.distributed.reduce_dtype],
-                                output_dtype=DTYPES[policy.output_dtype] if root else None,
+                                output_dtype=output_cast(policy) if root else None,
                                 cast_forward_inputs=False)
 
 

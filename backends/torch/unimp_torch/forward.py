@@ -1,7 +1,8 @@
 """The model's forward under the compiled plan: autocast, unimp's op rules, layout, output dtype.
 
 With no op moves this is exactly ``with torch.autocast(device, dtype): model(x)`` plus the
-policy's output cast. With moves, the ops run the policy's way (:mod:`unimp_torch.op_overrides`):
+policy's output cast (none for ``output_dtype = "unchanged"``: the outputs as autocast leaves them).
+With moves, the ops run the policy's way (:mod:`unimp_torch.op_overrides`):
 in eager through unimp's Autocast kernels when no moved op has a C++ Autocast kernel on the device
 (every other call costs nothing), else through :class:`PolicyMode`; under ``torch.compile``
 always through :class:`PolicyMode` (traced into the graph; the kernels stay inactive).
@@ -22,15 +23,21 @@ under the same rules as the forward did. Outside a unimp forward torch is left u
 >>> m(torch.randn(2, 4)).dtype
 torch.float32
 >>> undo()
+>>> undo = patch_forward(m, "cpu", torch.bfloat16, {}, None, channels_last=False)  # "unchanged"
+>>> m(torch.randn(2, 4)).dtype
+torch.bfloat16
+>>> undo()
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -40,11 +47,14 @@ from torch import nn
 from .autocast import kernel_table
 from .layers import install_forward, params_as
 from .op_overrides import EagerPolicyMode, PolicyMode, SingleOpForward, acquire, active, release, single_op
+from .trace import input_spec
 
 
-def cast_output(out: Any, dtype: torch.dtype) -> Any:
+def cast_output(out: Any, dtype: torch.dtype | None) -> Any:
     """Floating tensors in ``out`` (nested tuples/lists/dicts, HF ``ModelOutput``) cast to ``dtype``;
-    a container is rebuilt only when something in it changed (``out`` itself otherwise)."""
+    a container is rebuilt only when something in it changed (``out`` itself otherwise). ``None``: ``out``."""
+    if dtype is None:
+        return out
     if isinstance(out, torch.Tensor):
         return out.to(dtype) if out.dtype != dtype and out.is_floating_point() else out
     if isinstance(out, list | tuple):
@@ -158,7 +168,7 @@ class PolicyForward:
     pickles of the model bring their own; ``observer`` (the first-forward report) is not copied."""
 
     def __init__(self, module: nn.Module, inner: Callable | None, device: str, autocast: torch.dtype | None,
-                 table: Mapping[str, str], output: torch.dtype, channels_last: bool,
+                 table: Mapping[str, str], output: torch.dtype | None, channels_last: bool,
                  params: torch.dtype | None = None) -> None:
         self.module = module
         self.inner = inner  # the instance forward that was there before, else None (the class's)
@@ -168,13 +178,14 @@ class PolicyForward:
         # eager: aten name -> category for unimp's Autocast kernels, else the mode's eager variant
         self.kernels = kernel_table(dict(table), device) if self.mode is not None else None
         self.eager_mode = EagerPolicyMode(table, device) if self.mode is not None and self.kernels is None else None
-        self.output = output
+        self.output = output  # None: outputs not cast (output_dtype = "unchanged")
         self.channels_last = channels_last
         # without autocast, parameters stored below the compute dtype (param_dtype float16 with
         # compute_dtype float32) are cast up to it for the forward (differentiably: their gradients
         # come back in their own dtype)
         self.params = params
         self.observer: Any = None  # observe.Observer until the first eager forward has run
+        self.compiled_inputs: Any = None  # trace.input_spec of the last compiled call (report() after compile)
         self._hold: weakref.finalize | None = None
         self._acquire()
 
@@ -192,10 +203,26 @@ class PolicyForward:
         """unimp's eager op rules of this forward (inside autocast), marked as this thread's."""
         return _Rules(self)
 
-    def _run(self, compiling: bool, args: tuple, kwargs: dict) -> Any:
+    @contextlib.contextmanager
+    def region(self) -> Iterator[None]:
+        """Code around the model (a loss on its outputs) under the policy as its forward runs: autocast and
+        the eager op rules, as ``torch.autocast`` covers a whole step (Lightning's ``forward_context``)."""
+        if self.autocast is None:
+            yield
+            return
+        with torch.autocast(self.device, dtype=self.autocast):
+            if self.mode is None:
+                yield
+                return
+            with self.rules(), _checkpoint_under_rules:
+                yield
+
+    def _run(self, compiling: bool, args: tuple, kwargs: dict, inner: Callable | None = None) -> Any:
         # the class's forward through functools.partial, not function.__get__ (dynamo in torch 2.11
-        # cannot trace __get__ and breaks the graph there)
-        inner = self.inner if self.inner is not None else functools.partial(type(self.module).forward, self.module)
+        # cannot trace __get__ and breaks the graph there); ``inner``: another entry point instead
+        if inner is None:
+            inner = self.inner if self.inner is not None else functools.partial(type(self.module).forward,
+                                                                                 self.module)
         if self.autocast is None:
             if self.params is None:
                 return inner(*args, **kwargs)
@@ -214,36 +241,109 @@ class PolicyForward:
         if self.channels_last:
             args = tuple(_nhwc(a) for a in args)
         compiling = torch.compiler.is_compiling()  # decided once per forward
+        if compiling:  # traced: the graph's inputs' shapes/dtypes are left here for amp.report()
+            self.compiled_inputs = input_spec(args, kwargs)
         if not compiling and self.observer is not None:
             observer, self.observer = self.observer, None  # the first eager forward, observed as it runs
             return observer.run(self.module, lambda: cast_output(self._run(False, args, kwargs), self.output))
         return cast_output(self._run(compiling, args, kwargs), self.output)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "observer": None, "_hold": None}
+        return {**self.__dict__, "observer": None, "_hold": None, "compiled_inputs": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._acquire()  # a copy or an unpickled model (maybe in another process) holds its own kernels
 
 
+class PolicyMethod:
+    """Another entry point of the model (``generate``, ``get_image_features``, ``encode``, ...) under
+    the policy's compute rules, as ``with torch.autocast(...)`` around the call would run it: the
+    submodules it calls (HF ``generate`` runs ``self.get_encoder()(...)`` directly, CLIP's feature
+    methods call their towers) are inside the policy. Its result is returned as the method made it
+    (the policy's output dtype is ``forward``'s, as native autocast leaves results alone)."""
+
+    def __init__(self, forward: PolicyForward, name: str) -> None:
+        self.forward = forward
+        self.name = name
+        self.__wrapped__ = getattr(type(forward.module), name)  # what introspection sees (Lightning's is_overridden)
+        self.__doc__ = getattr(self.__wrapped__, "__doc__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.forward.module
+        method = functools.partial(getattr(type(module), self.name), module)
+        return self.forward._run(torch.compiler.is_compiling(), args, kwargs, method)
+
+    @property
+    def __signature__(self) -> inspect.Signature:  # the bound method's (callers read it: HF generate does)
+        return inspect.signature(getattr(type(self.forward.module), self.name).__get__(self.forward.module))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # copies and pickles: rebuilt over the copied forward
+        return (PolicyMethod, (self.forward, self.name))
+
+    def __repr__(self) -> str:
+        return f"<{type(self.forward.module).__name__}.{self.name} under a unimp policy>"
+
+
+_NOT_ENTRY = ("_", "save", "push_to_hub", "load", "from_")
+
+
+def entry_points(model: nn.Module) -> list[str]:
+    """The model's public methods besides ``forward`` that may compute: those its own classes
+    define (not ``torch.nn.Module``'s, nor overrides of them such as ``to``/``state_dict``), except
+    backward passes (Lightning's ``backward``/``manual_backward``), which autocast does not cover,
+    and saving/loading (``save_pretrained``, ``push_to_hub``, ``load_*``, ``from_*``: no compute)."""
+    torch_names = set(dir(nn.Module))
+    names = []
+    for name in dir(type(model)):
+        if name.startswith(_NOT_ENTRY) or name in torch_names or name in model.__dict__ or "backward" in name:
+            continue
+        attr = inspect.getattr_static(type(model), name, None)
+        if not inspect.isfunction(attr):  # properties, class/static methods, attributes
+            continue
+        if attr.__module__ is not None and attr.__module__.split(".")[0] == "torch":
+            continue
+        names.append(name)
+    return names
+
+
 def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, table: Mapping[str, str],
-                  output: torch.dtype, channels_last: bool, params: torch.dtype | None = None) -> Callable[[], None]:
+                  output: torch.dtype | None, channels_last: bool,
+                  params: torch.dtype | None = None) -> Callable[[], None]:
     """Put a :class:`PolicyForward` on the instance (and a :class:`SingleOpForward` on each of
-    torch's single-op modules whose op the kernels move to float32); returns the undo. ``params``:
+    torch's single-op modules whose op the kernels move to float32); returns the undo. ``output``: the
+    dtype floating outputs are cast to (None: not cast, as autocast leaves them). ``params``:
     the dtype that parameters stored lower are cast up to for the forward when there is no autocast."""
     had_own = "forward" in model.__dict__
     inner = model.__dict__.get("forward")
     forward = PolicyForward(model, inner, device, autocast, table, output, channels_last, params)
-    undos = [install_forward(model, forward, inner, had_own)]
-    for module in model.modules() if forward.kernels else ():
-        name = single_op(module) if module is not model else None
-        if name is not None and forward.kernels.get(name) == "float32":
-            undos.append(install_forward(module, SingleOpForward(module, name, device), None, False))
+    undos: list[Callable[[], None]] = []
 
     def undo_and_release() -> None:
         for undo in reversed(undos):
             undo()
         forward.close()
 
+    try:
+        undos.append(install_forward(model, forward, inner, had_own))
+        if autocast is not None or params is not None:  # every other entry point under the same rules
+            for name in entry_points(model):
+                undos.append(_install_method(model, PolicyMethod(forward, name)))
+        for module in model.modules() if forward.kernels else ():
+            name = single_op(module) if module is not model else None
+            if name is not None and forward.kernels.get(name) == "float32":
+                undos.append(install_forward(module, SingleOpForward(module, name, device), None, False))
+    except BaseException:  # half-way: the forwards installed so far and the kernels' hold released
+        undo_and_release()
+        raise
     return undo_and_release
+
+
+def _install_method(model: nn.Module, method: PolicyMethod) -> Callable[[], None]:
+    model.__dict__[method.name] = method
+
+    def undo() -> None:
+        if model.__dict__.get(method.name) is method:
+            del model.__dict__[method.name]
+
+    return undo

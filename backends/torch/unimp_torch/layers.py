@@ -34,6 +34,12 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 NAMES = {v: dtype_name(v) for v in DTYPES.values()}
 
 
+def output_cast(policy: Any) -> torch.dtype | None:
+    """The torch dtype the model's outputs are cast to under ``policy``; None for ``output_dtype =
+    "unchanged"`` (as ``torch.autocast`` leaves them)."""
+    return DTYPES[policy.output_cast] if policy.output_cast else None
+
+
 def type_names(module: nn.Module) -> tuple[str, ...]:
     """Class names of ``module`` and its bases up to ``nn.Module`` (for kinds and overrides)."""
     return class_names(type(module), stop=(nn.Module,))

@@ -33,7 +33,7 @@ import torch
 
 from unimp.spi import UnsupportedError
 
-from .params import ParamState
+from .params import MasterGrad, ParamState
 from .scaler import DeviceLossScale
 from .validate import check_optimizer_state
 
@@ -64,6 +64,10 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._checked_dist = False
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
+        # (found_inf, skip, fresh params) of the step in flight until _finish has run
+        self._pending: tuple[torch.Tensor | None, bool, list[torch.Tensor]] | None = None
+        self._skipped_now: bool | None = None
+        self._losses_spent = 0  # scaler.losses when the last step was done: equal = no loss scaled since
 
     # delegate what LR schedulers and users read
     @property
@@ -142,6 +146,8 @@ class AmpOptimizer(torch.optim.Optimizer):
             return None
         if self._current():
             return self._unscaled[0]
+        if self.scaler.spec.mode != "none" and self.scaler.losses == self._losses_spent:
+            self._refuse_unscaled_backward()
         for _, low, master in self.params.masters:
             master.grad = None if low.grad is None else low.grad.to(master.dtype)
         grads = []
@@ -158,7 +164,26 @@ class AmpOptimizer(torch.optim.Optimizer):
         if self.agree is not None:
             self.agree(found)  # on the device, no host read
         self._unscaled = (found, self.scaler.losses)
+        # the model's low-precision params now show the unscaled fp32 grads the optimizer steps, so
+        # GradScaler's idiom (unscale_, then clip_grad_norm_(model.parameters())) clips the masters
+        for _, low, master in self.params.masters:
+            if low.grad is not None and master.grad is not None and not master.grad.is_sparse:
+                low.grad = MasterGrad(master.grad, low.dtype)
         return found
+
+    def _refuse_unscaled_backward(self) -> None:
+        """No loss was scaled since the last step: gradients from a plain ``loss.backward()`` would be
+        divided by the loss scale. Refused (nothing changed) when there are gradients at all."""
+        grads = [n for p in self.master_params() if p.grad is not None for n in (self.names.get(id(p), "?"),)]
+        grads += [name for name, low, _ in self.params.masters if low.grad is not None]
+        if not grads:
+            return
+        raise UnsupportedError(
+            f"amp.optimizer.step(): no loss was scaled since the last step, but parameters have gradients "
+            f"(e.g. {grads[0]}): they come from a plain loss.backward(), and stepping would divide them by "
+            f"the loss scale ({self.scaler.scale.item():g}). Call amp.backward(loss) (or "
+            f"amp.scale_loss(loss).backward()) instead of loss.backward(); with a Trainer, use unimp's "
+            f"integration (unimp_torch.integrations.hf / .lightning)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._live("amp.optimizer.zero_grad()")
@@ -166,10 +191,16 @@ class AmpOptimizer(torch.optim.Optimizer):
         for _, low, _ in self.params.masters:
             if set_to_none:
                 low.grad = None
+            elif isinstance(low.grad, MasterGrad):  # the next backward accumulates in low precision again
+                low.grad = torch.zeros_like(low)
             elif low.grad is not None:
                 low.grad.zero_()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Unscale, check, skip or step, then (once the inner step has run) low params := masters
+        and the scale/counters updated: done by the inner optimizer's first step post-hook, before
+        any hook of the user's, so an exception in a user hook (a Ctrl-C) cannot leave the model's
+        weights behind the masters or the step uncounted; user post-hooks see the updated model."""
         self._live("amp.optimizer.step()")
         if closure is not None:
             raise UnsupportedError("amp.optimizer.step(closure): closures re-run forward and backward "
@@ -185,46 +216,85 @@ class AmpOptimizer(torch.optim.Optimizer):
             if self.params.masters:
                 for _, low, master in self.params.masters:
                     master.grad = None if low.grad is None else low.grad.to(master.dtype)
-            out = self.optimizer.step()
-            self.params.sync_low()
-            self.scaler.update(None)
-            return out
+            return self._inner_step(None, False, ())
         found = self.unscale_()
-        out = None
         skip = self.scaler.spec.skip_nonfinite
         if skip and self._fused:
-            out, skipped_now = self._fused_step(found)
-        elif skip:
-            skipped_now = bool(found.item())
-            if not skipped_now:
-                out = self.optimizer.step()
-                self.params.sync_low()
+            state, params = self.optimizer.state, self.master_params()
+            # params without state yet (none once every param has some: no per-param loop then)
+            fresh = [p for p in params if p.grad is not None and not state.get(p)] if len(state) < len(params) else []
+            self.optimizer.grad_scale, self.optimizer.found_inf = None, found  # the kernel skips on found
+            try:
+                out = self._inner_step(found, skip, fresh)
+            finally:
+                del self.optimizer.grad_scale, self.optimizer.found_inf
+            skipped_now = self._skipped_now
+        elif skip and bool(found.item()):  # skipped: the inner optimizer is not called
+            self._count(found, skip)
+            out, skipped_now = None, True
         else:
-            out = self.optimizer.step()
-            self.params.sync_low()
-            skipped_now = False
-        # reached only when the step returned: an exception leaves the scale and counters as they were
-        self.last_skipped = found > 0 if skip else torch.zeros((), dtype=torch.bool)
-        self.scaler.update(found)
-        self._unscaled = None
+            out, skipped_now = self._inner_step(found, skip, ()), False
         if skipped_now and self.on_skip is not None:
             self.on_skip()
         return out
 
-    def _fused_step(self, found: torch.Tensor) -> tuple[Any, bool | None]:
-        """The kernel skips on ``found``; state it allocated for a skipped first step is dropped."""
-        state, params = self.optimizer.state, self.master_params()
-        # params without state yet (none once every param has some: no per-param loop then)
-        fresh = [p for p in params if p.grad is not None and not state.get(p)] if len(state) < len(params) else []
-        self.optimizer.grad_scale, self.optimizer.found_inf = None, found
+    def _inner_step(self, found: torch.Tensor | None, skip: bool, fresh: list[torch.Tensor]) -> Any:
+        """The inner optimizer's step; :meth:`_finish` runs from its post-hook (or right after it, when
+        the hook is gone, e.g. on an optimizer unpickled without hooks). An exception before the
+        inner step completes leaves the scale and counters as they were."""
+        self._pending = (found, skip, fresh)
         try:
             out = self.optimizer.step()
-        finally:
-            del self.optimizer.grad_scale, self.optimizer.found_inf
-        created = [p for p in fresh if state.get(p)]
-        skipped_now = bool(found.item()) if created or self.on_skip else None  # host read: first step only
-        if created and skipped_now:
-            for p in created:
-                del state[p]
+        except BaseException:
+            self._pending = None  # the inner step itself failed (else _finish has run already)
+            raise
+        self._finish()
+        return out
+
+    def _finish(self) -> None:
+        """After the inner step (or the decision to skip it): state a skipped fused first step
+        allocated is dropped, low params := masters, the scale and counters updated. Runs once."""
+        if self._pending is None:
+            return
+        found, skip, fresh = self._pending
+        self._pending = None
+        self._skipped_now = None
+        if fresh:  # fused: state the kernel allocated but never filled on a skipped first step
+            state = self.optimizer.state
+            created = [p for p in fresh if state.get(p)]
+            self._skipped_now = bool(found.item()) if created or self.on_skip else None  # host read: first step
+            if created and self._skipped_now:
+                for p in created:
+                    del state[p]
+        elif self._fused and skip and self.on_skip is not None:
+            self._skipped_now = bool(found.item())
         self.params.sync_low()
-        return out, skipped_now
+        self._count(found, skip)
+
+    def _count(self, found: torch.Tensor | None, skip: bool) -> None:
+        """The step is done (or skipped): the scale and counters updated, this step's grads spent."""
+        if found is None:  # no scaling, no skipping
+            self.scaler.update(None)
+            return
+        self.last_skipped = found > 0 if skip else torch.zeros((), dtype=torch.bool)
+        self.scaler.update(found)
+        self._unscaled = None
+        self._losses_spent = self.scaler.losses
+
+
+class AfterInnerStep:
+    """The inner optimizer's first step post-hook: finishes ``amp.optimizer``'s step (masters ->
+    model, counters) before any hook of the user's runs. Removed by ``amp.remove()``."""
+
+    def __init__(self, owner: AmpOptimizer) -> None:
+        self.owner = owner
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.owner._finish()
+
+    @classmethod
+    def attach(cls, owner: AmpOptimizer) -> Callable[[], None]:
+        """Register first among the inner optimizer's post-hooks; returns the undo."""
+        handle = owner.optimizer.register_step_post_hook(cls(owner))
+        owner.optimizer._optimizer_step_post_hooks.move_to_end(handle.id, last=False)
+        return handle.remove

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from unimp.spi import Plan, UnsupportedError
 
@@ -112,6 +113,45 @@ class ParamState:
                     low.copy_(original)
 
 
+class MasterGrad(torch.Tensor):
+    """A low-precision parameter's ``.grad`` after ``amp.unscale_()``: its fp32 master's unscaled
+    gradient, shown with the parameter's dtype. Every op on it runs on the master's gradient (results
+    in float32; in-place ops change it), so ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)``
+    after ``amp.unscale_()`` (``torch.amp.GradScaler``'s idiom) returns the fp32 norm and clips the
+    gradients the optimizer steps.
+
+    >>> p = nn.Parameter(torch.ones(2, dtype=torch.float16)); master_grad = torch.tensor([3.0, 4.0])
+    >>> p.grad = MasterGrad(master_grad, p.dtype)
+    >>> float(torch.nn.utils.clip_grad_norm_([p], 1.0)), [round(g, 4) for g in master_grad.tolist()]
+    (5.0, [0.6, 0.8])
+    """
+
+    master: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, master_grad: torch.Tensor, dtype: torch.dtype) -> MasterGrad:
+        t = torch.Tensor._make_wrapper_subclass(cls, master_grad.shape, strides=master_grad.stride(), dtype=dtype,
+                                                device=master_grad.device, requires_grad=False)
+        t.master = master_grad
+        return t
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"MasterGrad({self.master!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        def unwrap(x: Any) -> Any:
+            return x.master if isinstance(x, MasterGrad) else x
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if func._schema.is_mutable and args and isinstance(args[0], MasterGrad) and isinstance(out, torch.Tensor):
+            return args[0]  # in place: the master's gradient changed, the wrapper stands for it
+        return out
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # copies and pickles hold the plain fp32 gradient
+        return self.master.__reduce_ex__(protocol)
+
+
 class _Hook:
     """A module's state-dict hook that stands the fp32 originals in for their low copies.
 
@@ -153,6 +193,16 @@ class _Hook:
 def cast_params(model: nn.Module, plan: Plan, optimized: set[int]) -> ParamState:
     """Give every parameter the Plan's param dtype; masters for those in ``optimized`` (ids)."""
     state = ParamState()
+    try:
+        _cast(model, plan, optimized, state)
+        state.link()
+    except BaseException:  # half-way: the slots, dtypes and hooks changed so far are put back
+        state.restore()
+        raise
+    return state
+
+
+def _cast(model: nn.Module, plan: Plan, optimized: set[int], state: ParamState) -> None:
     masters = plan.policy.uses_master_weights
     done: dict[int, nn.Parameter] = {}
     for path, module in model.named_modules():
@@ -179,5 +229,3 @@ def cast_params(model: nn.Module, plan: Plan, optimized: set[int]) -> ParamState
             else:
                 state.in_place.append((p, p.data))
                 p.data = p.data.to(dtype)
-    state.link()
-    return state

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from unimp.spi import dtype_name
 
@@ -133,7 +134,9 @@ def observe(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, dict[str, 
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = sorted({b.device.index or 0 for b, _ in buffers if b.device.type == "cuda"})
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        # eager even where the model (or a submodule) was compiled in place (module.compile()): the
+        # observer's hooks and recorder see ops only when they run
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
             obs.run(model, lambda: model(*args, **kwargs))
     finally:
         with torch.no_grad():
@@ -141,3 +144,28 @@ def observe(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, dict[str, 
                 b.copy_(saved)
     assert obs.rows is not None
     return obs.rows
+
+
+def input_spec(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with every tensor replaced by its shape, dtype and device (no arrays kept);
+    traced by torch.compile without a graph break, so a compiled forward can leave it behind."""
+    return tree_map(_spec, (args, kwargs))
+
+
+def example_inputs(spec: tuple[tuple, dict]) -> tuple[tuple, dict]:
+    """Inputs of :func:`input_spec`'s shapes and dtypes (zeros), for a report-only forward."""
+    return tree_map(lambda x: torch.zeros(x.shape, dtype=x.dtype, device=x.device) if isinstance(x, _Spec) else x,
+                    spec)
+
+
+class _Spec:
+    """A tensor's shape, dtype and device (a pytree leaf)."""
+
+    __slots__ = ("device", "dtype", "shape")
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape, self.dtype, self.device = shape, dtype, device
+
+
+def _spec(x: Any) -> Any:
+    return _Spec(x.shape, x.dtype, x.device) if isinstance(x, torch.Tensor) else x

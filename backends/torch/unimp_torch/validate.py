@@ -32,6 +32,7 @@ def check_inputs(model: Any, optimizer: Any, on_skip: Any) -> str:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}; pass the module "
                         f"itself (not its state_dict or a function)")
+    check_modules(model)
     device = device_of(model)
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -48,6 +49,29 @@ def check_inputs(model: Any, optimizer: Any, on_skip: Any) -> str:
     if on_skip is not None and not callable(on_skip):
         raise TypeError(f"on_skip: expected a callable taking no arguments, got {type(on_skip).__name__}")
     return device
+
+
+def check_modules(model: torch.nn.Module) -> None:
+    """Refuse, before anything is changed, what a policy cannot be bound to: TorchScript modules
+    (their forward and hooks cannot be replaced) and uninitialised lazy parameters (no dtype or
+    shape to cast yet). The error names the module path and the fix."""
+    from torch.nn.parameter import is_lazy
+
+    for path, m in model.named_modules():
+        where = f"'{path}'" if path else "the model itself"
+        if isinstance(m, torch.jit.ScriptModule):
+            raise UnsupportedError(
+                f"model: {where} is a TorchScript module ({type(m).__name__}); unimp binds a policy to an eager "
+                f"nn.Module (TorchScript fixes its forward and refuses hooks). Apply the policy to the module "
+                f"before torch.jit.script, or use torch.compile(amp.model) instead of TorchScript")
+        for name, t in [*m._parameters.items(), *m._buffers.items()]:
+            if t is not None and is_lazy(t):
+                qualified = f"{path}.{name}" if path else name
+                raise UnsupportedError(
+                    f"model: '{qualified}' ({type(m).__name__}) is an uninitialised lazy "
+                    f"{'parameter' if name in m._parameters else 'buffer'}; run one forward with an example "
+                    f"batch (model(x)) before building the optimizer and calling unimp.apply, so that lazy "
+                    f"modules create their weights")
 
 
 # per-parameter optimizer state that has the parameter's shape (torch.optim's built-in optimizers)

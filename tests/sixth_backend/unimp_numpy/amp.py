@@ -21,7 +21,7 @@ class NumpyAmp(Amp):
         self._state = self._rule.initial_state()
         for info, (_, layer) in zip(model_index(model), model.layers, strict=True):
             layer.rule = _rule(plan.decide(info.path, info.kind, info.type_names))
-        model.output_dtype = plan.policy.output_dtype
+        model.output_dtype = plan.policy.output_cast  # None: "unchanged", the last layer's dtype
         model.tracing, model.last_trace = True, None
 
     # the user's loop: out = amp.model(x); amp.backward(grad_of_loss_wrt_out); amp.step()

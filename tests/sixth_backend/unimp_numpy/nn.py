@@ -156,7 +156,7 @@ class LogSoftmax(Layer):
 
 
 class Model:
-    """Layers run in order; ``output_dtype`` (set by unimp) casts the output."""
+    """Layers run in order; ``output_dtype`` (set by unimp; None = not cast) casts the output."""
 
     def __init__(self, layers: list[tuple[str, Layer]]) -> None:
         self.layers = list(layers)

@@ -28,6 +28,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -73,6 +74,15 @@ class UnimpTrainer(transformers.Trainer):
             self.amp = apply(self.unimp_policy, self.model, optimizer)
             self.optimizer = self.amp.optimizer
         return self.optimizer
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> Any:
+        """``compute_loss`` (the forward and a ``compute_loss_func`` on its outputs) under the policy, where the
+        Trainer's fp16/bf16 run it under Accelerate's autocast: a loss on the model's outputs runs the policy's
+        rules (``loss`` in float32) whatever dtype the outputs come back in."""
+        from ..forward import PolicyForward
+
+        forward = vars(self.amp.model).get("forward") if self.amp is not None else None
+        return forward.region() if isinstance(forward, PolicyForward) else contextlib.nullcontext()
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()

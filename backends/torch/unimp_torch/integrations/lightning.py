@@ -4,7 +4,10 @@ The plugin applies the policy when Lightning connects the model and its optimize
 loss before ``backward``, unscales the gradients (onto the fp32 masters when the policy keeps
 them) before gradient clipping, and steps or skips through unimp's optimizer wrapper. The
 loss-scale state is part of Lightning's checkpoints (the precision plugin's state). Call the model
-(``self(x)``) in ``training_step``: the policy's autocast and op rules run inside ``forward``.
+(``self(x)``) in ``training_step``: the policy's autocast and op rules run inside ``forward``, and
+around it for the whole step (``forward_context``, as Lightning's own MixedPrecision runs each step
+under ``torch.autocast``): a loss on the model's outputs runs the policy's rules (``loss`` in float32)
+whatever dtype the outputs come back in.
 
 >>> import torch, lightning as L
 >>> from unimp_torch.integrations.lightning import UnimpPrecision
@@ -27,7 +30,8 @@ loss-scale state is part of Lightning's checkpoints (the precision plugin's stat
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -58,6 +62,19 @@ class UnimpPrecision(Precision):
             self._pending_state = None
         wrapped = [self.amp.optimizer] if optimizers else []
         return model, wrapped, lr_schedulers
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """Each step (training/validation/test/predict) under the policy, as Lightning's MixedPrecision runs it
+        under ``torch.autocast`` (lightning/pytorch/plugins/precision/amp.py, ``forward_context``)."""
+        from ..forward import PolicyForward
+
+        forward = vars(self.amp.model).get("forward") if self.amp is not None else None
+        if not isinstance(forward, PolicyForward):
+            yield
+            return
+        with forward.region():
+            yield
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
         return super().pre_backward(self.amp.scale_loss(tensor), module)
