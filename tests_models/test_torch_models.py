@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 import transformers
-from torch_cells import LOW_PARAMS, NATIVE, STEPS, check_loss, check_remove, check_report
+from torch_cells import LOW_PARAMS, NATIVE, check_remove, check_report, check_training
 
 import unimp
 
@@ -43,15 +43,8 @@ def test_hf_model(name, preset, cell, tmp_path):
 
     native = copy.deepcopy(model)
     amp = unimp.apply(preset, model, torch.optim.AdamW(model.parameters(), 1e-3))
-    losses = []
-    for _ in range(STEPS):
-        loss = amp.model(**batch).loss
-        amp.backward(loss)
-        amp.optimizer.step()
-        amp.optimizer.zero_grad()
-        losses.append(loss.item())
-    check_loss(c, preset, losses, native, lambda m: m(**batch).loss)
-    check_report(c, amp, model, lambda m: m(**batch))
+    check_training(c, preset, amp, model, native, lambda m: m(**batch).loss)
+    check_report(c, amp, model, lambda m: m(**batch), preset)
     low = LOW_PARAMS.get(preset)
 
     # save_pretrained while applied (a plain call) -> from_pretrained equals the model after remove():
@@ -149,7 +142,7 @@ def test_hf_entry_point(name, preset, cell):
     (on the model in the preset's parameter dtype), and, for torch's own CPU autocast, the same output."""
     c = cell("torch", name, preset)
     model, call = ENTRY_POINTS[name]()
-    dtype, _ = NATIVE[preset]
+    dtype = NATIVE[preset]
     native = copy.deepcopy(model).to(LOW_PARAMS.get(preset, torch.float32))
     with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None), \
             _OpLog() as ref:

@@ -10,7 +10,7 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from torch_cells import LOW_PARAMS, NATIVE, STEPS, check_loss, check_remove, check_report
+from torch_cells import LOW_PARAMS, NATIVE, check_remove, check_report, check_training
 
 import unimp
 
@@ -25,9 +25,6 @@ Y = torch.randint(0, 10, (4,), generator=G)
 # taps that only see padding (garbage, at times NaN, under plain torch.autocast too), which made
 # these cells fail at random in full runs (test_no_conv_sees_a_1x1_map keeps the inputs large enough)
 X64 = torch.randn(4, 3, 64, 64, generator=G)
-# conv nets: the presets run BatchNorm's statistics and the global average pool (a mean) in float32,
-# hand-written CPU autocast does not
-TOLERANCES = {"mixed_bf16": 3e-2, "pure_bf16": 3e-2, "mixed_fp16": 1.5e-2, "fp16_master": 1.5e-2}
 LR = 1e-4  # ResNets memorise 4 images in 10 steps at 1e-3 (losses near 0: relative diffs meaningless)
 
 
@@ -46,10 +43,6 @@ def torchvision_resnet():
 
 MODELS = {"timm_vit": timm_vit, "timm_resnet": timm_resnet, "torchvision_resnet": torchvision_resnet}
 INPUTS = {"timm_vit": X, "timm_resnet": X64, "torchvision_resnet": X64}
-# torchvision's ResNet drives the loss near 0 within the 10 steps even at LR: per-step relative
-# differences of the mixed presets grow meaningless at the tail, so its tolerances are stated
-# relative to the first loss (fp32 and torch_autocast_cpu stay bit-identical)
-OF_FIRST = {"torchvision_resnet": {"mixed_bf16": 3e-2, "pure_bf16": 3e-2, "mixed_fp16": 1e-2, "fp16_master": 1e-2}}
 
 
 def forward(x):
@@ -72,15 +65,8 @@ def test_vision_model(name, preset, cell):
 
     native = copy.deepcopy(model)
     amp = unimp.apply(preset, model, torch.optim.AdamW(model.parameters(), LR), backend="torch")
-    losses = []
-    for _ in range(STEPS):
-        loss = loss_x(amp.model)
-        amp.backward(loss)
-        amp.optimizer.step()
-        amp.optimizer.zero_grad()
-        losses.append(loss.item())
-    check_loss(c, preset, losses, native, loss_x, LR, OF_FIRST.get(name, TOLERANCES), of_first=name in OF_FIRST)
-    check_report(c, amp, model, forward_x)
+    check_training(c, preset, amp, model, native, loss_x, LR)
+    check_report(c, amp, model, forward_x, preset)
 
     # torch.save(model.state_dict()) while applied -> a fresh model loads the fp32 weights of
     # the model after remove() (the masters, for presets with low-precision parameters)

@@ -45,3 +45,19 @@ def dtype_name(dtype: Any, aliases: Mapping[str, str] | None = None) -> str:
         text = text[len("<dtype: '"):-2]
     text = text.rsplit(".", 1)[-1]
     return (aliases or {}).get(text, text)
+
+
+UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24}  # half the gap above 1.0
+
+
+def reference_tolerance(dtype: str, layers: int) -> float:
+    """Relative tolerance of one computation in ``dtype`` through ``layers`` computing layers against
+    another rounding of it (the framework's own policy at the same weights and batch, or float32):
+    the probabilistic rounding-error bound u * sqrt(n) (Higham & Mary, "A New Approach to
+    Probabilistic Rounding Error Analysis", SIAM J. Sci. Comput. 41(5), 2019), u the dtype's unit
+    roundoff. No CPU enters it, so a test using it holds on every CPU class.
+
+    >>> round(reference_tolerance("float16", 100), 6), reference_tolerance("bfloat16", 4)
+    (0.004883, 0.0078125)
+    """
+    return UNIT_ROUNDOFF[dtype] * layers ** 0.5

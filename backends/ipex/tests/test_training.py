@@ -10,6 +10,7 @@ import torch
 import unimp
 from unimp import hardware
 from unimp.conformance import cast_like
+from unimp.dtypes import reference_tolerance
 from unimp.hardware import LEVELS, CpuFacts
 from unimp.loss_scale import LossScale
 from unimp_ipex.engine import find_engine
@@ -161,7 +162,9 @@ def test_inference_in_eval_mode_through_ipex_graph_module():
     assert type(amp.model).__name__ == "GraphModule"  # what ipex.optimize returns for a Sequential
     with torch.no_grad():
         out = amp.model(x)
-    assert out.dtype == native == torch.bfloat16 and torch.allclose(out.float(), before, atol=0.1)
+    # bf16 weights, compute and output against float32: within bf16's rounding of a 4-layer forward
+    rel = float((out.float() - before).norm() / before.norm())
+    assert out.dtype == native == torch.bfloat16 and rel <= reference_tolerance("bfloat16", len(model)), rel
     report = amp.report()
     assert report.row("0").kind == "linear" and report.row("0").param_dtype == "bfloat16"
     assert amp.remove() is model

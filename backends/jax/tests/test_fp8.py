@@ -22,6 +22,8 @@ from unimp_jax import fp8
 pytestmark = pytest.mark.filterwarnings("ignore::unimp.UnimpWarning")  # bf16 on XLA:CPU, the misaligned head
 
 RECIPES = ("fp8_delayed", "fp8_tensorwise")
+# FP8 (not derived, kept as is; issue 27): e4m3 keeps 3 mantissa bits (u = 2**-4), so u*sqrt(n) would
+# exceed 6% a layer; 10% is a stated bound of the final loss against bf16's after 20 steps
 STEPS, TOL = 20, 0.10
 
 

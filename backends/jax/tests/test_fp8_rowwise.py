@@ -121,7 +121,7 @@ def test_the_plan_runs_the_rowwise_presets_on_jax():
 
 X = jax.random.normal(jax.random.key(1), (32, 32))
 Y = jax.random.normal(jax.random.key(2), (32, 10))
-STEPS, TOL = 20, 0.10
+STEPS, TOL = 20, 0.10  # FP8: not derived, kept as is (issue 27); see the module docstring
 
 
 def loss_of(out):

@@ -18,6 +18,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::unimp.UnimpWarning")  # bf16 em
 
 X = np.random.RandomState(0).rand(64, 32).astype("float32")
 Y = np.random.RandomState(1).rand(64, 10).astype("float32")
+# FP8 (not derived, kept as is; issue 27): e4m3 keeps 3 mantissa bits (u = 2**-4), so u*sqrt(n) would
+# exceed 6% a layer; 10% is a stated bound of the final loss against bf16's
 EPOCHS, TOL = 10, 0.10
 FP8 = unimp.load("fp8_delayed")  # amax history 16
 

@@ -106,6 +106,8 @@ def test_llama_training_in_fp8_stays_close_to_bf16(recipe):
     assert fp8_paths(model) == linears - {"lm_head"} and len(linears) == 15
     assert fp8[-1] < fp8[0]  # it trains
     for a, b in zip(fp8, bf16, strict=True):
+        # FP8 (not derived, kept as is; issue 27): e4m3 keeps 3 mantissa bits (u = 2**-4), so u*sqrt(n)
+        # would exceed 6% a layer and pass a broken recipe; 2% is a stated bound of FP8 against bf16
         assert abs(a - b) <= 0.02 * b, (fp8, bf16)
     amp.remove()
     amp_bf16.remove()
@@ -174,6 +176,8 @@ def test_compiles_without_graph_breaks(recipe, name):
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     compiled, eager = torch.compile(amp.model, backend="aot_eager")(x), amp.model(x)
     c, e = (compiled.logits, eager.logits) if name == "llama" else (compiled, eager)
+    # FP8 (kept as is; issue 27): aot_eager runs eager's kernels, so this could be bit for bit as in
+    # test_compile.py; left to the FP8 owners
     torch.testing.assert_close(c, e, atol=1e-2, rtol=1e-2)
     amp.remove()
 
