@@ -56,15 +56,21 @@ def test_exported_gradscaler_replays_the_policy():
 
 def test_custom_lists_round_trip_through_auto_cast():
     """The exported custom lists, given to the real auto_cast, are what Paddle's tracer holds; and
-    importing them back moves the same canonical ops."""
-    imp = importers.paddle({"level": "O1", "custom_white_list": ["softmax"], "custom_black_list": ["matmul_v2"]})
+    importing them back moves the same canonical ops. A list naming only part of a canonical op (one of
+    matmul's Paddle op types) is refused, never widened to the whole op."""
+    from unimp.migrate.paddle import PADDLE_NATIVE_OPS
+
+    with pytest.raises(unimp.UnsupportedError, match="matmul_v2 is only part of canonical op 'matmul'"):
+        importers.paddle({"level": "O1", "custom_black_list": ["matmul_v2"]})
+    matmul = list(PADDLE_NATIVE_OPS["matmul"])
+    imp = importers.paddle({"level": "O1", "custom_white_list": ["softmax"], "custom_black_list": matmul})
     assert imp.policy.ops.category("softmax") == "lower" and imp.policy.ops.category("matmul") == "float32"
     out = exporters.paddle(imp.policy)
     ac = out.config["auto_cast"]
-    assert "softmax" in ac["custom_white_list"] and "matmul_v2" in ac["custom_black_list"]
+    assert "softmax" in ac["custom_white_list"] and set(matmul) <= set(ac["custom_black_list"])
     update_list = sys.modules["paddle.amp.auto_cast"]._update_list
     white, black = update_list(ac["custom_white_list"], ac["custom_black_list"], "O1", "float16")
-    assert "softmax" in white and "matmul_v2" in black and "matmul_v2" not in white
+    assert "softmax" in white and set(matmul) <= set(black) and not set(matmul) & set(white)
     assert importers.paddle(ac).policy.ops == imp.policy.ops
 
 
