@@ -390,6 +390,36 @@ def test_plain_backward_before_a_scaled_step_is_refused(preset, verb):
     amp.remove()
 
 
+@pytest.mark.parametrize("verb", ["backward", "scale_loss"])
+@pytest.mark.parametrize("preset", ["fp16_master", "mixed_fp16"])
+def test_a_scaled_loss_after_unscale_before_the_step_is_refused(preset, verb):
+    """Gradient accumulation with ``amp.unscale_()`` after a micro-batch that is not the last: the next
+    micro-batch's scaled gradients would be added to the unscaled ones and the step would be wrong
+    without a word (torch.amp.GradScaler lets ``scaler.step`` take such mixed gradients too: its
+    per-optimizer stage is already UNSCALED, torch/amp/grad_scaler.py ``step``). Refused before the
+    backward runs, with the right order; zero_grad() drops the unscaled set and starts a new one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    amp = unimp.apply(preset, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    amp.backward(amp.model(_batch(0)).float().square().mean())
+    amp.unscale_()
+    grads, state = [p.grad.float().clone() for p in model.parameters()], amp.state_dict()
+    loss = amp.model(_batch(1)).float().square().mean()
+    do = {"backward": lambda: amp.backward(loss), "scale_loss": lambda: amp.scale_loss(loss).backward()}[verb]
+    with pytest.raises(unimp.errors.UnsupportedError, match=r"already unscaled this step's gradients.*after the "
+                       r"last micro-batch's amp\.backward\(loss\)"):
+        do()
+    _assert_same([p.grad.float() for p in model.parameters()], grads)
+    assert amp.state_dict() == state
+    amp.optimizer.zero_grad()  # drops the unscaled set: a new accumulation starts
+    amp.backward(amp.model(_batch(1)).float().square().mean())
+    amp.backward(amp.model(_batch(2)).float().square().mean())
+    amp.unscale_()
+    amp.optimizer.step()
+    assert amp.state_dict()["steps"] == state["steps"] + 1
+    amp.remove()
+
+
 def test_plain_backward_without_loss_scaling_steps():
     """Without loss scaling (pure_bf16: scale 1) a plain backward is the same as amp.backward."""
     torch.manual_seed(0)

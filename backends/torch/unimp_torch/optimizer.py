@@ -185,9 +185,21 @@ class AmpOptimizer(torch.optim.Optimizer):
             f"amp.scale_loss(loss).backward()) instead of loss.backward(); with a Trainer, use unimp's "
             f"integration (unimp_torch.integrations.hf / .lightning)")
 
+    def refuse_after_unscale(self, verb: str) -> None:
+        """A new scaled loss after :meth:`unscale_` and before the step is refused (nothing changed): its
+        gradients would add scaled values to the unscaled ones and the step would be wrong without a word."""
+        if not self._current():
+            return
+        raise UnsupportedError(
+            f"{verb}: amp.optimizer.unscale_() already unscaled this step's gradients, and a new scaled loss "
+            f"would add scaled gradients to them; with gradient accumulation call amp.optimizer.unscale_() "
+            f"(and clip) once, after the last micro-batch's amp.backward(loss), then amp.optimizer.step() "
+            f"(or amp.optimizer.zero_grad() to drop these gradients)")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._live("amp.optimizer.zero_grad()")
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._unscaled = None  # these gradients are gone: a new loss starts a new set
         for _, low, _ in self.params.masters:
             if set_to_none:
                 low.grad = None
