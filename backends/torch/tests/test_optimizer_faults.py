@@ -318,6 +318,51 @@ def test_interrupt_in_a_step_post_hook_keeps_weights_and_counters(preset, opt_na
     amp.remove()
 
 
+@pytest.mark.parametrize("where", ["AfterInnerStep.__call__", "ParamState.sync_low", "DeviceLossScale.update"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw_fused"])
+@pytest.mark.parametrize("preset", ["fp16_master", "mixed_fp16"])
+def test_interrupt_inside_unimps_own_finish_keeps_weights_and_counters(preset, opt_name, where):
+    """Ctrl-C arriving inside unimp's own post-hook (the inner step done, the masters not yet copied to
+    the model or the step not yet counted): the finish is completed before the interrupt propagates,
+    so the model holds the masters cast and the step is counted once. The interrupt is raised by a
+    trace function at that call, where a real Ctrl-C's handler would run."""
+    import sys
+
+    from unimp_torch.optimizer import AfterInnerStep
+    from unimp_torch.params import ParamState
+    from unimp_torch.scaler import DeviceLossScale
+
+    code = {"AfterInnerStep.__call__": AfterInnerStep.__call__, "ParamState.sync_low": ParamState.sync_low,
+            "DeviceLossScale.update": DeviceLossScale.update}[where].__code__
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if opt_name == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+    amp = unimp.apply({"extends": preset, "loss_scale": {"initial": 1024.0}}, model, opt)  # a finite first step
+    amp.backward(amp.model(_batch(0)).float().square().mean())
+    before, steps = _params(model), amp.state_dict()["steps"]
+
+    def interrupt(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            raise KeyboardInterrupt
+
+    sys.settrace(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            amp.optimizer.step()
+    finally:
+        sys.settrace(None)
+    assert not all(torch.equal(a, b) for a, b in zip(_params(model), before, strict=True))  # stepped
+    for _, low, master in amp.master_weights:
+        assert torch.equal(low, master.to(low.dtype))
+    assert amp.state_dict()["steps"] == steps + 1
+    amp.optimizer.zero_grad()
+    amp.backward(amp.model(_batch(1)).float().square().mean())
+    amp.optimizer.step()
+    assert amp.state_dict()["steps"] == steps + 2
+    amp.remove()
+
+
 # ---------------------------------------------------------------- GradScaler idioms carried over (issue 27 item 14)
 @pytest.mark.parametrize("overflow", [False, True], ids=["finite", "overflow"])
 @pytest.mark.parametrize("foreach", [None, False])
