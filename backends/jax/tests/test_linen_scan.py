@@ -105,3 +105,30 @@ def test_a_rematerialised_scan_body_keeps_its_carry_dtype(preset):
     want = RematStack(dtype=LOW[preset]).apply({"params": amp.params}, X)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     amp.remove()
+
+
+def test_a_carry_unimp_cannot_keep_is_a_located_error_with_the_fix():
+    """A body lifted so many times (12 nested ``nn.remat``) that unimp does not find it as the scan body:
+    jax.lax.scan's carry check becomes unimp's located error naming both fixes, not a raw TypeError."""
+
+    class Body(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return nn.LayerNorm()(x + nn.Dense(16)(x)), None
+
+    class Deep(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            body = Body
+            for _ in range(12):
+                body = nn.remat(body)
+            scan = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+            return scan(name="blocks")(nn.Dense(16)(x), None)[0]
+
+    module = Deep()
+    amp = unimp.apply("mixed_bf16", module, optax.sgd(0.1), params=module.init(jax.random.key(0), X)["params"],
+                      inputs=X)
+    with pytest.raises(unimp.errors.UnsupportedError, match=r"an nn\.scan body hands its carry back .*cast the "
+                       r"carry back at the end of the body.*overrides"):
+        amp.apply(amp.params, X)
+    amp.remove()

@@ -176,6 +176,12 @@ class LinenAmp(JaxAmp):
         try:
             with nn.intercept_methods(self._intercept):
                 out = self.model.apply(variables, *args, **kwargs)
+        except TypeError as e:  # jax.lax.scan's carry check (a body unimp did not find): located, with the fix
+            from .nnx_amp import SCAN_CARRY, scan_carry_error
+
+            if SCAN_CARRY not in str(e):
+                raise
+            raise scan_carry_error(e, "nn.scan") from None
         finally:
             self._fp8_tree = None
         if kwargs.get("mutable"):  # output_cast None ("unchanged"): as the last layer left it
