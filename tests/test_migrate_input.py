@@ -162,3 +162,26 @@ def test_a_text_that_does_not_load_back_is_never_written(tmp_path, monkeypatch):
         import_from("torch", "GradScaler()")
     assert main(["import", "GradScaler()", "--from", "torch", "-o", str(out)]) == 1
     assert not out.exists()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="no named pipes on this system")
+@pytest.mark.parametrize("system", ["deepspeed", "megatron", "lightning"])
+def test_a_pipe_or_device_is_refused_by_name_never_waited_on(tmp_path, system):
+    """A FIFO nobody writes (or ``/dev/zero``) as the source, and a FIFO nobody reads as ``-o``: a located
+    error at once -- reading or writing one by name blocks forever (or reads without end)."""
+    import os
+
+    os.mkfifo(tmp_path / "pipe")
+    os.mkfifo(tmp_path / "pipe.json")
+    os.symlink("/dev/zero", tmp_path / "zero.yaml")
+    cases = [(["pipe"], "pipe: not a regular file"), (["pipe.json"], "pipe.json: not a regular file"),
+             (["zero.yaml"], "zero.yaml: not a regular file"),
+             (["16-mixed", "-o", "pipe"], "-o pipe: cannot write")]
+    if os.path.exists("/dev/zero"):
+        cases.append((["/dev/zero"], "/dev/zero: not a regular file"))
+    for args, message in cases:
+        if "-o" in args and system != "lightning":
+            continue
+        done = subprocess.run([sys.executable, "-m", "unimp", "import", "--from", system, *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 1 and message in done.stderr and "Traceback" not in done.stderr, (args, done)

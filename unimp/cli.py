@@ -90,6 +90,8 @@ def _fp8_summary(plan: Any) -> str:
 
 def _read_source(text: str) -> tuple[object, str]:
     """A config file's parsed content (JSON/TOML/YAML) or its text, or ``text`` itself (a pasted string)."""
+    import os
+    import stat
     from pathlib import Path
 
     from .resolve import FORMATS, MAX_FILE_BYTES, read_file
@@ -101,14 +103,19 @@ def _read_source(text: str) -> tuple[object, str]:
         is_file = is_dir = False
     if is_dir:
         raise PolicyError(f"{path}: is a directory; name the configuration file in it")
+    if not is_file and path is not None and _exists(path):  # a device, pipe or socket: never read by name
+        raise PolicyError(f"{printable(str(path))}: not a regular file (a device, pipe or socket); name a "
+                          f"configuration file")
     if not is_file:
         if path is not None and not any(c.isspace() for c in text) and path.suffix.lower() in FORMATS:
             raise PolicyError(f"{path}: no such file (pass an existing file, or the configuration itself)")
         return text, "<argument>"
     if path.suffix.lower() in FORMATS:
         return read_file(path), str(path)
-    try:
-        with path.open("rb") as f:
+    try:  # non-blocking open + fstat: a pipe or device swapped in after the check cannot hang the read
+        with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise PolicyError(f"{printable(str(path))}: not a regular file; name a configuration file")
             data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise PolicyError(f"{path}: cannot read ({e.strerror or e})") from None
@@ -156,6 +163,14 @@ def _assume(items: list[str] | None) -> dict[str, Any] | None:
     return out
 
 
+def _exists(path: Any) -> bool:
+    """Whether anything (a dangling link included) is at ``path``; False where it cannot be looked at."""
+    try:
+        return bool(path.is_symlink() or path.exists())
+    except (OSError, ValueError):
+        return False
+
+
 def _write(output: str, text: str) -> None:
     """``text`` to the file ``output`` (whole, or not at all); every failure a located error with the fix."""
     import os
@@ -169,9 +184,11 @@ def _write(output: str, text: str) -> None:
         raise PolicyError(f"{where}: no directory {printable(str(path.parent)[:200])}; create it first or "
                           f"write elsewhere")
     data = text.encode("utf-8")
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:  # non-blocking open: a pipe nobody reads is refused (ENXIO), not waited on forever
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NONBLOCK", 0), 0o666)
         try:
+            if hasattr(os, "set_blocking"):
+                os.set_blocking(fd, True)  # a reader is there: write all of it
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .applied import is_applied
+from .applied import is_applied, release
 from .applied import remember as _remember
 from .backend import Amp, Backend
 from .errors import UnsupportedError
@@ -97,10 +97,16 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
                         f"{chosen.model_types})")
     plan = chosen.compile(pol, model)
     # all or nothing: whatever apply changed before it failed is put back (unimp.transaction)
-    amp = all_or_nothing(chosen.snapshot(model, optimizer, plan),
-                         lambda: chosen.apply(plan, model, optimizer, **options))
-    amp._applied_ids = _remember(model, amp.model)
-    return amp
+    def bind() -> Amp:
+        amp = chosen.apply(plan, model, optimizer, **options)
+        try:  # marked applied inside the transaction: a Ctrl-C here is rolled back like any other
+            amp._applied_ids = _remember(model, amp.model)
+        except BaseException:
+            release([id(model), id(amp.model)])
+            raise
+        return amp
+
+    return all_or_nothing(chosen.snapshot(model, optimizer, plan), bind)
 
 
 def scope(policy: Any, *, backend: str = "tensorflow") -> Any:

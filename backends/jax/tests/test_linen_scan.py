@@ -80,3 +80,55 @@ def test_a_scan_whose_body_keeps_the_dtype_itself_is_left_alone():
     amp = unimp.apply("fp32", module, optax.sgd(0.1), params=params, inputs=X)
     np.testing.assert_array_equal(np.asarray(amp.apply(amp.params, X)), np.asarray(module.apply({"params": params}, X)))
     amp.remove()
+
+
+class RematStack(nn.Module):
+    """The same stack with a rematerialised body (``nn.scan(nn.remat(Block))``, as long stacks are
+    written to save memory): jax.checkpoint's frames sit between lift.scan and the body."""
+
+    dtype: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16, dtype=self.dtype)(x)
+        scan = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        x, _ = scan(dtype=self.dtype, name="blocks")(x, None)
+        return nn.Dense(4, dtype=self.dtype)(x).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("preset", ["mixed_bf16", "mixed_fp16"])
+def test_a_rematerialised_scan_body_keeps_its_carry_dtype(preset):
+    module = RematStack()
+    params = module.init(jax.random.key(0), X)["params"]
+    amp = unimp.apply(preset, module, optax.adam(1e-3), params=params, inputs=X)
+    got = amp.apply(amp.params, X)
+    want = RematStack(dtype=LOW[preset]).apply({"params": amp.params}, X)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    amp.remove()
+
+
+def test_a_carry_unimp_cannot_keep_is_a_located_error_with_the_fix():
+    """A body lifted so many times (12 nested ``nn.remat``) that unimp does not find it as the scan body:
+    jax.lax.scan's carry check becomes unimp's located error naming both fixes, not a raw TypeError."""
+
+    class Body(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return nn.LayerNorm()(x + nn.Dense(16)(x)), None
+
+    class Deep(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            body = Body
+            for _ in range(12):
+                body = nn.remat(body)
+            scan = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+            return scan(name="blocks")(nn.Dense(16)(x), None)[0]
+
+    module = Deep()
+    amp = unimp.apply("mixed_bf16", module, optax.sgd(0.1), params=module.init(jax.random.key(0), X)["params"],
+                      inputs=X)
+    with pytest.raises(unimp.errors.UnsupportedError, match=r"an nn\.scan body hands its carry back .*cast the "
+                       r"carry back at the end of the body.*overrides"):
+        amp.apply(amp.params, X)
+    amp.remove()

@@ -69,8 +69,11 @@ def _scan_body_codes() -> frozenset[types.CodeType]:
     return frozenset(found)
 
 
-def in_scan_body(m: Any, depth: int = 12) -> bool:
-    """Whether this call of ``m`` is the body of a linen ``nn.scan`` (a lifted clone run by lift.scan)."""
+def in_scan_body(m: Any, depth: int = 64) -> bool:
+    """Whether this call of ``m`` is the body of a linen ``nn.scan`` (a lifted clone run by lift.scan).
+
+    ``depth``: frames searched up to lift.scan's body; a body wrapped in more lifts (``nn.remat``:
+    jax.checkpoint's tracing) sits 20+ frames below it."""
     if not m.path or isinstance(m.parent, nn.Module):  # lifted bodies are clones bound to a bare scope
         return False
     codes, frame = _scan_body_codes(), sys._getframe(1)
@@ -173,6 +176,12 @@ class LinenAmp(JaxAmp):
         try:
             with nn.intercept_methods(self._intercept):
                 out = self.model.apply(variables, *args, **kwargs)
+        except TypeError as e:  # jax.lax.scan's carry check (a body unimp did not find): located, with the fix
+            from .nnx_amp import SCAN_CARRY, scan_carry_error
+
+            if SCAN_CARRY not in str(e):
+                raise
+            raise scan_carry_error(e, "nn.scan") from None
         finally:
             self._fp8_tree = None
         if kwargs.get("mutable"):  # output_cast None ("unchanged"): as the last layer left it

@@ -45,11 +45,13 @@ _LAST_INPUTS: dict[str, Any] = {}
 SCAN_CARRY = "scan body function carry input and carry output must have equal types"
 
 
-def scan_carry_error(e: TypeError) -> UnsupportedError:
-    """A located unimp error for ``jax.lax.scan``'s carry check inside an ``nnx.scan`` under a policy."""
+def scan_carry_error(e: TypeError, scan: str = "nnx.scan") -> UnsupportedError:
+    """A located unimp error for ``jax.lax.scan``'s carry check inside an ``nnx.scan`` (or linen
+    ``nn.scan``) under a policy."""
     detail = next((line for line in str(e).splitlines() if "carry component" in line), str(e).splitlines()[0])
+    api = "nnx" if scan.startswith("nnx") else "linen"
     return UnsupportedError(
-        f"unimp (jax/nnx): an nnx.scan body hands its carry back in another dtype than it came in "
+        f"unimp (jax/{api}): an {scan} body hands its carry back in another dtype than it came in "
         f"({detail.strip()}): under the policy a layer at the end of the body (typically a float32 "
         f"norm) changes it. Fix: cast the carry back at the end of the body, as a mixed-precision model "
         f"written by hand does (`return y.astype(x.dtype)`), or keep that layer in the carry's dtype "

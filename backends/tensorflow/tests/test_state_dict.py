@@ -40,3 +40,16 @@ def amp(request):
 @pytest.mark.parametrize("case", CASES[:3], ids=str)
 def test_a_removed_amp_refuses(case):
     check_removed(_apply(*case))
+
+
+@pytest.mark.parametrize("scale", [1e-45, 1.2e-45, 3e-45, 1e-40 + 7e-46, 1e-39])
+@pytest.mark.parametrize("stepped", [True, False], ids=["built", "unbuilt"])
+def test_a_subnormal_scale_off_the_float32_grid_is_held_as_ieee_rounds_it(scale, stepped):
+    """A loaded scale between float32's subnormals (policy subnormal = 'keep', as torch and IEEE) is
+    held as numpy's float32 rounds it (to nearest), the value torch's float32 scale tensor holds;
+    TensorFlow's cast flushes subnormals, and building them from bits without rounding first truncated
+    1e-45 to 0 (a zero scale: every later step skipped)."""
+    amp = _apply("fp16_master", stepped)
+    state = dict(amp.state_dict(), scale=scale)
+    amp.load_state_dict(state)
+    assert amp.state_dict()["scale"] == float(np.float32(scale)) > 0

@@ -33,7 +33,7 @@ from keras.src.saving import serialization_lib
 from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.utils import tracking
 
-from unimp.spi import INT32_MAX, LossScale, LossScaleSpec, LossScaleState, StateError, policy_problems
+from unimp.spi import INT32_MAX, LossScale, LossScaleSpec, LossScaleState, StateError, f32, policy_problems
 
 from .distributed import all_reduce, hook_inner, refuse_xla
 from .scaler import State, all_finite, encode, next_state
@@ -62,7 +62,7 @@ def _unscale(grads: list, scale: tf.Tensor | None, variables: list | None = None
 def _held(scale: float) -> tf.Tensor:
     """A scale as the float32 tensor the state holds, subnormals built from their bits (TensorFlow's
     conversions flush them: Keras' Constant(2**-140) initializer reads back 0.0)."""
-    return encode(tf.constant(scale, tf.float64))
+    return encode(tf.constant(f32(scale), tf.float64))  # on the float32 grid first: encode reads only grid values
 
 
 class ExactState(KerasSaveable):

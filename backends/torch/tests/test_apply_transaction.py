@@ -100,6 +100,38 @@ def test_apply_failing_half_way_changes_nothing(preset, where, error):
     amp.remove()
 
 
+@pytest.mark.parametrize("preset", ["pure_bf16", "mixed_fp16"])
+def test_ctrl_c_after_the_backend_bound_the_model_is_rolled_back(preset):
+    """A Ctrl-C in the last thing ``unimp.apply`` does (marking the model applied, after the backend
+    bound it): the model and optimizer are as they were, nothing is marked applied, a second apply works.
+    The interrupt is raised by a trace function at that call, as a real Ctrl-C would arrive there."""
+    import sys
+
+    from unimp import applied
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 8))
+    opt = _trained(model)
+    before = state_of(model, opt)
+
+    def interrupt(frame, event, arg):
+        if event == "call" and frame.f_code is applied.remember.__code__:
+            raise KeyboardInterrupt
+
+    sys.settrace(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            unimp.apply(preset, model, opt)
+    finally:
+        sys.settrace(None)
+    assert state_of(model, opt) == before
+    assert not unimp.spi.is_applied(model)
+    amp = unimp.apply(preset, model, opt)
+    amp.backward(amp.model(torch.randn(4, 8)).float().square().mean())
+    amp.optimizer.step()
+    amp.remove()
+
+
 def test_uninitialised_lazy_module_is_refused_before_anything_changes():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.LazyLinear(4))

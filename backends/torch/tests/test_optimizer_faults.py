@@ -318,6 +318,51 @@ def test_interrupt_in_a_step_post_hook_keeps_weights_and_counters(preset, opt_na
     amp.remove()
 
 
+@pytest.mark.parametrize("where", ["AfterInnerStep.__call__", "ParamState.sync_low", "DeviceLossScale.update"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw_fused"])
+@pytest.mark.parametrize("preset", ["fp16_master", "mixed_fp16"])
+def test_interrupt_inside_unimps_own_finish_keeps_weights_and_counters(preset, opt_name, where):
+    """Ctrl-C arriving inside unimp's own post-hook (the inner step done, the masters not yet copied to
+    the model or the step not yet counted): the finish is completed before the interrupt propagates,
+    so the model holds the masters cast and the step is counted once. The interrupt is raised by a
+    trace function at that call, where a real Ctrl-C's handler would run."""
+    import sys
+
+    from unimp_torch.optimizer import AfterInnerStep
+    from unimp_torch.params import ParamState
+    from unimp_torch.scaler import DeviceLossScale
+
+    code = {"AfterInnerStep.__call__": AfterInnerStep.__call__, "ParamState.sync_low": ParamState.sync_low,
+            "DeviceLossScale.update": DeviceLossScale.update}[where].__code__
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if opt_name == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+    amp = unimp.apply({"extends": preset, "loss_scale": {"initial": 1024.0}}, model, opt)  # a finite first step
+    amp.backward(amp.model(_batch(0)).float().square().mean())
+    before, steps = _params(model), amp.state_dict()["steps"]
+
+    def interrupt(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            raise KeyboardInterrupt
+
+    sys.settrace(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            amp.optimizer.step()
+    finally:
+        sys.settrace(None)
+    assert not all(torch.equal(a, b) for a, b in zip(_params(model), before, strict=True))  # stepped
+    for _, low, master in amp.master_weights:
+        assert torch.equal(low, master.to(low.dtype))
+    assert amp.state_dict()["steps"] == steps + 1
+    amp.optimizer.zero_grad()
+    amp.backward(amp.model(_batch(1)).float().square().mean())
+    amp.optimizer.step()
+    assert amp.state_dict()["steps"] == steps + 2
+    amp.remove()
+
+
 # ---------------------------------------------------------------- GradScaler idioms carried over (issue 27 item 14)
 @pytest.mark.parametrize("overflow", [False, True], ids=["finite", "overflow"])
 @pytest.mark.parametrize("foreach", [None, False])
@@ -385,6 +430,36 @@ def test_plain_backward_before_a_scaled_step_is_refused(preset, verb):
     # the right call works on the same batch
     amp.optimizer.zero_grad()
     amp.backward(amp.model(_batch(1)).float().square().mean())
+    amp.optimizer.step()
+    assert amp.state_dict()["steps"] == state["steps"] + 1
+    amp.remove()
+
+
+@pytest.mark.parametrize("verb", ["backward", "scale_loss"])
+@pytest.mark.parametrize("preset", ["fp16_master", "mixed_fp16"])
+def test_a_scaled_loss_after_unscale_before_the_step_is_refused(preset, verb):
+    """Gradient accumulation with ``amp.unscale_()`` after a micro-batch that is not the last: the next
+    micro-batch's scaled gradients would be added to the unscaled ones and the step would be wrong
+    without a word (torch.amp.GradScaler lets ``scaler.step`` take such mixed gradients too: its
+    per-optimizer stage is already UNSCALED, torch/amp/grad_scaler.py ``step``). Refused before the
+    backward runs, with the right order; zero_grad() drops the unscaled set and starts a new one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    amp = unimp.apply(preset, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    amp.backward(amp.model(_batch(0)).float().square().mean())
+    amp.unscale_()
+    grads, state = [p.grad.float().clone() for p in model.parameters()], amp.state_dict()
+    loss = amp.model(_batch(1)).float().square().mean()
+    do = {"backward": lambda: amp.backward(loss), "scale_loss": lambda: amp.scale_loss(loss).backward()}[verb]
+    with pytest.raises(unimp.errors.UnsupportedError, match=r"already unscaled this step's gradients.*after the "
+                       r"last micro-batch's amp\.backward\(loss\)"):
+        do()
+    _assert_same([p.grad.float() for p in model.parameters()], grads)
+    assert amp.state_dict() == state
+    amp.optimizer.zero_grad()  # drops the unscaled set: a new accumulation starts
+    amp.backward(amp.model(_batch(1)).float().square().mean())
+    amp.backward(amp.model(_batch(2)).float().square().mean())
+    amp.unscale_()
     amp.optimizer.step()
     assert amp.state_dict()["steps"] == state["steps"] + 1
     amp.remove()

@@ -59,11 +59,17 @@ class TorchAmp(Amp):
         """``loss.backward()`` on the scaled loss (call several times to accumulate)."""
         self._check_live("amp.backward()")
         self.check_loss_dtype(str(loss.dtype).removeprefix("torch."))
+        self._refuse_after_unscale("amp.backward()")
         self.scaler.scale_loss(loss).backward(**kwargs)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         self._check_live("amp.scale_loss()")
+        self._refuse_after_unscale("amp.scale_loss()")
         return self.scaler.scale_loss(loss)
+
+    def _refuse_after_unscale(self, verb: str) -> None:
+        if isinstance(self.optimizer, AmpOptimizer):
+            self.optimizer.refuse_after_unscale(verb)
 
     def unscale_(self) -> torch.Tensor | None:
         """Unscale this step's grads now (e.g. before clipping or inspecting them); returns found_inf.

@@ -66,6 +66,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._optimizer_step_post_hooks = {}
         # (found_inf, skip, fresh params) of the step in flight until _finish has run
         self._pending: tuple[torch.Tensor | None, bool, list[torch.Tensor]] | None = None
+        self._stepped = False  # the inner step of the step in progress ran (its post-hook was called)
         self._skipped_now: bool | None = None
         self._losses_spent = 0  # scaler.losses when the last step was done: equal = no loss scaled since
 
@@ -185,9 +186,21 @@ class AmpOptimizer(torch.optim.Optimizer):
             f"amp.scale_loss(loss).backward()) instead of loss.backward(); with a Trainer, use unimp's "
             f"integration (unimp_torch.integrations.hf / .lightning)")
 
+    def refuse_after_unscale(self, verb: str) -> None:
+        """A new scaled loss after :meth:`unscale_` and before the step is refused (nothing changed): its
+        gradients would add scaled values to the unscaled ones and the step would be wrong without a word."""
+        if not self._current():
+            return
+        raise UnsupportedError(
+            f"{verb}: amp.optimizer.unscale_() already unscaled this step's gradients, and a new scaled loss "
+            f"would add scaled gradients to them; with gradient accumulation call amp.optimizer.unscale_() "
+            f"(and clip) once, after the last micro-batch's amp.backward(loss), then amp.optimizer.step() "
+            f"(or amp.optimizer.zero_grad() to drop these gradients)")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._live("amp.optimizer.zero_grad()")
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._unscaled = None  # these gradients are gone: a new loss starts a new set
         for _, low, _ in self.params.masters:
             if set_to_none:
                 low.grad = None
@@ -242,13 +255,23 @@ class AmpOptimizer(torch.optim.Optimizer):
         """The inner optimizer's step; :meth:`_finish` runs from its post-hook (or right after it, when
         the hook is gone, e.g. on an optimizer unpickled without hooks). An exception before the
         inner step completes leaves the scale and counters as they were."""
-        self._pending = (found, skip, fresh)
+        # bumped by the inner step's in-place update (a fused kernel bumps only its state's step counter)
+        state = self.optimizer.state
+        params = [t for p in self.master_params() if p.grad is not None
+                  for t in (p, state.get(p, {}).get("step")) if isinstance(t, torch.Tensor)]
+        versions, held = [p._version for p in params], len(state)  # a first step adds state
+        self._pending, self._stepped = (found, skip, fresh), False
         try:
             out = self.optimizer.step()
+            self._finish()
         except BaseException:
-            self._pending = None  # the inner step itself failed (else _finish has run already)
+            # a Ctrl-C after the inner step updated the params (in its post-hooks, in _finish): the model
+            # gets the masters' values and the step is counted, then it raises; else nothing to finish
+            if self._pending is not None and (self._stepped or len(state) != held or any(
+                    p._version != v for p, v in zip(params, versions, strict=True))):
+                self._finish()
+            self._pending = None
             raise
-        self._finish()
         return out
 
     def _finish(self) -> None:
@@ -257,7 +280,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         if self._pending is None:
             return
         found, skip, fresh = self._pending
-        self._pending = None
+        self._stepped = True  # kept pending until the model has the masters' values (run again if interrupted)
         self._skipped_now = None
         if fresh:  # fused: state the kernel allocated but never filled on a skipped first step
             state = self.optimizer.state
@@ -270,6 +293,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             self._skipped_now = bool(found.item())
         self.params.sync_low()
         self._count(found, skip)
+        self._pending = None
 
     def _count(self, found: torch.Tensor | None, skip: bool) -> None:
         """The step is done (or skipped): the scale and counters updated, this step's grads spent."""
@@ -278,6 +302,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             return
         self.last_skipped = found > 0 if skip else torch.zeros((), dtype=torch.bool)
         self.scaler.update(found)
+        self._pending = None  # counted: an interrupt from here on does not count it again
         self._unscaled = None
         self._losses_spent = self.scaler.losses
 
