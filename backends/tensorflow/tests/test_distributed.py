@@ -21,7 +21,8 @@ from unimp.loss_scale import LossScale
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 # Measured max relative loss difference mirrored (2 x 8 rows) vs one device (16 rows): 1.0e-4 (pure_bf16 1.5e-4)
-# (the per-replica sums + all-reduce reorder the float32/float16 gradient sums); allow 1e-3.
+# (the per-replica sums + all-reduce reorder the float32/float16 gradient sums); allow 1e-3. Stated, not derived:
+# both runs are in one process on one CPU (or the same simulated one), so only the sum order differs between them.
 RTOL = 1e-3
 
 
