@@ -93,18 +93,10 @@ def from_cli(raw: Any, source: str) -> Imported:
         except ValueError as e:
             raise bad(source, "", f"not a JSON table ({e})") from None
     if isinstance(raw, str) and ":" in raw and "(" not in raw and "=" not in raw:  # lines pasted from the YAML file
-        from ..errors import PolicyError
-        from ..resolve import parse_text
-        from .common import plain
+        from .common import pasted_yaml
 
-        try:
-            parsed = parse_text(raw, "yaml")
-        except PolicyError:  # parse_text turns every parser error into one
-            parsed = None
-        if not isinstance(parsed, Mapping):
-            raise bad(source, "", f"cannot read {short(raw)}: expected a precision, Accelerator(mixed_precision=...) "
-                                  f"or lines of an accelerate config YAML file")
-        return import_config(plain(parsed, source), source=source)
+        return import_config(pasted_yaml(raw, source, "a precision, Accelerator(mixed_precision=...) or lines of an "
+                                                      "accelerate config YAML file"), source=source)
     name, raw = leading_name(raw)
     if name is not None:
         scaler = kwargs_of(raw, source, {"GradScalerKwargs": "scaler"}).get("scaler") if raw.strip() else None

@@ -124,6 +124,20 @@ def bad(source: str, key: str, message: str) -> PolicyError:
     return PolicyError(f"{printable(source)}: {name(key) + ': ' if key else ''}{message}")
 
 
+def pasted_yaml(text: str, source: str, expected: str) -> Any:
+    """Lines pasted from a YAML file (``precision: 16``) as the plain mapping they parse to (bounded, as
+    :func:`plain`); a located error saying what was ``expected`` when they are not a mapping."""
+    from ..resolve import parse_text
+
+    try:
+        parsed = parse_text(text, "yaml")
+    except PolicyError:  # parse_text turns every parser error into one
+        parsed = None
+    if not isinstance(parsed, Mapping):
+        raise bad(source, "", f"cannot read {short(text)}: expected {expected}")
+    return plain(parsed, source)
+
+
 def plain(raw: Any, source: str) -> Any:
     """``raw`` (a parsed configuration) as plain data, checked in bounded time and memory: tables with
     string keys, lists, strings, numbers, booleans and null; at most ``MAX_VALUES`` values (a YAML

@@ -40,7 +40,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import PolicyError
 from ..loading import load
 from ..policy import Policy
 from . import torch as torch_amp
@@ -511,17 +510,10 @@ def from_cli(raw: Any, source: str) -> Imported:
     if "(" not in value and "=" not in value and ":" not in value:
         return import_policy(value.strip("'\""), source=source)
     if "(" not in value and ":" in value:  # `precision: 16` pasted from a YAML file
-        from ..resolve import parse_text
-        from .common import plain
+        from .common import pasted_yaml
 
-        try:
-            parsed = parse_text(value, "yaml")
-        except PolicyError:  # parse_text turns every parser error into one
-            parsed = None
-        if not isinstance(parsed, Mapping):
-            raise bad(source, "", f"cannot read {short(value)}: expected a precision, Trainer(precision=...) or "
-                                  f"a YAML `precision:` key")
-        return _from_mapping(plain(parsed, source), source)
+        return _from_mapping(pasted_yaml(value, source, "a precision, Trainer(precision=...) or a YAML `precision:` "
+                                                        "key"), source)
     found: list[tuple[str, dict[str, Any]]] = []
     for c in calls(value, source, TRAINERS):
         if c.name is not None and c.last not in TRAINERS:
