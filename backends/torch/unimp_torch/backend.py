@@ -44,14 +44,14 @@ class TorchBackend(Backend):
         leaves them as they were."""
         import torch
 
-        tensors = [t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values())
-                   if isinstance(t, torch.Tensor)] if isinstance(model, torch.nn.Module) else []
+        modules = list(model.modules()) if isinstance(model, torch.nn.Module) else [model]
+        tensors = {id(t): t for m in modules if isinstance(m, torch.nn.Module)
+                   for t in (*m._parameters.values(), *m._buffers.values()) if isinstance(t, torch.Tensor)}
 
         def value(t: Any) -> tuple[Callable[[], Any], Callable[[Any], None]]:
             return (lambda: t.data), (lambda data: setattr(t, "data", data))
 
-        modules = list(model.modules()) if isinstance(model, torch.nn.Module) else [model]
-        return Snapshot([*modules, optimizer], [value(t) for t in {id(t): t for t in tensors}.values()])
+        return Snapshot([*modules, optimizer], [value(t) for t in tensors.values()])
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, *,
               on_skip: Callable[[], Any] | None = None, **options: Any) -> Any:
