@@ -1,5 +1,5 @@
 """HF transformers GPT-2 / BERT (tiny configs, random init) under the torch presets (timm and torchvision:
-``test_vision_models.py``, in the ``models-vision`` env)."""
+``test_vision_models.py``, in the ``ipex`` env, the one with torch 2.8)."""
 
 import copy
 

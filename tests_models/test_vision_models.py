@@ -1,6 +1,6 @@
 """timm (ViT, ResNet) and torchvision ResNet under the torch presets (tiny configs, random init, CPU).
 
-Runs in the ``models-vision`` tox env: torch 2.8 with its torchvision 0.23 and timm (PyPI's only
+Runs in the ``ipex`` tox env (the one with torch 2.8): torch 2.8 with its torchvision 0.23 and timm (PyPI's only
 torchvision for torch 2.13 is the CUDA build, which breaks CPU torch 2.13 and ``import transformers``).
 """
 
