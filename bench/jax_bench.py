@@ -54,7 +54,7 @@ for extra in (ROOT, ROOT / "backends" / "jax"):  # run from a checkout without i
         sys.path.insert(0, str(extra))
 
 import unimp  # noqa: E402
-from unimp.registry import backends, register_backend  # noqa: E402
+from unimp.backend.registry import backends, register_backend  # noqa: E402
 
 if "jax" not in backends():  # a checkout without unimp-jax installed: no entry point, register it
     from unimp_jax import JaxBackend

@@ -9,7 +9,7 @@ import pytest
 
 import unimp
 from unimp.cli import main
-from unimp.loading import preset_path, read_file
+from unimp.policy.loading import preset_path, read_file
 
 
 def cli(*args):

@@ -2,7 +2,7 @@
 is refused, not followed (issue 27, item 5: 75 of 3,000 racing loads read another tree's file).
 
 The race window is made deterministic by swapping the file right after unimp's own check
-(``unimp.resolve._check_inside``) returns, exactly where a concurrent process could.
+(``unimp.policy.resolve._check_inside``) returns, exactly where a concurrent process could.
 """
 
 import os
@@ -12,7 +12,8 @@ import threading
 import pytest
 
 import unimp
-from unimp import PolicyError, resolve
+from unimp import PolicyError
+from unimp.policy import resolve
 
 SECRET = "s3cr3t-value-from-another-tree"
 pytestmark = pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symlinks")

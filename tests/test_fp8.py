@@ -10,11 +10,11 @@ import unimp
 from unimp.backend import Backend
 from unimp.cli import main
 from unimp.errors import PolicyError, UnsupportedError
-from unimp.fp8 import Fp8Support, decide_fp8, plan_fp8
-from unimp.loading import preset_path
 from unimp.plan import compile_ops
+from unimp.plan.fp8 import Fp8Support, decide_fp8, plan_fp8
+from unimp.policy.loading import preset_path
+from unimp.policy.spec import json_schema
 from unimp.report import Report, ReportRow
-from unimp.spec import json_schema
 
 FP8_PRESETS = {  # preset -> (recipe, gradient format, amax history, the native system its header names)
     "fp8_tensorwise": ("tensorwise", "e5m2", 16, "torchao"),

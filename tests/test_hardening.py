@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import unimp
 from unimp import PolicyError, cli
 from unimp.loss_scale import LossScale, f32
-from unimp.spec import FLT_MAX, INT32_MAX, MAX_ITEMS, OVERRIDE, TABLES, TOP
+from unimp.policy.spec import FLT_MAX, INT32_MAX, MAX_ITEMS, OVERRIDE, TABLES, TOP
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 FIELD_PATHS = ([(k,) for k in TOP] + [(t, k) for t, fields in TABLES.items() for k in fields]
@@ -429,10 +429,10 @@ def test_an_extends_chain_is_bounded_like_one_file(write):
 def test_the_documented_bounds_are_the_spec_table():
     from pathlib import Path
 
-    from unimp.spec import bounds_table
+    from unimp.policy.spec import bounds_table
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "guarantees.md").read_text()
-    assert bounds_table() in doc, "docs/guarantees.md: paste unimp.spec.bounds_table() again"
+    assert bounds_table() in doc, "docs/guarantees.md: paste unimp.policy.spec.bounds_table() again"
 
 
 def test_pipes_and_symlink_loops_are_refused_not_waited_on(tmp_path):

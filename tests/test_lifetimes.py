@@ -9,8 +9,7 @@ import weakref
 import pytest
 
 import unimp
-from unimp import applied
-from unimp.backend import Amp, Backend
+from unimp.backend import Amp, Backend, applied
 from unimp.loss_scale import LossScale
 from unimp.plan import compile_ops
 

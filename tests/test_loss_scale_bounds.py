@@ -1,7 +1,7 @@
 """The loss-scale rule at its bounds (issue 24: the value range every system accepts; issue 27 item 8:
 counters at their bound, ``strict=False``), on the reference :class:`unimp.LossScale` and the Amp base.
 
-The rule is written once (:func:`unimp.scaling.step`): counters are int32 on every device, so the
+The rule is written once (:func:`unimp.loss_scale.rule.step`): counters are int32 on every device, so the
 rule saturates ``steps`` / ``skipped`` at 2**31 - 1, grows a tracker at or past the interval on the
 next finite step (``tracker + 1 >= interval``, never formed as an int32 sum), and continues DeepSpeed's
 window tracker from its residue. Each backend's own test loads a state at the bound and steps it.
@@ -15,7 +15,7 @@ from test_registry import Model, toy  # noqa: F401 - the toy backend's fixture
 import unimp
 from unimp import LossScaleState, StateError
 from unimp.loss_scale import LossScale, policy_problems
-from unimp.spec import INT32_MAX
+from unimp.policy.spec import INT32_MAX
 
 MAX = INT32_MAX
 

@@ -7,10 +7,9 @@ import re
 import pytest
 
 import unimp
-from unimp import exporters, importers
 from unimp.cli import main
 from unimp.loss_scale import LossScaleAtMinimumError, trajectory
-from unimp.migrate import export_to, import_from
+from unimp.migrate import export_to, exporters, import_from, importers
 from unimp.migrate.common import effective
 
 ROUND_TRIPS = [

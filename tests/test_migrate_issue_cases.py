@@ -12,7 +12,7 @@ import pytest
 
 import unimp
 from unimp.cli import main
-from unimp.resolve import parse_text
+from unimp.policy.resolve import parse_text
 
 ROOT = Path(__file__).parent / "fixtures" / "real_configs"
 

@@ -7,8 +7,8 @@ import warnings
 import pytest
 
 import unimp
-from unimp.ops import class_names, kind_of_names, native_table
 from unimp.plan import LayerInfo, compile_ops, resolved_loss_scale
+from unimp.policy.ops import class_names, kind_of_names, native_table
 
 INDEX = (LayerInfo("embed", "embedding", ("Embedding",), (("num_embeddings", 32), ("embedding_dim", 16))),
          LayerInfo("fc1", "linear", ("Linear",), (("in_features", 16), ("out_features", 12))),

@@ -190,7 +190,7 @@ def test_load_rejects_other_argument_types():
 
 
 def test_presets_ship_a_source_comment():
-    root = Path(unimp.loading.preset_path("fp32")).parent
+    root = Path(unimp.policy.loading.preset_path("fp32")).parent
     for f in root.glob("*.toml"):
         assert f.read_text().startswith("# "), f"{f.name} needs a comment saying what it reproduces"
 

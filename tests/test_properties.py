@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 import unimp
 from unimp import PolicyError
-from unimp.ops import CANONICAL_OPS
-from unimp.spec import DEFAULTS, OVERRIDE, TABLES, TOP
+from unimp.policy.ops import CANONICAL_OPS
+from unimp.policy.spec import DEFAULTS, OVERRIDE, TABLES, TOP
 
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -20,10 +20,10 @@ import pytest
 import unimp
 from unimp.cli import main
 from unimp.errors import UnimpWarning
-from unimp.loading import read_file
 from unimp.migrate import export_to, import_from
 from unimp.migrate.common import effective
 from unimp.migrate.corpus import entries, imported, pasted
+from unimp.policy.loading import read_file
 
 ROOT = Path(__file__).parent / "fixtures" / "real_configs"
 SYSTEMS = ("lightning", "torch", "keras", "tf_keras", "paddle", "jmp", "flax")

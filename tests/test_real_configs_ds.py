@@ -21,10 +21,10 @@ import pytest
 
 from unimp.cli import _read_source, main
 from unimp.errors import PolicyError, UnimpWarning, UnsupportedError
-from unimp.loading import load
 from unimp.migrate import export_to, import_from
 from unimp.migrate.common import effective
-from unimp.resolve import parse_text
+from unimp.policy.loading import load
+from unimp.policy.resolve import parse_text
 
 ROOT = pathlib.Path(__file__).with_name("fixtures") / "real_configs"
 SYSTEMS = ("deepspeed", "apex", "accelerate", "megatron")
@@ -139,7 +139,7 @@ def test_the_zero_stage_is_listed_not_rewritten(capsys):
 
 
 def test_every_preset_exports_to_every_system_or_says_why():
-    from unimp.loading import preset_names
+    from unimp.policy.loading import preset_names
 
     for system in SYSTEMS:
         for name in preset_names():

@@ -156,7 +156,7 @@ def test_fixed_op_the_backend_cannot_honour():
 
 
 def test_remember_binds_a_wrapper_made_after_apply():
-    from unimp.registry import remember
+    from unimp.backend.registry import remember
 
     m, wrapper = Model(), Model()
     amp = unimp.apply("mixed_bf16", m)

@@ -17,7 +17,7 @@ from unimp_numpy.backend import NumpyBackend
 from unimp_numpy.testing import NumpyKit
 
 if "numpy" not in unimp.backends():
-    unimp.registry.register_backend(NumpyBackend)
+    unimp.backend.registry.register_backend(NumpyBackend)
 
 APPLICABLE = {"check_layer_dtypes[fp32]", "check_numerics[mixed_fp16]", "check_loss_scale_trajectory[mixed_fp16]",
               "check_state_dict_roundtrip[mixed_fp16]",

@@ -12,7 +12,7 @@ from test_registry import Model, toy  # noqa: F401 - the toy backend's fixture
 import unimp
 from unimp import LossScaleState, StateError
 from unimp.conformance.state_dicts import check_refused, check_round_trip, garbage_state_dicts
-from unimp.spec import FLT_MAX, INT32_MAX
+from unimp.policy.spec import FLT_MAX, INT32_MAX
 
 POLICY = unimp.load("mixed_fp16").replace(loss_scale={"growth_interval": 1, "hysteresis": 3})
 

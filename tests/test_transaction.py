@@ -1,9 +1,9 @@
-"""unimp.transaction: the core's all-or-nothing apply, framework-free (the backends' snapshots are
+"""unimp.backend.transaction: the core's all-or-nothing apply, framework-free (the backends' snapshots are
 tested against real models in each backend's test_apply_transaction.py)."""
 
 import pytest
 
-from unimp.transaction import Snapshot, all_or_nothing
+from unimp.backend.transaction import Snapshot, all_or_nothing
 
 
 class Array:

@@ -10,15 +10,15 @@
 no framework.
 """
 
-from .backend import Amp, Backend, UnimpWarning
-from .errors import PolicyError, StateError, UnsupportedError
-from .loading import dump, dumps, load, preset_names
-from .loss_scale import LossScale, LossScaleState, trajectory
-from .ops import CANONICAL_OPS, OPS
-from .plan import OpDecision, Plan, compile_ops
-from .policy import Override, Policy
-from .registry import apply, backends, detect, get_backend, register_backend, scope
-from .report import Report, ReportRow
+from unimp.backend import Amp, Backend, UnimpWarning
+from unimp.backend.registry import apply, backends, detect, get_backend, register_backend, scope
+from unimp.errors import PolicyError, StateError, UnsupportedError
+from unimp.loss_scale import LossScale, LossScaleState, trajectory
+from unimp.plan import OpDecision, Plan, compile_ops
+from unimp.policy import Override, Policy
+from unimp.policy.loading import dump, dumps, load, preset_names
+from unimp.policy.ops import CANONICAL_OPS, OPS
+from unimp.report import Report, ReportRow
 
 __version__ = "0.1.0"
 

@@ -12,13 +12,13 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import PolicyError, UnsupportedError
-from .loading import dumps, load, preset_names
-from .migrate.common import printable
-from .ops import OPS
-from .report import format_table
-from .resolve import flatten
-from .spec import json_schema
+from unimp.errors import PolicyError, UnsupportedError
+from unimp.migrate.common import printable
+from unimp.policy.loading import dumps, load, preset_names
+from unimp.policy.ops import OPS
+from unimp.policy.resolve import flatten
+from unimp.policy.spec import json_schema
+from unimp.report import format_table
 
 
 def _say(text: str, file: Any = None) -> None:
@@ -44,14 +44,14 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from .registry import get_backend
+    from unimp.backend.registry import get_backend
 
     print(get_backend(args.backend).compile(load(args.file)))
     return 0
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from .registry import backends
+    from unimp.backend.registry import backends
 
     a, b = load(args.a), load(args.b)
     fa, fb = flatten(a.to_dict()), flatten(b.to_dict())
@@ -94,7 +94,7 @@ def _read_source(text: str) -> tuple[object, str]:
     import stat
     from pathlib import Path
 
-    from .resolve import FORMATS, MAX_FILE_BYTES, read_file
+    from unimp.policy.resolve import FORMATS, MAX_FILE_BYTES, read_file
 
     path = Path(text) if text.strip() and len(text) < 4096 and "\n" not in text else None
     try:
@@ -128,8 +128,8 @@ def _read_source(text: str) -> tuple[object, str]:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from .migrate import import_from
-    from .migrate.common import checked
+    from unimp.migrate import import_from
+    from unimp.migrate.common import checked
 
     if not args.source.strip():  # an unset shell variable, not "the system's defaults"
         raise PolicyError(f"<argument>: empty configuration for --from {args.system}; pass a file or the "
@@ -199,7 +199,7 @@ def _write(output: str, text: str) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .migrate import export_to
+    from unimp.migrate import export_to
 
     exported = export_to(args.system, load(args.policy), strict=args.strict)
     print(exported.text, end="")
@@ -246,7 +246,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("b")
     p.add_argument("--backend")
     p.set_defaults(run=_diff)
-    from .migrate import SYSTEMS
+    from unimp.migrate import SYSTEMS
 
     p = sub.add_parser("import", help="a policy file from another system's AMP configuration")
     p.add_argument("source", metavar="FILE|STRING")

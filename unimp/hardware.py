@@ -61,7 +61,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import PolicyError, UnimpWarning
+from unimp.errors import PolicyError, UnimpWarning
 
 ENV = "UNIMP_CPU_FEATURES"
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")

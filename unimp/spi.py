@@ -27,13 +27,28 @@ What is here, by job:
 
 from __future__ import annotations
 
-from .applied import is_applied
-from .backend import TAGS, Amp, Backend, NoForwardError
-from .conformance.kit import Kit, Observation
-from .conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, PROBE, TIME, VOCAB, ProbeBatch
-from .dtypes import dtype_name, is_low, widest
-from .errors import PolicyError, StateError, UnimpWarning, UnsupportedError
-from .fp8 import (
+from unimp.backend import TAGS, Amp, Backend, NoForwardError
+from unimp.backend.applied import is_applied
+from unimp.backend.registry import apply, remember
+from unimp.backend.transaction import Snapshot
+from unimp.conformance.kit import Kit, Observation
+from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, PROBE, TIME, VOCAB, ProbeBatch
+from unimp.dtypes import dtype_name, is_low, widest
+from unimp.errors import PolicyError, StateError, UnimpWarning, UnsupportedError
+from unimp.hardware import CpuFacts, cpu, resolve_auto, resolve_cpu_auto, warn_emulated
+from unimp.loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState, f32, policy_problems
+from unimp.loss_scale.rule import ArrayOps, Arrays, held, step, tiny
+from unimp.migrate.paddle import PADDLE_NATIVE_OPS
+from unimp.plan import (
+    LayerInfo,
+    Plan,
+    compile_ops,
+    loss_scale_as_run,
+    loss_scale_fallbacks,
+    requested_dtype,
+    resolved_loss_scale,
+)
+from unimp.plan.fp8 import (
     FP8_FORMATS,
     Fp8Decision,
     Fp8Plan,
@@ -44,27 +59,12 @@ from .fp8 import (
     plan_fp8,
     requests_fp8,
 )
-from .hardware import CpuFacts, cpu, resolve_auto, resolve_cpu_auto, warn_emulated
-from .layout import LayoutFindings
-from .loading import load
-from .loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState, f32, policy_problems
-from .migrate.paddle import PADDLE_NATIVE_OPS
-from .ops import CANONICAL_OPS, OPS, class_names, kind_of, kind_of_names, native_table
-from .plan import (
-    LayerInfo,
-    Plan,
-    compile_ops,
-    loss_scale_as_run,
-    loss_scale_fallbacks,
-    requested_dtype,
-    resolved_loss_scale,
-)
-from .policy import LayerDecision, Layout, LossScaleSpec, Policy
-from .registry import apply, remember
-from .report import Report, ReportRow
-from .scaling import ArrayOps, Arrays, held, step, tiny
-from .spec import FLT_TINY, INT32_MAX
-from .transaction import Snapshot
+from unimp.plan.layout import LayoutFindings
+from unimp.policy import LayerDecision, Layout, LossScaleSpec, Policy
+from unimp.policy.loading import load
+from unimp.policy.ops import CANONICAL_OPS, OPS, class_names, kind_of, kind_of_names, native_table
+from unimp.policy.spec import FLT_TINY, INT32_MAX
+from unimp.report import Report, ReportRow
 
 __all__ = [
     # the plug-in
@@ -82,7 +82,7 @@ __all__ = [
     # shared algorithms and facts
     "CpuFacts", "LossScale", "LossScaleAtMinimumError", "LossScaleState", "cpu", "dtype_name", "f32", "is_low",
     "resolve_auto", "resolve_cpu_auto", "warn_emulated", "widest",
-    # the loss-scale rule, written once over an array adapter (unimp.scaling)
+    # the loss-scale rule, written once over an array adapter (unimp.loss_scale.rule)
     "ArrayOps", "Arrays", "FLT_TINY", "INT32_MAX", "held", "policy_problems", "step", "tiny",
     # the output, errors, warnings
     "PolicyError", "Report", "ReportRow", "StateError", "UnimpWarning", "UnsupportedError",

@@ -11,7 +11,7 @@ In a backend's tests::
         run_case(case, MyKit())   # skips NotApplicable with its reason
 """
 
-from .checks import (
+from unimp.conformance.checks import (
     CHECKS,
     CUSTOM_MOVED_OPS,
     STANDARD_POLICIES,
@@ -25,9 +25,9 @@ from .checks import (
     setup,
     standard_policy,
 )
-from .expect import Expect, expected_layers
-from .kit import Kit, Observation
-from .probe import PROBE, ProbeBatch, probe_batches, probe_weights, reference_forward, reference_loss
+from unimp.conformance.expect import Expect, expected_layers
+from unimp.conformance.kit import Kit, Observation
+from unimp.conformance.probe import PROBE, ProbeBatch, probe_batches, probe_weights, reference_forward, reference_loss
 
 
 def run_case(case: Case, kit: Kit) -> None:

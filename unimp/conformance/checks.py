@@ -14,16 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..backend import NoForwardError, UnimpWarning
-from ..errors import StateError, UnsupportedError
-from ..loading import load
-from ..loss_scale import STATE_KEYS, LossScale, LossScaleState
-from ..policy import Policy
-from .expect import expected_layers, expected_output_dtype
-from .kit import Kit
-from .probe import PROBE, probe_batches, probe_weights, reference_forward, reference_loss
-from .select import CHECK_POLICIES
-from .select import reason as tag_reason
+from unimp.backend import NoForwardError, UnimpWarning
+from unimp.conformance.expect import expected_layers, expected_output_dtype
+from unimp.conformance.kit import Kit
+from unimp.conformance.probe import PROBE, probe_batches, probe_weights, reference_forward, reference_loss
+from unimp.conformance.select import CHECK_POLICIES
+from unimp.conformance.select import reason as tag_reason
+from unimp.errors import StateError, UnsupportedError
+from unimp.loss_scale import STATE_KEYS, LossScale, LossScaleState
+from unimp.policy import Policy
+from unimp.policy.loading import load
 
 STANDARD_POLICIES = ("fp32", "mixed_bf16", "pure_bf16", "mixed_fp16", "custom_moved_ops")
 CUSTOM_MOVED_OPS = {
@@ -474,7 +474,7 @@ def run(kit: Kit, policies: tuple[str, ...] = STANDARD_POLICIES) -> list[Result]
 def check_emulation_warning(caught: list, amp: Any, caller: str, dtype: str = "bfloat16") -> None:
     """An explicit ``dtype`` policy warns (at the caller's line ``caller``, naming the fix) exactly
     where :func:`unimp.hardware.cpu` says the CPU emulates ``dtype``, and the Plan's reason agrees."""
-    from .. import hardware
+    from unimp import hardware
 
     emulated = [w for w in caught if f"emulates {dtype}" in str(w.message)]
     if hardware.cpu().emulated(dtype):

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..dtypes import widest
-from ..plan import Plan
-from ..policy import Policy
-from .probe import PROBE
+from unimp.conformance.probe import PROBE
+from unimp.dtypes import widest
+from unimp.plan import Plan
+from unimp.policy import Policy
 
 
 @dataclass(frozen=True)

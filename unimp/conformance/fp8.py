@@ -1,9 +1,9 @@
 """FP8 conformance checks, run by every backend that declares FP8 (its Plan's ``fp8``).
 
 A backend is selected per policy by what it declares: its ``compile`` of the policy (with
-``on_unsupported = "fallback"``) has an active :class:`unimp.fp8.Fp8Plan`. Where it does not,
+``on_unsupported = "fallback"``) has an active :class:`unimp.plan.fp8.Fp8Plan`. Where it does not,
 the check requires a clear :class:`~unimp.errors.UnsupportedError` from ``unimp.apply`` and is
-not applicable. Expected values come from the core (:func:`unimp.fp8.decide_fp8` over the probe's
+not applicable. Expected values come from the core (:func:`unimp.plan.fp8.decide_fp8` over the probe's
 dims), never from the backend under test:
 
 - ``check_fp8_layers``: the probe layers that run FP8, and their recipe, are the core's decision:
@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import json
 
-from ..errors import UnsupportedError
-from ..fp8 import Fp8Plan, decide_fp8
-from ..policy import Policy
-from .checks import Case, NotApplicable, _fail, setup
-from .kit import Kit
-from .probe import PROBE, probe_batches, probe_weights
+from unimp.conformance.checks import Case, NotApplicable, _fail, setup
+from unimp.conformance.kit import Kit
+from unimp.conformance.probe import PROBE, probe_batches, probe_weights
+from unimp.errors import UnsupportedError
+from unimp.plan.fp8 import Fp8Plan, decide_fp8
+from unimp.policy import Policy
 
 FP8_POLICIES = ("fp8_tensorwise", "fp8_delayed", "fp8_rowwise")
 # relative difference of each step's probe loss, FP8 vs the same policy in bf16. Not derived, kept as is
@@ -51,7 +51,7 @@ DELAYED_STATE = ("input_scale", "kernel_scale", "output_grad_scale",
 
 def declared(kit: Kit, policy: Policy) -> Fp8Plan:
     """The backend's Fp8Plan for ``policy``; NotApplicable (after checking the refusal) when inactive."""
-    from ..registry import get_backend
+    from unimp.backend.registry import get_backend
 
     plan = get_backend(kit.backend).compile(policy.replace(on_unsupported="fallback"))
     if plan.fp8 is not None and plan.fp8.active:
@@ -71,7 +71,7 @@ def declared(kit: Kit, policy: Policy) -> Fp8Plan:
 
 def expected_fp8(kit: Kit, policy: Policy) -> dict[str, str | None]:
     """Per probe layer FP8 could concern, the recipe it must run (None: stays in the compute dtype)."""
-    from ..registry import get_backend
+    from unimp.backend.registry import get_backend
 
     plan = get_backend(kit.backend).compile(policy)
     out = {}

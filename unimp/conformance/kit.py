@@ -10,8 +10,8 @@ import abc
 from dataclasses import dataclass
 from typing import Any
 
-from ..policy import Policy
-from .probe import ProbeBatch
+from unimp.conformance.probe import ProbeBatch
+from unimp.policy import Policy
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,8 @@ class Kit(abc.ABC):
     def tags(self) -> frozenset[str]:
         """The capability tags of the backend under test (its Backend class declares them); the suite
         runs the checks they allow (:mod:`unimp.conformance.select`)."""
-        from ..backend import TAGS
-        from ..registry import backends
+        from unimp.backend import TAGS
+        from unimp.backend.registry import backends
 
         cls = backends().get(self.backend)
         return frozenset(cls.tags) if cls is not None else TAGS
@@ -63,7 +63,7 @@ class Kit(abc.ABC):
 
     def backend_instance(self) -> Any:
         """The :class:`~unimp.backend.Backend` under test (from the registry)."""
-        from ..registry import get_backend
+        from unimp.backend.registry import get_backend
 
         return get_backend(self.backend)
 

@@ -22,12 +22,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import UnsupportedError
-from ..loading import load
-from ..policy import Policy
-from .checks import STANDARD_POLICIES, NotApplicable, run, setup, standard_policy
-from .kit import Kit
-from .probe import probe_batches, probe_weights
+from unimp.conformance.checks import STANDARD_POLICIES, NotApplicable, run, setup, standard_policy
+from unimp.conformance.kit import Kit
+from unimp.conformance.probe import probe_batches, probe_weights
+from unimp.errors import UnsupportedError
+from unimp.policy import Policy
+from unimp.policy.loading import load
 
 OBS_POLICIES = (*STANDARD_POLICIES, "custom_overrides")
 CUSTOM_OVERRIDES = {"name": "custom_overrides", "extends": "mixed_bf16",

@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..errors import StateError
-from ..loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
-from ..policy import LossScaleSpec
-from ..spec import FLT_MAX, INT32_MAX
+from unimp.errors import StateError
+from unimp.loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
+from unimp.policy import LossScaleSpec
+from unimp.policy.spec import FLT_MAX, INT32_MAX
 
 BAD_SCALES = (math.nan, math.inf, -math.inf, -1.0, 0.0, -0.0, 1e39, 3.5e38, 10**400, 1e-50, "65536", None, True,
               [1.0], {"scale": 1.0})
@@ -110,7 +110,7 @@ def check_copy(amp: Any) -> None:
     """``copy.deepcopy(amp)`` gives an Amp with the same state, or a clear UnsupportedError naming the fix."""
     import copy
 
-    from ..errors import UnsupportedError
+    from unimp.errors import UnsupportedError
 
     try:
         twin = copy.deepcopy(amp)
@@ -163,10 +163,10 @@ def check_counters_at_bound(amp: Any, step: Any, finite: bool = True) -> LossSca
     native rule cannot run from that tracker refuses the load with a :class:`StateError` and changes
     nothing (then the check returns the unchanged state). Returns the state after the step.
 
-    The rule (:func:`unimp.scaling.step`): counters saturate, a tracker at or past the interval grows
+    The rule (:func:`unimp.loss_scale.rule.step`): counters saturate, a tracker at or past the interval grows
     on the next finite step; no device counter wraps to -2**31.
     """
-    from ..loss_scale import LossScale
+    from unimp.loss_scale import LossScale
 
     spec = amp._loss_scale_run()  # what the backend runs (the Plan with its fallbacks)
     sd = {**amp.state_dict(), "growth_tracker": INT32_MAX, "steps": INT32_MAX, "skipped": INT32_MAX,

@@ -2,7 +2,7 @@
 policy back as that system's configuration.
 
 One module per system, each with ``import_policy`` / ``from_cli`` / ``export_policy``; the public
-entry points are :mod:`unimp.importers` and :mod:`unimp.exporters` and ``unimp import`` /
+entry points are :mod:`unimp.migrate.importers` and :mod:`unimp.migrate.exporters` and ``unimp import`` /
 ``unimp export``.
 
 >>> from unimp import migrate
@@ -16,10 +16,10 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from ..errors import PolicyError
-from ..ops import suggest
-from ..spec import show
-from .common import Exported, Imported
+from unimp.errors import PolicyError
+from unimp.migrate.common import Exported, Imported
+from unimp.policy.ops import suggest
+from unimp.policy.spec import show
 
 SYSTEMS: dict[str, str] = {
     "deepspeed": "deepspeed", "apex": "apex", "accelerate": "accelerate", "lightning": "lightning",
@@ -48,7 +48,7 @@ def import_from(system: str, raw: Any, source: str | None = None, assume: dict[s
     (:func:`~unimp.migrate.common.plain`) before the system's reader sees it, and the policy file
     is checked to load back to the policy reported (:func:`~unimp.migrate.common.checked`).
     """
-    from .common import MAX_TEXT, bad, checked, plain
+    from unimp.migrate.common import MAX_TEXT, bad, checked, plain
 
     mod = module(system)
     src = source or system
@@ -71,7 +71,7 @@ def import_from(system: str, raw: Any, source: str | None = None, assume: dict[s
 
 def export_to(system: str, policy: Any, strict: bool = False) -> Exported:
     """``policy`` (anything :func:`unimp.load` takes) as ``system``'s configuration."""
-    from ..loading import load
+    from unimp.policy.loading import load
 
     mod = module(system)
     p = load(policy)

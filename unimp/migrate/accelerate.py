@@ -28,10 +28,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..policy import Policy
-from ..spec import short
-from . import torch as torch_amp
-from .common import Draft, Exported, Imported, bad, check_keys, finish, kwargs_of, leading_name, refuse, relabel
+from unimp.migrate import torch as torch_amp
+from unimp.migrate.common import (
+    Draft,
+    Exported,
+    Imported,
+    bad,
+    check_keys,
+    finish,
+    kwargs_of,
+    leading_name,
+    refuse,
+    relabel,
+)
+from unimp.policy import Policy
+from unimp.policy.spec import short
 
 SYSTEM = "accelerate"
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
@@ -93,7 +104,7 @@ def from_cli(raw: Any, source: str) -> Imported:
         except ValueError as e:
             raise bad(source, "", f"not a JSON table ({e})") from None
     if isinstance(raw, str) and ":" in raw and "(" not in raw and "=" not in raw:  # lines pasted from the YAML file
-        from .common import pasted_yaml
+        from unimp.migrate.common import pasted_yaml
 
         return import_config(pasted_yaml(raw, source, "a precision, Accelerator(mixed_precision=...) or lines of an "
                                                       "accelerate config YAML file"), source=source)
@@ -220,7 +231,7 @@ def _ds_file(cfg: Mapping[str, Any]) -> Any:
 
 def _deepspeed(cfg: Mapping[str, Any], mp: str, source: str, rest: tuple[str, ...]) -> Imported:
     """distributed_type DEEPSPEED: the DeepSpeed config DeepSpeedPlugin builds, imported as DeepSpeed."""
-    from . import deepspeed
+    from unimp.migrate import deepspeed
 
     ds = cfg.get("deepspeed_config") or {}
     if not isinstance(ds, Mapping):
@@ -254,7 +265,7 @@ def _deepspeed(cfg: Mapping[str, Any], mp: str, source: str, rest: tuple[str, ..
 def _megatron(mp: str, source: str, rest: tuple[str, ...]) -> Imported:
     """distributed_type MEGATRON_LM: accelerator.py builds no autocast (native_amp is off for Megatron-LM);
     utils/dataclasses.py MegatronLMPlugin.set_mixed_precision sets Megatron's fp16 / bf16 argument."""
-    from . import megatron
+    from unimp.migrate import megatron
 
     if mp == "fp8":
         raise refuse(source, "mixed_precision", "fp8 through the Megatron-LM plugin is not imported",

@@ -25,10 +25,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..loading import load
-from ..policy import Policy
-from ..spec import short
-from .common import Draft, Exported, Imported, bad, check_keys, finish, flag, has_knob, kwargs_of, number, refuse
+from unimp.migrate.common import (
+    Draft,
+    Exported,
+    Imported,
+    bad,
+    check_keys,
+    finish,
+    flag,
+    has_knob,
+    kwargs_of,
+    number,
+    refuse,
+)
+from unimp.policy import Policy
+from unimp.policy.loading import load
+from unimp.policy.spec import short
 
 SYSTEM = "apex"
 OVERRIDES = ("keep_batchnorm_fp32", "master_weights", "loss_scale", "min_loss_scale", "max_loss_scale",

@@ -19,12 +19,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import PolicyError, UnimpWarning, UnsupportedError
-from ..loading import load, preset_names
-from ..loss_scale import f32
-from ..policy import Policy
-from ..resolve import flatten
-from ..spec import FLT_MAX, TABLES, short, show
+from unimp.errors import PolicyError, UnimpWarning, UnsupportedError
+from unimp.loss_scale import f32
+from unimp.policy import Policy
+from unimp.policy.loading import load, preset_names
+from unimp.policy.resolve import flatten
+from unimp.policy.spec import FLT_MAX, TABLES, short, show
 
 MAX_TEXT = 65536  # characters of a pasted configuration (an AST of a longer one is not worth building)
 MAX_VALUES = 20_000  # values (tables, lists, scalars; an alias counted each time it is used) in one source
@@ -127,7 +127,7 @@ def bad(source: str, key: str, message: str) -> PolicyError:
 def pasted_yaml(text: str, source: str, expected: str) -> Any:
     """Lines pasted from a YAML file (``precision: 16``) as the plain mapping they parse to (bounded, as
     :func:`plain`); a located error saying what was ``expected`` when they are not a mapping."""
-    from ..resolve import parse_text
+    from unimp.policy.resolve import parse_text
 
     try:
         parsed = parse_text(text, "yaml")
@@ -262,7 +262,7 @@ class Draft:
 def checked(imported: Imported) -> Imported:
     """``imported``, once its text loads back to its policy's fingerprint (what is written is what was
     reported); a mismatch is an error, never a different file."""
-    from ..resolve import parse_text
+    from unimp.policy.resolve import parse_text
 
     try:
         again = load(parse_text(imported.text, "toml"))
@@ -522,7 +522,7 @@ def _table(value: Any, source: str, key: str) -> bool:
 def check_keys(given: Mapping[str, Any], known: Mapping[str, Any] | tuple[str, ...], source: str,
                where: str = "") -> None:
     """Refuse keys the source system does not have (a typo would otherwise be dropped)."""
-    from ..ops import suggest
+    from unimp.policy.ops import suggest
 
     for key in given:
         if key not in known:

@@ -17,9 +17,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from ..loading import read_file
-from . import import_from
-from .common import Imported
+from unimp.migrate import import_from
+from unimp.migrate.common import Imported
+from unimp.policy.loading import read_file
 
 PARSED = (".yaml", ".yml", ".json", ".toml")  # files passed as files; anything else is pasted text
 

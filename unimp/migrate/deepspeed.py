@@ -36,9 +36,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..policy import Policy
-from ..spec import short, show
-from .common import (
+from unimp.migrate.common import (
     Draft,
     Exported,
     Imported,
@@ -53,6 +51,8 @@ from .common import (
     relabel,
     take,
 )
+from unimp.policy import Policy
+from unimp.policy.spec import short, show
 
 SYSTEM = "deepspeed"
 FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
@@ -254,7 +254,7 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
 def _amp(config: Mapping[str, Any], amp: Mapping[str, Any], stage: int, low: bool, source: str) -> Imported:
     """``"amp": {"enabled": true, ...}``: engine.py _configure_optimizer calls ``apex.amp.initialize(model,
     optimizer, **amp_params)`` (amp_params: the section without ``enabled``)."""
-    from . import apex
+    from unimp.migrate import apex
 
     if stage:
         raise bad(source, "amp.enabled", "amp with ZeRO (engine.py _do_optimizer_sanity_check asserts 'Amp and ZeRO "

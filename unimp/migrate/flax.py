@@ -15,9 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..policy import Policy
-from ..spec import FLT_TINY
-from .common import (
+from unimp.migrate.common import (
     MAX_TEXT,
     Draft,
     Exported,
@@ -31,6 +29,8 @@ from .common import (
     refuse,
     take,
 )
+from unimp.policy import Policy
+from unimp.policy.spec import FLT_TINY
 
 SYSTEM = "flax"
 KEYS = ("growth_factor", "backoff_factor", "growth_interval", "fin_steps", "scale", "minimum_scale")

@@ -20,9 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..policy import Policy
-from ..scaling import f32
-from .common import (
+from unimp.loss_scale.rule import f32
+from unimp.migrate.common import (
     Draft,
     Exported,
     Imported,
@@ -37,6 +36,7 @@ from .common import (
     take,
     text,
 )
+from unimp.policy import Policy
 
 SYSTEM = "jmp"
 NAMES = {"full": "float32", "f32": "float32", "float32": "float32", "f16": "float16", "float16": "float16",

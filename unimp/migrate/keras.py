@@ -37,9 +37,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..loading import load
-from ..policy import Policy
-from .common import (
+from unimp.migrate.common import (
     Draft,
     Exported,
     Imported,
@@ -55,6 +53,8 @@ from .common import (
     take,
     text,
 )
+from unimp.policy import Policy
+from unimp.policy.loading import load
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
 POLICY_CALLS = ("set_global_policy", "set_policy", "set_dtype_policy", "Policy", "DTypePolicy", "FloatDTypePolicy")

@@ -39,10 +39,10 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import UnimpWarning
-from ..policy import Policy
-from ..spec import short
-from .common import MAX_TEXT, Draft, Exported, Imported, bad, finish, has_knob, number, refuse, relabel
+from unimp.errors import UnimpWarning
+from unimp.migrate.common import MAX_TEXT, Draft, Exported, Imported, bad, finish, has_knob, number, refuse, relabel
+from unimp.policy import Policy
+from unimp.policy.spec import short
 
 SYSTEM = "megatron"
 # Precision arguments unimp has no key for (arguments.py / transformer_config.py): a dtype other than fp32
@@ -313,7 +313,7 @@ def _not_held(d: Draft, got: dict[str, Any], source: str) -> None:
 
 
 def _move(d: Draft, op: str, to: str, why: str) -> None:
-    from ..loading import load
+    from unimp.policy.loading import load
 
     base = load(d.extends).ops
     lists = {"lower": [o for o in base.lower if o != op], "float32": [o for o in base.float32 if o != op]}
@@ -396,7 +396,7 @@ def _launch_notes(script: dict[str, Any]) -> list[str]:
 
 def _deepspeed(got: dict[str, Any], other: list[str], script: dict[str, Any], source: str) -> Imported:
     """Megatron-DeepSpeed ``--deepspeed``: the DeepSpeed config's fp16/bf16 sections decide."""
-    from . import deepspeed
+    from unimp.migrate import deepspeed
 
     path = got.get("--deepspeed_config") or got.get("--deepspeed-config")
     fix = f"import that DeepSpeed config: `unimp import {path or 'ds_config.json'} --from deepspeed`"
@@ -484,7 +484,7 @@ def export_policy(policy: Policy) -> Exported:
 def _fp32_unexpressed(policy: Policy) -> tuple[str, ...]:
     """What a float32 Megatron run (no precision argument: every op, param and reduction in float32,
     the ``fp32`` preset) does not reproduce of ``policy``."""
-    from ..loading import load
-    from .common import unexpressed
+    from unimp.migrate.common import unexpressed
+    from unimp.policy.loading import load
 
     return unexpressed(policy, load("fp32"), SYSTEM)

@@ -26,11 +26,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any
 
-from ..loading import load
-from ..ops import CANONICAL_OPS, kind_of
-from ..policy import Policy
-from ..spec import show
-from .common import (
+from unimp.migrate.common import (
     MAX_TEXT,
     Draft,
     Exported,
@@ -46,6 +42,10 @@ from .common import (
     short,
     take,
 )
+from unimp.policy import Policy
+from unimp.policy.loading import load
+from unimp.policy.ops import CANONICAL_OPS, kind_of
+from unimp.policy.spec import show
 
 SYSTEM = "paddle"
 # Paddle's names per canonical op (lower case: op types as in paddle.amp's white/black lists; capitalised:

@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..policy import Policy
-from .common import Draft, Exported, Imported, bad, check_keys, finish, flag, kwargs_of, take, text
+from unimp.migrate.common import Draft, Exported, Imported, bad, check_keys, finish, flag, kwargs_of, take, text
+from unimp.policy import Policy
 
 SYSTEM = "torch"
 DEFAULTS = {"device": "cuda", "init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,

@@ -7,7 +7,7 @@ import torch
 
 import unimp
 from unimp.conformance.state_dicts import check_counters_at_bound
-from unimp.spec import INT32_MAX
+from unimp.policy.spec import INT32_MAX
 
 DYNAMIC = {"loss_scale": {"mode": "dynamic", "skip_nonfinite": True, "hysteresis": 2}}
 

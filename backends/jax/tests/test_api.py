@@ -73,7 +73,7 @@ def test_every_flax_layer_follows_the_policy(policy):
             prev = r
         assert prev is not None
         assert seen["rms"].compute_dtype == "bfloat16" and seen["head"].compute_dtype == "float32"
-        # batch_norm in float32: fp32 math, output keeps the activation dtype (unimp.ops meaning)
+        # batch_norm in float32: fp32 math, output keeps the activation dtype (unimp.policy.ops meaning)
         assert seen["bn"].compute_dtype == "float32" and seen["bn"].output_dtype == seen["rms"].output_dtype
         # output_dtype "unchanged": the output is the head's (float32 by its override), not cast
         assert pol.output_dtype == "unchanged" and amp.model(TOKENS).dtype == jnp.dtype(seen["head"].output_dtype)

@@ -58,7 +58,7 @@ def test_snapshot_covers_everything_apply_changes(policy):
     assert state_of(model) != before  # apply changed classes (and, for pure_bf16, values)
     snap.restore()
     assert state_of(model) == before
-    unimp.applied.release(amp._applied_ids)
+    unimp.backend.applied.release(amp._applied_ids)
     np.asarray(model(jnp.ones((2, 16))))  # runs as the plain model
 
 

@@ -19,7 +19,7 @@ from unimp.backend import UnimpWarning
 from unimp.conformance.state_dicts import check_counters_at_bound
 from unimp.errors import UnsupportedError
 from unimp.loss_scale import LossScale
-from unimp.spec import INT32_MAX
+from unimp.policy.spec import INT32_MAX
 from unimp_jax.scaler import check, initial_tree, to_state, update_tree
 
 X = jnp.ones((2, 8), jnp.float32)

@@ -11,8 +11,8 @@ import pytest
 from flax.training.dynamic_scale import DynamicScale
 
 import unimp
-from unimp import exporters, importers
 from unimp.loss_scale import trajectory
+from unimp.migrate import exporters, importers
 
 
 def _finites(seed, n=120, p_bad=0.25):

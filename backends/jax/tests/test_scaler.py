@@ -16,8 +16,8 @@ from unimp.conformance.loss_scale import (
     replay_size,
 )
 from unimp.errors import UnsupportedError
-from unimp.loading import load
 from unimp.loss_scale import LossScale, LossScaleAtMinimumError
+from unimp.policy.loading import load
 from unimp_jax.scaler import (
     check,
     device_spec,
@@ -236,7 +236,7 @@ def test_jmp_non_2_factor_replays_jitted_and_eager(factor):
     replays the jitted object. Called eagerly it divides: ``backoff = "divide"`` replays that, in the
     reference and in unimp_jax's jitted rule."""
     pytest.importorskip("jmp")
-    from unimp import importers
+    from unimp.migrate import importers
 
     kw = {"loss_scale": 43614.2109375, "period": 3, "factor": factor, "min_loss_scale": 1.0}
     jitted = importers.jmp("params=float32,compute=float16,output=float32", kw).policy.loss_scale

@@ -58,7 +58,7 @@ class JaxDetails:
 
 
 def fp8_support(platform: str) -> Any:
-    """What this backend runs in FP8 (:class:`unimp.fp8.Fp8Support`) on ``platform``."""
+    """What this backend runs in FP8 (:class:`unimp.plan.fp8.Fp8Support`) on ``platform``."""
     notes = ("Flax Linear/Dense layers chosen by the Plan get a scaled FP8 dot_general for their call; "
              "XLA lowers FP8 dots to cuBLASLt FP8 GEMMs on Hopper+ GPUs",)
     if platform != "gpu":

@@ -321,7 +321,7 @@ def kernel_dims(params: Mapping[str, Any]) -> dict[str, int] | None:
 
 
 def decide(plan: Any, lp: Any, params: Mapping[str, Any]) -> Any:
-    """The core's :class:`unimp.fp8.Fp8Decision` for the layer ``lp`` (None: FP8 not asked of it)."""
+    """The core's :class:`unimp.plan.fp8.Fp8Decision` for the layer ``lp`` (None: FP8 not asked of it)."""
     from unimp.spi import Fp8Decision, asks_fp8, decide_fp8
 
     if not asks_fp8(plan, lp.path, lp.kind, lp.type_names):

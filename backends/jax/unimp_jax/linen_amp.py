@@ -132,7 +132,7 @@ class LinenAmp(JaxAmp):
         layout = LayoutFindings.check(((p, dims(lp.kind, shapes[p])) for p, lp in self.layers.items()),
                                       self.policy.layout)
         self.findings += layout.act("jax")
-        self.fp8_decisions: list[Any] = []  # unimp.fp8.Fp8Decision per layer FP8 was asked of
+        self.fp8_decisions: list[Any] = []  # unimp.plan.fp8.Fp8Decision per layer FP8 was asked of
         delayed = []
         for path, lp in self.layers.items():
             decision = fp8.decide(plan, lp, shapes[path])

@@ -134,7 +134,7 @@ class NnxAmp(JaxAmp):
         self._saved: list[tuple[Any, dict[str, Any]]] = []  # (module, attrs to restore)
         self._params: list[tuple[Any, Any, tuple]] = []  # (Variable, original value, path)
         self.layers: dict[str, LayerPlan] = {}
-        self.fp8_decisions: list[Any] = []  # unimp.fp8.Fp8Decision per layer FP8 was asked of
+        self.fp8_decisions: list[Any] = []  # unimp.plan.fp8.Fp8Decision per layer FP8 was asked of
         self._fp8_layers: list[Any] = []  # modules given delayed-scaling state (removed by remove())
         modules = list(nnx.iter_modules(model))
         layers = []  # findings first: on_misaligned="error" must leave the model untouched

@@ -1,4 +1,4 @@
-"""The core's loss-scale rule (:func:`unimp.scaling.step`) as a jit-pure pytree update (no host callbacks).
+"""The core's loss-scale rule (:func:`unimp.loss_scale.rule.step`) as a jit-pure pytree update (no host callbacks).
 
 :class:`JaxOps` is the rule's array adapter. :class:`LossScaleTree` is the canonical state
 (``scale`` float32, or float64 under ``jax_enable_x64``; counters int32) plus one flag,
@@ -143,7 +143,7 @@ def runnable(spec: LossScaleSpec) -> LossScaleSpec:
 
 
 class JaxOps:
-    """:class:`unimp.scaling.ArrayOps` over jnp arrays (jit-pure)."""
+    """:class:`unimp.loss_scale.rule.ArrayOps` over jnp arrays (jit-pure)."""
 
     def __init__(self, spec: LossScaleSpec) -> None:
         import jax.numpy as jnp
@@ -234,7 +234,7 @@ def check(tree: LossScaleTree, spec: LossScaleSpec) -> None:
 
 
 def update_tree(spec: LossScaleSpec, t: LossScaleTree, finite: Any) -> LossScaleTree:
-    """One step of the core rule (:func:`unimp.scaling.step`) on the device arrays (jit-able).
+    """One step of the core rule (:func:`unimp.loss_scale.rule.step`) on the device arrays (jit-able).
     After an ``at_min = "error"`` hit the state no longer moves (the reference raised)."""
     import jax.numpy as jnp
 

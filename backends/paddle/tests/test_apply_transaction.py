@@ -46,7 +46,7 @@ def test_snapshot_covers_everything_apply_changes(policy):
     assert state_of(model, optimizer) != before
     snap.restore()
     assert state_of(model, optimizer) == before
-    unimp.applied.release(amp._applied_ids)
+    unimp.backend.applied.release(amp._applied_ids)
     assert model(paddle.randn([4, 8])).dtype == paddle.float32
 
 

@@ -6,7 +6,7 @@ import pytest
 
 import unimp
 from unimp.conformance import probe_batches, probe_weights
-from unimp.ops import CANONICAL_OPS
+from unimp.policy.ops import CANONICAL_OPS
 from unimp_paddle.ops import NATIVE_OPS
 
 

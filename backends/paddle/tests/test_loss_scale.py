@@ -9,7 +9,7 @@ import pytest
 import unimp
 from unimp.conformance.loss_scale import Replay, check_loss_scale_replay, check_system_replay
 from unimp.loss_scale import LossScale, LossScaleAtMinimumError
-from unimp.scaling import f32
+from unimp.loss_scale.rule import f32
 from unimp_paddle.scaler import HostRuleLossScale
 
 

@@ -9,7 +9,7 @@ from test_loss_scale import _gradscaler, _preset
 import unimp
 from unimp.conformance.state_dicts import check_counters_at_bound
 from unimp.loss_scale import LossScale, LossScaleState
-from unimp.spec import INT32_MAX
+from unimp.policy.spec import INT32_MAX
 
 
 def _apply(policy):

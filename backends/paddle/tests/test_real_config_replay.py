@@ -15,8 +15,8 @@ import pytest
 from test_loss_scale import _paddle_gradscaler
 
 from unimp.conformance.loss_scale import check_system_replay
-from unimp.loading import read_file
 from unimp.migrate.corpus import entries, imported
+from unimp.policy.loading import read_file
 
 ROOT = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "real_configs"
 CLAS = [e for e in entries(ROOT, "paddle") if "expect" in e and e["file"].endswith(".yaml")]

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import unimp
 from unimp.conformance import cast_like
-from unimp.ops import kind_of
+from unimp.policy.ops import kind_of
 from unimp_tensorflow.ops import NATIVE_OPS
 
 X = np.random.default_rng(0).normal(size=(32, 12)).astype("float32")

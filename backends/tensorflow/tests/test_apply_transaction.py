@@ -41,7 +41,7 @@ def test_snapshot_covers_everything_apply_changes(policy):
     assert state_of(model, optimizer) != before
     snap.restore()
     assert state_of(model, optimizer) == before
-    unimp.applied.release(amp._applied_ids)
+    unimp.backend.applied.release(amp._applied_ids)
     model.fit(X, np.zeros((8, 2), "float32"), epochs=1, verbose=0)  # trains as the plain model
 
 

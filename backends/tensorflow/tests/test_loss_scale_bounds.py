@@ -14,7 +14,7 @@ import unimp
 from unimp.conformance.state_dicts import check_counters_at_bound
 from unimp.errors import StateError, UnsupportedError
 from unimp.loss_scale import LossScale
-from unimp.spec import INT32_MAX
+from unimp.policy.spec import INT32_MAX
 from unimp_tensorflow.scaler import State, next_state
 
 X = np.random.default_rng(0).normal(size=(8, 8)).astype("float32")

@@ -8,8 +8,8 @@ import pytest
 from keras_steps import replay_scales
 
 import unimp
-from unimp import exporters, importers
 from unimp.loss_scale import trajectory
+from unimp.migrate import exporters, importers
 
 
 def _finites(seed, n=60, p_bad=0.25):

@@ -48,7 +48,7 @@ class Binding:
     findings: list[str] = field(default_factory=list)
     formats: dict[str, str] = field(default_factory=dict)
     fp8: list[Any] = field(default_factory=list)  # unimp_tensorflow.fp8.Fp8Layer per layer quantized to float8
-    fp8_decisions: list[Any] = field(default_factory=list)  # unimp.fp8.Fp8Decision per layer FP8 concerns
+    fp8_decisions: list[Any] = field(default_factory=list)  # unimp.plan.fp8.Fp8Decision per layer FP8 concerns
 
 
 def check_inputs(model: Any, optimizer: Any) -> None:

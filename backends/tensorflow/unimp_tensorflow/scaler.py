@@ -1,4 +1,4 @@
-"""The core loss-scale rule (:func:`unimp.scaling.step`) on TensorFlow tensors: :class:`TfOps`.
+"""The core loss-scale rule (:func:`unimp.loss_scale.rule.step`) on TensorFlow tensors: :class:`TfOps`.
 
 Pure functions of tensors, so one step traces into a ``tf.function`` with no host sync. The
 scale is stored in float32 and computed in float64 on the float32 grid (products rounded once,
@@ -60,7 +60,7 @@ def _tiny(x: tf.Tensor) -> tf.Tensor:
 
 
 class TfOps:
-    """:class:`unimp.scaling.ArrayOps` over TensorFlow tensors. The scale is computed in float64 on
+    """:class:`unimp.loss_scale.rule.ArrayOps` over TensorFlow tensors. The scale is computed in float64 on
     the float32 grid (products rounded once, subnormals rounded as IEEE float32 does), so the rule
     is exact even where TensorFlow flushes float32 subnormals."""
 
@@ -113,7 +113,7 @@ def runnable(spec: LossScaleSpec) -> LossScaleSpec:
 
 def next_state(spec: LossScaleSpec, st: State, finite: tf.Tensor) -> State:
     """The state after one step whose gradients were (not) all finite (``finite``: scalar bool):
-    the core's rule (:func:`unimp.scaling.step`) on tensors, no host sync; ``at_min = "error"``
+    the core's rule (:func:`unimp.loss_scale.rule.step`) on tensors, no host sync; ``at_min = "error"``
     hit is a ``tf.debugging.Assert``."""
     new, error = transition(spec, st, finite)
     if error is not None:

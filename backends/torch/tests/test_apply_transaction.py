@@ -107,7 +107,7 @@ def test_ctrl_c_after_the_backend_bound_the_model_is_rolled_back(preset):
     The interrupt is raised by a trace function at that call, as a real Ctrl-C would arrive there."""
     import sys
 
-    from unimp import applied
+    from unimp.backend import applied
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 8))

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import unimp
-from unimp.loading import preset_names
+from unimp.policy.loading import preset_names
 
 MASTER_PRESETS = [p for p in preset_names() if unimp.load(p).uses_master_weights]
 OPTIMIZERS = {

@@ -40,7 +40,7 @@ def test_misaligned_error_names_every_path_and_undoes():
     model = mlp()
     with pytest.raises(unimp.UnsupportedError, match=r"(?s)0: in_features=16.*3: out_features=8.*fix"):
         unimp.apply(unimp.load("pure_bf16").replace(layout={"align": 64, "on_misaligned": "error"}), model)
-    assert model[0].weight.dtype == torch.float32 and not unimp.registry.is_applied(model)
+    assert model[0].weight.dtype == torch.float32 and not unimp.backend.registry.is_applied(model)
 
 
 def test_bad_options_and_closure():

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import unimp
-from unimp import exporters, importers
 from unimp.loss_scale import trajectory
+from unimp.migrate import exporters, importers
 
 
 def _finites(seed, n, p_bad=0.25):

@@ -1,7 +1,7 @@
 """FP8 training for torch through torchao's float8 training: the layers the Plan chooses, and undo.
 
 ``support(device)`` says what this torch + torchao can run (what the Plan checks the policy's
-``[fp8]`` table against); ``convert(plan, model)`` asks :func:`unimp.fp8.decide_fp8` per
+``[fp8]`` table against); ``convert(plan, model)`` asks :func:`unimp.plan.fp8.decide_fp8` per
 ``nn.Linear`` and hands exactly those paths to ``torchao.float8.convert_to_float8_training`` as its
 ``module_filter_fn``, with the ``Float8LinearConfig`` of the policy's recipe. On CPU torchao runs in
 its emulation mode (``emulate=True``: the FP8 numerics, not the speed), which is what CI tests.

@@ -34,7 +34,7 @@ def _rms_name(family: str) -> str:
     return f"{_HF}.{family}.modeling_{family}.{camel}RMSNorm"
 
 
-# qualified class name -> canonical op (the vocabulary of unimp.ops)
+# qualified class name -> canonical op (the vocabulary of unimp.policy.ops)
 REGISTRY: dict[str, str] = {
     "transformers.pytorch_utils.Conv1D": "linear",
     **{_rms_name(f): "rms_norm" for f in _RMS_FAMILIES},

@@ -4,7 +4,7 @@ State lives in tensors on the model's device (``scale`` in ``loss_scale.scale_dt
 float64; tracker and hysteresis int32, skipped int64); only ``steps`` is a host counter. When the
 policy's knobs are exactly torch GradScaler's rule (no floor, no cap, hysteresis 1), the update
 is torch's own fused kernel ``torch._amp_update_scale_``; otherwise the core's rule
-(:func:`unimp.scaling.step`) runs on the tensors through :class:`TorchOps`. Every knob is
+(:func:`unimp.loss_scale.rule.step`) runs on the tensors through :class:`TorchOps`. Every knob is
 honoured (torch keeps subnormals and holds float64 on every device it runs on).
 
 >>> import torch, unimp
@@ -109,7 +109,7 @@ class DeviceLossScale:
     def update(self, found_inf: torch.Tensor | None) -> None:
         """Advance the rule by one optimizer step (``found_inf`` None: the step was not checked)."""
         s = self.spec
-        self.steps = min(self.steps + 1, INT32_MAX)  # the rule's counters saturate (unimp.scaling.step)
+        self.steps = min(self.steps + 1, INT32_MAX)  # the rule's counters saturate (unimp.loss_scale.rule.step)
         if found_inf is None:
             return
         if s.skip_nonfinite:
@@ -123,7 +123,7 @@ class DeviceLossScale:
         self._update_where(found_inf > 0)
 
     def _update_where(self, bad: torch.Tensor) -> None:
-        """The core's rule (:func:`unimp.scaling.step`) on the device tensors, written back in place."""
+        """The core's rule (:func:`unimp.loss_scale.rule.step`) on the device tensors, written back in place."""
         s = self.spec
         st = Arrays(self.scale, self.tracker, self.hysteresis, self.skipped, 0)
         new, _, error = step(self._ops, s, st, ~bad)
@@ -137,7 +137,7 @@ class DeviceLossScale:
 
 
 class TorchOps:
-    """:class:`unimp.scaling.ArrayOps` over torch tensors on one device (constants cached: no
+    """:class:`unimp.loss_scale.rule.ArrayOps` over torch tensors on one device (constants cached: no
     host->device copy per step)."""
 
     def __init__(self, spec: LossScaleSpec, device: torch.device) -> None:

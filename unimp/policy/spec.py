@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .dtypes import COMPUTE_DTYPES, FLOAT_DTYPES, OUTPUT_DTYPES
-from .ops import CANONICAL_OPS, OP_LISTS, suggest
+from unimp.dtypes import COMPUTE_DTYPES, FLOAT_DTYPES, OUTPUT_DTYPES
+from unimp.policy.ops import CANONICAL_OPS, OP_LISTS, suggest
 
 GROWTH_SCHEDULES = ("interval", "interval_plus_one", "window")
 FP8_OPS = ("linear", "matmul", "attention")  # canonical ops an FP8 recipe can cover (a backend declares which)
@@ -189,7 +189,7 @@ class Problems:
 
     def raise_if_any(self) -> None:
         if self.count:
-            from .errors import PolicyError
+            from unimp.errors import PolicyError
 
             raise PolicyError(self.lines())
 
@@ -227,7 +227,7 @@ def short(value: Any) -> str:
 
 
 def hint(word: Any, choices: Any) -> str | None:
-    """:func:`unimp.ops.suggest` for short strings only (difflib is slow on long ones)."""
+    """:func:`unimp.policy.ops.suggest` for short strings only (difflib is slow on long ones)."""
     return suggest(word, choices) if isinstance(word, str) and len(word) <= 64 else None
 
 
@@ -486,7 +486,7 @@ def check_resolved(policy: dict[str, Any], problems: Problems) -> None:
     if ls["mode"] == "dynamic" and not ls["skip_nonfinite"]:
         import warnings
 
-        from .errors import UnimpWarning
+        from unimp.errors import UnimpWarning
 
         warnings.warn(f"{problems.source}: loss_scale.skip_nonfinite: false with mode = 'dynamic' applies the "
                       f"non-finite steps that make the scale back off (parameters become NaN); set "

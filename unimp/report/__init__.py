@@ -24,7 +24,7 @@ class ReportRow:
     compute_dtype: str | None
     param_dtype: str | None
     output_dtype: str | None
-    fp8: str | None = None  # the FP8 recipe the layer ran (unimp.fp8), None = not FP8
+    fp8: str | None = None  # the FP8 recipe the layer ran (unimp.plan.fp8), None = not FP8
 
 
 @dataclass

@@ -17,13 +17,13 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from .applied import release, remember
-from .errors import StateError, UnimpWarning, UnsupportedError
-from .loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
-from .plan import Plan
-from .policy import LossScaleSpec, Policy
-from .report import Report
-from .transaction import Snapshot
+from unimp.backend.applied import release, remember
+from unimp.backend.transaction import Snapshot
+from unimp.errors import StateError, UnimpWarning, UnsupportedError
+from unimp.loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
+from unimp.plan import Plan
+from unimp.policy import LossScaleSpec, Policy
+from unimp.report import Report
 
 STATE_FORMAT = "unimp.amp/1"
 
@@ -46,7 +46,7 @@ class Backend(abc.ABC):
     """One framework's adapter: a declarative description plus the three methods.
 
     ``native_ops``: canonical op -> the framework's native names for it (the backend's own table, see
-    :func:`unimp.ops.native_table`); ``tags``: the capabilities it declares (from :data:`TAGS`), from
+    :func:`unimp.policy.ops.native_table`); ``tags``: the capabilities it declares (from :data:`TAGS`), from
     which the conformance suite selects the checks it must pass (a backend that declares none is held
     to every check).
     """
@@ -79,14 +79,14 @@ class Backend(abc.ABC):
 
     def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
         """What ``apply`` may change on ``model`` and ``optimizer``, restored if ``apply`` fails
-        (:mod:`unimp.transaction`). The default covers their own attributes; a backend whose
+        (:mod:`unimp.backend.transaction`). The default covers their own attributes; a backend whose
         apply changes submodules or array values names them too (``plan``: the Plan about to be
         applied, e.g. to copy values only where apply casts them in place)."""
         return Snapshot([model, optimizer])
 
     def scope(self, policy: Policy) -> Any:
         """A context manager building new models under ``policy`` (optional)."""
-        from .errors import UnsupportedError
+        from unimp.errors import UnsupportedError
 
         raise UnsupportedError(f"backend {self.name} has no scope(); build the model, then unimp.apply(...)")
 

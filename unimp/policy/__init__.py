@@ -18,8 +18,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .dtypes import OUTPUT_DTYPES, is_low
-from .resolve import resolve, to_text
+from unimp.dtypes import OUTPUT_DTYPES, is_low
+from unimp.policy import resolve as resolving
+from unimp.policy.resolve import to_text
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class Distributed:
 
 @dataclass(frozen=True)
 class Fp8Spec:
-    """The ``[fp8]`` table: which canonical ops run FP8 and how they are scaled (see :mod:`unimp.fp8`)."""
+    """The ``[fp8]`` table: which canonical ops run FP8 and how they are scaled (see :mod:`unimp.plan.fp8`)."""
 
     enabled: bool = False
     ops: tuple[str, ...] = ("linear",)
@@ -208,7 +209,7 @@ class Policy:
     def replace(self, **changes: Any) -> Policy:
         """A new, re-validated policy; table keys merge (``loss_scale={"mode": "static"}``)."""
         source = f"{self.source} (replace)"
-        return Policy.from_resolved(resolve(changes, parent=self.to_dict(), source=source), source)
+        return Policy.from_resolved(resolving.resolve(changes, parent=self.to_dict(), source=source), source)
 
     # ---------------------------------------------------------------- queries backends share
     @property

@@ -1,6 +1,6 @@
 """Loading and writing policies: :func:`load` (file, preset name, dict or Policy), :func:`dumps`, :func:`dump`.
 
-The file handling, validation and ``extends`` resolution are :mod:`unimp.resolve`'s (plain dicts);
+The file handling, validation and ``extends`` resolution are :mod:`unimp.policy.resolve`'s (plain dicts);
 this module turns their result into a :class:`Policy`.
 
 >>> import unimp
@@ -17,9 +17,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .errors import PolicyError
-from .policy import Policy
-from .resolve import (
+from unimp.errors import PolicyError
+from unimp.policy import Policy
+from unimp.policy.resolve import (
     FORMATS,
     bad_name,
     load_named,
@@ -29,10 +29,10 @@ from .resolve import (
     resolve,
     to_text,
 )
-from .resolve import (
+from unimp.policy.resolve import (
     extends_roots as roots_of,
 )
-from .spec import show
+from unimp.policy.spec import show
 
 __all__ = ["dump", "dumps", "load", "preset_names", "preset_path", "read_file", "resolve_dict"]
 

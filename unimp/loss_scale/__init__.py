@@ -1,6 +1,6 @@
 """The loss-scaling reference: one pure-Python state machine, every system's rule a knob away.
 
-The rule itself is :func:`unimp.scaling.step`, written once; this module runs it on Python
+The rule itself is :func:`unimp.loss_scale.rule.step`, written once; this module runs it on Python
 numbers (the oracle every backend's scaler must reproduce exactly: scale sequence and skip
 decisions) and owns the canonical state. The scale is held in ``loss_scale.scale_dtype``
 (float32 like a framework's device tensor, or float64 like DeepSpeed's and apex's Python float).
@@ -19,10 +19,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import StateError
-from .policy import LossScaleSpec
-from .scaling import Arrays, PyOps, f32, held, step, tiny
-from .spec import FLT_MAX, INT32_MAX
+from unimp.errors import StateError
+from unimp.loss_scale.rule import Arrays, PyOps, f32, held, step, tiny
+from unimp.policy import LossScaleSpec
+from unimp.policy.spec import FLT_MAX, INT32_MAX
 
 STATE_KEYS = ("scale", "growth_tracker", "hysteresis_left", "skipped", "steps")
 
@@ -59,7 +59,7 @@ class LossScaleState:
 
 
 def _show(value: Any) -> str:
-    from .spec import show
+    from unimp.policy.spec import show
 
     return show(value)
 
@@ -170,7 +170,7 @@ class LossScale:
 
     def update(self, state: LossScaleState, finite: bool) -> Outcome:
         """The state after one optimizer step whose gradients were (not) all finite
-        (:func:`unimp.scaling.step` on Python numbers)."""
+        (:func:`unimp.loss_scale.rule.step` on Python numbers)."""
         s = self.spec
         st, skipped, error = step(self._ops, s, Arrays(*(getattr(state, k) for k in STATE_KEYS)), bool(finite))
         if error:

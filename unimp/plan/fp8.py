@@ -20,10 +20,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .dtypes import is_low
-from .errors import UnsupportedError
-from .policy import Policy
-from .spec import FP8_OPS, FP8_RECIPES
+from unimp.dtypes import is_low
+from unimp.errors import UnsupportedError
+from unimp.policy import Policy
+from unimp.policy.spec import FP8_OPS, FP8_RECIPES
 
 FP8_FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}  # the policy's names -> the framework dtypes
 

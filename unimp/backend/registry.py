@@ -13,12 +13,12 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .applied import is_applied, release
-from .applied import remember as _remember
-from .backend import Amp, Backend
-from .errors import UnsupportedError
-from .loading import load
-from .transaction import all_or_nothing
+from unimp.backend import Amp, Backend
+from unimp.backend.applied import is_applied, release
+from unimp.backend.applied import remember as _remember
+from unimp.backend.transaction import all_or_nothing
+from unimp.errors import UnsupportedError
+from unimp.policy.loading import load
 
 GROUP = "unimp.backends"
 HINTS = {"torch": "unimp-torch (torch.nn.Module)", "flax": "unimp-jax (Flax nnx/linen Module)",
@@ -96,7 +96,7 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
         raise TypeError(f"backend {backend!r} does not accept {type(model)!r} (it takes "
                         f"{chosen.model_types})")
     plan = chosen.compile(pol, model)
-    # all or nothing: whatever apply changed before it failed is put back (unimp.transaction)
+    # all or nothing: whatever apply changed before it failed is put back (unimp.backend.transaction)
     def bind() -> Amp:
         amp = chosen.apply(plan, model, optimizer, **options)
         try:  # marked applied inside the transaction: a Ctrl-C here is rolled back like any other

@@ -23,8 +23,8 @@ import math
 import struct
 from typing import Any, NamedTuple, Protocol
 
-from .policy import LossScaleSpec
-from .spec import FLT_TINY, INT32_MAX
+from unimp.policy import LossScaleSpec
+from unimp.policy.spec import FLT_TINY, INT32_MAX
 
 DBL_TINY = 2.0 ** -1022  # smallest normal float64
 

@@ -1,7 +1,7 @@
 """Policy data: read and parse policy files, validate, resolve ``extends``, merge, write text.
 
 Everything here works on plain dicts (the resolved form :meth:`unimp.Policy.from_resolved` takes);
-:mod:`unimp.loading` turns them into :class:`~unimp.Policy` objects.
+:mod:`unimp.policy.loading` turns them into :class:`~unimp.Policy` objects.
 
 >>> resolve({"extends": "mixed_fp16", "name": "x"}, None, "<dict>")["compute_dtype"]
 'float16'
@@ -27,9 +27,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .errors import PolicyError
-from .ops import OP_LISTS
-from .spec import DEFAULTS, TABLES, TOP, Problems, check_layer, check_resolved, hint, short
+from unimp.errors import PolicyError
+from unimp.policy.ops import OP_LISTS
+from unimp.policy.spec import DEFAULTS, TABLES, TOP, Problems, check_layer, check_resolved, hint, short
 
 MAX_FILE_BYTES = 256 * 1024
 FORMATS = {".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json"}
@@ -48,7 +48,7 @@ def _preset_dir() -> Path:
     try:
         return Path(str(resources.files("unimp.policies")))
     except ModuleNotFoundError:
-        return Path(__file__).resolve().parent.parent / "policies"
+        return Path(__file__).resolve().parents[2] / "policies"
 
 
 def preset_names() -> list[str]:

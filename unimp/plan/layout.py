@@ -17,8 +17,8 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .errors import UnimpWarning, UnsupportedError
-from .policy import Layout
+from unimp.errors import UnimpWarning, UnsupportedError
+from unimp.policy import Layout
 
 ACTIONS = ("ignore", "warn", "error")
 

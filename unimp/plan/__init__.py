@@ -25,12 +25,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import UnsupportedError
-from .fp8 import Fp8Plan, Fp8Support, plan_fp8
-from .layout import LayoutFindings
-from .ops import CANONICAL_OPS
-from .policy import LayerDecision, LossScaleSpec, Policy
-from .report import format_table
+from unimp.errors import UnsupportedError
+from unimp.plan.fp8 import Fp8Plan, Fp8Support, plan_fp8
+from unimp.plan.layout import LayoutFindings
+from unimp.policy import LayerDecision, LossScaleSpec, Policy
+from unimp.policy.ops import CANONICAL_OPS
+from unimp.report import format_table
 
 CONTROL_LEVELS = ("op", "layer", "fixed")
 
@@ -133,7 +133,7 @@ class Plan:
     override_fallbacks: Mapping[int, str] = field(default_factory=dict)  # override index -> dtype that runs
     layers: tuple[LayerRow, ...] = ()  # the per-layer decision table (when compiled with a model index)
     layout: LayoutFindings = field(default=LayoutFindings(0, "ignore"))
-    fp8: Fp8Plan | None = None  # the [fp8] part (unimp.fp8); None = built without FP8 support declared
+    fp8: Fp8Plan | None = None  # the [fp8] part (unimp.plan.fp8); None = built without FP8 support declared
 
     def op(self, name: str) -> OpDecision:
         for d in self.ops:
@@ -270,7 +270,7 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
     (``on_unsupported = "error"``) or a reported fallback. ``index`` (the model's layers) fills the
     per-layer decision table and the layout findings. ``fp8``: what the backend can run in FP8
     (None: nothing); the policy's ``[fp8]`` request is checked against it the same way
-    (:func:`unimp.fp8.plan_fp8`). ``problems``: what else the backend cannot honour (parameters,
+    (:func:`unimp.plan.fp8.plan_fp8`). ``problems``: what else the backend cannot honour (parameters,
     overrides, loss scaling), refused with the ops' problems or noted as fallbacks; ``fix``: the
     first half of the error's fix line.
     """

@@ -5,7 +5,7 @@ Each function takes the system's own arguments and returns an :class:`~unimp.mig
 key naming the source key it came from). What unimp cannot express is an ``UnsupportedError``
 naming the source key and the fix; malformed input a ``PolicyError``.
 
->>> from unimp import importers
+>>> from unimp.migrate import importers
 >>> importers.torch(init_scale=1024.0).policy.loss_scale.initial
 1024.0
 >>> importers.deepspeed({"fp16": {"enabled": True}, "zero_optimization": {"stage": 1}}).policy.loss_scale.hysteresis
@@ -14,17 +14,17 @@ naming the source key and the fix; malformed input a ``PolicyError``.
 
 from __future__ import annotations
 
-from .migrate.accelerate import import_policy as accelerate
-from .migrate.apex import import_policy as apex
-from .migrate.deepspeed import import_policy as deepspeed
-from .migrate.flax import import_policy as flax
-from .migrate.jmp import import_policy as jmp
-from .migrate.keras import import_policy as keras
-from .migrate.lightning import import_policy as lightning
-from .migrate.megatron import import_policy as megatron
-from .migrate.paddle import import_amp_configs as paddle_amp_configs
-from .migrate.paddle import import_policy as paddle
-from .migrate.torch import import_policy as torch
+from unimp.migrate.accelerate import import_policy as accelerate
+from unimp.migrate.apex import import_policy as apex
+from unimp.migrate.deepspeed import import_policy as deepspeed
+from unimp.migrate.flax import import_policy as flax
+from unimp.migrate.jmp import import_policy as jmp
+from unimp.migrate.keras import import_policy as keras
+from unimp.migrate.lightning import import_policy as lightning
+from unimp.migrate.megatron import import_policy as megatron
+from unimp.migrate.paddle import import_amp_configs as paddle_amp_configs
+from unimp.migrate.paddle import import_policy as paddle
+from unimp.migrate.torch import import_policy as torch
 
 __all__ = ["accelerate", "apex", "deepspeed", "flax", "jmp", "keras", "lightning", "megatron", "paddle",
            "paddle_amp_configs", "torch"]
