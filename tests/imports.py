@@ -88,3 +88,47 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return found
+
+
+# ---------------------------------------------------------------- the plug-in boundary
+
+# what a backend package may import of the core: the plug-in surface, and (for its conformance kit) the
+# kit and probe modules; a doctest may also `import unimp`, as the user it shows does
+PLUGIN_MODULES = frozenset({"unimp.spi", "unimp.conformance.kit", "unimp.conformance.probe"})
+DOCTEST_MODULES = PLUGIN_MODULES | {"unimp"}
+
+
+def _doctest_source(text: str) -> str:
+    """The code of every doctest example in ``text`` (``>>>`` and ``...`` lines, prompts removed)."""
+    lines = [ln.strip()[4:] for ln in text.splitlines() if ln.strip().startswith((">>> ", "... "))]
+    return "\n".join(ln for ln in lines if ln.startswith(("import ", "from ")))
+
+
+def core_uses(path: Path, pkg_dir: Path) -> list[tuple[str, int, str]]:
+    """(core module, line, how) for every use of the core in ``path``: import statements, imports in
+    doctests, and module names passed to ``importlib.import_module`` / ``__import__`` as strings."""
+    out = [(m, line, "import") for m, line in imports(path, pkg_dir) if m.split(".")[0] == "unimp"]
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) and node.args[0].value.split(".")[0] == "unimp":
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name in ("import_module", "__import__"):
+                out.append((node.args[0].value, node.lineno, "importlib"))
+        doc = ast.get_docstring(node) if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef,
+                                                           ast.ClassDef)) else None
+        if doc:
+            line = getattr(node, "lineno", 1)
+            for sub in ast.walk(ast.parse(_doctest_source(doc))):
+                mods = ([a.name for a in sub.names] if isinstance(sub, ast.Import)
+                        else [sub.module or ""] if isinstance(sub, ast.ImportFrom) else [])
+                out += [(m, line, "doctest") for m in mods if m.split(".")[0] == "unimp"]
+    return out
+
+
+def boundary_violations(pkg_dir: Path) -> list[str]:
+    """Every use of the core in a backend package outside :data:`PLUGIN_MODULES` (doctests: also ``unimp``)."""
+    return [f"{p.relative_to(ROOT)}:{line}: {how} {mod}"
+            for p in sorted(pkg_dir.rglob("*.py")) for mod, line, how in core_uses(p, pkg_dir)
+            if mod not in (DOCTEST_MODULES if how == "doctest" else PLUGIN_MODULES)]

@@ -77,3 +77,43 @@ def test_backends_read_layer_decisions_from_the_plan():
            for n, line in enumerate(p.read_text().splitlines(), 1)
            if pattern.search(line) and not line.lstrip().startswith(("#", ">>>"))]
     assert not bad, "\n".join(bad)
+
+
+def _policy_reads(path) -> list[str]:
+    """Every read of a Policy in one backend module: ``x.policy``, ``policy.<knob>`` (also ``pol``,
+    ``policies``) and the name ``Policy`` itself (a backend gets a Plan, never a Policy)."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr == "policy":
+            out.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in ("policy", "pol", "policies"):
+            out.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Name) and node.id == "Policy":
+            out.append((node.lineno, "Policy"))
+        elif isinstance(node, ast.alias) and node.name == "Policy":
+            out.append((getattr(node, "lineno", 0), "import Policy"))
+    return [f"{path.relative_to(ROOT)}:{n}: {what}" for n, what in out]
+
+
+def test_backends_hold_no_policy():
+    """The Plan is a backend's only input: no backend module reads a Policy (``Backend.compile`` in the core
+    turns the policy into ``Plan.request(policy)``; the backend's ``plan`` returns ``request.compile(...)``)."""
+    from imports import BACKEND_DIRS
+
+    bad = [v for d in BACKEND_DIRS for p in sorted(d.rglob("*.py")) for v in _policy_reads(p)]
+    assert not bad, "backends read a Policy (read the Plan: plan.param_dtype, plan.decide(...), ...):\n" + \
+        "\n".join(bad)
+
+
+def test_the_policy_read_check_sees_each_form(tmp_path):
+    p = ROOT / "tests" / "_policy_reads_demo.py"
+    try:
+        p.write_text("def f(plan, policy, amp):\n    a = amp.policy\n    b = policy.param_dtype\n"
+                     "    c: Policy = plan\n    return plan.param_dtype\n")
+        found = [v.split(": ", 1)[1] for v in _policy_reads(p)]
+    finally:
+        p.unlink()
+    assert sorted(found) == ["Policy", "amp.policy", "policy.param_dtype"], found

@@ -41,8 +41,8 @@ class Fp8ToyBackend(Backend):
     def accepts(self, model):
         return False
 
-    def compile(self, policy, model=None):
-        return compile_ops(self.name, policy, control={"linear": "op"}, native={}, fp8=self.support)
+    def plan(self, request, model=None):
+        return request.compile(control={"linear": "op"}, native={}, fp8=self.support)
 
     def apply(self, plan, model, optimizer=None, **options):
         raise NotImplementedError

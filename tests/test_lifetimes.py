@@ -11,7 +11,6 @@ import pytest
 import unimp
 from unimp.backend import Amp, Backend, applied
 from unimp.loss_scale import LossScale
-from unimp.plan import compile_ops
 
 
 class Model:
@@ -45,8 +44,8 @@ class LifeBackend(Backend):
     def accepts(self, model):
         return isinstance(model, Model)
 
-    def compile(self, policy, model=None):
-        return compile_ops(self.name, policy, control={"linear": "layer"}, native={})
+    def plan(self, request, model=None):
+        return request.compile(control={"linear": "layer"}, native={})
 
     def apply(self, plan, model, optimizer=None, **options):
         return LifeAmp(plan, model, optimizer)

@@ -8,7 +8,6 @@ import pytest
 import unimp
 from unimp.backend import Amp, Backend
 from unimp.loss_scale import LossScale
-from unimp.plan import compile_ops
 
 fw = types.ModuleType("unimp_testfw")
 
@@ -53,8 +52,8 @@ class ToyBackend(Backend):
     def accepts(self, model):
         return isinstance(model, Model)
 
-    def compile(self, policy, model=None):
-        return compile_ops(self.name, policy, control={"linear": "layer", "matmul": "op"}, native={})
+    def plan(self, request, model=None):
+        return request.compile(control={"linear": "layer", "matmul": "op"}, native={})
 
     def apply(self, plan, model, optimizer=None, **options):
         return ToyAmp(plan, model, optimizer)
@@ -143,8 +142,8 @@ def test_fixed_op_the_backend_cannot_honour():
     class Stubborn(ToyBackend):
         name = "stubborn"
 
-        def compile(self, policy, model=None):
-            return compile_ops(self.name, policy, control={}, native={},
+        def plan(self, request, model=None):
+            return request.compile(control={}, native={},
                                fixed={"softmax": ("bfloat16", "the framework lowers softmax")})
 
     unimp.register_backend(Stubborn)

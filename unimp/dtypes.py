@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -15,6 +17,22 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 COMPUTE_DTYPES = (*FLOAT_DTYPES, "auto")
 OUTPUT_DTYPES = (*FLOAT_DTYPES, "unchanged")  # "unchanged": outputs not cast (as torch.autocast/Keras/Paddle give)
 LOW_PRECISION = ("float16", "bfloat16")
+
+FLT_MAX = 3.4028234663852886e38  # largest float32: every backend holds the scale in float32
+FLT_TINY = 2.0 ** -126  # smallest normal float32: below it a flushing device (XLA:CPU, TensorFlow) gives 0
+INT32_MAX = 2**31 - 1  # counters are int32 on device (JAX, TensorFlow); a larger interval wraps
+FP8_FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}  # the policy's names -> the framework dtypes
+
+
+def f32(x: float) -> float:
+    """Round to the nearest float32 (overflow gives inf; subnormals kept)."""
+    if math.isnan(x) or math.isinf(x):
+        return x
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
 
 _RANK = {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 3}
 

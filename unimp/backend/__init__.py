@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from unimp.backend.applied import release, remember
+from unimp.backend.applied import is_applied, release, remember
 from unimp.backend.transaction import Snapshot
 from unimp.errors import StateError, UnimpWarning, UnsupportedError
 from unimp.loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
@@ -69,9 +69,16 @@ class Backend(abc.ABC):
     def accepts(self, model: Any) -> bool:
         """Whether this backend can apply a policy to ``model``."""
 
-    @abc.abstractmethod
     def compile(self, policy: Policy, model: Any = None) -> Plan:
-        """The Plan for ``policy`` (``model`` gives device/hardware context when known)."""
+        """The Plan for ``policy`` on this backend (``model`` gives device/hardware context and the index
+        when known): :meth:`plan` on the policy's request. The one place a Policy meets a backend."""
+        return self.plan(Plan.request(policy, self.name), model)
+
+    @abc.abstractmethod
+    def plan(self, request: Plan, model: Any = None) -> Plan:
+        """What this backend will do with ``request`` (:meth:`Plan.request`: the policy as asked):
+        ``request.compile(control=..., native=..., ...)`` with what it can control (``model``: the model
+        it will bind, when known, for device/hardware context and the per-layer index)."""
 
     @abc.abstractmethod
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
@@ -84,8 +91,8 @@ class Backend(abc.ABC):
         applied, e.g. to copy values only where apply casts them in place)."""
         return Snapshot([model, optimizer])
 
-    def scope(self, policy: Policy) -> Any:
-        """A context manager building new models under ``policy`` (optional)."""
+    def scope(self, plan: Plan) -> Any:
+        """A context manager building new models under ``plan`` (optional)."""
         from unimp.errors import UnsupportedError
 
         raise UnsupportedError(f"backend {self.name} has no scope(); build the model, then unimp.apply(...)")
@@ -142,12 +149,16 @@ class Amp(abc.ABC):
 
     def __init__(self, plan: Plan, model: Any, optimizer: Any = None) -> None:
         self.plan = plan
-        self.policy: Policy = plan.policy
         self.backend = plan.backend
         self.model = model
         self.optimizer = optimizer
         self.findings: list[str] = []  # layout / alignment findings, with module paths
         self._removed = False
+
+    @property
+    def policy(self) -> Policy:
+        """The policy this Amp applies (for users and the core; a backend reads ``self.plan``)."""
+        return self.plan.policy
 
     # ------------------------------------------------------------------ to implement
     @abc.abstractmethod
@@ -236,7 +247,7 @@ class Amp(abc.ABC):
     def _loss_scale_run(self) -> LossScaleSpec:
         """The loss-scale knobs this backend really runs: the Plan's resolved spec, with the fallbacks
         its notes name (a backend that falls back overrides this)."""
-        return self.plan.loss_scale
+        return self.plan.loss_scale_run
 
     def _apply_state(self, new: LossScaleState) -> None:
         """``set_loss_scale_state(new)`` all or nothing: on failure the previous state is put back."""
@@ -282,6 +293,16 @@ class Amp(abc.ABC):
         copies = [memo[i] for i in getattr(self, "_applied_ids", [id(self.model)]) if i in memo]
         new._applied_ids = remember(*(copies or [new.model]))
         return new
+
+    def bind_also(self, *objects: Any) -> None:
+        """Mark more objects as bound to this Amp (a compiled or distributed wrapper made from its model),
+        so a second ``unimp.apply`` on them is refused; :meth:`remove` releases them."""
+        self._applied_ids = [*getattr(self, "_applied_ids", []), *remember(*objects)]
+
+    @staticmethod
+    def is_bound(obj: Any) -> bool:
+        """Whether ``obj`` is bound to some live Amp (``unimp.apply`` on it would be refused)."""
+        return is_applied(obj)
 
     def no_forward(self, hint: str = "") -> NoForwardError:
         """The one error of ``amp.report()`` without inputs when no forward has run under this Amp."""

@@ -114,10 +114,11 @@ def scope(policy: Any, *, backend: str = "tensorflow") -> Any:
 
     Only backends whose framework builds models under a global dtype policy offer it.
     """
-    return get_backend(backend).scope(load(policy))
+    chosen = get_backend(backend)
+    return chosen.scope(chosen.compile(load(policy)))
 
 
 def remember(amp: Amp, *models: Any) -> None:
     """Mark more objects as bound to ``amp`` (e.g. a DDP wrapper made after ``apply``), so a second
     ``unimp.apply`` on them is refused; ``amp.remove()`` releases them."""
-    amp._applied_ids = [*getattr(amp, "_applied_ids", []), *_remember(*models)]
+    amp.bind_also(*models)

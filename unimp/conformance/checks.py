@@ -72,7 +72,7 @@ def setup(kit: Kit, policy: Policy, seed: int = 0) -> Any:
     """Fresh probe + optimizer under ``policy``; NotApplicable (after checking the error) if unsupported."""
     model = kit.build_probe(probe_weights(seed))
     opt = kit.make_optimizer(model)
-    reason = kit.supports(policy)
+    reason = kit.why_not(policy)
     if reason:
         try:
             amp = kit.apply(policy, model, opt)
@@ -261,16 +261,16 @@ def check_overrides(kit: Kit, policy: Policy) -> None:
     other = "float32" if policy.compute_dtype != "float32" else "bfloat16"
     pol = policy.replace(overrides=[{"modules": ["hea*"], "compute_dtype": other},
                                     {"types": ["activation"], "compute_dtype": "float32"}])
-    if kit.supports(pol):
-        raise NotApplicable(kit.supports(pol))
+    if kit.why_not(pol):
+        raise NotApplicable(kit.why_not(pol))
     check_layer_dtypes(kit, pol)
 
 
 def check_alignment_findings(kit: Kit, policy: Policy) -> None:
     """Dims not a multiple of ``layout.align`` are reported with their paths, as on_misaligned says."""
     pol = policy.replace(layout={"align": 64, "on_misaligned": "error"})
-    if kit.supports(pol):
-        raise NotApplicable(kit.supports(pol))
+    if kit.why_not(pol):
+        raise NotApplicable(kit.why_not(pol))
     try:
         amp = setup(kit, pol)
     except UnsupportedError as e:
@@ -318,8 +318,8 @@ def check_remove_restores(kit: Kit, policy: Policy) -> None:
 
     model = kit.build_probe(probe_weights(0))
     opt = kit.make_optimizer(model)
-    if kit.supports(policy):
-        raise NotApplicable(kit.supports(policy))
+    if kit.why_not(policy):
+        raise NotApplicable(kit.why_not(policy))
     batch = probe_batches(1)[0]
     before = kit.model_state(model)
     out_before = kit.forward_fingerprint(model, batch)
@@ -416,8 +416,8 @@ def check_auto_policy(kit: Kit, policy: Policy) -> None:
     the Plan resolved (a backend deciding a layer without the resolved dtype fails here)."""
     pol = policy.replace(compute_dtype="auto", overrides=[{"modules": ["hea*"], "compute_dtype": "auto"},
                                                            {"types": ["activation"], "compute_dtype": "float32"}])
-    if kit.supports(pol):
-        raise NotApplicable(kit.supports(pol))
+    if kit.why_not(pol):
+        raise NotApplicable(kit.why_not(pol))
     check_layer_dtypes(kit, pol)
 
 

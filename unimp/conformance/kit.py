@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unimp.conformance.probe import ProbeBatch
+from unimp.plan import Plan
 from unimp.policy import Policy
 
 
@@ -39,9 +40,14 @@ class Kit(abc.ABC):
         cls = backends().get(self.backend)
         return frozenset(cls.tags) if cls is not None else TAGS
 
-    def supports(self, policy: Policy) -> str | None:
-        """Why ``policy`` cannot run here (the check then expects a clear UnsupportedError)."""
+    def supports(self, request: Plan) -> str | None:
+        """Why the policy of ``request`` (:meth:`unimp.plan.Plan.request`) cannot run here (the check then
+        expects a clear UnsupportedError); None when it can."""
         return None
+
+    def why_not(self, policy: Policy) -> str | None:
+        """:meth:`supports` for ``policy`` (what the checks call)."""
+        return self.supports(Plan.request(policy, self.backend))
 
     @abc.abstractmethod
     def build_probe(self, weights: dict[str, Any]) -> Any:

@@ -95,7 +95,7 @@ def _trajectory(kit: Kit, policy: Policy, pattern: list[bool]) -> dict[str, Any]
 
 def _losses(kit: Kit, policy: Policy) -> list[float]:
     """Per-step losses under plain SGD (the same update rule in every framework)."""
-    reason = kit.supports(policy)
+    reason = kit.why_not(policy)
     if reason:
         raise NotApplicable(reason)
     model = kit.build_probe(probe_weights(0))

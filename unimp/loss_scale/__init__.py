@@ -13,13 +13,14 @@ decisions) and owns the canonical state. The scale is held in ``loss_scale.scale
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from unimp.errors import StateError
+from unimp.errors import StateError, UnsupportedError
 from unimp.loss_scale.rule import Arrays, PyOps, f32, held, step, tiny
 from unimp.policy import LossScaleSpec
 from unimp.policy.spec import FLT_MAX, INT32_MAX
@@ -131,6 +132,29 @@ def policy_problems(spec: LossScaleSpec, st: LossScaleState) -> list[str]:
     return out
 
 
+def loss_scale_fallbacks(spec: LossScaleSpec, unsupported: Mapping[str, tuple[str, str]], where: str,
+                         on_unsupported: str) -> list[str]:
+    """Apply ``on_unsupported`` to the loss-scale knobs a backend cannot honour (``unsupported``:
+    ``{knob: (what runs instead, why)}``): an :class:`UnsupportedError` naming each (``"error"``),
+    else the Plan notes saying what runs instead.
+
+    >>> import dataclasses, unimp
+    >>> spec = dataclasses.replace(unimp.load("mixed_fp16").loss_scale, scale_dtype="float64")
+    >>> loss_scale_fallbacks(spec, {"scale_dtype": ("float32", "no float64")}, "policy 'p'", "fallback")
+    ["loss_scale.scale_dtype = 'float64' runs as 'float32': no float64"]
+    """
+    if unsupported and on_unsupported == "error":
+        raise UnsupportedError(f"{where}: " + "; ".join(
+            f"loss_scale.{k} = {getattr(spec, k)!r} cannot be honoured: {why}" for k, (_, why) in unsupported.items())
+            + " (or on_unsupported = 'fallback')")
+    return [f"loss_scale.{k} = {getattr(spec, k)!r} runs as {v!r}: {why}" for k, (v, why) in unsupported.items()]
+
+
+def loss_scale_as_run(spec: LossScaleSpec, unsupported: Mapping[str, tuple[str, str]]) -> LossScaleSpec:
+    """``spec`` with each knob a backend cannot honour set to what it runs instead."""
+    return dataclasses.replace(spec, **{k: v for k, (v, _) in unsupported.items()})
+
+
 def _finite(v: Any) -> bool:
     try:
         return math.isfinite(float(v))
@@ -162,6 +186,27 @@ class LossScale:
     def __init__(self, spec: LossScaleSpec) -> None:
         self.spec = spec
         self._ops = PyOps(spec)
+
+    def held(self, x: float) -> float:
+        """``x`` rounded to the dtype the scale is held in (``loss_scale.scale_dtype``)."""
+        return held(self.spec, x)
+
+    @property
+    def tiny(self) -> float:
+        """The smallest normal value of the held dtype (below it ``subnormal = "flush"`` gives 0)."""
+        return tiny(self.spec)
+
+    def fallbacks(self, unsupported: Mapping[str, tuple[str, str]], where: str, on_unsupported: str) -> list[str]:
+        """The knobs a backend cannot honour refused or noted (:func:`loss_scale_fallbacks`)."""
+        return loss_scale_fallbacks(self.spec, unsupported, where, on_unsupported)
+
+    def as_run(self, unsupported: Mapping[str, tuple[str, str]]) -> LossScaleSpec:
+        """The spec with each knob a backend cannot honour set to what runs instead."""
+        return loss_scale_as_run(self.spec, unsupported)
+
+    def problems(self, state: LossScaleState) -> list[str]:
+        """What in a well-formed ``state`` this rule cannot hold or never produces (:func:`policy_problems`)."""
+        return policy_problems(self.spec, state)
 
     def initial_state(self) -> LossScaleState:
         s = self.spec

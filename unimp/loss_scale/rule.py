@@ -23,8 +23,8 @@ import math
 import struct
 from typing import Any, NamedTuple, Protocol
 
+from unimp.dtypes import FLT_TINY, INT32_MAX, f32
 from unimp.policy import LossScaleSpec
-from unimp.policy.spec import FLT_TINY, INT32_MAX
 
 DBL_TINY = 2.0 ** -1022  # smallest normal float64
 
@@ -67,16 +67,6 @@ class ArrayOps(Protocol):
 
 
 # ---------------------------------------------------------------- rounding (plain Python)
-
-
-def f32(x: float) -> float:
-    """Round to the nearest float32 (overflow gives inf; subnormals kept)."""
-    if math.isnan(x) or math.isinf(x):
-        return x
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:
-        return math.copysign(math.inf, x)
 
 
 def held(spec: LossScaleSpec, x: float) -> float:

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unimp.errors import UnsupportedError
-from unimp.plan.fp8 import Fp8Plan, Fp8Support, plan_fp8
+from unimp.loss_scale import loss_scale_as_run, loss_scale_fallbacks
+from unimp.plan.fp8 import Fp8Decision, Fp8Plan, Fp8Support, asks_fp8, decide_fp8, plan_fp8, requests_fp8
 from unimp.plan.layout import LayoutFindings
-from unimp.policy import LayerDecision, LossScaleSpec, Policy
+from unimp.policy import Distributed, LayerDecision, LossScaleSpec, MasterWeights, Override, Policy
 from unimp.policy.ops import CANONICAL_OPS
 from unimp.report import format_table
 
@@ -91,35 +92,26 @@ def resolved_loss_scale(policy: Policy, compute_dtype: str) -> LossScaleSpec:
     return spec
 
 
-def loss_scale_fallbacks(spec: LossScaleSpec, unsupported: Mapping[str, tuple[str, str]], where: str,
-                         on_unsupported: str) -> list[str]:
-    """Apply ``on_unsupported`` to the loss-scale knobs a backend cannot honour (``unsupported``:
-    ``{knob: (what runs instead, why)}``): an :class:`UnsupportedError` naming each (``"error"``),
-    else the Plan notes saying what runs instead.
-
-    >>> import dataclasses, unimp
-    >>> spec = dataclasses.replace(unimp.load("mixed_fp16").loss_scale, scale_dtype="float64")
-    >>> loss_scale_fallbacks(spec, {"scale_dtype": ("float32", "no float64")}, "policy 'p'", "fallback")
-    ["loss_scale.scale_dtype = 'float64' runs as 'float32': no float64"]
-    """
-    if unsupported and on_unsupported == "error":
-        raise UnsupportedError(f"{where}: " + "; ".join(
-            f"loss_scale.{k} = {getattr(spec, k)!r} cannot be honoured: {why}" for k, (_, why) in unsupported.items())
-            + " (or on_unsupported = 'fallback')")
-    return [f"loss_scale.{k} = {getattr(spec, k)!r} runs as {v!r}: {why}" for k, (v, why) in unsupported.items()]
-
-
-def loss_scale_as_run(spec: LossScaleSpec, unsupported: Mapping[str, tuple[str, str]]) -> LossScaleSpec:
-    """``spec`` with each knob a backend cannot honour set to what it runs instead."""
-    return dataclasses.replace(spec, **{k: v for k, (v, _) in unsupported.items()})
-
-
 @dataclass(frozen=True)
 class Plan:
-    """What one backend will do with one policy.
+    """What one backend will do with one policy: the only thing a backend reads.
 
     ``details``: the backend's own frozen dataclass of what it decided at compile time (e.g. the
     torch backend's autocast dtype and op moves), read back by attribute, never by string key.
+
+    A backend never reads the :class:`Policy` (``plan.policy`` is for the core and the user): every knob
+    it acts on is a field or a view here (``param_dtype``, ``output_cast``, ``master_weights``,
+    ``reduce_dtype``, ``channels_last``, ``loss_scale_run``, ``decide()``, ``decide_fp8()``, ...). Its
+    ``Backend.plan`` receives the *request* (:meth:`request`: the policy as asked, ``compute_dtype``
+    maybe ``"auto"``) and returns ``request.compile(...)`` with what it can control.
+
+    >>> import unimp
+    >>> req = Plan.request(unimp.load("mixed_fp16"), "demo")
+    >>> req.compute_dtype, req.param_dtype, req.output_cast, req.uses_master_weights, req.reduce_dtype
+    ('float16', 'float32', None, False, 'float32')
+    >>> plan = req.compile(control={"matmul": "op"}, native={})
+    >>> plan.op("matmul").dtype, plan.loss_scale_run.mode
+    ('float16', 'dynamic')
     """
 
     backend: str
@@ -134,6 +126,109 @@ class Plan:
     layers: tuple[LayerRow, ...] = ()  # the per-layer decision table (when compiled with a model index)
     layout: LayoutFindings = field(default=LayoutFindings(0, "ignore"))
     fp8: Fp8Plan | None = None  # the [fp8] part (unimp.plan.fp8); None = built without FP8 support declared
+    as_run: LossScaleSpec | None = None  # the loss-scale knobs the backend really runs (None: loss_scale)
+
+    # ------------------------------------------------------------- the request, and compiling it
+    @classmethod
+    def request(cls, policy: Policy, backend: str) -> Plan:
+        """The policy as asked, before ``backend`` says what it can do (``compute_dtype`` may be ``auto``):
+        what ``Backend.plan`` receives. Every op is requested at its category's dtype."""
+        ops = tuple(OpDecision(op, policy.ops.category(op), requested_dtype(policy, op, policy.compute_dtype),
+                               "op") for op in CANONICAL_OPS)
+        return cls(backend, policy, policy.compute_dtype, "as the policy says", ops)
+
+    def compile(self, **kwargs: Any) -> Plan:
+        """The Plan of this request on its backend: :func:`compile_ops` with what the backend can control."""
+        return compile_ops(self.backend, self.policy, **kwargs)
+
+    # ------------------------------------------------------------- what the policy asks, as backends read it
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    @property
+    def fingerprint(self) -> str:
+        return self.policy.fingerprint
+
+    @property
+    def where(self) -> str:
+        """``policy 'name' (source)``: how messages name the policy."""
+        return f"policy {self.policy.name!r} ({self.policy.source})"
+
+    @property
+    def on_unsupported(self) -> str:
+        return self.policy.on_unsupported
+
+    @property
+    def param_dtype(self) -> str:
+        """The dtype parameters are asked in (layers may override it: :meth:`decide`)."""
+        return self.policy.param_dtype
+
+    @property
+    def low_precision_params(self) -> bool:
+        return self.policy.low_precision_params
+
+    @property
+    def output_cast(self) -> str | None:
+        """The dtype the model's floating outputs are cast to; None: left as the last op ran."""
+        return self.policy.output_cast
+
+    @property
+    def master_weights(self) -> MasterWeights:
+        return self.policy.master_weights
+
+    @property
+    def uses_master_weights(self) -> bool:
+        """fp32 masters are kept for some low-precision parameter."""
+        return self.policy.uses_master_weights
+
+    @property
+    def distributed(self) -> Distributed:
+        return self.policy.distributed
+
+    @property
+    def reduce_dtype(self) -> str:
+        return self.policy.distributed.reduce_dtype
+
+    @property
+    def channels_last(self) -> bool:
+        return self.policy.layout.channels_last
+
+    @property
+    def overrides(self) -> tuple[Override, ...]:
+        return self.policy.overrides
+
+    @property
+    def fp8_requested(self) -> bool:
+        """The policy asks FP8 somewhere (the table or an override)."""
+        return requests_fp8(self.policy)
+
+    def requested(self, op: str, compute_dtype: str | None = None) -> str | None:
+        """The dtype the policy asks for ``op`` (None = follow inputs), at ``compute_dtype`` (default: this Plan's)."""
+        return requested_dtype(self.policy, op, compute_dtype or self.compute_dtype)
+
+    def loss_scale_at(self, compute_dtype: str) -> LossScaleSpec:
+        """The loss-scale knobs for a resolved ``compute_dtype`` (``auto`` resolved to float16 scales)."""
+        return resolved_loss_scale(self.policy, compute_dtype)
+
+    @property
+    def loss_scale_run(self) -> LossScaleSpec:
+        """The loss-scale knobs the backend runs: :attr:`loss_scale` with what it cannot honour replaced
+        (``compile(loss_scale_unsupported=...)``)."""
+        return self.as_run or self.loss_scale
+
+    def param_dtype_of(self, path: str, kind: str | None, type_names: Iterable[str] = ()) -> str:
+        """The param dtype of one layer (independent of the compute dtype, so usable on a request)."""
+        return self.policy.param_dtype_of(path, kind, type_names)
+
+    def decide_fp8(self, path: str, kind: str | None, type_names: Iterable[str] = (),
+                   dims: Mapping[str, int] | None = None) -> Fp8Decision:
+        """FP8 or not for one layer on this backend (:func:`unimp.plan.fp8.decide_fp8`)."""
+        return decide_fp8(self, path, kind, type_names, dims, self.compute_dtype)
+
+    def asks_fp8(self, path: str, kind: str | None, type_names: Iterable[str] = ()) -> bool:
+        """Whether the policy asks FP8 of this layer at all (its decision is then reported)."""
+        return asks_fp8(self, path, kind, type_names)
 
     def op(self, name: str) -> OpDecision:
         for d in self.ops:
@@ -261,7 +356,8 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
                 param_fallback: str | None = None,
                 override_fallbacks: Mapping[int, str] | None = None,
                 fp8: Fp8Support | None = None, problems: Sequence[str] = (),
-                fix: str = "change the policy's op lists") -> Plan:
+                fix: str = "change the policy's op lists",
+                loss_scale_unsupported: Mapping[str, tuple[str, str]] | None = None) -> Plan:
     """Build a Plan, applying the policy's ``on_unsupported`` to what the backend cannot honour.
 
     ``control[op]`` is ``op`` or ``layer`` for ops the backend controls (missing = ``fixed``);
@@ -272,7 +368,9 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
     (None: nothing); the policy's ``[fp8]`` request is checked against it the same way
     (:func:`unimp.plan.fp8.plan_fp8`). ``problems``: what else the backend cannot honour (parameters,
     overrides, loss scaling), refused with the ops' problems or noted as fallbacks; ``fix``: the
-    first half of the error's fix line.
+    first half of the error's fix line. ``loss_scale_unsupported``: ``{knob: (what runs instead, why)}``
+    for the loss-scale knobs the backend cannot honour (:func:`loss_scale_fallbacks`): refused, or noted
+    and run as :attr:`Plan.loss_scale_run`.
     """
     low = compute_dtype or policy.compute_dtype
     fixed = fixed or {}
@@ -299,10 +397,16 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
             + "\n  ".join([*unmet, *problems])
             + f"\nfix: {fix}, or set on_unsupported = \"fallback\" to run these as reported in the Plan")
     notes = (*notes, *(f"fallback: {p}" for p in problems))
+    as_run = None
+    if loss_scale_unsupported:
+        spec = resolved_loss_scale(policy, low)
+        notes = (*notes, *loss_scale_fallbacks(spec, loss_scale_unsupported, f"policy {policy.name!r}",
+                                               policy.on_unsupported))
+        as_run = loss_scale_as_run(spec, loss_scale_unsupported)
     rows = compile_layers(policy, low, index or ())
     return Plan(backend, policy, low, compute_reason, tuple(decisions), tuple(notes), details,
                 param_fallback, dict(override_fallbacks or {}), rows, compile_layout(policy, index or ()),
-                plan_fp8(policy, backend, fp8))
+                plan_fp8(policy, backend, fp8), as_run)
 
 
 def compile_layers(policy: Policy, compute_dtype: str, index: Iterable[LayerInfo]) -> tuple[LayerRow, ...]:

@@ -25,8 +25,6 @@ from unimp.errors import UnsupportedError
 from unimp.policy import Policy
 from unimp.policy.spec import FP8_OPS, FP8_RECIPES
 
-FP8_FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}  # the policy's names -> the framework dtypes
-
 
 @dataclass(frozen=True)
 class Fp8Support:

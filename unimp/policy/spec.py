@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from unimp.dtypes import COMPUTE_DTYPES, FLOAT_DTYPES, OUTPUT_DTYPES
+from unimp.dtypes import COMPUTE_DTYPES, FLOAT_DTYPES, FLT_MAX, FLT_TINY, INT32_MAX, OUTPUT_DTYPES
 from unimp.policy.ops import CANONICAL_OPS, OP_LISTS, suggest
 
 GROWTH_SCHEDULES = ("interval", "interval_plus_one", "window")
@@ -25,10 +25,7 @@ FP8_OPS = ("linear", "matmul", "attention")  # canonical ops an FP8 recipe can c
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp", "delayed")
 MAX_AMAX_HISTORY = 1 << 16  # entries of a delayed-scaling amax history (Transformer Engine uses 1024)
 HYSTERESIS_EVENTS = ("finite", "growth", "backoff")
-FLT_MAX = 3.4028234663852886e38  # largest float32: every backend holds the scale in float32
-FLT_TINY = 2.0 ** -126  # smallest normal float32: below it a flushing device (XLA:CPU, TensorFlow) gives 0
 FLT_TRUE_MIN = 2.0 ** -149  # smallest subnormal float32: every system's scale accepts down to it (IEEE)
-INT32_MAX = 2**31 - 1  # counters are int32 on device (JAX, TensorFlow); a larger interval wraps
 MAX_NAME = 256  # characters of a name, a glob or a type name
 MAX_PATH = 1024  # characters of an `extends` value
 MAX_ITEMS = 256  # globs/types per override, and overrides per policy: bounds the work of matching

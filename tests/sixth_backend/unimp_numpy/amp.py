@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from unimp.spi import Amp, LossScale, LossScaleState, Plan, Report, ReportRow, widest
+from unimp.spi import Amp, LossScale, LossScaleState, Plan, Report, ReportRow, dtypes
 
 from .index import model_index
 
@@ -21,7 +21,7 @@ class NumpyAmp(Amp):
         self._state = self._rule.initial_state()
         for info, (_, layer) in zip(model_index(model), model.layers, strict=True):
             layer.rule = _rule(plan.decide(info.path, info.kind, info.type_names))
-        model.output_dtype = plan.policy.output_cast  # None: "unchanged", the last layer's dtype
+        model.output_dtype = plan.output_cast  # None: "unchanged", the last layer's dtype
         model.tracing, model.last_trace = True, None
 
     # the user's loop: out = amp.model(x); amp.backward(grad_of_loss_wrt_out); amp.step()
@@ -70,6 +70,6 @@ def _rule(decision: Any) -> Any:
         if decision.compute_dtype is not None:
             return decision.compute_dtype
         if decision.category == "promote" and decision.override is None:
-            return widest([x, param])
+            return dtypes.widest([x, param])
         return None
     return rule

@@ -1,4 +1,4 @@
-"""The NumPy backend class: a declarative description (native op table, tags) plus compile/apply.
+"""The NumPy backend class: a declarative description (native op table, tags) plus plan/apply.
 
 >>> import unimp
 >>> plan = NumpyBackend().compile(unimp.load("fp32"))
@@ -11,17 +11,10 @@ from __future__ import annotations
 import sys
 from typing import Any, ClassVar
 
-from unimp.spi import (
-    Amp,
-    Backend,
-    Plan,
-    Policy,
-    UnsupportedError,
-    compile_ops,
-    resolve_cpu_auto,
-)
+from unimp.spi import Amp, Backend, Plan
 
-from .index import NATIVE, model_index
+from .index import NATIVE
+from .plan import compile_plan
 
 
 class NumpyBackend(Backend):
@@ -36,23 +29,8 @@ class NumpyBackend(Backend):
         nn = sys.modules.get(self.framework)
         return nn is not None and isinstance(model, nn.Model)
 
-    def compile(self, policy: Policy, model: Any = None) -> Plan:
-        if policy.compute_dtype == "auto":
-            compute, reason = resolve_cpu_auto("numpy", bf16=False, fp16=False,
-                                               why_not="numpy has no bfloat16 dtype and emulates float16")
-        else:
-            compute, reason = policy.compute_dtype, "as the policy says"
-        wanted = {compute, policy.param_dtype, *(o.compute_dtype for o in policy.overrides),
-                  *(o.param_dtype for o in policy.overrides)}
-        if "bfloat16" in wanted:
-            raise UnsupportedError(f"policy {policy.name!r}: the numpy backend has no bfloat16 (numpy has no such "
-                                   f"dtype); fix: use float16 or float32")
-        if policy.low_precision_params or any(o.param_dtype not in (None, "float32") for o in policy.overrides):
-            raise UnsupportedError(f"policy {policy.name!r}: the numpy backend keeps params in float32; fix: set "
-                                   f"param_dtype = \"float32\"")
-        control = {op: "layer" for op, names in self.native_ops.items() if names}
-        return compile_ops(self.name, policy, control=control, native=self.native_ops, compute_dtype=compute,
-                           compute_reason=reason, index=model_index(model) if model is not None else None)
+    def plan(self, request: Plan, model: Any = None) -> Plan:
+        return compile_plan(request, self.native_ops, model)
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         from .amp import NumpyAmp

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from unimp.spi import LayerInfo, class_names, kind_of_names, native_table
+from unimp.spi import LayerInfo, ops
 
 from .ops import NATIVE_OPS
 
-NATIVE = native_table("numpy", NATIVE_OPS)
+NATIVE = ops.native_table("numpy", NATIVE_OPS)
 
 
 def model_index(model: Any) -> tuple[LayerInfo, ...]:
@@ -23,6 +23,6 @@ def model_index(model: Any) -> tuple[LayerInfo, ...]:
 
     out = []
     for path, layer in model.layers:
-        names = class_names(type(layer), stop=(Layer,))
-        out.append(LayerInfo(path, kind_of_names(names, NATIVE), names, layer.dim_values()))
+        names = ops.class_names(type(layer), stop=(Layer,))
+        out.append(LayerInfo(path, ops.kind_of_names(names, NATIVE), names, layer.dim_values()))
     return tuple(out)

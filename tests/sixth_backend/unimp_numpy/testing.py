@@ -6,7 +6,9 @@ from typing import Any
 
 import numpy as np
 
-from unimp.spi import Kit, Observation, Policy, ProbeBatch
+from unimp.conformance.kit import Kit, Observation
+from unimp.conformance.probe import ProbeBatch
+from unimp.spi import Plan
 
 from . import nn
 
@@ -14,11 +16,11 @@ from . import nn
 class NumpyKit(Kit):
     backend = "numpy"
 
-    def supports(self, policy: Policy) -> str | None:
-        dtypes = {policy.compute_dtype, policy.param_dtype, *(o.compute_dtype for o in policy.overrides)}
+    def supports(self, request: Plan) -> str | None:
+        dtypes = {request.compute_dtype, request.param_dtype, *(o.compute_dtype for o in request.overrides)}
         if "bfloat16" in dtypes:
             return "numpy has no bfloat16 dtype"
-        if policy.low_precision_params:
+        if request.low_precision_params:
             return "the numpy backend keeps params in float32"
         return None
 
