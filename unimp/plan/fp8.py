@@ -98,6 +98,11 @@ class Fp8Decision:
     recipe: str | None
     reason: str
 
+    @staticmethod
+    def report_notes(decisions: Iterable[Fp8Decision]) -> list[str]:
+        """The report's lines for the layers that asked FP8 and did not get it (:func:`fp8_report_notes`)."""
+        return fp8_report_notes(decisions)
+
 
 def requests_fp8(policy: Policy) -> bool:
     """Whether ``policy`` asks FP8 anywhere (the table or an override ``fp8 = true``)."""
