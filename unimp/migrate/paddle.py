@@ -12,7 +12,7 @@ of a canonical op (``tanh`` of ``activation``) is refused, never widened; a name
 canonical op for is an error. ``use_fp16_guard`` (fleet, default true) is refused in pure mode,
 where only ops inside ``fp16_guard()`` blocks run low; ``use_promote`` is read at O2 only.
 
->>> imp = import_policy({"level": "O1", "custom_black_list": list(PADDLE_NATIVE_OPS["matmul"][:6])},
+>>> imp = import_policy({"level": "O1", "custom_black_list": list(paddle_names()["matmul"][:6])},
 ...                     {"init_loss_scaling": 1024.0})
 >>> imp.policy.ops.category("matmul"), imp.policy.loss_scale.initial
 ('float32', 1024.0)
@@ -26,6 +26,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any
 
+from unimp.errors import UnsupportedError
 from unimp.migrate.common import (
     MAX_TEXT,
     Draft,
@@ -48,34 +49,21 @@ from unimp.policy.ops import CANONICAL_OPS, kind_of
 from unimp.policy.spec import show
 
 SYSTEM = "paddle"
-# Paddle's names per canonical op (lower case: op types as in paddle.amp's white/black lists; capitalised:
-# layer classes), from python/paddle/amp/amp_lists.py and python/paddle/static/amp/bf16/amp_lists.py. The
-# importer reads Paddle configs without Paddle or its backend installed; unimp-paddle declares this table.
-PADDLE_NATIVE_OPS: dict[str, tuple[str, ...]] = {
-    "matmul": ("matmul", "matmul_v2", "mul", "einsum", "bmm", "fused_gemm_epilogue"),
-    "linear": ("linear", "Linear"),
-    "conv": ("conv2d", "conv3d", "conv2d_transpose", "depthwise_conv2d", "Conv1D", "Conv2D", "Conv3D",
-        "Conv2DTranspose"),
-    "attention": ("flash_attn", "scaled_dot_product_attention", "MultiHeadAttention"),
-    "rnn": ("rnn", "lstm", "LSTM", "GRU", "SimpleRNN"),
-    "embedding": ("lookup_table_v2", "embedding", "Embedding"),
-    "softmax": ("softmax", "Softmax"),
-    "log_softmax": ("log_softmax", "LogSoftmax"),
-    "layer_norm": ("layer_norm", "LayerNorm"),
-    "rms_norm": ("rms_norm", "RMSNorm"),
-    "batch_norm": ("batch_norm", "sync_batch_norm", "BatchNorm", "BatchNorm1D", "BatchNorm2D", "BatchNorm3D"),
-    "group_norm": ("group_norm", "instance_norm", "GroupNorm", "InstanceNorm2D"),
-    "activation": ("relu", "gelu", "silu", "tanh", "sigmoid", "ReLU", "GELU", "Silu", "Tanh", "Sigmoid"),
-    "transcendental": ("exp", "expm1", "log", "log10", "log2", "pow", "rsqrt", "reciprocal", "square", "acos",
-        "asin", "sinh", "cosh", "atanh", "tan", "erfinv", "softplus"),
-    "reduction": ("reduce_sum", "sum", "mean", "reduce_mean", "reduce_prod", "cumsum", "cumprod", "p_norm",
-        "frobenius_norm", "dist", "renorm"),
-    "loss": ("softmax_with_cross_entropy", "cross_entropy", "cross_entropy2",
-        "sigmoid_cross_entropy_with_logits", "nll_loss", "huber_loss", "log_loss", "margin_cross_entropy",
-        "c_softmax_with_cross_entropy", "mse_loss"),
-    "elementwise": ("elementwise_add", "elementwise_sub", "elementwise_mul", "elementwise_div"),
-    "concat": ("concat", "stack"),
-}
+
+
+def paddle_names() -> dict[str, tuple[str, ...]]:
+    """Paddle's names per canonical op (lower case: op types as in ``paddle.amp``'s white/black lists;
+    capitalised: layer classes): the paddle backend's own table (``unimp_paddle.ops.NATIVE_OPS``, read through
+    its entry point; Paddle itself is not imported). Only configs whose custom lists name ops need it."""
+    from unimp.backend.registry import backends
+
+    cls = backends().get("paddle")
+    if cls is None:
+        raise UnsupportedError("paddle: custom_white_list / custom_black_list name Paddle ops; their canonical ops "
+                               "come from the paddle backend's op table, which is not installed; fix: pip install "
+                               "unimp-paddle (Paddle itself is not needed to import: pip install --no-deps "
+                               "unimp-paddle)")
+    return dict(cls.native_ops)
 AUTO_CAST_KEYS = ("enable", "custom_white_list", "custom_black_list", "level", "dtype", "use_promote")
 DECORATE_KEYS = ("models", "optimizers", "level", "dtype", "master_weight", "save_dtype", "master_grad",
                  "excluded_layers")
@@ -255,12 +243,13 @@ def _moves(given: Mapping[str, Any], source: str, prefix: str,
     otherwise it is refused with the reason (never widened)."""
     moves: dict[str, tuple[str, str]] = {}
     listed: dict[str, dict[str, set[str]]] = {}
+    table = paddle_names() if any(given.get(k) for k in ("custom_white_list", "custom_black_list")) else {}
     for key, target in (("custom_white_list", "lower"), ("custom_black_list", "float32")):
         names = given.get(key) or []
         if isinstance(names, str | bytes) or not isinstance(names, list | tuple | set | frozenset):
             raise bad(source, f"{prefix}{key}", "expected a list of op names")
         for i, name in enumerate(sorted(names) if isinstance(names, set | frozenset) else names):
-            op = kind_of(name, PADDLE_NATIVE_OPS) if isinstance(name, str) else None
+            op = kind_of(name, table) if isinstance(name, str) else None
             where = f"{prefix}{key}[{i}]"
             if op is None:
                 raise refuse(source, where, f"{short(name)} is not an op unimp controls (no canonical op has it)",
@@ -273,7 +262,7 @@ def _moves(given: Mapping[str, Any], source: str, prefix: str,
         if lists is not None and op in lists[target]:
             del moves[op]  # already runs there: the list changes nothing
             continue
-        siblings = sorted(n for n in PADDLE_NATIVE_OPS[op] if n[:1].islower())
+        siblings = sorted(n for n in table[op] if n[:1].islower())
         missing = [n for n in siblings if n not in listed[op][target]]
         if missing and len(siblings) > 1:
             raise refuse(source, where, f"{', '.join(sorted(listed[op][target]))} is only part of canonical op "
@@ -395,11 +384,11 @@ def export_policy(policy: Policy) -> Exported:
         ac = {"enable": False}
     else:
         base = load("paddle_o2" if level == "O2" else "paddle_o1")
-        white, black = [], []
+        white, black, table = [], [], paddle_names()
         for op in CANONICAL_OPS:
             cat = policy.ops.category(op)
             if cat != base.ops.category(op) and cat in ("lower", "float32"):
-                names = [n for n in PADDLE_NATIVE_OPS.get(op, ()) if n[:1].islower()]
+                names = [n for n in table.get(op, ()) if n[:1].islower()]
                 (white if cat == "lower" else black).extend(names)
         ac.update(custom_white_list=sorted(white), custom_black_list=sorted(black))
     ls = policy.loss_scale
