@@ -133,8 +133,8 @@ def _policy_reads(path) -> list[str]:
 
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if (isinstance(node, ast.Attribute) and node.attr == "policy") or (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                and node.value.id in ("policy", "pol", "policies")):
+        if isinstance(node, ast.Attribute) and (node.attr == "policy" or (
+                isinstance(node.value, ast.Name) and node.value.id in ("policy", "pol", "policies"))):
             out.append((node.lineno, ast.unparse(node)))
         elif isinstance(node, ast.Name) and node.id == "Policy":
             out.append((node.lineno, "Policy"))
