@@ -61,7 +61,6 @@ class PaddleAmp(Amp):
         place = params[0].place if params else None
         self.scaler = DeviceLossScale(plan.loss_scale_run, place)
         self._scaling = plan.loss_scale_run.mode != "none"
-        self._user_optimizer = optimizer
         self.optimizer = AmpOptimizer(optimizer, self.scaler, params) if optimizer is not None else None
 
     # ------------------------------------------------------------------ setup
