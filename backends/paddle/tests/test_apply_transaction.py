@@ -68,7 +68,7 @@ def test_apply_failing_half_way_changes_nothing(policy, error, monkeypatch):
         unimp.apply(fallback(policy), model, optimizer)
     assert calls[0] is not None  # the model's forward was wrapped when it failed
     assert state_of(model, optimizer) == before
-    assert not unimp.spi.is_applied(model)
+    assert not unimp.backend.applied.is_applied(model)
     monkeypatch.undo()
     amp = unimp.apply(fallback(policy), model, optimizer)
     out = amp.model(paddle.randn([4, 8]))

@@ -10,15 +10,15 @@ import unimp
 from unimp.conformance.loss_scale import Replay, check_loss_scale_replay, check_system_replay
 from unimp.loss_scale import LossScale, LossScaleAtMinimumError
 from unimp.loss_scale.rule import f32
-from unimp_paddle.scaler import HostRuleLossScale
+from unimp_paddle.scaler import DeviceLossScale
 
 
 def _host_runner(spec, seqs):
-    """HostRuleLossScale (what amp.optimizer.step() uses), per sequence; its float32 scale tensor
+    """DeviceLossScale (what amp.optimizer.step() uses), per sequence; its float32 scale tensor
     must hold the float32 rounding of the reference's scale at every step."""
     out = []
     for seq in seqs:
-        ours, scales, skips, error_at = HostRuleLossScale(spec), [], [], None
+        ours, scales, skips, error_at = DeviceLossScale(spec), [], [], None
         for i, finite in enumerate(seq):
             try:
                 skips.append(ours.update(finite))
@@ -75,7 +75,7 @@ def test_backward_scales_and_step_unscales_the_real_grads(kit):
 def test_at_min_error_raises_like_the_reference():
     spec = unimp.load({"loss_scale": {"initial": 1.0, "min": 1.0, "at_min": "error"}}).loss_scale
     with pytest.raises(LossScaleAtMinimumError, match="at_min = 'clamp'"):
-        HostRuleLossScale(spec).update(False)
+        DeviceLossScale(spec).update(False)
 
 
 def _gradscaler(spec, decr_every_n):
@@ -186,5 +186,5 @@ def _static_kernel(spec, seq):
                                                ("paddle_static_o1", _static_kernel)])
 def test_paddle_scalers_replay_their_presets_and_the_step_scaler(preset, native):
     """paddle.amp.GradScaler._update (no floor: scales reach the subnormal range and 0) and the static
-    update_loss_scaling kernel = their presets = HostRuleLossScale, on the system replay sequences."""
+    update_loss_scaling kernel = their presets = DeviceLossScale, on the system replay sequences."""
     assert check_system_replay(native, unimp.load(preset).loss_scale, backend=_host_runner) >= 16

@@ -13,7 +13,7 @@ import unimp
 import unimp.conformance
 from unimp import hardware
 from unimp.plan import requested_dtype
-from unimp_paddle.static import canonical_of
+from unimp_paddle.ops import canonical_of
 
 pytestmark = pytest.mark.hardware
 BF16 = "bfloat16" if hardware.cpu().bf16_kernels else "float32"  # what Paddle can run here

@@ -13,40 +13,19 @@ True
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
-from unimp.spi import (
-    Amp,
-    LayerInfo,
-    LossScaleState,
-    Plan,
-    Report,
-    ReportRow,
-    kind_of,
-)
+from unimp.spi import Amp, LossScaleState, Plan, Report
 
-from .device import dtype_name
+from . import trace
 from .distributed import data_parallel, refuse_data_parallel
-from .layout import channels_last_findings, dims
-from .ops import NATIVE_OPS, OpLists, compile_lists
+from .index import channels_last_findings, layer_kind, model_index
+from .ops import OpLists, compile_lists
 from .optimizer import AmpOptimizer
-from .scaler import HostRuleLossScale
+from .scaler import DeviceLossScale
 
 
-def layer_kind(layer: Any) -> str | None:
-    return kind_of(type(layer).__name__, NATIVE_OPS)
-
-
-def model_index(model: Any) -> tuple[LayerInfo, ...]:
-    """The Plan's index of a ``paddle.nn.Layer``: per sublayer (the layer itself as ``""``) its path, kind,
-    class name and tiling dims."""
-    return tuple(LayerInfo(path, layer_kind(layer), (type(layer).__name__,), dims(layer))
-                 for path, layer in model.named_sublayers(include_self=True))
-
-
-class DygraphAmp(Amp):
+class PaddleAmp(Amp):
     """A policy bound to one ``paddle.nn.Layer`` (+ optimizer)."""
 
     def __init__(self, plan: Plan, model: Any, optimizer: Any = None) -> None:
@@ -68,7 +47,7 @@ class DygraphAmp(Amp):
         self.active: bool = d.amp_active
         self.level: str = d.level
         self.amp_dtype: str = d.amp_dtype
-        self.lists: OpLists = compile_lists(self.policy)
+        self.lists: OpLists = compile_lists(plan)
         self._check_layout(model)
         self._saved = {k: (v.dtype, v.numpy().copy()) for k, v in model.state_dict().items()}
         self._guards = self._layer_guards(model)
@@ -80,15 +59,14 @@ class DygraphAmp(Amp):
         self._wrapped = self._wrap_forwards(model)
         params = [p for p in model.parameters() if not p.stop_gradient]
         place = params[0].place if params else None
-        self.scaler = HostRuleLossScale(plan.loss_scale, place)
-        self._scaling = plan.loss_scale.mode != "none"
-        self._user_optimizer = optimizer
+        self.scaler = DeviceLossScale(plan.loss_scale_run, place)
+        self._scaling = plan.loss_scale_run.mode != "none"
         self.optimizer = AmpOptimizer(optimizer, self.scaler, params) if optimizer is not None else None
 
     # ------------------------------------------------------------------ setup
     def _check_layout(self, model: Any) -> None:
         self.findings += self.plan.layout.act("paddle", stacklevel=5)
-        if self.policy.layout.channels_last:
+        if self.plan.channels_last:
             self.findings += channels_last_findings(model)
 
     def _auto_cast_args(self, lists: OpLists, low: str | None = None) -> dict[str, Any]:
@@ -125,23 +103,13 @@ class DygraphAmp(Amp):
         keep = [layer for path, layer in model.named_sublayers()
                 if self.plan.decide(path, layer_kind(layer), (type(layer).__name__,)).param_dtype
                 == "float32" and list(layer.parameters(include_sublayers=False))]
-        args = {"level": "O2", "dtype": self.amp_dtype, "master_weight": self.policy.master_weights.enabled,
+        args = {"level": "O2", "dtype": self.amp_dtype, "master_weight": self.plan.master_weights.enabled,
                 "excluded_layers": keep or None}
         self.native["decorate"] = {**args, "excluded_layers": [type(k).__name__ for k in keep]}
         if optimizer is None:
             paddle.amp.decorate(models=model, **args)
         else:
             paddle.amp.decorate(models=model, optimizers=optimizer, **args)
-
-    @contextlib.contextmanager
-    def guard(self, args: dict[str, Any]) -> Iterator[None]:
-        """``paddle.amp.auto_cast`` with exactly the compiled lists (Paddle's defaults replaced)."""
-        import paddle
-
-        with paddle.amp.auto_cast(**args):
-            tracer = paddle.base.framework._dygraph_tracer()
-            tracer._set_amp_op_list(*_list_sets(args))
-            yield
 
     def _wrap_forwards(self, model: Any) -> list[tuple[Any, Any]]:
         wrapped = []
@@ -158,8 +126,8 @@ class DygraphAmp(Amp):
     def _forward(self, original: Any, args: dict[str, Any], top: bool) -> Any:
         import paddle
 
-        out_dtype = self.policy.output_cast  # None: "unchanged", as auto_cast leaves the outputs
-        want = _pd_dtype(out_dtype) if out_dtype else None
+        out_dtype = self.plan.output_cast  # None: "unchanged", as auto_cast leaves the outputs
+        want = getattr(paddle, out_dtype) if out_dtype else None
         white, black = _list_sets(args)
         call = _call_args(args)
         exact = _needs_exact_lists(call, white, black)
@@ -168,8 +136,8 @@ class DygraphAmp(Amp):
 
         def forward(*a: Any, **kw: Any) -> Any:
             if top:  # what amp.report() replays: the shapes and dtypes of this call's inputs
-                self._last_call = (tuple(_spec(x) for x in a), {k: _spec(x) for k, x in kw.items()})
-            # self.guard(args) inlined for the per-step path: no generator, the list sets built once,
+                self._last_call = (tuple(map(trace.spec, a)), {k: trace.spec(x) for k, x in kw.items()})
+            # paddle.amp.auto_cast(**args) for the per-step path: the list sets built once,
             # auto_cast given only the differences from Paddle's defaults (its _update_list scans
             # custom lists element by element); the tracer then gets exactly ``args``' lists.
             with auto_cast(**call):
@@ -191,7 +159,7 @@ class DygraphAmp(Amp):
         """``paddle.DataParallel(layer, **kwargs)`` in Paddle's order (after decorate), under the policy.
 
         Sets and returns ``amp.model``; ``amp.optimizer.step()`` then agrees the non-finite decision
-        across ranks and all-reduces gradients in ``policy.distributed.reduce_dtype``
+        across ranks and all-reduces gradients in ``plan.reduce_dtype``
         (:mod:`unimp_paddle.distributed`). ``amp.remove()`` returns the plain layer.
         """
         return data_parallel(self, **kwargs)
@@ -219,35 +187,13 @@ class DygraphAmp(Amp):
         if not inputs and not kw_inputs:
             if self._last_call is None:
                 raise self.no_forward()
-            inputs, kw_inputs = (tuple(_value(s) for s in self._last_call[0]),
-                                 {k: _value(s) for k, s in self._last_call[1].items()})
-        rows = [ReportRow(path, kind, obs["output"], obs["param"], obs["output"])
-                for path, (kind, obs) in self.observe(*inputs, **kw_inputs).items()]
-        notes = [f"Plan fallback: {d.op} runs {d.dtype} ({d.note})" for d in self.plan.fallbacks]
-        notes += [n for n in self.plan.notes if n.startswith("fallback:")]
-        return self.report_header(rows, notes)
+            inputs, kw_inputs = (tuple(map(trace.rebuild, self._last_call[0])),
+                                 {k: trace.rebuild(s) for k, s in self._last_call[1].items()})
+        return self.report_header(trace.layer_rows(self.observe(*inputs, **kw_inputs)), trace.report_notes(self.plan))
 
-    def observe(self, *inputs: Any, **kw_inputs: Any) -> dict[str, tuple[str | None, dict[str, str | None]]]:
-        """Run one forward of ``amp.model`` with hooks; per layer path its kind and dtypes."""
-        seen: dict[str, tuple[str | None, dict[str, str | None]]] = {}
-        handles = []
-        for path, layer in self._layer.named_sublayers():
-            def hook(layer: Any, _in: Any, out: Any, path: str = path) -> None:
-                params = list(layer.parameters(include_sublayers=False))
-                first = out[0] if isinstance(out, tuple | list) else out
-                seen[path] = (layer_kind(layer), {
-                    "output": dtype_name(first.dtype) if hasattr(first, "dtype") else None,
-                    "param": dtype_name(params[0].dtype) if params else None})
-            handles.append(layer.register_forward_post_hook(hook))
-        try:
-            import paddle
-
-            with paddle.no_grad():
-                self._layer(*inputs, **kw_inputs)
-        finally:
-            for h in handles:
-                h.remove()
-        return seen
+    def observe(self, *inputs: Any, **kw_inputs: Any) -> trace.Seen:
+        """Run one forward of the layer with hooks; per layer path its kind and dtypes (:func:`trace.observe`)."""
+        return trace.observe(self._layer, *inputs, **kw_inputs)
 
     def _restore(self) -> None:
         import paddle
@@ -294,22 +240,3 @@ def _needs_exact_lists(call: dict[str, Any], white: set[str], black: set[str]) -
 
     got = _update_list(call["custom_white_list"], call["custom_black_list"], call["level"], call["dtype"])
     return (set(got[0]), set(got[1])) != (white, black)
-
-
-def _pd_dtype(name: str) -> Any:
-    import paddle
-
-    return getattr(paddle, name)
-
-
-def _spec(x: Any) -> Any:
-    """A tensor as (shape, dtype) to rebuild it for ``amp.report()``; other values as they are."""
-    import paddle
-
-    return ("tensor", tuple(x.shape), x.dtype) if isinstance(x, paddle.Tensor) else ("value", x)
-
-
-def _value(spec: Any) -> Any:
-    import paddle
-
-    return paddle.zeros(spec[1], dtype=spec[2]) if spec[0] == "tensor" else spec[1]

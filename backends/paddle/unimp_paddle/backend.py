@@ -7,18 +7,12 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any, ClassVar
 
-from unimp.spi import Amp, Backend, Plan, Policy, Snapshot, native_table
+from unimp.spi import Amp, Backend, Plan, Snapshot, ops
 
-from .device import model_place
 from .ops import NATIVE_OPS
-
-
-def _is_program(model: Any) -> bool:
-    static = sys.modules.get("paddle.static")
-    return static is not None and isinstance(model, static.Program)
+from .plan import compile_plan, is_program
 
 
 class PaddleBackend(Backend):
@@ -28,31 +22,23 @@ class PaddleBackend(Backend):
     framework = "paddle"
     distribution = "unimp-paddle"
     model_types = "paddle.nn.Layer or paddle.static.Program (legacy IR)"
-    native_ops: ClassVar = native_table("paddle", NATIVE_OPS)
+    native_ops: ClassVar = ops.native_table("paddle", NATIVE_OPS)
     tags: ClassVar = frozenset({"fp16", "bf16", "master_weights", "loss_scaling", "training", "overrides", "layout",
                                 "op_level", "layer_level", "static_graph", "distributed", "remove"})
 
     def accepts(self, model: Any) -> bool:
         import paddle
 
-        return isinstance(model, paddle.nn.Layer) or _is_program(model)
+        return isinstance(model, paddle.nn.Layer) or is_program(model)
 
-    def compile(self, policy: Policy, model: Any = None) -> Plan:
-        from .plan import compile_dygraph, compile_static
-
-        if model is not None and _is_program(model):
-            return compile_static(policy)
-        if model is None:
-            return compile_dygraph(policy, _default_place())
-        from .amp import model_index
-
-        return compile_dygraph(policy, model_place(model), model_index(model))
+    def plan(self, request: Plan, model: Any = None) -> Plan:
+        return compile_plan(request, model)
 
     def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
         """A dygraph Layer: every sublayer's attributes (forwards, hooks) and the optimizer's; when
         the Plan runs O2 (``decorate`` casts parameters in place), every parameter's and buffer's
         dtype and value too (copied: the only case that needs a copy)."""
-        if _is_program(model):
+        if is_program(model):
             return Snapshot([model, optimizer])
         layers = [model, *model.sublayers()]
         o2 = plan is None or (plan.details.amp_active and plan.details.level == "O2")
@@ -61,26 +47,18 @@ class PaddleBackend(Backend):
         return Snapshot([*layers, optimizer], [_value(t) for t in tensors.values()])
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
-        if _is_program(model):
-            from .static import StaticAmp
+        if is_program(model):
+            from .static import PaddleStaticAmp
 
-            return StaticAmp(plan, model, optimizer, **options)
-        from .amp import DygraphAmp
+            return PaddleStaticAmp(plan, model, optimizer, **options)
+        from .amp import PaddleAmp
 
-        return DygraphAmp(plan, model, optimizer, **options)
+        return PaddleAmp(plan, model, optimizer, **options)
 
     def conformance_kit(self) -> Any:
         from .testing import PaddleKit
 
         return PaddleKit()
-
-
-def _default_place() -> str:
-    if "paddle" not in sys.modules:
-        return "cpu"
-    import paddle
-
-    return "gpu" if paddle.device.get_device().startswith("gpu") else "cpu"
 
 
 def _value(t: Any) -> tuple[Any, Any]:

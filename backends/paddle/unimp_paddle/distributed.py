@@ -14,7 +14,7 @@ What ``amp.data_parallel()`` adds to ``paddle.DataParallel``:
 - **Agreed non-finite decision.** ``amp.optimizer.step()`` all-reduces the found-inf flag (max)
   over the DataParallel group before the loss-scale rule runs, so every rank skips the same step
   and keeps identical scales (:func:`agree_found_inf`; no collective at world size 1).
-- **Gradient all-reduce in ``policy.distributed.reduce_dtype``.** When every gradient already has
+- **Gradient all-reduce in ``distributed.reduce_dtype`` (``plan.reduce_dtype``).** When every gradient already has
   that dtype, Paddle's own reducer (fused buckets, overlapped with backward) does the all-reduce.
   Otherwise Paddle's reducer is switched off (``grad_need_sync = False``, what ``no_sync()`` does)
   and ``amp.optimizer.step()`` reduces all gradients in one flat buffer cast to ``reduce_dtype``
@@ -38,9 +38,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from unimp.spi import UnsupportedError
+from unimp.spi import UnsupportedError, dtypes
 
-from .device import dtype_name, model_place
+from .plan import model_place
 
 FIX = ("fix: apply unimp to the plain layer first, then wrap it: amp = unimp.apply(policy, layer, "
        "optimizer); model = amp.data_parallel()")
@@ -109,7 +109,7 @@ class GradReducer:
 
 
 def grad_dtypes(params: tuple[Any, ...]) -> set[str]:
-    return {dtype_name(p.dtype) for p in params}
+    return {dtypes.dtype_name(p.dtype) for p in params}
 
 
 def data_parallel(amp: Any, **kwargs: Any) -> Any:
@@ -121,13 +121,12 @@ def data_parallel(amp: Any, **kwargs: Any) -> Any:
     if amp._removed:
         raise RuntimeError("amp.data_parallel(): this Amp was removed; apply the policy again first")
     layer = amp.model
-    want = amp.policy.distributed.reduce_dtype
-    reduce = want
-    if want == "float16" and model_place(layer) == "cpu":
+    reduce = amp.plan.reduce_dtype
+    if reduce == "float16" and model_place(layer) == "cpu":
         what = f"distributed.reduce_dtype = 'float16': {GLOO_FP16}"
-        if amp.policy.on_unsupported == "error":
+        if amp.plan.on_unsupported == "error":
             raise UnsupportedError(
-                f"policy {amp.policy.name!r} ({amp.policy.source}) cannot be honoured by backend paddle:\n  "
+                f"{amp.plan.where} cannot be honoured by backend paddle:\n  "
                 f"{what}\nfix: set distributed.reduce_dtype = \"bfloat16\" or \"float32\", use a CUDA "
                 "place (NCCL), or on_unsupported = \"fallback\" to reduce in float32 as reported")
         reduce = "float32"

@@ -1,10 +1,11 @@
-"""The optimizer wrapper of the dygraph path: unscale, finiteness check, skip, scale update.
+"""The optimizer wrappers: :class:`AmpOptimizer` (dygraph: unscale, finiteness check, skip, scale update) and
+:class:`StaticAmpOptimizer` (its static-graph variant: ``minimize`` on the rewritten Program).
 
 ``amp.optimizer.step()`` unscales the gradients and checks them in one fused Paddle kernel
 (``_C_ops.check_finite_and_unscale_``, what ``GradScaler`` runs), reads the flag once (the one
 host sync Paddle's own ``GradScaler.step`` also makes), skips the inner step on non-finite
 gradients (nothing of the params, masters or optimizer state changes) and advances
-:class:`~unimp_paddle.scaler.HostRuleLossScale`. With no scaling and no skipping there is no check
+:class:`~unimp_paddle.scaler.DeviceLossScale`. With no scaling and no skipping there is no check
 and no sync at all. Everything else is delegated.
 
 Under ``amp.data_parallel()`` (:mod:`unimp_paddle.distributed`) ``step()`` first all-reduces the
@@ -16,13 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .scaler import HostRuleLossScale
+from .scaler import DeviceLossScale
 
 
 class AmpOptimizer:
     """Wraps a Paddle optimizer: ``step()``, ``clear_grad()``; other attributes pass through."""
 
-    def __init__(self, inner: Any, scaler: HostRuleLossScale, params: list[Any]) -> None:
+    def __init__(self, inner: Any, scaler: DeviceLossScale, params: list[Any]) -> None:
         self._inner = inner
         self._scaler = scaler
         self._params = tuple(params)
@@ -97,6 +98,29 @@ class AmpOptimizer:
 
     def clear_grad(self, set_to_zero: bool = True) -> None:
         self._inner.clear_grad(set_to_zero=set_to_zero)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class StaticAmpOptimizer:
+    """``minimize(loss, startup_program)`` on the rewritten Program (float32 loss, plain backward)."""
+
+    def __init__(self, inner: Any, program: Any) -> None:
+        self._inner = inner
+        self._program = program
+
+    @property
+    def inner(self) -> Any:
+        return self._inner
+
+    def minimize(self, loss: Any, startup_program: Any = None) -> Any:
+        import paddle
+
+        with paddle.static.program_guard(self._program, startup_program):
+            if loss.dtype != paddle.float32:
+                loss = loss.astype("float32")
+            return self._inner.minimize(loss)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

@@ -1,4 +1,4 @@
-"""Compile a policy into a Plan for Paddle's dygraph AMP or the legacy static bf16 rewrite.
+"""The request -> the Plan for Paddle's dygraph AMP or the legacy static bf16 rewrite.
 
 What Paddle can run decides the Plan, never the wish list: on CPU, dygraph ``auto_cast`` and
 ``decorate`` do nothing (Paddle 3.x has no CPU low-precision dygraph kernels), so every op the
@@ -8,36 +8,24 @@ Paddle's oneDNN has bf16 kernels (``unimp.hardware``: AVX512 BW/VL/DQ or AVX-NE-
 CPUs it runs float32 the same way.
 
 >>> import unimp
->>> plan = compile_dygraph(unimp.load({"extends": "mixed_bf16", "on_unsupported": "fallback"}), "cpu")
+>>> from unimp.spi import Plan
+>>> plan = compile_plan(Plan.request(unimp.load({"extends": "mixed_bf16", "on_unsupported": "fallback"}), "paddle"))
 >>> plan.op("matmul").dtype, plan.op("matmul").honoured
 ('float32', False)
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from unimp.spi import (
-    CANONICAL_OPS,
-    Fp8Support,
-    LayerInfo,
-    Plan,
-    Policy,
-    compile_ops,
-    cpu,
-    is_low,
-    requested_dtype,
-    resolve_auto,
-    resolve_cpu_auto,
-    resolved_loss_scale,
-    warn_emulated,
-)
+from unimp.spi import Fp8Support, LayerInfo, Plan, dtypes, hardware
 
+from .index import model_index
 from .ops import compile_lists, layer_types, op_types
 
-BACKEND = "paddle"
 FIX = ("change the policy (e.g. compute_dtype/param_dtype = \"float32\" on CPU, or use a CUDA place)")
 FP8_MISSING = ("unimp-paddle has no FP8 training path: paddle.amp (auto_cast/decorate) runs float16/bfloat16 "
                "only, and Paddle's FP8 GEMMs are incubate GPU kernels with no layer-level training API; "
@@ -50,20 +38,6 @@ STATIC_BF16_BROKEN = {
                    "float32'); the static rewrite keeps elementwise ops in float32",
     "layer_norm": "bf16 layer_norm on CPU mis-reads inputs of rank > 2; kept float32",
 }
-
-
-def _control(active: bool) -> dict[str, str]:
-    if not active:
-        return {}
-    out = {}
-    for op in CANONICAL_OPS:
-        if op == "linear":  # Paddle's Linear runs matmul_v2: controllable per layer, not per op type
-            out[op] = "layer"
-        elif op_types(op):
-            out[op] = "op"
-        elif layer_types(op):
-            out[op] = "layer"
-    return out
 
 
 @dataclass(frozen=True)
@@ -81,33 +55,51 @@ class PaddleDetails:
     loss_scaling: str | None = None  # static: "none" (bf16 Programs are not scaled)
 
 
-def _compile(policy: Policy, low: str, reason: str, active: bool, why: str,
+def is_program(model: Any) -> bool:
+    static = sys.modules.get("paddle.static")
+    return static is not None and isinstance(model, static.Program)
+
+
+def default_place(load: bool = False) -> str:
+    """``"gpu"`` when Paddle's current device is a GPU, else ``"cpu"`` (paddle not imported, unless ``load``: cpu)."""
+    paddle = __import__("paddle") if load else sys.modules.get("paddle")
+    return "gpu" if paddle is not None and paddle.device.get_device().startswith("gpu") else "cpu"
+
+
+def model_place(model: Any) -> str:
+    """``"gpu"`` when the layer's parameters (or Paddle's current device) are on a GPU, else ``"cpu"``."""
+    for p in model.parameters():
+        return "gpu" if p.place.is_gpu_place() else "cpu"
+    return default_place()
+
+
+def compile_plan(request: Plan, model: Any = None) -> Plan:
+    """The Plan of ``request`` for ``model``: a legacy-IR Program (static) or a Layer (dygraph, on its place)."""
+    if model is not None and is_program(model):
+        return compile_static(request)
+    if model is None:
+        return compile_dygraph(request, default_place())
+    return compile_dygraph(request, model_place(model), model_index(model))
+
+
+def _compile(request: Plan, low: str, reason: str, active: bool, why: str,
              fixed_extra: dict[str, tuple[str | None, str]], problems: list[str],
              details: PaddleDetails, notes: tuple[str, ...], param_fallback: str | None = None,
              override_fallbacks: Mapping[int, str] | None = None,
              index: Iterable[LayerInfo] | None = None) -> Plan:
     fixed = dict(fixed_extra)
-    if not active:
-        for op in CANONICAL_OPS:
-            want = requested_dtype(policy, op, low)
-            if is_low(want):
-                fixed[op] = ("float32", why)
-    native = {op: tuple(sorted(op_types(op) | layer_types(op))) for op in CANONICAL_OPS}
-    control = {k: v for k, v in _control(active).items() if k not in fixed_extra}
-    return compile_ops(BACKEND, policy, control=control, native=native, compute_dtype=low,
-                       compute_reason=reason, fixed=fixed, notes=notes, details=details, index=index,
-                       param_fallback=param_fallback, override_fallbacks=override_fallbacks,
-                       fp8=Fp8Support(missing=FP8_MISSING), problems=problems, fix=FIX)
-
-
-def _override_problems(policy: Policy, what: str) -> list[str]:
-    out = []
-    for i, o in enumerate(policy.overrides):
-        for key in ("compute_dtype", "param_dtype"):
-            value = getattr(o, key)
-            if is_low(value) or (key == "compute_dtype" and value == "auto"):
-                out.append(f"overrides[{i}].{key} = {value!r}: {what}; the matched layers run float32")
-    return out
+    control = {}
+    for d in request.ops:
+        if not active and dtypes.is_low(request.requested(d.op, low)):
+            fixed[d.op] = ("float32", why)
+        if active and d.op not in fixed_extra and (op_types(d.op) or layer_types(d.op)):
+            # Paddle's Linear runs matmul_v2: controllable per layer, not per op type
+            control[d.op] = "op" if op_types(d.op) and d.op != "linear" else "layer"
+    native = {d.op: tuple(sorted(op_types(d.op) | layer_types(d.op))) for d in request.ops}
+    return request.compile(control=control, native=native, compute_dtype=low, compute_reason=reason, fixed=fixed,
+                           notes=notes, details=details, index=index, param_fallback=param_fallback,
+                           override_fallbacks=override_fallbacks, fp8=Fp8Support(missing=FP8_MISSING),
+                           problems=problems, fix=FIX)
 
 
 def amp_support(place: str, dtype: str) -> tuple[bool, str]:
@@ -123,28 +115,29 @@ def amp_support(place: str, dtype: str) -> tuple[bool, str]:
                       f"Paddle reports no {dtype} AMP on this GPU; it runs float32")
 
 
-def compile_dygraph(policy: Policy, place: str, index: Iterable[LayerInfo] | None = None) -> Plan:
+def compile_dygraph(request: Plan, place: str, index: Iterable[LayerInfo] | None = None) -> Plan:
     """The Plan for a ``paddle.nn.Layer`` on ``place`` (``"cpu"`` or ``"gpu"``; ``index``: its layers)."""
-    low, reason = policy.compute_dtype, "as the policy says"
+    low, reason = request.compute_dtype, "as the policy says"
     if low == "auto":
         if place == "gpu":
-            low, reason = resolve_auto(fast_bf16=amp_support("gpu", "bfloat16")[0],
-                                       fast_fp16=amp_support("gpu", "float16")[0], where="this GPU (Paddle AMP)")
+            low, reason = hardware.resolve_auto(fast_bf16=amp_support("gpu", "bfloat16")[0],
+                                                fast_fp16=amp_support("gpu", "float16")[0],
+                                                where="this GPU (Paddle AMP)")
         else:
             low, reason = "float32", f"auto: {CPU_WHY}"
     active, why = amp_support(place, low)
-    lists = compile_lists(policy)
+    lists = compile_lists(request)
     problems = []
     param_fallback: str | None = None  # what low-precision params really hold, when not lowered
     override_fallbacks: dict[int, str] = {}  # override index -> dtype its layers really compute in
-    if not active and is_low(policy.param_dtype):
-        problems.append(f"param_dtype = {policy.param_dtype!r} (O2): {why}; params stay float32")
+    o2 = dtypes.is_low(request.param_dtype)
+    if not active and o2:
+        problems.append(f"param_dtype = {request.param_dtype!r} (O2): {why}; params stay float32")
         param_fallback = "float32"
-    o2 = active and is_low(policy.param_dtype)
-    for i, o in enumerate(policy.overrides):
+    for i, o in enumerate(request.overrides):
         for key in ("compute_dtype", "param_dtype"):
             value = low if getattr(o, key) == "auto" else getattr(o, key)
-            if not is_low(value):
+            if not dtypes.is_low(value):
                 continue
             ok, reason = amp_support(place, value)
             if key == "param_dtype" and ok and active and not o2:
@@ -157,22 +150,22 @@ def compile_dygraph(policy: Policy, place: str, index: Iterable[LayerInfo] | Non
                     override_fallbacks[i] = "float32"
                 else:
                     param_fallback = "float32"
-    level = "O2" if is_low(policy.param_dtype) else "O1"
-    details = PaddleDetails("dygraph", place, active, low, policy.param_dtype if active else "float32", level,
-                            {"white": tuple(sorted(lists.white)), "black": tuple(sorted(lists.black)),
-                             "gray": tuple(sorted(lists.gray))})
+    details = PaddleDetails("dygraph", place, active, low, request.param_dtype if active else "float32",
+                            "O2" if o2 else "O1", {"white": tuple(sorted(lists.white)),
+                                                   "black": tuple(sorted(lists.black)),
+                                                   "gray": tuple(sorted(lists.gray))})
     notes = ("Paddle has no 'follow inputs' list: ops in neither list (promote and follow-inputs) are "
              "Paddle's gray ops, which run in the promoted dtype of their inputs",)
-    return _compile(policy, low, reason, active, why, {}, problems, details, notes,
+    return _compile(request, low, reason, active, why, {}, problems, details, notes,
                     param_fallback, override_fallbacks, index)
 
 
-def compile_static(policy: Policy) -> Plan:
+def compile_static(request: Plan) -> Plan:
     """The Plan for a legacy-IR ``paddle.static.Program`` (bf16 rewrite, runs on CPU)."""
-    low, reason = policy.compute_dtype, "as the policy says"
-    facts = cpu()
+    low, reason = request.compute_dtype, "as the policy says"
+    facts = hardware.cpu()
     if low == "auto":
-        low, reason = resolve_cpu_auto("Paddle's static bf16 rewrite (oneDNN)", facts)
+        low, reason = hardware.resolve_cpu_auto("Paddle's static bf16 rewrite (oneDNN)", facts)
     problems = []
     param_fallback = None
     active, why = low == "bfloat16", ""
@@ -180,29 +173,29 @@ def compile_static(policy: Policy) -> Plan:
         active, why = False, (f"Paddle's oneDNN has no bfloat16 matmul kernel on this CPU, {facts.describe()} "
                               f"(it needs AVX512 BW/VL/DQ or AVX-NE-CONVERT; Paddle would fail with 'could not "
                               f"create a primitive descriptor'), so unimp runs it in float32")
-    elif policy.compute_dtype == "bfloat16" and warn_emulated(low, "compute_dtype", "Paddle (oneDNN)"):
+    elif request.compute_dtype == "bfloat16" and hardware.warn_emulated(low, "compute_dtype", "Paddle (oneDNN)"):
         reason += f" (emulated on this CPU, slower than float32: {facts.describe()})"
     if low == "float16":
         why = ("the static path rewrites to bfloat16 only (decorate_bf16); Paddle has no CPU float16 "
                "kernels, so Paddle runs it in float32")
-    fixed_extra: dict[str, tuple[str | None, str]] = {}
-    if active:
-        for op, broken in STATIC_BF16_BROKEN.items():
-            want = requested_dtype(policy, op, low)
-            if want != "float32":
-                fixed_extra[op] = ("float32", broken)
-    if is_low(policy.param_dtype):
-        problems.append(f"param_dtype = {policy.param_dtype!r}: unimp-paddle's static path keeps float32 "
+    fixed_extra: dict[str, tuple[str | None, str]] = {
+        op: ("float32", broken) for op, broken in STATIC_BF16_BROKEN.items()
+        if active and request.requested(op, low) != "float32"}
+    if dtypes.is_low(request.param_dtype):
+        problems.append(f"param_dtype = {request.param_dtype!r}: unimp-paddle's static path keeps float32 "
                         f"params (pure bf16 Programs are not supported yet); params stay float32")
         param_fallback = "float32"
-    scaling = resolved_loss_scale(policy, low).mode
+    scaling = request.loss_scale_at(low).mode
     if scaling != "none":
         problems.append(f"loss_scale.mode = {scaling!r}: unimp-paddle does not insert loss "
                         f"scaling into static Programs (bf16 does not need it); no scaling is applied")
-    problems += _override_problems(policy, "static overrides (by parameter name) can only keep ops float32")
-    lists = compile_lists(policy)
+    problems += [f"overrides[{i}].{key} = {value!r}: static overrides (by parameter name) can only keep ops "
+                 f"float32; the matched layers run float32" for i, o in enumerate(request.overrides)
+                 for key, value in (("compute_dtype", o.compute_dtype), ("param_dtype", o.param_dtype))
+                 if dtypes.is_low(value) or (key == "compute_dtype" and value == "auto")]
+    lists = compile_lists(request)
     details = PaddleDetails("static", "cpu", active, low, "float32",
                             lists={"bf16": tuple(sorted(lists.white)), "fp32": tuple(sorted(lists.black)),
                                    "gray": tuple(sorted(lists.gray))}, cpu=facts.record(), loss_scaling="none")
     notes = ("static gray ops run float32 if any producer is float32, else bfloat16 if any is bfloat16",)
-    return _compile(policy, low, reason, active, why, fixed_extra, problems, details, notes, param_fallback)
+    return _compile(request, low, reason, active, why, fixed_extra, problems, details, notes, param_fallback)

@@ -1,6 +1,6 @@
 """Loss scaling for the dygraph path: the scale as a float32 Paddle tensor, and the rule.
 
-:class:`HostRuleLossScale` is what ``amp.optimizer.step()`` uses. Deciding whether to call a
+The scale holder (:class:`DeviceLossScale`) is what ``amp.optimizer.step()`` uses. Deciding whether to call a
 Paddle optimizer's ``step()`` needs the found-inf flag on the host (Paddle's own dygraph
 ``GradScaler.step`` does ``if self._found_inf:``, and dygraph Adam ignores ``found_inf``), so the
 step syncs once anyway; after that sync the core's rule (:func:`unimp.loss_scale.rule.step`) runs on
@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from unimp.spi import LossScale, LossScaleSpec, LossScaleState, f32
+from unimp.spi import LossScale, LossScaleSpec, LossScaleState, dtypes
 
 
-class HostRuleLossScale:
+class DeviceLossScale:
     """The scale tensor (multiplies the loss, unscales the grads) + the core's rule on the host.
 
     >>> import unimp
-    >>> s = HostRuleLossScale(unimp.load({"loss_scale": {"initial": 8.0, "growth_interval": 1}}).loss_scale)
+    >>> s = DeviceLossScale(unimp.load({"loss_scale": {"initial": 8.0, "growth_interval": 1}}).loss_scale)
     >>> s.update(True), float(s.scale.numpy()[0]), s.update(False), s.state().skipped
     (False, 16.0, True, 1)
     """
@@ -52,4 +52,4 @@ class HostRuleLossScale:
     def _write(self, value: float) -> None:
         import paddle
 
-        self.scale = paddle.to_tensor([f32(value)], dtype="float32", place=self.place)
+        self.scale = paddle.to_tensor([dtypes.f32(value)], dtype="float32", place=self.place)

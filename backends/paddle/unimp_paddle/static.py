@@ -22,51 +22,16 @@ import dataclasses
 import fnmatch
 from typing import Any
 
-from unimp.spi import (
-    CANONICAL_OPS,
-    Amp,
-    LossScale,
-    LossScaleState,
-    Plan,
-    Report,
-    ReportRow,
-    UnsupportedError,
-    dtype_name,
-)
+from unimp.spi import Amp, LossScale, LossScaleState, Plan, Report, UnsupportedError
 
-from .ops import compile_lists, op_types
+from . import trace
+from .ops import canonical_of, compile_lists, op_types
+from .optimizer import StaticAmpOptimizer
 
 RANK2_ONLY = {"matmul_v2": "X", "layer_norm": "X"}  # bf16 CPU kernels that mis-read rank > 2 inputs
 
 
-def canonical_of(op_type: str) -> str | None:
-    return next((op for op in CANONICAL_OPS if op_type in op_types(op)), None)
-
-
-class StaticOptimizer:
-    """``minimize(loss, startup_program)`` on the rewritten Program (float32 loss, plain backward)."""
-
-    def __init__(self, inner: Any, program: Any) -> None:
-        self._inner = inner
-        self._program = program
-
-    @property
-    def inner(self) -> Any:
-        return self._inner
-
-    def minimize(self, loss: Any, startup_program: Any = None) -> Any:
-        import paddle
-
-        with paddle.static.program_guard(self._program, startup_program):
-            if loss.dtype != paddle.float32:
-                loss = loss.astype("float32")
-            return self._inner.minimize(loss)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-class StaticAmp(Amp):
+class PaddleStaticAmp(Amp):
     """A policy bound to a legacy-IR ``paddle.static.Program`` (rewritten in place; remove() undoes it)."""
 
     def __init__(self, plan: Plan, program: Any, optimizer: Any = None) -> None:
@@ -80,7 +45,7 @@ class StaticAmp(Amp):
                             f"{type(optimizer).__name__}")
         super().__init__(plan, program, optimizer)
         self._original = program.clone()
-        self._state = LossScale(dataclasses.replace(plan.loss_scale, mode="none")).initial_state()
+        self._state = LossScale(self._loss_scale_run()).initial_state()
         self.fp32_vars: dict[str, str] = {}
         self._training = optimizer is not None
         if plan.details.amp_active:
@@ -90,12 +55,12 @@ class StaticAmp(Amp):
             rewrite_program_bf16(program, self.amp_lists)
         else:
             self.amp_lists = None
-        self.optimizer = StaticOptimizer(optimizer, program) if optimizer is not None else None
+        self.optimizer = StaticAmpOptimizer(optimizer, program) if optimizer is not None else None
 
     def _amp_lists(self, program: Any) -> Any:
         from paddle.static.amp.bf16 import AutoMixedPrecisionListsBF16
 
-        lists = compile_lists(self.policy)
+        lists = compile_lists(self.plan)
         fixed = {t for d in self.plan.ops if d.control == "fixed" and d.dtype == "float32"
                  for t in op_types(d.op)}
         white = set(lists.white) - fixed
@@ -112,7 +77,7 @@ class StaticAmp(Amp):
         """Vars kept float32 by name: float32 overrides (by parameter-name prefix) and rank>2 ops."""
         block = program.global_block()
         out: dict[str, str] = {}
-        for i, o in enumerate(self.policy.overrides):
+        for i, o in enumerate(self.plan.overrides):
             if o.compute_dtype != "float32":
                 continue
             for p in program.all_parameters():
@@ -136,7 +101,7 @@ class StaticAmp(Amp):
                     out[out_name] = f"{op.type} rank>2"
                 problems.append(f"{op.type} (input {name}, rank {len(block.var(name).shape)}): Paddle's "
                                 f"bf16 CPU kernel mis-reads inputs of rank > 2; runs float32")
-        if problems and self.policy.on_unsupported == "error":
+        if problems and self.plan.on_unsupported == "error":
             raise UnsupportedError("cannot run in bfloat16 on the static path:\n  " + "\n  ".join(problems)
                                    + "\nfix: reshape activations to 2-D / use paddle.static.nn.fc (mul), or set "
                                      "on_unsupported = \"fallback\"")
@@ -154,32 +119,13 @@ class StaticAmp(Amp):
         self._state = state
 
     def op_dtypes(self, executor: Any, feed: dict[str, Any], scope: Any = None) -> list[tuple[str, str, str]]:
-        """Run the Program once (a training Program takes a step); ``(op type, output var, dtype)``
-        per canonical op, the dtype being what the fetched variable really held."""
-        block = self.model.global_block()
-        wanted = [(op.type, op.output_arg_names[0]) for op in block.ops
-                  if canonical_of(op.type) and op.output_arg_names and not op.type.endswith("_grad")]
-        names = [v for _, v in wanted]
-        try:
-            values = executor.run(self.model, feed=feed, fetch_list=names, scope=scope)
-        except RuntimeError as e:  # the Plan decided from unimp.hardware; this is the backstop
-            if "primitive descriptor" not in str(e):
-                raise
-            from unimp.spi import cpu
-
-            raise UnsupportedError(f"Paddle's oneDNN has no kernel for this bf16 Program on this CPU, "
-                                   f"{cpu().describe()}: {str(e).strip().splitlines()[-1]}; set compute_dtype = "
-                                   f"\"auto\" (float32 where bf16 is not native)") from None
-        return [(t, v, dtype_name(x.dtype, {"uint16": "bfloat16"})) for (t, v), x in zip(wanted, values)]
+        """Run the Program once: ``(op type, output var, dtype)`` per canonical op (:func:`trace.program_dtypes`)."""
+        return trace.program_dtypes(self.model, executor, feed, scope)
 
     def report(self, executor: Any = None, feed: dict[str, Any] | None = None, scope: Any = None) -> Report:
         """Rows per canonical op of the Program, dtypes from a real run (``executor`` + ``feed``)."""
-        rows = []
-        if executor is not None:
-            for op_type, var, dtype in self.op_dtypes(executor, feed or {}, scope):
-                rows.append(ReportRow(f"{op_type}:{var}", canonical_of(op_type), dtype, "float32", dtype))
-        notes = [f"Plan fallback: {d.op} runs {d.dtype} ({d.note})" for d in self.plan.fallbacks]
-        return self.report_header(rows, notes + [n for n in self.plan.notes if n.startswith("fallback:")])
+        rows = trace.program_rows(self.op_dtypes(executor, feed or {}, scope)) if executor is not None else []
+        return self.report_header(rows, trace.report_notes(self.plan))
 
     def _restore(self) -> None:
         from paddle.base import core

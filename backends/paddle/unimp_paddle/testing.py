@@ -4,12 +4,12 @@ On CPU Paddle's dygraph AMP does nothing. A policy Paddle can run as written (``
 trajectory rules) is applied unchanged. A policy it cannot (anything low precision, with the
 presets' ``on_unsupported = "error"``) raises a clear ``UnsupportedError`` from ``unimp.apply`` --
 ``backends/paddle/tests/test_dygraph.py`` checks that -- so the kit declares what it does instead:
-it applies ``policy.replace(on_unsupported="fallback")`` (:meth:`PaddleKit.apply`), and the checks
+it applies the policy with ``on_unsupported = "fallback"`` (:meth:`PaddleKit.apply`), and the checks
 expect exactly the Plan's reported fallbacks (ops: ``OpDecision.dtype``; params:
 ``Plan.param_fallback``; overrides: ``Plan.override_fallbacks``), all ``float32`` on CPU. On a GPU
 the kit applies every policy unchanged.
 
->>> from unimp.conformance import probe_weights
+>>> from unimp.conformance.probe import probe_weights
 >>> kit = PaddleKit()
 >>> [name for name, _ in kit.build_probe(probe_weights()).named_children()]
 ['embed', 'fc1', 'act', 'conv', 'norm', 'head', 'logp']
@@ -17,26 +17,16 @@ the kit applies every policy unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
-from unimp.spi import (
-    CHANNELS,
-    CLASSES,
-    HIDDEN,
-    KERNEL,
-    LN_EPS,
-    VOCAB,
-    Kit,
-    Observation,
-    Policy,
-    ProbeBatch,
-    UnsupportedError,
-)
+from unimp.conformance.kit import Kit, Observation
+from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, ProbeBatch
+from unimp.spi import Plan, UnsupportedError, dtypes
 
-from .device import dtype_name
-from .plan import compile_dygraph
+from .plan import compile_dygraph, default_place
 
 
 def _probe_class() -> Any:
@@ -65,33 +55,28 @@ class PaddleKit(Kit):
 
     backend = "paddle"
 
-    def _place(self) -> str:
-        import paddle
-
-        return "gpu" if paddle.device.get_device().startswith("gpu") else "cpu"
-
-    def supports(self, policy: Policy) -> str | None:
+    def supports(self, request: Plan) -> str | None:
         """On CPU every request has an expressible fallback (see :meth:`apply`); on a GPU a policy
         Paddle cannot run as written is unsupported (its UnsupportedError is then checked)."""
-        if self._place() == "cpu":
+        if default_place(load=True) == "cpu":
             return None
         try:
-            compile_dygraph(policy, self._place())
+            compile_dygraph(request, "gpu")
         except UnsupportedError as e:
             return str(e)
         return None
 
-    def apply(self, policy: Policy, model: Any, optimizer: Any) -> Any:
+    def apply(self, policy: Any, model: Any, optimizer: Any) -> Any:
         """``unimp.apply`` with the policy as written when Paddle can honour it here; on CPU, else,
         with ``on_unsupported = "fallback"`` (the same policy otherwise, so the Plan reports every
         fallback). The variant is visible as ``amp.policy.on_unsupported``."""
         from unimp.spi import apply
 
-        if self._place() == "cpu" and policy.on_unsupported == "error":
+        if default_place(load=True) == "cpu":
             try:
-                compile_dygraph(policy, "cpu")
-            except UnsupportedError:
-                policy = policy.replace(on_unsupported="fallback")
+                compile_dygraph(Plan.request(policy, "paddle"), "cpu")
+            except UnsupportedError:  # only raised under on_unsupported = "error": the same policy, "fallback"
+                policy = dataclasses.replace(policy, on_unsupported="fallback")
         return apply(policy, model, optimizer, backend="paddle")
 
     def build_probe(self, weights: dict[str, Any]) -> Any:
@@ -129,7 +114,7 @@ class PaddleKit(Kit):
         return amp.model(self._tokens(batch))
 
     def dtype_name(self, value: Any) -> str:
-        return dtype_name(value.dtype)
+        return dtypes.dtype_name(value.dtype)
 
     def step(self, amp: Any, batch: ProbeBatch, poison: bool = False) -> float:
         import paddle
@@ -175,7 +160,7 @@ class PaddleKit(Kit):
         return out
 
     def model_state(self, model: Any) -> dict[str, tuple[str, Any]]:
-        return {k: (dtype_name(v.dtype), v.numpy().copy()) for k, v in model.state_dict().items()}
+        return {k: (dtypes.dtype_name(v.dtype), v.numpy().copy()) for k, v in model.state_dict().items()}
 
     def forward_fingerprint(self, model: Any, batch: ProbeBatch) -> Any:
         return model(self._tokens(batch)).numpy()

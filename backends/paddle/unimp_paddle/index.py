@@ -1,14 +1,23 @@
-"""Layout facts of Paddle layers: the tiling dims ``layout.align`` checks (the core acts on them) and what
-``channels_last`` can do.
+"""The model index of a ``paddle.nn.Layer`` (one ``LayerInfo`` per sublayer: path, kind, class, tiling dims)
+and its layout facts (what ``layout.channels_last`` can do; the alignment action is the core's).
 
 >>> import paddle
->>> dims(paddle.nn.Linear(16, 30))
-(('in_features', 16), ('out_features', 30))
+>>> model_index(paddle.nn.Linear(16, 30))
+(LayerInfo(path='', kind='linear', type_names=('Linear',), dims=(('in_features', 16), ('out_features', 30))),)
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from unimp.spi import LayerInfo
+
+from .ops import canonical_of
+
+
+def layer_kind(layer: Any) -> str | None:
+    """The canonical op of a layer, by its class name (None: follows its inputs)."""
+    return canonical_of(type(layer).__name__)
 
 
 def dims(layer: Any) -> tuple[tuple[str, int], ...]:
@@ -22,6 +31,13 @@ def dims(layer: Any) -> tuple[tuple[str, int], ...]:
     if name.startswith("Conv"):
         return (("in_channels", int(layer._in_channels)), ("out_channels", int(layer._out_channels)))
     return ()
+
+
+def model_index(model: Any) -> tuple[LayerInfo, ...]:
+    """The Plan's index of a ``paddle.nn.Layer``: per sublayer (the layer itself as ``""``) its path, kind,
+    class name and tiling dims."""
+    return tuple(LayerInfo(path, layer_kind(layer), (type(layer).__name__,), dims(layer))
+                 for path, layer in model.named_sublayers(include_self=True))
 
 
 def channels_last_findings(model: Any) -> list[str]:
