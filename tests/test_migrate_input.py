@@ -185,3 +185,19 @@ def test_a_pipe_or_device_is_refused_by_name_never_waited_on(tmp_path, system):
         done = subprocess.run([sys.executable, "-m", "unimp", "import", "--from", system, *args], cwd=tmp_path,
                               capture_output=True, text=True, timeout=30)
         assert done.returncode == 1 and message in done.stderr and "Traceback" not in done.stderr, (args, done)
+
+
+def test_paddle_op_names_come_from_the_paddle_backend_and_its_absence_is_named(monkeypatch):
+    """The core holds no framework's op names: a Paddle custom list is read with unimp-paddle's own table
+    (``PaddleBackend.native_ops``); without that backend it is an error naming the fix, never a guess. A
+    config that names no op needs no backend."""
+    from unimp.backend import registry
+    from unimp.migrate import importers
+
+    table = registry.backends()["paddle"].native_ops
+    imp = importers.paddle({"level": "O1", "custom_black_list": list(table["softmax"])})
+    assert imp.policy.ops.category("softmax") == "float32"
+    monkeypatch.setattr(registry, "backends", lambda: {})
+    with pytest.raises(unimp.UnsupportedError, match=r"custom_black_list name Paddle ops.*pip install unimp-paddle"):
+        importers.paddle({"level": "O1", "custom_black_list": ["softmax"]})
+    assert importers.paddle({"level": "O1"}).policy.compute_dtype == "float16"

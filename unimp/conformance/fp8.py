@@ -53,7 +53,7 @@ def declared(kit: Kit, policy: Policy) -> Fp8Plan:
     """The backend's Fp8Plan for ``policy``; NotApplicable (after checking the refusal) when inactive."""
     from unimp.backend.registry import get_backend
 
-    plan = get_backend(kit.backend).compile(policy.replace(on_unsupported="fallback"))
+    plan = get_backend(kit.backend).compile(kit.with_fallback(policy))
     if plan.fp8 is not None and plan.fp8.active:
         return plan.fp8
     why = plan.fp8.fallback if plan.fp8 is not None else "the backend declares no FP8"

@@ -45,6 +45,12 @@ class Kit(abc.ABC):
         expects a clear UnsupportedError); None when it can."""
         return None
 
+    @staticmethod
+    def with_fallback(policy: Policy) -> Policy:
+        """``policy`` with ``on_unsupported = "fallback"`` (the same policy otherwise): what a kit applies
+        where the platform cannot honour it, so the Plan reports every fallback."""
+        return policy.replace(on_unsupported="fallback")
+
     def why_not(self, policy: Policy) -> str | None:
         """:meth:`supports` for ``policy`` (what the checks call)."""
         return self.supports(Plan.request(policy, self.backend))

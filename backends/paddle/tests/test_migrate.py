@@ -58,11 +58,11 @@ def test_custom_lists_round_trip_through_auto_cast():
     """The exported custom lists, given to the real auto_cast, are what Paddle's tracer holds; and
     importing them back moves the same canonical ops. A list naming only part of a canonical op (one of
     matmul's Paddle op types) is refused, never widened to the whole op."""
-    from unimp.migrate.paddle import PADDLE_NATIVE_OPS
+    from unimp.migrate.paddle import paddle_names
 
     with pytest.raises(unimp.UnsupportedError, match="matmul_v2 is only part of canonical op 'matmul'"):
         importers.paddle({"level": "O1", "custom_black_list": ["matmul_v2"]})
-    matmul = list(PADDLE_NATIVE_OPS["matmul"])
+    matmul = list(paddle_names()["matmul"])
     imp = importers.paddle({"level": "O1", "custom_white_list": ["softmax"], "custom_black_list": matmul})
     assert imp.policy.ops.category("softmax") == "lower" and imp.policy.ops.category("matmul") == "float32"
     out = exporters.paddle(imp.policy)

@@ -17,7 +17,6 @@ the kit applies every policy unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -76,7 +75,7 @@ class PaddleKit(Kit):
             try:
                 compile_dygraph(Plan.request(policy, "paddle"), "cpu")
             except UnsupportedError:  # only raised under on_unsupported = "error": the same policy, "fallback"
-                policy = dataclasses.replace(policy, on_unsupported="fallback")
+                policy = self.with_fallback(policy)
         return apply(policy, model, optimizer, backend="paddle")
 
     def build_probe(self, weights: dict[str, Any]) -> Any:
