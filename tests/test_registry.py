@@ -164,3 +164,15 @@ def test_remember_binds_a_wrapper_made_after_apply():
         unimp.apply("mixed_bf16", wrapper)
     amp.remove()
     unimp.apply("mixed_bf16", wrapper).remove()
+
+
+def test_a_compiled_plan_is_bound_as_it_is_on_its_backend():
+    """``unimp.apply(plan, model)`` binds a Plan compiled before (a ``scope`` holds one) without compiling
+    again, all or nothing like a policy."""
+    plan = unimp.get_backend("toy").compile(unimp.load("mixed_bf16"))
+    m = Model()
+    amp = unimp.apply(plan, m)
+    assert amp.plan is plan and amp.backend == "toy"
+    with pytest.raises(RuntimeError, match="already has a unimp policy applied"):
+        unimp.apply(plan, m)
+    amp.remove()

@@ -18,6 +18,7 @@ from unimp.backend.applied import is_applied, release
 from unimp.backend.applied import remember as _remember
 from unimp.backend.transaction import all_or_nothing
 from unimp.errors import UnsupportedError
+from unimp.plan import Plan
 from unimp.policy.loading import load
 
 GROUP = "unimp.backends"
@@ -85,9 +86,12 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
     """Bind a policy (file, preset name, dict or Policy) to a model and optimizer.
 
     The backend is detected from the model's type unless ``backend`` names one. If applying
-    fails, the model and optimizer are left exactly as they were (``Backend.snapshot``).
+    fails, the model and optimizer are left exactly as they were (``Backend.snapshot``). A compiled
+    :class:`~unimp.plan.Plan` is bound as it is, on its own backend (e.g. one a ``scope`` compiled).
     """
-    pol = load(policy)
+    compiled = policy if isinstance(policy, Plan) else None
+    pol = compiled.policy if compiled is not None else load(policy)
+    backend = compiled.backend if compiled is not None else backend
     if is_applied(model):
         raise RuntimeError(f"unimp.apply: this {type(model).__name__} already has a unimp policy "
                            f"applied; call amp.remove() first, or keep using the Amp you have")
@@ -95,7 +99,7 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
     if backend and not chosen.accepts(model):
         raise TypeError(f"backend {backend!r} does not accept {type(model)!r} (it takes "
                         f"{chosen.model_types})")
-    plan = chosen.compile(pol, model)
+    plan = compiled if compiled is not None else chosen.compile(pol, model)
     # all or nothing: whatever apply changed before it failed is put back (unimp.backend.transaction)
     def bind() -> Amp:
         amp = chosen.apply(plan, model, optimizer, **options)

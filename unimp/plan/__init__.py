@@ -400,8 +400,8 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
     as_run = None
     if loss_scale_unsupported:
         spec = resolved_loss_scale(policy, low)
-        notes = (*notes, *loss_scale_fallbacks(spec, loss_scale_unsupported, f"policy {policy.name!r}",
-                                               policy.on_unsupported))
+        notes = (*notes, *loss_scale_fallbacks(spec, loss_scale_unsupported,
+                                               f"policy {policy.name!r} ({policy.source})", policy.on_unsupported))
         as_run = loss_scale_as_run(spec, loss_scale_unsupported)
     rows = compile_layers(policy, low, index or ())
     return Plan(backend, policy, low, compute_reason, tuple(decisions), tuple(notes), details,
