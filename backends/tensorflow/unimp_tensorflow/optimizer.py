@@ -1,8 +1,8 @@
 """Optimizer wrappers: loss scaling (the core rule, every knob) and float32 master weights.
 
-:class:`LossScaleOptimizer` subclasses Keras' own ``LossScaleOptimizer`` (so ``compile`` never
+:class:`AmpOptimizer` subclasses Keras' own ``LossScaleOptimizer`` (so ``compile`` never
 wraps it a second time) but runs unimp's rule (:mod:`unimp_tensorflow.scaler`) over float32 /
-int64 variables. :class:`KerasLossScaleOptimizer` *is* Keras' rule, used where the policy asks
+int64 variables. :class:`KerasAmpOptimizer` *is* Keras' rule, used where the policy asks
 for exactly that rule; it only adds the step/skip counters of the canonical state. A skipped
 step calls nothing on the inner optimizer: variables, slots and ``iterations`` keep their bits.
 
@@ -15,7 +15,7 @@ so ``keras.models.load_model(path)`` loads the file with or without unimp. unimp
 applied model reads back (``load_weights``).
 
 >>> import keras, unimp
->>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), unimp.load("mixed_fp16").loss_scale)
+>>> opt = AmpOptimizer(keras.optimizers.SGD(0.1), unimp.load("mixed_fp16").loss_scale)
 >>> opt.loss_scale_state().scale
 65536.0
 """
@@ -33,10 +33,10 @@ from keras.src.saving import serialization_lib
 from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.utils import tracking
 
-from unimp.spi import INT32_MAX, LossScale, LossScaleSpec, LossScaleState, StateError, f32, policy_problems
+from unimp.spi import LossScale, LossScaleSpec, LossScaleState, StateError, dtypes
 
 from .distributed import all_reduce, hook_inner, refuse_xla
-from .scaler import State, all_finite, encode, next_state
+from .scaler import DeviceLossScale, all_finite, encode, next_state
 
 KerasLSO = keras.optimizers.LossScaleOptimizer
 ONLY_FIRST = "only_first_replica"
@@ -62,7 +62,7 @@ def _unscale(grads: list, scale: tf.Tensor | None, variables: list | None = None
 def _held(scale: float) -> tf.Tensor:
     """A scale as the float32 tensor the state holds, subnormals built from their bits (TensorFlow's
     conversions flush them: Keras' Constant(2**-140) initializer reads back 0.0)."""
-    return encode(tf.constant(f32(scale), tf.float64))  # on the float32 grid first: encode reads only grid values
+    return encode(tf.constant(dtypes.f32(scale), tf.float64))  # on the float32 grid first: encode reads grid values
 
 
 class ExactState(KerasSaveable):
@@ -148,10 +148,10 @@ class _Counters:
 
     def _count(self, var: Any) -> None:
         """One more step / skip, saturating at the int32 bound as the core's rule does (never wraps)."""
-        var.assign(tf.minimum(var + 1, INT32_MAX))
+        var.assign(tf.minimum(var + 1, dtypes.INT32_MAX))
 
 
-class LossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
+class AmpOptimizer(SavesAsKeras, _Counters, KerasLSO):
     """Loss scaling by unimp's reference rule; optionally float32 masters for low-precision params.
 
     ``masters`` maps ``id(model variable)`` to its float32 master: the inner optimizer updates
@@ -191,8 +191,8 @@ class LossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
     def _scale_variable(self) -> Any:
         return self.dynamic_scale
 
-    def _state(self) -> State:
-        return State(self.dynamic_scale.value, self.step_counter.value, self._hysteresis.value,
+    def _state(self) -> DeviceLossScale:
+        return DeviceLossScale(self.dynamic_scale.value, self.step_counter.value, self._hysteresis.value,
                      self._skipped.value, self._steps.value)
 
     def loss_scale_state(self) -> LossScaleState:
@@ -200,7 +200,7 @@ class LossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
         return LossScaleState(float(s[0]), int(s[1]), int(s[2]), int(s[3]), int(s[4]))
 
     def set_loss_scale_state(self, state: LossScaleState) -> None:
-        problems = policy_problems(self.spec, state)  # the rule as it runs here (a float32 scale)
+        problems = LossScale(self.spec).problems(state)  # the rule as it runs here (a float32 scale)
         if problems:
             raise StateError("loss-scale state: " + "; ".join(problems))
         self.dynamic_scale.assign(_held(state.scale))
@@ -263,7 +263,7 @@ class LossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
     # ------------------------------------------------------------------ tf.distribute
     def _tf_apply(self, grads: list, trainable_variables: list | None = None) -> None:
         if tf.distribute.in_cross_replica_context():
-            raise ValueError("unimp LossScaleOptimizer.apply() must be called in a replica context "
+            raise ValueError("unimp AmpOptimizer.apply() must be called in a replica context "
                              "(inside strategy.run(...)), as Keras optimizers require")
         if not tf.distribute.has_strategy():
             self._common_apply(grads, trainable_variables)
@@ -313,7 +313,7 @@ class LossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
         self._update(tf.constant(False))
 
     def stateless_apply(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("unimp's LossScaleOptimizer runs on the TensorFlow backend of Keras")
+        raise NotImplementedError("unimp's AmpOptimizer runs on the TensorFlow backend of Keras")
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
@@ -323,7 +323,7 @@ class LossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
         return config
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> AmpOptimizer:
         inner = serialization_lib.deserialize_keras_object(config["inner_optimizer"],
                                                            custom_objects=custom_objects)
         ls = dict(config["loss_scale"])
@@ -336,7 +336,7 @@ def _assign_cast(var: Any, master: Any) -> Any:
     return var.assign(tf.cast(master, var.dtype))
 
 
-class KerasLossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
+class KerasAmpOptimizer(SavesAsKeras, _Counters, KerasLSO):
     """Keras' own ``LossScaleOptimizer`` rule, plus the canonical skip/step counters."""
 
     def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, name: str | None = None) -> None:
