@@ -38,7 +38,6 @@ from unimp.spi import LossScale, LossScaleSpec, LossScaleState, StateError, dtyp
 from .distributed import all_reduce, hook_inner, refuse_xla
 from .scaler import DeviceLossScale, all_finite, encode, next_state
 
-KerasLSO = keras.optimizers.LossScaleOptimizer
 ONLY_FIRST = "only_first_replica"
 
 
@@ -90,8 +89,9 @@ class ExactState(KerasSaveable):
             self._optimizer().set_loss_scale_state(LossScaleState(float(values[0]), *(int(v) for v in values[1:])))
 
 
-class SavesAsKeras:
-    """What a saved file holds for a unimp loss-scale optimizer: the Keras object that runs its rule.
+class SavesAsKeras(keras.optimizers.LossScaleOptimizer):
+    """What both of unimp's wrappers share: the canonical ``skipped`` / ``steps`` counters (int64
+    optimizer variables), and what a saved file holds for them: the Keras object that runs their rule.
 
     ``keras_config()`` is that object's serialized config: ``keras.optimizers.LossScaleOptimizer``
     (initial scale and growth interval from the policy) for dynamic scaling, else the inner
@@ -100,11 +100,25 @@ class SavesAsKeras:
     layout), so the file loads the same with or without unimp.
     """
 
-    spec: LossScaleSpec
+    def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, initial_scale: float, name: str) -> None:
+        saved_factor = inner_optimizer.loss_scale_factor
+        super().__init__(inner_optimizer, initial_scale=initial_scale, dynamic_growth_steps=spec.growth_interval,
+                         name=name)
+        self._saved_factor = saved_factor  # Keras clears the inner factor; remove() puts it back
+        self.spec = spec
 
     @tracking.no_automatic_dependency_tracking
     def _make_exact_state(self) -> None:
         object.__setattr__(self, "unimp_state", ExactState(self))
+
+    @tracking.no_automatic_dependency_tracking
+    def _make_counters(self) -> None:
+        self._skipped = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST, name="unimp_skipped")
+        self._steps = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST, name="unimp_steps")
+
+    def _count(self, var: Any) -> None:
+        """One more step / skip, saturating at the int32 bound as the core's rule does (never wraps)."""
+        var.assign(tf.minimum(var + 1, dtypes.INT32_MAX))
 
     def keras_config(self) -> dict[str, Any]:
         inner = serialization_lib.serialize_keras_object(self.inner_optimizer)
@@ -121,7 +135,7 @@ class SavesAsKeras:
         inner = list(self.inner_optimizer.variables)
         if self.spec.mode != "dynamic":
             return inner
-        return [self.iterations, self._learning_rate, self._tracker_variable(), self._scale_variable(), *inner]
+        return [self.iterations, self._learning_rate, self.step_counter, self.dynamic_scale, *inner]
 
     def save_own_variables(self, store: Any) -> None:
         if not self.built:
@@ -138,20 +152,7 @@ class SavesAsKeras:
         keras.optimizers.Optimizer.load_own_variables(self, store)  # unimp's own layout (older files)
 
 
-class _Counters:
-    """The canonical ``skipped`` / ``steps`` counters (int64 optimizer variables)."""
-
-    @tracking.no_automatic_dependency_tracking
-    def _make_counters(self) -> None:
-        self._skipped = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST, name="unimp_skipped")
-        self._steps = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST, name="unimp_steps")
-
-    def _count(self, var: Any) -> None:
-        """One more step / skip, saturating at the int32 bound as the core's rule does (never wraps)."""
-        var.assign(tf.minimum(var + 1, dtypes.INT32_MAX))
-
-
-class AmpOptimizer(SavesAsKeras, _Counters, KerasLSO):
+class AmpOptimizer(SavesAsKeras):
     """Loss scaling by unimp's reference rule; optionally float32 masters for low-precision params.
 
     ``masters`` maps ``id(model variable)`` to its float32 master: the inner optimizer updates
@@ -160,11 +161,7 @@ class AmpOptimizer(SavesAsKeras, _Counters, KerasLSO):
 
     def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, masters: dict[int, Any] | None = None,
                  name: str | None = None, reduce_dtype: str = "float32") -> None:
-        saved_factor = inner_optimizer.loss_scale_factor
-        super().__init__(inner_optimizer, initial_scale=LossScale(spec).initial_state().scale,
-                         dynamic_growth_steps=spec.growth_interval, name=name or "unimp_loss_scale")
-        self._saved_factor = saved_factor  # Keras clears the inner factor; remove() puts it back
-        self.spec = spec
+        super().__init__(inner_optimizer, spec, LossScale(spec).initial_state().scale, name or "unimp_loss_scale")
         self.reduce_dtype = reduce_dtype  # dtype of the cross-replica gradient sum (tf.distribute)
         self._masters = dict(masters or {})
         self._make_state()
@@ -185,15 +182,9 @@ class AmpOptimizer(SavesAsKeras, _Counters, KerasLSO):
         self._make_counters()
 
     # ------------------------------------------------------------------ state
-    def _tracker_variable(self) -> Any:
-        return self.step_counter
-
-    def _scale_variable(self) -> Any:
-        return self.dynamic_scale
-
     def _state(self) -> DeviceLossScale:
         return DeviceLossScale(self.dynamic_scale.value, self.step_counter.value, self._hysteresis.value,
-                     self._skipped.value, self._steps.value)
+                               self._skipped.value, self._steps.value)
 
     def loss_scale_state(self) -> LossScaleState:
         s = [tf.convert_to_tensor(v) for v in self._state()]  # a mirrored variable reads its primary copy
@@ -336,24 +327,14 @@ def _assign_cast(var: Any, master: Any) -> Any:
     return var.assign(tf.cast(master, var.dtype))
 
 
-class KerasAmpOptimizer(SavesAsKeras, _Counters, KerasLSO):
+class KerasAmpOptimizer(SavesAsKeras):
     """Keras' own ``LossScaleOptimizer`` rule, plus the canonical skip/step counters."""
 
     def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, name: str | None = None) -> None:
-        saved_factor = inner_optimizer.loss_scale_factor
-        super().__init__(inner_optimizer, initial_scale=spec.initial,
-                         dynamic_growth_steps=spec.growth_interval, name=name or "keras_loss_scale")
-        self._saved_factor = saved_factor
-        self.spec = spec
+        super().__init__(inner_optimizer, spec, spec.initial, name or "keras_loss_scale")
         self._pending: LossScaleState | None = None
         self._make_counters()
         self._make_exact_state()
-
-    def _tracker_variable(self) -> Any:
-        return self.step_counter
-
-    def _scale_variable(self) -> Any:
-        return self.dynamic_scale
 
     @tracking.no_automatic_dependency_tracking
     def build(self, var_list: list) -> None:
