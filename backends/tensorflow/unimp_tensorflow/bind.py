@@ -26,6 +26,7 @@ from . import fp8
 from .distributed import is_distributed, unhook_inner
 from .dtype_policies import FollowInputs, keras_policy
 from .index import Unit, descendants, is_graph, walk
+from .layout import data_formats, layout_findings
 from .optimizer import AmpOptimizer, KerasAmpOptimizer, SavesAsKeras
 from .params import Swap, swap_params
 from .plan import keras_rule
@@ -66,21 +67,6 @@ def check_inputs(model: Any, optimizer: Any) -> None:
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"unimp (tensorflow): optimizer must be a Keras 3 keras.optimizers.Optimizer "
                         f"instance (e.g. keras.optimizers.Adam(1e-3)), got {type(optimizer).__name__}")
-
-
-def data_formats(units: list[Unit]) -> dict[str, str]:
-    """``data_format`` of every layer that has one (convolutions, pooling), by path."""
-    return {u.path: u.layer.data_format for u in units if isinstance(getattr(u.layer, "data_format", None), str)}
-
-
-def layout_findings(formats: dict[str, str], channels_last: bool) -> list[str]:
-    """Layers whose data format differs from the Plan's ``channels_last`` (existing models are not rewritten:
-    their input layout would change; dims not a multiple of ``layout.align`` are the Plan's findings)."""
-    if not channels_last:
-        return []
-    return [f"{path}: data_format='{fmt}', the policy asks channels_last; rebuild this layer with "
-            f"data_format='channels_last' (or build the model under unimp_tensorflow.scope(policy))"
-            for path, fmt in formats.items() if fmt != "channels_last"]
 
 
 def _set_policy(binding: Binding, layer: Any, kp: Any) -> None:
