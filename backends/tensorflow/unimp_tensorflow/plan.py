@@ -61,7 +61,7 @@ def resolve_compute_auto() -> tuple[str, str]:
         return hardware.resolve_cpu_auto("Keras (oneDNN)")
     cc = tuple(tf.config.experimental.get_device_details(gpus[0]).get("compute_capability", (0, 0)))
     return hardware.resolve_auto(fast_bf16=cc >= (8, 0), fast_fp16=True,
-                        where=f"this GPU (compute capability {cc[0]}.{cc[1]})")
+                                 where=f"this GPU (compute capability {cc[0]}.{cc[1]})")
 
 
 def warn_emulated(request: Plan, compute: str) -> str | None:
@@ -134,7 +134,8 @@ def compile_plan(request: Plan, index: Iterable[LayerInfo] | None = None) -> Pla
     spec = request.loss_scale_at(compute)
     details = TensorFlowDetails(loss_scaler(spec, request.uses_master_weights), distributed_note(request.reduce_dtype))
     cannot = unsupported(spec)
-    LossScale(spec).fallbacks(cannot, request.where, request.on_unsupported)  # refused first, naming the source
+    # refused here first: request.compile would name the policy without its source
+    LossScale(spec).fallbacks(cannot, request.where, request.on_unsupported)
     return request.compile(control=control, native=native, compute_dtype=compute, compute_reason=reason,
                            fixed=fixed, notes=(*notes, details.loss_scaler, details.distributed), details=details,
                            index=index, fp8=fp8_support(), loss_scale_unsupported=cannot)
