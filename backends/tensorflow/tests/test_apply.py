@@ -207,7 +207,7 @@ def test_compiled_model_gets_the_wrapper_and_gets_it_back():
 
 def test_keras_mixed_float16_uses_keras_own_optimizer():
     amp = unimp.apply("keras_mixed_float16", build(sequential), keras.optimizers.SGD(0.1))
-    assert type(amp.optimizer).__name__ == "KerasLossScaleOptimizer"
+    assert type(amp.optimizer).__name__ == "KerasAmpOptimizer"
     assert isinstance(amp.optimizer, keras.optimizers.LossScaleOptimizer)
     assert amp.scale == 32768.0
     amp.remove()

@@ -61,7 +61,7 @@ def test_apply_failing_half_way_changes_nothing(error, monkeypatch):
     with pytest.raises(error):
         unimp.apply("pure_bf16", model, optimizer)
     assert reached and reached[0] > 0 and state_of(model, optimizer) == before
-    assert not unimp.spi.is_applied(model)
+    assert not unimp.spi.Amp.is_bound(model)
     monkeypatch.undo()
     amp = unimp.apply("pure_bf16", model, optimizer)
     amp.remove()

@@ -49,7 +49,7 @@ def finites(n, bad=None):
 def test_two_replicas(runs):
     assert runs["replicas"] == 2
     assert all(len(s) == 2 for s in runs["mirrored"]["scales"])
-    assert runs["mirrored"]["wrapper"] == "LossScaleOptimizer"
+    assert runs["mirrored"]["wrapper"] == "AmpOptimizer"
 
 
 @pytest.mark.parametrize("name", ["mirrored", "mirrored_poison"])
@@ -131,6 +131,6 @@ def test_jit_compile_refused_clearly(runs):
 
 def test_keras_rule_under_strategy(runs):
     e = runs["errors"]
-    assert e["native_None"] == "LossScaleOptimizer"  # unimp's wrapper runs Keras' rule, agreed
+    assert e["native_None"] == "AmpOptimizer"  # unimp's wrapper runs Keras' rule, agreed
     assert e["native_True"].startswith("UnsupportedError:") and "replica 0" in e["native_True"]
     assert e["mixed_scopes"].startswith("ValueError:") and "strategy.scope()" in e["mixed_scopes"]

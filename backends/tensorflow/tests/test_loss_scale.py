@@ -22,8 +22,8 @@ from unimp.conformance.loss_scale import (
     replay_size,
 )
 from unimp.loss_scale import LossScale, LossScaleState, trajectory
-from unimp_tensorflow.optimizer import LossScaleOptimizer
-from unimp_tensorflow.scaler import State, decode, device_spec, transition
+from unimp_tensorflow.optimizer import AmpOptimizer
+from unimp_tensorflow.scaler import DeviceLossScale, decode, device_spec, transition
 
 KNOBS = [
     {},  # torch GradScaler defaults
@@ -49,7 +49,7 @@ def _sequences(n=4, length=40, seed=0):
 
 def _initial(spec, batch):
     st = LossScale(device_spec(spec)).initial_state()
-    return State(tf.fill([batch], tf.constant(st.scale, tf.float32)),
+    return DeviceLossScale(tf.fill([batch], tf.constant(st.scale, tf.float32)),
                  *(tf.fill([batch], tf.constant(v, tf.int64)) for v in (0, st.hysteresis_left, 0, 0)))
 
 
@@ -66,7 +66,7 @@ def _tf_runner(spec, seqs):
             st, err = carry
             new, error = transition(spec, st, f)
             error = no_error if error is None else error
-            new = State(*(tf.where(err | error, a, b) for a, b in zip(st, new, strict=True)))  # frozen
+            new = DeviceLossScale(*(tf.where(err | error, a, b) for a, b in zip(st, new, strict=True)))  # frozen
             return new, err | error
         return tf.scan(body, fs, initializer=(_initial(spec, B), no_error))
 
@@ -102,7 +102,7 @@ def test_float64_scales_are_a_plan_fallback():
 def test_unimp_optimizer_matches_reference(knobs):
     """Real gradients through the real optimizer under tf.function; skipped steps keep every bit."""
     spec = _spec(knobs)
-    opt = LossScaleOptimizer(keras.optimizers.Adam(0.01), spec)
+    opt = AmpOptimizer(keras.optimizers.Adam(0.01), spec)
     w = _tiny()
     step = _step_fn(opt, w)
     state = LossScale(spec).initial_state()
@@ -122,7 +122,7 @@ def test_unimp_optimizer_matches_reference(knobs):
 
 def test_at_min_error_raises_at_the_floor():
     spec = _spec({"at_min": "error", "initial": 2.0, "min": 1.0})
-    opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), spec)
+    opt = AmpOptimizer(keras.optimizers.SGD(0.1), spec)
     w = _tiny()
     step = _step_fn(opt, w)
     step(tf.constant(True))  # 2 -> 1
@@ -172,7 +172,7 @@ def test_keras_rule_is_not_the_torch_rule():
     torch_like = unimp.load("mixed_fp16").replace(loss_scale={"growth_interval": 3, "initial": 32768.0})
     native = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), dynamic_growth_steps=3)
     assert _replay_keras(native, [True] * 200) != trajectory(torch_like.loss_scale, [True] * 200)[0]  # no cap
-    ours = LossScaleOptimizer(keras.optimizers.SGD(0.1), torch_like.loss_scale)
+    ours = AmpOptimizer(keras.optimizers.SGD(0.1), torch_like.loss_scale)
     assert _replay_keras(ours, seq) == trajectory(torch_like.loss_scale, seq)[0]
 
 

@@ -15,7 +15,7 @@ from unimp.conformance.state_dicts import check_counters_at_bound
 from unimp.errors import StateError, UnsupportedError
 from unimp.loss_scale import LossScale
 from unimp.policy.spec import INT32_MAX
-from unimp_tensorflow.scaler import State, next_state
+from unimp_tensorflow.scaler import DeviceLossScale, next_state
 
 X = np.random.default_rng(0).normal(size=(8, 8)).astype("float32")
 
@@ -76,7 +76,7 @@ def test_float64_is_refused_by_the_rule_not_run_in_float32():
     growth at 8.5e37 clamps to 2**128 where float32 overflows): the TensorFlow rule refuses the spec,
     apply refuses the policy, and on_unsupported = "fallback" runs float32 with the Plan saying so."""
     spec = unimp.load("deepspeed_fp16").loss_scale
-    st = State(tf.constant(65536.0), *[tf.constant(v, tf.int64) for v in (0, 1, 0, 0)])
+    st = DeviceLossScale(tf.constant(65536.0), *[tf.constant(v, tf.int64) for v in (0, 1, 0, 0)])
     with pytest.raises(UnsupportedError, match=r"scale_dtype = 'float64' cannot be honoured"):
         next_state(spec, st, tf.constant(True))
     with pytest.raises(UnsupportedError, match="scale_dtype"):

@@ -20,7 +20,10 @@ __all__ = ["TensorFlowBackend", "scope"]
 
 
 def scope(policy: Any) -> Any:
-    """Build a Keras model under ``policy`` (see :mod:`unimp_tensorflow.building`)."""
+    """Build a Keras model under ``policy`` (file, preset name, dict or Policy): :mod:`unimp_tensorflow.building`."""
+    from unimp.spi import load
+
     from .building import scope as _scope
 
-    return _scope(policy)
+    backend = TensorFlowBackend()
+    return _scope(backend.compile(load(policy)), backend)

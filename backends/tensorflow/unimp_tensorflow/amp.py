@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from unimp.spi import Amp, LossScale, LossScaleState, Plan, Report, ReportRow, StateError, fp8_report_notes
+from unimp.spi import Amp, Fp8Decision, LossScale, LossScaleState, Plan, Report, ReportRow, StateError
 
 from . import fp8
 from .bind import Binding, undo
@@ -54,11 +54,6 @@ class TensorFlowAmp(Amp):
         return self.optimizer.apply_gradients(grads_and_vars)
 
     # ------------------------------------------------------------------ loss-scale state
-    def _loss_scale_run(self) -> Any:
-        from .scaler import device_spec
-
-        return device_spec(self.plan.loss_scale)  # float64 runs as float32 where the Plan falls back
-
     def loss_scale_state(self) -> LossScaleState:
         return self._state if self.optimizer is None else self.optimizer.loss_scale_state()
 
@@ -79,7 +74,7 @@ class TensorFlowAmp(Amp):
                 if u.path in seen]
         rows.append(ReportRow("", None, None, None, out))
         notes = [self.plan.details.loss_scaler] if self.optimizer is not None else []
-        return self.report_header(rows, notes=[n for n in notes if n] + fp8_report_notes(self._binding.fp8_decisions))
+        return self.report_header(rows, notes=notes + Fp8Decision.report_notes(self._binding.fp8_decisions))
 
     # ------------------------------------------------------------------ FP8 scaling state
     def state_dict(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import contextlib
 import sys
 from typing import Any, ClassVar
 
-from unimp.spi import Amp, Backend, Plan, Policy, Snapshot, native_table
+from unimp.spi import Amp, Backend, Plan, Snapshot, ops
 
 from .ops import NATIVE_OPS
 from .plan import compile_plan
@@ -28,7 +28,7 @@ class TensorFlowBackend(Backend):
     framework: ClassVar[str] = "keras"
     distribution: ClassVar[str] = "unimp-tensorflow"
     model_types: ClassVar[str] = "keras.Model (Keras 3, TensorFlow backend)"
-    native_ops: ClassVar = native_table("tensorflow", NATIVE_OPS)
+    native_ops: ClassVar = ops.native_table("tensorflow", NATIVE_OPS)
     tags: ClassVar = frozenset({"fp16", "bf16", "master_weights", "loss_scaling", "training", "overrides", "layout",
                                 "layer_level", "distributed", "remove"})
     priority: ClassVar[int] = 0
@@ -37,10 +37,10 @@ class TensorFlowBackend(Backend):
         keras = sys.modules.get("keras")
         return keras is not None and isinstance(model, keras.Model) and keras.backend.backend() == "tensorflow"
 
-    def compile(self, policy: Policy, model: Any = None) -> Plan:
+    def plan(self, request: Plan, model: Any = None) -> Plan:
         from .index import model_index
 
-        return compile_plan(policy, model_index(model) if model is not None else None)
+        return compile_plan(request, model_index(model) if model is not None else None)
 
     def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
         """Every layer (attributes, dtype policy, instance methods, variable tracker) and the
@@ -84,19 +84,19 @@ class TensorFlowBackend(Backend):
 
                 undo(model, optimizer, wrapper, binding, masters_on=False)
                 raise
-        if plan.policy.output_cast is not None:  # "unchanged": the last layer's compute dtype, as Keras gives it
-            patch_output(model, plan.policy.output_cast, binding)
+        if plan.output_cast is not None:  # "unchanged": the last layer's compute dtype, as Keras gives it
+            patch_output(model, plan.output_cast, binding)
         if wrapper is not None and getattr(model, "optimizer", None) is optimizer:
             binding.compiled_optimizer = optimizer
             model.optimizer = wrapper
         reset_compiled_functions(model)
         return TensorFlowAmp(plan, model, wrapper, optimizer, binding)
 
-    def scope(self, policy: Policy) -> Any:
-        """``unimp.scope(policy)``: build new Keras models under ``policy`` (see :mod:`.building`)."""
+    def scope(self, plan: Plan) -> Any:
+        """``unimp.scope(policy)``: build new Keras models under the compiled ``plan`` (see :mod:`.building`)."""
         from .building import scope
 
-        return scope(policy)
+        return scope(plan, self)
 
     def conformance_kit(self) -> Any:
         from .testing import TensorFlowKit

@@ -20,17 +20,16 @@ from typing import Any
 
 import keras
 
-from unimp.spi import Plan, UnsupportedError, is_low
+from unimp.spi import Plan, UnsupportedError, dtypes
 
 from . import fp8
 from .distributed import is_distributed, unhook_inner
 from .dtype_policies import FollowInputs, keras_policy
 from .index import Unit, descendants, is_graph, walk
 from .layout import data_formats, layout_findings
-from .optimizer import KerasLossScaleOptimizer, LossScaleOptimizer
+from .optimizer import AmpOptimizer, KerasAmpOptimizer, SavesAsKeras
 from .params import Swap, swap_params
 from .plan import keras_rule
-from .scaler import device_spec
 from .trace import call_name
 
 
@@ -70,9 +69,9 @@ def check_inputs(model: Any, optimizer: Any) -> None:
                         f"instance (e.g. keras.optimizers.Adam(1e-3)), got {type(optimizer).__name__}")
 
 
-def _set_policy(binding: Binding, layer: Any, policy: Any) -> None:
+def _set_policy(binding: Binding, layer: Any, kp: Any) -> None:
     binding.policies.setdefault(id(layer), (layer, layer._dtype_policy))
-    layer._dtype_policy = policy.for_layer(binding.policies[id(layer)][1])  # saves as the original
+    layer._dtype_policy = kp.for_layer(binding.policies[id(layer)][1])  # saves as the original
 
 
 def _decide(plan: Plan, unit: Unit) -> tuple[str | None, str, str]:
@@ -88,12 +87,11 @@ def _decide(plan: Plan, unit: Unit) -> tuple[str | None, str, str]:
 
 def apply_layers(plan: Plan, model: Any) -> Binding:
     """Findings first (they may refuse), then dtype policies and low-precision params."""
-    pol = plan.policy
     units = walk(model)
     binding = Binding(units)
     binding.findings += plan.layout.act("tensorflow")
     binding.formats = data_formats(units)
-    binding.findings += layout_findings(binding.formats, pol.layout.channels_last)
+    binding.findings += layout_findings(binding.formats, plan.channels_last)
     plans = []
     for u in units:
         if u.container:  # a composite (attention) follows its op's rule; other containers their inputs
@@ -115,7 +113,7 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
         if not u.container:
             for sub in descendants(u.layer):  # e.g. the projections inside MultiHeadAttention
                 _set_policy(binding, sub, kp if not isinstance(kp, FollowInputs) else FollowInputs(param))
-        if param is not None and is_low(param) and u.has_params:
+        if param is not None and dtypes.is_low(param) and u.has_params:
             for layer in (u.layer, *descendants(u.layer)):
                 binding.swaps += swap_params(layer, param)
     for u, decision in fp8.decide(plan, units):  # Keras' float8 Dense on the layers the Plan chose
@@ -140,7 +138,7 @@ def patch_compile_config(model: Any, binding: Binding) -> None:
     def get_compile_config() -> Any:
         config = original()
         optimizer = getattr(model, "optimizer", None)
-        if isinstance(config, dict) and isinstance(optimizer, LossScaleOptimizer | KerasLossScaleOptimizer):
+        if isinstance(config, dict) and isinstance(optimizer, SavesAsKeras):
             config["optimizer"] = optimizer.keras_config()
         return config
 
@@ -228,9 +226,8 @@ def wrap_optimizer(plan: Plan, optimizer: Any, binding: Binding, native: bool | 
     """The loss-scaling (and master-weight) wrapper for ``optimizer``; ``None`` stays ``None``."""
     if optimizer is None:
         return None
-    spec = device_spec(plan.loss_scale)  # the Plan compiled under on_unsupported: its fallbacks run, named in its notes
-    masters = {id(s.low): s.original for s in binding.swaps
-               if s.low.trainable and plan.policy.master_weights.enabled}
+    spec = plan.loss_scale_run  # the Plan compiled under on_unsupported: its fallbacks run, named in its notes
+    masters = {id(s.low): s.original for s in binding.swaps if s.low.trainable and plan.master_weights.enabled}
     binding.master_ids = set(masters)
     distributed = is_distributed(getattr(optimizer, "_distribution_strategy", None))
     use_keras = keras_rule(plan.loss_scale) and not binding.swaps and not distributed if native is None else native
@@ -246,8 +243,8 @@ def wrap_optimizer(plan: Plan, optimizer: Any, binding: Binding, native: bool | 
                                    "on another replica is applied) and reduces in the gradients' dtype, not "
                                    "distributed.reduce_dtype; fix: drop native_loss_scale (unimp's wrapper runs "
                                    "the same rule, agreed across replicas)")
-        return KerasLossScaleOptimizer(optimizer, spec)
-    return LossScaleOptimizer(optimizer, spec, masters=masters, reduce_dtype=plan.policy.distributed.reduce_dtype)
+        return KerasAmpOptimizer(optimizer, spec)
+    return AmpOptimizer(optimizer, spec, masters=masters, reduce_dtype=plan.reduce_dtype)
 
 
 def undo(model: Any, optimizer: Any, wrapper: Any, binding: Binding, masters_on: bool) -> None:

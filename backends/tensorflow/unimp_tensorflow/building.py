@@ -1,13 +1,13 @@
-"""Build a Keras model from scratch under a policy: ``with unimp_tensorflow.scope(policy) as s:``.
+"""Build a Keras model from scratch under a policy: ``with unimp.scope(policy) as s:``.
 
-Inside the scope Keras' global dtype policy is the policy's (``mixed_bfloat16`` for bf16 compute
+Inside the scope Keras' global dtype policy is the Plan's (``mixed_bfloat16`` for bf16 compute
 over float32 params, ``bfloat16`` for pure bf16) and ``image_data_format`` follows
 ``layout.channels_last``, so new layers create their variables in the right dtype and layout.
 The per-layer rules (float32 list, follow-inputs, overrides) and loss scaling then come from
-``s.apply(model, optimizer)`` (= ``unimp.apply``); leaving the scope restores Keras' globals.
+``s.apply(model, optimizer)`` (as ``unimp.apply``, with the scope's Plan); leaving the scope restores Keras' globals.
 
->>> import keras
->>> with scope("mixed_bf16") as s:
+>>> import keras, unimp
+>>> with unimp.scope("mixed_bf16") as s:
 ...     m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="fc")])
 ...     keras.config.dtype_policy().name
 'mixed_bfloat16'
@@ -23,45 +23,53 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from unimp.spi import Policy, apply, is_low, load
-
-from .plan import compile_plan
+from unimp.spi import Amp, Plan, dtypes
 
 
 @dataclass(frozen=True)
 class Scope:
-    """The policy a model is being built under."""
+    """The Plan a model is being built under."""
 
-    policy: Policy
+    plan: Plan
     keras_policy: str
     data_format: str
+    backend: Any  # the TensorFlowBackend that binds it
 
     def apply(self, model: Any, optimizer: Any = None, **options: Any) -> Any:
-        """``unimp.apply(policy, model, optimizer)`` for the model built in this scope."""
-        return apply(self.policy, model, optimizer, backend="tensorflow", **options)
+        """``unimp.apply(policy, model, optimizer)`` for the model built in this scope: binds the scope's
+        Plan, all or nothing (a failure puts the model and optimizer back)."""
+        if Amp.is_bound(model):
+            raise RuntimeError(f"unimp.apply: this {type(model).__name__} already has a unimp policy applied; "
+                               f"call amp.remove() first, or keep using the Amp you have")
+        snapshot = self.backend.snapshot(model, optimizer, self.plan)
+        try:
+            amp = self.backend.apply(self.plan, model, optimizer, **options)
+        except BaseException:
+            snapshot.restore()
+            raise
+        amp.bind_also(model, amp.model)
+        return amp
 
 
-def global_policy_name(policy: Policy, compute: str) -> str:
-    """The Keras global policy for building under ``policy`` (compute ``compute``)."""
-    if not is_low(compute):
+def global_policy_name(plan: Plan) -> str:
+    """The Keras global policy for building under ``plan``."""
+    if not dtypes.is_low(plan.compute_dtype):
         return "float32"
-    return compute if policy.param_dtype == compute else f"mixed_{compute}"
+    return plan.compute_dtype if plan.param_dtype == plan.compute_dtype else f"mixed_{plan.compute_dtype}"
 
 
 @contextmanager
-def scope(policy: Any) -> Iterator[Scope]:
-    """Keras' global dtype policy and data format set per ``policy`` while building a model."""
+def scope(plan: Plan, backend: Any) -> Iterator[Scope]:
+    """Keras' global dtype policy and data format set per ``plan`` while building a model."""
     import keras
 
-    pol = load(policy)
-    plan = compile_plan(pol)
-    name = global_policy_name(pol, plan.compute_dtype)
-    fmt = "channels_last" if pol.layout.channels_last else keras.config.image_data_format()
+    name = global_policy_name(plan)
+    fmt = "channels_last" if plan.channels_last else keras.config.image_data_format()
     old_policy, old_fmt = keras.config.dtype_policy(), keras.config.image_data_format()
     keras.config.set_dtype_policy(name)
     keras.config.set_image_data_format(fmt)
     try:
-        yield Scope(pol, name, fmt)
+        yield Scope(plan, name, fmt, backend)
     finally:
         keras.config.set_dtype_policy(old_policy)
         keras.config.set_image_data_format(old_fmt)

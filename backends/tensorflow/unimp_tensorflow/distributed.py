@@ -1,4 +1,4 @@
-"""tf.distribute support: gradient all-reduce in ``policy.distributed.reduce_dtype``, XLA refusal.
+"""tf.distribute support: gradient all-reduce in the Plan's ``reduce_dtype``, XLA refusal.
 
 Keras 3 on TensorFlow sums gradients across replicas inside the optimizer
 (``TFOptimizer._all_reduce_sum_gradients``, called from ``_backend_update_step``) in the

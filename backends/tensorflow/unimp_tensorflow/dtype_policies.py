@@ -25,7 +25,7 @@ from typing import Any
 import keras
 from keras import backend as K
 
-from unimp.spi import widest
+from unimp.spi import dtypes
 
 
 class Applied(keras.DTypePolicy):
@@ -89,7 +89,7 @@ class FollowInputs(Applied):
         x_dtype = K.standardize_dtype(x.dtype)
         if not K.is_float_dtype(x_dtype):
             return x
-        target = widest([x_dtype, self.variable_dtype]) if self._promote else x_dtype
+        target = dtypes.widest([x_dtype, self.variable_dtype]) if self._promote else x_dtype
         self._seen = target
         return x if target == x_dtype else keras.ops.cast(x, target)
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from unimp.spi import Fp8Decision, Fp8Support, UnsupportedError, asks_fp8, decide_fp8
+from unimp.spi import Fp8Decision, Fp8Support, Plan, UnsupportedError
 
 KERAS_RECIPE = "delayed"
 # Keras' variable names -> the names every unimp backend uses in state_dict()["fp8"] (Flax's)
@@ -71,14 +71,13 @@ def _dims(layer: Any) -> dict[str, int] | None:
     return {"in_features": int(shape[0]), "out_features": int(shape[1])} if len(shape) == 2 else None
 
 
-
-def decide(plan: Any, units: list[Any]) -> list[tuple[Any, Fp8Decision]]:
+def decide(plan: Plan, units: list[Any]) -> list[tuple[Any, Fp8Decision]]:
     """The core's decision for every unit FP8 could concern (Keras-specific limits folded in)."""
     out = []
     for u in units:
-        if u.container or not asks_fp8(plan, u.path, u.kind, u.type_names):
+        if u.container or not plan.asks_fp8(u.path, u.kind, u.type_names):
             continue
-        d = decide_fp8(plan, u.path, u.kind, u.type_names, _dims(u.layer) or {}, plan.compute_dtype)
+        d = plan.decide_fp8(u.path, u.kind, u.type_names, _dims(u.layer) or {})
         if d.fp8 and (type(u.layer).__name__ not in QUANTIZABLE or _dims(u.layer) is None):
             d = Fp8Decision(u.path, False, None, f"{type(u.layer).__name__}: Keras float8 training covers "
                                                  f"keras.layers.Dense only (stays in the compute dtype)")
@@ -109,15 +108,15 @@ def guard_eager(u: Any, methods: list[tuple[Any, Any, str]]) -> None:
     methods.append((layer, own, "quantized_call"))
 
 
-def quantize(plan: Any, u: Any, policies: dict[int, tuple[Any, Any]]) -> Fp8Layer:
+def quantize(plan: Plan, u: Any, originals: dict[int, tuple[Any, Any]]) -> Fp8Layer:
     """``layer.quantize("float8")`` under the Plan's amax history (the layer's dtype policy is remembered
-    in ``policies``, as the binding keeps every policy it changes)."""
+    in ``originals``, as the binding keeps every policy it changes)."""
     from keras.dtype_policies import QuantizedFloat8DTypePolicy
 
     layer = u.layer
     entry = Fp8Layer(u.path, layer, layer.__dict__.get("_is_quantized", _MISSING),
                      layer.__dict__.get("quantization_config", _MISSING))
-    policies.setdefault(id(layer), (layer, layer._dtype_policy))
+    originals.setdefault(id(layer), (layer, layer._dtype_policy))
     source = layer._dtype_policy.name
     layer._dtype_policy = QuantizedFloat8DTypePolicy("float8", source_name=source,
                                                      amax_history_length=plan.fp8.amax_history)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from unimp.spi import LayerInfo, class_names, kind_of_names
+from unimp.spi import LayerInfo, ops
 
 from .ops import NATIVE_OPS
 
@@ -52,7 +52,7 @@ def type_names(layer: Any) -> tuple[str, ...]:
     """The layer's class and its Keras base classes, most specific first (``Dense`` subclasses match)."""
     import keras
 
-    return class_names(type(layer), stop=(keras.layers.Layer, keras.Model))
+    return ops.class_names(type(layer), stop=(keras.layers.Layer, keras.Model))
 
 
 def kind_of_layer(layer: Any) -> str | None:
@@ -62,7 +62,7 @@ def kind_of_layer(layer: Any) -> str | None:
     if isinstance(layer, keras.layers.Activation):
         fn = getattr(layer.activation, "__name__", "")
         return ACTIVATION_KINDS.get(fn, "activation")
-    return kind_of_names(type_names(layer), NATIVE_OPS)
+    return ops.kind_of_names(type_names(layer), NATIVE_OPS)
 
 
 def composite_kind(names: tuple[str, ...]) -> str | None:

@@ -19,7 +19,7 @@ def data_formats(units: Iterable[Unit]) -> dict[str, str]:
 
 
 def layout_findings(formats: dict[str, str], channels_last: bool) -> list[str]:
-    """Layers whose data format differs from the policy's ``channels_last`` (existing models are not
+    """Layers whose data format differs from the Plan's ``channels_last`` (existing models are not
     rewritten: their input layout would change)."""
     if not channels_last:
         return []

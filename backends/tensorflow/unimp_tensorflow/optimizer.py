@@ -1,8 +1,8 @@
 """Optimizer wrappers: loss scaling (the core rule, every knob) and float32 master weights.
 
-:class:`LossScaleOptimizer` subclasses Keras' own ``LossScaleOptimizer`` (so ``compile`` never
+:class:`AmpOptimizer` subclasses Keras' own ``LossScaleOptimizer`` (so ``compile`` never
 wraps it a second time) but runs unimp's rule (:mod:`unimp_tensorflow.scaler`) over float32 /
-int64 variables. :class:`KerasLossScaleOptimizer` *is* Keras' rule, used where the policy asks
+int64 variables. :class:`KerasAmpOptimizer` *is* Keras' rule, used where the policy asks
 for exactly that rule; it only adds the step/skip counters of the canonical state. A skipped
 step calls nothing on the inner optimizer: variables, slots and ``iterations`` keep their bits.
 
@@ -15,7 +15,7 @@ so ``keras.models.load_model(path)`` loads the file with or without unimp. unimp
 applied model reads back (``load_weights``).
 
 >>> import keras, unimp
->>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), unimp.load("mixed_fp16").loss_scale)
+>>> opt = AmpOptimizer(keras.optimizers.SGD(0.1), unimp.load("mixed_fp16").loss_scale)
 >>> opt.loss_scale_state().scale
 65536.0
 """
@@ -33,12 +33,11 @@ from keras.src.saving import serialization_lib
 from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.utils import tracking
 
-from unimp.spi import INT32_MAX, LossScale, LossScaleSpec, LossScaleState, StateError, f32, policy_problems
+from unimp.spi import LossScale, LossScaleSpec, LossScaleState, StateError, dtypes
 
 from .distributed import all_reduce, hook_inner, refuse_xla
-from .scaler import State, all_finite, encode, next_state
+from .scaler import DeviceLossScale, all_finite, encode, next_state
 
-KerasLSO = keras.optimizers.LossScaleOptimizer
 ONLY_FIRST = "only_first_replica"
 
 
@@ -62,7 +61,7 @@ def _unscale(grads: list, scale: tf.Tensor | None, variables: list | None = None
 def _held(scale: float) -> tf.Tensor:
     """A scale as the float32 tensor the state holds, subnormals built from their bits (TensorFlow's
     conversions flush them: Keras' Constant(2**-140) initializer reads back 0.0)."""
-    return encode(tf.constant(f32(scale), tf.float64))  # on the float32 grid first: encode reads only grid values
+    return encode(tf.constant(dtypes.f32(scale), tf.float64))  # on the float32 grid first: encode reads grid values
 
 
 class ExactState(KerasSaveable):
@@ -90,8 +89,9 @@ class ExactState(KerasSaveable):
             self._optimizer().set_loss_scale_state(LossScaleState(float(values[0]), *(int(v) for v in values[1:])))
 
 
-class SavesAsKeras:
-    """What a saved file holds for a unimp loss-scale optimizer: the Keras object that runs its rule.
+class SavesAsKeras(keras.optimizers.LossScaleOptimizer):
+    """What both of unimp's wrappers share: the canonical ``skipped`` / ``steps`` counters (int64
+    optimizer variables), and what a saved file holds for them: the Keras object that runs their rule.
 
     ``keras_config()`` is that object's serialized config: ``keras.optimizers.LossScaleOptimizer``
     (initial scale and growth interval from the policy) for dynamic scaling, else the inner
@@ -100,11 +100,25 @@ class SavesAsKeras:
     layout), so the file loads the same with or without unimp.
     """
 
-    spec: LossScaleSpec
+    def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, initial_scale: float, name: str) -> None:
+        saved_factor = inner_optimizer.loss_scale_factor
+        super().__init__(inner_optimizer, initial_scale=initial_scale, dynamic_growth_steps=spec.growth_interval,
+                         name=name)
+        self._saved_factor = saved_factor  # Keras clears the inner factor; remove() puts it back
+        self.spec = spec
 
     @tracking.no_automatic_dependency_tracking
     def _make_exact_state(self) -> None:
         object.__setattr__(self, "unimp_state", ExactState(self))
+
+    @tracking.no_automatic_dependency_tracking
+    def _make_counters(self) -> None:
+        self._skipped = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST, name="unimp_skipped")
+        self._steps = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST, name="unimp_steps")
+
+    def _count(self, var: Any) -> None:
+        """One more step / skip, saturating at the int32 bound as the core's rule does (never wraps)."""
+        var.assign(tf.minimum(var + 1, dtypes.INT32_MAX))
 
     def keras_config(self) -> dict[str, Any]:
         inner = serialization_lib.serialize_keras_object(self.inner_optimizer)
@@ -121,7 +135,7 @@ class SavesAsKeras:
         inner = list(self.inner_optimizer.variables)
         if self.spec.mode != "dynamic":
             return inner
-        return [self.iterations, self._learning_rate, self._tracker_variable(), self._scale_variable(), *inner]
+        return [self.iterations, self._learning_rate, self.step_counter, self.dynamic_scale, *inner]
 
     def save_own_variables(self, store: Any) -> None:
         if not self.built:
@@ -138,20 +152,7 @@ class SavesAsKeras:
         keras.optimizers.Optimizer.load_own_variables(self, store)  # unimp's own layout (older files)
 
 
-class _Counters:
-    """The canonical ``skipped`` / ``steps`` counters (int64 optimizer variables)."""
-
-    @tracking.no_automatic_dependency_tracking
-    def _make_counters(self) -> None:
-        self._skipped = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST, name="unimp_skipped")
-        self._steps = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST, name="unimp_steps")
-
-    def _count(self, var: Any) -> None:
-        """One more step / skip, saturating at the int32 bound as the core's rule does (never wraps)."""
-        var.assign(tf.minimum(var + 1, INT32_MAX))
-
-
-class LossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
+class AmpOptimizer(SavesAsKeras):
     """Loss scaling by unimp's reference rule; optionally float32 masters for low-precision params.
 
     ``masters`` maps ``id(model variable)`` to its float32 master: the inner optimizer updates
@@ -160,11 +161,7 @@ class LossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
 
     def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, masters: dict[int, Any] | None = None,
                  name: str | None = None, reduce_dtype: str = "float32") -> None:
-        saved_factor = inner_optimizer.loss_scale_factor
-        super().__init__(inner_optimizer, initial_scale=LossScale(spec).initial_state().scale,
-                         dynamic_growth_steps=spec.growth_interval, name=name or "unimp_loss_scale")
-        self._saved_factor = saved_factor  # Keras clears the inner factor; remove() puts it back
-        self.spec = spec
+        super().__init__(inner_optimizer, spec, LossScale(spec).initial_state().scale, name or "unimp_loss_scale")
         self.reduce_dtype = reduce_dtype  # dtype of the cross-replica gradient sum (tf.distribute)
         self._masters = dict(masters or {})
         self._make_state()
@@ -185,22 +182,16 @@ class LossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
         self._make_counters()
 
     # ------------------------------------------------------------------ state
-    def _tracker_variable(self) -> Any:
-        return self.step_counter
-
-    def _scale_variable(self) -> Any:
-        return self.dynamic_scale
-
-    def _state(self) -> State:
-        return State(self.dynamic_scale.value, self.step_counter.value, self._hysteresis.value,
-                     self._skipped.value, self._steps.value)
+    def _state(self) -> DeviceLossScale:
+        return DeviceLossScale(self.dynamic_scale.value, self.step_counter.value, self._hysteresis.value,
+                               self._skipped.value, self._steps.value)
 
     def loss_scale_state(self) -> LossScaleState:
         s = [tf.convert_to_tensor(v) for v in self._state()]  # a mirrored variable reads its primary copy
         return LossScaleState(float(s[0]), int(s[1]), int(s[2]), int(s[3]), int(s[4]))
 
     def set_loss_scale_state(self, state: LossScaleState) -> None:
-        problems = policy_problems(self.spec, state)  # the rule as it runs here (a float32 scale)
+        problems = LossScale(self.spec).problems(state)  # the rule as it runs here (a float32 scale)
         if problems:
             raise StateError("loss-scale state: " + "; ".join(problems))
         self.dynamic_scale.assign(_held(state.scale))
@@ -263,7 +254,7 @@ class LossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
     # ------------------------------------------------------------------ tf.distribute
     def _tf_apply(self, grads: list, trainable_variables: list | None = None) -> None:
         if tf.distribute.in_cross_replica_context():
-            raise ValueError("unimp LossScaleOptimizer.apply() must be called in a replica context "
+            raise ValueError("unimp AmpOptimizer.apply() must be called in a replica context "
                              "(inside strategy.run(...)), as Keras optimizers require")
         if not tf.distribute.has_strategy():
             self._common_apply(grads, trainable_variables)
@@ -313,7 +304,7 @@ class LossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
         self._update(tf.constant(False))
 
     def stateless_apply(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("unimp's LossScaleOptimizer runs on the TensorFlow backend of Keras")
+        raise NotImplementedError("unimp's AmpOptimizer runs on the TensorFlow backend of Keras")
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
@@ -323,7 +314,7 @@ class LossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
         return config
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> AmpOptimizer:
         inner = serialization_lib.deserialize_keras_object(config["inner_optimizer"],
                                                            custom_objects=custom_objects)
         ls = dict(config["loss_scale"])
@@ -336,24 +327,14 @@ def _assign_cast(var: Any, master: Any) -> Any:
     return var.assign(tf.cast(master, var.dtype))
 
 
-class KerasLossScaleOptimizer(SavesAsKeras, _Counters, KerasLSO):
+class KerasAmpOptimizer(SavesAsKeras):
     """Keras' own ``LossScaleOptimizer`` rule, plus the canonical skip/step counters."""
 
     def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, name: str | None = None) -> None:
-        saved_factor = inner_optimizer.loss_scale_factor
-        super().__init__(inner_optimizer, initial_scale=spec.initial,
-                         dynamic_growth_steps=spec.growth_interval, name=name or "keras_loss_scale")
-        self._saved_factor = saved_factor
-        self.spec = spec
+        super().__init__(inner_optimizer, spec, spec.initial, name or "keras_loss_scale")
         self._pending: LossScaleState | None = None
         self._make_counters()
         self._make_exact_state()
-
-    def _tracker_variable(self) -> Any:
-        return self.step_counter
-
-    def _scale_variable(self) -> Any:
-        return self.dynamic_scale
 
     @tracking.no_automatic_dependency_tracking
     def build(self, var_list: list) -> None:

@@ -1,16 +1,17 @@
-"""The core loss-scale rule (:func:`unimp.loss_scale.rule.step`) on TensorFlow tensors: :class:`TfOps`.
+"""The core loss-scale rule (:func:`unimp.loss_scale.rule.step`) on TensorFlow tensors: :class:`TensorFlowOps`
+over :class:`DeviceLossScale`.
 
 Pure functions of tensors, so one step traces into a ``tf.function`` with no host sync. The
 scale is stored in float32 and computed in float64 on the float32 grid (products rounded once,
 as the reference's ``f32(scale * factor)``; subnormals kept or flushed as the policy says, even
 though TensorFlow's CPU kernels flush float32 subnormals). ``scale_dtype = "float64"`` cannot be
-held (the Keras optimizer's scale variable is float32): :func:`unsupported` says so, and
-:func:`next_state` refuses such a spec (the Plan's ``on_unsupported = "fallback"`` passes
-:func:`device_spec` instead, the float32 rule its notes name).
+held (the Keras optimizer's scale variable is float32): :func:`unimp_tensorflow.plan.unsupported` says
+so, and :func:`next_state` refuses such a spec (the Plan's ``on_unsupported = "fallback"`` runs
+``plan.loss_scale_run`` instead, the float32 rule its notes name; :func:`device_spec`).
 
 >>> import tensorflow as tf, unimp
 >>> spec = unimp.load({"loss_scale": {"initial": 8.0, "growth_interval": 1}}).loss_scale
->>> st = next_state(spec, State(tf.constant(8.0), *[tf.constant(v, tf.int64) for v in (0, 1, 0, 0)]),
+>>> st = next_state(spec, DeviceLossScale(tf.constant(8.0), *[tf.constant(v, tf.int64) for v in (0, 1, 0, 0)]),
 ...                 tf.constant(True))
 >>> float(st.scale), int(st.steps)
 (16.0, 1)
@@ -22,10 +23,12 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from unimp.spi import FLT_TINY, Arrays, LossScaleSpec, loss_scale_as_run, loss_scale_fallbacks, step
+from unimp.spi import Arrays, LossScale, LossScaleSpec, dtypes, step
+
+from .plan import unsupported
 
 
-class State(NamedTuple):
+class DeviceLossScale(NamedTuple):
     """Canonical loss-scale state as tensors: float32 scale, int64 counters."""
 
     scale: tf.Tensor
@@ -50,16 +53,16 @@ def decode(scale: tf.Tensor) -> tf.Tensor:
 def encode(x: tf.Tensor) -> tf.Tensor:
     """A float64 value on the float32 grid as float32, subnormals built from their bits (a cast
     would flush them to 0)."""
-    sub = x < FLT_TINY
+    sub = x < dtypes.FLT_TINY
     bits = tf.cast(tf.where(sub, x, tf.zeros_like(x)) * _TWO_149, tf.int32)
     return tf.where(sub, tf.bitcast(bits, tf.float32), tf.cast(tf.where(sub, _tiny(x), x), tf.float32))
 
 
 def _tiny(x: tf.Tensor) -> tf.Tensor:
-    return tf.fill(tf.shape(x), tf.constant(FLT_TINY, x.dtype))
+    return tf.fill(tf.shape(x), tf.constant(dtypes.FLT_TINY, x.dtype))
 
 
-class TfOps:
+class TensorFlowOps:
     """:class:`unimp.loss_scale.rule.ArrayOps` over TensorFlow tensors. The scale is computed in float64 on
     the float32 grid (products rounded once, subnormals rounded as IEEE float32 does), so the rule
     is exact even where TensorFlow flushes float32 subnormals."""
@@ -86,32 +89,24 @@ class TfOps:
 
 def _on_grid(p: tf.Tensor) -> tf.Tensor:
     """A float64 value rounded to the nearest float32 (subnormals as IEEE float32 rounds them)."""
-    sub = p < FLT_TINY
+    sub = p < dtypes.FLT_TINY
     rounded_sub = tf.math.rint(tf.where(sub, p, tf.zeros_like(p)) * _TWO_149) / _TWO_149  # exact in float64
     return tf.where(sub, rounded_sub, tf.cast(tf.cast(tf.where(sub, _tiny(p), p), tf.float32), tf.float64))
 
 
-def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
-    """Knobs this backend cannot honour: ``{knob: (what runs instead, why)}``."""
-    if spec.mode == "dynamic" and spec.scale_dtype == "float64":
-        return {"scale_dtype": ("float32", "the Keras optimizer holds the scale in a float32 variable; fix: "
-                                "scale_dtype = 'float32'")}
-    return {}
-
-
 def device_spec(spec: LossScaleSpec) -> LossScaleSpec:
-    """The knobs that really run (``spec`` with the fallbacks :func:`unsupported` names)."""
-    return loss_scale_as_run(spec, unsupported(spec))
+    """The knobs that really run (``spec`` with the fallbacks :func:`unsupported` names: ``plan.loss_scale_run``)."""
+    return LossScale(spec).as_run(unsupported(spec))
 
 
 def runnable(spec: LossScaleSpec) -> LossScaleSpec:
     """``spec`` itself when every knob is honoured here, else :class:`UnsupportedError` naming each:
     the rule never runs a knob :func:`unsupported` declared."""
-    loss_scale_fallbacks(spec, unsupported(spec), "unimp_tensorflow loss scale", "error")
+    LossScale(spec).fallbacks(unsupported(spec), "unimp_tensorflow loss scale", "error")
     return spec
 
 
-def next_state(spec: LossScaleSpec, st: State, finite: tf.Tensor) -> State:
+def next_state(spec: LossScaleSpec, st: DeviceLossScale, finite: tf.Tensor) -> DeviceLossScale:
     """The state after one step whose gradients were (not) all finite (``finite``: scalar bool):
     the core's rule (:func:`unimp.loss_scale.rule.step`) on tensors, no host sync; ``at_min = "error"``
     hit is a ``tf.debugging.Assert``."""
@@ -123,14 +118,14 @@ def next_state(spec: LossScaleSpec, st: State, finite: tf.Tensor) -> State:
     return new
 
 
-def transition(spec: LossScaleSpec, st: State, finite: tf.Tensor) -> tuple[State, tf.Tensor | None]:
+def transition(spec: LossScaleSpec, st: DeviceLossScale, finite: tf.Tensor) -> tuple[DeviceLossScale, tf.Tensor | None]:
     """(next state, ``at_min = "error"`` flag or None) of :func:`next_state`, without the assertion."""
     spec = runnable(spec)
     if spec.mode != "dynamic":
-        new, _, _ = step(TfOps(), spec, Arrays(*st), finite)
-        return State(*new), None
-    new, _, error = step(TfOps(), spec, Arrays(decode(st.scale), *st[1:]), finite)
-    return State(encode(new.scale), *new[1:]), error
+        new, _, _ = step(TensorFlowOps(), spec, Arrays(*st), finite)
+        return DeviceLossScale(*new), None
+    new, _, error = step(TensorFlowOps(), spec, Arrays(decode(st.scale), *st[1:]), finite)
+    return DeviceLossScale(encode(new.scale), *new[1:]), error
 
 
 def all_finite(grads: list) -> tf.Tensor:

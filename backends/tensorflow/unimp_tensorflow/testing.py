@@ -1,6 +1,6 @@
 """The conformance kit: the shared probe as a Keras functional model, driven by a custom loop.
 
->>> from unimp.conformance import probe_weights, probe_batches
+>>> from unimp.conformance.probe import probe_weights
 >>> kit = TensorFlowKit()
 >>> m = kit.build_probe(probe_weights())
 >>> [layer.name for layer in m.layers[1:]]
@@ -15,20 +15,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from unimp.spi import (
-    CHANNELS,
-    CLASSES,
-    HIDDEN,
-    KERNEL,
-    LN_EPS,
-    PROBE,
-    TIME,
-    VOCAB,
-    Kit,
-    Observation,
-    Policy,
-    ProbeBatch,
-)
+from unimp.conformance.kit import Kit, Observation
+from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, PROBE, TIME, VOCAB, ProbeBatch
+from unimp.spi import Plan
 
 from .index import walk
 
@@ -47,7 +36,7 @@ class TensorFlowKit(Kit):
 
     backend = "tensorflow"
 
-    def supports(self, policy: Policy) -> str | None:
+    def supports(self, request: Plan) -> str | None:
         return None  # TF CPU has float16 and bfloat16 kernels for every probe layer
 
     def build_probe(self, weights: dict[str, Any]) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 
 import keras
 
-from unimp.spi import widest
+from unimp.spi import dtypes
 
 from .index import Unit, is_graph
 
@@ -79,7 +79,7 @@ def observe(model: Any, units: Iterable[Unit], x: Any) -> tuple[dict[str, Seen],
             out = _orig(*args, **kwargs)
             ins, outs = _float_dtypes((args, kwargs)), _float_dtypes(out)
             output = outs[0] if outs else None
-            compute = widest(ins) if ins and _u.layer.autocast else produced.get(_u.path, output)
+            compute = dtypes.widest(ins) if ins and _u.layer.autocast else produced.get(_u.path, output)
             seen.setdefault(_u.path, (compute, None, output))
             return out
 
