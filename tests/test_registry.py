@@ -176,3 +176,24 @@ def test_a_compiled_plan_is_bound_as_it_is_on_its_backend():
     with pytest.raises(RuntimeError, match="already has a unimp policy applied"):
         unimp.apply(plan, m)
     amp.remove()
+
+
+def test_what_a_backend_binds_itself_is_released_by_remove():
+    """A backend's apply may bind more objects (a compiled wrapper's inner module, via ``amp.bind_also``);
+    the registry keeps those marks and ``amp.remove()`` releases every one of them."""
+    inner = Model()
+
+    class Wrapping(ToyBackend):
+        name = "wrapping"
+
+        def apply(self, plan, model, optimizer=None, **options):
+            amp = ToyAmp(plan, model, optimizer)
+            amp.bind_also(inner)
+            return amp
+
+    unimp.register_backend(Wrapping)
+    amp = unimp.apply("mixed_bf16", Model(), backend="wrapping")
+    with pytest.raises(RuntimeError, match="already has a unimp policy applied"):
+        unimp.apply("mixed_bf16", inner, backend="toy")
+    amp.remove()
+    unimp.apply("mixed_bf16", inner, backend="toy").remove()

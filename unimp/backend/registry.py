@@ -15,7 +15,6 @@ from typing import Any
 
 from unimp.backend import Amp, Backend
 from unimp.backend.applied import is_applied, release
-from unimp.backend.applied import remember as _remember
 from unimp.backend.transaction import all_or_nothing
 from unimp.errors import UnsupportedError
 from unimp.plan import Plan
@@ -104,9 +103,9 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
     def bind() -> Amp:
         amp = chosen.apply(plan, model, optimizer, **options)
         try:  # marked applied inside the transaction: a Ctrl-C here is rolled back like any other
-            amp._applied_ids = _remember(model, amp.model)
+            amp.bind_also(model, amp.model)  # after what the backend bound itself (a wrapper's inner module)
         except BaseException:
-            release([id(model), id(amp.model)])
+            release(getattr(amp, "_applied_ids", []))
             raise
         return amp
 

@@ -373,6 +373,12 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
     and run as :attr:`Plan.loss_scale_run`.
     """
     low = compute_dtype or policy.compute_dtype
+    as_run, scale_notes = None, []
+    if loss_scale_unsupported:  # refused first: the rule the training step runs
+        spec = resolved_loss_scale(policy, low)
+        scale_notes = loss_scale_fallbacks(spec, loss_scale_unsupported, f"policy {policy.name!r} ({policy.source})",
+                                           policy.on_unsupported)
+        as_run = loss_scale_as_run(spec, loss_scale_unsupported)
     fixed = fixed or {}
     decisions, unmet = [], []
     for op in CANONICAL_OPS:
@@ -396,13 +402,7 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
             f"policy {policy.name!r} ({policy.source}) cannot be honoured by backend {backend}:\n  "
             + "\n  ".join([*unmet, *problems])
             + f"\nfix: {fix}, or set on_unsupported = \"fallback\" to run these as reported in the Plan")
-    notes = (*notes, *(f"fallback: {p}" for p in problems))
-    as_run = None
-    if loss_scale_unsupported:
-        spec = resolved_loss_scale(policy, low)
-        notes = (*notes, *loss_scale_fallbacks(spec, loss_scale_unsupported,
-                                               f"policy {policy.name!r} ({policy.source})", policy.on_unsupported))
-        as_run = loss_scale_as_run(spec, loss_scale_unsupported)
+    notes = (*notes, *(f"fallback: {p}" for p in problems), *scale_notes)
     rows = compile_layers(policy, low, index or ())
     return Plan(backend, policy, low, compute_reason, tuple(decisions), tuple(notes), details,
                 param_fallback, dict(override_fallbacks or {}), rows, compile_layout(policy, index or ()),

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from unimp.spi import Amp, Plan, dtypes
+from unimp.spi import Plan, apply, dtypes
 
 
 @dataclass(frozen=True)
@@ -38,17 +38,7 @@ class Scope:
     def apply(self, model: Any, optimizer: Any = None, **options: Any) -> Any:
         """``unimp.apply(policy, model, optimizer)`` for the model built in this scope: binds the scope's
         Plan, all or nothing (a failure puts the model and optimizer back)."""
-        if Amp.is_bound(model):
-            raise RuntimeError(f"unimp.apply: this {type(model).__name__} already has a unimp policy applied; "
-                               f"call amp.remove() first, or keep using the Amp you have")
-        snapshot = self.backend.snapshot(model, optimizer, self.plan)
-        try:
-            amp = self.backend.apply(self.plan, model, optimizer, **options)
-        except BaseException:
-            snapshot.restore()
-            raise
-        amp.bind_also(model, amp.model)
-        return amp
+        return apply(self.plan, model, optimizer, **options)
 
 
 def global_policy_name(plan: Plan) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from unimp.spi import LayerInfo, LossScale, LossScaleSpec, Plan, dtypes, hardware, ops
+from unimp.spi import LayerInfo, LossScaleSpec, Plan, dtypes, hardware, ops
 
 from .fp8 import support as fp8_support
 from .ops import NATIVE_OPS
@@ -133,9 +133,6 @@ def compile_plan(request: Plan, index: Iterable[LayerInfo] | None = None) -> Pla
                      "the masters the optimizer wrapper updates")
     spec = request.loss_scale_at(compute)
     details = TensorFlowDetails(loss_scaler(spec, request.uses_master_weights), distributed_note(request.reduce_dtype))
-    cannot = unsupported(spec)
-    # refused here first: request.compile would name the policy without its source
-    LossScale(spec).fallbacks(cannot, request.where, request.on_unsupported)
     return request.compile(control=control, native=native, compute_dtype=compute, compute_reason=reason,
                            fixed=fixed, notes=(*notes, details.loss_scaler, details.distributed), details=details,
-                           index=index, fp8=fp8_support(), loss_scale_unsupported=cannot)
+                           index=index, fp8=fp8_support(), loss_scale_unsupported=unsupported(spec))
