@@ -124,8 +124,6 @@ def attach_ddp(amp: Any, ddp: nn.Module, owned: bool) -> None:
 
 def make_ddp(amp: Any, **kwargs: Any) -> nn.Module:
     """``DistributedDataParallel(amp.model, **kwargs)`` under the policy; sets and returns ``amp.model``."""
-    if amp._removed:
-        raise RuntimeError("amp.ddp(): this Amp was removed; apply the policy again first")
     if getattr(amp, "distributed", None):
         raise RuntimeError(f"amp.ddp(): this Amp is already distributed ({amp.distributed['engine']}); "
                            f"use amp.model")
