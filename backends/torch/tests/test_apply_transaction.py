@@ -90,7 +90,7 @@ def test_apply_failing_half_way_changes_nothing(preset, where, error):
     with pytest.raises(type(error)):
         unimp.apply(policy, model, opt)
     assert state_of(model, opt) == before
-    assert not unimp.spi.is_applied(model)
+    assert not unimp.spi.Amp.is_bound(model)
     assert model(torch.randn(4, 8)).dtype == torch.float32  # the model runs as before
     # the cause removed, the same model and optimizer apply and train
     late.__class__, model.error = nn.Linear, None
@@ -125,7 +125,7 @@ def test_ctrl_c_after_the_backend_bound_the_model_is_rolled_back(preset):
     finally:
         sys.settrace(None)
     assert state_of(model, opt) == before
-    assert not unimp.spi.is_applied(model)
+    assert not unimp.spi.Amp.is_bound(model)
     amp = unimp.apply(preset, model, opt)
     amp.backward(amp.model(torch.randn(4, 8)).float().square().mean())
     amp.optimizer.step()

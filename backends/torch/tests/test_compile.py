@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 
 import unimp
 from unimp import hardware
+from unimp.backend import NoForwardError
 from unimp.dtypes import reference_tolerance
 
 # Under a simulated smaller CPU (UNIMP_CPU_FEATURES, `python -m unimp.hardware --simulate avx2`) torch's inductor
@@ -212,6 +213,6 @@ def test_report_before_any_call_names_the_fix():
     model = Block()
     amp = unimp.apply("mixed_bf16", model, torch.optim.AdamW(model.parameters()))
     torch.compile(amp.model, backend="aot_eager")  # compiled, never called
-    with pytest.raises(unimp.spi.NoForwardError, match=r"no forward has run under this Amp yet; run amp.model\(x\)"):
+    with pytest.raises(NoForwardError, match=r"no forward has run under this Amp yet; run amp.model\(x\)"):
         amp.report()
     amp.remove()

@@ -11,8 +11,9 @@ module does not import torch.
 >>> sorted(SURFACE)[:3]
 ['NAMES', 'TorchAmp', 'TorchBackend']
 
-- ``TorchBackend``: the backend class (subclass it; ``compile``/``apply`` run the torch plan).
-- ``compile_plan``: policy + model + device -> the torch Plan (autocast dtype, op moves, layers).
+- ``TorchBackend``: the backend class (subclass it; ``plan``/``apply`` run the torch plan).
+- ``compile_plan(request, model=None, device=None, index=None, fp8_missing=None)``: the request
+  (``Plan.request(policy, backend)``) -> the torch Plan (autocast dtype, op moves, layers).
 - ``TorchAmp``, ``bind``: the Amp and the function that binds a Plan to a model (+ optimizer).
 - ``kind``, ``type_names``, ``NAMES``: a module's canonical kind, the type names overrides match,
   and torch's dtype names.
