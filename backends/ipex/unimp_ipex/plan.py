@@ -65,7 +65,7 @@ def compile_plan(request: Plan, model: Any, engine: Engine, cpu: hardware.CpuFac
     compute, reason = resolve_compute(request, cpu)
     with warnings.catch_warnings():  # the emulation warning came from `check` above, on these facts
         warnings.filterwarnings("ignore", message="unimp: .* emulates ")
-        base = torch_plan(dataclasses.replace(request, compute_dtype=compute), model, fp8_missing=FP8_MISSING)
+        base = torch_plan(dataclasses.replace(request, compute_dtype=compute), model, "cpu", fp8_missing=FP8_MISSING)
     base = dataclasses.replace(base, compute_reason=reason, notes=(f"cpu: {cpu.describe()}", *base.notes),
                                details=IpexDetails(**vars(base.details), cpu=cpu.record()))
     return on_engine(base, model, engine, cpu)
