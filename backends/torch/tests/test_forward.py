@@ -12,6 +12,7 @@ from models import ConvNet, mlp
 from torch import nn
 
 import unimp
+from unimp.spi import Plan
 from unimp_torch.plan import compile_plan
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -109,7 +110,7 @@ def _native_bn_override(model: ConvNet, x: torch.Tensor, dtype: torch.dtype) -> 
 def test_batch_norm_override_to_low_precision_trains(dtype):
     policy = {"extends": "torch_autocast_cpu", "overrides": [{"types": ["BatchNorm2d"], "compute_dtype": dtype}]}
     try:
-        compile_plan(unimp.load(policy), "cpu")
+        compile_plan(Plan.request(unimp.load(policy), "torch"), device="cpu")
     except unimp.UnsupportedError:
         pytest.skip(f"torch CPU autocast does not take {dtype} here")
     torch.manual_seed(0)
@@ -176,10 +177,10 @@ def test_functional_calls_follow_the_policy_both_directions():
     assert down["matmul"] == down["attention"] == down["conv"] == BF16
     assert down["softmax"] == down["layer_norm"] == down["loss"] == BF16
     # and the Plan says so: every op is controlled at op level
-    plan = compile_plan(unimp.load({"extends": "mixed_bf16", "ops": {"float32": ["matmul"]}}), "cpu")
+    request = Plan.request(unimp.load({"extends": "mixed_bf16", "ops": {"float32": ["matmul"]}}), "torch")
+    plan = compile_plan(request, device="cpu")
     assert plan.op("matmul").control == "op" and plan.details.op_moves["matmul"] == "float32"
-    assert compile_plan(unimp.load({"extends": "mixed_bf16", "ops": {"float32": ["matmul"]}}),
-                        "cuda").details.op_moves["matmul"] == "float32"
+    assert compile_plan(request, device="cuda").details.op_moves["matmul"] == "float32"
 
 
 @pytest.mark.parametrize("output", ["unchanged", "float32"])

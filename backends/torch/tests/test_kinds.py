@@ -134,14 +134,16 @@ def test_mean_on_cuda_follows_reduction_except_under_torchs_own_lists():
     """CUDA autocast keeps reductions (sum, prod, ...) in float32 but lists no mean. A policy whose
     reduction is float32 runs mean in float32 on CUDA as on CPU; torch_autocast_cuda (torch's own
     lists) stays plain autocast and the plan says so (read from the dispatcher, no GPU needed)."""
+    from unimp.spi import Plan
     from unimp_torch.plan import compile_plan
 
     assert torch._C._dispatch_has_kernel_for_dispatch_key("aten::sum.dim_IntList", "AutocastCUDA")
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::mean.dim", "AutocastCUDA")
     assert unimp.load("mixed_bf16").ops.category("reduction") == "float32"
-    assert compile_plan(unimp.load("mixed_bf16"), "cuda").details.op_moves["mean"] == "float32"
-    assert compile_plan(unimp.load("mixed_bf16"), "cpu").details.op_moves["mean"] == "float32"
-    own = compile_plan(unimp.load("torch_autocast_cuda"), "cuda")
+    request = Plan.request(unimp.load("mixed_bf16"), "torch")
+    assert compile_plan(request, device="cuda").details.op_moves["mean"] == "float32"
+    assert compile_plan(request, device="cpu").details.op_moves["mean"] == "float32"
+    own = compile_plan(Plan.request(unimp.load("torch_autocast_cuda"), "torch"), device="cuda")
     assert "mean" not in own.details.op_moves
     assert any(n.startswith("reduction: torch keeps its own choice for mean") for n in own.notes)
 

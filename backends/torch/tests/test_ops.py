@@ -9,6 +9,7 @@ import torch
 from models import Block
 
 import unimp
+from unimp.spi import Plan
 from unimp_torch.op_overrides import PolicyMode
 from unimp_torch.plan import TorchDetails, compile_plan
 
@@ -41,7 +42,7 @@ def test_mixed_bf16_on_cpu_gives_the_cuda_dtypes():
 
 
 def test_torch_autocast_cpu_preset_is_plain_autocast():
-    plan = compile_plan(unimp.load("torch_autocast_cpu"), "cpu")
+    plan = compile_plan(Plan.request(unimp.load("torch_autocast_cpu"), "torch"), device="cpu")
     assert plan.details.op_moves == {}
     amp, seen = run("torch_autocast_cpu")
     assert amp.wrapped == [] and amp.model.forward.mode is None  # no PolicyMode: plain autocast
@@ -61,14 +62,14 @@ def test_mixed_presets_on_cuda_are_autocast_plus_float32_means(preset):
     # planned here from the CUDA kernels registered in this torch build (no GPU needed): torch's
     # CUDA autocast runs sum in float32 but mean in its input dtype; these presets list
     # reduction (means included) as float32, as Keras and Flax run them
-    plan = compile_plan(unimp.load(preset), "cuda")
+    plan = compile_plan(Plan.request(unimp.load(preset), "torch"), device="cuda")
     assert unimp.load(preset).ops.category("reduction") == "float32"  # expected: from the core
     assert plan.details == TorchDetails("cuda", plan.compute_dtype, {**cuda_rms_norm_move(), "mean": "float32"},
                                         "autocast_kernels")
 
 
 def test_torch_autocast_cuda_keeps_torchs_mean_and_says_so():
-    plan = compile_plan(unimp.load("torch_autocast_cuda"), "cuda")
+    plan = compile_plan(Plan.request(unimp.load("torch_autocast_cuda"), "torch"), device="cuda")
     assert "mean" not in plan.details.op_moves
     note = next(n for n in plan.notes if n.startswith("reduction:"))
     assert "mean (inputs on cuda)" in note and "plain torch.autocast" in note

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.spi import Amp, LossScaleState, Plan, Report, ReportRow, fp8_report_notes
+from unimp.spi import Amp, Fp8Decision, LossScaleState, Plan, Report, ReportRow
 
 from .forward import PolicyForward, patch_forward
 from .fp8 import Fp8Binding
@@ -165,7 +165,7 @@ class TorchAmp(Amp):
                 for path, r in observed.items()
                 if not path or r["kind"] or not any(True for _ in self.module.get_submodule(path).children())]
         notes = [f"wrapped per layer: {', '.join(self.wrapped)}"] if self.wrapped else []
-        notes += fp8_report_notes(self.fp8.decisions) if self.fp8 is not None else []
+        notes += Fp8Decision.report_notes(self.fp8.decisions) if self.fp8 is not None else []
         return self.report_header(rows, notes)
 
     def _restore(self) -> None:
@@ -196,18 +196,17 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     if not plan.layers:  # compiled without the model: index it once
         plan = plan.with_index(model_index(model))
     amp = TorchAmp(plan, model, optimizer, device)
-    policy = plan.policy
     try:
         amp.findings = list(plan.layout.act("torch"))
         if fsdp:
             from .distributed import check_fsdp
 
             check_fsdp(model, plan)
-            if policy.layout.channels_last and has_conv2d(model):
+            if plan.channels_last and has_conv2d(model):
                 amp.findings.append("layout: channels_last not applied to an FSDP2-sharded model (its "
                                     "parameters are DTensor shards); call model.to(memory_format="
                                     "torch.channels_last) before fully_shard")
-        elif policy.layout.channels_last and has_conv2d(model):
+        elif plan.channels_last and has_conv2d(model):
             amp._layout = to_channels_last(model)
         optimized = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
         if not fsdp:
@@ -225,7 +224,7 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
             p.is_floating_point() and p.dtype != torch.float64 and p.itemsize < compute.itemsize
             for p in model.parameters()) else None  # e.g. float16 storage, float32 compute
         amp._undo.append(patch_forward(model, device, autocast, details.op_moves,
-                                       output_cast(policy), bool(amp._layout), params_up))
+                                       output_cast(plan), bool(amp._layout), params_up))
         model.__dict__["forward"].observer = amp._observer
         amp._undo.append(save_full_precision(amp, model))  # HF save_pretrained: the fp32 masters
         if optimizer is not None:
@@ -243,15 +242,14 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
 
 
 def _wrap_layers(amp: TorchAmp, model: nn.Module, plan: Plan, device: str) -> None:
-    policy = plan.policy
     autocast_on = plan.details.autocast is not None
-    low_override = any(o.compute_dtype in ("float16", "bfloat16", "auto") for o in policy.overrides)
+    low_override = any(o.compute_dtype in ("float16", "bfloat16", "auto") for o in plan.overrides)
     for path, module in model.named_modules():
         names, k = type_names(module), kind(module)
         decision = plan.decide(path, k, names)
-        category = policy.ops.category(k) if k else "inputs"
+        category = plan.op(k).requested if k else "inputs"
         rule = None
-        if decision.override is not None and policy.overrides[decision.override].compute_dtype is not None:
+        if decision.override is not None and plan.overrides[decision.override].compute_dtype is not None:
             dtype = decision.compute_dtype
             composite = any(True for _ in module.children()) and dtype != "float32"
             rule = Rule(dtype, composite)

@@ -14,9 +14,8 @@ kernel follows its inputs, except binary arithmetic, which torch's type promotio
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
-from unimp.spi import kind_of
+from unimp.spi import Plan, ops
 
 from .ops import NATIVE_OPS
 
@@ -124,7 +123,7 @@ def _has(qualified: str, key: str) -> bool:
 
 
 def canonical_of(name: str) -> str | None:
-    return kind_of(name, NATIVE_OPS)
+    return ops.kind_of(name, NATIVE_OPS)
 
 
 @functools.cache
@@ -174,25 +173,22 @@ def moves(op: str, wanted: str, device: str, torch_own: bool = False) -> tuple[s
     return tuple(n for n in names if not same(native_category(n, device), wanted, n))
 
 
-def is_torch_own(category: Callable[[str], str], device: str) -> bool:
-    """Whether op lists (``category``: canonical op -> category) are torch's own autocast lists on
-    ``device``: every canonical op's primary op already runs as they ask (``torch_autocast_cuda``
-    on cuda, ``torch_autocast_cpu`` on cpu), or asks float32 for an op torch's lists gained later
-    (:data:`LATER_KERNELS`: ``rms_norm`` on cuda before torch 2.13). Such a policy is plain
-    ``torch.autocast``: torch's per-op choices are all kept.
+def is_torch_own(request: Plan, device: str) -> bool:
+    """Whether the op lists of ``request`` are torch's own autocast lists on ``device``: every canonical
+    op's primary op already runs as they ask (``torch_autocast_cuda`` on cuda, ``torch_autocast_cpu`` on
+    cpu), or asks float32 for an op torch's lists gained later (:data:`LATER_KERNELS`: ``rms_norm`` on
+    cuda before torch 2.13). Such a policy is plain ``torch.autocast``: torch's per-op choices are all kept.
 
     >>> import unimp
-    >>> is_torch_own(unimp.load("torch_autocast_cuda").ops.category, "cuda")
+    >>> is_torch_own(Plan.request(unimp.load("torch_autocast_cuda"), "torch"), "cuda")
     True
-    >>> is_torch_own(unimp.load("mixed_bf16").ops.category, "cuda")  # batch_norm in float32
+    >>> is_torch_own(Plan.request(unimp.load("mixed_bf16"), "torch"), "cuda")  # batch_norm in float32
     False
     """
-    from unimp.spi import CANONICAL_OPS
-
-    for op in CANONICAL_OPS:
-        names = function_names(op, device)
-        if names and not same(native_category(names[0], device), category(op), names[0]):
-            if (op, device) in LATER_KERNELS and category(op) == "float32" and not has_kernel(names[0], device):
+    for op in ops.CANONICAL_OPS:
+        names, wanted = function_names(op, device), request.op(op).requested
+        if names and not same(native_category(names[0], device), wanted, names[0]):
+            if (op, device) in LATER_KERNELS and wanted == "float32" and not has_kernel(names[0], device):
                 continue  # torch's newer lists, on a torch that predates that kernel
             return False
     return True

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from unimp.spi import Backend, Plan, Policy, Snapshot, native_table
+from unimp.spi import Amp, Backend, Plan, Snapshot, UnsupportedError, ops
 
 from .ops import NATIVE_OPS
 
@@ -22,7 +22,7 @@ class TorchBackend(Backend):
     distribution: ClassVar[str] = "unimp-torch"
     model_types: ClassVar[str] = "torch.nn.Module"
     priority: ClassVar[int] = 0
-    native_ops: ClassVar = native_table("torch", NATIVE_OPS)
+    native_ops: ClassVar = ops.native_table("torch", NATIVE_OPS)
     tags: ClassVar = frozenset({"fp16", "bf16", "master_weights", "loss_scaling", "training", "overrides", "layout",
                                 "op_level", "layer_level", "distributed", "remove"})
 
@@ -31,12 +31,10 @@ class TorchBackend(Backend):
 
         return isinstance(model, torch.nn.Module)
 
-    def compile(self, policy: Policy, model: Any = None) -> Plan:
-        from .index import model_index
+    def plan(self, request: Plan, model: Any = None) -> Plan:
         from .plan import compile_plan
-        from .validate import device_of
 
-        return compile_plan(policy, device_of(model), model_index(model) if model is not None else None)
+        return compile_plan(request, model)
 
     def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
         """Every module's attributes (parameters, buffers, submodules, forward, hooks), every
@@ -65,38 +63,31 @@ class TorchBackend(Backend):
                             f"it accepts on_skip=callable")
         device = check_inputs(model, optimizer, on_skip)
         if plan.details.device != device:
-            plan = self.compile(plan.policy, model)
-        compiled = _compiled_inner(model)
-        if compiled is not None:  # torch.compile(model) made first: bind the module it wraps
-            from unimp.spi import is_applied, remember
-
-            if is_applied(compiled):
-                raise RuntimeError("unimp.apply: the module inside this torch.compile wrapper already has a "
-                                   "unimp policy applied; use that Amp (its amp.model can be compiled)")
-            amp = self.apply(plan, compiled, optimizer, on_skip=on_skip)
-            remember(amp, compiled)
-            amp.model = model  # calls go through the compiled wrapper, which traces the policy's forward
-            return amp
-        if is_ddp(model):  # DDP built first: bind the inner module, hook the DDP
-            from unimp.spi import is_applied
-
-            ddp, inner = model, model.module
-            if is_applied(inner):
-                raise RuntimeError("unimp.apply: the module inside this DistributedDataParallel already has "
-                                   "a unimp policy applied; use that Amp (amp.ddp() wraps it)")
+            raise UnsupportedError(f"unimp-torch: this Plan was compiled for {plan.details.device}, the model is on "
+                                   f"{device}; compile it with the model: backend.compile(policy, model)")
+        # a torch.compile wrapper (OptimizedModule) and/or a DDP built first: bind the module inside (marked
+        # bound too); calls go through the wrapper, which runs (or traces) the policy's forward
+        inner = _compiled_inner(model)
+        ddp = inner if is_ddp(inner) else None
+        inner = ddp.module if ddp is not None else inner
+        if inner is not model and Amp.is_bound(inner):
+            raise RuntimeError("unimp.apply: the module inside this " + (
+                "DistributedDataParallel already has a unimp policy applied; use that Amp (amp.ddp() wraps it)"
+                if ddp is not None else "torch.compile wrapper already has a unimp policy applied; use that Amp "
+                                        "(its amp.model can be compiled)"))
+        if ddp is not None:
             check_ddp_order(plan, ddp)
-            amp = bind(plan, inner, optimizer, device, on_skip)
+        amp = bind(plan, inner, optimizer, device, on_skip, fsdp=ddp is None and is_fsdp(inner))
+        if ddp is not None:
             try:
                 attach_ddp(amp, ddp, owned=False)
             except BaseException:
                 amp._restore()
                 raise
-            from .distributed import _remember
-
-            _remember(amp, inner)
-            amp.model = ddp
-            return amp
-        return bind(plan, model, optimizer, device, on_skip, fsdp=is_fsdp(model))
+        if inner is not model:
+            amp.bind_also(inner, ddp)
+            amp.model = model
+        return amp
 
     def conformance_kit(self) -> Any:
         from .testing import TorchKit
@@ -105,7 +96,7 @@ class TorchBackend(Backend):
 
 
 def _compiled_inner(model: Any) -> Any:
-    """The module a ``torch.compile(module)`` wrapper (``OptimizedModule``) holds, else None."""
+    """The module a ``torch.compile(module)`` wrapper (``OptimizedModule``) holds, else ``model``."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    return model._orig_mod if isinstance(model, OptimizedModule) else None
+    return model._orig_mod if isinstance(model, OptimizedModule) else model

@@ -87,7 +87,6 @@ def reduce_hook(state, bucket):  # no annotations: DDP checks them against the r
 
 def check_ddp_order(plan: Plan, ddp: nn.Module) -> None:
     """Refuse ``unimp.apply(policy, DDP(model))`` when apply would replace parameters DDP holds."""
-    policy = plan.policy
     moved = []
     for path, m in ddp.module.named_modules():
         want = DTYPES[plan.decide(path, kind(m), type_names(m)).param_dtype]
@@ -95,7 +94,7 @@ def check_ddp_order(plan: Plan, ddp: nn.Module) -> None:
                   if p.is_floating_point() and p.dtype not in (want, torch.float64)]
     if moved:
         raise UnsupportedError(
-            f"unimp.apply(policy, DistributedDataParallel(model)): policy {policy.name!r} gives "
+            f"unimp.apply(policy, DistributedDataParallel(model)): policy {plan.name!r} gives "
             f"{len(moved)} parameters another dtype ({', '.join(moved[:4])}{', ...' if len(moved) > 4 else ''}), "
             f"but DDP already holds the float32 ones and would never reduce the new ones; "
             f"fix: {ORDER_FIX}")
@@ -103,7 +102,7 @@ def check_ddp_order(plan: Plan, ddp: nn.Module) -> None:
 
 def attach_ddp(amp: Any, ddp: nn.Module, owned: bool) -> None:
     """Register the reduce hook on ``ddp`` (when needed) and agree found-inf over its group."""
-    want = DTYPES[amp.policy.distributed.reduce_dtype]
+    want = DTYPES[amp.plan.reduce_dtype]
     grads = {p.dtype for p in ddp.module.parameters() if p.requires_grad}
     hooked = bool(grads) and grads != {want}
     if hooked:
@@ -145,7 +144,7 @@ def make_ddp(amp: Any, **kwargs: Any) -> nn.Module:
     attach_ddp(amp, ddp, owned=True)
     amp.model = ddp
     amp._undo.append(lambda: setattr(amp, "model", inner))
-    _remember(amp, ddp)
+    amp.bind_also(ddp)
     return ddp
 
 
@@ -169,11 +168,16 @@ def mixed_precision_policy(policy: Any, param_dtype: str | None = None, *, root:
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    policy = load(policy)
-    return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype or policy.param_dtype],
-                                reduce_dtype=DTYPES[policy.distributed.reduce_dtype],
-                                output_dtype=output_cast(policy) if root else None,
+    request = _request(policy)
+    return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype or request.param_dtype],
+                                reduce_dtype=DTYPES[request.reduce_dtype],
+                                output_dtype=output_cast(request) if root else None,
                                 cast_forward_inputs=False)
+
+
+def _request(policy: Any) -> Plan:
+    """What the user's ``policy`` (a Plan, or anything :func:`unimp.load` takes) asks of torch."""
+    return policy if isinstance(policy, Plan) else Plan.request(load(policy), "torch")
 
 
 Units = type | tuple[type, ...] | str | Iterable[str] | Callable[[str, nn.Module], bool] | None
@@ -214,18 +218,16 @@ def fully_shard(model: nn.Module, policy: Any, *, units: Units = None, **kwargs:
     """
     from torch.distributed.fsdp import fully_shard as shard
 
-    policy = load(policy)
+    request = _request(policy)
     if is_fsdp(model):
         raise RuntimeError("unimp_torch.fully_shard: the model is already sharded; call it on the plain "
                            "model (it shards the units and the root itself)")
-    from unimp.spi import requests_fp8
-
-    if requests_fp8(policy):
+    if request.fp8_requested:
         from .fp8 import convert
         from .plan import compile_plan
         from .validate import device_of
 
-        plan = compile_plan(policy, device_of(model))
+        plan = compile_plan(request, device=device_of(model))
         if plan.fp8 is not None and plan.fp8.active:
             convert(plan, model, plan.details.device, fsdp=True)
     match = _matcher(units)
@@ -235,7 +237,7 @@ def fully_shard(model: nn.Module, policy: Any, *, units: Units = None, **kwargs:
     def unit_of(path: str, among: list[str]) -> str:
         return max((u for u in among if not u or path == u or path.startswith(u + ".")), key=len)
 
-    want = {p: policy.param_dtype_of(p, kind(m), type_names(m))
+    want = {p: request.param_dtype_of(p, kind(m), type_names(m))
             for p, m in modules.items() if _direct_params(m)}
     dtypes: dict[str, str] = {}
     extra: list[str] = []
@@ -244,18 +246,18 @@ def fully_shard(model: nn.Module, policy: Any, *, units: Units = None, **kwargs:
         count: dict[str, int] = {}
         for p in own:
             count[want[p]] = count.get(want[p], 0) + sum(t.numel() for _, t in _direct_params(modules[p]))
-        dtypes[u] = want[u] if u in want else max(count, key=count.get) if count else policy.param_dtype
+        dtypes[u] = want[u] if u in want else max(count, key=count.get) if count else request.param_dtype
         for p in own:
             if want[p] != dtypes[u] and p != u:
                 extra.append(p)
                 dtypes[p] = want[p]
-    if not policy.master_weights.enabled:  # no masters: the sharded params themselves hold the dtype
+    if not request.master_weights.enabled:  # no masters: the sharded params themselves hold the dtype
         with torch.no_grad():
             for p, d in want.items():
                 for _, t in _direct_params(modules[p]):
                     t.data = t.data.to(DTYPES[d])
     for u in sorted(roots + extra, key=lambda p: -1 if not p else p.count("."), reverse=True):
-        shard(modules[u], mp_policy=mixed_precision_policy(policy, dtypes[u], root=not u), **kwargs)
+        shard(modules[u], mp_policy=mixed_precision_policy(request, dtypes[u], root=not u), **kwargs)
     return model
 
 
@@ -263,7 +265,6 @@ def check_fsdp(model: nn.Module, plan: Plan) -> None:
     """Every FSDP unit's dtypes must be what the Plan asks; else a clear error with the fix."""
     from torch.distributed.fsdp import FSDPModule
 
-    policy = plan.policy
     path_of = {id(m): p for p, m in model.named_modules()}
     seen: set[int] = set()
     wrong = []
@@ -284,23 +285,22 @@ def check_fsdp(model: nn.Module, plan: Plan) -> None:
             red = mp.reduce_dtype or fwd
             d = plan.decide(path, kind(info.module), type_names(info.module))
             want_fwd = DTYPES[d.param_dtype]
-            want_orig = DTYPES[policy.master_weights.dtype] if (
-                policy.master_weights.enabled and want_fwd != torch.float32) else want_fwd
+            want_orig = DTYPES[plan.master_weights.dtype] if (
+                plan.master_weights.enabled and want_fwd != torch.float32) else want_fwd
             if orig == torch.float64:
                 continue
             if fwd != want_fwd:
                 wrong.append(f"{name}: param_dtype {NAMES.get(fwd)} (policy: {d.param_dtype})")
             elif orig != want_orig:
                 wrong.append(f"{name}: sharded (master) dtype {NAMES.get(orig)} (policy: {NAMES[want_orig]})")
-            elif red != DTYPES[policy.distributed.reduce_dtype]:
-                wrong.append(f"{name}: reduce_dtype {NAMES.get(red)} "
-                             f"(policy: {policy.distributed.reduce_dtype})")
+            elif red != DTYPES[plan.reduce_dtype]:
+                wrong.append(f"{name}: reduce_dtype {NAMES.get(red)} (policy: {plan.reduce_dtype})")
     loose = [n for n, p in model.named_parameters() if id(p) not in seen and p.requires_grad]
     if wrong or loose:
         lines = wrong[:6] + [f"{n}: not managed by FSDP (fully_shard the root module too)" for n in loose[:3]]
         more = len(wrong) + len(loose) - len(lines)
         raise UnsupportedError(
-            f"unimp.apply: this FSDP2 model's mixed precision differs from policy {policy.name!r}:\n  "
+            f"unimp.apply: this FSDP2 model's mixed precision differs from policy {plan.name!r}:\n  "
             + "\n  ".join(lines) + (f"\n  ... and {more} more" if more > 0 else "")
             + "\nfix: shard with unimp_torch.fully_shard(model, policy, units=...), or pass "
               "mp_policy=unimp_torch.mixed_precision_policy(policy[, param_dtype], root=...) to fully_shard")
@@ -320,9 +320,9 @@ def attach_fsdp(amp: Any, model: nn.Module) -> None:
                 groups.append(g)
     amp.distributed = {
         "engine": "fsdp2", "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-        "reduce_dtype": amp.policy.distributed.reduce_dtype,
+        "reduce_dtype": amp.plan.reduce_dtype,
         "all_reduce": "FSDP2 reduce-scatter in MixedPrecisionPolicy.reduce_dtype",
-        "masters": f"FSDP's sharded parameters ({amp.policy.master_weights.dtype}, 1/world per rank)",
+        "masters": f"FSDP's sharded parameters ({amp.plan.master_weights.dtype}, 1/world per rank)",
         "found_inf": "all_reduce MAX over the mesh"}
     _agree_over(amp, groups)
 
@@ -336,12 +336,6 @@ def _agree_over(amp: Any, groups: list[Any]) -> None:
     amp.agree = agree
     if amp.optimizer is not None:
         amp.optimizer.agree = agree
-
-
-def _remember(amp: Any, *models: nn.Module) -> None:
-    from unimp.spi import remember
-
-    remember(amp, *models)
 
 
 def warn_undistributed() -> None:

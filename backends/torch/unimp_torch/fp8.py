@@ -1,7 +1,7 @@
 """FP8 training for torch through torchao's float8 training: the layers the Plan chooses, and undo.
 
 ``support(device)`` says what this torch + torchao can run (what the Plan checks the policy's
-``[fp8]`` table against); ``convert(plan, model)`` asks :func:`unimp.plan.fp8.decide_fp8` per
+``[fp8]`` table against); ``convert(plan, model)`` asks the Plan (``plan.decide_fp8``) per
 ``nn.Linear`` and hands exactly those paths to ``torchao.float8.convert_to_float8_training`` as its
 ``module_filter_fn``, with the ``Float8LinearConfig`` of the policy's recipe. On CPU torchao runs in
 its emulation mode (``emulate=True``: the FP8 numerics, not the speed), which is what CI tests.
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.spi import FP8_FORMATS, Fp8Decision, Fp8Support, Plan, UnsupportedError, decide_fp8
+from unimp.spi import Fp8Decision, Fp8Support, Plan, UnsupportedError, dtypes
 
 from .layers import DTYPES, type_names
 
@@ -94,7 +94,7 @@ def config(plan: Plan, device: str, fsdp: bool = False) -> Any:
     fp8 = plan.fp8
     assert fp8 is not None and fp8.active
     cfg = float8.Float8LinearConfig.from_recipe_name(RECIPES[fp8.recipe])
-    grad = getattr(torch, FP8_FORMATS[fp8.gradient_format])
+    grad = getattr(torch, dtypes.FP8_FORMATS[fp8.gradient_format])
     cfg = dataclasses.replace(
         cfg, emulate=device == "cpu",
         cast_config_grad_output=dataclasses.replace(cfg.cast_config_grad_output, target_dtype=grad),
@@ -130,7 +130,7 @@ def decisions(plan: Plan, model: nn.Module) -> list[Fp8Decision]:
                                                       "its parent (wrap it: nn.Sequential(layer))"))
             continue
         dims = {"in_features": module.in_features, "out_features": module.out_features}
-        out.append(decide_fp8(plan, path, "linear", type_names(module), dims))
+        out.append(plan.decide_fp8(path, "linear", type_names(module), dims))
     return out
 
 

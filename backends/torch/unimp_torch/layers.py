@@ -25,30 +25,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.spi import class_names, dtype_name, kind_of_names
+from unimp.spi import Plan, dtypes, ops
 
 from .kinds import extra_kind
 from .ops import NATIVE_OPS
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-NAMES = {v: dtype_name(v) for v in DTYPES.values()}
+NAMES = {v: dtypes.dtype_name(v) for v in DTYPES.values()}
 
 
-def output_cast(policy: Any) -> torch.dtype | None:
-    """The torch dtype the model's outputs are cast to under ``policy``; None for ``output_dtype =
+def output_cast(plan: Plan) -> torch.dtype | None:
+    """The torch dtype the model's outputs are cast to under ``plan``; None for ``output_dtype =
     "unchanged"`` (as ``torch.autocast`` leaves them)."""
-    return DTYPES[policy.output_cast] if policy.output_cast else None
+    return DTYPES[plan.output_cast] if plan.output_cast else None
 
 
 def type_names(module: nn.Module) -> tuple[str, ...]:
     """Class names of ``module`` and its bases up to ``nn.Module`` (for kinds and overrides)."""
-    return class_names(type(module), stop=(nn.Module,))
+    return ops.class_names(type(module), stop=(nn.Module,))
 
 
 def kind(module: nn.Module) -> str | None:
     """The canonical op of a layer (``Linear`` -> ``linear``; subclasses count as their base;
     third-party leaf layers such as HF ``LlamaRMSNorm`` through :mod:`unimp_torch.kinds`)."""
-    return kind_of_names(type_names(module), NATIVE_OPS) or extra_kind(module)
+    return ops.kind_of_names(type_names(module), NATIVE_OPS) or extra_kind(module)
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,11 @@ originals of frozen parameters) in place of their low-precision copies, and
 weights, and loading one resumes the masters exactly.
 
 >>> import torch, unimp
+>>> from unimp.spi import Plan
 >>> from unimp_torch.plan import compile_plan
 >>> m = torch.nn.Linear(4, 4)
 >>> w = m.weight
->>> st = cast_params(m, compile_plan(unimp.load("pure_bf16"), "cpu"), {id(w), id(m.bias)})
+>>> st = cast_params(m, compile_plan(Plan.request(unimp.load("pure_bf16"), "torch"), m), {id(w), id(m.bias)})
 >>> m.weight.dtype, st.masters[0][2] is w, m.state_dict()["weight"].dtype
 (torch.bfloat16, True, torch.float32)
 >>> st.restore(); m.weight is w
@@ -203,7 +204,7 @@ def cast_params(model: nn.Module, plan: Plan, optimized: set[int]) -> ParamState
 
 
 def _cast(model: nn.Module, plan: Plan, optimized: set[int], state: ParamState) -> None:
-    masters = plan.policy.uses_master_weights
+    masters = plan.uses_master_weights
     done: dict[int, nn.Parameter] = {}
     for path, module in model.named_modules():
         decision = plan.decide(path, kind(module), type_names(module))

@@ -8,14 +8,13 @@ kernel on the device), ``function_mode`` (``PolicyMode`` on every call: some mov
 or None (no moves). Under ``torch.compile`` the moves are always traced through ``PolicyMode``.
 
 >>> import unimp
->>> plan = compile_plan(unimp.load("torch_autocast_cpu"), "cpu")
->>> plan.details.op_moves
+>>> from unimp.spi import Plan
+>>> request = lambda name: Plan.request(unimp.load(name), "torch")
+>>> compile_plan(request("torch_autocast_cpu"), device="cpu").details.op_moves
 {}
->>> moves = compile_plan(unimp.load("mixed_bf16"), "cpu").details.op_moves
->>> moves["softmax"], moves["exp"]
-('float32', 'float32')
->>> compile_plan(unimp.load("mixed_bf16"), "cpu").details.eager_mechanism
-'autocast_kernels'
+>>> plan = compile_plan(request("mixed_bf16"), device="cpu")
+>>> plan.details.op_moves["softmax"], plan.details.op_moves["exp"], plan.details.eager_mechanism
+('float32', 'float32', 'autocast_kernels')
 """
 
 from __future__ import annotations
@@ -23,18 +22,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from unimp.spi import (
-    CANONICAL_OPS,
-    Fp8Support,
-    LayerInfo,
-    Plan,
-    Policy,
-    UnsupportedError,
-    compile_ops,
-    is_low,
-    requests_fp8,
-)
+from unimp.spi import Fp8Support, LayerInfo, Plan, UnsupportedError, dtypes, hardware, ops
 
 from .autocast import ALSO_MOVED, aten_names, function_names, is_torch_own, kernel_table, moves, native_category, same
 
@@ -51,29 +41,24 @@ def resolve_compute(dtype: str, device: str) -> tuple[str, str]:
         raise UnsupportedError(f"unimp-torch runs models on cpu or cuda; this model is on {device!r} "
                                f"(move it with model.to('cuda') or model.to('cpu'))")
     if dtype == "auto":
-        from unimp.spi import resolve_auto, resolve_cpu_auto
-
         if device == "cuda":
             if not torch.cuda.is_available():
                 return "bfloat16", "auto: cuda (no GPU visible to check; bf16 GPUs are the common case)"
             # bf16 tensor cores from compute capability 8.0 (torch.cuda.is_bf16_supported() counts emulation)
             cc, name = torch.cuda.get_device_capability(), torch.cuda.get_device_name()
-            return resolve_auto(fast_bf16=cc >= (8, 0), fast_fp16=True,
+            return hardware.resolve_auto(fast_bf16=cc >= (8, 0), fast_fp16=True,
                                 where=f"this GPU ({name}, compute capability {cc[0]}.{cc[1]})")
-        return resolve_cpu_auto("torch")  # CPU autocast float16 would need loss scaling: never auto on CPU
+        return hardware.resolve_cpu_auto("torch")  # CPU autocast float16 would need loss scaling: never auto on CPU
     check_dtype(dtype, device, "compute_dtype")
-    if device == "cpu" and is_low(dtype):
-        from unimp.spi import cpu
-
-        if cpu().emulated(dtype):
-            return dtype, f"as the policy says (emulated on this CPU, slower than float32: {cpu().describe()})"
+    if device == "cpu" and dtypes.is_low(dtype) and hardware.cpu().emulated(dtype):
+        return dtype, f"as the policy says (emulated on this CPU, slower than float32: {hardware.cpu().describe()})"
     return dtype, "as the policy says"
 
 
 def check_dtype(dtype: str, device: str, key: str) -> None:
     import torch
 
-    if not is_low(dtype):
+    if not dtypes.is_low(dtype):
         return
     if (device == "cuda" and dtype == "bfloat16" and torch.cuda.is_available()
             and not torch.cuda.is_bf16_supported()):
@@ -86,9 +71,7 @@ def check_dtype(dtype: str, device: str, key: str) -> None:
         if not ok or any("not supported" in str(w.message) for w in caught):
             raise UnsupportedError(f"{key} = {dtype!r}: torch {torch.__version__} CPU autocast does not "
                                    f"support it; use 'bfloat16' or 'float32', or run on cuda")
-        from unimp.spi import warn_emulated
-
-        warn_emulated(dtype, key, "torch's CPU autocast")
+        hardware.warn_emulated(dtype, key, "torch's CPU autocast")
 
 
 @dataclass(frozen=True)
@@ -101,20 +84,28 @@ class TorchDetails:
     eager_mechanism: str | None  # autocast_kernels | function_mode | None
 
 
-def compile_plan(policy: Policy, device: str, index: Iterable[LayerInfo] | None = None,
-                 fp8_missing: str | None = None) -> Plan:
-    """Plan ``policy`` for torch on ``device`` (``cpu`` | ``cuda``); ``index``: the model's modules;
+def compile_plan(request: Plan, model: Any = None, device: str | None = None,
+                 index: Iterable[LayerInfo] | None = None, fp8_missing: str | None = None) -> Plan:
+    """The torch Plan of ``request`` (:meth:`Plan.request`, what ``TorchBackend.plan`` receives) on ``device``
+    (``cpu`` | ``cuda``; default: ``model``'s); ``index``: the model's modules (default: ``model``'s);
     ``fp8_missing``: why FP8 cannot run (a backend built on this one without torchao's FP8, e.g. ipex),
     else torchao's support is checked."""
-    compute, reason = resolve_compute(policy.compute_dtype, device)
-    for i, o in enumerate(policy.overrides):
+    from .validate import device_of
+
+    device = device or device_of(model)
+    if index is None and model is not None:
+        from .index import model_index
+
+        index = model_index(model)
+    compute, reason = resolve_compute(request.compute_dtype, device)
+    for i, o in enumerate(request.overrides):
         if o.compute_dtype not in (None, "auto"):
             check_dtype(o.compute_dtype, device, f"overrides[{i}].compute_dtype")
-    autocast = compute if is_low(compute) else None
+    autocast = compute if dtypes.is_low(compute) else None
     control, native, op_moves, notes = {}, {}, {}, []
-    own = autocast is not None and is_torch_own(policy.ops.category, device)
-    for op in CANONICAL_OPS:
-        wanted = policy.ops.category(op)
+    own = autocast is not None and is_torch_own(request, device)
+    for op in ops.CANONICAL_OPS:
+        wanted = request.op(op).requested
         names = function_names(op, device)
         native[op] = aten_names(op, device)
         control[op] = "op"
@@ -138,9 +129,9 @@ def compile_plan(policy: Policy, device: str, index: Iterable[LayerInfo] | None 
     fp8 = None
     if fp8_missing is not None:
         fp8 = Fp8Support(missing=fp8_missing)
-    elif requests_fp8(policy):  # torchao is imported only for a policy that asks FP8
+    elif request.fp8_requested:  # torchao is imported only for a policy that asks FP8
         from .fp8 import support
 
         fp8 = support(device)
-    return compile_ops("torch", policy, control=control, native=native, compute_dtype=compute,
-                       compute_reason=reason, notes=tuple(notes), details=details, fp8=fp8, index=index)
+    return request.compile(control=control, native=native, compute_dtype=compute, compute_reason=reason,
+                           notes=tuple(notes), details=details, fp8=fp8, index=index)

@@ -8,7 +8,9 @@ is torch's own fused kernel ``torch._amp_update_scale_``; otherwise the core's r
 honoured (torch keeps subnormals and holds float64 on every device it runs on).
 
 >>> import torch, unimp
->>> s = DeviceLossScale(unimp.load({"loss_scale": {"initial": 8.0, "growth_interval": 1}}).loss_scale, "cpu")
+>>> from unimp.spi import Plan
+>>> spec = Plan.request(unimp.load({"loss_scale": {"initial": 8.0, "growth_interval": 1}}), "torch").loss_scale
+>>> s = DeviceLossScale(spec, "cpu")
 >>> s.update(torch.zeros(())); s.state().scale
 16.0
 """
@@ -21,14 +23,13 @@ from collections.abc import Iterable
 import torch
 
 from unimp.spi import (
-    INT32_MAX,
     Arrays,
     LossScale,
     LossScaleAtMinimumError,
     LossScaleSpec,
     LossScaleState,
     StateError,
-    held,
+    dtypes,
     step,
 )
 
@@ -64,7 +65,7 @@ class DeviceLossScale:
                                   ("hysteresis_left", st.hysteresis_left, torch.int32),
                                   ("skipped", st.skipped, torch.int64)):
             try:
-                value = held(self.spec, value) if key == "scale" else value
+                value = LossScale(self.spec).held(value) if key == "scale" else value
                 tensors.append(torch.full((), value, dtype=dtype, device=self.device))
             except (TypeError, ValueError, OverflowError, RuntimeError) as e:
                 raise StateError(f"loss-scale state: {key} = {str(value)[:40]} does not fit the device's "
@@ -109,11 +110,11 @@ class DeviceLossScale:
     def update(self, found_inf: torch.Tensor | None) -> None:
         """Advance the rule by one optimizer step (``found_inf`` None: the step was not checked)."""
         s = self.spec
-        self.steps = min(self.steps + 1, INT32_MAX)  # the rule's counters saturate (unimp.loss_scale.rule.step)
+        self.steps = min(self.steps + 1, dtypes.INT32_MAX)  # the rule's counters saturate (unimp.loss_scale.rule.step)
         if found_inf is None:
             return
         if s.skip_nonfinite:
-            self.skipped += ((found_inf > 0) & (self.skipped < INT32_MAX)).to(torch.int64)
+            self.skipped += ((found_inf > 0) & (self.skipped < dtypes.INT32_MAX)).to(torch.int64)
         if s.mode != "dynamic":
             return
         if self.native:

@@ -1,6 +1,6 @@
 """The conformance kit for torch: the shared probe as a ``torch.nn.Module`` and a real training step.
 
->>> from unimp.conformance import probe_weights, probe_batches
+>>> from unimp.conformance.probe import probe_weights, probe_batches
 >>> kit = TorchKit()
 >>> model = kit.build_probe(probe_weights())
 >>> tuple(kit.forward_fingerprint(model, probe_batches(1)[0]).shape)
@@ -15,7 +15,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from unimp.spi import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, Kit, Observation, Policy, ProbeBatch, dtype_name
+from unimp.conformance.kit import Kit, Observation
+from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, ProbeBatch
+from unimp.spi import dtypes
 
 
 class ChannelsLastConv1d(nn.Conv1d):
@@ -58,9 +60,6 @@ class TorchKit(Kit):
     def __init__(self, device: str = "cpu") -> None:
         self.device = device
 
-    def supports(self, policy: Policy) -> str | None:
-        return None  # every standard policy runs on torch 2.13 CPU (bf16 and fp16 autocast)
-
     def build_probe(self, weights: dict[str, Any]) -> nn.Module:
         m = Probe()
         w = weights
@@ -93,7 +92,7 @@ class TorchKit(Kit):
             return amp.model(self._tokens(batch))
 
     def dtype_name(self, value: Any) -> str:
-        return dtype_name(value.dtype)
+        return dtypes.dtype_name(value.dtype)
 
     def step(self, amp: Any, batch: ProbeBatch, poison: bool = False) -> float:
         logp = amp.model(self._tokens(batch))

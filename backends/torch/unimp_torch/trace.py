@@ -23,7 +23,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from unimp.spi import dtype_name
+from unimp.spi import dtypes
 
 from .kinds import report_kind
 from .layers import NAMES, kind, type_names
@@ -44,7 +44,7 @@ ATTENTION_OPS = frozenset(NATIVE_OPS["attention"])
 
 def _dtype(x: Any) -> str | None:
     if isinstance(x, torch.Tensor):
-        return dtype_name(x.dtype)
+        return dtypes.dtype_name(x.dtype)
     if isinstance(x, list | tuple):
         for t in x:
             d = _dtype(t)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import transformers
 
-from unimp.spi import Policy, apply, load
+from unimp.spi import Plan, apply, load
 
 AMP_FILE = "unimp_amp.pt"
 
@@ -57,13 +57,14 @@ class UnimpTrainer(transformers.Trainer):
     """``transformers.Trainer`` training under a unimp policy (a preset name, a file, a dict or a Policy)."""
 
     def __init__(self, *args: Any, policy: Any, **kwargs: Any) -> None:
-        self.unimp_policy = load(policy) if not isinstance(policy, Policy) else policy
+        self.unimp_policy = load(policy)
         self.amp: Any = None
         targs = kwargs.get("args") or (args[1] if len(args) > 1 else None)
         if targs is not None and (targs.fp16 or targs.bf16):
             raise ValueError("UnimpTrainer: TrainingArguments(fp16=True / bf16=True) would run the Trainer's own "
                              "autocast on top of the unimp policy; fix: leave fp16/bf16 off (the policy "
-                             f"{self.unimp_policy.name!r} decides the dtypes and the loss scaling)")
+                             f"{Plan.request(self.unimp_policy, 'torch').name!r} decides the dtypes and the loss "
+                             "scaling)")
         super().__init__(*args, **kwargs)
         self.add_callback(_SkipReporter(self))
 

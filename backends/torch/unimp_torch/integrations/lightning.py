@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import Precision
 
-from unimp.spi import Policy, UnsupportedError, apply, load
+from unimp.spi import UnsupportedError, apply, load
 
 
 class UnimpPrecision(Precision):
@@ -47,7 +47,7 @@ class UnimpPrecision(Precision):
 
     def __init__(self, policy: Any) -> None:
         super().__init__()
-        self.policy = load(policy) if not isinstance(policy, Policy) else policy
+        self.unimp_policy = load(policy)
         self.amp: Any = None
         self._pending_state: dict[str, Any] | None = None
 
@@ -56,7 +56,7 @@ class UnimpPrecision(Precision):
             raise UnsupportedError(f"UnimpPrecision: configure_optimizers returned {len(optimizers)} optimizers; "
                                    "unimp binds one optimizer per model; fix: return one optimizer (with several "
                                    "param groups if needed)")
-        self.amp = apply(self.policy, model, optimizers[0] if optimizers else None)
+        self.amp = apply(self.unimp_policy, model, optimizers[0] if optimizers else None)
         if self._pending_state is not None:
             self.amp.load_state_dict(self._pending_state)
             self._pending_state = None
