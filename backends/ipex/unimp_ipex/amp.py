@@ -100,9 +100,7 @@ def apply_plan(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | 
             raise UnsupportedError("optimizer: ipex.optimize treats a model in training mode as training and "
                                    "needs its optimizer; pass the optimizer, call model.eval() first for "
                                    "inference, or pass engine='torch'")
-        target, opt = optimize(model, optimizer, ipex.kwargs())
-        if optimizer is None:
-            opt = None
+        target, opt = optimize(model, optimizer, ipex.kwargs())  # opt: None without an optimizer
         if ipex.dtype == "bfloat16":
             _verify_bf16(plan, model, target)
     inner = bind(inner_plan, target, opt, "cpu", on_skip)
