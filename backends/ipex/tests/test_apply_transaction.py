@@ -60,7 +60,7 @@ def test_apply_failing_half_way_changes_nothing(engine, error, monkeypatch):
     with pytest.raises(error):
         unimp.apply("pure_bf16", model, opt, backend="ipex", engine=engine)
     assert state_of(model, opt) == before
-    assert not unimp.spi.is_applied(model)
+    assert not unimp.spi.Amp.is_bound(model)
     monkeypatch.undo()
     amp = unimp.apply("pure_bf16", model, opt, backend="ipex", engine=engine)
     amp.remove()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import unimp
+from unimp.spi import Plan
 from unimp_torch.autocast import has_kernel, is_torch_own
 from unimp_torch.plan import compile_plan
 
@@ -15,16 +16,16 @@ pytestmark = pytest.mark.skipif(has_kernel("rms_norm", "cuda"),
 
 
 def test_torch_autocast_cuda_on_a_torch_without_the_rms_norm_kernel_is_still_torchs_own_lists():
-    policy = unimp.load("torch_autocast_cuda")
+    request = Plan.request(unimp.load("torch_autocast_cuda"), "torch")
     assert not has_kernel("mean", "cuda")  # torch's CUDA autocast: mean follows its input
-    assert is_torch_own(policy.ops.category, "cuda")
+    assert is_torch_own(request, "cuda")
     # only the op this torch lacks is moved; mean keeps torch's choice
-    assert compile_plan(policy, "cuda").details.op_moves == {"rms_norm": "float32"}
+    assert compile_plan(request, device="cuda").details.op_moves == {"rms_norm": "float32"}
 
 
 @pytest.mark.parametrize("preset", ["mixed_bf16", "mixed_fp16"])
 def test_mixed_presets_still_move_mean_on_cuda(preset):
-    policy = unimp.load(preset)
-    assert not is_torch_own(policy.ops.category, "cuda")
-    moves = compile_plan(policy, "cuda").details.op_moves
+    request = Plan.request(unimp.load(preset), "torch")
+    assert not is_torch_own(request, "cuda")
+    moves = compile_plan(request, device="cuda").details.op_moves
     assert moves.get("mean") == "float32" and moves.get("rms_norm") == "float32"

@@ -13,6 +13,7 @@ from unimp.conformance import cast_like
 from unimp.dtypes import reference_tolerance
 from unimp.hardware import LEVELS, CpuFacts
 from unimp.loss_scale import LossScale
+from unimp.spi import Plan
 from unimp_ipex.engine import find_engine
 from unimp_ipex.hardware import bf16_prepack
 from unimp_ipex.plan import compile_plan
@@ -35,7 +36,7 @@ def step(amp, x, poison=False):
 
 
 def test_auto_is_float32_with_a_reason_on_a_cpu_without_bf16():
-    plan = compile_plan(unimp.load({"extends": "mixed_bf16", "compute_dtype": "auto"}), None,
+    plan = compile_plan(Plan.request(unimp.load({"extends": "mixed_bf16", "compute_dtype": "auto"}), "ipex"), None,
                         find_engine("torch"), NO_BF16)
     assert plan.compute_dtype == "float32" and "no native bfloat16" in plan.compute_reason
     assert plan.details.autocast is None
@@ -53,19 +54,19 @@ def test_auto_follows_this_cpus_facts():
 
 def test_explicit_bf16_on_a_cpu_without_bf16_warns_it_is_slow():
     with pytest.warns(unimp.UnimpWarning, match="emulates bfloat16 and runs slower than float32") as caught:
-        plan = compile_plan(unimp.load("mixed_bf16"), None, find_engine("torch"), NO_BF16)
+        plan = compile_plan(Plan.request(unimp.load("mixed_bf16"), "ipex"), None, find_engine("torch"), NO_BF16)
     assert [w.filename for w in caught] == [__file__] and "emulated" in plan.compute_reason
 
 
 def test_bf16_weights_are_prepacked_only_where_ipex_can_and_the_plan_says_so():
-    plan = compile_plan(unimp.load("pure_bf16"), mlp(), find_engine("ipex"), NO_BF16)
+    plan = compile_plan(Plan.request(unimp.load("pure_bf16"), "ipex"), mlp(), find_engine("ipex"), NO_BF16)
     assert plan.details.ipex.dtype == "bfloat16" and plan.details.ipex.weights_prepack is False
     assert "AVX512 BW/VL/DQ or AVX-NE-CONVERT" in plan.details.ipex.reason
 
 
 @pytest.mark.skipif(bf16_prepack(hardware.cpu()), reason="IPEX accepts bf16 weight prepack on this CPU")
 def test_ipex_refusing_this_cpu_is_a_unimp_error_not_its_assertion():
-    from unimp_ipex.optimize import optimize
+    from unimp_ipex.optimizer import optimize
 
     model = mlp()
     with pytest.raises(unimp.UnsupportedError, match="refused this CPU.*engine='torch'"):

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.spi import Amp, LossScaleState, Plan, Report
-from unimp_torch.extension import TorchAmp, bind, kind, model_index
+from unimp.spi import Amp, LossScaleState, Plan, Report, UnsupportedError
+from unimp_torch.extension import NAMES, TorchAmp, bind, kind, type_names
 
-from .modes import IpexMode
-from .optimize import ipex_masters, optimize, param_dtypes, write_back
+from .optimizer import ipex_masters, optimize, param_dtypes, write_back
+from .trace import user_rows
 
 
 class IpexAmp(Amp):
@@ -75,14 +75,7 @@ class IpexAmp(Amp):
 
     def report(self, *args: Any, **kwargs: Any) -> Report:
         """unimp-torch's report of what ran, with layer kinds named from the user's model."""
-        rows = []
-        for r in self.inner.report(*args, **kwargs).rows:
-            path = "" if r.path == "<model>" else r.path
-            try:
-                k = kind(self.original.get_submodule(path))
-            except AttributeError:
-                k = r.kind
-            rows.append(dataclasses.replace(r, kind=k or r.kind))
+        rows = user_rows(self.inner.report(*args, **kwargs).rows, self.original)
         notes = [self.plan.notes[0]] + ([self.plan.notes[1]] if self.plan.details.ipex else [])
         return self.report_header(rows, notes + [f"wrapped per layer: {', '.join(self.wrapped)}"] * bool(self.wrapped))
 
@@ -96,27 +89,19 @@ class IpexAmp(Amp):
 
 def apply_plan(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                on_skip: Callable[[], Any] | None) -> IpexAmp:
-    """Bind ``plan``: ``ipex.optimize`` a copy when the engine is ipex, then unimp-torch's ``bind``."""
-    policy = plan.policy
-    if not plan.layers:  # compiled without the model: index the user's layers (IPEX renames their classes)
-        plan = plan.with_index(model_index(model))
+    """Bind ``plan`` (with the user's layers indexed): ``ipex.optimize`` a copy when the engine is ipex, then
+    unimp-torch's ``bind`` (the layout findings acted on once, here)."""
     findings = list(plan.layout.act("ipex"))
-    quiet = dataclasses.replace(policy, layout=dataclasses.replace(policy.layout, on_misaligned="ignore"))
-    inner_plan = dataclasses.replace(plan, policy=quiet, layout=dataclasses.replace(plan.layout, action="ignore"))
+    inner_plan = dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, action="ignore"))
     target, opt = model, optimizer
     ipex = plan.details.ipex
     if ipex is not None:
         if optimizer is None and model.training:
-            from unimp.spi import UnsupportedError
-
             raise UnsupportedError("optimizer: ipex.optimize treats a model in training mode as training and "
                                    "needs its optimizer; pass the optimizer, call model.eval() first for "
                                    "inference, or pass engine='torch'")
-        mode = IpexMode(ipex.dtype, ipex.weights_prepack, ipex.reason)
-        target, opt = optimize(model, optimizer, mode.kwargs())
-        if optimizer is None:
-            opt = None
-        if mode.dtype == "bfloat16":
+        target, opt = optimize(model, optimizer, ipex.kwargs())  # opt: None without an optimizer
+        if ipex.dtype == "bfloat16":
             _verify_bf16(plan, model, target)
     inner = bind(inner_plan, target, opt, "cpu", on_skip)
     return IpexAmp(plan, model, inner, findings)
@@ -124,8 +109,6 @@ def apply_plan(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | 
 
 def _verify_bf16(plan: Plan, original: nn.Module, optimized: nn.Module) -> None:
     """Every param IPEX made bf16 must be one the policy wants in bf16 (unimp-torch casts the rest)."""
-    from unimp_torch.extension import NAMES, type_names
-
     wrong = []
     for name, dtype in param_dtypes(optimized).items():
         path = name.rpartition(".")[0]

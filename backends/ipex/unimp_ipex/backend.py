@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from unimp.spi import Plan, Policy
+from unimp.spi import Plan, hardware
 from unimp_torch.extension import TorchBackend
 
 
@@ -33,17 +33,16 @@ class IpexBackend(TorchBackend):
             return False
         return all(t.device.type == "cpu" for t in (*model.parameters(), *model.buffers()))
 
-    def compile(self, policy: Policy, model: Any = None, *, engine: str = "auto") -> Plan:
+    def plan(self, request: Plan, model: Any = None, *, engine: str = "auto") -> Plan:
         from .engine import find_engine
-        from .hardware import here
         from .plan import compile_plan
 
-        return compile_plan(policy, model, find_engine(engine), here())
+        return compile_plan(request, model, find_engine(engine), hardware.cpu())
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, *, engine: str = "auto",
               on_skip: Callable[[], Any] | None = None, **options: Any) -> Any:
-        """Bind ``plan`` (recompiled when it was compiled without ``model`` or for another engine); see the
-        class docstring."""
+        """Bind ``plan`` (its model part redone when it was compiled without ``model`` or for another engine);
+        see the class docstring."""
         from unimp_torch.extension import check_inputs
 
         from .amp import apply_plan
@@ -58,9 +57,10 @@ class IpexBackend(TorchBackend):
             raise UnsupportedError(f"model: backend 'ipex' runs CPU models, this one is on {device}; "
                                    f"use backend='torch' (or model.to('cpu'))")
         from .engine import find_engine
+        from .plan import on_engine
 
         if not plan.layers or plan.details.engine != find_engine(engine).name:
-            plan = self.compile(plan.policy, model, engine=engine)
+            plan = on_engine(plan, model, find_engine(engine), hardware.cpu())
         return apply_plan(plan, model, optimizer, on_skip)
 
     def conformance_kit(self) -> Any:

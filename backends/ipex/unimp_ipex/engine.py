@@ -63,10 +63,3 @@ def find_engine(requested: str = "auto") -> Engine:
     if requested == "ipex":
         raise UnsupportedError(f"engine='ipex' requested but {why}; {INSTALL}, or pass engine='torch'")
     return Engine("torch", f"{why}: running torch CPU autocast (oneDNN) instead")
-
-
-def import_ipex():
-    """``intel_extension_for_pytorch`` (imported on first use only)."""
-    import intel_extension_for_pytorch as ipex
-
-    return ipex

@@ -7,14 +7,16 @@ bf16 grads, so nothing can unscale or skip in between). Otherwise IPEX runs floa
 unimp-torch does params, masters and scaling; weight prepacking then stays off under autocast
 (measured: IPEX 2.8 fp32-prepacked Conv2d + bf16 autocast aborts in backward with heap corruption).
 IPEX's bf16 weights are prepacked only where its oneDNN has bf16 kernels (AVX512 BW/VL/DQ or
-AVX-NE-CONVERT, from ``unimp.hardware``): elsewhere ``ipex.optimize`` asserts, so they stay unpacked.
+AVX-NE-CONVERT, from the core's ``hardware``): elsewhere ``ipex.optimize`` asserts, so they stay unpacked.
 
 >>> import torch, unimp
->>> from unimp.hardware import LEVELS, CpuFacts
->>> from unimp_torch.extension import compile_plan, model_index
+>>> from unimp.spi import Plan, hardware
+>>> from unimp_ipex.engine import Engine
+>>> from unimp_ipex.plan import compile_plan
 >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
->>> avx2, zen4 = (CpuFacts("x86_64", "demo", frozenset(LEVELS[c])) for c in ("avx2", "avx512_bf16"))
->>> plan = lambda name: compile_plan(unimp.load(name), "cpu", model_index(m))
+>>> avx2, zen4 = (hardware.CpuFacts("x86_64", "demo", frozenset(hardware.LEVELS[c]))
+...               for c in ("avx2", "avx512_bf16"))
+>>> plan = lambda name: compile_plan(Plan.request(unimp.load(name), "ipex"), m, Engine("torch", "demo"), zen4)
 >>> [(mode.dtype, mode.weights_prepack) for mode in (choose(plan("pure_bf16"), m, cpu) for cpu in (zen4, avx2))]
 [('bfloat16', True), ('bfloat16', False)]
 >>> choose(plan("mixed_bf16"), m, zen4).weights_prepack
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from unimp.spi import CpuFacts, Plan, is_low
+from unimp.spi import Plan, dtypes, hardware
 from unimp_torch.extension import kind, type_names
 
 # the layer types IPEX 2.8 casts to bf16 under ipex.optimize(dtype=torch.bfloat16): exact types,
@@ -37,9 +39,10 @@ BF16_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
 
 
 @dataclass(frozen=True)
-class IpexMode:
-    """The ``ipex.optimize`` arguments unimp uses, and why."""
+class IpexSettings:
+    """How ``ipex.optimize`` is called (``plan.details.ipex``), and why."""
 
+    version: str | None
     dtype: str  # "bfloat16" (IPEX bf16 weights + IPEX masters) | "float32"
     weights_prepack: bool
     reason: str
@@ -59,42 +62,38 @@ def _layer_conflicts(plan: Plan, model: nn.Module | None) -> list[str]:
         return []
     out = []
     for path, m in model.named_modules():
-        if not any(True for _ in m.parameters(recurse=False)):
+        if type(m) not in BF16_LAYERS or not any(True for _ in m.parameters(recurse=False)):
             continue
-        d = plan.decide(path, kind(m), type_names(m))
-        name = path or "<model>"
-        if type(m) not in BF16_LAYERS:
-            continue
-        sets_compute = d.override is not None and plan.policy.overrides[d.override].compute_dtype is not None
+        d, name = plan.decide(path, kind(m), type_names(m)), path or "<model>"
+        sets_compute = d.override is not None and plan.overrides[d.override].compute_dtype is not None
         if d.param_dtype != "bfloat16" or d.compute_dtype not in (None, "bfloat16") or sets_compute:
             out.append(f"{name} ({type(m).__name__}): policy asks params {d.param_dtype}, compute "
                        f"{d.compute_dtype or 'inputs'}; IPEX would make it bf16")
     return out
 
 
-def choose(plan: Plan, model: nn.Module | None, cpu: CpuFacts) -> IpexMode:
-    """The IPEX mode for the CPU ``plan`` (its resolved compute dtype, loss scale and per-layer
-    decisions) on ``model`` (None: not known yet) and ``cpu``."""
-    policy, compute = plan.policy, plan.compute_dtype
-    low_override = any(is_low(o.compute_dtype) or o.compute_dtype == "auto" for o in policy.overrides)
-    autocast = is_low(compute) or low_override
-    fp32 = IpexMode("float32", not autocast, "float32 weights; " + (
-        "prepacking off: IPEX 2.8 fp32-prepacked convolutions abort in backward under bf16 autocast"
-        if autocast else "oneDNN weight prepacking on"))
-    if compute != "bfloat16" or policy.param_dtype != "bfloat16":
-        return fp32
-    ls = plan.loss_scale
-    if ls.mode != "none" or ls.skip_nonfinite:
-        return IpexMode(fp32.dtype, fp32.weights_prepack, "IPEX's bf16 master-weight step cannot be "
-                        "unscaled or skipped; loss scaling runs in unimp-torch with its masters; " + fp32.reason)
-    conflicts = _layer_conflicts(plan, model)
-    if conflicts:
-        return IpexMode(fp32.dtype, fp32.weights_prepack, "IPEX's bf16 weights do not fit this policy ("
-                        + "; ".join(conflicts) + "); masters in unimp-torch; " + fp32.reason)
+def choose(plan: Plan, model: nn.Module | None, cpu: hardware.CpuFacts, version: str | None = None) -> IpexSettings:
+    """The IPEX mode (of IPEX ``version``) for the CPU ``plan`` (its resolved compute dtype, loss scale and
+    per-layer decisions) on ``model`` (None: not known yet) and ``cpu``."""
+    autocast = dtypes.is_low(plan.compute_dtype) or any(dtypes.is_low(o.compute_dtype) or o.compute_dtype == "auto"
+                                                        for o in plan.overrides)
+    fp32 = "float32 weights; " + ("prepacking off: IPEX 2.8 fp32-prepacked convolutions abort in backward under "
+                                  "bf16 autocast" if autocast else "oneDNN weight prepacking on")
+    ls, why = plan.loss_scale, None
+    if plan.compute_dtype != "bfloat16" or plan.param_dtype != "bfloat16":
+        why = fp32
+    elif ls.mode != "none" or ls.skip_nonfinite:
+        why = ("IPEX's bf16 master-weight step cannot be unscaled or skipped; loss scaling runs in unimp-torch "
+               "with its masters; " + fp32)
+    elif conflicts := _layer_conflicts(plan, model):
+        why = f"IPEX's bf16 weights do not fit this policy ({'; '.join(conflicts)}); masters in unimp-torch; {fp32}"
+    if why is not None:
+        return IpexSettings(version, "float32", not autocast, why)
     masters = "with its fp32 master weights (split_master_weight_for_bf16=False: round-to-nearest bf16 copies)"
     from .hardware import bf16_prepack
 
     if not bf16_prepack(cpu):
-        return IpexMode("bfloat16", False, f"IPEX bf16 weights, not prepacked: IPEX's bf16 weight prepack needs "
-                        f"AVX512 BW/VL/DQ or AVX-NE-CONVERT, which this CPU lacks ({cpu.describe()}); " + masters)
-    return IpexMode("bfloat16", True, "IPEX bf16 weights (prepacked Linear/Conv2d) " + masters)
+        return IpexSettings(version, "bfloat16", False, f"IPEX bf16 weights, not prepacked: IPEX's bf16 weight "
+                            f"prepack needs AVX512 BW/VL/DQ or AVX-NE-CONVERT, which this CPU lacks "
+                            f"({cpu.describe()}); {masters}")
+    return IpexSettings(version, "bfloat16", True, "IPEX bf16 weights (prepacked Linear/Conv2d) " + masters)

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from unimp.spi import Policy
+from unimp.spi import Plan, hardware
 from unimp_torch.extension import TorchKit
-
-from .hardware import here
 
 
 class IpexKit(TorchKit):
@@ -23,20 +21,20 @@ class IpexKit(TorchKit):
         super().__init__("cpu")
         self.engine = engine
 
-    def supports(self, policy: Policy) -> str | None:
-        cpu = here()
-        wants = {policy.compute_dtype, *(o.compute_dtype for o in policy.overrides)}
+    def supports(self, request: Plan) -> str | None:
+        cpu = hardware.cpu()
+        wants = {request.compute_dtype, *(o.compute_dtype for o in request.overrides)}
         if "float16" in wants and not cpu.native_fp16:
             return f"float16 on a CPU without AVX512-FP16/AMX-FP16 ({cpu.describe()})"
         return None
 
-    def apply(self, policy: Policy, model: Any, optimizer: Any) -> Any:
+    def apply(self, policy: Any, model: Any, optimizer: Any) -> Any:
         from unimp.spi import apply
 
         return apply(policy, model, optimizer, backend="ipex", engine=self.engine)
 
-    def compile(self, policy: Policy, model: Any) -> Any:
-        return self.backend_instance().compile(policy, model, engine=self.engine)
+    def compile(self, policy: Any, model: Any) -> Any:
+        return self.backend_instance().plan(Plan.request(policy, self.backend), model, engine=self.engine)
 
     def apply_plan(self, plan: Any, model: Any, optimizer: Any) -> Any:
         return self.backend_instance().apply(plan, model, optimizer, engine=self.engine)

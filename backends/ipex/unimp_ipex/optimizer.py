@@ -1,4 +1,5 @@
-"""``ipex.optimize`` on a copy of the user's model, the masters IPEX keeps, and the write-back.
+"""The optimizer role: ``ipex.optimize`` on a copy of the user's model and optimizer, the masters IPEX keeps,
+and the write-back. The wrapper ``amp.optimizer`` (unscale, skip, masters) is unimp-torch's ``AmpOptimizer``.
 
 IPEX (``inplace=False``, its default) deep-copies the model and the optimizer; the user's objects
 are never modified. Training runs on the copy; ``write_back`` copies the trained values (the fp32
@@ -21,8 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .engine import import_ipex
-
 IPEX_INTERNAL = "_ipex_module_empty_"  # placeholder params IPEX adds to prepacked modules
 
 
@@ -33,7 +32,8 @@ def optimize(model: nn.Module, optimizer: torch.optim.Optimizer | None, kwargs: 
     IPEX converts the *user's* conv weights to channels_last before it copies the model (its
     ``auto_channels_last``, even with ``inplace=False``); the original tensors are put back.
     """
-    ipex = import_ipex()
+    import intel_extension_for_pytorch as ipex
+
     kept = [(p, p.data) for p in model.parameters()]
     quiet = logging.getLogger("IPEX")
     level = quiet.level
@@ -41,11 +41,11 @@ def optimize(model: nn.Module, optimizer: torch.optim.Optimizer | None, kwargs: 
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             out = ipex.optimize(model, optimizer=optimizer, **kwargs)
-    except AssertionError as e:  # IPEX's own CPU checks (unimp.hardware decides before; this is the backstop)
-        from unimp.spi import UnsupportedError, cpu
+    except AssertionError as e:  # IPEX's own CPU checks (hardware.py decides before; this is the backstop)
+        from unimp.spi import UnsupportedError, hardware
 
         raise UnsupportedError(f"ipex.optimize({', '.join(f'{k}={v}' for k, v in kwargs.items())}) refused this "
-                               f"CPU ({cpu().describe()}): {e}. Pass engine='torch' to unimp.apply, or set "
+                               f"CPU ({hardware.cpu().describe()}): {e}. Pass engine='torch' to unimp.apply, or set "
                                f"compute_dtype = \"auto\" (float32 where bf16 is not native)") from None
     finally:
         quiet.setLevel(level)
