@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from unimp_torch.extension import AmpOptimizer as AmpOptimizer
+
 IPEX_INTERNAL = "_ipex_module_empty_"  # placeholder params IPEX adds to prepacked modules
 
 

@@ -22,6 +22,8 @@ module does not import torch.
 - ``TorchDetails``: what the torch plan decided (``plan.details``: autocast dtype, op moves, device).
 - ``check_inputs``: the argument checks ``apply`` makes (clear errors naming the argument).
 - ``TorchKit``: the conformance kit (probe model and training step).
+- ``AmpOptimizer``, ``DeviceLossScale``: the optimizer wrapper and the loss-scale holder a ``TorchAmp``
+  runs (an extension that keeps them unchanged names them in its own role files).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 SURFACE = {
     "TorchBackend": "backend", "compile_plan": "plan", "TorchAmp": "amp", "bind": "amp", "kind": "layers",
     "type_names": "layers", "NAMES": "layers", "model_index": "index", "TorchDetails": "plan",
-    "check_inputs": "validate", "TorchKit": "testing",
+    "check_inputs": "validate", "TorchKit": "testing", "AmpOptimizer": "optimizer", "DeviceLossScale": "scaler",
 }
 
 __all__ = sorted(SURFACE)
