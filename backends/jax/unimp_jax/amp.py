@@ -9,27 +9,25 @@ divided by the scale in float32, and one bool — all inside your jitted step, n
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from unimp.spi import Amp, LossScaleState, Plan, StateError
 
 from .layers import is_nnx
-from .optimizer import AmpOptState, all_finite, apply_updates, find_state, wrap
-from .scaler import check, device_spec, initial_tree, to_state
+from .optimizer import AmpOptState, all_finite, amp_tx, apply_updates, find_state
+from .scaler import check, initial_tree, to_state
 
 
 class JaxAmp(Amp):
     """Base of :class:`~unimp_jax.nnx_amp.NnxAmp` and :class:`~unimp_jax.linen_amp.LinenAmp`."""
 
     def __init__(self, plan: Plan, model: Any, tx: Any) -> None:
+        """``plan``: indexed on ``model`` (the subclass indexes it when compiled without it)."""
         super().__init__(plan, model, None)
+        self.findings = list(plan.layout.act("jax", stacklevel=5))  # "error": raised before any change
         self.inner_tx = tx
-        # the optax wrapper runs the Plan's loss scale (auto resolved to float16 turns "none" into dynamic)
-        runs = plan.policy if plan.loss_scale == plan.policy.loss_scale else \
-            dataclasses.replace(plan.policy, loss_scale=plan.loss_scale)
-        self.tx = wrap(tx, runs)
+        self.tx = amp_tx(tx, plan.loss_scale_run, plan.uses_master_weights)  # the Plan's loss scale, as it runs
 
     # ------------------------------------------------------------------ gradients
     def value_and_grad(self, loss_fn: Callable[..., Any], has_aux: bool = False,
@@ -37,7 +35,7 @@ class JaxAmp(Amp):
         """``grad_fn(state, *args) -> (loss, grads, finite)`` (``((loss, aux), grads, finite)`` with aux).
 
         ``axis_name`` (inside ``shard_map``/``pmap``): gradients are all-reduced (mean) over that axis in
-        ``policy.distributed.reduce_dtype``, the loss is averaged over it, and ``finite`` is agreed by
+        ``distributed.reduce_dtype``, the loss is averaged over it, and ``finite`` is agreed by
         every device (see :mod:`unimp_jax.distributed`).
         """
         def checked(*args: Any, **kwargs: Any) -> Any:  # the loss's dtype is known when it is traced
@@ -46,7 +44,7 @@ class JaxAmp(Amp):
             return out
 
         return make_value_and_grad(self.plan.loss_scale.mode, checked, has_aux, axis_name=axis_name,
-                                   reduce_dtype=self.policy.distributed.reduce_dtype)
+                                   reduce_dtype=self.plan.reduce_dtype)
 
     def data_parallel(self, step_fn: Callable[..., Any], mesh: Any = None, axis_name: str = "data",
                       donate: bool = True, out_specs: Any = None) -> Callable[..., Any]:
@@ -94,9 +92,6 @@ class JaxAmp(Amp):
         super().load_state_dict(state, strict=strict)
         if new is not None:
             self.set_fp8_state(new)
-
-    def _loss_scale_run(self) -> Any:
-        return device_spec(self.plan.loss_scale)  # the fallbacks validate() named in the Plan
 
     def loss_scale_state(self) -> LossScaleState:
         tree = find_state(self._opt_state_holder()).loss_scale

@@ -5,7 +5,7 @@ axis_name="data")`` differentiates each device's *local* loss (the differentiate
 device-varying first, so JAX does not insert its own float32 ``psum`` when it transposes the
 replication), then:
 
-1. casts the (loss-scaled) local gradients to ``policy.distributed.reduce_dtype``, divides them by the
+1. casts the (loss-scaled) local gradients to ``distributed.reduce_dtype``, divides them by the
    axis size in that dtype (as torch's fp16 compression hook does, so fp16 sums stay in range), and
    ``psum``s them over the axis in that dtype — one all-reduce for the whole gradient tree;
 2. casts the result back (float32 when a loss scale is on, else each gradient's own dtype) and

@@ -310,40 +310,25 @@ def dot_general_for(recipe: str, forward: str, gradient: str, state: Mapping[str
 
 
 # ---------------------------------------------------------------------- the Plan's side
-def kernel_dims(params: Mapping[str, Any]) -> dict[str, int] | None:
-    """GEMM dims of a Linear/Dense layer from its 2-D ``kernel`` (None when it has none)."""
-    k = params.get("kernel")
-    shape = tuple(getattr(k, "shape", ()))
-    if len(shape) != 2:
+def decide(plan: Any, lp: Any, dims: tuple[tuple[str, int], ...]) -> Any:
+    """The Plan's :class:`~unimp.spi.Fp8Decision` for the layer ``lp`` with the index's tiling ``dims``
+    (None: FP8 not asked of it)."""
+    from unimp.spi import Fp8Decision
+
+    if not plan.asks_fp8(lp.path, lp.kind, lp.type_names):
         return None
-    return {"in_features": int(shape[0]), "out_features": int(shape[1])}
-
-
-
-def decide(plan: Any, lp: Any, params: Mapping[str, Any]) -> Any:
-    """The core's :class:`unimp.plan.fp8.Fp8Decision` for the layer ``lp`` (None: FP8 not asked of it)."""
-    from unimp.spi import Fp8Decision, asks_fp8, decide_fp8
-
-    if not asks_fp8(plan, lp.path, lp.kind, lp.type_names):
-        return None
-    dims = kernel_dims(params)
-    if dims is None and lp.kind == "linear":
+    gemm = dict(dims) if dims and dims[0][0] == "in_features" else None  # a 2-D kernel's (in, out)
+    if gemm is None and lp.kind == "linear":
         return Fp8Decision(lp.path, False, None, "no 2-D kernel (a LinearGeneral/Einsum split): stays in "
                                                  "the compute dtype")
-    return decide_fp8(plan, lp.path, lp.kind, lp.type_names, dims, plan.compute_dtype)
+    return plan.decide_fp8(lp.path, lp.kind, lp.type_names, gemm)
 
 
 def formats(plan: Any) -> tuple[str, str]:
     """The forward and gradient FP8 dtype names of ``plan``."""
-    from unimp.spi import FP8_FORMATS
+    from unimp.spi import dtypes
 
-    return FP8_FORMATS[plan.fp8.forward_format], FP8_FORMATS[plan.fp8.gradient_format]
-
-
-def layer_dot(plan: Any, recipe: str, state: Mapping[str, Any] | None) -> Any:
-    """The dot_general one FP8 layer runs for one call."""
-    fwd, grad = formats(plan)
-    return dot_general_for(recipe, fwd, grad, state)
+    return dtypes.FP8_FORMATS[plan.fp8.forward_format], dtypes.FP8_FORMATS[plan.fp8.gradient_format]
 
 
 # ---------------------------------------------------------------------- nnx state
