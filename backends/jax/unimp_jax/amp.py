@@ -12,9 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
 from unimp.spi import Amp, LossScaleState, Plan, StateError
 
-from .layers import is_nnx
+from . import distributed, fp8
+from .layers import LayerPlan, is_nnx
 from .optimizer import AmpOptState, all_finite, amp_tx, apply_updates, find_state
 from .scaler import check, initial_tree, to_state
 
@@ -28,6 +33,14 @@ class JaxAmp(Amp):
         self.findings = list(plan.layout.act("jax", stacklevel=5))  # "error": raised before any change
         self.inner_tx = tx
         self.tx = amp_tx(tx, plan.loss_scale_run, plan.uses_master_weights)  # the Plan's loss scale, as it runs
+        self.layers: dict[str, LayerPlan] = {}
+        self.fp8_decisions: list[Any] = []  # unimp.spi.Fp8Decision per layer FP8 was asked of
+
+    def _layer(self, info: Any) -> LayerPlan:
+        """The indexed layer ``info`` under the Plan (its FP8 recipe included), kept in ``amp.layers``."""
+        lp = LayerPlan.of(self.plan, info)
+        self.layers[info.path] = lp = fp8.layer_plan(self.plan, lp, info.dims, self.fp8_decisions)
+        return lp
 
     # ------------------------------------------------------------------ gradients
     def value_and_grad(self, loss_fn: Callable[..., Any], has_aux: bool = False,
@@ -49,9 +62,8 @@ class JaxAmp(Amp):
     def data_parallel(self, step_fn: Callable[..., Any], mesh: Any = None, axis_name: str = "data",
                       donate: bool = True, out_specs: Any = None) -> Callable[..., Any]:
         """``step_fn`` as a jitted data-parallel ``shard_map`` step (:func:`unimp_jax.distributed.data_parallel`)."""
-        from .distributed import data_parallel
-
-        return data_parallel(self, step_fn, mesh=mesh, axis_name=axis_name, donate=donate, out_specs=out_specs)
+        return distributed.data_parallel(self, step_fn, mesh=mesh, axis_name=axis_name, donate=donate,
+                                         out_specs=out_specs)
 
     def apply_updates(self, params: Any, updates: Any, opt_state: Any) -> Any:
         """New params after ``amp.optimizer.update``: ``cast(master)`` with masters, else ``params + updates``."""
@@ -70,10 +82,8 @@ class JaxAmp(Amp):
 
     def state_dict(self) -> dict[str, Any]:
         """The canonical state, plus ``fp8``: the delayed FP8 scaling state as plain floats when kept."""
-        from .fp8 import to_plain
-
         out = super().state_dict()
-        plain = to_plain(self.fp8_state())
+        plain = fp8.to_plain(self.fp8_state())
         if plain:
             out["fp8"] = plain
         return out
@@ -81,12 +91,10 @@ class JaxAmp(Amp):
     def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
         """As :meth:`unimp.backend.Amp.load_state_dict`; ``fp8`` (when present) is checked first and
         loaded with it, exactly. A state without ``fp8`` leaves this Amp's FP8 scaling state as it is."""
-        from .fp8 import from_plain
-
         self._check_live("amp.load_state_dict()")
         new = None
         if isinstance(state, Mapping) and "fp8" in state:
-            new, problems = from_plain(self.fp8_state(), state["fp8"], "fp8")
+            new, problems = fp8.from_plain(self.fp8_state(), state["fp8"], "fp8")
             if problems:
                 raise StateError("amp.load_state_dict(): " + "; ".join(problems))
         super().load_state_dict(state, strict=strict)
@@ -99,8 +107,6 @@ class JaxAmp(Amp):
         return to_state(tree)
 
     def _with_loss_scale(self, opt_state: Any, state: LossScaleState) -> Any:
-        import jax
-
         tree = initial_tree(self._loss_scale_run(), state)
         return jax.tree_util.tree_map(
             lambda x: x._replace(loss_scale=tree) if isinstance(x, AmpOptState) else x, opt_state,
@@ -110,11 +116,6 @@ class JaxAmp(Amp):
 def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, axis_name: Any = None,
                         reduce_dtype: str = "float32") -> Callable[..., Any]:
     """The loss-scaled value_and_grad for a policy whose loss-scale mode is ``mode``."""
-    import jax
-    import jax.numpy as jnp
-
-    from . import distributed, fp8
-
     def grad_fn(state: Any, target: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
         scale = None if mode == "none" else find_state(state).loss_scale.scale
         if axis_name is not None:
@@ -126,8 +127,6 @@ def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, a
 
     def _distributed(state: Any, target: Any, scale: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
         if is_nnx(target):  # differentiate a device-varying view of the params (local grads)
-            from flax import nnx
-
             replicated = nnx.as_pure(nnx.state(target, nnx.Param))
             nnx.update(target, distributed.to_varying(replicated, axis_name))
             try:
@@ -165,8 +164,6 @@ def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, a
             return value, out
 
         if is_nnx(target):
-            from flax import nnx
-
             wrt = nnx.DiffState(0, nnx.Any(nnx.Param, fp8.Fp8State))  # FP8 state: its new value flows back
             (_, out), grads = nnx.value_and_grad(scaled, argnums=wrt, has_aux=True)(target, *args, **kwargs)
         else:

@@ -15,6 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import flax.linen as nn
+import jax
+from flax import nnx
+
 from unimp.spi import LayerInfo, ops
 
 from .layers import is_nnx
@@ -57,8 +61,6 @@ def layer_info(path: str, type_name: str, params: Any, op_kind: str | None = Non
 
 
 def nnx_info(parts: tuple, m: Any) -> LayerInfo | None:
-    from flax import nnx
-
     cls = getattr(type(m), "_unimp_original", type(m))  # a layer unimp wraps keeps its class's name
     return layer_info(".".join(map(str, parts)), cls.__name__,
                       lambda: {k: v.get_value() for k, v in vars(m).items() if isinstance(v, nnx.Param)},
@@ -81,12 +83,7 @@ def linen_info(m: Any) -> LayerInfo | None:
 def model_index(model: Any, variables: Any = None, inputs: tuple = ()) -> tuple[LayerInfo, ...]:
     """The layers of an nnx Module, or of a linen Module called on ``inputs`` with ``variables``."""
     if is_nnx(model):
-        from flax import nnx
-
         return tuple(i for parts, m in nnx.iter_modules(model) if (i := nnx_info(parts, m)))
-    import flax.linen as nn
-    import jax
-
     found: dict[str, LayerInfo] = {}
 
     def discover(next_fun: Any, args: Any, kwargs: Any, ctx: Any) -> Any:

@@ -27,7 +27,6 @@ came in with, as a mixed-precision model written by hand does (:func:`keep_carry
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 import types
@@ -110,19 +109,9 @@ class LinenAmp(JaxAmp):
         self.optimizer = self.tx
         self.inputs = inputs
         self.original_params = variables["params"]
-        self.layers = {i.path: LayerPlan.of(plan, i) for i in index}
-        self.fp8_decisions: list[Any] = []  # unimp.spi.Fp8Decision per layer FP8 was asked of
-        delayed = []
         for info in index:
-            lp = self.layers[info.path]
-            decision = fp8.decide(plan, lp, info.dims)
-            if decision is None:
-                continue
-            self.fp8_decisions.append(decision)
-            if decision.fp8:
-                self.layers[info.path] = dataclasses.replace(lp, fp8=decision.recipe, fp8_formats=fp8.formats(plan))
-                if decision.recipe == "delayed":
-                    delayed.append(info.path)
+            self._layer(info)
+        delayed = [path for path, lp in self.layers.items() if lp.fp8 == "delayed"]
         self._fp8_tree: Any = None  # the FP8 state of the forward being traced
         self.params = self.cast_params(self.original_params)
         if delayed:  # Flax's layout: the state in the _overwrite_with_gradient collection next to params

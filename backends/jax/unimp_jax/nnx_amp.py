@@ -21,7 +21,6 @@ True
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -37,15 +36,9 @@ from .layers import SCAN_CARRY, LayerPlan, cast_floats, dtype_name, run_layer, s
 from .optimizer import AmpOptimizer, find_state
 
 
-def _direct_vars(module: Any) -> dict[str, Any]:
-    return {k: v for k, v in vars(module).items() if isinstance(v, nnx.Variable)}
-
-
-def _param_dtype(module: Any) -> str | None:
-    for v in _direct_vars(module).values():
-        if isinstance(v, nnx.Param):
-            return dtype_name(v.get_value())
-    return None
+def _params(module: Any) -> dict[str, Any]:
+    """The module's own ``nnx.Param`` Variables (not its submodules')."""
+    return {k: v for k, v in vars(module).items() if isinstance(v, nnx.Param)}
 
 
 @functools.cache
@@ -72,7 +65,8 @@ def _wrapped_class(cls: type) -> type:
             if lp.fp8:
                 meta = self.__dict__.get(fp8.NNX_ATTR)
                 dot = fp8.dot_general_for(lp.fp8, *lp.fp8_formats, meta.values() if meta is not None else None)
-            out = run_layer(lp, self, call, args, kwargs, _param_dtype(self), dot)
+            param_dtype = next((dtype_name(v.get_value()) for v in _params(self).values()), None)
+            out = run_layer(lp, self, call, args, kwargs, param_dtype, dot)
         return cast_floats(out, out_dtype) if out_dtype else out
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
@@ -90,16 +84,14 @@ class NnxAmp(JaxAmp):
         self._token = f"{type(model).__module__}.{type(model).__qualname__}:{plan.fingerprint}"
         self._saved: list[tuple[Any, dict[str, Any]]] = []  # (module, attrs to restore)
         self._params: list[tuple[Any, Any, tuple]] = []  # (Variable, original value, path)
-        self.layers: dict[str, LayerPlan] = {}
-        self.fp8_decisions: list[Any] = []  # unimp.spi.Fp8Decision per layer FP8 was asked of
         self._fp8_layers: list[Any] = []  # modules given delayed-scaling state (removed by remove())
         self.optimizer = AmpOptimizer(model, self.tx, wrt=wrt)  # masters from the original params
         for parts, m in list(nnx.iter_modules(model)):
             path = ".".join(map(str, parts))
-            info = index.get(path)
-            lp = self._fp8_for(LayerPlan.of(plan, info), info.dims, m) if info else None
-            if lp is not None:
-                self.layers[path] = lp
+            lp = self._layer(index[path]) if path in index else None
+            if lp and lp.fp8 == "delayed":  # set as nnx data (a plain setattr), so transforms carry it
+                setattr(m, fp8.NNX_ATTR, fp8.Fp8Meta(plan.fp8.amax_history))
+                self._fp8_layers.append(m)
             param_dtype = (lp.decision.param_dtype if lp else plan.decide(path, None).param_dtype)
             self._cast_params(parts, m, param_dtype)
             attrs: dict[str, Any] = {"_unimp_layer": lp} if lp else {}
@@ -110,23 +102,9 @@ class NnxAmp(JaxAmp):
             if attrs:
                 self._swap(m, attrs)
 
-    def _fp8_for(self, lp: LayerPlan, dims: tuple, m: Any) -> LayerPlan:
-        """The layer plan with the Plan's FP8 decision (delayed scaling: its state set on the layer)."""
-        decision = fp8.decide(self.plan, lp, dims)
-        if decision is None:
-            return lp
-        self.fp8_decisions.append(decision)
-        if not decision.fp8:
-            return lp
-        lp = dataclasses.replace(lp, fp8=decision.recipe, fp8_formats=fp8.formats(self.plan))
-        if decision.recipe == "delayed":  # set as nnx data (a plain setattr), so transforms carry it
-            setattr(m, fp8.NNX_ATTR, fp8.Fp8Meta(self.plan.fp8.amax_history))
-            self._fp8_layers.append(m)
-        return lp
-
     def _cast_params(self, parts: tuple, m: Any, dtype: str) -> None:
-        for name, v in _direct_vars(m).items():
-            if isinstance(v, nnx.Param) and dtype_name(v.get_value()) and dtype_name(v.get_value()) != dtype:
+        for name, v in _params(m).items():
+            if dtype_name(v.get_value()) and dtype_name(v.get_value()) != dtype:
                 self._params.append((v, v.get_value(), (*parts, name)))
                 v.set_value(v.get_value().astype(dtype))
 

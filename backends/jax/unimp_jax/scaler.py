@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from unimp.spi import (
@@ -46,8 +48,6 @@ class DeviceLossScale(NamedTuple):
 
 
 def _x64() -> bool:
-    import jax
-
     return bool(jax.config.jax_enable_x64)
 
 
@@ -59,9 +59,6 @@ def flushes_subnormals(dtype: str = "float32") -> bool:
 
 @functools.cache
 def _flushes(dtype: str, x64: bool) -> bool:
-    import jax
-    import jax.numpy as jnp
-
     if dtype == "float64" and not x64:
         return False  # no float64 arrays at all: scale_dtype = "float64" is unsupported() here
     t = jnp.dtype(dtype).type
@@ -141,8 +138,6 @@ class JaxOps:
     """:class:`unimp.loss_scale.rule.ArrayOps` over jnp arrays (jit-pure)."""
 
     def __init__(self, spec: LossScaleSpec) -> None:
-        import jax.numpy as jnp
-
         self.jnp = jnp
         self.dtype = jnp.float64 if spec.scale_dtype == "float64" else jnp.float32
 
@@ -166,8 +161,6 @@ class JaxOps:
         (openxla/xla algebraic_simplifier.cc, HandleDivide), a different rounding, so the divisor goes
         through an optimization barrier (measured exact on XLA:CPU for the scalar state; a vmapped
         batch of states is not: XLA:CPU's vectorised division is not correctly rounded)."""
-        import jax
-
         jnp = self.jnp
         if _x64():  # float64 quotient of float32 values: one rounding
             d = jax.lax.optimization_barrier(jnp.float64(divisor))
@@ -192,8 +185,6 @@ class JaxOps:
 
 def initial_tree(spec: LossScaleSpec, state: LossScaleState | None = None) -> DeviceLossScale:
     """Device state for ``state`` (default: the reference's initial state)."""
-    import jax.numpy as jnp
-
     spec = runnable(spec)
     st = state or LossScale(spec).initial_state()
     problems = LossScale(spec).problems(st)  # the rule as it runs here (a float64 policy on float32, say)
@@ -231,8 +222,6 @@ def check(tree: DeviceLossScale, spec: LossScaleSpec) -> None:
 def update_tree(spec: LossScaleSpec, t: DeviceLossScale, finite: Any) -> DeviceLossScale:
     """One step of the core rule (:func:`unimp.loss_scale.rule.step`) on the device arrays (jit-able).
     After an ``at_min = "error"`` hit the state no longer moves (the reference raised)."""
-    import jax.numpy as jnp
-
     spec = runnable(spec)
     finite = jnp.asarray(finite, bool)
     new, _, error = step(JaxOps(spec), spec, Arrays(*t[:5]), finite)

@@ -20,7 +20,7 @@ from flax import nnx
 
 from unimp.conformance.kit import Kit, Observation
 from unimp.conformance.probe import CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, ProbeBatch
-from unimp.spi import Plan, apply
+from unimp.spi import apply
 
 from .op_modules import LinenOp, Op
 from .optimizer import AmpOptState, find_state
@@ -91,16 +91,13 @@ class LinenProbe:
 
 
 class JaxKit(Kit):
-    """What the nnx and linen kits share."""
+    """What the nnx and linen kits share (every policy runs: XLA:CPU runs float16 and bfloat16, slowly)."""
 
     backend = "jax"
 
     def __init__(self) -> None:
         self._txs: dict[Any, Any] = {}
         self._steps: dict[str, Any] = {}
-
-    def supports(self, request: Plan) -> str | None:
-        return None  # XLA:CPU runs float16 and bfloat16 (slowly)
 
     def make_optimizer(self, model: Any, lr: float = 1e-2) -> Any:
         return self._txs.setdefault(lr, optax.adam(lr))  # one object: compiled steps are reused
@@ -184,8 +181,6 @@ class NnxKit(JaxKit):
 
 class LinenKit(JaxKit):
     """The probe as a linen Module; steps through ``jax.jit`` over (params, opt_state)."""
-
-    backend = "jax"
 
     def __init__(self) -> None:
         super().__init__()
