@@ -83,7 +83,7 @@ def test_apply_failing_half_way_changes_nothing(error, monkeypatch):
     with pytest.raises(error):
         _apply("pure_bf16", model)
     assert len(calls) > 3 and state_of(model) == before
-    assert not unimp.spi.is_applied(model)
+    assert not unimp.spi.Amp.is_bound(model)
     monkeypatch.undo()
     amp = _apply("pure_bf16", model)
     assert model.fc.kernel.get_value().dtype == jnp.bfloat16

@@ -18,7 +18,7 @@ from fp8_models import LinenMLP, NnxMLP
 
 import unimp
 from unimp_jax import fp8
-from unimp_jax.backend import fp8_support
+from unimp_jax.plan import fp8_support
 
 pytestmark = pytest.mark.filterwarnings("ignore::unimp.UnimpWarning")  # bf16 on XLA:CPU, the misaligned head
 

@@ -9,7 +9,8 @@ import optax
 from flax import nnx
 
 import unimp
-from unimp_jax.optimizer import may_skip, wrap
+from unimp_jax.backend import wrap
+from unimp_jax.optimizer import may_skip
 
 
 def test_model_and_transformation_are_collected_after_remove():

@@ -4,9 +4,10 @@
 >>> unimp_jax.JaxBackend.name
 'jax'
 
-Framework modules load lazily: ``unimp_jax.Op``, ``unimp_jax.LinenOp``, ``unimp_jax.wrap`` (the
-optax wrapper), ``unimp_jax.apply_updates``, ``unimp_jax.LossScaleTree``, ``unimp_jax.reduce_gradients`` /
-``unimp_jax.data_parallel`` (data parallel in ``shard_map``).
+Framework modules load lazily: ``unimp_jax.Op``, ``unimp_jax.LinenOp`` (:mod:`unimp_jax.op_modules`: a
+JAX function as a layer), ``unimp_jax.wrap`` (the optax wrapper), ``unimp_jax.apply_updates``,
+``unimp_jax.DeviceLossScale``, ``unimp_jax.reduce_gradients`` / ``unimp_jax.data_parallel`` (data
+parallel in ``shard_map``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Any
 
 from .backend import JaxBackend
 
-_LAZY = {"Op": "op", "LinenOp": "op", "wrap": "optimizer", "apply_updates": "optimizer", "AmpOptState": "optimizer",
-         "all_finite": "optimizer", "LossScaleTree": "scaler", "NnxAmp": "nnx_amp", "AmpOptimizer": "nnx_amp",
-         "LinenAmp": "linen_amp", "reduce_gradients": "distributed", "data_parallel": "distributed"}
+_LAZY = {"Op": "op_modules", "LinenOp": "op_modules", "wrap": "backend", "apply_updates": "optimizer",
+         "AmpOptState": "optimizer", "all_finite": "optimizer", "AmpOptimizer": "optimizer",
+         "DeviceLossScale": "scaler", "NnxAmp": "nnx_amp", "LinenAmp": "linen_amp",
+         "reduce_gradients": "distributed", "data_parallel": "distributed"}
 
 __all__ = ["JaxBackend", *_LAZY]
 

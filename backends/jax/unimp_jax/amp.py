@@ -9,27 +9,38 @@ divided by the scale in float32, and one bool — all inside your jitted step, n
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
 from unimp.spi import Amp, LossScaleState, Plan, StateError
 
-from .layers import is_nnx
-from .optimizer import AmpOptState, all_finite, apply_updates, find_state, wrap
-from .scaler import check, device_spec, initial_tree, to_state
+from . import distributed, fp8
+from .layers import LayerPlan, is_nnx
+from .optimizer import AmpOptState, all_finite, amp_tx, apply_updates, find_state
+from .scaler import check, initial_tree, to_state
 
 
 class JaxAmp(Amp):
     """Base of :class:`~unimp_jax.nnx_amp.NnxAmp` and :class:`~unimp_jax.linen_amp.LinenAmp`."""
 
     def __init__(self, plan: Plan, model: Any, tx: Any) -> None:
+        """``plan``: indexed on ``model`` (the subclass indexes it when compiled without it)."""
         super().__init__(plan, model, None)
+        self.findings = list(plan.layout.act("jax", stacklevel=5))  # "error": raised before any change
         self.inner_tx = tx
-        # the optax wrapper runs the Plan's loss scale (auto resolved to float16 turns "none" into dynamic)
-        runs = plan.policy if plan.loss_scale == plan.policy.loss_scale else \
-            dataclasses.replace(plan.policy, loss_scale=plan.loss_scale)
-        self.tx = wrap(tx, runs)
+        self.tx = amp_tx(tx, plan.loss_scale_run, plan.uses_master_weights)  # the Plan's loss scale, as it runs
+        self.layers: dict[str, LayerPlan] = {}
+        self.fp8_decisions: list[Any] = []  # unimp.spi.Fp8Decision per layer FP8 was asked of
+
+    def _layer(self, info: Any) -> LayerPlan:
+        """The indexed layer ``info`` under the Plan (its FP8 recipe included), kept in ``amp.layers``."""
+        lp = LayerPlan.of(self.plan, info)
+        self.layers[info.path] = lp = fp8.layer_plan(self.plan, lp, info.dims, self.fp8_decisions)
+        return lp
 
     # ------------------------------------------------------------------ gradients
     def value_and_grad(self, loss_fn: Callable[..., Any], has_aux: bool = False,
@@ -37,7 +48,7 @@ class JaxAmp(Amp):
         """``grad_fn(state, *args) -> (loss, grads, finite)`` (``((loss, aux), grads, finite)`` with aux).
 
         ``axis_name`` (inside ``shard_map``/``pmap``): gradients are all-reduced (mean) over that axis in
-        ``policy.distributed.reduce_dtype``, the loss is averaged over it, and ``finite`` is agreed by
+        ``distributed.reduce_dtype``, the loss is averaged over it, and ``finite`` is agreed by
         every device (see :mod:`unimp_jax.distributed`).
         """
         def checked(*args: Any, **kwargs: Any) -> Any:  # the loss's dtype is known when it is traced
@@ -46,14 +57,13 @@ class JaxAmp(Amp):
             return out
 
         return make_value_and_grad(self.plan.loss_scale.mode, checked, has_aux, axis_name=axis_name,
-                                   reduce_dtype=self.policy.distributed.reduce_dtype)
+                                   reduce_dtype=self.plan.reduce_dtype)
 
     def data_parallel(self, step_fn: Callable[..., Any], mesh: Any = None, axis_name: str = "data",
                       donate: bool = True, out_specs: Any = None) -> Callable[..., Any]:
         """``step_fn`` as a jitted data-parallel ``shard_map`` step (:func:`unimp_jax.distributed.data_parallel`)."""
-        from .distributed import data_parallel
-
-        return data_parallel(self, step_fn, mesh=mesh, axis_name=axis_name, donate=donate, out_specs=out_specs)
+        return distributed.data_parallel(self, step_fn, mesh=mesh, axis_name=axis_name, donate=donate,
+                                         out_specs=out_specs)
 
     def apply_updates(self, params: Any, updates: Any, opt_state: Any) -> Any:
         """New params after ``amp.optimizer.update``: ``cast(master)`` with masters, else ``params + updates``."""
@@ -72,10 +82,8 @@ class JaxAmp(Amp):
 
     def state_dict(self) -> dict[str, Any]:
         """The canonical state, plus ``fp8``: the delayed FP8 scaling state as plain floats when kept."""
-        from .fp8 import to_plain
-
         out = super().state_dict()
-        plain = to_plain(self.fp8_state())
+        plain = fp8.to_plain(self.fp8_state())
         if plain:
             out["fp8"] = plain
         return out
@@ -83,20 +91,15 @@ class JaxAmp(Amp):
     def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
         """As :meth:`unimp.backend.Amp.load_state_dict`; ``fp8`` (when present) is checked first and
         loaded with it, exactly. A state without ``fp8`` leaves this Amp's FP8 scaling state as it is."""
-        from .fp8 import from_plain
-
         self._check_live("amp.load_state_dict()")
         new = None
         if isinstance(state, Mapping) and "fp8" in state:
-            new, problems = from_plain(self.fp8_state(), state["fp8"], "fp8")
+            new, problems = fp8.from_plain(self.fp8_state(), state["fp8"], "fp8")
             if problems:
                 raise StateError("amp.load_state_dict(): " + "; ".join(problems))
         super().load_state_dict(state, strict=strict)
         if new is not None:
             self.set_fp8_state(new)
-
-    def _loss_scale_run(self) -> Any:
-        return device_spec(self.plan.loss_scale)  # the fallbacks validate() named in the Plan
 
     def loss_scale_state(self) -> LossScaleState:
         tree = find_state(self._opt_state_holder()).loss_scale
@@ -104,8 +107,6 @@ class JaxAmp(Amp):
         return to_state(tree)
 
     def _with_loss_scale(self, opt_state: Any, state: LossScaleState) -> Any:
-        import jax
-
         tree = initial_tree(self._loss_scale_run(), state)
         return jax.tree_util.tree_map(
             lambda x: x._replace(loss_scale=tree) if isinstance(x, AmpOptState) else x, opt_state,
@@ -115,11 +116,6 @@ class JaxAmp(Amp):
 def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, axis_name: Any = None,
                         reduce_dtype: str = "float32") -> Callable[..., Any]:
     """The loss-scaled value_and_grad for a policy whose loss-scale mode is ``mode``."""
-    import jax
-    import jax.numpy as jnp
-
-    from . import distributed, fp8
-
     def grad_fn(state: Any, target: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
         scale = None if mode == "none" else find_state(state).loss_scale.scale
         if axis_name is not None:
@@ -131,8 +127,6 @@ def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, a
 
     def _distributed(state: Any, target: Any, scale: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
         if is_nnx(target):  # differentiate a device-varying view of the params (local grads)
-            from flax import nnx
-
             replicated = nnx.as_pure(nnx.state(target, nnx.Param))
             nnx.update(target, distributed.to_varying(replicated, axis_name))
             try:
@@ -170,8 +164,6 @@ def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, a
             return value, out
 
         if is_nnx(target):
-            from flax import nnx
-
             wrt = nnx.DiffState(0, nnx.Any(nnx.Param, fp8.Fp8State))  # FP8 state: its new value flows back
             (_, out), grads = nnx.value_and_grad(scaled, argnums=wrt, has_aux=True)(target, *args, **kwargs)
         else:

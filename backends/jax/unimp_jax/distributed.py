@@ -5,7 +5,7 @@ axis_name="data")`` differentiates each device's *local* loss (the differentiate
 device-varying first, so JAX does not insert its own float32 ``psum`` when it transposes the
 replication), then:
 
-1. casts the (loss-scaled) local gradients to ``policy.distributed.reduce_dtype``, divides them by the
+1. casts the (loss-scaled) local gradients to ``distributed.reduce_dtype``, divides them by the
    axis size in that dtype (as torch's fp16 compression hook does, so fp16 sums stay in range), and
    ``psum``s them over the axis in that dtype — one all-reduce for the whole gradient tree;
 2. casts the result back (float32 when a loss scale is on, else each gradient's own dtype) and
@@ -30,29 +30,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-
-def _jax() -> Any:
-    import jax
-
-    return jax
+import jax
+import jax.numpy as jnp
 
 
 def _is_float(x: Any) -> bool:
-    import jax.numpy as jnp
-
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def axis_size(axis_name: Any) -> int:
     """Number of devices along ``axis_name`` (inside ``shard_map``/``pmap``)."""
-    jax = _jax()
     if hasattr(jax.lax, "axis_size"):
         return int(jax.lax.axis_size(axis_name))
     return int(jax.lax.psum(1, axis_name))
 
 
 def _varying_axes(x: Any) -> frozenset:
-    jax = _jax()
     t = jax.typeof(x)
     mat = getattr(t, "manual_axis_type", None)
     if mat is not None:
@@ -67,7 +60,6 @@ def to_varying(tree: Any, axis_name: Any) -> Any:
     JAX itself, in the gradient's dtype; differentiating a varying copy keeps it local, so unimp can
     reduce it in ``reduce_dtype``. A no-op under ``check_vma=False`` and ``pmap``.
     """
-    jax = _jax()
     axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
     def one(x: Any) -> Any:
@@ -93,8 +85,6 @@ def reduce_gradients(grads: Any, axis_name: Any, reduce_dtype: str, out_dtype: s
     to ``out_dtype`` (default: the leaf's own dtype). Non-floating leaves, and those whose key path
     ``skip(path)`` is true (FP8 scaling state, already agreed), are left alone.
     """
-    jax = _jax()
-    import jax.numpy as jnp
 
     n = axis_size(axis_name)
     rd = jnp.dtype(reduce_dtype)
@@ -113,8 +103,6 @@ def reduce_gradients(grads: Any, axis_name: Any, reduce_dtype: str, out_dtype: s
 
 def agree(flag: Any, axis_name: Any) -> Any:
     """``flag`` ANDed over ``axis_name`` (a ``pmin``): every device gets the same bool."""
-    jax = _jax()
-    import jax.numpy as jnp
 
     as_int = to_varying(jnp.asarray(flag).astype(jnp.int32), axis_name)
     return jax.lax.pmin(as_int, axis_name) > 0
@@ -122,13 +110,11 @@ def agree(flag: Any, axis_name: Any) -> Any:
 
 def max_over(x: Any, axis_name: Any) -> Any:
     """``x``'s maximum over ``axis_name`` (a ``pmax``): every device gets the same value (FP8 amaxes)."""
-    return _jax().lax.pmax(to_varying(x, axis_name), axis_name)
+    return jax.lax.pmax(to_varying(x, axis_name), axis_name)
 
 
 def mean_over(x: Any, axis_name: Any) -> Any:
     """A floating scalar (the loss) averaged over ``axis_name`` in float32, in its own dtype."""
-    jax = _jax()
-    import jax.numpy as jnp
 
     if not _is_float(x):
         return x
@@ -137,7 +123,6 @@ def mean_over(x: Any, axis_name: Any) -> Any:
 
 # ---------------------------------------------------------------------------------------------- step
 def _shard_map() -> Any:
-    jax = _jax()
     if hasattr(jax, "shard_map"):
         return jax.shard_map
     from jax.experimental.shard_map import shard_map  # older jax
@@ -150,7 +135,6 @@ def _shard_map() -> Any:
 
 def default_mesh(axis_name: str) -> Any:
     """A 1-D mesh over every device, named ``axis_name``."""
-    jax = _jax()
     return jax.make_mesh((jax.device_count(),), (axis_name,))
 
 
@@ -167,7 +151,6 @@ def data_parallel(amp: Any, step_fn: Callable[..., Any], mesh: Any = None, axis_
     ``amp.value_and_grad(loss_fn, axis_name=axis_name)`` so gradients are reduced in
     ``reduce_dtype`` and the loss is averaged over the devices.
     """
-    jax = _jax()
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 

@@ -83,13 +83,6 @@ def is_state_path(path: Any) -> bool:
     return False
 
 
-def has_state(target: Any) -> bool:
-    """Whether ``target`` (an nnx Module or a linen params tree) holds delayed FP8 scaling state."""
-    if isinstance(target, nnx.Module):
-        return bool(jax.tree_util.tree_leaves(nnx.state(target, Fp8State)))
-    return isinstance(target, Mapping) and OWG in target
-
-
 def map_gradients(fn: Any, grads: Any) -> Any:
     """``fn`` over the floating gradient leaves that are not FP8 state (those pass through)."""
     def one(path: Any, g: Any) -> Any:
@@ -310,40 +303,25 @@ def dot_general_for(recipe: str, forward: str, gradient: str, state: Mapping[str
 
 
 # ---------------------------------------------------------------------- the Plan's side
-def kernel_dims(params: Mapping[str, Any]) -> dict[str, int] | None:
-    """GEMM dims of a Linear/Dense layer from its 2-D ``kernel`` (None when it has none)."""
-    k = params.get("kernel")
-    shape = tuple(getattr(k, "shape", ()))
-    if len(shape) != 2:
-        return None
-    return {"in_features": int(shape[0]), "out_features": int(shape[1])}
+def layer_plan(plan: Any, lp: Any, dims: tuple[tuple[str, int], ...], decisions: list) -> Any:
+    """``lp`` (a :class:`~unimp_jax.layers.LayerPlan`) with the recipe and formats when the Plan runs the
+    layer in FP8 (``dims``: its tiling dims from the index); when FP8 was asked of it, its
+    :class:`~unimp.spi.Fp8Decision` is appended to ``decisions`` (the report's FP8 lines)."""
+    from unimp.spi import Fp8Decision, dtypes
 
-
-
-def decide(plan: Any, lp: Any, params: Mapping[str, Any]) -> Any:
-    """The core's :class:`unimp.plan.fp8.Fp8Decision` for the layer ``lp`` (None: FP8 not asked of it)."""
-    from unimp.spi import Fp8Decision, asks_fp8, decide_fp8
-
-    if not asks_fp8(plan, lp.path, lp.kind, lp.type_names):
-        return None
-    dims = kernel_dims(params)
-    if dims is None and lp.kind == "linear":
-        return Fp8Decision(lp.path, False, None, "no 2-D kernel (a LinearGeneral/Einsum split): stays in "
-                                                 "the compute dtype")
-    return decide_fp8(plan, lp.path, lp.kind, lp.type_names, dims, plan.compute_dtype)
-
-
-def formats(plan: Any) -> tuple[str, str]:
-    """The forward and gradient FP8 dtype names of ``plan``."""
-    from unimp.spi import FP8_FORMATS
-
-    return FP8_FORMATS[plan.fp8.forward_format], FP8_FORMATS[plan.fp8.gradient_format]
-
-
-def layer_dot(plan: Any, recipe: str, state: Mapping[str, Any] | None) -> Any:
-    """The dot_general one FP8 layer runs for one call."""
-    fwd, grad = formats(plan)
-    return dot_general_for(recipe, fwd, grad, state)
+    if not plan.asks_fp8(lp.path, lp.kind, lp.type_names):
+        return lp
+    gemm = dict(dims) if dims and dims[0][0] == "in_features" else None  # a 2-D kernel's (in, out)
+    if gemm is None and lp.kind == "linear":
+        decision = Fp8Decision(lp.path, False, None, "no 2-D kernel (a LinearGeneral/Einsum split): stays in "
+                                                     "the compute dtype")
+    else:
+        decision = plan.decide_fp8(lp.path, lp.kind, lp.type_names, gemm)
+    decisions.append(decision)
+    if not decision.fp8:
+        return lp
+    names = (dtypes.FP8_FORMATS[plan.fp8.forward_format], dtypes.FP8_FORMATS[plan.fp8.gradient_format])
+    return dataclasses.replace(lp, fp8=decision.recipe, fp8_formats=names)
 
 
 # ---------------------------------------------------------------------- nnx state

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unimp.spi import cpu, resolve_auto, resolve_cpu_auto
+from unimp.spi import hardware
 
 XLA_CPU_WHY = ("XLA:CPU does not use them: it runs bfloat16/float16 matmuls slower than float32 (2048² "
                "matmul on AVX512-BF16: bf16 120 ms vs fp32 73 ms, measured)")
@@ -43,13 +43,13 @@ def resolve(requested: str, platform: str, capability: str | None = None) -> tup
     """(compute dtype, reason, warning or None) for ``requested`` on ``platform``."""
     if requested == "auto":
         if platform == "cpu":
-            return (*resolve_cpu_auto("XLA:CPU", bf16=False, why_not=XLA_CPU_WHY), None)
+            return (*hardware.resolve_cpu_auto("XLA:CPU", bf16=False, why_not=XLA_CPU_WHY), None)
         slow_bf16 = platform == "gpu" and capability is not None and float(capability) < 8.0
         where = f"this GPU (compute capability {capability})" if platform == "gpu" else platform
-        return (*resolve_auto(fast_bf16=not slow_bf16, fast_fp16=True, where=where), None)
+        return (*hardware.resolve_auto(fast_bf16=not slow_bf16, fast_fp16=True, where=where), None)
     warning = None
     if platform == "cpu" and requested in ("bfloat16", "float16"):
-        facts = cpu()
+        facts = hardware.cpu()
         units = (f"this CPU, {facts.describe()}, has no native {requested} units: XLA:CPU emulates it"
                  if facts.emulated(requested) else f"XLA:CPU does not use this CPU's {requested} units")
         warning = (f"compute_dtype = {requested!r} on XLA:CPU runs slower than float32 ({units}); it runs as "

@@ -1,14 +1,13 @@
-"""Per-layer decisions and the cast around one Flax layer call (shared by nnx and linen).
+"""The cast around one Flax layer call under its Plan row (shared by nnx and linen).
 
-A layer is a Flax module whose class maps to a canonical op (``Linear``/``Dense`` -> linear,
-``Conv``, ``Embed``, norms, attention, RNN cells, ``Einsum``) or an :class:`unimp_jax.Op`
-wrapping a JAX function. During its call the layer's ``dtype`` attribute is the decided compute
-dtype and its floating inputs and outputs are cast to it; params keep their stored dtype
-(Flax casts them to ``dtype`` inside the layer, so gradients reach the fp32 params).
+During a layer's call its ``dtype`` attribute is the decided compute dtype and its floating inputs
+and outputs are cast to it; params keep their stored dtype (Flax casts them to ``dtype`` inside the
+layer, so gradients reach the fp32 params).
 
 >>> import unimp
+>>> from unimp.spi import LayerInfo
 >>> plan = unimp.get_backend("jax").compile(unimp.load("mixed_bf16"))
->>> d = LayerPlan.make(plan, "fc1", "Linear")
+>>> d = LayerPlan.of(plan, LayerInfo("fc1", "linear", ("Linear",)))
 >>> d.kind, d.decision.compute_dtype
 ('linear', 'bfloat16')
 """
@@ -21,22 +20,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from unimp.spi import LayerDecision, Plan, ReportRow, kind_of, widest
+from unimp.spi import LayerInfo, Plan, UnsupportedError, dtypes
 
+from . import trace
 from .attention import attention, needs_cpu_attention
-from .ops import NATIVE_OPS
 
-EXTRA_KINDS = {"Einsum": "matmul", "MultiHeadDotProductAttention": "attention", "SelfAttention": "attention",
-               "SimpleCell": "rnn", "MGUCell": "rnn", "ConvLSTMCell": "rnn"}
-DIM_PARAMS = ("kernel", "embedding")
-ALIGNED_KINDS = ("linear", "matmul", "conv", "embedding")
-
-
-def layer_kind(type_name: str, op_kind: str | None = None) -> str | None:
-    """Canonical op of a Flax module class name (``op_kind`` for :class:`unimp_jax.Op`)."""
-    if op_kind:
-        return op_kind
-    return kind_of(type_name, NATIVE_OPS) or EXTRA_KINDS.get(type_name)
+SCAN_CARRY = "scan body function carry input and carry output must have equal types"
 
 
 @dataclass(frozen=True)
@@ -46,21 +35,17 @@ class LayerPlan:
     path: str
     kind: str
     type_names: tuple[str, ...]
-    decision: LayerDecision
+    decision: Any  # the Plan's LayerDecision
     softmax_fp32: bool = False  # linen attention: force_fp32_for_softmax
     fp8: str | None = None  # the FP8 recipe the Plan chose for this layer (unimp_jax.fp8), None = not FP8
     fp8_formats: tuple[str, ...] = ()  # (forward, gradient) FP8 dtype names when fp8 is set
 
     @classmethod
-    def make(cls, plan: Plan, path: str, type_name: str, op_kind: str | None = None,
-             fn_name: str | None = None) -> LayerPlan | None:
-        kind = layer_kind(type_name, op_kind)
-        if kind is None:
-            return None
-        names = (type_name, *((fn_name,) if fn_name else ()))
-        decision = plan.decide(path, kind, names)
-        softmax_fp32 = kind == "attention" and plan.policy.ops.category("softmax") == "float32"
-        return cls(path, kind, names, decision, softmax_fp32)
+    def of(cls, plan: Plan, info: LayerInfo) -> LayerPlan:
+        """The Plan's decision for the indexed layer ``info``."""
+        softmax_fp32 = info.kind == "attention" and plan.op("softmax").requested == "float32"
+        return cls(info.path, info.kind, info.type_names, plan.decide(info.path, info.kind, info.type_names),
+                   softmax_fp32)
 
     def compute_dtype(self, input_dtype: str | None, param_dtype: str | None) -> str | None:
         """The dtype this call runs in, given the activation input's and the params' dtypes."""
@@ -68,7 +53,7 @@ class LayerPlan:
         if d.compute_dtype is not None:
             return d.compute_dtype
         if d.category == "promote" and d.override is None:
-            return widest([input_dtype, param_dtype])
+            return dtypes.widest([input_dtype, param_dtype])
         return input_dtype or param_dtype
 
 
@@ -120,7 +105,7 @@ def attrs_set(obj: Any, **values: Any) -> Iterator[None]:
 
 
 def run_layer(lp: LayerPlan, module: Any, call: Any, args: tuple, kwargs: dict, param_dtype: str | None,
-              record: dict[str, ReportRow] | None, dot_general: Any = None) -> Any:
+              dot_general: Any = None) -> Any:
     """Call one layer under its plan: inputs, ``dtype`` attribute and outputs in the compute dtype.
 
     ``dot_general``: the layer's FP8 dot for this call (:mod:`unimp_jax.fp8`), when the Plan chose FP8.
@@ -142,25 +127,21 @@ def run_layer(lp: LayerPlan, module: Any, call: Any, args: tuple, kwargs: dict, 
     with attrs_set(module, **extra):
         out = call(*args, **kwargs)
     out = cast_floats(out, out_dt)
-    if record is not None:
-        record[lp.path] = ReportRow(lp.path, lp.kind, dt, param_dtype, first_float_dtype(out), fp8=lp.fp8)
+    trace.record(lp, dt, param_dtype, first_float_dtype(out))
     return out
 
 
-def dims(kind: str, params: dict[str, Any]) -> tuple[tuple[str, int], ...]:
-    """The tiling dims of a linear/conv/embedding layer from its params (what ``layout.align`` checks)."""
-    if kind not in ALIGNED_KINDS:
-        return ()
-    for name in DIM_PARAMS:
-        if name in params:
-            shape = tuple(params[name].shape)
-            if kind != "conv" and len(shape) != 2:
-                return ()  # LinearGeneral/Einsum kernels: the matmul's K/N split is not in the shape
-            if name == "embedding":
-                return (("num_embeddings", int(shape[-2])), ("features", int(shape[-1])))
-            unit = "channels" if kind == "conv" else "features"
-            return ((f"in_{unit}", int(shape[-2])), (f"out_{unit}", int(shape[-1])))
-    return ()
+def scan_carry_error(e: TypeError, scan: str = "nnx.scan") -> UnsupportedError:
+    """A located unimp error for ``jax.lax.scan``'s carry check inside an ``nnx.scan`` (or linen
+    ``nn.scan``) under a policy."""
+    detail = next((line for line in str(e).splitlines() if "carry component" in line), str(e).splitlines()[0])
+    api = "nnx" if scan.startswith("nnx") else "linen"
+    return UnsupportedError(
+        f"unimp (jax/{api}): an {scan} body hands its carry back in another dtype than it came in "
+        f"({detail.strip()}): under the policy a layer at the end of the body (typically a float32 "
+        f"norm) changes it. Fix: cast the carry back at the end of the body, as a mixed-precision model "
+        f"written by hand does (`return y.astype(x.dtype)`), or keep that layer in the carry's dtype "
+        f"with an override, e.g. overrides = [{{modules = [\"blocks.norm\"], compute_dtype = \"bfloat16\"}}]")
 
 
 def is_nnx(model: Any) -> bool:

@@ -27,7 +27,6 @@ came in with, as a mixed-precision model written by hand does (:func:`keep_carry
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 import types
@@ -37,17 +36,13 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from unimp.spi import LayoutFindings, LossScaleState, Plan, Report, ReportRow, fp8_report_notes
+from unimp.spi import LossScaleState, Plan, Report
 
-from . import fp8
+from . import fp8, trace
 from .amp import JaxAmp
-from .layers import LayerPlan, cast_floats, dims, dtype_name, run_layer
+from .index import linen_info, model_index, own_params
+from .layers import SCAN_CARRY, LayerPlan, cast_floats, dtype_name, run_layer, scan_carry_error
 from .optimizer import find_state
-
-
-def _own_params(m: Any) -> dict[str, Any]:
-    params = m.variables.get("params", {}) if m.scope is not None else {}
-    return {k: v for k, v in params.items() if not isinstance(v, Mapping)}
 
 
 def _as_variables(params: Any) -> dict[str, Any]:
@@ -106,54 +101,22 @@ class LinenAmp(JaxAmp):
     """The policy bound to a linen Module: ``amp.apply``, ``amp.params``, ``amp.opt_state``."""
 
     def __init__(self, plan: Plan, module: Any, tx: Any, params: Any, inputs: Any) -> None:
-        super().__init__(plan, module, tx)
-        self.optimizer = self.tx
-        self.inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         variables = _as_variables(params)
+        index = model_index(module, variables, inputs)  # one abstract forward: linen makes layers while calling
+        super().__init__(plan if plan.layers else plan.with_index(index), module, tx)
+        plan = self.plan
+        self.optimizer = self.tx
+        self.inputs = inputs
         self.original_params = variables["params"]
-        self._record: dict[str, ReportRow] | None = None
-        self.layers: dict[str, LayerPlan] = {}
-        shapes: dict[str, dict[str, Any]] = {}
-
-        def discover(next_fun: Any, args: Any, kwargs: Any, ctx: Any) -> Any:
-            if ctx.method_name == "__call__":
-                path = ".".join(map(str, ctx.module.path))
-                lp = self._plan_for(path, ctx.module)
-                if lp is not None and path not in self.layers:
-                    self.layers[path] = lp
-                    shapes[path] = _own_params(ctx.module)
-            return next_fun(*args, **kwargs)
-
-        def forward(v: Any) -> Any:
-            with nn.intercept_methods(discover):
-                return module.apply(v, *self.inputs)
-
-        jax.eval_shape(forward, variables)
-        layout = LayoutFindings.check(((p, dims(lp.kind, shapes[p])) for p, lp in self.layers.items()),
-                                      self.policy.layout)
-        self.findings += layout.act("jax")
-        self.fp8_decisions: list[Any] = []  # unimp.plan.fp8.Fp8Decision per layer FP8 was asked of
-        delayed = []
-        for path, lp in self.layers.items():
-            decision = fp8.decide(plan, lp, shapes[path])
-            if decision is None:
-                continue
-            self.fp8_decisions.append(decision)
-            if decision.fp8:
-                self.layers[path] = dataclasses.replace(lp, fp8=decision.recipe, fp8_formats=fp8.formats(plan))
-                if decision.recipe == "delayed":
-                    delayed.append(path)
+        for info in index:
+            self._layer(info)
+        delayed = [path for path, lp in self.layers.items() if lp.fp8 == "delayed"]
         self._fp8_tree: Any = None  # the FP8 state of the forward being traced
         self.params = self.cast_params(self.original_params)
         if delayed:  # Flax's layout: the state in the _overwrite_with_gradient collection next to params
             self.params = {"params": self.params, fp8.OWG: fp8.linen_state(delayed, plan.fp8.amax_history)}
         self.opt_state = self.tx.init(self.original_params)
-
-    def _plan_for(self, path: str, m: Any) -> LayerPlan | None:
-        name = type(m).__name__
-        is_op = name == "LinenOp"
-        return LayerPlan.make(self.plan, path, name, op_kind=m.op_kind if is_op else None,
-                              fn_name=m.fn_name() if is_op else None)
 
     def cast_params(self, params: Any) -> Any:
         """``params`` in the policy's param dtype per owning layer (pure_bf16: bf16, norms fp32)."""
@@ -177,16 +140,14 @@ class LinenAmp(JaxAmp):
             with nn.intercept_methods(self._intercept):
                 out = self.model.apply(variables, *args, **kwargs)
         except TypeError as e:  # jax.lax.scan's carry check (a body unimp did not find): located, with the fix
-            from .nnx_amp import SCAN_CARRY, scan_carry_error
-
             if SCAN_CARRY not in str(e):
                 raise
             raise scan_carry_error(e, "nn.scan") from None
         finally:
             self._fp8_tree = None
         if kwargs.get("mutable"):  # output_cast None ("unchanged"): as the last layer left it
-            return cast_floats(out[0], self.policy.output_cast), out[1]
-        return cast_floats(out, self.policy.output_cast)
+            return cast_floats(out[0], self.plan.output_cast), out[1]
+        return cast_floats(out, self.plan.output_cast)
 
     def _intercept(self, next_fun: Any, args: Any, kwargs: Any, ctx: Any) -> Any:
         if ctx.method_name != "__call__":
@@ -198,16 +159,18 @@ class LinenAmp(JaxAmp):
 
     def _layer_call(self, next_fun: Any, args: Any, kwargs: Any, m: Any) -> Any:
         path = ".".join(map(str, m.path))
-        lp = self.layers.get(path) or self._plan_for(path, m)
+        lp = self.layers.get(path)
+        if lp is None and (info := linen_info(m)) is not None:  # a layer the example forward did not meet
+            lp = LayerPlan.of(self.plan, info)
         if lp is None:
             return next_fun(*args, **kwargs)
-        own = _own_params(m)
+        own = own_params(m)
         param_dtype = next((dtype_name(v) for v in own.values() if dtype_name(v)), None)
         dot = None
         if lp.fp8:
             state = fp8.lookup(self._fp8_tree, path) if lp.fp8 == "delayed" else None
             dot = fp8.dot_general_for(lp.fp8, *lp.fp8_formats, state)
-        return run_layer(lp, m, next_fun, args, kwargs, param_dtype, self._record, dot)
+        return run_layer(lp, m, next_fun, args, kwargs, param_dtype, dot)
 
     # ------------------------------------------------------------------ Amp API
     def _opt_state_holder(self) -> Any:
@@ -218,15 +181,9 @@ class LinenAmp(JaxAmp):
 
     def report(self, *args: Any, params: Any = None) -> Report:
         """What ran in a traced forward of ``args`` (default: the example ``inputs``) with ``params``."""
-        self._record = {}
-        try:
-            jax.eval_shape(lambda p, a: self.apply(p, *a), self.params if params is None else params,
-                           args or self.inputs)
-            record = self._record
-        finally:
-            self._record = None
-        rows = list(record.values())  # in call order
-        return self.report_header(rows, notes=[*self.plan.notes, *fp8_report_notes(self.fp8_decisions)])
+        return trace.report(self, lambda: jax.eval_shape(lambda p, a: self.apply(p, *a),
+                                                         self.params if params is None else params,
+                                                         args or self.inputs))
 
     def fp8_state(self) -> Any:
         """The delayed FP8 scaling state: ``amp.params['_overwrite_with_gradient']`` ({} when none)."""

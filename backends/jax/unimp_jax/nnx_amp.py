@@ -21,73 +21,24 @@ True
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from unimp.spi import LayoutFindings, LossScaleState, Plan, Report, ReportRow, UnsupportedError, fp8_report_notes
+from unimp.spi import LossScaleState, Plan, Report
 
-from . import fp8
+from . import fp8, trace
 from .amp import JaxAmp
-from .layers import LayerPlan, cast_floats, dims, dtype_name, run_layer
-from .optimizer import apply_updates, find_state, may_skip
-
-_RECORDERS: list[dict[str, ReportRow]] = []
-# The last forward's input shapes per static token (model class + policy fingerprint), for
-# amp.report() without arguments. Keyed by the token, not by the model: under nnx.jit the layer
-# code runs only while tracing, and a compiled step traced for an equal token is reused by every
-# Amp with that token. It holds ShapeDtypeStructs only (no arrays, no model).
-_LAST_INPUTS: dict[str, Any] = {}
-SCAN_CARRY = "scan body function carry input and carry output must have equal types"
+from .index import model_index
+from .layers import SCAN_CARRY, LayerPlan, cast_floats, dtype_name, run_layer, scan_carry_error
+from .optimizer import AmpOptimizer, find_state
 
 
-def scan_carry_error(e: TypeError, scan: str = "nnx.scan") -> UnsupportedError:
-    """A located unimp error for ``jax.lax.scan``'s carry check inside an ``nnx.scan`` (or linen
-    ``nn.scan``) under a policy."""
-    detail = next((line for line in str(e).splitlines() if "carry component" in line), str(e).splitlines()[0])
-    api = "nnx" if scan.startswith("nnx") else "linen"
-    return UnsupportedError(
-        f"unimp (jax/{api}): an {scan} body hands its carry back in another dtype than it came in "
-        f"({detail.strip()}): under the policy a layer at the end of the body (typically a float32 "
-        f"norm) changes it. Fix: cast the carry back at the end of the body, as a mixed-precision model "
-        f"written by hand does (`return y.astype(x.dtype)`), or keep that layer in the carry's dtype "
-        f"with an override, e.g. overrides = [{{modules = [\"blocks.norm\"], compute_dtype = \"bfloat16\"}}]")
-
-
-class AmpOptimizer(nnx.Optimizer):
-    """``nnx.Optimizer`` whose ``update`` is exact with masters and counts only applied steps."""
-
-    def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:
-        params = nnx.as_pure(nnx.state(model, self.wrt))
-        grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt))
-        old = nnx.as_pure(self.opt_state)
-        updates, new = self.tx.update(grad_arrays, old, params, **nnx.as_pure(kwargs))
-        nnx.update(model, apply_updates(params, updates, new))
-        nnx.update(self.opt_state, nnx.state(new))
-        if not may_skip(self.tx):  # no loss scaling and no skipping: every step applies, as nnx.Optimizer
-            self.step[...] += 1
-            fp8.nnx_write_state(model, grads, True)
-            return updates
-        before, after = find_state(old).loss_scale, find_state(new).loss_scale
-        applied = (after.skipped == before.skipped) & ~after.at_min_error
-        self.step[...] += applied.astype(self.step[...].dtype)
-        fp8.nnx_write_state(model, grads, applied)  # delayed FP8 scaling state, on applied steps only
-        return updates
-
-
-def _direct_vars(module: Any) -> dict[str, Any]:
-    return {k: v for k, v in vars(module).items() if isinstance(v, nnx.Variable)}
-
-
-def _param_dtype(module: Any) -> str | None:
-    for v in _direct_vars(module).values():
-        if isinstance(v, nnx.Param):
-            return dtype_name(v.get_value())
-    return None
+def _params(module: Any) -> dict[str, Any]:
+    """The module's own ``nnx.Param`` Variables (not its submodules')."""
+    return {k: v for k, v in vars(module).items() if isinstance(v, nnx.Param)}
 
 
 @functools.cache
@@ -98,8 +49,7 @@ def _wrapped_class(cls: type) -> type:
         lp: LayerPlan | None = self.__dict__.get("_unimp_layer")
         out_dtype, token = self.__dict__.get("_unimp_output", (None, None))
         if token is not None:
-            _LAST_INPUTS[token] = jax.tree_util.tree_map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, (args, kwargs))
+            trace.remember_inputs(token, args, kwargs)
         call = functools.partial(cls.__call__, self)
         if lp is None and token is not None:  # the model itself: jax.lax.scan's carry check, located
             try:
@@ -111,12 +61,12 @@ def _wrapped_class(cls: type) -> type:
         elif lp is None:
             out = call(*args, **kwargs)
         else:
-            record = _RECORDERS[-1] if _RECORDERS else None
             dot = None
             if lp.fp8:
                 meta = self.__dict__.get(fp8.NNX_ATTR)
                 dot = fp8.dot_general_for(lp.fp8, *lp.fp8_formats, meta.values() if meta is not None else None)
-            out = run_layer(lp, self, call, args, kwargs, _param_dtype(self), record, dot)
+            param_dtype = next((dtype_name(v.get_value()) for v in _params(self).values()), None)
+            out = run_layer(lp, self, call, args, kwargs, param_dtype, dot)
         return cast_floats(out, out_dtype) if out_dtype else out
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
@@ -127,66 +77,34 @@ class NnxAmp(JaxAmp):
     """The policy bound to an nnx Module: ``amp.model`` (same object), ``amp.optimizer`` (nnx)."""
 
     def __init__(self, plan: Plan, model: Any, tx: Any, wrt: Any = nnx.Param) -> None:
-        super().__init__(plan, model, tx)
-        policy = plan.policy
+        index = {i.path: i for i in model_index(model)}
+        super().__init__(plan if plan.layers else plan.with_index(index.values()), model, tx)
+        plan = self.plan  # its layout findings acted on: on_misaligned="error" left the model untouched
         # static under nnx.jit, so equal for equal (model class, policy): compiled steps are reused
-        self._token = f"{type(model).__module__}.{type(model).__qualname__}:{policy.fingerprint}"
+        self._token = f"{type(model).__module__}.{type(model).__qualname__}:{plan.fingerprint}"
         self._saved: list[tuple[Any, dict[str, Any]]] = []  # (module, attrs to restore)
         self._params: list[tuple[Any, Any, tuple]] = []  # (Variable, original value, path)
-        self.layers: dict[str, LayerPlan] = {}
-        self.fp8_decisions: list[Any] = []  # unimp.plan.fp8.Fp8Decision per layer FP8 was asked of
         self._fp8_layers: list[Any] = []  # modules given delayed-scaling state (removed by remove())
-        modules = list(nnx.iter_modules(model))
-        layers = []  # findings first: on_misaligned="error" must leave the model untouched
-        for parts, m in modules:
-            lp = self._plan_for(parts, m)
-            if lp is not None:
-                params = {k: v.get_value() for k, v in _direct_vars(m).items() if isinstance(v, nnx.Param)}
-                layers.append((lp.path, dims(lp.kind, params)))
-        self.findings += LayoutFindings.check(layers, policy.layout).act("jax")
         self.optimizer = AmpOptimizer(model, self.tx, wrt=wrt)  # masters from the original params
-        for parts, m in modules:
+        for parts, m in list(nnx.iter_modules(model)):
             path = ".".join(map(str, parts))
-            lp = self._plan_for(parts, m)
-            attrs = {}
-            if lp is not None:
-                lp, attrs = self._fp8_for(lp, m)
-                self.layers[path] = lp
+            lp = self._layer(index[path]) if path in index else None
+            if lp and lp.fp8 == "delayed":  # set as nnx data (a plain setattr), so transforms carry it
+                setattr(m, fp8.NNX_ATTR, fp8.Fp8Meta(plan.fp8.amax_history))
+                self._fp8_layers.append(m)
             param_dtype = (lp.decision.param_dtype if lp else plan.decide(path, None).param_dtype)
             self._cast_params(parts, m, param_dtype)
-            attrs.update({"_unimp_layer": lp} if lp else {})
+            attrs: dict[str, Any] = {"_unimp_layer": lp} if lp else {}
             if not parts:
-                attrs["_unimp_output"] = (policy.output_cast, self._token)  # None: "unchanged", not cast
+                attrs["_unimp_output"] = (plan.output_cast, self._token)  # None: "unchanged", not cast
             if lp and "param_dtype" in vars(m):
                 attrs["param_dtype"] = jnp.dtype(param_dtype)
             if attrs:
                 self._swap(m, attrs)
 
-    def _plan_for(self, parts: tuple, m: Any) -> LayerPlan | None:
-        path = ".".join(map(str, parts))
-        cls = getattr(type(m), "_unimp_original", type(m))
-        return LayerPlan.make(self.plan, path, cls.__name__,
-                              op_kind=getattr(m, "kind", None) if cls.__name__ == "Op" else None,
-                              fn_name=getattr(m, "fn_name", None))
-
-    def _fp8_for(self, lp: LayerPlan, m: Any) -> tuple[LayerPlan, dict[str, Any]]:
-        """The layer plan with the Plan's FP8 decision, and the attributes it adds (delayed-scaling state)."""
-        params = {k: v.get_value() for k, v in _direct_vars(m).items() if isinstance(v, nnx.Param)}
-        decision = fp8.decide(self.plan, lp, params)
-        if decision is None:
-            return lp, {}
-        self.fp8_decisions.append(decision)
-        if not decision.fp8:
-            return lp, {}
-        lp = dataclasses.replace(lp, fp8=decision.recipe, fp8_formats=fp8.formats(self.plan))
-        if decision.recipe == "delayed":  # set as nnx data (a plain setattr), so transforms carry it
-            setattr(m, fp8.NNX_ATTR, fp8.Fp8Meta(self.plan.fp8.amax_history))
-            self._fp8_layers.append(m)
-        return lp, {}
-
     def _cast_params(self, parts: tuple, m: Any, dtype: str) -> None:
-        for name, v in _direct_vars(m).items():
-            if isinstance(v, nnx.Param) and dtype_name(v.get_value()) and dtype_name(v.get_value()) != dtype:
+        for name, v in _params(m).items():
+            if dtype_name(v.get_value()) and dtype_name(v.get_value()) != dtype:
                 self._params.append((v, v.get_value(), (*parts, name)))
                 v.set_value(v.get_value().astype(dtype))
 
@@ -208,17 +126,10 @@ class NnxAmp(JaxAmp):
     def report(self, *args: Any, **kwargs: Any) -> Report:
         """What ran, from a traced forward (``args``: example inputs; default: the last call's shapes)."""
         if not args and not kwargs:
-            if self._token not in _LAST_INPUTS:
+            if trace.last_inputs(self._token) is None:
                 raise self.no_forward()
-            args, kwargs = _LAST_INPUTS[self._token]
-        record: dict[str, ReportRow] = {}
-        _RECORDERS.append(record)
-        try:
-            nnx.eval_shape(lambda m, a, k: m(*a, **k), self.model, args, kwargs)
-        finally:
-            _RECORDERS.pop()
-        rows = list(record.values())  # in call order
-        return self.report_header(rows, notes=[*self.plan.notes, *fp8_report_notes(self.fp8_decisions)])
+            args, kwargs = trace.last_inputs(self._token)
+        return trace.report(self, lambda: nnx.eval_shape(lambda m, a, k: m(*a, **k), self.model, args, kwargs))
 
     def fp8_state(self) -> Any:
         """The delayed-scaling state of the FP8 layers (an nnx State of :class:`~unimp_jax.fp8.Fp8State`)."""

@@ -1,6 +1,6 @@
 """The core's loss-scale rule (:func:`unimp.loss_scale.rule.step`) as a jit-pure pytree update (no host callbacks).
 
-:class:`JaxOps` is the rule's array adapter. :class:`LossScaleTree` is the canonical state
+:class:`JaxOps` is the rule's array adapter. :class:`DeviceLossScale` is the canonical state
 (``scale`` float32, or float64 under ``jax_enable_x64``; counters int32) plus one flag,
 ``at_min_error``, set when ``at_min = "error"`` asks for a raise inside a jitted step (which JAX
 cannot do): the step is skipped, the state frozen, and :func:`check` raises on the host.
@@ -19,10 +19,11 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from unimp.spi import (
-    FLT_TINY,
     Arrays,
     LossScale,
     LossScaleAtMinimumError,
@@ -30,16 +31,12 @@ from unimp.spi import (
     LossScaleState,
     StateError,
     UnsupportedError,
-    f32,
-    loss_scale_as_run,
-    loss_scale_fallbacks,
-    policy_problems,
+    dtypes,
     step,
-    tiny,
 )
 
 
-class LossScaleTree(NamedTuple):
+class DeviceLossScale(NamedTuple):
     """Canonical loss-scale state as device arrays; lives inside the optax state."""
 
     scale: Any  # float32 scalar (float64 with scale_dtype = "float64" under jax_enable_x64)
@@ -51,8 +48,6 @@ class LossScaleTree(NamedTuple):
 
 
 def _x64() -> bool:
-    import jax
-
     return bool(jax.config.jax_enable_x64)
 
 
@@ -64,9 +59,6 @@ def flushes_subnormals(dtype: str = "float32") -> bool:
 
 @functools.cache
 def _flushes(dtype: str, x64: bool) -> bool:
-    import jax
-    import jax.numpy as jnp
-
     if dtype == "float64" and not x64:
         return False  # no float64 arrays at all: scale_dtype = "float64" is unsupported() here
     t = jnp.dtype(dtype).type
@@ -83,11 +75,11 @@ def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
     if spec.scale_dtype == "float64" and not _x64():
         out["scale_dtype"] = ("float32", "JAX holds float64 only with jax_enable_x64; fix: "
                               "jax.config.update('jax_enable_x64', True) or scale_dtype = 'float32'")
-    if spec.scale_dtype == "float32" and spec.subnormal == "keep" and spec.initial < FLT_TINY \
+    if spec.scale_dtype == "float32" and spec.subnormal == "keep" and spec.initial < dtypes.FLT_TINY \
             and flushes_subnormals():
-        out["initial"] = (FLT_TINY, "this XLA device reads a float32 scale below 2^-126 as 0; fix: initial >= "
+        out["initial"] = (dtypes.FLT_TINY, "this XLA device reads a float32 scale below 2^-126 as 0; fix: initial >= "
                           "2^-126, or scale_dtype = 'float64' with jax_enable_x64")
-    if not _x64() and spec.backoff == "multiply" and 0 < f32(spec.backoff_factor) < FLT_TINY \
+    if not _x64() and spec.backoff == "multiply" and 0 < dtypes.f32(spec.backoff_factor) < dtypes.FLT_TINY \
             and flushes_subnormals():
         out["backoff_factor"] = (0.0, "without jax_enable_x64 the factor is a float32 below 2^-126, which this "
                                  "XLA device reads as 0; fix: jax.config.update('jax_enable_x64', True) or "
@@ -96,11 +88,11 @@ def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
         used = ("growth_factor", "backoff_factor") if spec.backoff == "multiply" else ("growth_factor",)
         for key in used:
             value = getattr(spec, key)
-            if f32(value) != value:
+            if dtypes.f32(value) != value:
                 out["factor_arithmetic"] = ("float32", (
                     f"loss_scale.{key} = {value!r} is not exactly representable in float32 and JAX "
                     f"multiplies in float32 without jax_enable_x64; fix: use a float32 value such as "
-                    f"{f32(value)!r} or a power of two, or factor_arithmetic = 'float32'"))
+                    f"{dtypes.f32(value)!r} or a power of two, or factor_arithmetic = 'float32'"))
     return out
 
 
@@ -109,7 +101,7 @@ def stops_below_tiny(spec: LossScaleSpec) -> bool:
     below its smallest normal (2^-126 in float32; 2^-1022 in float64, where 8.8e-39 is a normal
     number and runs exactly): the step that would take the scale below it is not applied, the state
     freezes, and :func:`check` raises :class:`UnsupportedError` on the host."""
-    return (spec.mode == "dynamic" and spec.subnormal == "keep" and spec.min < tiny(spec)
+    return (spec.mode == "dynamic" and spec.subnormal == "keep" and spec.min < LossScale(spec).tiny
             and flushes_subnormals(spec.scale_dtype))
 
 
@@ -124,21 +116,21 @@ def subnormal_note(spec: LossScaleSpec) -> str:
 def validate(spec: LossScaleSpec, where: str, on_unsupported: str = "error") -> list[str]:
     """Refuse knobs this device cannot reproduce bit for bit (``on_unsupported = "error"``), or
     return the Plan notes saying what runs instead (``"fallback"``)."""
-    notes = loss_scale_fallbacks(spec, unsupported(spec), where, on_unsupported)
+    notes = LossScale(spec).fallbacks(unsupported(spec), where, on_unsupported)
     run = device_spec(spec)
     return notes + ([subnormal_note(run)] if stops_below_tiny(run) else [])
 
 
 def device_spec(spec: LossScaleSpec) -> LossScaleSpec:
     """The knobs that really run here (``spec`` with the fallbacks :func:`validate` reports)."""
-    return loss_scale_as_run(spec, unsupported(spec))
+    return LossScale(spec).as_run(unsupported(spec))
 
 
 def runnable(spec: LossScaleSpec) -> LossScaleSpec:
     """``spec`` itself when this device honours every knob, else :class:`UnsupportedError` naming
     each: the scaler never runs a knob :func:`unsupported` declared (the fallback is chosen where the
     policy's ``on_unsupported`` is read: :func:`validate`, then :func:`device_spec`)."""
-    loss_scale_fallbacks(spec, unsupported(spec), "unimp_jax loss scale", "error")
+    LossScale(spec).fallbacks(unsupported(spec), "unimp_jax loss scale", "error")
     return spec
 
 
@@ -146,8 +138,6 @@ class JaxOps:
     """:class:`unimp.loss_scale.rule.ArrayOps` over jnp arrays (jit-pure)."""
 
     def __init__(self, spec: LossScaleSpec) -> None:
-        import jax.numpy as jnp
-
         self.jnp = jnp
         self.dtype = jnp.float64 if spec.scale_dtype == "float64" else jnp.float32
 
@@ -171,8 +161,6 @@ class JaxOps:
         (openxla/xla algebraic_simplifier.cc, HandleDivide), a different rounding, so the divisor goes
         through an optimization barrier (measured exact on XLA:CPU for the scalar state; a vmapped
         batch of states is not: XLA:CPU's vectorised division is not correctly rounded)."""
-        import jax
-
         jnp = self.jnp
         if _x64():  # float64 quotient of float32 values: one rounding
             d = jax.lax.optimization_barrier(jnp.float64(divisor))
@@ -195,33 +183,31 @@ class JaxOps:
         return self.jnp.maximum(a, b)
 
 
-def initial_tree(spec: LossScaleSpec, state: LossScaleState | None = None) -> LossScaleTree:
+def initial_tree(spec: LossScaleSpec, state: LossScaleState | None = None) -> DeviceLossScale:
     """Device state for ``state`` (default: the reference's initial state)."""
-    import jax.numpy as jnp
-
     spec = runnable(spec)
     st = state or LossScale(spec).initial_state()
-    problems = policy_problems(spec, st)  # the rule as it runs here (a float64 policy on float32, say)
+    problems = LossScale(spec).problems(st)  # the rule as it runs here (a float64 policy on float32, say)
     if problems:
         raise StateError("loss-scale state: " + "; ".join(problems))
-    if spec.mode == "dynamic" and spec.subnormal == "keep" and 0 < st.scale < tiny(spec) \
+    if spec.mode == "dynamic" and spec.subnormal == "keep" and 0 < st.scale < LossScale(spec).tiny \
             and flushes_subnormals(spec.scale_dtype):
         raise UnsupportedError(f"loss-scale state: scale = {st.scale!r} is below the smallest normal "
                                f"{spec.scale_dtype} and this XLA device reads it as 0; "
                                + subnormal_note(spec).split("; ", 1)[1])
     i32 = lambda v: jnp.asarray(v, jnp.int32)
-    return LossScaleTree(JaxOps(spec).scalar(st.scale), i32(st.growth_tracker),
+    return DeviceLossScale(JaxOps(spec).scalar(st.scale), i32(st.growth_tracker),
                          i32(st.hysteresis_left), i32(st.skipped), i32(st.steps), jnp.asarray(False))
 
 
-def to_state(tree: LossScaleTree) -> LossScaleState:
+def to_state(tree: DeviceLossScale) -> LossScaleState:
     """Canonical Python state (syncs with the device)."""
     return LossScaleState(scale=float(np.asarray(tree.scale)), growth_tracker=int(tree.growth_tracker),
                           hysteresis_left=int(tree.hysteresis_left), skipped=int(tree.skipped),
                           steps=int(tree.steps))
 
 
-def check(tree: LossScaleTree, spec: LossScaleSpec) -> None:
+def check(tree: DeviceLossScale, spec: LossScaleSpec) -> None:
     """Host-side check of a frozen state: ``at_min = "error"`` hit (the reference's error), or a
     scale that would have gone below 2^-126 on a flushing device (:func:`stops_below_tiny`)."""
     if bool(tree.at_min_error):
@@ -233,17 +219,15 @@ def check(tree: LossScaleTree, spec: LossScaleSpec) -> None:
             f"the floor")
 
 
-def update_tree(spec: LossScaleSpec, t: LossScaleTree, finite: Any) -> LossScaleTree:
+def update_tree(spec: LossScaleSpec, t: DeviceLossScale, finite: Any) -> DeviceLossScale:
     """One step of the core rule (:func:`unimp.loss_scale.rule.step`) on the device arrays (jit-able).
     After an ``at_min = "error"`` hit the state no longer moves (the reference raised)."""
-    import jax.numpy as jnp
-
     spec = runnable(spec)
     finite = jnp.asarray(finite, bool)
     new, _, error = step(JaxOps(spec), spec, Arrays(*t[:5]), finite)
     frozen = t.at_min_error if error is None else t.at_min_error | error
     if stops_below_tiny(spec):
-        smallest = JaxOps(spec).scalar(tiny(spec))
+        smallest = JaxOps(spec).scalar(LossScale(spec).tiny)
         frozen = frozen | ((new.scale < smallest) & (t.scale >= smallest))
     kept = [jnp.where(frozen, old, v).astype(old.dtype) for old, v in zip(t[:5], new, strict=True)]
-    return LossScaleTree(*kept, at_min_error=frozen)
+    return DeviceLossScale(*kept, at_min_error=frozen)

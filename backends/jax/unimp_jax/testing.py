@@ -1,7 +1,7 @@
 """Conformance kits: the shared probe as an nnx Module (:class:`NnxKit`) and a linen Module
 (:class:`LinenKit`), driven through each API's idiomatic jitted training step.
 
->>> from unimp.conformance import probe_weights
+>>> from unimp.conformance.probe import probe_weights
 >>> NnxKit().build_probe(probe_weights()).fc1.kernel.get_value().shape
 (16, 32)
 """
@@ -18,9 +18,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from unimp.spi import CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, Kit, Observation, Policy, ProbeBatch
+from unimp.conformance.kit import Kit, Observation
+from unimp.conformance.probe import CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, ProbeBatch
+from unimp.spi import apply
 
-from .op import LinenOp, Op
+from .op_modules import LinenOp, Op
 from .optimizer import AmpOptState, find_state
 
 # probe name -> Flax param name
@@ -88,15 +90,14 @@ class LinenProbe:
     params: Any
 
 
-class _JaxKit(Kit):
+class JaxKit(Kit):
+    """What the nnx and linen kits share (every policy runs: XLA:CPU runs float16 and bfloat16, slowly)."""
+
     backend = "jax"
 
     def __init__(self) -> None:
         self._txs: dict[Any, Any] = {}
         self._steps: dict[str, Any] = {}
-
-    def supports(self, policy: Policy) -> str | None:
-        return None  # XLA:CPU runs float16 and bfloat16 (slowly)
 
     def make_optimizer(self, model: Any, lr: float = 1e-2) -> Any:
         return self._txs.setdefault(lr, optax.adam(lr))  # one object: compiled steps are reused
@@ -112,7 +113,7 @@ class _JaxKit(Kit):
         return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype, r.fp8) for r in report.rows}
 
 
-class NnxKit(_JaxKit):
+class NnxKit(JaxKit):
     """The probe as an nnx Module; steps through ``nnx.jit`` + ``amp.optimizer.update``."""
 
     def build_probe(self, weights: dict[str, Any]) -> Any:
@@ -122,7 +123,7 @@ class NnxKit(_JaxKit):
         return amp.model(jnp.asarray(batch.tokens))
 
     def _step_fn(self, amp: Any) -> Any:
-        key = amp.policy.fingerprint
+        key = amp.plan.fingerprint
         if key not in self._steps:
             def loss_fn(model: Any, tokens: Any, targets: Any, poison: Any) -> Any:
                 return nll(model(tokens), targets) * jnp.where(poison, jnp.inf, 1.0)
@@ -178,10 +179,8 @@ class NnxKit(_JaxKit):
                 for k, v in nnx.to_flat_state(source)}
 
 
-class LinenKit(_JaxKit):
+class LinenKit(JaxKit):
     """The probe as a linen Module; steps through ``jax.jit`` over (params, opt_state)."""
-
-    backend = "jax"
 
     def __init__(self) -> None:
         super().__init__()
@@ -199,15 +198,12 @@ class LinenKit(_JaxKit):
     def _probe(self, model: Any) -> LinenProbe:
         return model if isinstance(model, LinenProbe) else self._probes[id(model)]
 
-    def apply(self, policy: Policy, model: Any, optimizer: Any) -> Any:
-        from unimp.spi import apply
-
+    def apply(self, policy: Any, model: Any, optimizer: Any) -> Any:
         probe = self._probe(model)
         tokens = jnp.zeros((1, 1), jnp.int32)
-        return apply(policy, probe.module, optimizer, backend=self.backend, params=probe.params,
-                           inputs=tokens)
+        return apply(policy, probe.module, optimizer, backend=self.backend, params=probe.params, inputs=tokens)
 
-    def compile(self, policy: Policy, model: Any) -> Any:
+    def compile(self, policy: Any, model: Any) -> Any:
         return super().compile(policy, self._probe(model).module)
 
     def apply_plan(self, plan: Any, model: Any, optimizer: Any) -> Any:
@@ -219,7 +215,7 @@ class LinenKit(_JaxKit):
         return amp.apply(amp.params, jnp.asarray(batch.tokens))
 
     def _step_fn(self, amp: Any) -> Any:
-        key = amp.policy.fingerprint
+        key = amp.plan.fingerprint
         if key not in self._steps:
             def loss_fn(params: Any, tokens: Any, targets: Any, poison: Any) -> Any:
                 return nll(amp.apply(params, tokens), targets) * jnp.where(poison, jnp.inf, 1.0)
@@ -268,4 +264,4 @@ class LinenKit(_JaxKit):
                 for layer, ps in source.items() for param, v in ps.items()}
 
 
-__all__ = ["AmpOptState", "LinenKit", "LinenProbe", "NnxKit"]
+__all__ = ["AmpOptState", "JaxKit", "LinenKit", "LinenProbe", "NnxKit"]

@@ -18,17 +18,17 @@ from typing import Any
 import flax.linen as nn
 from flax import nnx
 
-from unimp.spi import CANONICAL_OPS, kind_of
+from unimp.spi import ops
 
 from .ops import NATIVE_OPS
 
 
 def _kind(fn: Callable[..., Any], kind: str | None) -> str:
     name = getattr(fn, "__name__", type(fn).__name__)
-    kind = kind or kind_of(name, NATIVE_OPS)
-    if kind not in CANONICAL_OPS:
+    kind = kind or ops.kind_of(name, NATIVE_OPS)
+    if kind not in ops.CANONICAL_OPS:
         raise ValueError(f"Op({name}): kind={kind!r} is not a canonical op; fix: pass kind= one of "
-                         f"{', '.join(CANONICAL_OPS)}")
+                         f"{', '.join(ops.CANONICAL_OPS)}")
     return kind
 
 
