@@ -85,9 +85,7 @@ def compile_plan(request: Plan, model: Any = None) -> Plan:
     dtype, reason, warning = resolve(request.compute_dtype, platform, capability)
     spec = request.loss_scale_at(dtype)
     knobs = unsupported(spec)
-    rule = LossScale(spec)
-    rule.fallbacks(knobs, request.where, request.on_unsupported)  # "error": refused here, naming the policy file
-    run = rule.as_run(knobs)
+    run = LossScale(spec).as_run(knobs)
     control = {op: "layer" for op in (*LAYER_OPS, *FUNCTION_OPS)}
     native = {op: NATIVE_OPS.get(op, ()) + (("unimp_jax.Op",) if op in FUNCTION_OPS else ())
               for op in ops.CANONICAL_OPS}
