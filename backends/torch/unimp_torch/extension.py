@@ -9,7 +9,7 @@ module does not import torch.
 >>> TorchBackend.name
 'torch'
 >>> sorted(SURFACE)[:3]
-['NAMES', 'TorchAmp', 'TorchBackend']
+['AmpOptimizer', 'DeviceLossScale', 'NAMES']
 
 - ``TorchBackend``: the backend class (subclass it; ``plan``/``apply`` run the torch plan).
 - ``compile_plan(request, model=None, device=None, index=None, fp8_missing=None)``: the request
