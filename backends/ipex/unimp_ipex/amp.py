@@ -111,8 +111,7 @@ def _verify_bf16(plan: Plan, original: nn.Module, optimized: nn.Module) -> None:
     """Every param IPEX made bf16 must be one the policy wants in bf16 (unimp-torch casts the rest)."""
     wrong = []
     for name, dtype in param_dtypes(optimized).items():
-        path = name.rpartition(".")[0]
-        m = original.get_submodule(path)
+        m = original.get_submodule(path := name.rpartition(".")[0])
         want = plan.decide(path, kind(m), type_names(m)).param_dtype
         if NAMES.get(dtype) == "bfloat16" != want:
             wrong.append(f"{name}: {NAMES.get(dtype, dtype)} (policy: {want})")
