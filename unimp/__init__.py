@@ -19,6 +19,7 @@ from unimp.policy import Override, Policy
 from unimp.policy.loading import dump, dumps, load, preset_names
 from unimp.policy.ops import CANONICAL_OPS, OPS
 from unimp.report import Report, ReportRow
+from unimp.tuning import sensitivity, tune
 
 __version__ = "0.1.0"
 
@@ -26,5 +27,5 @@ __all__ = [
     "CANONICAL_OPS", "OPS", "Amp", "Backend", "LossScale", "LossScaleState", "OpDecision", "Override",
     "Plan", "Policy", "PolicyError", "Report", "ReportRow", "StateError", "UnimpWarning",
     "UnsupportedError", "apply", "backends", "compile_ops", "detect", "dump", "dumps", "get_backend",
-    "load", "preset_names", "register_backend", "scope", "trajectory",
+    "load", "preset_names", "register_backend", "scope", "sensitivity", "trajectory", "tune",
 ]

@@ -65,7 +65,8 @@ def dtype_name(dtype: Any, aliases: Mapping[str, str] | None = None) -> str:
     return (aliases or {}).get(text, text)
 
 
-UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24}  # half the gap above 1.0
+UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24,  # half the gap above 1.0
+                 "e4m3": 2.0 ** -4, "e5m2": 2.0 ** -3}  # the FP8 formats (by the policy's names): 3 and 2 mantissa bits
 
 
 def reference_tolerance(dtype: str, layers: int) -> float:

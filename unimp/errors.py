@@ -1,4 +1,4 @@
-"""The two errors unimp raises for bad input.
+"""The errors unimp raises for bad input.
 
 >>> from unimp.errors import PolicyError
 >>> issubclass(PolicyError, ValueError)
@@ -21,6 +21,11 @@ class PolicyError(ValueError):
 
 class UnsupportedError(RuntimeError):
     """A request a backend, the framework or the hardware cannot honour (names the fix)."""
+
+
+class TuneError(ValueError):
+    """Bad arguments to :func:`unimp.sensitivity` / :func:`unimp.tune` (or ``unimp tune``): names the
+    argument and the fix."""
 
 
 class UnimpWarning(UserWarning):

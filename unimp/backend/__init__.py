@@ -101,6 +101,12 @@ class Backend(abc.ABC):
         """The backend's :class:`unimp.conformance.Kit` (optional)."""
         raise NotImplementedError(f"backend {self.name} ships no conformance kit")
 
+    def tuning(self) -> Any:
+        """What the tuner can measure only through the framework (optional; None: nothing): an object with
+        any of the methods of :class:`unimp.tuning.measurements.Measurements` (GEMM shapes, the FP8 GEMM
+        microbenchmark, Hutchinson Hessian traces)."""
+        return None
+
 
 class NoForwardError(StateError, RuntimeError):
     """``amp.report()`` without inputs before any forward ran under the Amp."""

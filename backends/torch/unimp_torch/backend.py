@@ -94,6 +94,12 @@ class TorchBackend(Backend):
 
         return TorchKit()
 
+    def tuning(self) -> Any:
+        """What ``unimp.tune`` measures through torch: GEMM shapes, the FP8 GEMM microbenchmark, Hessian traces."""
+        from .tuning import TorchTuning
+
+        return TorchTuning()
+
 
 def _compiled_inner(model: Any) -> Any:
     """The module a ``torch.compile(module)`` wrapper (``OptimizedModule``) holds, else ``model``."""

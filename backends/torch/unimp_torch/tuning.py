@@ -1,0 +1,214 @@
+"""What ``unimp.tune`` can measure only through torch (``TorchBackend.tuning()``): no-grad evaluation, the
+GEMM shapes of ``nn.Linear`` layers, the FP8 GEMM microbenchmark and Hutchinson Hessian traces.
+
+The microbenchmark times one training step's three GEMMs of a linear layer of shape ``(M, K, N)``
+(forward ``x @ w.T``, grad-input ``g @ w``, grad-weight ``g.T @ x``) in the compute dtype and in FP8 with
+the policy's recipe, each FP8 GEMM including what the recipe adds: the amax, the scale, the cast of every
+operand and the transposed copies ``torch._scaled_mm`` needs (tensorwise: one scale per tensor; rowwise:
+one per row; rowwise_gw_hp: the grad-weight GEMM in the compute dtype). It runs where FP8 GEMMs exist
+(CUDA, compute capability 8.9+), both steps under ``torch.compile`` (the casts fused, as torchao's float8
+runs compiled); elsewhere it says why it measured nothing.
+
+>>> import torch
+>>> t = TorchTuning()
+>>> model = torch.nn.Sequential(torch.nn.Linear(32, 16))
+>>> t.gemm_shapes(model, ["0"], lambda: model(torch.zeros(4, 8, 32)))
+{'0': (32, 32, 16)}
+>>> t.fp8_gemm_times(model, [(32, 32, 16)], "tensorwise", "bfloat16", "e5m2")
+'not measured (no FP8 GEMMs on this device: cpu)'
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from unimp.spi import dtypes
+
+from .fp8 import FP8_CUDA
+
+Shape = tuple[int, int, int]
+WARMUP, REPEATS = 3, 20
+MAX_KEPT = 1 << 22  # elements kept per recorded output (16 MiB in float32)
+
+
+class TorchTuning:
+    """The torch backend's tuning measurements (:mod:`unimp.tuning.measurements`)."""
+
+    def evaluating(self) -> Any:
+        return torch.no_grad()
+
+    def record_outputs(self, model: nn.Module) -> Any:
+        """A context whose list gets, per forward of ``model``, its floating outputs (float32 copies, flattened; past
+        ``MAX_KEPT`` elements a fixed stride of them)."""
+        return _Recorder(model)
+
+    def output_divergence(self, reference: list[list[torch.Tensor]], other: list[list[torch.Tensor]]) -> float:
+        """``||other - reference|| / ||reference||`` over every recorded output (inf when they do not pair up or
+        ``other`` is not finite)."""
+        pairs = [(a, b) for ra, rb in zip(reference, other, strict=False) for a, b in zip(ra, rb, strict=False)]
+        if len(reference) != len(other) or any(len(ra) != len(rb) for ra, rb in zip(reference, other, strict=False)) \
+                or any(a.shape != b.shape for a, b in pairs) or not all(bool(b.isfinite().all()) for _, b in pairs):
+            return math.inf
+        num = math.fsum(float((b.double() - a.double()).square().sum()) for a, b in pairs)
+        den = math.fsum(float(a.double().square().sum()) for a, _ in pairs)
+        return math.sqrt(num / den) if den else (0.0 if num == 0 else math.inf)
+
+    def gemm_shapes(self, model: nn.Module, paths: Sequence[str], run: Callable[[], Any]) -> dict[str, Shape]:
+        """``(M, K, N)`` of each ``nn.Linear`` at ``paths`` in one ``run()``: M the rows of its input (the largest
+        call's, for a layer called more than once)."""
+        shapes: dict[str, Shape] = {}
+        handles = []
+        for path in paths:
+            module = model.get_submodule(path)
+            if not isinstance(module, nn.Linear):
+                continue
+
+            def seen(mod: nn.Linear, args: tuple[Any, ...], kwargs: dict[str, Any], path: str = path) -> None:
+                x = args[0] if args else next(iter(kwargs.values()))
+                m = x.numel() // max(x.shape[-1], 1)
+                if m > shapes.get(path, (0,))[0]:
+                    shapes[path] = (m, mod.in_features, mod.out_features)
+
+            handles.append(module.register_forward_pre_hook(seen, with_kwargs=True))
+        try:
+            run()
+        finally:
+            for h in handles:
+                h.remove()
+        return shapes
+
+    def fp8_gemm_times(self, model: nn.Module, shapes: Iterable[Shape], recipe: str, compute_dtype: str,
+                       gradient_format: str) -> dict[Shape, tuple[float, float]] | str:
+        """Per shape: seconds of one step's GEMMs in ``compute_dtype`` and in FP8 (median of ``REPEATS``)."""
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if device.type != "cuda":
+            return f"not measured (no FP8 GEMMs on this device: {device.type})"
+        cc = torch.cuda.get_device_capability(device)
+        if cc < FP8_CUDA:
+            return (f"not measured (this GPU, {torch.cuda.get_device_name(device)}, compute capability "
+                    f"{cc[0]}.{cc[1]}, has no FP8 GEMMs: torch._scaled_mm needs {FP8_CUDA[0]}.{FP8_CUDA[1]}+)")
+        high = getattr(torch, compute_dtype)
+        grad = getattr(torch, dtypes.FP8_FORMATS[gradient_format])
+        out = {}
+        try:
+            for shape in shapes:
+                out[shape] = tuple(_seconds(step, shape, high, device) for step in
+                                   (torch.compile(_high_step), torch.compile(_fp8_step(recipe, high, grad))))
+        except Exception as e:  # torch refuses this recipe/format/shape on this GPU: say so, decide nothing on it
+            return f"not measured (torch._scaled_mm: {type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        return out
+
+    def hessian_traces(self, model: nn.Module, loss_fn: Callable[[Any, Any], Any], batches: Sequence[Any],
+                       paths: Sequence[str], samples: int, seed: int) -> dict[str, tuple[float, int]]:
+        """Hutchinson: ``tr(H_l) ~ mean over v of v_l . (H v)_l`` with one Rademacher ``v`` over the parameters of
+        every layer at ``paths`` (cross terms vanish in expectation), per batch; ``(trace, parameter count)``."""
+        own = {p: [t for t in model.get_submodule(p).parameters() if t.requires_grad] for p in paths}
+        params = list({id(t): t for ts in own.values() for t in ts}.values())
+        index = {id(t): i for i, t in enumerate(params)}
+        gen = torch.Generator().manual_seed(seed)
+        sums = dict.fromkeys(own, 0.0)
+        for batch in batches:
+            loss = loss_fn(model, batch)
+            if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+                raise TypeError("hessian_samples > 0 needs loss_fn to return the loss tensor with its graph (not "
+                                "loss.item() or a float, and not under torch.no_grad()): the Hutchinson estimate "
+                                "differentiates it twice")
+            grads = torch.autograd.grad(loss, params, create_graph=True)
+            for _ in range(samples):
+                vs = [(torch.randint(0, 2, t.shape, generator=gen) * 2 - 1).to(t) for t in params]
+                hvs = torch.autograd.grad(grads, params, grad_outputs=vs, retain_graph=True)
+                dots = [float((v * hv).sum()) for v, hv in zip(vs, hvs, strict=True)]
+                for p, ts in own.items():
+                    sums[p] += sum(dots[index[id(t)]] for t in ts)
+        n = len(batches) * samples
+        return {p: (sums[p] / n, sum(t.numel() for t in ts)) for p, ts in own.items() if ts}
+
+
+class _Recorder:
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.outputs, self.handle = model, [], None
+
+    def __enter__(self) -> list[list[torch.Tensor]]:
+        def seen(module: nn.Module, args: Any, output: Any) -> None:
+            self.outputs.append([_kept(t) for t in _floating(output)])
+
+        self.handle = self.model.register_forward_hook(seen)
+        return self.outputs
+
+    def __exit__(self, *exc: Any) -> None:
+        self.handle.remove()
+
+
+def _floating(value: Any) -> list[torch.Tensor]:
+    """The floating tensors of a forward's output (a tensor, tuples/lists, dicts and HF ``ModelOutput``s of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _floating(v)]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _floating(v)]
+    return []
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1)
+    step = -(-flat.numel() // MAX_KEPT)
+    return flat[::step].float().clone()
+
+
+def _high_step(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return x @ w.t(), g @ w, g.t() @ x
+
+
+def _fp8(t: torch.Tensor, fmt: torch.dtype, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` scaled into ``fmt``'s range (one scale, or one per slice along ``dim``) and cast; and the inverse scale."""
+    top = torch.finfo(fmt).max
+    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    scale = top / amax.float().clamp(min=1e-12)
+    return (t.float() * scale).clamp(-top, top).to(fmt), scale.reciprocal()
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, fa: torch.dtype, fb: torch.dtype, rowwise: bool,
+        out: torch.dtype) -> torch.Tensor:
+    """``a @ b`` through ``torch._scaled_mm``: ``a`` row-major and ``b`` column-major, as it needs (copies made)."""
+    qa, sa = _fp8(a, fa, -1 if rowwise else None)
+    qb, sb = _fp8(b.t(), fb, -1 if rowwise else None)  # b's columns are the rows of b.T
+    return torch._scaled_mm(qa.contiguous(), qb.contiguous().t(), scale_a=sa, scale_b=sb.t() if rowwise else sb,
+                            out_dtype=out)
+
+
+def _fp8_step(recipe: str, high: torch.dtype, grad: torch.dtype) -> Callable[..., tuple[torch.Tensor, ...]]:
+    e4m3 = torch.float8_e4m3fn
+    rowwise = recipe in ("rowwise", "rowwise_gw_hp")
+
+    def step(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = _mm(x, w.t(), e4m3, e4m3, rowwise, high)
+        gx = _mm(g, w, grad, e4m3, rowwise, high)
+        gw = g.t() @ x if recipe == "rowwise_gw_hp" else _mm(g.t(), x, grad, e4m3, rowwise, high)
+        return y, gx, gw
+
+    return step
+
+
+def _seconds(step: Callable[..., Any], shape: Shape, dtype: torch.dtype, device: torch.device) -> float:
+    m, k, n = shape
+    m = -(-m // 16) * 16  # torch._scaled_mm takes dims in multiples of 16 (torchao pads the same way)
+    gen = torch.Generator(device).manual_seed(0)
+    x, w, g = (torch.randn(*s, generator=gen, device=device, dtype=dtype) for s in ((m, k), (n, k), (m, n)))
+    for _ in range(WARMUP):
+        step(x, w, g)
+    times = []
+    for _ in range(REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(x, w, g)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times)

@@ -1,0 +1,111 @@
+"""The tuned policy as a file people review: TOML with a comment on every override it adds.
+
+The file ``extends`` the preset the policy is (when it is one) or holds the whole resolved policy, then
+the added overrides (first, so they win), then the policy's own. :func:`render` checks that the text
+loads back to the tuned policy's fingerprint: what is written is what was measured.
+
+>>> import unimp
+>>> base = unimp.load("fp8_tensorwise")
+>>> keep = {"modules": ["embed"], "fp8": False}
+>>> tuned = base.replace(name="demo", overrides=[keep])
+>>> print(render(tuned, base, ["tuned by hand"], [(keep, "embed: too sensitive")], ["up: lowered"]))
+# tuned by hand
+name = "demo"
+extends = "fp8_tensorwise"
+<BLANKLINE>
+# embed: too sensitive
+[[overrides]]
+modules = ["embed"]
+fp8 = false
+<BLANKLINE>
+# up: lowered
+<BLANKLINE>
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from unimp.errors import PolicyError
+from unimp.policy import Policy
+from unimp.policy.loading import load, preset_names
+from unimp.policy.resolve import parse_text, to_text
+from unimp.policy.spec import MAX_ITEMS, OVERRIDE
+
+
+def preset_of(policy: Policy) -> str | None:
+    """The preset ``policy`` is (same fingerprint; its own name first), else None."""
+    names = preset_names()
+    for name in ([policy.name] if policy.name in names else []) + list(names):
+        if load(name).fingerprint == policy.fingerprint:
+            return name
+    return None
+
+
+def _value(value: Any) -> str:
+    """A TOML value: a boolean, a string or a list of strings."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(list(value) if isinstance(value, tuple) else value, ensure_ascii=False).replace(
+        "\x7f", "\\u007f")
+
+
+def _comment(text: str) -> str:
+    from unimp.migrate.common import printable  # not at import: `import unimp` stays fast
+
+    return f"# {printable(text)}"
+
+
+def _override(table: dict[str, Any], comment: str | None) -> list[str]:
+    lines = [_comment(comment)] if comment else []
+    return [*lines, "[[overrides]]", *(f"{k} = {_value(table[k])}" for k in OVERRIDE if k in table), ""]
+
+
+def _grouped(kept: Sequence[tuple[dict[str, Any], str]]) -> list[str]:
+    """Overrides of up to MAX_ITEMS modules each, one commented line per module (for many kept layers)."""
+    groups: dict[tuple[tuple[str, Any], ...], list[tuple[str, str]]] = {}
+    for table, comment in kept:
+        rest = tuple((k, v) for k, v in table.items() if k != "modules")
+        groups.setdefault(rest, []).extend((m, comment) for m in table["modules"])
+    lines = []
+    for rest, modules in groups.items():
+        for i in range(0, len(modules), MAX_ITEMS):
+            lines += ["[[overrides]]", "modules = [",
+                      *(f"    {_value(m)},  {_comment(c)}" for m, c in modules[i:i + MAX_ITEMS]), "]",
+                      *(f"{k} = {_value(v)}" for k, v in rest), ""]
+    return lines
+
+
+def render(tuned: Policy, base: Policy, header: Sequence[str], kept: Sequence[tuple[dict[str, Any], str]],
+           tail: Sequence[str] = ()) -> str:
+    """The file of ``tuned`` = ``base`` with the ``kept`` overrides (table, comment) first: ``header`` and
+    ``tail`` comment lines around it. Raises when the text would not load back to ``tuned``."""
+    lines = [_comment(h) for h in header]
+    preset = preset_of(base)
+    if preset is not None:
+        lines += [f"name = {_value(tuned.name)}", f"extends = {_value(preset)}", ""]
+    else:
+        body = {k: v for k, v in tuned.to_dict().items() if k != "overrides"}
+        lines += [to_text(body, "toml").rstrip("\n"), ""]
+    own = [{k: v for k, v in vars(o).items() if v not in (None, ())} for o in base.overrides]
+    if len(kept) + len(own) <= MAX_ITEMS:
+        for table, comment in kept:
+            lines += _override(table, comment)
+    else:
+        lines += _grouped(kept)
+    if own:
+        lines.append(_comment(f"the overrides of policy {base.name!r} ({base.source})"))
+        for table in own:
+            lines += _override(table, None)
+    lines += [_comment(t) for t in tail]
+    text = "\n".join(lines) + "\n"
+    try:
+        again = load(parse_text(text, "toml"))
+    except PolicyError as e:
+        raise AssertionError(f"unimp bug: the tuned policy file does not load back ({e})") from None
+    if again.fingerprint != tuned.fingerprint:
+        raise AssertionError(f"unimp bug: the tuned policy file loads as {again.fingerprint}, not the tuned "
+                             f"{tuned.fingerprint}")
+    return text

@@ -1,0 +1,290 @@
+"""A sensitivity study (``unimp.sensitivity``): the measured effect of lowering each layer alone.
+
+The candidates are the layers the compiled Plan lowers and that ran (for FP8: the layers the report
+shows running FP8 under the policy). For each, the reference policy (:func:`unimp.tuning.variants.reference`)
+with that one layer lowered runs ``loss_fn(amp.model, batch)`` over the batches on a fresh copy of the
+model; the row holds the mean loss, its signed change and the divergence (mean ``|change|`` per batch)
+against the reference, both relative to the reference loss. Options: the FP8 GEMM speed-up of each
+layer's shapes (the backend's microbenchmark; "not measured" where the device has no FP8 GEMMs) and a
+Hutchinson estimate of each layer's Hessian trace (HAWQ-v2; a backend with gradients: unimp-torch).
+
+>>> percent(0.0125), percent(0.5, sign=False), speedup_text(None), speedup_text(1.3)
+('+1.250%', '50.000%', 'not measured', '1.30x')
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from unimp.backend.registry import detect, get_backend
+from unimp.dtypes import is_low, reference_tolerance
+from unimp.errors import TuneError, UnimpWarning, UnsupportedError
+from unimp.plan import Plan
+from unimp.policy.loading import load
+from unimp.policy.spec import MAX_NAME, show
+from unimp.report import Report, format_table
+from unimp.tuning.evaluate import Evaluator, LossFn, Run, change, check_count, divergence, read_batches
+from unimp.tuning.measurements import Shape
+from unimp.tuning.variants import Candidate, high_of, lowering, reference, target_of
+
+MAX_HESSIAN_SAMPLES = 1024
+ROUNDINGS = 3  # roundings of one lowered GEMM layer: its two operands and its output
+
+
+def rounding_bound(fmt: str, layers: int = 1) -> float:
+    """The output divergence that rounding ``layers`` lowered layers to ``fmt`` explains (``u * sqrt(3 * layers)``,
+    :func:`unimp.dtypes.reference_tolerance`); a layer above it lost values to the format's range.
+
+    >>> rounding_bound("e4m3"), rounding_bound("bfloat16", 4)
+    (0.10825317547305482, 0.013531646934131853)
+    """
+    return reference_tolerance(fmt, ROUNDINGS * layers)
+
+
+@dataclass(frozen=True)
+class LayerSensitivity:
+    """One layer lowered alone: its loss, the change against the reference (signed, and the divergence: mean
+    ``|change|`` per batch), both relative to the reference loss; optionally its FP8 GEMM shape and speed-up
+    (high-precision time / FP8 time: > 1 is faster in FP8) and its Hessian trace estimate."""
+
+    path: str
+    kind: str | None
+    lowered_to: str
+    loss: float
+    change: float
+    divergence: float
+    output_divergence: float | None = None
+    shape: Shape | None = None
+    speedup: float | None = None
+    hessian_trace: float | None = None
+    params: int | None = None
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """The sensitivity table: one row per candidate layer, the most sensitive first.
+
+    ``reference_loss``: every layer at ``high`` (the precision the target is compared with); ``format``: the
+    number format a lowered layer rounds to (``e4m3`` for FP8);
+    ``lowered_loss``/``lowered_divergence``: the policy as given (every candidate lowered); ``noise``: the
+    divergence of two reference runs (0 for a deterministic ``loss_fn``); ``speed_note``: why FP8 speed-ups
+    were not measured, if they were not.
+    """
+
+    policy: str
+    backend: str
+    target: str
+    recipe: str | None
+    high: str
+    format: str
+    batches: int
+    reference_loss: float
+    lowered_loss: float
+    lowered_divergence: float
+    lowered_output_divergence: float | None
+    noise: float
+    rows: tuple[LayerSensitivity, ...]
+    evaluations: int
+    speed_note: str = ""
+
+    @property
+    def rounding(self) -> float:
+        """The output divergence rounding one layer to :attr:`format` explains (:func:`rounding_bound`)."""
+        return rounding_bound(self.format)
+
+    @property
+    def lowered_to(self) -> str:
+        """``fp8 (tensorwise)``, ``bfloat16`` or ``float16``."""
+        return f"fp8 ({self.recipe})" if self.target == "fp8" else self.target
+
+    def row(self, path: str) -> LayerSensitivity:
+        for r in self.rows:
+            if r.path == path:
+                return r
+        raise KeyError(path)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["rows"] = [asdict(r) for r in self.rows]
+        return d
+
+    def __str__(self) -> str:
+        speed = self.target == "fp8"
+        hessian = any(r.hessian_trace is not None for r in self.rows)
+        outs = any(r.output_divergence is not None for r in self.rows)
+        head = ("layer", "kind", "loss", "change", "divergence", *(("output div.",) if outs else ()),
+                *(("fp8 speed-up", "M x K x N") if speed else ()),
+                *(("hessian trace", "per param") if hessian else ()))
+        rows = [(r.path, r.kind or "-", f"{r.loss:.6g}", percent(r.change), percent(r.divergence, sign=False),
+                 *((percent(r.output_divergence, False) if r.output_divergence is not None else "-",) if outs else ()),
+                 *((speedup_text(r.speedup), "x".join(map(str, r.shape)) if r.shape else "-") if speed else ()),
+                 *((f"{r.hessian_trace:.4g}", f"{r.hessian_trace / max(r.params or 1, 1):.4g}")
+                   if hessian and r.hessian_trace is not None else (("-", "-") if hessian else ())))
+                for r in self.rows]
+        title = (f"unimp sensitivity: policy {self.policy!r} on {self.backend}: each layer alone in {self.lowered_to}, "
+                 f"the rest in {self.high}; {self.batches} batch{'es' if self.batches > 1 else ''}, most sensitive "
+                 f"first\nreference ({self.high} everywhere) loss {self.reference_loss:.6g}; every layer lowered (the "
+                 f"policy as given) {self.lowered_loss:.6g} (divergence {percent(self.lowered_divergence, False)}"
+                 + (f", output divergence {percent(self.lowered_output_divergence, False)}"
+                    if self.lowered_output_divergence is not None else "") + ")")
+        footer = ([f"output div.: above {percent(self.rounding, False)} (what rounding one layer to {self.format} "
+                   f"explains: u*sqrt(3)) the layer lost values to the format's range"] if outs else []) + (
+            [f"fp8 speed-up: {self.speed_note}"] if speed and self.speed_note else []) + (
+            [f"noise: two reference runs differ by {percent(self.noise, False)} (loss_fn is not deterministic: "
+             f"put the model in eval mode; changes below this are noise)"] if self.noise else [])
+        return format_table(head, rows, title=title, footer=footer)
+
+
+def percent(x: float, sign: bool = True) -> str:
+    """``x`` as a percentage (``+1.25%``, ``inf``)."""
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:+.3%}" if sign else f"{x:.3%}"
+
+
+def speedup_text(s: float | None) -> str:
+    return "not measured" if s is None else f"{s:.2f}x"
+
+
+class Study:
+    """What sensitivity and tuning share: the policy, its Plan and target, the reference and the policy's own
+    runs, the candidate layers and the evaluator (each run is counted)."""
+
+    def __init__(self, policy: Any, model: Any, batches: Any, loss_fn: LossFn, *, target: Any = None,
+                 layers: Any = None, max_layers: int = 64, max_batches: int = 8, backend: str | None = None) -> None:
+        check_count("max_layers", max_layers)
+        globs = _globs(layers)
+        self.policy = load(policy)
+        self.backend = get_backend(backend) if backend else detect(model)
+        self.plan: Plan = self.backend.compile(self.policy, model)
+        self.target = target_of(self.policy, self.plan.compute_dtype, target)
+        self.high = high_of(self.target, self.plan.compute_dtype)
+        self.reference = reference(self.policy, self.target)
+        self.evaluator = Evaluator(model, read_batches(batches, max_batches), loss_fn, self.backend)
+        self.ref = self.evaluator.run(self.reference, baseline=True)
+        bad = [i for i, x in enumerate(self.ref.losses) if not math.isfinite(x)]
+        if bad or not any(self.ref.losses):
+            why = f"is {self.ref.losses[bad[0]]} on batches[{bad[0]}]" if bad else "is 0 on every batch"
+            raise TuneError(f"loss_fn {why} under the reference policy ({self.high} everywhere): changes relative to "
+                            f"it are undefined; check the model and batches with the reference precision first")
+        self.noise = divergence(self.ref.losses, self.evaluator.run(self.reference).losses)
+        if self.noise:
+            warnings.warn(f"unimp.sensitivity: two runs of loss_fn under the same policy differ by "
+                          f"{percent(self.noise, False)} of the loss (dropout, batch statistics, randomness): put "
+                          f"the model in eval mode in loss_fn; sensitivities below this are noise", UnimpWarning,
+                          stacklevel=3)
+        self.lowered = self.evaluator.run(self.policy, report=True)
+        self.candidates = _candidates(self.plan, self.lowered.report, self.target, globs, max_layers)
+
+    @property
+    def recipe(self) -> str | None:
+        return self.plan.fp8.recipe if self.target == "fp8" and self.plan.fp8 is not None else None
+
+    @property
+    def format(self) -> str:
+        """The number format a lowered layer rounds to: the FP8 forward format, or the target dtype."""
+        return self.plan.fp8.forward_format if self.target == "fp8" and self.plan.fp8 is not None else self.target
+
+    def run(self, policy: Any) -> Run:
+        return self.evaluator.run(policy)
+
+    def measure(self, speed: bool = True, hessian_samples: int = 0, seed: int = 0) -> Sensitivity:
+        """One run per candidate (plus the options), the table sorted by divergence."""
+        lowered_to = f"fp8 {self.recipe}" if self.target == "fp8" else self.target
+        paths = [c.path for c in self.candidates]
+        shapes, speedups, note = self._speed(paths) if speed and self.target == "fp8" else ({}, {}, "")
+        traces = self._hessian(paths, hessian_samples, seed) if hessian_samples else {}
+        rows = []
+        for c in self.candidates:
+            trace = traces.get(c.path)
+            run = self.run(lowering(self.reference, self.target, c))
+            losses = run.losses
+            rows.append(LayerSensitivity(c.path, c.kind, lowered_to, math.fsum(losses) / len(losses),
+                                         change(self.ref.losses, losses), divergence(self.ref.losses, losses),
+                                         run.output_divergence, shapes.get(c.path), speedups.get(c.path),
+                                         trace[0] if trace else None, trace[1] if trace else None))
+        rows.sort(key=lambda r: (-r.divergence, r.path))
+        return Sensitivity(self.policy.name, self.backend.name, self.target, self.recipe, self.high, self.format,
+                           len(self.ref.losses), self.ref.mean, self.lowered.mean,
+                           divergence(self.ref.losses, self.lowered.losses), self.lowered.output_divergence,
+                           self.noise, tuple(rows),
+                           self.evaluator.runs, note)
+
+    def _speed(self, paths: Sequence[str]) -> tuple[dict[str, Shape], dict[str, float], str]:
+        """Each layer's GEMM shape and FP8 speed-up, or why they are not measured."""
+        hooks = self.evaluator.hooks
+        shaper, timer = getattr(hooks, "gemm_shapes", None), getattr(hooks, "fp8_gemm_times", None)
+        if shaper is None or timer is None:
+            return {}, {}, f"not measured (backend {self.backend.name} has no FP8 GEMM microbenchmark)"
+        model, ev = self.evaluator.copy(), self.evaluator
+        with ev.evaluating():
+            shapes = shaper(model, paths, lambda: ev.loss_fn(model, ev.batches[0]))
+        fp8 = self.plan.fp8
+        assert fp8 is not None
+        times = timer(model, sorted(set(shapes.values())), fp8.recipe, self.plan.compute_dtype, fp8.gradient_format)
+        if isinstance(times, str):
+            return shapes, {}, times
+        return shapes, {p: times[s][0] / times[s][1] for p, s in shapes.items() if s in times}, ""
+
+    def _hessian(self, paths: Sequence[str], samples: int, seed: int) -> dict[str, tuple[float, int]]:
+        hook = getattr(self.evaluator.hooks, "hessian_traces", None)
+        if hook is None:
+            raise UnsupportedError(f"hessian_samples={samples}: backend {self.backend.name} has no gradient hook "
+                                   f"for the Hutchinson estimate (unimp-torch has one); pass hessian_samples=0")
+        ev = self.evaluator
+        return hook(ev.copy(), ev.loss_fn, ev.batches, paths, samples, seed)
+
+
+def check_options(speed: Any, hessian_samples: Any, seed: Any) -> None:
+    """The measurement options, checked before any run."""
+    if not isinstance(speed, bool):
+        raise TuneError(f"speed={show(speed)}: expected True or False")
+    check_count("hessian_samples", hessian_samples, 0, MAX_HESSIAN_SAMPLES)
+    check_count("seed", seed, 0)
+
+
+def _globs(layers: Any) -> tuple[str, ...] | None:
+    if layers is None:
+        return None
+    if isinstance(layers, str):
+        layers = [layers]
+    if not isinstance(layers, list | tuple) or not layers or not all(
+            isinstance(g, str) and g.strip() and len(g) <= MAX_NAME for g in layers):
+        raise TuneError(f"layers={show(layers)}: expected a non-empty list of module-path globs (e.g. "
+                        f"['blocks.*.mlp.*']) of at most {MAX_NAME} characters, or None for every layer")
+    return tuple(layers)
+
+
+def _candidates(plan: Plan, report: Report | None, target: str, globs: tuple[str, ...] | None,
+                max_layers: int) -> tuple[Candidate, ...]:
+    """The layers the policy lowers that ran (FP8: the report's FP8 rows; a dtype: the Plan's lowered layers)."""
+    rows = report.rows if report is not None else []
+    ran = {r.path for r in rows}
+    if target == "fp8":
+        found = [Candidate(r.path, r.kind, plan.compute_dtype, recipe=r.fp8) for r in rows
+                 if r.fp8 and r.path not in ("", "<model>")]
+    else:
+        found = [Candidate(r.path, r.kind, r.decision.compute_dtype, r.decision.param_dtype) for r in plan.layers
+                 if r.path and r.path in ran and is_low(r.decision.compute_dtype)]
+    if globs is not None:
+        for i, g in enumerate(globs):
+            if not any(fnmatch.fnmatchcase(c.path, g) for c in found):
+                some = ", ".join(c.path for c in found[:8]) + (", ..." if len(found) > 8 else "")
+                raise TuneError(f"layers[{i}]: {g!r} matches no layer the policy lowers on this model "
+                                f"(those are: {some or 'none'})")
+        found = [c for c in found if any(fnmatch.fnmatchcase(c.path, g) for g in globs)]
+    if not found:
+        raise TuneError(f"the policy lowers no layer of this model to {target} (its Plan and report show none); "
+                        f"nothing to measure: check the policy's ops lists{' and fp8.ops' if target == 'fp8' else ''}")
+    if len(found) > max_layers:
+        raise TuneError(f"the policy lowers {len(found)} layers of this model, more than max_layers={max_layers}; "
+                        f"each costs one run over the batches: raise max_layers, or choose layers with "
+                        f"layers=['glob', ...] (first ones: {', '.join(c.path for c in found[:5])})")
+    return tuple(found)
