@@ -1,4 +1,4 @@
-"""The ``unimp`` command: validate, show, explain, diff, schema, presets, ops, import, export.
+"""The ``unimp`` command: validate, show, explain, diff, schema, presets, ops, import, export, tune.
 
 Every failure is one located message per problem and exit status 1, never a traceback.
 """
@@ -12,12 +12,12 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from unimp.errors import PolicyError, UnsupportedError
+from unimp.errors import PolicyError, TuneError, UnsupportedError
 from unimp.migrate.common import printable
 from unimp.policy.loading import dumps, load, preset_names
 from unimp.policy.ops import OPS
 from unimp.policy.resolve import flatten
-from unimp.policy.spec import json_schema
+from unimp.policy.spec import json_schema, show
 from unimp.report import format_table
 
 
@@ -208,6 +208,73 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _factory(spec: str) -> Any:
+    """The function ``factory`` of ``SCRIPT.py:factory`` (default name ``factory``), the script run as ``python``
+    would run it (its directory first on ``sys.path``)."""
+    import importlib.util
+    import traceback
+    from pathlib import Path
+
+    script, colon, name = spec.rpartition(":") if spec.rpartition(":")[2].isidentifier() else (spec, "", "")
+    name = name if colon else "factory"
+    path = Path(script)
+    where = f"<argument>: {printable(spec[:200])}"
+    if path.suffix != ".py" or not path.is_file():
+        raise TuneError(f"{where}: expected SCRIPT.py:factory, a Python file and the function in it that returns "
+                        f"(model, batches, loss_fn); {printable(script[:200])} is not a .py file")
+    loader = importlib.util.spec_from_file_location(f"unimp_tune_{path.stem}", path)
+    assert loader is not None and loader.loader is not None
+    module = importlib.util.module_from_spec(loader)
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        loader.loader.exec_module(module)
+    except Exception as e:  # the user's script: its own traceback is what they need
+        traceback.print_exc()
+        raise TuneError(f"{where}: running {printable(script[:200])} raised {type(e).__name__} (traceback above)") \
+            from None
+    finally:
+        sys.path.remove(str(path.resolve().parent))
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        defined = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                   and getattr(v, "__module__", None) == module.__name__]
+        raise TuneError(f"{where}: {printable(script[:200])} defines no function {name!r} (it defines: "
+                        f"{', '.join(defined[:10]) or 'none'}); name it as SCRIPT.py:function")
+    return factory
+
+
+def _tune(args: argparse.Namespace) -> int:
+    import traceback
+
+    from unimp.tuning import tune
+
+    factory = _factory(args.factory)
+    policy = load(args.policy)
+    try:
+        made = factory()
+    except Exception as e:  # the user's factory: its own traceback is what they need
+        traceback.print_exc()
+        raise TuneError(f"<argument>: {printable(args.factory[:200])}: the factory raised {type(e).__name__} "
+                        f"(traceback above)") from None
+    if not isinstance(made, tuple | list) or len(made) != 3:
+        raise TuneError(f"<argument>: {printable(args.factory[:200])} returned {show(made)}; it must return "
+                        f"(model, batches, loss_fn): loss_fn(model, batch) gives the batch's loss")
+    model, batches, loss_fn = made
+    tuned = tune(policy, model, batches, loss_fn, target=args.target, max_loss_increase=args.max_loss_increase,
+                 max_output_divergence=args.max_output_divergence, min_speedup=args.min_speedup, layers=args.layers,
+                 max_layers=args.max_layers, max_batches=args.max_batches, speed=not args.no_speed,
+                 hessian_samples=args.hessian_samples, seed=args.seed, backend=args.backend)
+    if args.output:
+        _write(args.output, tuned.text)
+        _say(str(tuned))
+        _say(f"wrote {args.output} (policy {tuned.policy.name!r}, fingerprint {tuned.policy.fingerprint})",
+             file=sys.stderr)
+    else:
+        _say(str(tuned), file=sys.stderr)
+        print(tuned.text, end="")
+    return 0
+
+
 def _schema(args: argparse.Namespace) -> int:
     print(json.dumps(json_schema(), indent=2))
     return 0
@@ -262,6 +329,32 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--to", dest="system", required=True, metavar="SYSTEM", help=", ".join(SYSTEMS))
     p.add_argument("--strict", action="store_true", help="fail when the system cannot express a key")
     p.set_defaults(run=_export)
+    p = sub.add_parser("tune", help="a policy file keeping the layers sensitive to lowering high (measured)",
+                       description="Run SCRIPT.py's factory() -> (model, batches, loss_fn), measure each layer the "
+                                   "policy lowers alone, and write a policy whose overrides keep the sensitive "
+                                   "layers high, each with its measurements as a comment.")
+    p.add_argument("factory", metavar="SCRIPT.py[:factory]",
+                   help="a Python file and its function returning (model, batches, loss_fn) (default: factory)")
+    p.add_argument("--policy", required=True, help="the policy to tune (a file or preset name)")
+    p.add_argument("-o", "--out", dest="output", help="write the tuned policy here instead of printing it")
+    p.add_argument("--target", choices=("fp8", "bf16", "fp16"), help="what to lower to (default: what the policy "
+                                                                        "lowers to)")
+    p.add_argument("--max-loss-increase", type=float, default=0.01, metavar="X",
+                   help="largest relative change of the loss a layer alone, and the policy, may cause (0.01)")
+    p.add_argument("--max-output-divergence", type=float, metavar="X",
+                   help="largest relative change of the outputs one lowered layer may cause (default: what "
+                        "rounding to the format explains)")
+    p.add_argument("--min-speedup", type=float, default=1.0, metavar="X",
+                   help="FP8: keep a layer whose measured GEMM speed-up is below this (1.0)")
+    p.add_argument("--layers", action="append", metavar="GLOB", help="only these candidate layers (repeatable)")
+    p.add_argument("--max-layers", type=int, default=64, metavar="N", help="refuse more candidate layers (64)")
+    p.add_argument("--max-batches", type=int, default=8, metavar="N", help="refuse more batches (8)")
+    p.add_argument("--hessian-samples", type=int, default=0, metavar="N",
+                   help="Hutchinson Hessian-trace estimate with N vectors per batch (0: none)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Hutchinson vectors (0)")
+    p.add_argument("--no-speed", action="store_true", help="do not microbenchmark FP8 GEMMs")
+    p.add_argument("--backend", help="the backend (default: detected from the model)")
+    p.set_defaults(run=_tune)
     sub.add_parser("schema", help="JSON Schema of the file format").set_defaults(run=_schema)
     sub.add_parser("presets", help="list shipped presets").set_defaults(run=_presets)
     sub.add_parser("ops", help="list canonical ops").set_defaults(run=_ops)
@@ -278,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.showwarning = _warn  # warnings name files and values too: escaped like the rest
             return args.run(args)
-    except (PolicyError, UnsupportedError) as e:
+    except (PolicyError, UnsupportedError, TuneError) as e:
         _say(str(e), file=sys.stderr)
         return 1
     except BrokenPipeError:  # `unimp presets | head`

@@ -61,8 +61,8 @@ def tune(policy: Any, model: Any, batches: Any, loss_fn: Callable[[Any, Any], An
     means values were lost to the format's range; the whole policy may move them ``sqrt(lowered layers)``
     times as far; ``math.inf``: not used). ``min_speedup``: for FP8, a layer whose measured GEMM speed-up is
     below it stays in the compute dtype (unused where not measured). Returns
-    :class:`~unimp.tuning.tuner.Tuned` (``.policy``, ``.text``: the commented policy file, ``.write(path)``). At most ``log2(candidates) + 2`` runs more than
-    :func:`sensitivity`.
+    :class:`~unimp.tuning.tuner.Tuned` (``.policy``, ``.text``: the commented policy file, ``.write(path)``).
+    At most ``log2(candidates) + 2`` runs more than :func:`sensitivity`.
     """
     from unimp.tuning.study import Study, check_options
     from unimp.tuning.tuner import budget, choose

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from unimp.backend import NoForwardError
 from unimp.backend.registry import apply
 from unimp.errors import TuneError
 from unimp.policy import Policy
@@ -37,6 +38,7 @@ class Run:
     losses: tuple[float, ...]
     report: Report | None = None
     output_divergence: float | None = None  # against the baseline run's outputs, where the backend records them
+    outputs: Any = None  # the recorded outputs, when kept (opaque: the backend's)
 
     @property
     def mean(self) -> float:
@@ -106,7 +108,7 @@ class Evaluator:
         self.model, self.batches, self.loss_fn, self.backend = model, batches, loss_fn, backend
         self.hooks = measurements(backend)
         self.runs = 0
-        self.baseline: Any = None  # the model outputs of the baseline run (opaque: the backend's recording)
+        self.baseline: Any = None  # the outputs runs are compared with (a kept Run.outputs; opaque: the backend's)
 
     @property
     def records_outputs(self) -> bool:
@@ -127,21 +129,31 @@ class Evaluator:
         hook = getattr(self.hooks, "evaluating", None)
         return hook() if hook is not None else contextlib.nullcontext()
 
-    def run(self, policy: Policy, report: bool = False, baseline: bool = False) -> Run:
-        """The loss of every batch with ``policy`` applied (``report``: also what ran, from the last forward), and
-        the divergence of the model's outputs from the baseline's; ``baseline``: this run's outputs are it."""
+    def run(self, policy: Policy, report: bool = False, keep: bool = False) -> Run:
+        """The loss of every batch with ``policy`` applied and the divergence of the model's outputs from the
+        :attr:`baseline`'s (once set); ``report``: also what ran (from the last forward); ``keep``: also the
+        recorded outputs (``Run.outputs``: e.g. to become the baseline)."""
         model = self.copy()
         amp = apply(policy, model, backend=self.backend.name)
-        record = self.records_outputs and (baseline or self.baseline is not None)
+        record = self.records_outputs and (keep or self.baseline is not None)
         try:
             with self.evaluating(), (self.hooks.record_outputs(amp.model) if record
                                      else contextlib.nullcontext()) as outputs:
                 losses = tuple(loss_value(self.loss_fn(amp.model, b), i) for i, b in enumerate(self.batches))
-            seen = amp.report() if report else None
+            seen = self._report(amp) if report else None
         finally:
             amp.remove()
         self.runs += 1
-        if baseline:
-            self.baseline = outputs
-        moved = self.hooks.output_divergence(self.baseline, outputs) if record else None
-        return Run(policy, losses, seen, moved)
+        return Run(policy, losses, seen, self.compare(outputs) if record else None, outputs if keep else None)
+
+    @staticmethod
+    def _report(amp: Any) -> Report:
+        try:
+            return amp.report()
+        except NoForwardError:
+            raise TuneError("loss_fn never ran the model it was given (amp.report() saw no forward): loss_fn(model, "
+                            "batch) must compute the batch's loss with model") from None
+
+    def compare(self, outputs: Any) -> float | None:
+        """The divergence of recorded ``outputs`` from the :attr:`baseline`'s (None before there is one)."""
+        return None if self.baseline is None else self.hooks.output_divergence(self.baseline, outputs)

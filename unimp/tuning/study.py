@@ -18,7 +18,7 @@ import fnmatch
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from unimp.backend.registry import detect, get_backend
@@ -69,7 +69,8 @@ class LayerSensitivity:
 class Sensitivity:
     """The sensitivity table: one row per candidate layer, the most sensitive first.
 
-    ``reference_loss``: every layer at ``high`` (the precision the target is compared with); ``format``: the
+    ``reference_loss``: every candidate layer at ``high`` (the precision the target is compared with), the rest as
+    the policy runs it; ``format``: the
     number format a lowered layer rounds to (``e4m3`` for FP8);
     ``lowered_loss``/``lowered_divergence``: the policy as given (every candidate lowered); ``noise``: the
     divergence of two reference runs (0 for a deterministic ``loss_fn``); ``speed_note``: why FP8 speed-ups
@@ -127,9 +128,10 @@ class Sensitivity:
                    if hessian and r.hessian_trace is not None else (("-", "-") if hessian else ())))
                 for r in self.rows]
         title = (f"unimp sensitivity: policy {self.policy!r} on {self.backend}: each layer alone in {self.lowered_to}, "
-                 f"the rest in {self.high}; {self.batches} batch{'es' if self.batches > 1 else ''}, most sensitive "
-                 f"first\nreference ({self.high} everywhere) loss {self.reference_loss:.6g}; every layer lowered (the "
-                 f"policy as given) {self.lowered_loss:.6g} (divergence {percent(self.lowered_divergence, False)}"
+                 f"the other layers below in {self.high}; {self.batches} batch{'es' if self.batches > 1 else ''}, "
+                 f"most sensitive first\nreference (all of them in {self.high}) loss {self.reference_loss:.6g}; all "
+                 f"lowered (the policy as given) {self.lowered_loss:.6g} (divergence "
+                 f"{percent(self.lowered_divergence, False)}"
                  + (f", output divergence {percent(self.lowered_output_divergence, False)}"
                     if self.lowered_output_divergence is not None else "") + ")")
         footer = ([f"output div.: above {percent(self.rounding, False)} (what rounding one layer to {self.format} "
@@ -166,22 +168,25 @@ class Study:
         self.plan: Plan = self.backend.compile(self.policy, model)
         self.target = target_of(self.policy, self.plan.compute_dtype, target)
         self.high = high_of(self.target, self.plan.compute_dtype)
-        self.reference = reference(self.policy, self.target)
         self.evaluator = Evaluator(model, read_batches(batches, max_batches), loss_fn, self.backend)
-        self.ref = self.evaluator.run(self.reference, baseline=True)
+        self.lowered = self.evaluator.run(self.policy, report=True, keep=True)
+        self.candidates = _candidates(self.plan, self.lowered.report, self.target, globs, max_layers)
+        self.reference = reference(self.policy, self.target, self.candidates)
+        self.ref = self.evaluator.run(self.reference, keep=True)
         bad = [i for i, x in enumerate(self.ref.losses) if not math.isfinite(x)]
         if bad or not any(self.ref.losses):
             why = f"is {self.ref.losses[bad[0]]} on batches[{bad[0]}]" if bad else "is 0 on every batch"
-            raise TuneError(f"loss_fn {why} under the reference policy ({self.high} everywhere): changes relative to "
-                            f"it are undefined; check the model and batches with the reference precision first")
+            raise TuneError(f"loss_fn {why} under the reference policy (the layers it lowers in {self.high}): "
+                            f"changes relative to it are undefined; check the model and batches first")
+        self.evaluator.baseline = self.ref.outputs
+        self.lowered_output_divergence = self.evaluator.compare(self.lowered.outputs)
+        self.lowered = replace(self.lowered, outputs=None)  # compared: no need to hold them
         self.noise = divergence(self.ref.losses, self.evaluator.run(self.reference).losses)
         if self.noise:
             warnings.warn(f"unimp.sensitivity: two runs of loss_fn under the same policy differ by "
                           f"{percent(self.noise, False)} of the loss (dropout, batch statistics, randomness): put "
                           f"the model in eval mode in loss_fn; sensitivities below this are noise", UnimpWarning,
                           stacklevel=3)
-        self.lowered = self.evaluator.run(self.policy, report=True)
-        self.candidates = _candidates(self.plan, self.lowered.report, self.target, globs, max_layers)
 
     @property
     def recipe(self) -> str | None:
@@ -204,7 +209,7 @@ class Study:
         rows = []
         for c in self.candidates:
             trace = traces.get(c.path)
-            run = self.run(lowering(self.reference, self.target, c))
+            run = self.run(lowering(self.policy, self.target, self.candidates, c))
             losses = run.losses
             rows.append(LayerSensitivity(c.path, c.kind, lowered_to, math.fsum(losses) / len(losses),
                                          change(self.ref.losses, losses), divergence(self.ref.losses, losses),
@@ -213,7 +218,7 @@ class Study:
         rows.sort(key=lambda r: (-r.divergence, r.path))
         return Sensitivity(self.policy.name, self.backend.name, self.target, self.recipe, self.high, self.format,
                            len(self.ref.losses), self.ref.mean, self.lowered.mean,
-                           divergence(self.ref.losses, self.lowered.losses), self.lowered.output_divergence,
+                           divergence(self.ref.losses, self.lowered.losses), self.lowered_output_divergence,
                            self.noise, tuple(rows),
                            self.evaluator.runs, note)
 

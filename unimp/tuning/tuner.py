@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from unimp.errors import TuneError, UnimpWarning
+from unimp.errors import TuneError
 from unimp.policy import Policy
 from unimp.policy.spec import show
 from unimp.tuning.evaluate import Run, change, divergence
@@ -76,8 +75,8 @@ class Tuned:
         return (f"{s}\n\ntuned policy {self.policy.name!r}: {len(self.lowered)} of {len(s.rows)} layers in "
                 f"{s.lowered_to}, {len(self.kept)} kept in {s.high}; loss {self.loss:.6g} (divergence "
                 f"{percent(self.divergence, False)}{outputs}; max_loss_increase "
-                f"{percent(self.max_loss_increase, False)}) against {s.reference_loss:.6g} ({s.high} everywhere); "
-                f"{s.evaluations} runs over the batches")
+                f"{percent(self.max_loss_increase, False)}) against {s.reference_loss:.6g} (all of them in "
+                f"{s.high}); {s.evaluations} runs over the batches")
 
 
 def budget(value: Any, name: str = "max_loss_increase", finite: bool = True) -> float:
@@ -128,7 +127,7 @@ class _Search:
         self.study, self.order, self.limits = study, order, limits
         self.by_path = {c.path: c for c in study.candidates}
         self.always_kept = [self.by_path[p] for p in always_kept]
-        self.runs: dict[int, Run] = {}
+        self.runs: dict[int, Run] = {0: study.ref}  # lowering none of them is the reference
 
     def policy(self, k: int) -> Policy:
         s = self.study
@@ -178,11 +177,6 @@ def choose(study: Study, table: Sensitivity, limit: float, outputs: float | None
                            f"layers: {search.fails(k + 1)}")
     run, final = search.run(k), search.policy(k)
     total = divergence(study.ref.losses, run.losses)
-    over = limits.exceeded(total, run.output_divergence, k)
-    if over:
-        warnings.warn(f"unimp.tune: with every candidate layer kept in {study.high}, policy {study.policy.name!r} "
-                      f"still moves the loss or outputs too far ({over}): what it lowers outside these layers "
-                      f"(ops, other layers) does", UnimpWarning, stacklevel=3)
     table = replace(table, evaluations=study.evaluator.runs)
     kept = tuple(Kept(r, reasons[r.path]) for r in table.rows if r.path in reasons)
     lowered = tuple(r for r in table.rows if r.path not in reasons)
@@ -202,13 +196,13 @@ def _header(study: Study, table: Sensitivity, run: Run, limits: Limits, kept: in
         f"Tuned by unimp.tune from policy {study.policy.name!r} ({study.policy.source}) on backend {s.backend}: "
         f"target {s.lowered_to}, max_loss_increase {limits.loss:g}, max_output_divergence {limits.outputs:.4g} "
         f"per lowered layer.",
-        f"Measured on {s.batches} batch{'es' if s.batches > 1 else ''}: {s.high} everywhere: loss "
+        f"Measured on {s.batches} batch{'es' if s.batches > 1 else ''}: all {len(s.rows)} in {s.high}: loss "
         f"{s.reference_loss:.6g}; the policy as given: {s.lowered_loss:.6g} (divergence "
         f"{percent(s.lowered_divergence, False)}); this policy: {run.mean:.6g} (divergence "
         f"{percent(divergence(study.ref.losses, run.losses), False)}{outputs}).",
         f"{kept} of {len(s.rows)} layers kept in {s.high}, each with its numbers (that layer alone in {s.lowered_to}, "
-        f"the rest in {s.high}; divergence: mean |loss change| per batch / mean loss; output divergence: "
-        f"|outputs change| / |outputs|).",
+        f"the other {len(s.rows) - 1} in {s.high}; divergence: mean |loss change| per batch / mean loss; output "
+        f"divergence: |outputs change| / |outputs|).",
         *([f"FP8 speed-up: {s.speed_note}"] if s.target == "fp8" and s.speed_note else []),
     ]
 

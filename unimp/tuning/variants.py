@@ -1,32 +1,32 @@
-"""The policies sensitivity and tuning run: the reference, one layer lowered alone, the tuned policy.
+"""The policies sensitivity and tuning run: each is the user's policy with first overrides keeping some
+of the candidate layers (those the policy lowers) out of the target.
 
-Every variant is an ordinary :class:`~unimp.Policy` built from the user's: the *reference* runs every
-layer at the high precision the target is compared with (float32 for a bfloat16/float16 target; the
-policy's compute dtype, FP8 off, for an FP8 target); a *lowering* is the reference with one first
-override lowering one layer; the *tuned* policy is the user's with first overrides keeping some
-layers high. Overrides name a layer by its exact path (:func:`literal_glob`).
+The *reference* keeps every candidate high (float32 for a bfloat16/float16 target, the compute dtype
+for FP8; everything else runs as the policy says, so a layer's neighbours see the dtypes they will see);
+a *lowering* keeps all but one; the *tuned* policy keeps the sensitive ones. Overrides name a layer by
+its exact path (:func:`literal_glob`).
 
 >>> import unimp
->>> p = unimp.load("fp8_tensorwise")
->>> target_of(p, "bfloat16", None), reference(p, "fp8").fp8.enabled
-('fp8', False)
->>> lowering(reference(p, "fp8"), "fp8", Candidate("blocks.0.up", "linear", "bfloat16")).overrides[0]
-Override(modules=('blocks.0.up',), types=(), compute_dtype=None, param_dtype=None, fp8=True)
->>> keeping(p, "fp8", [Candidate("embed", "linear", "bfloat16")]).overrides[0].fp8
-False
+>>> p, up, head = unimp.load("fp8_tensorwise"), Candidate("up", "linear", None), Candidate("head", "linear", None)
+>>> target_of(p, "bfloat16", None), [o.modules for o in reference(p, "fp8", [up, head]).overrides]
+('fp8', [('up',), ('head',)])
+>>> lowering(p, "fp8", [up, head], up).overrides
+(Override(modules=('head',), types=(), compute_dtype=None, param_dtype=None, fp8=False),)
+>>> [(t["modules"], len(layers)) for t, layers in keep_overrides("fp8", [up, head], room=1)]
+[(['up', 'head'], 2)]
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from unimp.dtypes import is_low
 from unimp.errors import TuneError
 from unimp.plan.fp8 import requests_fp8
-from unimp.policy import Policy
-from unimp.policy.spec import MAX_NAME
+from unimp.policy import Override, Policy
+from unimp.policy.spec import MAX_ITEMS, MAX_NAME
 
 TARGETS = {"fp8": "fp8", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 
@@ -94,26 +94,6 @@ def _named(policy: Policy, suffix: str) -> str:
     return f"{policy.name[:MAX_NAME - len(suffix) - 1]}-{suffix}"
 
 
-def reference(policy: Policy, target: str) -> Policy:
-    """Every layer at the high precision ``target`` is compared with: the policy without FP8 (its own
-    dtypes and overrides) for ``"fp8"``; float32 everywhere (no overrides) for a dtype target."""
-    if target == "fp8":
-        overrides = [o for o in (_plain({**_table(o), "fp8": None}) for o in policy.overrides) if o]
-        return policy.replace(name=_named(policy, "reference"), fp8={"enabled": False}, overrides=overrides)
-    return policy.replace(name=_named(policy, "reference"), compute_dtype="float32", param_dtype="float32",
-                          fp8={"enabled": False}, overrides=[])
-
-
-def lowering(ref: Policy, target: str, layer: Candidate) -> Policy:
-    """``ref`` with ``layer`` alone lowered to ``target`` (one first override)."""
-    if target == "fp8":
-        first: dict[str, Any] = {"modules": [literal_glob(layer.path)], "fp8": True}
-    else:
-        first = {"modules": [literal_glob(layer.path)], "compute_dtype": layer.compute_dtype,
-                 "param_dtype": layer.param_dtype}
-    return ref.replace(name=_named(ref, "one-layer"), overrides=[first, *map(_table, ref.overrides)])
-
-
 def keep_override(target: str, layer: Candidate) -> dict[str, Any]:
     """The override that keeps ``layer`` out of ``target``: ``fp8 = false``, or float32 compute (and float32
     params where the target lowers them)."""
@@ -125,20 +105,38 @@ def keep_override(target: str, layer: Candidate) -> dict[str, Any]:
     return keep
 
 
-def keeping(policy: Policy, target: str, kept: Iterable[Candidate], name: str | None = None) -> Policy:
+def keep_overrides(target: str, kept: Sequence[Candidate], room: int = MAX_ITEMS) -> list[tuple[dict[str, Any],
+                                                                                                list[Candidate]]]:
+    """The overrides keeping ``kept`` out of ``target``, each with the layers it holds: one per layer when they fit
+    in ``room`` overrides, else one per kind of override and up to ``MAX_ITEMS`` layers."""
+    one = [(keep_override(target, c), [c]) for c in kept]
+    if len(one) <= room:
+        return one
+    groups: dict[tuple[tuple[str, Any], ...], list[Candidate]] = {}
+    for table, layers in one:
+        groups.setdefault(tuple((k, v) for k, v in table.items() if k != "modules"), []).extend(layers)
+    return [({"modules": [literal_glob(c.path) for c in layers[i:i + MAX_ITEMS]], **dict(rest)},
+             layers[i:i + MAX_ITEMS]) for rest, layers in groups.items() for i in range(0, len(layers), MAX_ITEMS)]
+
+
+def keeping(policy: Policy, target: str, kept: Sequence[Candidate], name: str | None = None) -> Policy:
     """``policy`` with the ``kept`` layers held out of ``target`` (first overrides; the policy's own follow)."""
-    ours = [keep_override(target, c) for c in kept]
-    return policy.replace(name=name or _named(policy, "tuned"), overrides=[*ours, *map(_table, policy.overrides)])
+    own = [_table(o) for o in policy.overrides]
+    ours = [table for table, _ in keep_overrides(target, kept, MAX_ITEMS - len(own))]
+    return policy.replace(name=name or _named(policy, "tuned"), overrides=[*ours, *own])
 
 
-def _table(override: Any) -> dict[str, Any]:
-    """An override as the file writes it (only the keys it sets)."""
-    return _plain({"modules": list(override.modules), "types": list(override.types),
-                   "compute_dtype": override.compute_dtype, "param_dtype": override.param_dtype,
-                   "fp8": override.fp8} if not isinstance(override, dict) else override)
+def reference(policy: Policy, target: str, candidates: Sequence[Candidate]) -> Policy:
+    """Every candidate layer kept out of ``target`` (the rest as ``policy`` runs it): what lowering one is compared
+    with, and the tuned policy that lowers none of them."""
+    return keeping(policy, target, candidates, _named(policy, "reference"))
 
 
-def _plain(table: dict[str, Any]) -> dict[str, Any]:
-    """``table`` without unset keys; empty when it would change nothing."""
-    out = {k: v for k, v in table.items() if v not in (None, [], ())}
-    return out if any(k in out for k in ("compute_dtype", "param_dtype", "fp8")) else {}
+def lowering(policy: Policy, target: str, candidates: Sequence[Candidate], layer: Candidate) -> Policy:
+    """The reference with ``layer`` alone lowered to ``target``."""
+    return keeping(policy, target, [c for c in candidates if c != layer], _named(policy, "one-layer"))
+
+
+def _table(override: Override) -> dict[str, Any]:
+    """An override as a file writes it (only the keys it sets)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in vars(override).items() if v not in (None, ())}
