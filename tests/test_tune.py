@@ -271,3 +271,18 @@ def test_cli_errors_are_one_located_message(write, capsys, spec, extra, match):
     err = capsys.readouterr().err
     assert code == 1 and match in err
     assert "Traceback" not in err or "no data today" in err  # only the user's own code's traceback
+
+
+def test_kept_layers_share_an_override_when_the_policy_has_no_room_for_one_each():
+    """A policy holds at most 256 overrides: with 254 of the user's, three kept layers go in one override listing
+    them, a comment per module."""
+    model = nn.Model([(f"big{i}", nn.Linear(np.full((8, 8), 1e5), np.zeros(8))) for i in range(3)])
+    own = [{"modules": [f"elsewhere{i}"], "compute_dtype": "float32"} for i in range(254)]
+    policy = unimp.load({"name": "crowded", "extends": "mixed_fp16", "overrides": own})
+    tuned = unimp.tune(policy, model, BATCHES[:1], lambda m, x: float(m(x * 1e-5).astype(np.float32).mean()))
+    assert tuned.policy.overrides[0].modules == ("big0", "big1", "big2") and len(tuned.policy.overrides) == 255
+    lines = tuned.text.splitlines()
+    at = lines.index("modules = [")
+    assert [line.split(",")[0].strip() for line in lines[at + 1:at + 4]] == ['"big0"', '"big1"', '"big2"']
+    assert all("# big" in line and "kept in float32" in line for line in lines[at + 1:at + 4])
+    assert unimp.load(tomllib.loads(tuned.text)).fingerprint == tuned.policy.fingerprint

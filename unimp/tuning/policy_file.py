@@ -8,7 +8,7 @@ loads back to the tuned policy's fingerprint: what is written is what was measur
 >>> base = unimp.load("fp8_tensorwise")
 >>> keep = {"modules": ["embed"], "fp8": False}
 >>> tuned = base.replace(name="demo", overrides=[keep])
->>> print(render(tuned, base, ["tuned by hand"], [(keep, "embed: too sensitive")], ["up: lowered"]))
+>>> print(render(tuned, base, ["tuned by hand"], [(keep, ["embed: too sensitive"])], ["up: lowered"]))
 # tuned by hand
 name = "demo"
 extends = "fp8_tensorwise"
@@ -32,7 +32,7 @@ from unimp.errors import PolicyError
 from unimp.policy import Policy
 from unimp.policy.loading import load, preset_names
 from unimp.policy.resolve import parse_text, to_text
-from unimp.policy.spec import MAX_ITEMS, OVERRIDE
+from unimp.policy.spec import OVERRIDE
 
 
 def preset_of(policy: Policy) -> str | None:
@@ -58,30 +58,21 @@ def _comment(text: str) -> str:
     return f"# {printable(text)}"
 
 
-def _override(table: dict[str, Any], comment: str | None) -> list[str]:
-    lines = [_comment(comment)] if comment else []
-    return [*lines, "[[overrides]]", *(f"{k} = {_value(table[k])}" for k in OVERRIDE if k in table), ""]
+def _override(table: dict[str, Any], comments: Sequence[str]) -> list[str]:
+    """One ``[[overrides]]`` table: its comment above it, or one comment per module when it lists several."""
+    keys = [f"{k} = {_value(table[k])}" for k in OVERRIDE if k in table and k != "modules"]
+    if len(table["modules"]) == 1:
+        return [*map(_comment, comments), "[[overrides]]", f"modules = {_value(table['modules'])}", *keys, ""]
+    return ["[[overrides]]", "modules = [",
+            *(f"    {_value(m)},  {_comment(c)}" for m, c in zip(table["modules"], comments, strict=True)), "]",
+            *keys, ""]
 
 
-def _grouped(kept: Sequence[tuple[dict[str, Any], str]]) -> list[str]:
-    """Overrides of up to MAX_ITEMS modules each, one commented line per module (for many kept layers)."""
-    groups: dict[tuple[tuple[str, Any], ...], list[tuple[str, str]]] = {}
-    for table, comment in kept:
-        rest = tuple((k, v) for k, v in table.items() if k != "modules")
-        groups.setdefault(rest, []).extend((m, comment) for m in table["modules"])
-    lines = []
-    for rest, modules in groups.items():
-        for i in range(0, len(modules), MAX_ITEMS):
-            lines += ["[[overrides]]", "modules = [",
-                      *(f"    {_value(m)},  {_comment(c)}" for m, c in modules[i:i + MAX_ITEMS]), "]",
-                      *(f"{k} = {_value(v)}" for k, v in rest), ""]
-    return lines
-
-
-def render(tuned: Policy, base: Policy, header: Sequence[str], kept: Sequence[tuple[dict[str, Any], str]],
+def render(tuned: Policy, base: Policy, header: Sequence[str], added: Sequence[tuple[dict[str, Any], Sequence[str]]],
            tail: Sequence[str] = ()) -> str:
-    """The file of ``tuned`` = ``base`` with the ``kept`` overrides (table, comment) first: ``header`` and
-    ``tail`` comment lines around it. Raises when the text would not load back to ``tuned``."""
+    """The file of ``tuned``: ``base`` with the ``added`` overrides first (each with one comment per module it
+    lists), ``header`` and ``tail`` comment lines around it. Raises when the text would not load back to
+    ``tuned``."""
     lines = [_comment(h) for h in header]
     preset = preset_of(base)
     if preset is not None:
@@ -89,16 +80,12 @@ def render(tuned: Policy, base: Policy, header: Sequence[str], kept: Sequence[tu
     else:
         body = {k: v for k, v in tuned.to_dict().items() if k != "overrides"}
         lines += [to_text(body, "toml").rstrip("\n"), ""]
-    own = [{k: v for k, v in vars(o).items() if v not in (None, ())} for o in base.overrides]
-    if len(kept) + len(own) <= MAX_ITEMS:
-        for table, comment in kept:
-            lines += _override(table, comment)
-    else:
-        lines += _grouped(kept)
-    if own:
-        lines.append(_comment(f"the overrides of policy {base.name!r} ({base.source})"))
-        for table in own:
-            lines += _override(table, None)
+    for table, comments in added:
+        lines += _override(table, comments)
+    if base.overrides:
+        lines.append(_comment(f"the overrides of policy {base.name!r}" + ("" if preset else f" ({base.source})")))
+        for o in base.overrides:
+            lines += _override({k: v for k, v in vars(o).items() if v not in (None, ())}, ())
     lines += [_comment(t) for t in tail]
     text = "\n".join(lines) + "\n"
     try:

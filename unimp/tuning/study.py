@@ -1,12 +1,15 @@
 """A sensitivity study (``unimp.sensitivity``): the measured effect of lowering each layer alone.
 
 The candidates are the layers the compiled Plan lowers and that ran (for FP8: the layers the report
-shows running FP8 under the policy). For each, the reference policy (:func:`unimp.tuning.variants.reference`)
-with that one layer lowered runs ``loss_fn(amp.model, batch)`` over the batches on a fresh copy of the
-model; the row holds the mean loss, its signed change and the divergence (mean ``|change|`` per batch)
-against the reference, both relative to the reference loss. Options: the FP8 GEMM speed-up of each
-layer's shapes (the backend's microbenchmark; "not measured" where the device has no FP8 GEMMs) and a
-Hutchinson estimate of each layer's Hessian trace (HAWQ-v2; a backend with gradients: unimp-torch).
+shows running FP8 under the policy). The reference keeps all of them high (float32 for bf16/fp16, the
+compute dtype for FP8; everything else runs as the policy says: :mod:`unimp.tuning.variants`); for each
+candidate, the reference with that layer alone lowered runs ``loss_fn(amp.model, batch)`` over the
+batches on a fresh copy of the model. A row holds the mean loss, its signed change and its divergence
+(mean ``|change|`` per batch), both relative to the reference loss, and where the backend records the
+model's outputs their divergence (``|outputs change| / |outputs|``), which shows values lost to the
+format's range even where the loss of a model at initialisation does not move. Options: the FP8 GEMM
+speed-up of each layer's shape (the backend's microbenchmark; "not measured" where the device has no
+FP8 GEMMs) and a Hutchinson estimate of each layer's Hessian trace (HAWQ-v2; unimp-torch).
 
 >>> percent(0.0125), percent(0.5, sign=False), speedup_text(None), speedup_text(1.3)
 ('+1.250%', '50.000%', 'not measured', '1.30x')
@@ -70,11 +73,9 @@ class Sensitivity:
     """The sensitivity table: one row per candidate layer, the most sensitive first.
 
     ``reference_loss``: every candidate layer at ``high`` (the precision the target is compared with), the rest as
-    the policy runs it; ``format``: the
-    number format a lowered layer rounds to (``e4m3`` for FP8);
-    ``lowered_loss``/``lowered_divergence``: the policy as given (every candidate lowered); ``noise``: the
-    divergence of two reference runs (0 for a deterministic ``loss_fn``); ``speed_note``: why FP8 speed-ups
-    were not measured, if they were not.
+    the policy runs it; ``format``: the number format a lowered layer rounds to (``e4m3`` for FP8);
+    ``lowered_*``: the policy as given (every candidate lowered); ``noise``: the divergence of two reference
+    runs (0 for a deterministic ``loss_fn``); ``speed_note``: why FP8 speed-ups were not measured, if not.
     """
 
     policy: str
@@ -210,17 +211,15 @@ class Study:
         for c in self.candidates:
             trace = traces.get(c.path)
             run = self.run(lowering(self.policy, self.target, self.candidates, c))
-            losses = run.losses
-            rows.append(LayerSensitivity(c.path, c.kind, lowered_to, math.fsum(losses) / len(losses),
-                                         change(self.ref.losses, losses), divergence(self.ref.losses, losses),
+            rows.append(LayerSensitivity(c.path, c.kind, lowered_to, run.mean, change(self.ref.losses, run.losses),
+                                         divergence(self.ref.losses, run.losses),
                                          run.output_divergence, shapes.get(c.path), speedups.get(c.path),
                                          trace[0] if trace else None, trace[1] if trace else None))
         rows.sort(key=lambda r: (-r.divergence, r.path))
         return Sensitivity(self.policy.name, self.backend.name, self.target, self.recipe, self.high, self.format,
                            len(self.ref.losses), self.ref.mean, self.lowered.mean,
                            divergence(self.ref.losses, self.lowered.losses), self.lowered_output_divergence,
-                           self.noise, tuple(rows),
-                           self.evaluator.runs, note)
+                           self.noise, tuple(rows), self.evaluator.runs, note)
 
     def _speed(self, paths: Sequence[str]) -> tuple[dict[str, Shape], dict[str, float], str]:
         """Each layer's GEMM shape and FP8 speed-up, or why they are not measured."""

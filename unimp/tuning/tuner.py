@@ -25,9 +25,9 @@ from typing import Any
 
 from unimp.errors import TuneError
 from unimp.policy import Policy
-from unimp.policy.spec import show
+from unimp.policy.spec import MAX_ITEMS, show
 from unimp.tuning.evaluate import Run, change, divergence
-from unimp.tuning.policy_file import render
+from unimp.tuning.policy_file import preset_of, render
 from unimp.tuning.study import (
     LayerSensitivity,
     Sensitivity,
@@ -35,7 +35,7 @@ from unimp.tuning.study import (
     percent,
     speedup_text,
 )
-from unimp.tuning.variants import keep_override, keeping
+from unimp.tuning.variants import Candidate, keep_overrides, keeping
 
 
 @dataclass(frozen=True)
@@ -122,17 +122,22 @@ class Limits:
 class _Search:
     """Tuned policies by how many of the ordered layers they lower, each measured once."""
 
-    def __init__(self, study: Study, order: Sequence[LayerSensitivity], always_kept: Sequence[str],
+    def __init__(self, study: Study, table: Sensitivity, order: Sequence[LayerSensitivity], always_kept: Sequence[str],
                  limits: Limits) -> None:
         self.study, self.order, self.limits = study, order, limits
         self.by_path = {c.path: c for c in study.candidates}
-        self.always_kept = [self.by_path[p] for p in always_kept]
+        self.rank = {r.path: i for i, r in enumerate(table.rows)}  # kept layers are listed most sensitive first
+        self.always_kept = list(always_kept)
         self.runs: dict[int, Run] = {0: study.ref}  # lowering none of them is the reference
+
+    def kept(self, k: int) -> list[Candidate]:
+        """The layers kept when the first ``k`` of the order are lowered, most sensitive first."""
+        return [self.by_path[p] for p in sorted([*self.always_kept, *(r.path for r in self.order[k:])],
+                                                key=self.rank.__getitem__)]
 
     def policy(self, k: int) -> Policy:
         s = self.study
-        kept = self.always_kept + [self.by_path[r.path] for r in self.order[k:]]
-        return keeping(s.policy, s.target, kept, name=f"{s.policy.name[:200]}-tuned")
+        return keeping(s.policy, s.target, self.kept(k), name=f"{s.policy.name[:200]}-tuned")
 
     def run(self, k: int) -> Run:
         if k not in self.runs:
@@ -170,7 +175,7 @@ def choose(study: Study, table: Sensitivity, limit: float, outputs: float | None
                                f"min_speedup {fastest:g}x)")
     order = sorted((r for r in table.rows if r.path not in reasons),
                    key=lambda r: (r.divergence, r.output_divergence or 0.0, r.path))
-    search = _Search(study, order, [r.path for r in table.rows if r.path in reasons], limits)
+    search = _Search(study, table, order, [r.path for r in table.rows if r.path in reasons], limits)
     k = search.longest()
     for r in order[k:]:
         reasons[r.path] = (f"kept in {study.high}: within the limits alone, but lowered with the {k} less sensitive "
@@ -180,10 +185,11 @@ def choose(study: Study, table: Sensitivity, limit: float, outputs: float | None
     table = replace(table, evaluations=study.evaluator.runs)
     kept = tuple(Kept(r, reasons[r.path]) for r in table.rows if r.path in reasons)
     lowered = tuple(r for r in table.rows if r.path not in reasons)
-    text = render(final, study.policy, _header(study, table, run, limits, len(kept)),
-                  [(keep_override(study.target, search.by_path[x.layer.path]),
-                    f"{x.layer.path}: {x.reason}; {_measured(x.layer, study.target, study.high)}") for x in kept],
-                  _tail(study, lowered))
+    notes = {x.layer.path: f"{x.layer.path}: {x.reason}; {_measured(x.layer, study.target, study.high)}"
+             for x in kept}
+    added = [(o, [notes[c.path] for c in layers]) for o, layers in
+             keep_overrides(study.target, search.kept(k), MAX_ITEMS - len(study.policy.overrides))]
+    text = render(final, study.policy, _header(study, table, run, limits, len(kept)), added, _tail(study, lowered))
     return Tuned(final, text, table, kept, lowered, run.mean, change(study.ref.losses, run.losses), total,
                  run.output_divergence, limit, limits.outputs)
 
@@ -192,17 +198,18 @@ def _header(study: Study, table: Sensitivity, run: Run, limits: Limits, kept: in
     s = table
     outputs = (f", output divergence {percent(run.output_divergence, False)}"
                if run.output_divergence is not None else "")
+    source = "" if preset_of(study.policy) else f" ({study.policy.source})"
+    limit = f", max_output_divergence {limits.outputs:.4g} per lowered layer" if outputs else ""
     return [
-        f"Tuned by unimp.tune from policy {study.policy.name!r} ({study.policy.source}) on backend {s.backend}: "
-        f"target {s.lowered_to}, max_loss_increase {limits.loss:g}, max_output_divergence {limits.outputs:.4g} "
-        f"per lowered layer.",
+        f"Tuned by unimp.tune from policy {study.policy.name!r}{source} on backend {s.backend}: target "
+        f"{s.lowered_to}, max_loss_increase {limits.loss:g}{limit}.",
         f"Measured on {s.batches} batch{'es' if s.batches > 1 else ''}: all {len(s.rows)} in {s.high}: loss "
         f"{s.reference_loss:.6g}; the policy as given: {s.lowered_loss:.6g} (divergence "
         f"{percent(s.lowered_divergence, False)}); this policy: {run.mean:.6g} (divergence "
         f"{percent(divergence(study.ref.losses, run.losses), False)}{outputs}).",
         f"{kept} of {len(s.rows)} layers kept in {s.high}, each with its numbers (that layer alone in {s.lowered_to}, "
-        f"the other {len(s.rows) - 1} in {s.high}; divergence: mean |loss change| per batch / mean loss; output "
-        f"divergence: |outputs change| / |outputs|).",
+        f"the other {len(s.rows) - 1} in {s.high}; divergence: mean |loss change| per batch / mean loss"
+        + ("; output divergence: |outputs change| / |outputs|)." if outputs else ")."),
         *([f"FP8 speed-up: {s.speed_note}"] if s.target == "fp8" and s.speed_note else []),
     ]
 

@@ -15,7 +15,7 @@ from torch import nn
 
 import unimp
 from unimp.cli import main
-from unimp.dtypes import reference_tolerance
+from unimp.dtypes import FP8_FORMATS, reference_tolerance
 
 pytest.importorskip("torchao", reason="FP8 needs torchao: pip install 'unimp-torch[fp8]'")
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
@@ -150,3 +150,26 @@ def test_gemm_shapes_and_the_microbenchmark_off_gpu():
     for recipe in ("tensorwise", "rowwise", "rowwise_gw_hp"):
         assert hooks.fp8_gemm_times(model, shapes.values(), recipe, "bfloat16", "e4m3") == \
             "not measured (no FP8 GEMMs on this device: cpu)"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_gw_hp"])
+def test_the_microbenchmarks_fp8_step_computes_the_three_gemms(recipe):
+    """What the GPU times is the right work: forward, grad-input and grad-weight through torch._scaled_mm with the
+    recipe's scales and layouts (run here on CPU, untimed) match float32 within what rounding explains: u * sqrt(3)
+    of e4m3 forward, of the gradient format backward, and of bfloat16 for rowwise_gw_hp's grad-weight."""
+    from unimp_torch import tuning
+
+    grad = "e5m2" if recipe == "tensorwise" else "e4m3"
+    g8 = getattr(torch, FP8_FORMATS[grad])
+    gen = torch.Generator().manual_seed(0)
+    x, w, g = (torch.randn(*s, generator=gen).to(torch.bfloat16) for s in ((64, 32), (48, 32), (64, 48)))
+    try:
+        got = tuning._fp8_step(recipe, torch.bfloat16, g8)(x, w, g)
+    except (NotImplementedError, RuntimeError) as e:
+        pytest.skip(f"torch {torch.__version__} has no CPU torch._scaled_mm ({e})")
+    exact = tuning._high_step(x.double(), w.double(), g.double())
+    errors = [float((a.double() - b).norm() / b.norm()) for a, b in zip(got, exact, strict=True)]
+    bounds = [reference_tolerance("e4m3", 3), reference_tolerance(grad, 3),
+              reference_tolerance("bfloat16" if recipe == "rowwise_gw_hp" else grad, 3)]
+    assert all(e <= b for e, b in zip(errors, bounds, strict=True)), (errors, bounds)
+    assert [a.shape for a in got] == [(64, 48), (64, 32), (48, 32)] and all(a.dtype == torch.bfloat16 for a in got)
