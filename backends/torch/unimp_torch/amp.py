@@ -220,7 +220,7 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         details = plan.details
         autocast = DTYPES[details.autocast] if details.autocast else None
         compute = DTYPES[plan.compute_dtype]
-        params_up = compute if autocast is None and any(
+        params_up = compute if compute == torch.float32 and any(
             p.is_floating_point() and p.dtype != torch.float64 and p.itemsize < compute.itemsize
             for p in model.parameters()) else None  # e.g. float16 storage, float32 compute
         amp._undo.append(patch_forward(model, device, autocast, details.op_moves,
@@ -242,19 +242,12 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
 
 
 def _wrap_layers(amp: TorchAmp, model: nn.Module, plan: Plan, device: str) -> None:
-    autocast_on = plan.details.autocast is not None
-    low_override = any(o.compute_dtype in ("float16", "bfloat16", "auto") for o in plan.overrides)
+    """A layer-level forward on each module an override sets the compute dtype of (the ops after it get the
+    Plan's op rules: its outputs may reach them in another dtype)."""
     for path, module in model.named_modules():
         names, k = type_names(module), kind(module)
         decision = plan.decide(path, k, names)
-        category = plan.op(k).requested if k else "inputs"
-        rule = None
         if decision.override is not None and plan.overrides[decision.override].compute_dtype is not None:
-            dtype = decision.compute_dtype
-            composite = any(True for _ in module.children()) and dtype != "float32"
-            rule = Rule(dtype, composite)
-        elif not autocast_on and low_override and k and category in ("lower", "float32"):
-            rule = Rule("float32")
-        if rule is not None:
-            amp._undo.append(wrap(module, rule, device))
+            composite = any(True for _ in module.children()) and decision.compute_dtype != "float32"
+            amp._undo.append(wrap(module, Rule(decision.compute_dtype, composite), device))
             amp.wrapped.append(path or "<model>")

@@ -152,25 +152,31 @@ def same(native: str, wanted: str, name: str) -> bool:
 ALSO_MOVED = {"reduction": ("mean",)}
 
 
-def moves(op: str, wanted: str, device: str, torch_own: bool = False) -> tuple[str, ...]:
+def moves(op: str, wanted: str, device: str, torch_own: bool = False, other_low: bool = False) -> tuple[str, ...]:
     """The aten ops of canonical ``op`` whose native handling on ``device`` must change.
 
     The canonical op is compared through its primary op (its first aten name): torch's lists are
     finer than the vocabulary (CPU lowers ``mm`` but not ``mv``); when the primary op already
     does what the policy asks, torch's per-op choices are kept (and reported as such), except
     for the ops of :data:`ALSO_MOVED` unless ``torch_own`` (the policy's lists are torch's own on
-    ``device``, see :func:`is_torch_own`).
+    ``device``, see :func:`is_torch_own`). ``other_low``: a low dtype other than the autocast dtype
+    reaches the ops (an override's outputs), so torch's promote kernels move too: they promote to
+    the autocast dtype at least and refuse a second low dtype (``at::autocast::prioritize``).
 
     >>> moves("reduction", "float32", "cuda"), moves("reduction", "float32", "cuda", torch_own=True)
     (('mean',), ())
+    >>> moves("concat", "promote", "cpu"), moves("concat", "promote", "cpu", other_low=True)
+    ((), ('cat', 'stack', 'index_copy'))
     """
     names = function_names(op, device)
-    if not names:
-        return ()
-    if same(native_category(names[0], device), wanted, names[0]):
-        also = () if torch_own else ALSO_MOVED.get(op, ())
-        return tuple(n for n in names if n in also and not same(native_category(n, device), wanted, n))
-    return tuple(n for n in names if not same(native_category(n, device), wanted, n))
+    if names and same(native_category(names[0], device), wanted, names[0]):
+        candidates = () if torch_own else ALSO_MOVED.get(op, ())
+    else:
+        candidates = names
+    differ = [n for n in candidates if not same(native_category(n, device), wanted, n)]
+    promoting = [n for n in names if other_low and native_category(n, device) == "promote"
+                 and has_kernel(PY_FUNCTIONS.get(n, n), device)]
+    return tuple(n for n in names if n in differ or n in promoting)
 
 
 def is_torch_own(request: Plan, device: str) -> bool:

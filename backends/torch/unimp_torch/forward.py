@@ -1,7 +1,9 @@
 """The model's forward under the compiled plan: autocast, unimp's op rules, layout, output dtype.
 
 With no op moves this is exactly ``with torch.autocast(device, dtype): model(x)`` plus the
-policy's output cast (none for ``output_dtype = "unchanged"``: the outputs as autocast leaves them).
+policy's output cast (none for ``output_dtype = "unchanged"``: the outputs as autocast leaves them);
+a float32 compute dtype whose overrides lower layers runs under autocast to float32 (:func:`autocast_to`),
+so the ops after those layers take their inputs as the Plan says.
 With moves, the ops run the policy's way (:mod:`unimp_torch.op_overrides`):
 in eager through unimp's Autocast kernels when no moved op has a C++ Autocast kernel on the device
 (every other call costs nothing), else through :class:`PolicyMode`; under ``torch.compile``
@@ -78,6 +80,30 @@ def _nhwc(x: Any) -> Any:
     if isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point():
         return x.contiguous(memory_format=torch.channels_last)
     return x
+
+
+class _Float32Autocast:
+    """``torch.autocast(device, dtype=torch.float32)``, which torch's Python wrapper refuses on CPU; its C++
+    kernels run it (lower ops cast their inputs to float32) and ``torch.compile`` traces it."""
+
+    __slots__ = ("device", "previous")
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def __enter__(self) -> None:
+        self.previous = torch.is_autocast_enabled(self.device), torch.get_autocast_dtype(self.device)
+        torch.set_autocast_enabled(self.device, True)
+        torch.set_autocast_dtype(self.device, torch.float32)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_autocast_enabled(self.device, self.previous[0])
+        torch.set_autocast_dtype(self.device, self.previous[1])
+
+
+def autocast_to(device: str, dtype: torch.dtype) -> Any:
+    """``torch.autocast(device, dtype=dtype)``, float32 included."""
+    return _Float32Autocast(device) if dtype == torch.float32 else torch.autocast(device, dtype=dtype)
 
 
 _local = threading.local()  # .forward: the PolicyForward whose rules are active in this thread
@@ -180,9 +206,8 @@ class PolicyForward:
         self.eager_mode = EagerPolicyMode(table, device) if self.mode is not None and self.kernels is None else None
         self.output = output  # None: outputs not cast (output_dtype = "unchanged")
         self.channels_last = channels_last
-        # without autocast, parameters stored below the compute dtype (param_dtype float16 with
-        # compute_dtype float32) are cast up to it for the forward (differentiably: their gradients
-        # come back in their own dtype)
+        # parameters stored below a float32 compute dtype (param_dtype float16) are cast up to it for the
+        # forward (differentiably: their gradients come back in their own dtype)
         self.params = params
         self.observer: Any = None  # observe.Observer until the first eager forward has run
         self.compiled_inputs: Any = None  # trace.input_spec of the last compiled call (report() after compile)
@@ -210,7 +235,7 @@ class PolicyForward:
         if self.autocast is None:
             yield
             return
-        with torch.autocast(self.device, dtype=self.autocast):
+        with autocast_to(self.device, self.autocast):
             if self.mode is None:
                 yield
                 return
@@ -223,12 +248,15 @@ class PolicyForward:
         if inner is None:
             inner = self.inner if self.inner is not None else functools.partial(type(self.module).forward,
                                                                                  self.module)
-        if self.autocast is None:
-            if self.params is None:
-                return inner(*args, **kwargs)
+        if self.params is not None:
             with params_as(self.module, self.params):
-                return inner(*args, **kwargs)
-        with torch.autocast(self.device, dtype=self.autocast):
+                return self._under_autocast(compiling, inner, args, kwargs)
+        return self._under_autocast(compiling, inner, args, kwargs)
+
+    def _under_autocast(self, compiling: bool, inner: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.autocast is None:
+            return inner(*args, **kwargs)
+        with autocast_to(self.device, self.autocast):
             if self.mode is None:
                 return inner(*args, **kwargs)
             if not compiling:
@@ -313,7 +341,7 @@ def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, t
     """Put a :class:`PolicyForward` on the instance (and a :class:`SingleOpForward` on each of
     torch's single-op modules whose op the kernels move to float32); returns the undo. ``output``: the
     dtype floating outputs are cast to (None: not cast, as autocast leaves them). ``params``:
-    the dtype that parameters stored lower are cast up to for the forward when there is no autocast."""
+    the dtype that parameters stored lower are cast up to for the forward (a float32 compute dtype)."""
     had_own = "forward" in model.__dict__
     inner = model.__dict__.get("forward")
     forward = PolicyForward(model, inner, device, autocast, table, output, channels_last, params)

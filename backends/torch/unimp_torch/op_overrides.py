@@ -4,7 +4,8 @@ torch's autocast decides per aten op in C++, with fixed lists per device. ``op_m
 Plan (torch function name -> category) says which ops unimp runs differently. A moved call gets
 its floating inputs cast (``float32``; ``lower`` = the autocast dtype; ``promote`` = the widest
 input; ``inputs`` = as they are) and runs with autocast off for that call, exactly what torch's own
-C++ Autocast kernels do. The forward (:mod:`unimp_torch.forward`) picks the mechanism per Plan:
+C++ Autocast kernels do (an in-place variant, ``exp_``, writes its result back into its input).
+The forward (:mod:`unimp_torch.forward`) picks the mechanism per Plan:
 
 * **Autocast kernels** (eager, when no moved op has a C++ Autocast kernel on the device: every
   preset): unimp registers a small kernel on ``AutocastCPU``/``AutocastCUDA`` through
@@ -98,8 +99,8 @@ def _cast_inputs(category: str, args: tuple, kwargs: dict, device: str) -> tuple
         dtype = _widest(args, kwargs, device) if category == "promote" else None
     if dtype is None:
         return args, kwargs
-    args = tuple([_cast(a, dtype, device) for a in args])
-    return args, ({k: _cast(v, dtype, device) for k, v in kwargs.items()} if kwargs else kwargs)
+    args = tuple([_cast(a, dtype, device) for a in args])  # out= is written to, never cast
+    return args, ({k: v if k == "out" else _cast(v, dtype, device) for k, v in kwargs.items()} if kwargs else kwargs)
 
 
 # torch functions written in Python whose inner calls include ops a policy decides on (the rest
@@ -150,8 +151,8 @@ class PolicyMode(TorchFunctionMode):
         self.rules = {**{f"{n}_": c for n, c in rules.items() if not n.startswith("__")}, **rules}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        category = self.rules.get(getattr(func, "__name__", ""))
+        kwargs, name = kwargs or {}, getattr(func, "__name__", "")
+        category = self.rules.get(name)
         if category is None or not torch.is_autocast_enabled(self.device):
             inner = UNCHECKED.get(func) if category is None else None
             if inner is not None:
@@ -160,9 +161,12 @@ class PolicyMode(TorchFunctionMode):
             if torch.compiler.is_compiling():
                 return _call(func, args, kwargs)
             return func(*args, **kwargs)  # eager fast path: most calls end here
-        args, kwargs = _cast_inputs(category, args, kwargs, self.device)
+        cast, kwargs = _cast_inputs(category, args, kwargs, self.device)
         with torch.autocast(self.device, enabled=False):
-            return _call(func, args, kwargs)
+            out = _call(func, cast, kwargs)
+        if name[-1] == "_" and name[:2] != "__" and out.dtype != args[0].dtype:  # in place, on a cast copy of self
+            return args[0].copy_(out)
+        return out
 
     def __getstate__(self) -> dict[str, Any]:
         return {"device": self.device, "rules": self.rules}

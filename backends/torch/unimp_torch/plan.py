@@ -1,6 +1,7 @@
 """A policy compiled for torch on one device: the Plan, and what apply must add to torch.autocast.
 
-``plan.details`` (a :class:`TorchDetails`) carries the mechanism: ``autocast`` (the dtype torch.autocast runs, or None),
+``plan.details`` (a :class:`TorchDetails`) carries the mechanism: ``autocast`` (the dtype torch.autocast runs, or None;
+float32 for a float32 compute dtype whose overrides lower layers, so ops after them cast their inputs),
 ``op_moves`` (torch function name -> category: the ops unimp runs differently from torch's lists;
 empty = plain torch.autocast) and ``eager_mechanism``, how an eager forward moves them:
 ``autocast_kernels`` (unimp's Autocast kernels on just those ops: no moved op has a C++ Autocast
@@ -101,7 +102,11 @@ def compile_plan(request: Plan, model: Any = None, device: str | None = None,
     for i, o in enumerate(request.overrides):
         if o.compute_dtype not in (None, "auto"):
             check_dtype(o.compute_dtype, device, f"overrides[{i}].compute_dtype")
-    autocast = compute if dtypes.is_low(compute) else None
+    # the low dtypes the forward meets: the compute dtype and the overrides' (their outputs reach later ops);
+    # a float32 compute dtype with lowered layers runs autocast to float32 (lower ops cast to it)
+    lows = {d for d in (compute, *(o.compute_dtype for o in request.overrides)) if dtypes.is_low(d)}
+    autocast = compute if dtypes.is_low(compute) else "float32" if lows else None
+    mixing = any(o.compute_dtype not in (None, "auto", compute) for o in request.overrides)
     control, native, op_moves, notes = {}, {}, {}, []
     own = autocast is not None and is_torch_own(request, device)
     for op in ops.CANONICAL_OPS:
@@ -114,9 +119,11 @@ def compile_plan(request: Plan, model: Any = None, device: str | None = None,
         if op == "batch_norm" and wanted == "float32":
             notes.append(BATCH_NORM_NOTE)
             continue
-        moved = moves(op, wanted, device, own)
+        moved = moves(op, wanted, device, own, other_low=bool(lows - {autocast}))
         op_moves.update(dict.fromkeys(moved, wanted))
         kept = [n for n in names if n not in moved and not same(native_category(n, device), wanted, n)]
+        if mixing:  # an override's outputs may reach them next to another dtype: mixed inputs promote, not fail
+            op_moves.update({n: "promote" for n in kept if native_category(n, device) == "inputs"})
         if kept:
             also = [n for n in kept if n in ALSO_MOVED.get(op, ())]
             why = (f": this policy's op lists are torch's own on {device}, so it runs as plain torch.autocast "
