@@ -122,14 +122,16 @@ def compile_plan(request: Plan, model: Any = None, device: str | None = None,
         moved = moves(op, wanted, device, own, other_low=bool(lows - {autocast}))
         op_moves.update(dict.fromkeys(moved, wanted))
         kept = [n for n in names if n not in moved and not same(native_category(n, device), wanted, n)]
-        if mixing:  # an override's outputs may reach them next to another dtype: mixed inputs promote, not fail
-            op_moves.update({n: "promote" for n in kept if native_category(n, device) == "inputs"})
+        # an override's outputs may reach them next to another dtype: mixed inputs promote (torch refuses them)
+        promoted = [n for n in kept if mixing and native_category(n, device) == "inputs"]
+        op_moves.update(dict.fromkeys(promoted, "promote"))
         if kept:
             also = [n for n in kept if n in ALSO_MOVED.get(op, ())]
             why = (f": this policy's op lists are torch's own on {device}, so it runs as plain torch.autocast "
                    f"(other policies run {', '.join(also)} as {op} says)") if also else ""
             notes.append(f"{op}: torch keeps its own choice for {', '.join(kept)} "
-                         f"({native_category(kept[0], device)} on {device}){why}")
+                         f"({native_category(kept[0], device)} on {device}){why}"
+                         + (f"; mixed input dtypes promote to the widest ({', '.join(promoted)})" if promoted else ""))
     mechanism = None if not op_moves else "autocast_kernels" if kernel_table(op_moves, device) is not None \
         else "function_mode"
     details = TorchDetails(device, autocast, op_moves, mechanism)
