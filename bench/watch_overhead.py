@@ -7,9 +7,11 @@ unwatched build: the A/A control, i.e. the noise), ``watched`` (``amp.watch(ever
 ``--localize``, ``localize`` (``amp.watch(every=100, localize=True)``: every layer checked on every step).
 A block is ``every`` training steps (forward, ``amp.backward``, ``amp.optimizer.step()``, zero_grad),
 so each watched block holds exactly one sampled step; blocks of the builds run in a rotating order and
-the median block time per step is reported, with the ratios to ``plain``. Compiled: ``torch.compile``
-of each build's ``amp.model``, warmed up over one block first (the watched builds compile their
-sampled-step graph there too). One thread, so the builds do not compete for cores.
+the median block time per step is reported, with the ratios to ``plain``. Time is the process's CPU time
+(``time.process_time``; one thread, so it is the step's own work): on a shared machine wall time moves
+with the other processes far more than the effect measured here (``--wall`` reports wall time instead).
+Compiled: ``torch.compile`` of each build's ``amp.model`` (inductor), warmed up over one block first (the
+watched builds compile their sampled-step graph there too).
 """
 
 from __future__ import annotations
@@ -51,16 +53,17 @@ def variant(base: torch.nn.Module, policy: str, batch: dict, compiled: bool, **w
     return step
 
 
-def measure(steps: dict[str, Callable[[], None]], blocks: int, every: int) -> dict[str, float]:
+def measure(steps: dict[str, Callable[[], None]], blocks: int, every: int,
+            clock: Callable[[], float] = time.process_time) -> dict[str, float]:
     """Median over blocks of the per-step time of a block of ``every`` steps (ms), builds rotating."""
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
     for b in range(blocks):
         for n in names[b % len(names):] + names[:b % len(names)]:
-            t = time.perf_counter()
+            t = clock()
             for _ in range(every):
                 steps[n]()
-            times[n].append((time.perf_counter() - t) / every)
+            times[n].append((clock() - t) / every)
     return {n: statistics.median(v) * 1e3 for n, v in times.items()}
 
 
@@ -74,6 +77,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--policy", default="mixed_bf16")
     ap.add_argument("--localize", action="store_true", help="also a build watched with localize=True")
+    ap.add_argument("--wall", action="store_true", help="wall time instead of the process's CPU time")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--eager-only", action="store_true")
     mode.add_argument("--compile-only", action="store_true")
@@ -83,8 +87,10 @@ def main() -> None:
     ids = torch.randint(0, 512, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     base = build(args.d, args.layers)
+    clock = time.perf_counter if args.wall else time.process_time
     print(f"GPT-2 d={args.d} layers={args.layers} batch={args.batch}x{args.seq}, {args.policy}, torch "
-          f"{torch.__version__}, 1 thread; median over {args.blocks} blocks of {args.every} steps (ms per step)")
+          f"{torch.__version__}, 1 thread; median over {args.blocks} blocks of {args.every} steps "
+          f"({'wall' if args.wall else 'CPU'} ms per step)")
     print("| mode | plain | plain2 (A/A) | watched | watched/plain | A/A plain2/plain |"
           + (" localize | localize/plain |" if args.localize else ""))
     print("|---|---|---|---|---|---|" + ("---|---|" if args.localize else ""))
@@ -100,7 +106,7 @@ def main() -> None:
         for step in steps.values():  # warm-up: compiles (both graphs of a watched build), allocator
             for _ in range(args.every):
                 step()
-        ms = measure(steps, args.blocks, args.every)
+        ms = measure(steps, args.blocks, args.every, clock)
         sampled = len(steps["watched"].amp._watch.records)
         loc = (f" {ms['localize']:.3f} | {ms['localize'] / ms['plain']:.3f} |" if args.localize else "")
         print(f"| {m} | {ms['plain']:.3f} | {ms['plain2']:.3f} | {ms['watched']:.3f} | "

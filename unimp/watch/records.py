@@ -101,7 +101,8 @@ class Origin:
                 "grad_output": "the gradient arriving at the output of", "grad_param": "a parameter gradient of",
                 "grad_input": "the input gradient produced by", "fp8_input": "the FP8 input of",
                 "fp8_grad_output": "the FP8 output gradient of"}[self.tensor]
-        where = what if self.tensor == "loss" else f"{what} {self.path}"
+        where = (f"{what} (non-finite before the backward: in the forward, or in a loss computed outside the "
+                 f"model; localize=True names the layer)") if self.tensor == "loss" else f"{what} {self.path}"
         return f"{self.direction}: {where}" + ("" if self.exact else " (from parameter gradients only)")
 
     def to_dict(self) -> dict[str, Any]:

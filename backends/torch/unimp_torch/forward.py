@@ -186,9 +186,6 @@ class PolicyForward:
         self.params = params
         self.observer: Any = None  # observe.Observer until the first eager forward has run
         self.compiled_inputs: Any = None  # trace.input_spec of the last compiled call (report() after compile)
-        # the hook set of a running amp.watch() (unimp_torch.watch; 0: none): read by every call, so
-        # torch.compile, which does not guard on module hooks, traces again when the hooks come or go
-        self.variant = 0
         self._hold: weakref.finalize | None = None
         self._acquire()
 
@@ -244,8 +241,6 @@ class PolicyForward:
         if self.channels_last:
             args = tuple(_nhwc(a) for a in args)
         compiling = torch.compiler.is_compiling()  # decided once per forward
-        if compiling and self.variant:  # a compiled forward specialises on the watch's hook set
-            pass
         if compiling:  # traced: the graph's inputs' shapes/dtypes are left here for amp.report()
             self.compiled_inputs = input_spec(args, kwargs)
         if not compiling and self.observer is not None:
@@ -254,10 +249,10 @@ class PolicyForward:
         return cast_output(self._run(compiling, args, kwargs), self.output)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "observer": None, "_hold": None, "compiled_inputs": None, "variant": 0}
+        return {**self.__dict__, "observer": None, "_hold": None, "compiled_inputs": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"variant": 0, **state})
+        self.__dict__.update(state)
         self._acquire()  # a copy or an unpickled model (maybe in another process) holds its own kernels
 
 

@@ -3,23 +3,29 @@ non-finite value appeared. The records, their order and the writers are the core
 handed to :meth:`TorchAmp._start_watch`); this module measures.
 
 Hooks on the report's layers (the model, every leaf module and every module with a kind): a forward
-pre-hook (the layer's input), a forward hook (its output, and a tensor hook on it for the gradient
-arriving there) and, with ``localize``, a view of each input the layer receives with a tensor hook
-(the gradient the layer's backward produced for it: ``grad_input``). Everything they compute stays
-on the device, in preallocated buffers written in place (no host read, no Python side effect that
-``torch.compile`` would break the graph for): per check, one float32 sum (non-finite iff some value
-is), and on sampled steps the amax and counts of :data:`unimp.watch.COUNTS` against the tensor's
-dtype (:func:`unimp.spi.dtypes.limits`). The host reads the buffers once at the end of a step that
-is sampled or skipped (``amp.optimizer.step()`` reads the skip flag on the host then: free on CPU,
-one sync on CUDA with a fused optimizer, as a non-fused one always does).
+pre-hook (the layer's input) and a forward hook (its output). Everything they compute stays on the
+device (no host read, no Python side effect that ``torch.compile`` would break the graph for): per
+check, one float32 sum (non-finite iff some value is), and on sampled steps the amax and the class
+counts against the tensor's dtype (:func:`unimp.spi.dtypes.limits`, counted on the bit patterns). The
+host reads them once at the end of a step that is sampled or skipped (``amp.optimizer.step()`` reads
+the skip flag on the host then: free on CPU, one sync on CUDA with a fused optimizer, as a non-fused
+one always does).
 
-The hooks are installed only for the steps that use them (sampled steps, every step with
-``localize``): an unwatched step runs no hook at all. The model's forward reads the watch's hook set
-(:attr:`unimp_torch.forward.PolicyForward.variant`), so a compiled forward traces again when they
-come or go (``torch.compile`` does not guard on module hooks) and keeps one graph per hook set.
+The backward: in eager, a tensor hook on each layer's output (the gradient arriving there) and, with
+``localize``, on a view of each input the layer takes (the gradient its backward produced for it).
+Traced by ``torch.compile``, the same tensors pass through :class:`_Tap` (a copy whose backward
+measures the gradient into the gradient of :attr:`TorchWatch.probe`, a leaf the backward accumulates
+into): a compiled backward then writes no buffer a forward graph saved, whatever graph breaks the
+model has, and its positions mirror the forward's (a gradient arrives at a layer's output in the
+reverse order of the layers' returns, leaves its input in the reverse order of their calls).
 
-Order: eager hooks append to a Python list; traced ones stamp a device clock (their first
-occurrence in the step). The forward of a step comes before its backward (:func:`unimp.watch.first_nonfinite`).
+Eager, the hooks are installed only for the steps that use them (sampled steps, every step with
+``localize``): an unwatched step runs no hook at all. Once the model runs compiled they stay installed
+(``torch.compile`` does not guard on module hooks: a graph traced without them would never run them)
+and read :attr:`TorchWatch.checking` / :attr:`TorchWatch.sampling` first, which every graph that inlined
+them guards on: an unwatched step runs the graph traced with nothing of the watch in it. A model that
+``torch.compile`` traced before the watch started (or on a step without the hooks) is traced again:
+``torch.compiler.reset()``, said in a :class:`UnimpWarning`.
 
 >>> import torch, unimp
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
@@ -36,8 +42,8 @@ occurrence in the step). The forward of a step comes before its backward (:func:
 from __future__ import annotations
 
 import functools
-import itertools
 import math
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -46,7 +52,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from unimp.spi import UnsupportedError, dtypes
+from unimp.spi import UnimpWarning, UnsupportedError, dtypes
 
 from .kinds import report_kind
 from .layers import kind
@@ -57,7 +63,6 @@ IN, OUT, GRAD_OUT, GRAD_IN, FP8_IN, FP8_GRAD_OUT = range(6)
 PLACES = ("input", "output", "grad_output", "grad_input", "fp8_input", "fp8_grad_output")
 LOSS_PATH = "<loss>"
 CODES = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")  # dtype codes in the buffer
-_serial = itertools.count(1)  # one hook set per watch: a compiled forward keeps one graph for each
 
 
 def is_layer(path: str, module: nn.Module) -> bool:
@@ -70,28 +75,35 @@ def _floating(leaves: list[Any]) -> list[torch.Tensor]:
 
 
 class _NotCopied:
-    """A callable the model or the Amp holds while watched: copies and pickles of them get an inert
-    stand-in (a copied model is not watched; its hooks must not write into this watch)."""
+    """What the model, the optimizer or the Amp hold while watched: their copies and pickles get
+    ``copied_as`` instead (a copied model is not watched: its hooks must not write into this watch)."""
+
+    copied_as: Any = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return _inert
+        return self.copied_as
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_Inert, ())
+        return (_none, ()) if self.copied_as is None else (_Inert, ())
+
+
+def _none() -> None:
+    return None
 
 
 class _Inert:
+    """A hook that does nothing (what a copy of a watched model holds)."""
+
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         return None
-
-
-_inert = _Inert()
 
 
 class _Hook(_NotCopied):
     """One of a layer's hooks: calls ``fn`` (a method of :class:`TorchWatch`) with the layer's first slot.
     ``device``: a forward hook's device type; the policy's autocast (and unimp's own kernels for the ops it
     moves) is off while the hook measures (its sums and counts are the watch's, not the model's)."""
+
+    copied_as = _Inert()
 
     def __init__(self, fn: Callable[..., Any], base: int, device: str | None = None) -> None:
         self.fn, self.base, self.device = fn, base, device
@@ -130,6 +142,9 @@ class TorchWatch(_NotCopied):
         self.amax = torch.zeros(n, dtype=torch.float32, device=device)
         self.counts = torch.zeros(n, 7, dtype=torch.int64, device=device)  # _at_least's six counts, numel
         self.codes = torch.full((n,), -1, dtype=torch.int64, device=device)
+        # traced backwards measure into this leaf's gradient, one _ROW per slot (float64 holds the counts)
+        self.probe = torch.zeros(n, _ROW, dtype=torch.float32 if device.type == "mps" else torch.float64,
+                                 device=device, requires_grad=True)
         self.order: list[int] = []  # eager hooks' slots, first occurrence in the step, in execution order
         self.seen: set[int] = set()
         self.pending: list[tuple[int, torch.Tensor]] = []  # eager checks of the step: (slot, float32 sum)
@@ -139,36 +154,37 @@ class TorchWatch(_NotCopied):
         self.losses: list[torch.Tensor] = []
         self.scale_used: torch.Tensor | None = None
         self.backward_order: list[str] = [p for p in reversed(self.paths)]  # until a backward is seen
-        self.sampling = self.checking = False
+        self.sampling = self.checking = False  # read first by every hook (a compiled graph guards on them)
+        self.compiled = False  # the model ran compiled: hooks stay installed
         self.handles: list[Any] = []
-        self.serial = next(_serial)
         self.step = amp.scaler.steps  # the index of the next step
 
     # ------------------------------------------------------------------ install
     def arm(self) -> None:
-        """Hooks for the next step: installed when it is sampled (or always with ``localize``), else none."""
+        """Hooks for the next step: eager, installed when it is sampled (or always with ``localize``), else
+        none; once the model runs compiled, installed for good (see the module's docstring)."""
+        compiled = getattr(self.amp.module.__dict__.get("forward"), "compiled_inputs", None) is not None
+        if compiled and not self.compiled:
+            self.compiled = True
+            if not self.handles:  # traced on a step without the hooks (or before the watch): trace again
+                warnings.warn("amp.watch(): torch.compile traced this model without the watch's hooks, and it does "
+                              "not see hooks added later; its compiled code is reset (torch.compiler.reset()) so "
+                              "that the next step traces them", UnimpWarning, stacklevel=4)
+                torch.compiler.reset()
         self.sampling = self.session.sampled(self.step)
         self.checking = self.sampling or self.localize
-        if self.checking and not self.handles:
+        if (self.checking or self.compiled) and not self.handles:
             for i, (_, module) in enumerate(self.layers):
                 self.handles += [
                     module.register_forward_pre_hook(_Hook(self._pre, 6 * i, self.device), with_kwargs=True),
                     module.register_forward_hook(_Hook(self._post, 6 * i, self.device))]
-        elif not self.checking and self.handles:
+        elif not (self.checking or self.compiled) and self.handles:
             self.disarm()
-        self._variant(self.serial if self.handles else 0)
 
     def disarm(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-        self._variant(0)
-
-    def _variant(self, value: int) -> None:
-        """Tell the model's forward which hook set it runs with (a compiled forward traces again for a new one)."""
-        forward = self.amp.module.__dict__.get("forward")
-        if hasattr(forward, "variant"):
-            forward.variant = value
 
     # ------------------------------------------------------------------ on the device, per hook
     def _check(self, slot: int, tensors: list[torch.Tensor], measured: torch.Tensor | None = None) -> None:
@@ -199,23 +215,21 @@ class TorchWatch(_NotCopied):
         """amax and class counts of ``t`` cast to ``target`` (``scaled``: after tensorwise scaling to ``target``'s
         max, as an FP8 cast does; else ``t`` as it is, in its dtype or in a narrower ``target``). Eager: a tensor
         measured already this step (a layer returning its last child's output) is not measured again."""
-        eager = not torch.compiler.is_compiling()
-        if eager:
+        if not torch.compiler.is_compiling():
             seen = self.measured.get(id(t))
             if seen is not None and seen[0]() is t and seen[2] == (target, scaled):
                 self.same[slot] = seen[1]
                 return
             self.measured[id(t)] = (weakref.ref(t), slot, (target, scaled))
-        x = t.detach().abs()
-        if x.dtype not in _INT_OF:
-            x = x.float()
-        amax = x.nan_to_num(0.0, 0.0, 0.0).amax().float()  # the largest finite magnitude
-        if scaled:
-            x = x.float() * torch.where(amax > 0, dtypes.limits(target).max / amax, 1.0)
+        amax, counts = _amax_and_counts(t, self._how(t, target, scaled))
         self.amax[slot] = torch.maximum(self.amax[slot], amax)
-        self.counts[slot, :6].add_(_at_least(x, self.bounds[x.dtype, target]))
-        self.counts[slot, 6].add_(x.numel())
+        self.counts[slot].add_(counts)
         self.codes[slot].fill_(CODES.index(target))
+
+    def _how(self, t: torch.Tensor, target: str, scaled: bool = False) -> tuple:
+        """What :func:`_amax_and_counts` needs to measure ``t`` in ``target`` (constants: traced as such)."""
+        measured_as = torch.float32 if scaled or t.dtype not in _INT_OF else t.dtype
+        return self.bounds[measured_as, target], dtypes.limits(target).max if scaled else None, CODES.index(target)
 
     def _target(self, t: torch.Tensor) -> str:
         """The dtype ``t`` is measured in: the compute dtype where ``t`` is wider (what the next lowered op
@@ -224,7 +238,7 @@ class TorchWatch(_NotCopied):
         return self.compute if t.itemsize > self.compute_size else own
 
     def _pre(self, base: int, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if not torch.is_grad_enabled():  # a no-grad forward (evaluation, amp.report(x)) is not a training step
+        if not self.checking or not torch.is_grad_enabled():  # a no-grad forward (evaluation, amp.report(x))
             return None
         leaves, spec = (list(args), None) if not kwargs else tree_flatten((args, kwargs))
         floating = _floating(leaves)
@@ -235,29 +249,42 @@ class TorchWatch(_NotCopied):
             self._measure(base + FP8_IN, floating[0], self.fp8_formats[0], scaled=True)
         if not self.localize:
             return None
-        # each input the layer takes, as a view only it uses: the gradient its backward produces for it
-        hook, changed = _Hook(self._grad_input, base), False
+        # each input the layer takes, as a tensor only it uses: the gradient its backward produces for it
+        compiling, changed = torch.compiler.is_compiling(), False
+        hook = functools.partial(self._grad_input, base)
         for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
-                leaves[i] = t.view_as(t)
-                leaves[i].register_hook(hook)
+                if compiling:
+                    leaves[i] = _Tap.apply(t, self.probe, (base + GRAD_IN, None, None))
+                else:
+                    leaves[i] = t.view_as(t)
+                    leaves[i].register_hook(hook)
                 changed = True
         if not changed:
             return None
         return (tuple(leaves), kwargs) if spec is None else tree_unflatten(leaves, spec)
 
-    def _post(self, base: int, module: nn.Module, args: tuple, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
-        floating = _floating([output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0])
+    def _post(self, base: int, module: nn.Module, args: tuple, output: Any) -> Any:
+        if not self.checking or not torch.is_grad_enabled():
+            return None
+        leaves, spec = ([output], None) if isinstance(output, torch.Tensor) else tree_flatten(output)
+        floating = _floating(leaves)
         if not floating:
-            return
+            return None
         main = floating[0]
         if self.sampling:
             self._measure(base + OUT, main, self._target(main))
         self._check(base + OUT, floating, measured=main if self.sampling else None)
-        if main.requires_grad:
-            main.register_hook(_Hook(self._grad_output, base))
+        if not main.requires_grad:
+            return None
+        if not torch.compiler.is_compiling():
+            main.register_hook(functools.partial(self._grad_output, base))
+            return None
+        measure = self._how(main, self._target(main)) if self.sampling else None
+        fp8 = ((base + FP8_GRAD_OUT, self._how(main, self.fp8_formats[1], scaled=True))
+               if self.sampling and base // 6 in self.fp8 else None)
+        leaves[leaves.index(main)] = _Tap.apply(main, self.probe, (base + GRAD_OUT, measure, fp8))
+        return leaves[0] if spec is None else tree_unflatten(leaves, spec)
 
     def _grad_output(self, base: int, grad: torch.Tensor) -> None:
         if self.sampling:
@@ -290,6 +317,7 @@ class TorchWatch(_NotCopied):
             self.flags.zero_()
             self.seq.fill_(-1.0)
             self.clock.zero_()
+            self.probe.grad = None
             if self.sampling:
                 self.amax.zero_()
                 self.counts.zero_()
@@ -302,31 +330,44 @@ class TorchWatch(_NotCopied):
         self.same.clear()
         self.losses.clear()
 
-    def _positions(self) -> dict[int, float]:
-        seq = self.seq.tolist()
-        eager = {slot: float(i) for i, slot in enumerate(self.order)}
-        return {slot: (seq[slot] if seq[slot] >= 0 else eager[slot]) for slot in range(len(seq))
-                if seq[slot] >= 0 or slot in eager}
-
-    def _record(self, skipped: bool) -> None:
-        scale = float(self.scale_used.item()) if self.scale_used is not None else None
-        positions = self._positions() if self.checking else {}
+    def _read(self) -> tuple[dict[int, float], list[float], list[float], list[list[int]], list[int]]:
+        """The step as the host sees it: positions (slot -> place in its pass), the check sums, and the
+        measured amax, counts and dtype codes per slot (eager buffers, traced backwards' probe rows)."""
         if self.pending:
             slots, sums = zip(*self.pending, strict=True)
             self.flags.index_add_(0, torch.tensor(slots, device=self.flags.device), torch.stack(sums))
-        flags = self.flags.tolist() if positions else []
-        nonfinite = [row[4] for row in self.counts.tolist()] if self.sampling else []  # measured: counts say
-        nonfinite = [nonfinite[self.same.get(s, s)] for s in range(len(nonfinite))]
+        flags, seq = self.flags.tolist(), self.seq.tolist()
+        amax, counts, codes = self.amax.tolist(), self.counts.tolist(), self.codes.tolist()
+        for slot, src in self.same.items():  # the same tensor measured once for two layers
+            amax[slot], counts[slot], codes[slot] = amax[src], counts[src], codes[src]
+        positions = {slot: float(i) for i, slot in enumerate(self.order)}
+        positions.update({slot: p for slot, p in enumerate(seq) if p >= 0})
+        if self.probe.grad is not None:  # traced backwards: mirrored forward positions, measured rows
+            end = 2.0 * max(seq)
+            for slot, row in enumerate(self.probe.grad.tolist()):
+                if row[_OCCURRED] <= 0:
+                    continue
+                flags[slot] += row[0]
+                mirror = slot - slot % 6 + (IN if slot % 6 == GRAD_IN else OUT)
+                positions[slot] = end - seq[mirror] if seq[mirror] >= 0 else end
+                if row[_NUMEL] > 0:
+                    amax[slot], counts[slot] = row[1], [round(c) for c in row[2:_NUMEL + 1]]
+                    codes[slot] = round(row[_CODE] / row[_OCCURRED])
+        return positions, flags, amax, counts, codes
+
+    def _record(self, skipped: bool) -> None:
+        scale = float(self.scale_used.item()) if self.scale_used is not None else None
+        positions, flags, amax, counts, codes = self._read() if self.checking else ({}, [], [], [], [])
         events = [(self.paths[slot // 6], PLACES[slot % 6], pos,
-                   _finite(flags[slot]) and not (nonfinite and nonfinite[slot]))
-                  for slot, pos in positions.items() if slot != self.loss_slot]
+                   _finite(flags[slot]) and not (codes[slot] >= 0 and counts[slot][4]))  # measured: counts say
+                  for slot, pos in positions.items() if slot != self.loss_slot and slot % 6 < FP8_IN]
         if skipped:
             events += self._loss_and_params()
         arrivals = sorted((pos, self.paths[slot // 6]) for slot, pos in positions.items()
                           if slot % 6 == GRAD_OUT and slot != self.loss_slot)
         if arrivals:  # the gradient-arrival order this step saw (for later steps located by parameters only)
             self.backward_order = list(dict.fromkeys(p for _, p in arrivals))
-        layers = self._stats(positions) if self.sampling else []
+        layers = self._stats(positions, amax, counts, codes) if self.sampling else []
         self.session.add(self.step, skipped=skipped, scale=scale, sampled=self.sampling, layers=layers,
                          events=events, backward_order=self.backward_order)
 
@@ -338,7 +379,7 @@ class TorchWatch(_NotCopied):
         tensors = [g._values() if g.is_sparse else getattr(g, "_local_tensor", g) for _, g in grads]
         scale = self.scale_used if self.scale_used is not None else torch.ones(())
         sums = [(loss.float().sum() * scale.to(loss.device)).reshape(()) for loss in self.losses]
-        sums += [t.detach().sum(dtype=torch.float32).to(self.flags.device) for t in tensors]
+        sums += [t.detach().sum(dtype=torch.float32) for t in tensors]
         if not sums:
             return []
         finite = torch.isfinite(torch.stack([s.to(self.flags.device) for s in sums])).tolist()
@@ -349,13 +390,10 @@ class TorchWatch(_NotCopied):
             out.append((name.rpartition(".")[0], "grad_param", None, ok))
         return out
 
-    def _stats(self, positions: dict[int, float]) -> list[tuple[str, str, str, float, dict[str, int]]]:
+    def _stats(self, positions: dict[int, float], amax: list[float], counts: list[list[int]],
+               codes: list[int]) -> list[tuple[str, str, str, float, dict[str, int]]]:
         """The measured tensors, in execution order: the forward's as the layers returned, then the
         backward's as the gradients arrived (an FP8 tensor next to its layer's output or gradient)."""
-        amax, counts, codes = self.amax.tolist(), self.counts.tolist(), self.codes.tolist()
-        for slot, src in self.same.items():  # the same tensor measured once for two layers
-            amax[slot], counts[slot], codes[slot] = amax[src], counts[src], codes[src]
-
         def order(slot: int) -> tuple[int, float, int]:
             backward = slot % 6 in (GRAD_OUT, FP8_GRAD_OUT)
             anchor = slot - slot % 6 + (GRAD_OUT if backward else OUT)
@@ -370,12 +408,65 @@ class TorchWatch(_NotCopied):
         return out
 
     def close(self) -> None:
-        """Undo: hooks removed, the Amp's taps cleared (``watch.close()``, ``amp.unwatch()``, ``amp.remove()``)."""
+        """Undo: hooks removed, the Amp's taps cleared (``watch.close()``, ``amp.unwatch()``, ``amp.remove()``).
+        A compiled graph that inlined the hooks runs its variant without them (``checking`` is False)."""
+        self.checking = self.sampling = False
         self.disarm()
         if self.amp._watching is self:
             self.amp._watching = None
         if isinstance(self.amp.optimizer, AmpOptimizer) and isinstance(self.amp.optimizer.after_step, _StepEnd):
             self.amp.optimizer.after_step = None
+
+
+# a probe row: the check sum, amax, _at_least's six counts, numel, how many taps wrote it, dtype code x that
+_ROW, _NUMEL, _OCCURRED, _CODE = 11, 8, 9, 10
+
+
+class _Tap(torch.autograd.Function):
+    """A traced step's view of a layer's output (or, with ``localize``, input): a copy (later in-place ops on
+    it stay legal) whose backward checks, and on sampled steps measures, the gradient into the probe's
+    gradient row ``slot`` (``measure``: :meth:`TorchWatch._how`'s constants; ``fp8``: a second row and its
+    constants for an FP8 layer's gradient format). The backward writes no buffer: it returns a gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, probe: torch.Tensor, spec: tuple) -> torch.Tensor:
+        ctx.spec, ctx.probe = spec, (probe.shape, probe.dtype)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (slot, measure, fp8), (shape, dtype) = ctx.spec, ctx.probe
+        rows = torch.zeros(shape, dtype=dtype, device=grad.device)
+        rows[slot] = _row(grad, measure, dtype)
+        if fp8 is not None:
+            rows[fp8[0]] = _row(grad, fp8[1], dtype)
+        return grad, rows, None
+
+
+def _row(grad: torch.Tensor, measure: tuple | None, dtype: torch.dtype) -> torch.Tensor:
+    """One probe row for ``grad`` (see :data:`_ROW`)."""
+    total = grad.detach().sum(dtype=torch.float32).to(dtype)
+    if measure is None:
+        return torch.cat([total.reshape(1), grad.new_zeros(_NUMEL, dtype=dtype), grad.new_ones(1, dtype=dtype),
+                          grad.new_zeros(1, dtype=dtype)])
+    amax, counts = _amax_and_counts(grad, measure)
+    code = measure[2]
+    return torch.cat([total.reshape(1), amax.to(dtype).reshape(1), counts.to(dtype),
+                      grad.new_full((1,), 1.0, dtype=dtype), grad.new_full((1,), float(code), dtype=dtype)])
+
+
+def _amax_and_counts(t: torch.Tensor, how: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest finite magnitude of ``t`` (float32) and :func:`_at_least`'s counts plus numel (int64, 7),
+    as ``how`` (:meth:`TorchWatch._how`) says: the bounds, and the format's max to scale to (FP8) or None."""
+    bounds, scale_to, _ = how
+    x = t.detach().abs()
+    if scale_to is not None or x.dtype not in _INT_OF:
+        x = x.float()
+    amax = x.nan_to_num(0.0, 0.0, 0.0).amax().float()
+    if scale_to is not None:  # tensorwise to the format's max, as an FP8 cast scales
+        x = x * torch.where(amax > 0, scale_to / amax, 1.0)
+    counts = torch.cat([_at_least(x, bounds), x.new_full((1,), x.numel(), dtype=torch.int64)])
+    return amax, counts
 
 
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -426,18 +517,8 @@ class _StepEnd(_NotCopied):
     def __init__(self, watch: TorchWatch) -> None:
         self.watch = watch
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> None:
-        return None
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_none, ())
-
     def __call__(self, skipped: bool) -> None:
         self.watch.step_end(skipped)
-
-
-def _none() -> None:
-    return None
 
 
 def start(amp: Any, session: Any) -> TorchWatch:
