@@ -11,6 +11,9 @@ was finite; :func:`first_nonfinite` picks the first non-finite one.
 >>> first_nonfinite([Event("fc2", "grad_param", None, False), Event("fc1", "grad_param", None, False)],
 ...                 backward_order=["fc2", "fc1"]).describe()
 'backward: a parameter gradient of fc2 (from parameter gradients only)'
+>>> first_nonfinite([Event("fc1", "output", 0, True), Event("fc2", "output", 1, True),  # a traced backward
+...                  Event("fc1", "grad_output", None, False), Event("fc2", "grad_output", None, False)]).path
+'fc2'
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ def first_nonfinite(events: Iterable[Event], backward_order: Sequence[str] = ())
     - The forward comes first (layers in the order they return: a layer inside another returns before
       it), then the loss, then the backward (in gradient-arrival order). A non-finite value makes what
       is computed from it non-finite, so the first one in this order is where it appeared.
+    - A gradient without a position (measured where the backend cannot see the order gradients arrive
+      in: a traced backward) takes its layer's forward position mirrored: a gradient arrives at the
+      layers' outputs in the reverse order of their returns and leaves their inputs in the reverse order
+      of their calls (exact for layers that run one after another or inside one another).
     - A parameter gradient has no position of its own (it is read after the backward): it belongs to its
       layer's backward, right after the gradient arrived at the layer's output and before the gradients
       the layer produced for its inputs.
@@ -50,7 +57,7 @@ def first_nonfinite(events: Iterable[Event], backward_order: Sequence[str] = ())
       its parameter gradients are ordered by ``backward_order`` (layer paths in gradient-arrival order,
       e.g. as a previous step saw them), after every positioned event, and the origin is not ``exact``.
     """
-    events = list(events)
+    events = _mirrored(list(events))
     arrival = {e.path: e.position for e in events if e.tensor == "grad_output" and e.position is not None}
     rank = {path: i for i, path in enumerate(backward_order)}
     best, best_key = None, None
@@ -68,3 +75,21 @@ def first_nonfinite(events: Iterable[Event], backward_order: Sequence[str] = ())
         if best_key is None or key < best_key:
             best, best_key = Origin(e.path, e.tensor, exact), key
     return best
+
+
+MIRROR = {"grad_output": "output", "grad_input": "input", "fp8_grad_output": "output"}
+
+
+def _mirrored(events: list[Event]) -> list[Event]:
+    """``events`` with unpositioned gradients placed at their layer's mirrored forward position."""
+    forward = {(e.path, e.tensor): e.position for e in events
+               if e.position is not None and direction_of(e.tensor) == "forward"}
+    if not forward:
+        return events
+    end = max(forward.values()) + 1
+    out = []
+    for e in events:
+        mirror = forward.get((e.path, MIRROR.get(e.tensor, "")))
+        out.append(Event(e.path, e.tensor, end + (end - mirror), e.finite)
+                   if e.position is None and mirror is not None else e)
+    return out

@@ -17,13 +17,16 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # the counts a backend measures per tensor, besides amax (see unimp.watch.Watch.add)
 COUNTS = ("nonfinite", "overflow", "underflow", "subnormal", "zero", "numel")
 FRACTIONS = COUNTS[:-1]
+# or, cumulatively: how many magnitudes are non-zero, above dtype's underflow_at, at or above its normal_from,
+# at or above its overflow_at, not finite, NaN (unimp.dtypes.Limits), then numel
+AT_LEAST = ("nonzero", "above_underflow", "normal", "overflowing", "nonfinite", "nan", "numel")
 
 # where a tensor is, and the direction of the pass that made it
 TENSORS = {
@@ -70,9 +73,21 @@ class LayerStats:
         return direction_of(self.tensor)
 
     @classmethod
-    def from_counts(cls, path: str, tensor: str, dtype: str, amax: float, counts: Mapping[str, float]) -> LayerStats:
-        """From a backend's raw counts (:data:`COUNTS`); fractions of ``numel`` (0 for an empty tensor)."""
+    def from_counts(cls, path: str, tensor: str, dtype: str, amax: float,
+                    counts: Mapping[str, float] | Sequence[float]) -> LayerStats:
+        """From a backend's raw counts: a mapping with the keys :data:`COUNTS`, or the sequence of
+        :data:`AT_LEAST` (how many magnitudes reach each class boundary of ``dtype``, then numel: what
+        counting on the bit patterns gives); fractions of ``numel`` (0 for an empty tensor).
+
+        >>> s = LayerStats.from_counts("fc", "output", "float16", 1.0, [7, 6, 5, 2, 1, 0, 8])
+        >>> s.zero, s.underflow, s.subnormal, s.overflow, s.nonfinite
+        (0.125, 0.125, 0.125, 0.25, 0.125)
+        """
         direction_of(tensor)
+        if not isinstance(counts, Mapping):
+            nonzero, above_underflow, normal, overflowing, nonfinite, nan, n = (int(c) for c in counts)
+            counts = {"nonfinite": nonfinite, "overflow": overflowing - nan, "underflow": nonzero - above_underflow,
+                      "subnormal": above_underflow - normal, "zero": n - nonzero, "numel": n}
         n = int(counts["numel"])
         return cls(path, tensor, dtype, n, float(amax), *(float(counts[f]) / n if n else 0.0 for f in FRACTIONS))
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from unimp.watch.order import Event, first_nonfinite
-from unimp.watch.records import COUNTS, LayerStats, StepRecord
+from unimp.watch.records import AT_LEAST, COUNTS, LayerStats, StepRecord
 from unimp.watch.summary import Summary
 from unimp.watch.writer import JsonLines
 
@@ -51,7 +51,7 @@ class Watch:
     parameter gradients only); ``keep``: how many records stay in memory (``watch.records``).
     """
 
-    COUNTS = COUNTS  # the counts a backend measures per tensor, in this order (see add)
+    COUNTS, AT_LEAST = COUNTS, AT_LEAST  # the counts a backend measures per tensor (see add)
 
     def __init__(self, every: int = 100, path: str | os.PathLike[str] | None = None, *, localize: bool = False,
                  keep: int = 1000) -> None:
@@ -89,13 +89,14 @@ class Watch:
         return self._start is not None and step >= self._start and (step - self._start) % self.every == 0
 
     def add(self, step: int, *, skipped: bool, scale: float | None, sampled: bool,
-            layers: Iterable[tuple[str, str, str, float, Mapping[str, float]]] = (),
+            layers: Iterable[tuple[str, str, str, float, Mapping[str, float] | Sequence[float]]] = (),
             events: Iterable[tuple[str, str, float | None, bool]] = (),
             backward_order: Sequence[str] = (), notes: Iterable[str] = ()) -> dict[str, Any]:
         """Record one step; returns its record (a plain dict), also handed to every writer.
 
         ``layers``: ``(path, tensor, dtype, amax, counts)`` per measured tensor, ``counts`` a mapping
-        with the keys :attr:`COUNTS` (in ``dtype``, see :class:`unimp.watch.records.LayerStats`);
+        with the keys :attr:`COUNTS` or the sequence :attr:`AT_LEAST` (in ``dtype``, see
+        :meth:`unimp.watch.records.LayerStats.from_counts`);
         ``events``: ``(path, tensor, position, finite)`` per checked tensor, ordered by
         :func:`unimp.watch.order.first_nonfinite` (with ``backward_order``) to find where the first
         non-finite value appeared."""

@@ -140,7 +140,7 @@ class TorchWatch(_NotCopied):
         self.seq = torch.full((n,), -1.0, dtype=torch.float32, device=device)  # traced hooks' first positions
         self.clock = torch.zeros((), dtype=torch.float32, device=device)
         self.amax = torch.zeros(n, dtype=torch.float32, device=device)
-        self.counts = torch.zeros(n, 7, dtype=torch.int64, device=device)  # _at_least's six counts, numel
+        self.counts = torch.zeros(n, 7, dtype=torch.int64, device=device)  # the core's Watch.AT_LEAST
         self.codes = torch.full((n,), -1, dtype=torch.int64, device=device)
         # traced backwards measure into this leaf's gradient, one _ROW per slot (float64 holds the counts)
         self.probe = torch.zeros(n, _ROW, dtype=torch.float32 if device.type == "mps" else torch.float64,
@@ -330,7 +330,7 @@ class TorchWatch(_NotCopied):
         self.same.clear()
         self.losses.clear()
 
-    def _read(self) -> tuple[dict[int, float], list[float], list[float], list[list[int]], list[int]]:
+    def _read(self) -> tuple[dict[int, float | None], list[float], list[float], list[list[int]], list[int]]:
         """The step as the host sees it: positions (slot -> place in its pass), the check sums, and the
         measured amax, counts and dtype codes per slot (eager buffers, traced backwards' probe rows)."""
         if self.pending:
@@ -342,14 +342,12 @@ class TorchWatch(_NotCopied):
             amax[slot], counts[slot], codes[slot] = amax[src], counts[src], codes[src]
         positions = {slot: float(i) for i, slot in enumerate(self.order)}
         positions.update({slot: p for slot, p in enumerate(seq) if p >= 0})
-        if self.probe.grad is not None:  # traced backwards: mirrored forward positions, measured rows
-            end = 2.0 * max(seq)
+        if self.probe.grad is not None:  # traced backwards: no position (the core mirrors the forward's)
             for slot, row in enumerate(self.probe.grad.tolist()):
                 if row[_OCCURRED] <= 0:
                     continue
                 flags[slot] += row[0]
-                mirror = slot - slot % 6 + (IN if slot % 6 == GRAD_IN else OUT)
-                positions[slot] = end - seq[mirror] if seq[mirror] >= 0 else end
+                positions[slot] = None
                 if row[_NUMEL] > 0:
                     amax[slot], counts[slot] = row[1], [round(c) for c in row[2:_NUMEL + 1]]
                     codes[slot] = round(row[_CODE] / row[_OCCURRED])
@@ -364,7 +362,7 @@ class TorchWatch(_NotCopied):
         if skipped:
             events += self._loss_and_params()
         arrivals = sorted((pos, self.paths[slot // 6]) for slot, pos in positions.items()
-                          if slot % 6 == GRAD_OUT and slot != self.loss_slot)
+                          if slot % 6 == GRAD_OUT and slot != self.loss_slot and pos is not None)
         if arrivals:  # the gradient-arrival order this step saw (for later steps located by parameters only)
             self.backward_order = list(dict.fromkeys(p for _, p in arrivals))
         layers = self._stats(positions, amax, counts, codes) if self.sampling else []
@@ -390,22 +388,21 @@ class TorchWatch(_NotCopied):
             out.append((name.rpartition(".")[0], "grad_param", None, ok))
         return out
 
-    def _stats(self, positions: dict[int, float], amax: list[float], counts: list[list[int]],
-               codes: list[int]) -> list[tuple[str, str, str, float, dict[str, int]]]:
+    def _stats(self, positions: dict[int, float | None], amax: list[float], counts: list[list[int]],
+               codes: list[int]) -> list[tuple[str, str, str, float, list[int]]]:
         """The measured tensors, in execution order: the forward's as the layers returned, then the
-        backward's as the gradients arrived (an FP8 tensor next to its layer's output or gradient)."""
+        backward's as the gradients arrived (traced: in the reverse order of the returns); an FP8 tensor
+        next to its layer's output or gradient."""
         def order(slot: int) -> tuple[int, float, int]:
             backward = slot % 6 in (GRAD_OUT, FP8_GRAD_OUT)
             anchor = slot - slot % 6 + (GRAD_OUT if backward else OUT)
-            return int(backward), positions.get(anchor, 0.0), slot
+            position = positions.get(anchor)
+            if position is None and backward:
+                position = -(positions.get(anchor - GRAD_OUT + OUT) or 0.0)
+            return int(backward), position or 0.0, slot
 
-        out = []
-        for slot in sorted((s for s, code in enumerate(codes) if code >= 0), key=order):
-            ge_one, ge_normal_side, ge_normal, ge_overflow, ge_inf, ge_nan, n = counts[slot]
-            out.append((self.paths[slot // 6], PLACES[slot % 6], CODES[codes[slot]], amax[slot],
-                        {"nonfinite": ge_inf, "overflow": ge_overflow - ge_nan, "underflow": ge_one - ge_normal_side,
-                         "subnormal": ge_normal_side - ge_normal, "zero": n - ge_one, "numel": n}))
-        return out
+        return [(self.paths[slot // 6], PLACES[slot % 6], CODES[codes[slot]], amax[slot], counts[slot])
+                for slot in sorted((s for s, code in enumerate(codes) if code >= 0), key=order)]
 
     def close(self) -> None:
         """Undo: hooks removed, the Amp's taps cleared (``watch.close()``, ``amp.unwatch()``, ``amp.remove()``).
