@@ -131,7 +131,7 @@ def run_layer(lp: LayerPlan, module: Any, call: Any, args: tuple, kwargs: dict, 
         out = call(*args, **kwargs)
     out = cast_floats(out, out_dt)
     trace.record(lp, dt, param_dtype, first_float_dtype(out))
-    return out if col is None else col.leave(lp.path, (args, kwargs), out)
+    return out if col is None else col.leave(lp.path, (args, kwargs), out, dt)
 
 
 def scan_carry_error(e: TypeError, scan: str = "nnx.scan") -> UnsupportedError:

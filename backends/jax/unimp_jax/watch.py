@@ -163,8 +163,9 @@ class Collector:
             leaves[i] = _tap(leaves[i], self.probe, self.sampled, (base + GRAD_IN, None, True, None))
         return jax.tree_util.tree_unflatten(tree, leaves)
 
-    def leave(self, path: str, inputs: tuple, out: Any) -> Any:
-        """A layer's output: measured (sampled steps), checked (``localize``), tapped for its gradient."""
+    def leave(self, path: str, inputs: tuple, out: Any, compute: str | None) -> Any:
+        """A layer's output: measured (sampled steps), checked (``localize``), tapped for its gradient
+        (``compute``: the dtype the layer computed in)."""
         base = self.watch.base(path)
         if base is None:
             return out
@@ -173,7 +174,7 @@ class Collector:
         if not floating:
             return out
         main = leaves[floating[0]]
-        target = self.watch.target(main.dtype)
+        target = self.watch.target(main.dtype, compute)
         self.rows.append(_row(main, (target, None), self.sampled, self.watch.localize))
         self.slots.append(base + OUT)
         fp8 = self.watch.fp8_formats.get(path)
@@ -213,7 +214,6 @@ class JaxWatch:
         self.slots = 6 * len(self.paths)
         self.fp8_formats = {path: tuple(dtypes.FP8_FORMATS[f] for f in lp.fp8_formats)
                             for path, lp in amp.layers.items() if lp.fp8 and len(lp.fp8_formats) == 2}
-        self.compute = amp.plan.compute_dtype
         self.start = amp.loss_scale_state().steps
         self.forward_slots: tuple[int, ...] = ()  # the slots of the forward rows, as the step was traced
         self.param_paths: tuple[str, ...] = ()  # the layer of each parameter-gradient check
@@ -223,11 +223,12 @@ class JaxWatch:
     def base(self, path: str) -> int | None:
         return self._base.get(path)
 
-    def target(self, dtype: Any) -> str:
-        """The dtype a tensor is measured in: the compute dtype where it is wider, else its own."""
+    @staticmethod
+    def target(dtype: Any, compute: str | None) -> str:
+        """The dtype a tensor is measured in: its layer's compute dtype where it is wider (a float32 output of
+        a layer that computed in float16), else its own."""
         own = jnp.dtype(dtype)
-        compute = jnp.dtype(self.compute) if self.compute in dtypes.FLOAT_DTYPES else own
-        return compute.name if own.itemsize > compute.itemsize else own.name
+        return compute if compute in ("float16", "bfloat16") and own.itemsize > 2 else own.name
 
     # ------------------------------------------------------------------ in the traced step
     def sampled(self, steps: jax.Array) -> jax.Array:

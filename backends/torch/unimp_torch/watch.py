@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from unimp.spi import UnimpWarning, UnsupportedError, dtypes
 
 from .kinds import report_kind
-from .layers import kind
+from .layers import kind, type_names
 from .optimizer import AmpOptimizer
 
 # a layer's checked tensors: slot = 6 * layer + place; the loss has the last slot
@@ -128,8 +128,8 @@ class TorchWatch(_NotCopied):
         self.fp8 = {i for i, p in enumerate(self.paths) if p in fp8}
         self.fp8_formats = ((dtypes.FP8_FORMATS[plan_fp8.forward_format], dtypes.FP8_FORMATS[plan_fp8.gradient_format])
                             if self.fp8 else None)
-        self.compute = amp.plan.compute_dtype
-        self.compute_size = {"float16": 2, "bfloat16": 2}.get(self.compute, 4)
+        # each layer's compute dtype as the Plan decides it (None: it follows its inputs)
+        self.compute = [amp.plan.decide(p, kind(m), type_names(m)).compute_dtype for p, m in self.layers]
         targets = {*CODES[:4], *(self.fp8_formats or ())}
         self.bounds = {(dt, t): _bounds(dt, t) for dt in _INT_OF for t in targets}  # host work done here, once
         n = 6 * len(self.layers) + 1
@@ -231,11 +231,11 @@ class TorchWatch(_NotCopied):
         measured_as = torch.float32 if scaled or t.dtype not in _INT_OF else t.dtype
         return self.bounds[measured_as, target], dtypes.limits(target).max if scaled else None, CODES.index(target)
 
-    def _target(self, t: torch.Tensor) -> str:
-        """The dtype ``t`` is measured in: the compute dtype where ``t`` is wider (what the next lowered op
-        makes of it), else its own."""
-        own = dtypes.dtype_name(t.dtype)
-        return self.compute if t.itemsize > self.compute_size else own
+    def _target(self, base: int, t: torch.Tensor) -> str:
+        """The dtype ``t`` is measured in: its layer's compute dtype where ``t`` is wider (a float32 output
+        of a layer that computed in float16), else its own."""
+        own, compute = dtypes.dtype_name(t.dtype), self.compute[base // 6]
+        return compute if compute in ("float16", "bfloat16") and t.itemsize > 2 else own
 
     def _pre(self, base: int, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if not self.checking or not torch.is_grad_enabled():  # a no-grad forward (evaluation, amp.report(x))
@@ -273,14 +273,14 @@ class TorchWatch(_NotCopied):
             return None
         main = floating[0]
         if self.sampling:
-            self._measure(base + OUT, main, self._target(main))
+            self._measure(base + OUT, main, self._target(base, main))
         self._check(base + OUT, floating, measured=main if self.sampling else None)
         if not main.requires_grad:
             return None
         if not torch.compiler.is_compiling():
             main.register_hook(functools.partial(self._grad_output, base))
             return None
-        measure = self._how(main, self._target(main)) if self.sampling else None
+        measure = self._how(main, self._target(base, main)) if self.sampling else None
         fp8 = ((base + FP8_GRAD_OUT, self._how(main, self.fp8_formats[1], scaled=True))
                if self.sampling and base // 6 in self.fp8 else None)
         leaves[leaves.index(main)] = _Tap.apply(main, self.probe, (base + GRAD_OUT, measure, fp8))
@@ -288,7 +288,7 @@ class TorchWatch(_NotCopied):
 
     def _grad_output(self, base: int, grad: torch.Tensor) -> None:
         if self.sampling:
-            self._measure(base + GRAD_OUT, grad, self._target(grad))
+            self._measure(base + GRAD_OUT, grad, self._target(base, grad))
             if base // 6 in self.fp8:
                 self._measure(base + FP8_GRAD_OUT, grad, self.fp8_formats[1], scaled=True)
         self._check(base + GRAD_OUT, [grad], measured=grad if self.sampling else None)
