@@ -30,7 +30,7 @@ from .layout import has_conv2d, restore_layout, to_channels_last
 from .optimizer import AfterInnerStep, AmpOptimizer
 from .params import ParamState, cast_params
 from .scaler import DeviceLossScale
-from .trace import Observer, example_inputs, observe
+from .trace import Observer, example_inputs, is_layer, observe
 
 
 class TorchAmp(Amp):
@@ -178,8 +178,7 @@ class TorchAmp(Amp):
         fp8 = self.fp8.layers if self.fp8 is not None else {}
         rows = [ReportRow(path or "<model>", r["kind"], r["compute_dtype"], r["param_dtype"], r["output_dtype"],
                           fp8.get(path))
-                for path, r in observed.items()
-                if not path or r["kind"] or not any(True for _ in self.module.get_submodule(path).children())]
+                for path, r in observed.items() if is_layer(path, self.module.get_submodule(path))]
         notes = [f"wrapped per layer: {', '.join(self.wrapped)}"] if self.wrapped else []
         notes += Fp8Decision.report_notes(self.fp8.decisions) if self.fp8 is not None else []
         return self.report_header(rows, notes)

@@ -2,11 +2,12 @@
 non-finite value appeared. The records, their order and the writers are the core's (:class:`unimp.watch.Watch`,
 handed to :meth:`TorchAmp._start_watch`); this module measures.
 
-Hooks on the report's layers (the model, every leaf module and every module with a kind): a forward
+Hooks on the report's layers (:func:`unimp_torch.trace.is_layer`): a forward
 pre-hook (the layer's input) and a forward hook (its output). Everything they compute stays on the
 device (no host read, no Python side effect that ``torch.compile`` would break the graph for): per
 check, one float32 sum (non-finite iff some value is), and on sampled steps the amax and the class
-counts against the tensor's dtype (:func:`unimp.spi.dtypes.limits`, counted on the bit patterns). The
+counts in the layer's compute dtype (the Plan's; a tensor already narrower: its own) against
+:func:`unimp.spi.dtypes.limits`, counted on the bit patterns. The
 host reads them once at the end of a step that is sampled or skipped (``amp.optimizer.step()`` reads
 the skip flag on the host then: free on CPU, one sync on CUDA with a fused optimizer, as a non-fused
 one always does).
@@ -54,20 +55,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from unimp.spi import UnimpWarning, UnsupportedError, dtypes
 
-from .kinds import report_kind
 from .layers import kind, type_names
 from .optimizer import AmpOptimizer
+from .trace import is_layer
 
 # a layer's checked tensors: slot = 6 * layer + place; the loss has the last slot
 IN, OUT, GRAD_OUT, GRAD_IN, FP8_IN, FP8_GRAD_OUT = range(6)
 PLACES = ("input", "output", "grad_output", "grad_input", "fp8_input", "fp8_grad_output")
 LOSS_PATH = "<loss>"
 CODES = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")  # dtype codes in the buffer
-
-
-def is_layer(path: str, module: nn.Module) -> bool:
-    """A row of ``amp.report()``: the model itself, a module with a kind, or a leaf module."""
-    return not path or bool(kind(module) or report_kind(module)) or not any(True for _ in module.children())
 
 
 def _floating(leaves: list[Any]) -> list[torch.Tensor]:
