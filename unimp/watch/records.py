@@ -18,7 +18,7 @@ True
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 # the counts a backend measures per tensor, besides amax (see unimp.watch.Watch.add)
@@ -92,8 +92,8 @@ class LayerStats:
         return cls(path, tensor, dtype, n, float(amax), *(float(counts[f]) / n if n else 0.0 for f in FRACTIONS))
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        return {"path": d.pop("path"), "direction": self.direction, **d}
+        return {"path": self.path, "direction": self.direction, "tensor": self.tensor, "dtype": self.dtype,
+                "numel": self.numel, "amax": self.amax, **{f: getattr(self, f) for f in FRACTIONS}}
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ them guards on: an unwatched step runs the graph traced with nothing of the watc
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import warnings
 import weakref
@@ -94,6 +95,21 @@ class _Inert:
         return None
 
 
+class _Checking:
+    """Whether a watch's hooks work on this step: the first thing every hook reads. Read through the module
+    global :data:`_CHECKING` by one name for all its hooks, so a compiled graph that inlined them guards on it
+    once (read through each hook's own attributes, its guards made an unwatched compiled step 1-2% slower)."""
+
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = False
+
+
+_CHECKING: dict[int, _Checking] = {}  # a running watch's serial -> its flag (no user object)
+_serial = itertools.count(1)
+
+
 class _Hook(_NotCopied):
     """One of a layer's hooks: calls ``fn`` (a method of :class:`TorchWatch`) with the layer's first slot.
     ``device``: a forward hook's device type; the policy's autocast (and unimp's own kernels for the ops it
@@ -101,10 +117,13 @@ class _Hook(_NotCopied):
 
     copied_as = _Inert()
 
-    def __init__(self, fn: Callable[..., Any], base: int, device: str | None = None) -> None:
-        self.fn, self.base, self.device = fn, base, device
+    def __init__(self, fn: Callable[..., Any], base: int, device: str, serial: int) -> None:
+        self.fn, self.base, self.device, self.serial = fn, base, device, serial
 
     def __call__(self, *args: Any) -> Any:
+        flag = _CHECKING.get(self.serial)
+        if flag is None or not flag.on:  # an unwatched step (a compiled graph guards on it: nothing traced)
+            return None
         if self.device is not None and torch.is_autocast_enabled(self.device):
             with torch.autocast(self.device, enabled=False):
                 return self.fn(self.base, *args)
@@ -117,7 +136,9 @@ class TorchWatch(_NotCopied):
     def __init__(self, amp: Any, session: Any) -> None:
         self.amp, self.session = amp, session
         self.localize = session.localize
-        self.layers = [(p, m) for p, m in amp.module.named_modules() if is_layer(p, m)]
+        # the report's layers but the model itself (its output is its last layer's or its loss, checked
+        # with the step's loss; its hooks would run outside a compiled forward, on every step)
+        self.layers = [(p, m) for p, m in amp.module.named_modules() if p and is_layer(p, m)]
         self.paths = [p for p, _ in self.layers]
         fp8 = amp.fp8.layers if amp.fp8 is not None else {}
         plan_fp8 = amp.plan.fp8
@@ -152,6 +173,8 @@ class TorchWatch(_NotCopied):
         self.backward_order: list[str] = [p for p in reversed(self.paths)]  # until a backward is seen
         self.sampling = self.checking = False  # read first by every hook (a compiled graph guards on them)
         self.compiled = False  # the model ran compiled: hooks stay installed
+        self.serial = next(_serial)
+        _CHECKING[self.serial] = _Checking()
         self.handles: list[Any] = []
         self.step = amp.scaler.steps  # the index of the next step
 
@@ -168,12 +191,13 @@ class TorchWatch(_NotCopied):
                               "that the next step traces them", UnimpWarning, stacklevel=4)
                 torch.compiler.reset()
         self.sampling = self.session.sampled(self.step)
-        self.checking = self.sampling or self.localize
+        self.checking = _CHECKING[self.serial].on = self.sampling or self.localize
         if (self.checking or self.compiled) and not self.handles:
             for i, (_, module) in enumerate(self.layers):
                 self.handles += [
-                    module.register_forward_pre_hook(_Hook(self._pre, 6 * i, self.device), with_kwargs=True),
-                    module.register_forward_hook(_Hook(self._post, 6 * i, self.device))]
+                    module.register_forward_pre_hook(_Hook(self._pre, 6 * i, self.device, self.serial),
+                                                     with_kwargs=True),
+                    module.register_forward_hook(_Hook(self._post, 6 * i, self.device, self.serial))]
         elif not (self.checking or self.compiled) and self.handles:
             self.disarm()
 
@@ -223,9 +247,11 @@ class TorchWatch(_NotCopied):
         self.codes[slot].fill_(CODES.index(target))
 
     def _how(self, t: torch.Tensor, target: str, scaled: bool = False) -> tuple:
-        """What :func:`_amax_and_counts` needs to measure ``t`` in ``target`` (constants: traced as such)."""
-        measured_as = torch.float32 if scaled or t.dtype not in _INT_OF else t.dtype
-        return self.bounds[measured_as, target], dtypes.limits(target).max if scaled else None, CODES.index(target)
+        """What :func:`_amax_and_counts` needs to measure ``t`` in ``target`` (constants: traced as such): the
+        bounds for ``t``'s own dtype and for float32, the format's max to scale to (FP8) or None, the code."""
+        own = self.bounds[t.dtype, target] if t.dtype in _INT_OF else None
+        return own, self.bounds[torch.float32, target], dtypes.limits(target).max if scaled else None, \
+            CODES.index(target)
 
     def _target(self, base: int, t: torch.Tensor) -> str:
         """The dtype ``t`` is measured in: its layer's compute dtype where ``t`` is wider (a float32 output
@@ -404,6 +430,7 @@ class TorchWatch(_NotCopied):
         """Undo: hooks removed, the Amp's taps cleared (``watch.close()``, ``amp.unwatch()``, ``amp.remove()``).
         A compiled graph that inlined the hooks runs its variant without them (``checking`` is False)."""
         self.checking = self.sampling = False
+        _CHECKING.pop(self.serial, None)  # a compiled graph guarded on it traces again (without the hooks)
         self.disarm()
         if self.amp._watching is self:
             self.amp._watching = None
@@ -450,11 +477,14 @@ def _row(grad: torch.Tensor, measure: tuple | None, dtype: torch.dtype) -> torch
 
 def _amax_and_counts(t: torch.Tensor, how: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """The largest finite magnitude of ``t`` (float32) and :func:`_at_least`'s counts plus numel (int64, 7),
-    as ``how`` (:meth:`TorchWatch._how`) says: the bounds, and the format's max to scale to (FP8) or None."""
-    bounds, scale_to, _ = how
+    as ``how`` (:meth:`TorchWatch._how`) says. Traced, a 16-bit tensor is counted as float32 (inductor's
+    CPU code for 16-bit integers is not vectorised; a widening cast keeps every class)."""
+    own, wide, scale_to, _ = how
     x = t.detach().abs()
-    if scale_to is not None or x.dtype not in _INT_OF:
-        x = x.float()
+    if scale_to is not None or own is None or (torch.compiler.is_compiling() and x.itemsize < 4):
+        x, bounds = x.float(), wide
+    else:
+        bounds = own
     amax = x.nan_to_num(0.0, 0.0, 0.0).amax().float()
     if scale_to is not None:  # tensorwise to the format's max, as an FP8 cast scales
         x = x * torch.where(amax > 0, scale_to / amax, 1.0)
@@ -487,12 +517,12 @@ def _bounds(dtype: torch.dtype, target: str) -> tuple[int, ...]:
 
 def _at_least(x: torch.Tensor, bounds: tuple[int, ...]) -> torch.Tensor:
     """How many of ``x``'s magnitudes have a bit pattern >= each bound (``x`` non-negative), in vectorised
-    integer passes (a comparison producing booleans is several times slower on CPU)."""
+    integer passes (eager, a comparison producing booleans is several times slower on CPU)."""
     itype = _INT_OF[x.dtype]
     bits = x.view(itype) & torch.iinfo(itype).max  # the sign bit off (a NaN may keep it through abs)
     n = x.numel()
     distinct = sorted(set(bounds))  # in x's own dtype some coincide (nothing there underflows or overflows finite)
-    if bits.dtype == torch.int64:  # patterns minus a bound could pass int64: compare instead
+    if bits.dtype == torch.int64 or torch.compiler.is_compiling():  # traced: fused comparisons are fastest
         counts = [(bits >= b).sum() for b in distinct]
     else:  # (pattern - (b - 1)) clamped to [0, 1]: 1 where pattern >= b; counted in int32 where it holds n
         total = torch.int32 if n < 2**31 else torch.int64
