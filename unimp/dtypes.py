@@ -4,6 +4,8 @@
 'float32'
 >>> dtype_name("torch.bfloat16"), dtype_name("<dtype: 'float16'>"), dtype_name("uint16", {"uint16": "bfloat16"})
 ('bfloat16', 'float16', 'bfloat16')
+>>> limits("float16")  # largest finite, smallest normal, smallest subnormal
+Limits(max=65504.0, min_normal=6.103515625e-05, min_subnormal=5.960464477539063e-08)
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 COMPUTE_DTYPES = (*FLOAT_DTYPES, "auto")
@@ -80,3 +82,64 @@ def reference_tolerance(dtype: str, layers: int) -> float:
     (0.004883, 0.0078125)
     """
     return UNIT_ROUNDOFF[dtype] * layers ** 0.5
+
+
+class Limits(NamedTuple):
+    """The range of a floating format: its largest finite value, its smallest normal and its smallest
+    subnormal (positive) value. A value of magnitude above ``max`` overflows (to inf, or to NaN in a
+    format without inf), one at or below ``min_subnormal / 2`` rounds to zero (underflow), one between
+    that and ``min_normal`` is subnormal (fewer significant bits)."""
+
+    max: float
+    min_normal: float
+    min_subnormal: float
+
+    # Where a value rounds to when cast to this format (round to nearest, ties to even): ``|x| >= overflow_at``
+    # is not finite (inf; NaN in a format without inf), ``0 < |x| <= underflow_at`` becomes 0, and
+    # ``underflow_at < |x| < normal_from`` becomes subnormal.
+    @property
+    def overflow_at(self) -> float:
+        """``max`` plus half its unit in the last place (a tie rounds to the even neighbour: overflow).
+
+        >>> limits("float16").overflow_at, limits("float8_e4m3fn").overflow_at
+        (65520.0, 464.0)
+        """
+        mantissa = round(math.log2(self.min_normal / self.min_subnormal))
+        return self.max + 2.0 ** (math.floor(math.log2(self.max)) - mantissa) / 2
+
+    @property
+    def underflow_at(self) -> float:
+        """Half the smallest subnormal (a tie rounds to the even neighbour: zero)."""
+        return self.min_subnormal / 2
+
+    @property
+    def normal_from(self) -> float:
+        """Halfway between the largest subnormal and the smallest normal (a tie rounds to the normal)."""
+        return self.min_normal - self.min_subnormal / 2
+
+
+# exponent bits, mantissa bits, and whether the top exponent is reserved for inf/NaN (IEEE) or holds
+# finite values with only the all-ones pattern as NaN (the "fn" FP8 format: no inf)
+_FORMATS = {"float16": (5, 10, True), "bfloat16": (8, 7, True), "float32": (8, 23, True), "float64": (11, 52, True),
+            "float8_e4m3fn": (4, 3, False), "float8_e5m2": (5, 2, True)}
+
+
+def limits(dtype: Any) -> Limits:
+    """:class:`Limits` of a floating dtype (a name, or a framework dtype read by :func:`dtype_name`),
+    from its bit layout: bias ``2^(e-1) - 1``, smallest normal ``2^(1 - bias)``, smallest subnormal
+    ``2^(1 - bias - m)``; the largest finite value has the top exponent below inf (IEEE) or, in
+    ``float8_e4m3fn``, the top exponent with every mantissa bit but the last set (448).
+
+    >>> limits("bfloat16").max == 2.0 ** 127 * (2 - 2.0 ** -7), limits("float32").max == FLT_MAX
+    (True, True)
+    >>> limits("float8_e4m3fn"), limits("float8_e5m2").max
+    (Limits(max=448.0, min_normal=0.015625, min_subnormal=0.001953125), 57344.0)
+    """
+    name = dtype_name(dtype)
+    if name not in _FORMATS:
+        raise ValueError(f"limits({dtype!r}): not a floating format unimp knows; known: {', '.join(_FORMATS)}")
+    e, m, ieee = _FORMATS[name]
+    bias = 2 ** (e - 1) - 1
+    top = 2 ** e - 1 - bias  # the all-ones exponent
+    largest = (2.0 - 2.0 ** (1 - m)) * 2.0 ** top if not ieee else (2.0 - 2.0 ** -m) * 2.0 ** (top - 1)
+    return Limits(largest, 2.0 ** (1 - bias), 2.0 ** (1 - bias - m))

@@ -24,6 +24,7 @@ from unimp.loss_scale import STATE_KEYS, LossScaleState, check_state, policy_pro
 from unimp.plan import Plan
 from unimp.policy import LossScaleSpec, Policy
 from unimp.report import Report
+from unimp.watch import Watch
 
 STATE_FORMAT = "unimp.amp/1"
 
@@ -160,6 +161,7 @@ class Amp(abc.ABC):
         self.optimizer = optimizer
         self.findings: list[str] = []  # layout / alignment findings, with module paths
         self._removed = False
+        self._watch: Watch | None = None  # the last amp.watch(), running or closed (its numerics stay in reports)
 
     @property
     def policy(self) -> Policy:
@@ -184,7 +186,58 @@ class Amp(abc.ABC):
     def _restore(self) -> None:
         """Undo everything ``apply`` did to the user's objects."""
 
+    def _start_watch(self, watch: Watch) -> None:
+        """Start measuring for ``watch`` (:class:`unimp.watch.Watch`): call ``watch.bind(next_step, stop)``,
+        then ``watch.add(...)`` for each sampled or skipped step. A backend without a watch keeps this."""
+        raise UnsupportedError(f"amp.watch(): the {self.backend} backend has no numerics watch yet; watch a torch "
+                               f"or JAX run, or read amp.report() for the dtypes that ran")
+
+    def _tensorboard_writer(self, logdir: Any) -> Any:
+        """A writer of records into TensorBoard at ``logdir`` (a callable taking each record dict, with an
+        optional ``close()``), where the framework has one."""
+        raise UnsupportedError(f"amp.watch(tensorboard=...): the {self.backend} backend has no TensorBoard writer; "
+                               f"use amp.watch(path='numerics.jsonl') (JSON lines) and plot those")
+
     # ------------------------------------------------------------------ shared
+    def watch(self, every: int = 100, path: Any = None, *, localize: bool = False, keep: int = 1000,
+              tensorboard: Any = None) -> Watch:
+        """Watch the numerics of training under this Amp (off until called); returns the :class:`unimp.watch.Watch`.
+
+        One step in ``every`` (the next step, then every ``every``-th) records per layer the largest
+        finite magnitude of its output and of the gradient arriving at it, and the fractions of their
+        values that are non-finite, overflow, underflow, are subnormal or zero in their dtype (FP8 layers:
+        also their input and output gradient in the FP8 formats). A step the loss scaler skips is
+        recorded too, with where its first non-finite value appeared: exactly (layer, forward or
+        backward, in execution order) with ``localize=True``, which checks every layer on every step,
+        else from the parameter gradients the skipped step left. Records are plain dicts
+        (``watch.records``, the last ``keep``), appended as JSON lines to ``path`` and written to
+        TensorBoard at ``tensorboard`` (a log directory) where the framework has a writer;
+        ``amp.report().numerics`` folds them per layer. Stop with ``watch.close()`` or :meth:`unwatch`.
+        """
+        self._check_live("amp.watch()")
+        running = getattr(self, "_watch", None)
+        if running is not None and not running.closed:
+            raise UnsupportedError("amp.watch(): a watch is already running on this Amp; stop it first "
+                                   "(amp.unwatch() or watch.close()), then start the new one")
+        watch = Watch(every, path, localize=localize, keep=keep)  # the arguments checked before anything opens
+        try:
+            if tensorboard is not None:
+                watch.add_writer(self._tensorboard_writer(tensorboard))
+            self._start_watch(watch)
+        except BaseException:
+            watch.close()  # its file and writers closed; the backend undid its own part
+            raise
+        self._watch = watch
+        return watch
+
+    def unwatch(self) -> Watch | None:
+        """Stop the running watch (its hooks removed, its file closed); returns it (None if none ran)."""
+        self._check_live("amp.unwatch()")
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.close()
+        return watch
+
     def _check_live(self, verb: str) -> None:
         """Refuse ``verb`` (e.g. ``"amp.optimizer.step()"``) once :meth:`remove` has run.
 
@@ -273,6 +326,8 @@ class Amp(abc.ABC):
     def remove(self) -> Any:
         """Undo ``apply``: the model's forward, dtypes and parameters are restored exactly."""
         if not self._removed:
+            if getattr(self, "_watch", None) is not None:
+                self._watch.close()
             self._restore()
             release(getattr(self, "_applied_ids", [id(self.model)]))
             self._removed = True
@@ -288,7 +343,8 @@ class Amp(abc.ABC):
         new = cls.__new__(cls)
         memo[id(self)] = new
         try:
-            state = copy.deepcopy({k: v for k, v in vars(self).items() if k != "_applied_ids"}, memo)
+            # the copy is not watched (a watch holds a file and hooks on this Amp's model)
+            state = copy.deepcopy({k: v for k, v in vars(self).items() if k not in ("_applied_ids", "_watch")}, memo)
         except Exception as e:
             raise UnsupportedError(
                 f"copy.deepcopy(amp): the {self.backend} backend's objects cannot be copied "
@@ -296,6 +352,7 @@ class Amp(abc.ABC):
                 f"new = unimp.apply(amp.policy, model_copy, new_optimizer); "
                 f"new.load_state_dict(amp.state_dict())") from None
         vars(new).update(state)
+        new._watch = None
         copies = [memo[i] for i in getattr(self, "_applied_ids", [id(self.model)]) if i in memo]
         new._applied_ids = remember(*(copies or [new.model]))
         return new
@@ -321,9 +378,11 @@ class Amp(abc.ABC):
         st = self.loss_scale_state()
         fp8 = self.plan.fp8
         fallback = [f"fp8: fallback to the compute dtype: {fp8.fallback}"] if fp8 is not None and fp8.fallback else []
+        watch = getattr(self, "_watch", None)
         return Report(rows=rows, backend=self.backend, policy=self.policy.name,
                       fingerprint=self.policy.fingerprint, scale=st.scale, skipped_steps=st.skipped,
-                      steps=st.steps, notes=list(notes or []) + fallback + list(self.findings))
+                      steps=st.steps, notes=list(notes or []) + fallback + list(self.findings),
+                      numerics=watch.numerics() if watch is not None else None)
 
     def __repr__(self) -> str:
         return f"<unimp.Amp backend={self.backend} policy={self.policy.name!r} removed={self._removed}>"

@@ -39,6 +39,8 @@ class Report:
     skipped_steps: int = 0
     steps: int = 0
     notes: list[str] = field(default_factory=list)
+    # per layer tensor over a watch's recorded steps (unimp.watch.Summary), when amp.watch() ran
+    numerics: dict[str, Any] | None = None
 
     def row(self, path: str) -> ReportRow:
         for r in self.rows:
@@ -85,7 +87,25 @@ class Report:
               r.output_dtype or "-", *((r.fp8 or "-",) if fp8 else ())) for r in self.rows],
             title=f"unimp report: {self.backend} / policy {self.policy!r} ({self.fingerprint})",
             footer=[f"loss scale {self.scale}, skipped {self.skipped_steps} of {self.steps} steps",
-                    *self.notes])
+                    *self.notes, *numerics_view(self.numerics)])
+
+
+NUMERICS_COLUMNS = ("amax_max", "nonfinite_max", "overflow_max", "underflow_max", "subnormal_max", "zero_max")
+
+
+def numerics_view(numerics: dict[str, Any] | None) -> list[str]:
+    """The printed numerics section of a report (empty without a watch): per layer tensor the largest amax
+    and the worst fractions over the sampled steps, then the skipped steps and their first non-finite value."""
+    if not numerics:
+        return []
+    n = numerics
+    table = format_table(
+        ("path", "tensor", "dtype", "steps", "amax", "nonfinite", "overflow", "underflow", "subnormal", "zero"),
+        [(r["path"] or "<model>", r["tensor"], r["dtype"], str(r["steps"]),
+          *(f"{r[c]:.4g}" for c in NUMERICS_COLUMNS)) for r in n["layers"]],
+        title=f"numerics: {n['sampled_steps']} sampled steps (worst over them), {n['skipped_steps']} skipped")
+    return ["", table, *(f"skipped step {s['step']}: first non-finite value in {s['first_nonfinite']}"
+                         for s in n["skipped"])]
 
 
 def format_table(header: tuple[str, ...], rows: Iterable[tuple[str, ...]], title: str = "",

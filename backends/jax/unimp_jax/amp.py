@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from unimp.spi import Amp, LossScaleState, Plan, StateError
+from unimp.spi import Amp, LossScaleState, Plan, StateError, UnsupportedError
 
 from . import distributed, fp8
 from .layers import LayerPlan, is_nnx
@@ -35,6 +35,7 @@ class JaxAmp(Amp):
         self.tx = amp_tx(tx, plan.loss_scale_run, plan.uses_master_weights)  # the Plan's loss scale, as it runs
         self.layers: dict[str, LayerPlan] = {}
         self.fp8_decisions: list[Any] = []  # unimp.spi.Fp8Decision per layer FP8 was asked of
+        self._watching: Any = None  # unimp_jax.watch.JaxWatch while amp.watch() runs
 
     def _layer(self, info: Any) -> LayerPlan:
         """The indexed layer ``info`` under the Plan (its FP8 recipe included), kept in ``amp.layers``."""
@@ -44,20 +45,46 @@ class JaxAmp(Amp):
 
     # ------------------------------------------------------------------ gradients
     def value_and_grad(self, loss_fn: Callable[..., Any], has_aux: bool = False,
-                       axis_name: Any = None) -> Callable[..., Any]:
+                       axis_name: Any = None, numerics: bool = False) -> Callable[..., Any]:
         """``grad_fn(state, *args) -> (loss, grads, finite)`` (``((loss, aux), grads, finite)`` with aux).
 
         ``axis_name`` (inside ``shard_map``/``pmap``): gradients are all-reduced (mean) over that axis in
         ``distributed.reduce_dtype``, the loss is averaged over it, and ``finite`` is agreed by
-        every device (see :mod:`unimp_jax.distributed`).
+        every device (see :mod:`unimp_jax.distributed`). ``numerics`` (while ``amp.watch()`` runs):
+        a fourth value, the step's numerics, to hand back with :meth:`record` (:mod:`unimp_jax.watch`).
         """
         def checked(*args: Any, **kwargs: Any) -> Any:  # the loss's dtype is known when it is traced
             out = loss_fn(*args, **kwargs)
             self.check_loss_dtype(str((out[0] if has_aux else out).dtype))
             return out
 
+        watching = None
+        if numerics:
+            self._check_live("amp.value_and_grad(numerics=True)")
+            if self._watching is None:
+                raise UnsupportedError("amp.value_and_grad(numerics=True): no watch is running; start one first "
+                                       "(watch = amp.watch(every=100)), then make the gradient function")
+            if axis_name is not None:
+                raise UnsupportedError("amp.value_and_grad(numerics=True, axis_name=...): a watch of a "
+                                       "data-parallel step is not available yet; watch a single-device step")
+            watching = self._watching
         return make_value_and_grad(self.plan.loss_scale.mode, checked, has_aux, axis_name=axis_name,
-                                   reduce_dtype=self.plan.reduce_dtype)
+                                   reduce_dtype=self.plan.reduce_dtype, watch=watching)
+
+    def record(self, numerics: Any) -> None:
+        """Hand a watched step's numerics (from ``amp.value_and_grad(..., numerics=True)``) to the watch.
+
+        The previous step's are read now (that step is done: no wait), and only when it was sampled or
+        skipped beyond its two flags; ``watch.close()`` reads the last one. Without a running watch: nothing."""
+        self._check_live("amp.record()")
+        if self._watching is not None:
+            self._watching.record(numerics)
+
+    def _start_watch(self, watch: Any) -> None:
+        """``amp.watch(...)`` (the core's): numerics from the jitted step (:mod:`unimp_jax.watch`)."""
+        from .watch import start
+
+        start(self, watch)
 
     def data_parallel(self, step_fn: Callable[..., Any], mesh: Any = None, axis_name: str = "data",
                       donate: bool = True, out_specs: Any = None) -> Callable[..., Any]:
@@ -114,16 +141,43 @@ class JaxAmp(Amp):
 
 
 def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, axis_name: Any = None,
-                        reduce_dtype: str = "float32") -> Callable[..., Any]:
-    """The loss-scaled value_and_grad for a policy whose loss-scale mode is ``mode``."""
-    def grad_fn(state: Any, target: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+                        reduce_dtype: str = "float32", watch: Any = None) -> Callable[..., Any]:
+    """The loss-scaled value_and_grad for a policy whose loss-scale mode is ``mode`` (``watch``: a
+    :class:`unimp_jax.watch.JaxWatch`, whose numerics it returns fourth)."""
+    def grad_fn(state: Any, target: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         scale = None if mode == "none" else find_state(state).loss_scale.scale
         if axis_name is not None:
             return _distributed(state, target, scale, args, kwargs)
+        if watch is not None:
+            return _watched(state, target, scale, args, kwargs)
         out, grads = _local(target, scale, args, kwargs)
         if scale is not None:  # FP8 delayed-scaling state (its new value, not a gradient) is not unscaled
             grads = fp8.map_gradients(lambda g: g.astype(jnp.float32) / scale, grads)
         return out, grads, all_finite(fp8.without_state(grads))
+
+    def _watched(state: Any, target: Any, scale: Any, args: tuple, kwargs: dict) -> tuple[Any, ...]:
+        from .watch import ROW
+
+        steps = find_state(state).loss_scale.steps
+        sampled = watch.sampled(steps)
+        probe = jnp.zeros((watch.slots, ROW), jnp.float32)  # its gradient: the backward's rows
+        collected = {}
+
+        def observed(t: Any, probe: Any, *a: Any, **k: Any) -> Any:
+            with watch.collecting(probe, sampled) as col:
+                out = loss_fn(t, *a, **k)
+            collected["col"] = col
+            return out, col.forward()
+
+        (out, forward), grads, probe_grad = _local(target, scale, args, kwargs, observed, probe)
+        if scale is not None:
+            grads = fp8.map_gradients(lambda g: g.astype(jnp.float32) / scale, grads)
+        finite = all_finite(fp8.without_state(grads))
+        loss = out[0] if has_aux else out
+        params = [(p, g) for p, g in jax.tree_util.tree_leaves_with_path(grads) if not fp8.is_state_path(p)]
+        numerics = watch.numerics(collected["col"].slots, forward, probe_grad, params, finite, loss, scale, steps,
+                                  sampled)
+        return out, grads, finite, numerics
 
     def _distributed(state: Any, target: Any, scale: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
         if is_nnx(target):  # differentiate a device-varying view of the params (local grads)
@@ -152,23 +206,31 @@ def make_value_and_grad(mode: str, loss_fn: Callable[..., Any], has_aux: bool, a
             out = distributed.mean_over(out, axis_name)
         return out, grads, finite
 
-    def _local(target: Any, scale: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-
+    def _local(target: Any, scale: Any, args: tuple, kwargs: dict, observed: Any = None,
+               probe: Any = None) -> tuple[Any, ...]:
+        """Loss and gradients; ``observed(t, probe, *args)`` (a watch): ``loss_fn`` returning its forward rows
+        too, and the probe differentiated with the model (its gradient: the backward's rows)."""
         def scaled(t: Any, *a: Any, **k: Any) -> tuple[Any, Any]:
-            out = loss_fn(t, *a, **k)
-            loss = out[0] if has_aux else out
+            out = loss_fn(t, *a, **k) if observed is None else observed(t, *a, **k)
+            loss = out if observed is None else out[0]
+            loss = loss[0] if has_aux else loss
             if getattr(loss, "shape", ()) != ():
                 raise ValueError(f"amp.value_and_grad: loss_fn must return a scalar loss (got shape "
                                  f"{loss.shape}); fix: reduce it, e.g. .mean()")
             value = loss if scale is None else loss.astype(jnp.float32) * scale
             return value, out
 
+        extra = () if probe is None else (probe,)
+        argnums: Any = 0 if probe is None else (0, 1)
         if is_nnx(target):
             wrt = nnx.DiffState(0, nnx.Any(nnx.Param, fp8.Fp8State))  # FP8 state: its new value flows back
-            (_, out), grads = nnx.value_and_grad(scaled, argnums=wrt, has_aux=True)(target, *args, **kwargs)
+            argnums = wrt if probe is None else (wrt, 1)
+            (_, out), grads = nnx.value_and_grad(scaled, argnums=argnums, has_aux=True)(target, *extra, *args,
+                                                                                       **kwargs)
         else:
-            (_, out), grads = jax.value_and_grad(scaled, has_aux=True)(target, *args, **kwargs)
-        return out, grads
+            (_, out), grads = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)(target, *extra, *args,
+                                                                                       **kwargs)
+        return (out, grads) if probe is None else (out, *grads)
 
     return grad_fn
 

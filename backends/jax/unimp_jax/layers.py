@@ -22,7 +22,7 @@ from typing import Any
 
 from unimp.spi import LayerInfo, Plan, UnsupportedError, dtypes
 
-from . import trace
+from . import trace, watch
 from .attention import attention, needs_cpu_attention
 
 SCAN_CARRY = "scan body function carry input and carry output must have equal types"
@@ -110,6 +110,9 @@ def run_layer(lp: LayerPlan, module: Any, call: Any, args: tuple, kwargs: dict, 
 
     ``dot_general``: the layer's FP8 dot for this call (:mod:`unimp_jax.fp8`), when the Plan chose FP8.
     """
+    col = watch.collector()  # a watched loss is being traced (amp.value_and_grad(..., numerics=True))
+    if col is not None:
+        args, kwargs = col.enter(lp.path, args, kwargs)
     x_dtype = first_float_dtype((args, kwargs))
     dt = lp.compute_dtype(x_dtype, param_dtype)
     # batch_norm in float32 (core semantics, as torch/Keras): fp32 math, output in the activation dtype
@@ -128,7 +131,7 @@ def run_layer(lp: LayerPlan, module: Any, call: Any, args: tuple, kwargs: dict, 
         out = call(*args, **kwargs)
     out = cast_floats(out, out_dt)
     trace.record(lp, dt, param_dtype, first_float_dtype(out))
-    return out
+    return out if col is None else col.leave(lp.path, (args, kwargs), out, dt)
 
 
 def scan_carry_error(e: TypeError, scan: str = "nnx.scan") -> UnsupportedError:

@@ -30,7 +30,7 @@ from .layout import has_conv2d, restore_layout, to_channels_last
 from .optimizer import AfterInnerStep, AmpOptimizer
 from .params import ParamState, cast_params
 from .scaler import DeviceLossScale
-from .trace import Observer, example_inputs, observe
+from .trace import Observer, example_inputs, is_layer, observe
 
 
 class TorchAmp(Amp):
@@ -53,6 +53,7 @@ class TorchAmp(Amp):
         self.distributed: dict[str, Any] | None = None
         self.agree: Callable[[torch.Tensor], None] | None = None
         self.fp8: Fp8Binding | None = None  # the layers running FP8 (unimp_torch.fp8), when the Plan has FP8
+        self._watching: Any = None  # unimp_torch.watch.TorchWatch while amp.watch() runs
 
     # ------------------------------------------------------------------ training verbs
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -60,11 +61,15 @@ class TorchAmp(Amp):
         self._check_live("amp.backward()")
         self.check_loss_dtype(str(loss.dtype).removeprefix("torch."))
         self._refuse_after_unscale("amp.backward()")
+        if self._watching is not None:
+            self._watching.loss(loss)
         self.scaler.scale_loss(loss).backward(**kwargs)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         self._check_live("amp.scale_loss()")
         self._refuse_after_unscale("amp.scale_loss()")
+        if self._watching is not None:
+            self._watching.loss(loss)
         return self.scaler.scale_loss(loss)
 
     def _refuse_after_unscale(self, verb: str) -> None:
@@ -135,6 +140,17 @@ class TorchAmp(Amp):
         return self.params.originals_in_model()
 
     # ------------------------------------------------------------------ Amp contract
+    def _start_watch(self, watch: Any) -> None:
+        """``amp.watch(...)`` (the core's): measure for ``watch`` (:mod:`unimp_torch.watch`)."""
+        from .watch import start
+
+        start(self, watch)
+
+    def _tensorboard_writer(self, logdir: Any) -> Any:
+        from .watch import TensorBoardWriter
+
+        return TensorBoardWriter(logdir)
+
     def loss_scale_state(self) -> LossScaleState:
         self._check_live("amp.loss_scale_state() (amp.scale, amp.skipped_steps)")
         return self.scaler.state()
@@ -162,8 +178,7 @@ class TorchAmp(Amp):
         fp8 = self.fp8.layers if self.fp8 is not None else {}
         rows = [ReportRow(path or "<model>", r["kind"], r["compute_dtype"], r["param_dtype"], r["output_dtype"],
                           fp8.get(path))
-                for path, r in observed.items()
-                if not path or r["kind"] or not any(True for _ in self.module.get_submodule(path).children())]
+                for path, r in observed.items() if is_layer(path, self.module.get_submodule(path))]
         notes = [f"wrapped per layer: {', '.join(self.wrapped)}"] if self.wrapped else []
         notes += Fp8Decision.report_notes(self.fp8.decisions) if self.fp8 is not None else []
         return self.report_header(rows, notes)

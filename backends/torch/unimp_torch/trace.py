@@ -42,6 +42,12 @@ NOT_COMPUTE = frozenset({
 ATTENTION_OPS = frozenset(NATIVE_OPS["attention"])
 
 
+def is_layer(path: str, module: nn.Module) -> bool:
+    """A row of ``amp.report()`` (and a layer ``amp.watch()`` measures): the model itself, a module with a
+    kind, or a leaf module."""
+    return not path or bool(kind(module) or report_kind(module)) or not any(True for _ in module.children())
+
+
 def _dtype(x: Any) -> str | None:
     if isinstance(x, torch.Tensor):
         return dtypes.dtype_name(x.dtype)

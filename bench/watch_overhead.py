@@ -1,0 +1,134 @@
+"""What ``amp.watch(every=100)`` costs a training step: a small HF GPT-2 on CPU, eager and ``torch.compile``.
+
+    python bench/watch_overhead.py [--steps 1000] [--every 100] [--localize] [--compile-only | --eager-only]
+
+Builds from the same weights, in one process: ``plain`` (unimp.apply, no watch), ``plain2`` (a second
+unwatched build: the A/A control, i.e. the noise), ``watched`` (``amp.watch(every=100)``) and, with
+``--localize``, ``localize`` (``amp.watch(every=100, localize=True)``: every layer checked on every step).
+Each training step (forward, ``amp.backward``, ``amp.optimizer.step()``, zero_grad) of each build is timed
+alone, the builds taking turns step by step in a rotating order, so drift of the machine reaches them
+alike. Per build: the median step, and for a watched build the median of its sampled steps and of the
+others; a watched build's cost per step is ``(median sampled + (every - 1) x median other) / every``
+(what a run of ``every`` steps costs, from medians), reported over ``plain``'s median with the A/A ratio
+beside it. Time is the process's CPU time (``time.process_time``; one thread, so it is the step's own
+work): on a shared machine wall time moves with the other processes far more than the effect measured
+(``--wall``: wall time). Compiled: ``torch.compile`` of each build's ``amp.model`` (inductor), warmed up
+over ``every`` steps first (the watched builds compile their sampled-step graph there too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import transformers
+
+import unimp
+
+
+def build(d: int, layers: int) -> transformers.GPT2LMHeadModel:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=512, n_positions=256, n_embd=d, n_layer=layers, n_head=4,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def variant(base: torch.nn.Module, policy: str, batch: dict, compiled: bool, **watch: object) -> Callable[[], None]:
+    model = copy.deepcopy(base)
+    amp = unimp.apply(policy, model, torch.optim.AdamW(model.parameters(), 1e-4))
+    if watch:
+        amp.watch(**watch)
+    run = torch.compile(amp.model) if compiled else amp.model
+
+    def step() -> None:
+        loss = run(**batch).loss
+        amp.backward(loss)
+        amp.optimizer.step()
+        amp.optimizer.zero_grad()
+
+    step.amp = amp  # type: ignore[attr-defined]
+    return step
+
+
+def measure(steps: dict[str, Callable[[], None]], n: int,
+            clock: Callable[[], float] = time.process_time) -> dict[str, list[float]]:
+    """Per build, the time of each of ``n`` steps (ms), the builds taking turns step by step, rotating."""
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(n):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            t = clock()
+            steps[name]()
+            times[name].append((clock() - t) * 1e3)
+    return times
+
+
+def cost(times: list[float], sampled: set[int], every: int) -> tuple[float, float, float]:
+    """(cost per step over a run of ``every`` steps, median sampled step, median other step), from medians."""
+    other = statistics.median(t for i, t in enumerate(times) if i not in sampled)
+    if not sampled:
+        return other, other, other
+    hit = statistics.median(times[i] for i in sampled)
+    return (hit + (every - 1) * other) / every, hit, other
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=1000, help="timed steps per build")
+    ap.add_argument("--every", type=int, default=100)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--policy", default="mixed_bf16")
+    ap.add_argument("--localize", action="store_true", help="also a build watched with localize=True")
+    ap.add_argument("--wall", action="store_true", help="wall time instead of the process's CPU time")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--eager-only", action="store_true")
+    mode.add_argument("--compile-only", action="store_true")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")  # alignment findings of the tiny config
+    torch.set_num_threads(1)
+    ids = torch.randint(0, 512, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    base = build(args.d, args.layers)
+    clock = time.perf_counter if args.wall else time.process_time
+    print(f"GPT-2 d={args.d} layers={args.layers} batch={args.batch}x{args.seq}, {args.policy}, torch "
+          f"{torch.__version__}, 1 thread; {args.steps} steps per build, taking turns "
+          f"({'wall' if args.wall else 'CPU'} ms per step)")
+    watched = ["watched", *(["localize"] if args.localize else [])]
+    print("| mode | plain | plain2 | A/A plain2/plain | " + " | ".join(
+        f"{w}: per step (sampled, other) | {w}/plain" for w in watched) + " |")
+    print("|---|---|---|---|" + "---|---|" * len(watched))
+    modes = [m for m in ("eager", "compiled") if not (m == "eager" and args.compile_only)
+             and not (m == "compiled" and args.eager_only)]
+    for m in modes:
+        compiled = m == "compiled"
+        steps = {"plain": variant(base, args.policy, batch, compiled),
+                 "plain2": variant(base, args.policy, batch, compiled),
+                 "watched": variant(base, args.policy, batch, compiled, every=args.every)}
+        if args.localize:
+            steps["localize"] = variant(base, args.policy, batch, compiled, every=args.every, localize=True)
+        for step in steps.values():  # warm-up: compiles (every graph of a watched build), allocator
+            for _ in range(args.every):
+                step()
+        times = measure(steps, args.steps, clock)
+        row = {}
+        for name, step in steps.items():
+            watch = getattr(step.amp, "_watch", None)
+            first = args.every  # the watch's first sampled step was the first warm-up step
+            sampled = {i for i in range(args.steps) if watch is not None and (first + i) % args.every == 0}
+            row[name] = cost(times[name], sampled, args.every)
+        plain, plain2 = row["plain"][0], row["plain2"][0]
+        cells = " | ".join(f"{row[w][0]:.3f} ({row[w][1]:.2f}, {row[w][2]:.3f}) | {row[w][0] / plain:.3f}"
+                           for w in watched)
+        print(f"| {m} | {plain:.3f} | {plain2:.3f} | {plain2 / plain:.3f} | {cells} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

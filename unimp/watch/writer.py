@@ -1,0 +1,74 @@
+"""Records to a JSON-lines file: one step's record per line, flushed as it is written (no TensorBoard needed).
+
+>>> import json, tempfile, pathlib
+>>> path = pathlib.Path(tempfile.mkdtemp()) / "numerics.jsonl"
+>>> w = JsonLines(path)
+>>> w({"step": 0, "skipped": False}); w.close()
+>>> [json.loads(line)["step"] for line in path.read_text().splitlines()]
+[0]
+>>> read_records(path)[0]["skipped"]
+False
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from unimp.watch.records import FRACTIONS
+
+NUMBERS = frozenset({"amax", "scale", *FRACTIONS})  # the float fields of a record (unimp.watch.records)
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no inf/NaN: they are written as the strings ``"inf"``, ``"-inf"``, ``"nan"``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+class JsonLines:
+    """Appends each record it is called with to ``path`` as one line of strict JSON (created if missing)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, argument: str = "path") -> None:
+        p = Path(path)
+        if p.is_dir() or not p.parent.is_dir():
+            raise ValueError(f"{argument}={str(path)!r}: " + (
+                "is a directory; name a file in it, e.g. numerics.jsonl" if p.is_dir()
+                else f"its directory {str(p.parent)!r} does not exist; create it first"))
+        try:
+            self._file = p.open("a", encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"{argument}={str(path)!r}: cannot be opened for writing ({e.strerror}); "
+                             f"name a writable file") from None
+        self.path = p
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(_finite(record), allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file written by :class:`JsonLines` (the numbers written as ``"inf"`` /
+    ``"nan"`` strings read back as floats)."""
+    def floats(value: Any, key: str = "") -> Any:
+        if key in NUMBERS and value in ("inf", "-inf", "nan"):
+            return float(value)
+        if isinstance(value, dict):
+            return {k: floats(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [floats(v) for v in value]
+        return value
+
+    with Path(path).open(encoding="utf-8") as f:
+        return [floats(json.loads(line)) for line in f if line.strip()]
