@@ -22,7 +22,7 @@ from typing import Any
 
 from unimp.spi import LayerInfo, Plan, UnsupportedError, dtypes
 
-from . import trace, watch
+from . import trace
 from .attention import attention, needs_cpu_attention
 
 SCAN_CARRY = "scan body function carry input and carry output must have equal types"
@@ -110,6 +110,8 @@ def run_layer(lp: LayerPlan, module: Any, call: Any, args: tuple, kwargs: dict, 
 
     ``dot_general``: the layer's FP8 dot for this call (:mod:`unimp_jax.fp8`), when the Plan chose FP8.
     """
+    from . import watch  # imports jax: not at module level (the entry point imports no framework)
+
     col = watch.collector()  # a watched loss is being traced (amp.value_and_grad(..., numerics=True))
     if col is not None:
         args, kwargs = col.enter(lp.path, args, kwargs)
