@@ -20,12 +20,13 @@ from unimp.policy.loading import dump, dumps, load, preset_names
 from unimp.policy.ops import CANONICAL_OPS, OPS
 from unimp.report import Report, ReportRow
 from unimp.tuning import sensitivity, tune
+from unimp.watch import Watch, read_records
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CANONICAL_OPS", "OPS", "Amp", "Backend", "LossScale", "LossScaleState", "OpDecision", "Override",
     "Plan", "Policy", "PolicyError", "Report", "ReportRow", "StateError", "UnimpWarning",
-    "UnsupportedError", "apply", "backends", "compile_ops", "detect", "dump", "dumps", "get_backend",
-    "load", "preset_names", "register_backend", "scope", "sensitivity", "trajectory", "tune",
+    "UnsupportedError", "Watch", "apply", "backends", "compile_ops", "detect", "dump", "dumps", "get_backend",
+    "load", "preset_names", "read_records", "register_backend", "scope", "sensitivity", "trajectory", "tune",
 ]
