@@ -205,8 +205,8 @@ class Amp(abc.ABC):
 
         One step in ``every`` (the next step, then every ``every``-th) records per layer the largest
         finite magnitude of its output and of the gradient arriving at it, and the fractions of their
-        values that are non-finite, overflow, underflow, are subnormal or zero in their dtype (FP8 layers:
-        also their input and output gradient in the FP8 formats). A step the loss scaler skips is
+        values that are non-finite, overflow, underflow, are subnormal or zero in the layer's compute
+        dtype (FP8 layers: also their input and output gradient in the FP8 formats). A step the loss scaler skips is
         recorded too, with where its first non-finite value appeared: exactly (layer, forward or
         backward, in execution order) with ``localize=True``, which checks every layer on every step,
         else from the parameter gradients the skipped step left. Records are plain dicts

@@ -4,8 +4,8 @@ non-finite value appeared. Framework-free: a backend measures, this package reco
 ``amp.watch(every=100, path="numerics.jsonl")`` returns a :class:`Watch`; each sampled step gives
 one record (a plain dict, one JSON line) with, per layer, the largest finite magnitude of its output
 and of the gradient arriving at it and the fractions of their values that are non-finite, overflow,
-underflow, are subnormal or zero in their dtype (:func:`unimp.dtypes.limits`); a skipped step's
-record names the layer and pass where its first non-finite value appeared
+underflow, are subnormal or zero in the layer's compute dtype (:func:`unimp.dtypes.limits`); a skipped
+step's record names the layer and pass where its first non-finite value appeared
 (:func:`unimp.watch.order.first_nonfinite`). ``amp.report().numerics`` folds them per layer.
 
 >>> from unimp.watch import Watch

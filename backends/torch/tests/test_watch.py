@@ -175,10 +175,13 @@ class TinyGPT(torch.nn.Module):
 
 
 def test_under_torch_compile_overflows_are_named_in_both_directions():
+    from torch._dynamo.utils import counters
+
     torch.manual_seed(0)
     model = TinyGPT()
     amp = apply(model)
     run = torch.compile(amp.model, backend="aot_eager")  # dynamo and AOT autograd trace the hooks
+    counters.clear()
 
     def step():
         logits = run(IDS)
@@ -209,6 +212,7 @@ def test_under_torch_compile_overflows_are_named_in_both_directions():
     shape = sorted((s["path"], s["tensor"], s["dtype"], s["numel"]) for s in watch.records[0]["layers"])
     assert shape == sorted((s["path"], s["tensor"], s["dtype"], s["numel"]) for s in eager.records[0]["layers"])
     assert ("h.0.fc", "grad_output", "float16", IDS.numel() * 128) in shape
+    assert not counters["graph_break"], dict(counters["graph_break"])  # the watch traced in, no graph break
     amp.remove()
     twin.remove()
 

@@ -470,7 +470,7 @@ def _row(grad: torch.Tensor, measure: tuple | None, dtype: torch.dtype) -> torch
         return torch.cat([total.reshape(1), grad.new_zeros(_NUMEL, dtype=dtype), grad.new_ones(1, dtype=dtype),
                           grad.new_zeros(1, dtype=dtype)])
     amax, counts = _amax_and_counts(grad, measure)
-    code = measure[2]
+    code = measure[-1]
     return torch.cat([total.reshape(1), amax.to(dtype).reshape(1), counts.to(dtype),
                       grad.new_full((1,), 1.0, dtype=dtype), grad.new_full((1,), float(code), dtype=dtype)])
 
