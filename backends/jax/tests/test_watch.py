@@ -167,3 +167,45 @@ def test_numerics_need_a_running_watch():
         amp.value_and_grad(loss_fn, numerics=True)
     amp.record({})  # nothing to record to: ignored
     amp.remove()
+
+
+def test_linen_layers_are_named_by_their_paths():
+    import flax.linen as nn
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            hidden = nn.Dense(32, name="fc")(x)
+            return nn.Dense(4, name="head")(nn.relu(hidden))
+
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 16)), jnp.float32)
+    module = Mlp()
+    params = module.init(jax.random.PRNGKey(0), x)["params"]
+    policy = {"name": "fp16_scale_1", "extends": "mixed_fp16", "loss_scale": {"initial": 1.0}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        amp = unimp.apply(policy, module, optax.sgd(1e-3), params=params, inputs=x)
+    watch = amp.watch(every=100, localize=True)
+    grad_fn = amp.value_and_grad(lambda p, x: (amp.apply(p, x).astype(jnp.float32) ** 2).mean(), numerics=True)
+
+    @jax.jit
+    def step(params, opt_state, x):
+        _, grads, _, numerics = grad_fn(opt_state, params, x)
+        updates, opt_state = amp.optimizer.update(grads, opt_state, params)
+        return amp.apply_updates(params, updates, opt_state), opt_state, numerics
+
+    p, s = amp.params, amp.opt_state
+    def scaled(path, v):  # fc's kernel x1e6: its float16 output overflows
+        return v * 1e6 if "fc" in str(path) and "kernel" in str(path) else v
+
+    for k in range(3):
+        planted = jax.tree_util.tree_map_with_path(scaled, p) if k == 1 else p
+        new_p, s, numerics = step(planted, s, x)
+        p = new_p if k != 1 else p  # the skipped step changed nothing; keep the unplanted params
+        amp.record(numerics)
+    watch.close()
+    assert [(r["step"], r["skipped"]) for r in watch.records] == [(0, False), (1, True)]
+    assert watch.skipped[0]["first_nonfinite"] == {"path": "fc", "direction": "forward", "tensor": "output",
+                                                   "exact": True}
+    assert [(s["path"], s["tensor"]) for s in watch.records[0]["layers"]] == [
+        ("fc", "output"), ("head", "output"), ("head", "grad_output"), ("fc", "grad_output")]

@@ -2,7 +2,8 @@
 non-finite value appeared. The records, their order and the writers are the core's (:class:`unimp.watch.Watch`,
 handed to :meth:`TorchAmp._start_watch`); this module measures.
 
-Hooks on the report's layers (:func:`unimp_torch.trace.is_layer`): a forward
+Hooks on the report's layers (:func:`unimp_torch.trace.is_layer`; the model itself aside, whose output is
+its last layer's or its loss, checked as the step's loss): a forward
 pre-hook (the layer's input) and a forward hook (its output). Everything they compute stays on the
 device (no host read, no Python side effect that ``torch.compile`` would break the graph for): per
 check, one float32 sum (non-finite iff some value is), and on sampled steps the amax and the class
