@@ -88,9 +88,11 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
     fails, the model and optimizer are left exactly as they were (``Backend.snapshot``). A compiled
     :class:`~unimp.plan.Plan` is bound as it is, on its own backend (e.g. one a ``scope`` compiled).
     """
-    compiled = policy if isinstance(policy, Plan) else None
-    pol = compiled.policy if compiled is not None else load(policy)
-    backend = compiled.backend if compiled is not None else backend
+    plan = policy if isinstance(policy, Plan) else None
+    if plan is not None:
+        backend = plan.backend
+    else:
+        policy = load(policy)
     if is_applied(model):
         raise RuntimeError(f"unimp.apply: this {type(model).__name__} already has a unimp policy "
                            f"applied; call amp.remove() first, or keep using the Amp you have")
@@ -98,7 +100,8 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
     if backend and not chosen.accepts(model):
         raise TypeError(f"backend {backend!r} does not accept {type(model)!r} (it takes "
                         f"{chosen.model_types})")
-    plan = compiled if compiled is not None else chosen.compile(pol, model)
+    if plan is None:
+        plan = chosen.compile(policy, model)
     # all or nothing: whatever apply changed before it failed is put back (unimp.backend.transaction)
     def bind() -> Amp:
         amp = chosen.apply(plan, model, optimizer, **options)
