@@ -110,9 +110,8 @@ def run_layer(lp: LayerPlan, module: Any, call: Any, args: tuple, kwargs: dict, 
 
     ``dot_general``: the layer's FP8 dot for this call (:mod:`unimp_jax.fp8`), when the Plan chose FP8.
     """
-    from . import watch  # imports jax: not at module level (the entry point imports no framework)
-
-    col = watch.collector()  # a watched loss is being traced (amp.value_and_grad(..., numerics=True))
+    watch = sys.modules.get(f"{__package__}.watch")  # not loaded: no watch, and no import (nor jax) per call
+    col = watch.collector() if watch is not None else None  # a watched loss is being traced
     if col is not None:
         args, kwargs = col.enter(lp.path, args, kwargs)
     x_dtype = first_float_dtype((args, kwargs))
