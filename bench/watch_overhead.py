@@ -1,6 +1,7 @@
 """What ``amp.watch(every=100)`` costs a training step: a small HF GPT-2 on CPU, eager and ``torch.compile``.
 
     python bench/watch_overhead.py [--steps 1000] [--every 100] [--localize] [--compile-only | --eager-only]
+    python bench/watch_overhead.py --device cuda --d 1024 --layers 8 --batch 8 --seq 512 --steps 400   # H200
 
 Builds from the same weights, in one process: ``plain`` (unimp.apply, no watch), ``plain2`` (a second
 unwatched build: the A/A control, i.e. the noise), ``watched`` (``amp.watch(every=100)``) and, with
@@ -12,8 +13,10 @@ others; a watched build's cost per step is ``(median sampled + (every - 1) x med
 (what a run of ``every`` steps costs, from medians), reported over ``plain``'s median with the A/A ratio
 beside it. Time is the process's CPU time (``time.process_time``; one thread, so it is the step's own
 work): on a shared machine wall time moves with the other processes far more than the effect measured
-(``--wall``: wall time). Compiled: ``torch.compile`` of each build's ``amp.model`` (inductor), warmed up
-over ``every`` steps first (the watched builds compile their sampled-step graph there too).
+(``--wall``: wall time). On a GPU (``--device cuda``) each step is timed in wall time between two
+``torch.cuda.synchronize()`` (the same for every build). Compiled: ``torch.compile`` of each build's
+``amp.model`` (inductor), warmed up over ``every`` steps first (the watched builds compile their sampled-step
+graph there too).
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ import transformers
 import unimp
 
 
-def build(d: int, layers: int) -> transformers.GPT2LMHeadModel:
+def build(d: int, layers: int, seq: int = 256) -> transformers.GPT2LMHeadModel:
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=512, n_positions=256, n_embd=d, n_layer=layers, n_head=4,
+    cfg = transformers.GPT2Config(vocab_size=512, n_positions=max(256, seq), n_embd=d, n_layer=layers,
+                                  n_head=max(4, d // 64),
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return transformers.GPT2LMHeadModel(cfg)
 
@@ -55,15 +59,17 @@ def variant(base: torch.nn.Module, policy: str, batch: dict, compiled: bool, **w
     return step
 
 
-def measure(steps: dict[str, Callable[[], None]], n: int,
-            clock: Callable[[], float] = time.process_time) -> dict[str, list[float]]:
+def measure(steps: dict[str, Callable[[], None]], n: int, clock: Callable[[], float] = time.process_time,
+            sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
     """Per build, the time of each of ``n`` steps (ms), the builds taking turns step by step, rotating."""
     names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(n):
         for name in names[i % len(names):] + names[:i % len(names)]:
+            sync()
             t = clock()
             steps[name]()
+            sync()
             times[name].append((clock() - t) * 1e3)
     return times
 
@@ -88,19 +94,26 @@ def main() -> None:
     ap.add_argument("--policy", default="mixed_bf16")
     ap.add_argument("--localize", action="store_true", help="also a build watched with localize=True")
     ap.add_argument("--wall", action="store_true", help="wall time instead of the process's CPU time")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (wall time between synchronizations)")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--eager-only", action="store_true")
     mode.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
     warnings.simplefilter("ignore")  # alignment findings of the tiny config
-    torch.set_num_threads(1)
-    ids = torch.randint(0, 512, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    if not gpu:
+        torch.set_num_threads(1)
+    ids = torch.randint(0, 512, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
     batch = {"input_ids": ids, "labels": ids}
-    base = build(args.d, args.layers)
-    clock = time.perf_counter if args.wall else time.process_time
+    base = build(args.d, args.layers, args.seq).to(device)
+    wall = args.wall or gpu
+    clock = time.perf_counter if wall else time.process_time
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    where = torch.cuda.get_device_name(device) if gpu else "1 thread"
     print(f"GPT-2 d={args.d} layers={args.layers} batch={args.batch}x{args.seq}, {args.policy}, torch "
-          f"{torch.__version__}, 1 thread; {args.steps} steps per build, taking turns "
-          f"({'wall' if args.wall else 'CPU'} ms per step)")
+          f"{torch.__version__}, {where}; {args.steps} steps per build, taking turns "
+          f"({'wall' if wall else 'CPU'} ms per step)")
     watched = ["watched", *(["localize"] if args.localize else [])]
     print("| mode | plain | plain2 | A/A plain2/plain | " + " | ".join(
         f"{w}: per step (sampled, other) | {w}/plain" for w in watched) + " |")
@@ -117,7 +130,7 @@ def main() -> None:
         for step in steps.values():  # warm-up: compiles (every graph of a watched build), allocator
             for _ in range(args.every):
                 step()
-        times = measure(steps, args.steps, clock)
+        times = measure(steps, args.steps, clock, sync)
         row = {}
         for name, step in steps.items():
             watch = getattr(step.amp, "_watch", None)
