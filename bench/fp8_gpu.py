@@ -99,7 +99,7 @@ def _optimizer(model: nn.Module, device: str, lr: float) -> torch.optim.Optimize
 
 def native_step(model: nn.Module, device: str, recipe: str | None, backend: str, lr: float = 1e-4,
                 module_filter_fn: Callable[[nn.Module, str], bool] = native_filter) -> Callable:
-    """bf16 autocast (+ torchao FP8 by hand when ``recipe``, on the layers ``module_filter_fn`` picks) + torch.compile."""
+    """bf16 autocast (+ torchao FP8 by hand when ``recipe``, on the layers ``module_filter_fn`` picks) + compile."""
     if recipe is not None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

@@ -120,6 +120,10 @@ def tune(recipe: str, base: nn.Module, batches: list, args: argparse.Namespace) 
     return tuned, info
 
 
+def _mark(fp8: bool) -> str:
+    return "fp8" if fp8 else "bf16"
+
+
 def layer_table(base: nn.Module, recipe: str, info: dict[str, Any], auto: Callable | None) -> str:
     """Per Linear: its FP8 GEMM speed-up and divergence as tune measured them, and who runs it in FP8."""
     lines = [f"| layer ({recipe}) | M x K x N | FP8 GEMM speed-up | divergence | output div. | torchao default | "
@@ -132,11 +136,10 @@ def layer_table(base: nn.Module, recipe: str, info: dict[str, Any], auto: Callab
         speed = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "-"
         div = f"{r['divergence']:.3%}" if "divergence" in r else "-"
         out = f"{r['output_divergence']:.3%}" if r.get("output_divergence") is not None else "-"
-        mark = (lambda yes: "fp8" if yes else "bf16")  # noqa: E731
         ours = ("fp8" if path in info["lowered"] else
                 f"bf16: {info['kept'][path]}" if path in info["kept"] else "bf16 (not a candidate of the policy)")
-        lines.append(f"| {path} | {shape} | {speed} | {div} | {out} | {mark(native_filter(m, path))} | "
-                     f"{mark(auto(m, path)) if auto else 'n/a'} | {ours} |")
+        lines.append(f"| {path} | {shape} | {speed} | {div} | {out} | {_mark(native_filter(m, path))} | "
+                     f"{_mark(auto(m, path)) if auto else 'n/a'} | {ours} |")
     return "\n".join(lines)
 
 
@@ -238,6 +241,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
 
+    def save() -> None:  # after every phase: a run cut short by a time limit keeps what it measured
+        result["elapsed_s"] = elapsed
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+
     # ---- data and the one init every variant copies
     t = time.perf_counter()
     n_loss, n_tune = args.loss_steps, args.tune_batches
@@ -255,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      shape["seq"]).to(dtype=wdtype)
     elapsed["setup"] = time.perf_counter() - t
     say(f"phase setup: corpus ({n_loss + n_tune} batches, entropy floor {floor:.3f} nats) and model "
-        f"({sum(p.numel() for p in base.parameters()) / 1e6:.0f}M parameters) in {elapsed['setup']:.1f}s")
+        f"({sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters) in {elapsed['setup']:.1f}s")
 
     # ---- phase 1: tune
     t = time.perf_counter()
@@ -290,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base.train()
     elapsed["tune"] = time.perf_counter() - t
     say(f"phase tune: {elapsed['tune']:.1f}s")
+    save()
 
     # ---- phase 2: loss (its variants' first step compiles them; they then join the timing pool)
     makers = builders(recipes, tuned, device, backend, args, ao_skip)
@@ -349,11 +358,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                if ref and k != "bf16 native"}}
     elapsed["loss"] = time.perf_counter() - t
     say(f"phase loss: {elapsed['loss']:.1f}s")
+    save()
 
     # ---- phase 3: the other variants, then the timed rounds
     t = time.perf_counter()
     for label in makers:
-        if label in runs or label in info_v and "skipped" in info_v[label]:
+        if label in runs or "skipped" in info_v.get(label, {}):
             continue
         step = build(label)
         if step is None:
@@ -371,7 +381,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{info_v[label]['fp8_layers']} FP8 layers)")
     elapsed["build"] = time.perf_counter() - t
     say(f"phase build + compile: {elapsed['build']:.1f}s")
-    del base
 
     t = time.perf_counter()
     labels = list(runs)
@@ -394,12 +403,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         v["peak_gib_alone"] = v["resident_gib"] + transient[k] / 2**30 if device == "cuda" else None
     result["speed"] = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "variants": info_v}
     elapsed["total"] = time.perf_counter() - T0
-    result["elapsed_s"] = elapsed
 
     print("\n" + report(result, recipes), flush=True)
     say(f"elapsed per phase: {', '.join(f'{k} {v:.1f}s' for k, v in elapsed.items())}")
+    save()
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
         say(f"wrote {args.out}")
     return result
 
@@ -413,15 +421,17 @@ def report(result: dict[str, Any], recipes: list[str]) -> str:
     lines = [f"HF Llama h{s['hidden']} i{s['inter']} L{s['layers']} T{s['seq']} b{s['batch']}, "
              f"{result['args']['weights']} weights, {result['env']['compile_backend']}, median of "
              f"{result['speed']['rounds']} x {result['speed']['steps']} steps, rotating order, all alive",
-             "", "| variant | FP8 layers | ms / step | speed-up vs bf16 native | peak GiB (alone) | build + compile s |",
-             "|---|---|---|---|---|---|"]
+             "", "| variant | FP8 layers | ms / step | speed-up vs bf16 native | vs bf16 native2 (A/A) | "
+                 "peak GiB (alone) | build + compile s |", "|---|---|---|---|---|---|---|"]
     for label, d in v.items():
         if "skipped" in d:
-            lines.append(f"| {label} | - | - | {d['skipped']} | - | - |")
+            lines.append(f"| {label} | - | - | {d['skipped']} | - | - | - |")
             continue
         up = f"{base / d['ms']:.3f}x" if base else "n/a"
+        up2 = f"{aa / d['ms']:.3f}x" if aa else "n/a"
         pk = f"{d['peak_gib_alone']:.2f}" if d.get("peak_gib_alone") is not None else "n/a"
-        lines.append(f"| {label} | {d['fp8_layers']} | {d['ms']:.2f} | {up} | {pk} | {d['build_compile_s']:.1f} |")
+        lines.append(f"| {label} | {d['fp8_layers']} | {d['ms']:.2f} | {up} | {up2} | {pk} | "
+                     f"{d['build_compile_s']:.1f} |")
     if base and aa:
         lines += ["", f"A/A: bf16 native / bf16 native2 = {base / aa:.3f} (the noise of every ratio above)"]
     verdicts = {}
