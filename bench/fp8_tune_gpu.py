@@ -85,6 +85,11 @@ def auto_filter(recipe: str) -> Callable[[nn.Module, str], bool]:
     return _auto_filter_for_recipe(recipe, filter_fqns=["lm_head"])
 
 
+def _why(e: Exception, n: int = 300) -> str:
+    """An exception on one line (it goes in a table cell)."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:n]}"
+
+
 def fp8_count(model: nn.Module) -> int:
     return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
 
@@ -232,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         ao_version, ao_skip = torchao.__version__, None
     except Exception as e:  # the native FP8 variants need torchao; unimp's FP8 too (it says so itself)
-        ao_version, ao_skip = None, f"skipped: torchao does not import ({type(e).__name__}: {str(e)[:120]})"
+        ao_version, ao_skip = None, f"skipped: torchao does not import ({_why(e, 120)})"
     env = {"torch": torch.__version__, "torchao": ao_version, "transformers": __import__("transformers").__version__,
            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "compile_backend": backend}
     say(f"{env}")
@@ -275,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             tuned[r], info = tune(r, base, tune_data, args)
         except Exception as e:  # e.g. no torchao on this machine: unimp says why; the bf16 variants still run
-            tuned[r] = f"skipped: unimp.tune failed ({type(e).__name__}: {str(e)[:300]})"
+            tuned[r] = f"skipped: unimp.tune failed ({_why(e)})"
             result["tune"][r] = {"error": tuned[r]}
             say(f"tune {r}: {tuned[r]}")
             continue
@@ -284,7 +289,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             try:
                 auto = auto_filter(r)
             except Exception as e:
-                say(f"torchao auto filter for {r}: {type(e).__name__}: {e}")
+                say(f"torchao auto filter for {r}: {_why(e)}")
         info["elapsed_s"] = time.perf_counter() - tr
         info["layer_table"] = layer_table(base, r, info, auto)
         result["tune"][r] = info
@@ -317,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             model = copy.deepcopy(base)
             step = make(model)
         except Exception as e:  # torchao refuses this recipe here (e.g. its FP8 on CPU): say why, go on
-            info_v[label] = {"skipped": f"skipped: {type(e).__name__}: {str(e)[:300]}"}
+            info_v[label] = {"skipped": f"skipped: {_why(e)}"}
             say(f"{label}: {info_v[label]['skipped']}")
             return None
         info_v[label] = {"fp8_layers": fp8_count(model), "before": before, "t0": tb}
@@ -340,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             try:
                 out = [step(bx, by).detach() for bx, by in loss_data]
             except Exception as e:  # e.g. torchao's FP8 does not run on this device: skip the variant, go on
-                info_v[label] = {"skipped": f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+                info_v[label] = {"skipped": f"skipped: {_why(e)}"}
                 say(f"{label}: {info_v[label]['skipped']}")
                 continue
             losses[label] = [float(v) for v in torch.stack(out).tolist()]  # one sync at the end
@@ -372,7 +377,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for _ in range(args.warmup):  # the first compiles
                 step(x, y)
         except Exception as e:
-            info_v[label] = {"skipped": f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            info_v[label] = {"skipped": f"skipped: {_why(e)}"}
             say(f"{label}: {info_v[label]['skipped']}")
             continue
         built(label)
