@@ -97,15 +97,16 @@ def _optimizer(model: nn.Module, device: str, lr: float) -> torch.optim.Optimize
     return torch.optim.AdamW(model.parameters(), lr=lr, fused=device == "cuda")
 
 
-def native_step(model: nn.Module, device: str, recipe: str | None, backend: str, lr: float = 1e-4) -> Callable:
-    """bf16 autocast (+ torchao FP8 by hand when ``recipe``) + torch.compile."""
+def native_step(model: nn.Module, device: str, recipe: str | None, backend: str, lr: float = 1e-4,
+                module_filter_fn: Callable[[nn.Module, str], bool] = native_filter) -> Callable:
+    """bf16 autocast (+ torchao FP8 by hand when ``recipe``, on the layers ``module_filter_fn`` picks) + compile."""
     if recipe is not None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         config = Float8LinearConfig.from_recipe_name(recipe)
         if device == "cpu":
             config = dataclasses.replace(config, emulate=True)  # no FP8 matmul on CPU: torchao emulates it
-        convert_to_float8_training(model, config=config, module_filter_fn=native_filter)
+        convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn)
     opt = _optimizer(model, device, lr)
     forward = torch.compile(model, backend=backend) if backend != "none" else model
 
@@ -122,8 +123,10 @@ def native_step(model: nn.Module, device: str, recipe: str | None, backend: str,
 
 
 def unimp_step(model: nn.Module, device: str, preset: str | None, weights: str, backend: str,
-               lr: float = 1e-4) -> Callable:
-    amp = unimp.apply(unimp_policy(preset, weights), model, _optimizer(model, device, lr))
+               lr: float = 1e-4, policy: Any = None) -> Callable:
+    """``unimp.apply`` of ``policy`` (default: the preset with the bench's weights dtype) + torch.compile."""
+    amp = unimp.apply(policy if policy is not None else unimp_policy(preset, weights), model,
+                      _optimizer(model, device, lr))
     forward = torch.compile(amp.model, backend=backend) if backend != "none" else amp.model
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
