@@ -20,7 +20,8 @@ Static-graph Programs (:class:`unimp_paddle.static.PaddleStaticAmp`) have no per
 
 >>> import paddle, unimp
 >>> model = paddle.nn.Sequential(paddle.nn.Linear(4, 4), paddle.nn.ReLU(), paddle.nn.Linear(4, 1))
->>> amp = unimp.apply("mixed_bf16", model, paddle.optimizer.SGD(parameters=model.parameters()))
+>>> amp = unimp.apply({"extends": "mixed_fp16", "on_unsupported": "fallback"}, model,  # CPU: float32 kernels
+...                   paddle.optimizer.SGD(parameters=model.parameters()))
 >>> watch = amp.watch(every=2)
 >>> for _ in range(3):
 ...     amp.backward(amp.model(paddle.randn([8, 4])).astype("float32").square().mean())
