@@ -41,6 +41,7 @@ class PaddleAmp(Amp):
             plan = plan.with_index(model_index(model))
         super().__init__(plan, model, optimizer)
         self._last_call: tuple[tuple, dict] | None = None  # shapes/dtypes of the last forward's inputs
+        self._watching: Any = None  # unimp_paddle.watch.PaddleWatch while amp.watch() runs
         self._layer = model  # the user's layer (amp.model becomes the DataParallel after data_parallel())
         self._dp: Any = None
         d = plan.details
@@ -166,10 +167,24 @@ class PaddleAmp(Amp):
 
     def scale_loss(self, loss: Any) -> Any:
         """The loss times the current loss scale (for custom loops)."""
+        if self._watching is not None:
+            self._watching.loss(loss)
         if not self._scaling:
             return loss
         scale = self.scaler.scale
         return loss * (scale if loss.dtype == scale.dtype else scale.astype(loss.dtype))
+
+    def _start_watch(self, watch: Any) -> None:
+        """``amp.watch(...)`` (the core's): measure for ``watch`` with dygraph hooks (:mod:`unimp_paddle.watch`)."""
+        from .watch import start
+
+        start(self, watch)
+
+    def _tensorboard_writer(self, logdir: Any) -> Any:
+        """``amp.watch(tensorboard=logdir)``: records into VisualDL, Paddle's TensorBoard (needs ``visualdl``)."""
+        from .watch import VisualDLWriter
+
+        return VisualDLWriter(logdir)
 
     # ------------------------------------------------------------------ contract
     def loss_scale_state(self) -> LossScaleState:

@@ -15,6 +15,7 @@ ranks (all_reduce max) before the rule runs, so all ranks skip the same steps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .scaler import DeviceLossScale
@@ -35,6 +36,8 @@ class AmpOptimizer:
         self._nranks = 1
         self._reduce: Any = None  # GradReducer when unimp all-reduces the grads itself
         self._warned = False
+        # unimp_paddle.watch: called at the end of each step with whether it was skipped
+        self.after_step: Callable[[bool], None] | None = None
 
     def distribute(self, group: Any, nranks: int, reduce: Any = None) -> None:
         """Called by ``amp.data_parallel()``: agree found-inf over ``group``; ``reduce`` the grads."""
@@ -79,6 +82,8 @@ class AmpOptimizer:
         skip = self._scaler.update(finite)
         if not skip:
             self._inner.step()
+        if self.after_step is not None:
+            self.after_step(skip)
         return skip
 
     def _warn_if_distributed(self) -> None:

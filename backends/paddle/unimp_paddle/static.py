@@ -127,6 +127,19 @@ class PaddleStaticAmp(Amp):
         rows = trace.program_rows(self.op_dtypes(executor, feed or {}, scope)) if executor is not None else []
         return self.report_header(rows, trace.report_notes(self.plan))
 
+    def _start_watch(self, watch: Any) -> None:
+        raise UnsupportedError(self._no_watch("amp.watch()"))
+
+    def _tensorboard_writer(self, logdir: Any) -> Any:
+        raise UnsupportedError(self._no_watch("amp.watch(tensorboard=...)"))
+
+    @staticmethod
+    def _no_watch(verb: str) -> str:
+        return (f"{verb}: a static Program runs whole in the executor, with no per-layer hook and no Python step "
+                f"to read a layer's output or gradient in (no loss scaling either: nothing is skipped); watch a "
+                f"dygraph model (unimp.apply(policy, layer, optimizer)), or fetch the variables you want from "
+                f"executor.run(fetch_list=...)")
+
     def _restore(self) -> None:
         from paddle.base import core
         from paddle.base.framework import Block
