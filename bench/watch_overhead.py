@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import time
 import warnings
 from collections.abc import Callable
 
 import torch
 import transformers
+from _turns import cost, measure
 
 import unimp
 
@@ -57,30 +57,6 @@ def variant(base: torch.nn.Module, policy: str, batch: dict, compiled: bool, **w
 
     step.amp = amp  # type: ignore[attr-defined]
     return step
-
-
-def measure(steps: dict[str, Callable[[], None]], n: int, clock: Callable[[], float] = time.process_time,
-            sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
-    """Per build, the time of each of ``n`` steps (ms), the builds taking turns step by step, rotating."""
-    names = list(steps)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(n):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            sync()
-            t = clock()
-            steps[name]()
-            sync()
-            times[name].append((clock() - t) * 1e3)
-    return times
-
-
-def cost(times: list[float], sampled: set[int], every: int) -> tuple[float, float, float]:
-    """(cost per step over a run of ``every`` steps, median sampled step, median other step), from medians."""
-    other = statistics.median(t for i, t in enumerate(times) if i not in sampled)
-    if not sampled:
-        return other, other, other
-    hit = statistics.median(times[i] for i in sampled)
-    return (hit + (every - 1) * other) / every, hit, other
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from unimp.plan import Plan
 from unimp.policy import LossScaleSpec, Policy
 from unimp.report import Report
 from unimp.watch import Watch
+from unimp.watch.writer import ScalarWriter
 
 STATE_FORMAT = "unimp.amp/1"
 
@@ -193,8 +194,8 @@ class Amp(abc.ABC):
                                f"or JAX run, or read amp.report() for the dtypes that ran")
 
     def _tensorboard_writer(self, logdir: Any) -> Any:
-        """A writer of records into TensorBoard at ``logdir`` (a callable taking each record dict, with an
-        optional ``close()``), where the framework has one."""
+        """The framework's TensorBoard-style writer at ``logdir`` (``add_scalar``/``add_text``/``flush``/``close``,
+        as :class:`unimp.watch.writer.ScalarWriter` drives it), where the framework has one."""
         raise UnsupportedError(f"amp.watch(tensorboard=...): the {self.backend} backend has no TensorBoard writer; "
                                f"use amp.watch(path='numerics.jsonl') (JSON lines) and plot those")
 
@@ -222,7 +223,7 @@ class Amp(abc.ABC):
         watch = Watch(every, path, localize=localize, keep=keep)  # the arguments checked before anything opens
         try:
             if tensorboard is not None:
-                watch.add_writer(self._tensorboard_writer(tensorboard))
+                watch.add_writer(ScalarWriter(self._tensorboard_writer(tensorboard)))
             self._start_watch(watch)
         except BaseException:
             watch.close()  # its file and writers closed; the backend undid its own part

@@ -58,6 +58,35 @@ class JsonLines:
         self._file.close()
 
 
+class ScalarWriter:
+    """Records into a TensorBoard-style writer (``torch.utils.tensorboard.SummaryWriter``, VisualDL's
+    ``LogWriter``: anything with ``add_scalar(tag, value, step)``, ``add_text(tag, text, step)``, ``flush()``
+    and ``close()``): per layer tensor ``numerics/<path>/<tensor>/<stat>`` at the record's step, the scale,
+    and a text entry for each skipped step. A backend's ``Amp._tensorboard_writer`` makes the framework's
+    writer; the tag layout is this one in every framework."""
+
+    STATS = ("amax", *FRACTIONS)
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        step, add = record["step"], self.writer.add_scalar
+        if record["scale"] is not None:
+            add("numerics/scale", record["scale"], step)
+        for s in record["layers"]:
+            for stat in self.STATS:
+                add(f"numerics/{s['path'] or '<model>'}/{s['tensor']}/{stat}", s[stat], step)
+        origin = record["first_nonfinite"]
+        if record["skipped"]:
+            where = f"{origin['path']} ({origin['direction']}, {origin['tensor']})" if origin else "not found"
+            self.writer.add_text("numerics/skipped", f"step {step}: first non-finite value in {where}", step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a JSON-lines file written by :class:`JsonLines` (the numbers written as ``"inf"`` /
     ``"nan"`` strings read back as floats)."""

@@ -182,9 +182,9 @@ class PaddleAmp(Amp):
 
     def _tensorboard_writer(self, logdir: Any) -> Any:
         """``amp.watch(tensorboard=logdir)``: records into VisualDL, Paddle's TensorBoard (needs ``visualdl``)."""
-        from .watch import VisualDLWriter
+        from .watch import visualdl
 
-        return VisualDLWriter(logdir)
+        return visualdl(logdir)
 
     # ------------------------------------------------------------------ contract
     def loss_scale_state(self) -> LossScaleState:

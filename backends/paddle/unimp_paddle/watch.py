@@ -386,30 +386,12 @@ def start(amp: Any, session: Any) -> PaddleWatch:
     return watch
 
 
-class VisualDLWriter:
-    """Records into VisualDL (Paddle's TensorBoard; ``visualdl.LogWriter``): per layer tensor
-    ``numerics/<path>/<tensor>/<stat>`` at the record's step, the scale, and a text entry per skipped step."""
-
-    def __init__(self, logdir: Any) -> None:
-        try:
-            from visualdl import LogWriter
-        except ImportError as e:
-            raise UnsupportedError(f"amp.watch(tensorboard={str(logdir)!r:.60}): Paddle's writer is VisualDL, which is "
-                                   f"not installed ({e}); pip install visualdl, or use path= (JSON lines)") from None
-        self.writer = LogWriter(logdir=str(logdir))
-
-    def __call__(self, record: dict[str, Any]) -> None:
-        step = record["step"]
-        if record["scale"] is not None:
-            self.writer.add_scalar("numerics/scale", record["scale"], step)
-        for s in record["layers"]:
-            for stat in ("amax", "nonfinite", "overflow", "underflow", "subnormal", "zero"):
-                self.writer.add_scalar(f"numerics/{s['path']}/{s['tensor']}/{stat}", s[stat], step)
-        origin = record["first_nonfinite"]
-        if record["skipped"]:
-            where = f"{origin['path']} ({origin['direction']}, {origin['tensor']})" if origin else "not found"
-            self.writer.add_text("numerics/skipped", f"step {step}: first non-finite value in {where}", step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
+def visualdl(logdir: Any) -> Any:
+    """VisualDL's writer (``visualdl.LogWriter``, Paddle's TensorBoard) at ``logdir``, for the core's
+    :class:`~unimp.watch.writer.ScalarWriter` (same tags as every framework)."""
+    try:
+        from visualdl import LogWriter
+    except ImportError as e:
+        raise UnsupportedError(f"amp.watch(tensorboard={str(logdir)!r:.60}): Paddle's writer is VisualDL, which is "
+                               f"not installed ({e}); pip install visualdl, or use path= (JSON lines)") from None
+    return LogWriter(logdir=str(logdir))

@@ -147,9 +147,9 @@ class TorchAmp(Amp):
         start(self, watch)
 
     def _tensorboard_writer(self, logdir: Any) -> Any:
-        from .watch import TensorBoardWriter
+        from .watch import tensorboard
 
-        return TensorBoardWriter(logdir)
+        return tensorboard(logdir)
 
     def loss_scale_state(self) -> LossScaleState:
         self._check_live("amp.loss_scale_state() (amp.scale, amp.skipped_steps)")

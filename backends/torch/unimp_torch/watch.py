@@ -566,32 +566,14 @@ def start(amp: Any, session: Any) -> TorchWatch:
     return watch
 
 
-class TensorBoardWriter:
-    """Records into TensorBoard (``torch.utils.tensorboard``): per layer tensor ``numerics/<path>/<tensor>/<stat>``
-    at the record's step, the scale, and a text entry for each skipped step."""
-
-    def __init__(self, logdir: Any) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise UnsupportedError(f"amp.watch(tensorboard={str(logdir)!r:.60}): torch's TensorBoard writer needs the "
-                                   f"tensorboard package ({e}); pip install tensorboard, or use path= (JSON lines)"
-                                   ) from None
-        self.writer = SummaryWriter(log_dir=str(logdir))
-
-    def __call__(self, record: dict[str, Any]) -> None:
-        step = record["step"]
-        if record["scale"] is not None:
-            self.writer.add_scalar("numerics/scale", record["scale"], step)
-        for s in record["layers"]:
-            for stat in ("amax", "nonfinite", "overflow", "underflow", "subnormal", "zero"):
-                self.writer.add_scalar(f"numerics/{s['path'] or '<model>'}/{s['tensor']}/{stat}", s[stat], step)
-        origin = record["first_nonfinite"]
-        if record["skipped"]:
-            where = f"{origin['path']} ({origin['direction']}, {origin['tensor']})" if origin else "not found"
-            self.writer.add_text("numerics/skipped", f"step {step}: first non-finite value in {where}", step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
+def tensorboard(logdir: Any) -> Any:
+    """torch's TensorBoard writer (``torch.utils.tensorboard.SummaryWriter``) at ``logdir``, for the core's
+    :class:`~unimp.watch.writer.ScalarWriter`."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise UnsupportedError(f"amp.watch(tensorboard={str(logdir)!r:.60}): torch's TensorBoard writer needs the "
+                               f"tensorboard package ({e}); pip install tensorboard, or use path= (JSON lines)"
+                               ) from None
+    return SummaryWriter(log_dir=str(logdir))
 
