@@ -10,9 +10,9 @@ import types
 import keras
 import numpy as np
 import pytest
-from unimp_keras.steps import custom_step
 
 import unimp
+from unimp_keras.steps import custom_step
 
 RNG = np.random.RandomState(0)
 X = RNG.randn(32, 8).astype("float32")
