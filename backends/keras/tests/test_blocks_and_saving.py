@@ -52,6 +52,10 @@ def fit(model, policy, steps=4):
 @pytest.mark.parametrize("post_norm", [False, True], ids=["pre_norm", "post_norm"])
 @pytest.mark.parametrize("preset", ["mixed_bf16", "keras_mixed_float16", "pure_bf16"])
 def test_residual_blocks_train(preset, post_norm):
+    if preset == "keras_mixed_float16" and keras.backend.backend() == "jax" and \
+            all(d.platform == "cpu" for d in __import__("jax").devices()):
+        pytest.skip("Keras' own mixed_float16 MultiHeadAttention does not run on JAX's CPU (XLA: \"precision "
+                    "'F16_F16_F32' is not supported by dot_general on CPU\"), with or without unimp")
     # seeded: on some initialisations (e.g. seed 45) Keras' own mixed_float16 + LossScaleOptimizer turns the
     # embedding NaN after one step; unimp reproduces that exactly, so an unseeded init made this test flaky
     keras.utils.set_random_seed(0)
