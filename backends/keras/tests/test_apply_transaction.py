@@ -30,7 +30,8 @@ def state_of(model, optimizer):
             "variables": [(id(v), v.path, v.dtype, np.asarray(keras.ops.convert_to_numpy(v.value)).tobytes())
                           for v in model.variables],
             "optimizer": (id(model.optimizer), sorted(optimizer.__dict__),
-                          [(id(v), np.asarray(keras.ops.convert_to_numpy(v.value)).tobytes()) for v in optimizer.variables])}
+                          [(id(v), np.asarray(keras.ops.convert_to_numpy(v.value)).tobytes())
+                           for v in optimizer.variables])}
 
 
 @pytest.mark.parametrize("policy", ["mixed_bf16", "pure_bf16", "mixed_fp16"])
