@@ -85,7 +85,7 @@ def decide(plan: Plan, units: list[Any]) -> list[tuple[Any, Fp8Decision]]:
     return out
 
 
-EAGER = ("unimp (tensorflow): layer {path!r} trains in Keras float8, whose custom gradient does not run "
+EAGER = ("unimp (keras): layer {path!r} trains in Keras float8, whose custom gradient does not run "
          "eagerly on TensorFlow (under an eager tf.GradientTape Keras fails inside it); fix: train with "
          "model.fit / model.train_on_batch (not run_eagerly), or wrap your training step in tf.function")
 
@@ -93,6 +93,10 @@ EAGER = ("unimp (tensorflow): layer {path!r} trains in Keras float8, whose custo
 def guard_eager(u: Any, methods: list[tuple[Any, Any, str]]) -> None:
     """A clear :class:`UnsupportedError` instead of Keras' internal one when a float8 layer is
     differentiated eagerly (an instance ``quantized_call``, undone with the binding's methods)."""
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return  # the eager-gradient limit is TensorFlow's
     import tensorflow as tf
     from tensorflow.python.eager import record
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import unimp
-from unimp_tensorflow.backend import TensorFlowBackend
+from unimp_keras.backend import KerasBackend
 
 X = np.random.default_rng(0).normal(size=(8, 12)).astype("float32")
 
@@ -27,16 +27,18 @@ def model_and_optimizer():
 def state_of(model, optimizer):
     layers = [model, *model._flatten_layers(include_self=False, recursive=True)]
     return {"layers": [(id(layer), type(layer), layer.dtype_policy.name, sorted(layer.__dict__)) for layer in layers],
-            "variables": [(id(v), v.path, v.dtype, np.asarray(v.value).tobytes()) for v in model.variables],
+            "variables": [(id(v), v.path, v.dtype, np.asarray(keras.ops.convert_to_numpy(v.value)).tobytes())
+                          for v in model.variables],
             "optimizer": (id(model.optimizer), sorted(optimizer.__dict__),
-                          [(id(v), np.asarray(v.value).tobytes()) for v in optimizer.variables])}
+                          [(id(v), np.asarray(keras.ops.convert_to_numpy(v.value)).tobytes())
+                           for v in optimizer.variables])}
 
 
 @pytest.mark.parametrize("policy", ["mixed_bf16", "pure_bf16", "mixed_fp16"])
 def test_snapshot_covers_everything_apply_changes(policy):
     model, optimizer = model_and_optimizer()
     before = state_of(model, optimizer)
-    snap = TensorFlowBackend().snapshot(model, optimizer)
+    snap = KerasBackend().snapshot(model, optimizer)
     amp = unimp.apply(policy, model, optimizer)
     assert state_of(model, optimizer) != before
     snap.restore()
@@ -47,7 +49,7 @@ def test_snapshot_covers_everything_apply_changes(policy):
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_apply_failing_half_way_changes_nothing(error, monkeypatch):
-    from unimp_tensorflow import bind
+    from unimp_keras import bind
 
     model, optimizer = model_and_optimizer()
     before = state_of(model, optimizer)

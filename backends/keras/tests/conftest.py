@@ -1,0 +1,64 @@
+"""Shared fixtures: quiet TensorFlow, one kit per session, the Keras backend this run uses.
+
+The suite runs under ``KERAS_BACKEND=tensorflow``, ``jax`` and ``torch``; a test that only one Keras backend
+can run is marked ``@pytest.mark.keras_backend("tensorflow")`` and skipped under the others.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import pytest
+
+# Modules whose steps are TensorFlow's own (tf.GradientTape / tf.function / tf.scan / tf.distribute / tf.config):
+# collected only under KERAS_BACKEND=tensorflow. The issue's must-holds on every Keras backend, each with its
+# own custom step, are test_every_keras_backend.py; the conformance suite runs under all three.
+TENSORFLOW_ONLY = {
+    "test_apply.py": "its custom loops are tf.GradientTape / tf.function loops",
+    "test_state_dict.py": "its training step is a tf.GradientTape step",
+    "test_fp8.py": "the TensorFlow-only eager float8 refusal and tf.function steps",
+    "test_loss_scale.py": "the rule replayed through tf.scan in one tf.function",
+    "test_loss_scale_bounds.py": "tf.GradientTape steps at the int32 bound",
+    "test_tf_hardware.py": "TensorFlow's GPU detection",
+    "test_distributed.py": "tf.distribute",
+    "distributed_worker.py": "tf.distribute",
+    "test_migrate.py": "Keras' LossScaleOptimizer driven through tf.GradientTape (keras_steps.py)",
+    "test_real_config_replay.py": "test_loss_scale's TensorFlow replay",
+}
+
+
+def _keras_backend() -> str:
+    import keras
+
+    return keras.backend.backend()
+
+
+def pytest_ignore_collect(collection_path, config):
+    if collection_path.name in TENSORFLOW_ONLY and _keras_backend() != "tensorflow":
+        return True
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "keras_backend(*names): runs only under these KERAS_BACKENDs")
+    import unimp.backend.registry as registry
+
+    if "keras" not in registry.backends():  # an env that still has the old unimp-tensorflow installed
+        from unimp_keras.backend import KerasBackend
+
+        registry.register_backend(KerasBackend)
+
+
+def pytest_collection_modifyitems(config, items):
+    here = _keras_backend()
+    for item in items:
+        marker = item.get_closest_marker("keras_backend")
+        if marker is not None and here not in marker.args:
+            item.add_marker(pytest.mark.skip(reason=f"needs KERAS_BACKEND in {marker.args} (this run: {here})"))
+
+
+@pytest.fixture(scope="session")
+def kit():
+    from unimp_keras.testing import KerasKit
+
+    return KerasKit()

@@ -1,0 +1,269 @@
+"""The request (the policy as asked) -> the Keras Plan: per canonical op the layer classes that carry it.
+
+Keras decides dtypes per layer, so every op with a Keras layer class is ``layer``-controlled;
+``loss`` is ``fixed`` (Keras losses compute in float32). ``auto`` (and a low-precision dtype on a
+CPU without native units) asks the Keras backend (TensorFlow, JAX, torch) for GPUs; the CPU facts are
+``unimp.hardware``'s.
+
+>>> import unimp
+>>> plan = compile_plan(Plan.request(unimp.load("mixed_bf16"), "keras"))
+>>> plan.op("linear").control, plan.op("linear").native, plan.op("loss").control
+('layer', ('Dense',), 'fixed')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from unimp.spi import LayerInfo, LossScaleSpec, Plan, UnsupportedError, dtypes, hardware, ops
+
+from .fp8 import support as fp8_support
+from .ops import NATIVE_OPS
+
+KERAS_BACKENDS = ("tensorflow", "jax", "torch")  # the Keras backends unimp runs on
+
+
+def keras_backend() -> str:
+    """The Keras backend this process runs (``KERAS_BACKEND``), checked to be one unimp runs on."""
+    import keras
+
+    check_keras_backend(keras)
+    return keras.backend.backend()
+
+
+def check_keras_backend(keras: Any) -> None:
+    """A clear :class:`UnsupportedError` for a Keras unimp cannot run: Keras 2, or a Keras 3 backend
+    other than tensorflow / jax / torch (numpy, openvino: they do not train)."""
+    version = getattr(keras, "__version__", "0")
+    if int(version.split(".")[0]) < 3:
+        raise UnsupportedError(f"unimp-keras: Keras {version} is Keras 2; unimp runs Keras 3 models; fix: "
+                               f"pip install 'keras>=3' (and build the model with keras, not tf_keras)")
+    name = keras.backend.backend()
+    if name not in KERAS_BACKENDS:
+        raise UnsupportedError(f"unimp-keras: Keras runs on its {name!r} backend, which does not train "
+                               f"(no gradients); unimp runs Keras 3 on {', '.join(KERAS_BACKENDS)}; fix: set "
+                               f"KERAS_BACKEND=tensorflow, jax or torch before importing keras")
+
+
+def check_not_keras2(model: Any) -> None:
+    """A clear :class:`UnsupportedError` for a tf_keras (Keras 2) model, which unimp-keras does not take."""
+    if type(model).__module__.split(".")[0] == "tf_keras":
+        raise UnsupportedError(f"unimp-keras: {type(model).__name__} is a tf_keras / Keras 2 model; unimp "
+                               f"runs Keras 3 models; fix: pip install 'keras>=3', build the model with "
+                               f"`import keras` (not tf_keras / TF_USE_LEGACY_KERAS=1), and pick "
+                               f"KERAS_BACKEND=tensorflow, jax or torch")
+
+EXTRA_NATIVE = {
+    "softmax": ("Activation(softmax)",),
+    "log_softmax": ("Activation(log_softmax)",),
+    "transcendental": ("(any layer: runs in that layer's dtype)",),
+    "reduction": ("(any layer: runs in that layer's dtype)",),
+}
+LOSS_WHY = "Keras losses compute in float32 (keras.losses.Loss dtype = floatx)"
+NOTES = (
+    "Keras sets dtypes per layer: an op inside a layer (exp, sum, ...) runs in that layer's compute "
+    "dtype; transcendental/reduction are honoured where they are layers of their own (give a custom "
+    "layer class an override `types = [\"MyLayer\"]`).",
+    "Keras' normalisation layers compute their statistics in at least float32 whatever the layer's "
+    "dtype; their output dtype follows the policy.",
+    "A layer in no op list follows its input's dtype, resolved per call (unimp's FollowInputs policy).",
+)
+
+
+def keras_rule(spec: LossScaleSpec) -> bool:
+    """Whether ``spec`` is exactly Keras 3's fixed LossScaleOptimizer rule."""
+    return (spec.mode == "dynamic" and spec.growth_factor == 2.0 and spec.backoff_factor == 0.5
+            and spec.hysteresis == 1 and spec.min == 0.0 and spec.max == float("inf")
+            and spec.skip_nonfinite and spec.growth_schedule == "interval"
+            and not spec.growth_requires_finite and spec.at_min == "clamp"
+            and spec.subnormal == keras_subnormal() and spec.scale_dtype == "float32")
+
+
+def keras_subnormal() -> str:
+    """What Keras' LossScaleOptimizer does with a subnormal scale here: its float32 multiply flushes it on
+    TensorFlow's CPU kernels and XLA (JAX), keeps it on torch (IEEE)."""
+    return "keep" if _keras_backend_name() == "torch" else "flush"
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    """The compute capability of the first GPU the Keras backend runs on, or None without one (GPU detection
+    is the Keras backend's own: ``tf.config``, ``jax.devices()``, ``torch.cuda``)."""
+    name = _keras_backend_name()
+    if name == "tensorflow":
+        import tensorflow as tf
+
+        gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            return None
+        return tuple(tf.config.experimental.get_device_details(gpus[0]).get("compute_capability", (0, 0)))
+    if name == "jax":
+        import jax
+
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        if not gpus:
+            return None
+        cc = str(getattr(gpus[0], "compute_capability", "0.0")).split(".")
+        return int(cc[0]), int(cc[1]) if len(cc) > 1 else 0
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
+
+
+def _kernels() -> str:
+    """Whose CPU kernels run the Keras layers, for messages."""
+    return {"tensorflow": "Keras (TensorFlow, oneDNN)", "jax": "Keras (JAX, XLA:CPU)"}.get(_keras_backend_name(),
+                                                                                         "Keras (torch)")
+
+
+def resolve_compute_auto() -> tuple[str, str]:
+    """``auto`` on this machine: bf16 on Ampere+ GPUs (fp16 + dynamic scaling before); on CPU from its facts."""
+    cc = gpu_capability()
+    if cc is None:
+        return hardware.resolve_cpu_auto(_kernels())
+    return hardware.resolve_auto(fast_bf16=cc >= (8, 0), fast_fp16=True,
+                                 where=f"this GPU (compute capability {cc[0]}.{cc[1]})")
+
+
+def warn_emulated(request: Plan, compute: str) -> str | None:
+    """Warn (at the user's call) for low-precision compute a CPU-only machine emulates; the message or None."""
+    wanted = [("compute_dtype", compute)] + [(f"overrides[{i}].compute_dtype", o.compute_dtype)
+                                             for i, o in enumerate(request.overrides)]
+    slow = [(k, d) for k, d in wanted if dtypes.is_low(d) and hardware.cpu().emulated(d)]
+    if not slow or gpu_capability() is not None:
+        return None
+    return hardware.warn_emulated(slow[0][1], slow[0][0], _kernels())
+
+
+def loss_scaler(spec: LossScaleSpec, masters: bool) -> str:
+    """Which optimizer wrapper runs ``spec`` (the Plan's resolved loss scale); ``masters``: fp32 masters kept."""
+    if keras_rule(spec) and not masters:
+        return "loss scaling: Keras' own LossScaleOptimizer (its fixed rule is exactly the policy's)"
+    return f"loss scaling: unimp LossScaleOptimizer ({spec.mode}, the core reference rule)"
+
+
+def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
+    """Loss-scale knobs this Keras backend cannot honour: ``{knob: (what runs instead, why)}``.
+
+    Everywhere: a float64 scale (Keras' optimizer variable is float32). On JAX (XLA): what a float32
+    scale computed by XLA cannot hold bit for bit (:func:`xla_unsupported`).
+    """
+    if spec.mode != "dynamic":
+        return {}
+    out = {}
+    if spec.scale_dtype == "float64":
+        out["scale_dtype"] = ("float32", "the Keras optimizer holds the scale in a float32 variable; fix: "
+                              "scale_dtype = 'float32'")
+    if _keras_backend_name() == "jax":
+        out.update(xla_unsupported(spec))
+    return out
+
+
+def _keras_backend_name() -> str:
+    import keras
+
+    return keras.backend.backend()
+
+
+def _jax_x64() -> bool:
+    import jax
+
+    return bool(jax.config.jax_enable_x64)
+
+
+def xla_flushes_subnormals() -> bool:
+    """Whether XLA on the default JAX device flushes a float32 subnormal result to 0 (measured:
+    XLA:CPU does, and reads subnormal inputs as 0)."""
+    import jax
+    import numpy as np
+
+    with jax.ensure_compile_time_eval():
+        tiny = np.float32(dtypes.FLT_TINY)
+        return float(jax.jit(lambda x: x * np.float32(0.5))(tiny)) == 0.0
+
+
+def xla_unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
+    """The knobs Keras on JAX cannot hold: subnormal float32 scales where XLA flushes them, factors not
+    exact in float32 without ``jax_enable_x64``, a raise (``at_min = "error"``) inside a jitted step."""
+    out = {}
+    flush = xla_flushes_subnormals()
+    fix_x64 = "jax.config.update('jax_enable_x64', True)"
+    if flush and spec.subnormal == "keep" and spec.min < dtypes.FLT_TINY:
+        out["subnormal"] = ("flush", "XLA on this device flushes float32 subnormals, so a scale below 2^-126 "
+                            "reads as 0; fix: subnormal = 'flush' or loss_scale.min >= 2^-126")
+    if flush and spec.initial < dtypes.FLT_TINY:
+        out["initial"] = (dtypes.FLT_TINY, "this XLA device reads a float32 scale below 2^-126 as 0; fix: "
+                          "initial >= 2^-126")
+    if not _jax_x64() and spec.backoff == "multiply" and 0 < dtypes.f32(spec.backoff_factor) < dtypes.FLT_TINY \
+            and flush:
+        out["backoff_factor"] = (0.0, f"without jax_enable_x64 the factor is a float32 below 2^-126, which this "
+                                 f"XLA device reads as 0; fix: {fix_x64} or backoff_factor >= 2^-126")
+    if spec.factor_arithmetic == "float64" and not _jax_x64():
+        used = ("growth_factor", "backoff_factor") if spec.backoff == "multiply" else ("growth_factor",)
+        for key in used:
+            value = getattr(spec, key)
+            if dtypes.f32(value) != value:
+                out["factor_arithmetic"] = ("float32", (
+                    f"loss_scale.{key} = {value!r} is not exactly representable in float32 and Keras on JAX "
+                    f"multiplies in float32 without jax_enable_x64; fix: a float32 value such as "
+                    f"{dtypes.f32(value)!r} or a power of two, factor_arithmetic = 'float32', or {fix_x64}"))
+    if spec.at_min == "error":
+        out["at_min"] = ("clamp", "Keras on JAX runs the optimizer step jitted (stateless_apply), where nothing "
+                         "can raise; fix: at_min = 'clamp'")
+    return out
+
+
+def distributed_note(rd: str) -> str:
+    """How tf.distribute runs with gradients reduced in ``rd`` (the Keras 3 facts this backend works around);
+    on the JAX and torch backends of Keras, that unimp does not distribute."""
+    name = _keras_backend_name()
+    if name != "tensorflow":
+        return (f"data parallel: not run by unimp on Keras' {name} backend (tf.distribute is TensorFlow's; "
+                f"Keras' keras.distribution on JAX is not covered): one device")
+    how = ("in float32" if rd == "float32" else
+           f"in {rd}: each replica casts its scaled gradients to {rd} before the sum, back after")
+    return (f"tf.distribute (MirroredStrategy): unimp's optimizer wrapper all-reduces gradients (SUM) {how} "
+            "(Keras has no reduce-dtype hook: its optimizer sums in the gradients' dtype; the wrapped "
+            "optimizer's own sum is bypassed); finiteness is checked on the reduced gradients and agreed "
+            "across replicas, so all replicas skip together; loss-scale state is mirrored and updated once. "
+            "Keras' LossScaleOptimizer is not used under a strategy (it takes replica 0's finiteness). "
+            "Gradient clipping of the inner optimizer sees the reduced gradients. jit_compile=True is refused "
+            "(keras#21366)")
+
+
+@dataclass(frozen=True)
+class KerasDetails:
+    """What the keras backend decided at compile time (``plan.details``)."""
+
+    loss_scaler: str  # which optimizer wrapper runs the loss scale
+    distributed: str  # how tf.distribute runs under the policy
+
+
+def compile_plan(request: Plan, index: Iterable[LayerInfo] | None = None) -> Plan:
+    """The Plan of ``request`` on Keras 3, this process' Keras backend (``index``: the model's layers, when known)."""
+    keras_backend()
+    compute, reason = request.compute_dtype, "as the policy says"
+    if compute == "auto":
+        compute, reason = resolve_compute_auto()
+    elif warn_emulated(request, compute):
+        reason += f" (emulated on this CPU, slower than float32: {hardware.cpu().describe()})"
+    want = request.requested("loss", compute)
+    # a loss in no op list follows its inputs: float32 only when the model's outputs are cast to float32
+    # ("unchanged" outputs may be low; the Keras loss computes in float32 whatever it gets)
+    follows_f32 = want is None and request.output_cast == "float32"
+    fixed = {"loss": (None, LOSS_WHY + "; it takes the float32 model output, so it follows its inputs")
+             if follows_f32 else ("float32", LOSS_WHY)}
+    control = {op: "layer" for op in ops.CANONICAL_OPS if op not in fixed}
+    native = {op: (*NATIVE_OPS.get(op, ()), *EXTRA_NATIVE.get(op, ())) for op in ops.CANONICAL_OPS}
+    notes = list(NOTES)
+    param = request.param_dtype
+    if dtypes.is_low(param) or request.uses_master_weights:
+        notes.append("low-precision params: Keras fixes a variable's dtype at creation, so layers holding "
+                     f"{param} params get {param} copies while applied; the original float32 variables are "
+                     "the masters the optimizer wrapper updates")
+    spec = request.loss_scale_at(compute)
+    details = KerasDetails(loss_scaler(spec, request.uses_master_weights), distributed_note(request.reduce_dtype))
+    return request.compile(control=control, native=native, compute_dtype=compute, compute_reason=reason,
+                           fixed=fixed, notes=(*notes, details.loss_scaler, details.distributed), details=details,
+                           index=index, fp8=fp8_support(), loss_scale_unsupported=unsupported(spec))
