@@ -1,4 +1,6 @@
-"""keras_hub GPT-2 / BERT (backbone + task head) and keras.applications MobileNetV2 under every preset."""
+"""keras_hub GPT-2 / BERT (backbone + task head) and keras.applications MobileNetV2 under every preset, on the
+Keras backend ``KERAS_BACKEND`` names (the keras-tensorflow, keras-jax and keras-torch tox envs each run this file;
+cells go under ``keras-<backend>``)."""
 
 import functools
 import os
@@ -25,6 +27,7 @@ TOKENS = {"token_ids": RNG.integers(0, 64, (4, 12)).astype("int32"), "padding_ma
 NATIVE = {"fp32": "float32", "mixed_bf16": "mixed_bfloat16", "pure_bf16": "mixed_bfloat16",
           "mixed_fp16": "mixed_float16", "fp16_master": "mixed_float16", "keras_mixed_float16": "mixed_float16"}
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+FRAMEWORK = f"keras-{keras.backend.backend()}"  # one compatibility column per Keras backend
 
 
 class ReferenceLoss(keras.callbacks.Callback):
@@ -61,6 +64,11 @@ DATA = {
     "bert_text_classifier": (bert, {**TOKENS, "segment_ids": np.zeros((4, 12), "int32")}, RNG.integers(0, 3, (4,))),
     "mobilenet_v2": (mobilenet, RNG.normal(size=(8, 48, 48, 3)).astype("float32"), RNG.integers(0, 4, (8,))),
 }
+
+
+def numpy(x):
+    """A backend tensor (TensorFlow, JAX or torch) as numpy."""
+    return keras.ops.convert_to_numpy(x)
 
 
 def build(name, policy="float32"):
@@ -125,18 +133,18 @@ def observed_outputs(model, units, x):
 @pytest.mark.parametrize("preset", list(NATIVE))
 @pytest.mark.parametrize("name", list(DATA))
 def test_keras_model(name, preset, cell, tmp_path):
-    c = cell("keras", name, preset)
+    c = cell(FRAMEWORK, name, preset)
     _, x, _ = DATA[name]
     model = build(name)
     weights = [w.numpy() for w in model.weights]
-    before = np.asarray(model(x, training=False) if name == "mobilenet_v2" else model(x))
+    before = numpy(model(x, training=False) if name == "mobilenet_v2" else model(x))
 
     # remove() without training: every weight, dtype policy and output bit for bit
     amp = unimp.apply(preset, model)
     amp.remove()
     assert all(np.array_equal(a, w.numpy()) for a, w in zip(weights, model.weights))
     assert {layer.dtype_policy.name for layer in model._flatten_layers()} == {"float32"}
-    assert np.array_equal(before, np.asarray(model(x, training=False) if name == "mobilenet_v2" else model(x)))
+    assert np.array_equal(before, numpy(model(x, training=False) if name == "mobilenet_v2" else model(x)))
     c.check("remove", "untouched model bit for bit (weights, dtype policies, outputs)")
 
     # 10 steps vs Keras' own AMP written by hand (same initial weights)

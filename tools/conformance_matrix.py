@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from itertools import combinations
@@ -25,7 +26,13 @@ from unimp.loss_scale import LossScale, LossScaleState
 from unimp.report import format_table
 
 FP32_CROSS_TOLERANCE = 1e-4  # fp32 loss curves of the five frameworks agree to ~1e-6 under plain SGD
-ENV_OF = {"torch": "torch", "jax": "jax", "tensorflow": "tensorflow", "paddle": "paddle", "ipex": "ipex"}
+# observation label -> (unimp backend, tox env, environment variables): one Keras adapter, one column per Keras backend
+TARGETS: dict[str, tuple[str, str, dict[str, str]]] = {
+    "torch": ("torch", "torch", {}), "jax": ("jax", "jax", {"JAX_PLATFORMS": "cpu"}),
+    "paddle": ("paddle", "paddle", {}), "ipex": ("ipex", "ipex", {}),
+    **{f"keras-{kb}": ("keras", f"keras-{kb}", {"KERAS_BACKEND": kb, "JAX_PLATFORMS": "cpu"})
+       for kb in ("tensorflow", "jax", "torch")},
+}
 
 
 def _ok(entry: Any) -> bool:
@@ -113,12 +120,13 @@ def compare_losses(obs: dict[str, dict]) -> list[str]:
 def run_resumes(obs_dir: Path, envs: Path | None, backends: list[str]) -> None:
     """Continue every backend's checkpoint in every other backend, each in its own environment."""
     for target in backends:
-        py = (envs / ENV_OF.get(target, target) / "bin" / "python") if envs else Path(sys.executable)
+        backend, env, variables = TARGETS.get(target, (target, target, {}))
+        py = (envs / env / "bin" / "python") if envs else Path(sys.executable)
         if not py.exists():
             continue
         sources = [str(obs_dir / f"{s}.json") for s in backends if s != target]
-        subprocess.run([str(py), "-m", "unimp.conformance.observe", target, "--out", str(obs_dir),
-                        "--resume", *sources], check=False, timeout=900)
+        subprocess.run([str(py), "-m", "unimp.conformance.observe", backend, "--out", str(obs_dir),
+                        "--resume", *sources], check=False, timeout=900, env={**os.environ, **variables})
 
 
 def compare_resumes(obs_dir: Path, obs: dict[str, dict]) -> tuple[list[str], dict[tuple[str, str], str]]:
@@ -246,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--update-baseline", action="store_true")
     args = ap.parse_args(argv)
     obs_dir = Path(args.obs)
-    obs = {p.stem: json.loads(p.read_text()) for p in sorted(obs_dir.glob("*.json")) if "-" not in p.stem}
+    obs = {p.stem: json.loads(p.read_text()) for p in sorted(obs_dir.glob("*.json"))
+           if not p.stem.startswith("resume-")}
     if len(obs) < 2:
         print(f"need observations of at least two backends in {obs_dir}, found {sorted(obs)}")
         return 1

@@ -31,6 +31,12 @@ class Kit(abc.ABC):
     backend: str = ""
 
     @property
+    def label(self) -> str:
+        """The name this kit's observations go under (``.obs/<label>.json``, the matrix's column): the
+        backend's name, or more where one backend runs on several frameworks (``keras-jax``)."""
+        return self.backend
+
+    @property
     def tags(self) -> frozenset[str]:
         """The capability tags of the backend under test (its Backend class declares them); the suite
         runs the checks they allow (:mod:`unimp.conformance.select`)."""

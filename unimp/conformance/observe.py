@@ -5,9 +5,10 @@ Run inside a backend's environment (tox does this for every backend env)::
     python -m unimp.conformance.observe torch --out .obs
     python -m unimp.conformance.observe jax --resume .obs/torch.json --out .obs
 
-The first form writes ``.obs/<backend>.json``: the conformance results, observed dtypes per
-layer for each policy, the Plan's control level per canonical op, loss-scale trajectories for
-shared overflow sequences, per-step losses, and a checkpoint (canonical state + numpy weights).
+The first form writes ``.obs/<label>.json`` (the kit's label: the backend's name, or
+``keras-<Keras backend>``): the conformance results, observed dtypes per layer for each policy, the
+Plan's control level per canonical op, loss-scale trajectories for shared overflow sequences,
+per-step losses, and a checkpoint (canonical state + numpy weights).
 The second continues other backends' checkpoints in this backend (cross-framework resume) and
 writes ``.obs/resume-<from>-<to>.json``. ``tools/conformance_matrix.py`` (in the repository) compares them all.
 """
@@ -136,7 +137,7 @@ def observe(kit: Kit) -> dict[str, Any]:
 
     pattern = overflow_pattern()
     return {
-        "backend": kit.backend,
+        "backend": kit.label,
         "hardware": cpu().record(),
         "results": [r.__dict__ for r in run(kit)],
         "dtypes": {p: _guard(_dtypes, kit, observation_policy(p)) for p in OBS_POLICIES},
@@ -163,7 +164,7 @@ def resume(kit: Kit, source: dict[str, Any]) -> dict[str, Any]:
             losses.append(kit.step(amp, batch, poison=poison))
             scales.append(amp.scale)
             skipped.append(amp.skipped_steps)
-        return {"from": source["backend"], "to": kit.backend, "scales": scales, "skipped": skipped,
+        return {"from": source["backend"], "to": kit.label, "scales": scales, "skipped": skipped,
                 "first_loss": losses[0]}
     finally:
         amp.remove()
@@ -181,16 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.resume:
-        (out / f"{args.backend}.json").write_text(json.dumps(observe(kit), indent=1))
-        print(f"wrote {out / (args.backend + '.json')}")
+        (out / f"{kit.label}.json").write_text(json.dumps(observe(kit), indent=1))
+        print(f"wrote {out / (kit.label + '.json')}")
         return 0
     for src in args.resume:
         source = json.loads(Path(src).read_text())
         if "state" not in source.get("checkpoint", {}):
             continue
         result = _guard(resume, kit, source)
-        target = out / f"resume-{source['backend']}-{args.backend}.json"
-        target.write_text(json.dumps({"from": source["backend"], "to": args.backend, **result}, indent=1))
+        target = out / f"resume-{source['backend']}-{kit.label}.json"
+        target.write_text(json.dumps({"from": source["backend"], "to": kit.label, **result}, indent=1))
         print(f"wrote {target}")
     return 0
 
