@@ -6,7 +6,7 @@
 'bfloat16'
 
 ``unimp.apply(policy, model, optimizer)`` binds it to a model of any installed backend
-(unimp-torch, unimp-jax, unimp-tensorflow, unimp-paddle, unimp-ipex). Importing unimp imports
+(unimp-torch, unimp-jax, unimp-keras, unimp-paddle, unimp-ipex). Importing unimp imports
 no framework.
 """
 
