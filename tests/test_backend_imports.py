@@ -8,7 +8,7 @@ import unimp.spi
 
 
 def test_every_backend_package_is_seen():
-    assert {d.name for d in BACKEND_DIRS} >= {"unimp_torch", "unimp_jax", "unimp_tensorflow", "unimp_paddle",
+    assert {d.name for d in BACKEND_DIRS} >= {"unimp_torch", "unimp_jax", "unimp_keras", "unimp_paddle",
                                               "unimp_ipex"}
 
 

@@ -8,7 +8,7 @@ import re
 from imports import ROOT
 
 GUIDE = ROOT / "docs/backend-guide.md"
-COLUMNS = ("torch", "jax", "tensorflow", "paddle", "ipex")
+COLUMNS = ("torch", "jax", "keras", "paddle", "ipex")
 
 
 def _section4() -> str:
@@ -35,7 +35,7 @@ def _table() -> dict[str, dict[str, str]]:
     return rows
 
 
-FRAMEWORK = {"torch": "Torch", "jax": "Jax", "tensorflow": "TensorFlow", "paddle": "Paddle", "ipex": "Ipex"}
+FRAMEWORK = {"torch": "Torch", "jax": "Jax", "keras": "Keras", "paddle": "Paddle", "ipex": "Ipex"}
 
 
 def _required() -> dict[str, tuple[str, ...]]:

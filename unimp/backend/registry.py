@@ -22,8 +22,9 @@ from unimp.policy.loading import load
 
 GROUP = "unimp.backends"
 HINTS = {"torch": "unimp-torch (torch.nn.Module)", "flax": "unimp-jax (Flax nnx/linen Module)",
-         "jax": "unimp-jax (Flax nnx/linen Module)", "keras": "unimp-tensorflow (Keras 3 model)",
-         "tensorflow": "unimp-tensorflow (Keras 3 model)", "tf_keras": "unimp-tensorflow (Keras 3 model)",
+         "jax": "unimp-jax (Flax nnx/linen Module)", "keras": "unimp-keras (Keras 3 model, any Keras backend)",
+         "tensorflow": "unimp-keras (Keras 3 model, any Keras backend)",
+         "tf_keras": "unimp-keras (Keras 3 models: pip install 'keras>=3', build with `import keras`, not tf_keras)",
          "paddle": "unimp-paddle (paddle.nn.Layer or paddle.static.Program)"}
 
 _registered: dict[str, type[Backend]] = {}
@@ -115,7 +116,7 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
     return all_or_nothing(chosen.snapshot(model, optimizer, plan), bind)
 
 
-def scope(policy: Any, *, backend: str = "tensorflow") -> Any:
+def scope(policy: Any, *, backend: str = "keras") -> Any:
     """A context manager under which new models are built with ``policy`` (Keras: ``unimp.scope``).
 
     Only backends whose framework builds models under a global dtype policy offer it.

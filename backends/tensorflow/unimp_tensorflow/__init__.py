@@ -1,29 +1,35 @@
-"""unimp-tensorflow: unimp policies on Keras 3 models (TensorFlow backend).
+"""unimp-tensorflow: the former name of :mod:`unimp_keras` (Keras 3 on every Keras backend).
 
-``unimp.apply(policy, model, optimizer)`` sets per-layer Keras dtype policies on an existing model
-and wraps the optimizer for loss scaling; :func:`scope` builds a new model under a policy.
-Importing this package imports no framework.
+Kept so ``pip install unimp-tensorflow`` and ``import unimp_tensorflow`` keep working: it installs
+unimp-keras with TensorFlow, and re-exports the public names (``TensorFlowBackend`` is
+:class:`unimp_keras.KerasBackend`, backend name ``"keras"``). It registers no backend of its own:
+unimp-keras' entry point is the one backend for Keras models. Importing it imports no framework.
 
->>> import unimp_tensorflow
->>> unimp_tensorflow.TensorFlowBackend.name
-'tensorflow'
+>>> import unimp_tensorflow, unimp_keras
+>>> unimp_tensorflow.TensorFlowBackend is unimp_keras.KerasBackend
+True
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .backend import TensorFlowBackend
+from unimp_keras import KerasBackend, scope
 
 __version__ = "0.1.0"
-__all__ = ["TensorFlowBackend", "scope"]
+TensorFlowBackend = KerasBackend
+__all__ = ["AmpOptimizer", "KerasAmp", "KerasAmpOptimizer", "KerasBackend", "TensorFlowAmp", "TensorFlowBackend",
+           "scope"]
+
+# name -> (module of unimp_keras, its name there); imported on first use (they import keras)
+_LAZY = {"AmpOptimizer": ("optimizer", "AmpOptimizer"), "KerasAmpOptimizer": ("optimizer", "KerasAmpOptimizer"),
+         "KerasAmp": ("amp", "KerasAmp"), "TensorFlowAmp": ("amp", "KerasAmp")}
 
 
-def scope(policy: Any) -> Any:
-    """Build a Keras model under ``policy`` (file, preset name, dict or Policy): :mod:`unimp_tensorflow.building`."""
-    from unimp.spi import load
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'unimp_tensorflow' has no attribute {name!r}")
+    import importlib
 
-    from .building import scope as _scope
-
-    backend = TensorFlowBackend()
-    return _scope(backend.compile(load(policy)), backend)
+    module, attr = _LAZY[name]
+    return getattr(importlib.import_module(f"unimp_keras.{module}"), attr)

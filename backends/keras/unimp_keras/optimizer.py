@@ -1,7 +1,7 @@
 """Optimizer wrappers: loss scaling (the core rule, every knob) and float32 master weights.
 
 :class:`AmpOptimizer` subclasses Keras' own ``LossScaleOptimizer`` (so ``compile`` never
-wraps it a second time) but runs unimp's rule (:mod:`unimp_tensorflow.scaler`) over float32 /
+wraps it a second time) but runs unimp's rule (:mod:`unimp_keras.scaler`) over float32 /
 int64 variables. :class:`KerasAmpOptimizer` *is* Keras' rule, used where the policy asks
 for exactly that rule; it only adds the step/skip counters of the canonical state. A skipped
 step calls nothing on the inner optimizer: variables, slots and ``iterations`` keep their bits.
@@ -35,8 +35,8 @@ from keras.src.utils import tracking
 
 from unimp.spi import LossScale, LossScaleSpec, LossScaleState, StateError, dtypes
 
-from .distributed import all_reduce, hook_inner, refuse_xla
 from .scaler import DeviceLossScale, all_finite, encode, next_state
+from .tf_distribute import all_reduce, hook_inner, refuse_xla
 
 ONLY_FIRST = "only_first_replica"
 

@@ -12,7 +12,7 @@ import unimp
 from unimp.conformance import run_case
 from unimp.conformance.fp8 import fp8_cases
 from unimp.errors import UnsupportedError
-from unimp_tensorflow.fp8 import NAMES
+from unimp_keras.fp8 import NAMES
 
 pytestmark = pytest.mark.filterwarnings("ignore::unimp.UnimpWarning")  # bf16 emulated on this CPU, etc.
 

@@ -1,11 +1,11 @@
-"""The core loss-scale rule (:func:`unimp.loss_scale.rule.step`) on TensorFlow tensors: :class:`TensorFlowOps`
+"""The core loss-scale rule (:func:`unimp.loss_scale.rule.step`) on TensorFlow tensors: :class:`KerasOps`
 over :class:`DeviceLossScale`.
 
 Pure functions of tensors, so one step traces into a ``tf.function`` with no host sync. The
 scale is stored in float32 and computed in float64 on the float32 grid (products rounded once,
 as the reference's ``f32(scale * factor)``; subnormals kept or flushed as the policy says, even
 though TensorFlow's CPU kernels flush float32 subnormals). ``scale_dtype = "float64"`` cannot be
-held (the Keras optimizer's scale variable is float32): :func:`unimp_tensorflow.plan.unsupported` says
+held (the Keras optimizer's scale variable is float32): :func:`unimp_keras.plan.unsupported` says
 so, and :func:`next_state` refuses such a spec (the Plan's ``on_unsupported = "fallback"`` runs
 ``plan.loss_scale_run`` instead, the float32 rule its notes name; :func:`device_spec`).
 
@@ -62,7 +62,7 @@ def _tiny(x: tf.Tensor) -> tf.Tensor:
     return tf.fill(tf.shape(x), tf.constant(dtypes.FLT_TINY, x.dtype))
 
 
-class TensorFlowOps:
+class KerasOps:
     """:class:`unimp.loss_scale.rule.ArrayOps` over TensorFlow tensors. The scale is computed in float64 on
     the float32 grid (products rounded once, subnormals rounded as IEEE float32 does), so the rule
     is exact even where TensorFlow flushes float32 subnormals."""
@@ -102,7 +102,7 @@ def device_spec(spec: LossScaleSpec) -> LossScaleSpec:
 def runnable(spec: LossScaleSpec) -> LossScaleSpec:
     """``spec`` itself when every knob is honoured here, else :class:`UnsupportedError` naming each:
     the rule never runs a knob :func:`unsupported` declared."""
-    LossScale(spec).fallbacks(unsupported(spec), "unimp_tensorflow loss scale", "error")
+    LossScale(spec).fallbacks(unsupported(spec), "unimp_keras loss scale", "error")
     return spec
 
 
@@ -122,9 +122,9 @@ def transition(spec: LossScaleSpec, st: DeviceLossScale, finite: tf.Tensor) -> t
     """(next state, ``at_min = "error"`` flag or None) of :func:`next_state`, without the assertion."""
     spec = runnable(spec)
     if spec.mode != "dynamic":
-        new, _, _ = step(TensorFlowOps(), spec, Arrays(*st), finite)
+        new, _, _ = step(KerasOps(), spec, Arrays(*st), finite)
         return DeviceLossScale(*new), None
-    new, _, error = step(TensorFlowOps(), spec, Arrays(decode(st.scale), *st[1:]), finite)
+    new, _, error = step(KerasOps(), spec, Arrays(decode(st.scale), *st[1:]), finite)
     return DeviceLossScale(encode(new.scale), *new[1:]), error
 
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 import unimp
 from unimp.conformance import cast_like
 from unimp.policy.ops import kind_of
-from unimp_tensorflow.ops import NATIVE_OPS
+from unimp_keras.ops import NATIVE_OPS
 
 X = np.random.default_rng(0).normal(size=(32, 12)).astype("float32")
 Y = (X[:, :4].sum(-1) > 0).astype("int32")
@@ -226,7 +226,7 @@ def test_bad_input_is_a_clear_error_and_changes_nothing():
     with pytest.raises(ValueError, match="not built"):
         unimp.apply("mixed_bf16", keras.Sequential([keras.layers.Dense(3)]))
     with pytest.raises(TypeError, match="Keras 3 keras.Model"):
-        unimp.get_backend("tensorflow").apply(unimp.get_backend("tensorflow").compile(unimp.load("fp32")),
+        unimp.get_backend("keras").apply(unimp.get_backend("keras").compile(unimp.load("fp32")),
                                               keras.layers.Dense(3))
     with pytest.raises(unimp.UnsupportedError, match="fc1: input_dim=12"):
         unimp.apply({"extends": "mixed_bf16", "layout": {"on_misaligned": "error"}}, model)
@@ -255,9 +255,9 @@ def test_layout_findings_name_the_layer():
 
 
 def test_scope_builds_under_the_policy_and_restores_globals():
-    import unimp_tensorflow
+    import unimp_keras
 
-    with unimp_tensorflow.scope("pure_bf16") as s:
+    with unimp_keras.scope("pure_bf16") as s:
         model = sequential()
         assert keras.config.dtype_policy().name == "bfloat16"
     assert keras.config.dtype_policy().name == "float32"
@@ -268,7 +268,7 @@ def test_scope_builds_under_the_policy_and_restores_globals():
 
 
 def test_importing_the_backend_imports_no_framework():
-    code = ("import sys, unimp, unimp_tensorflow, unimp_tensorflow.backend; unimp.backends(); "
+    code = ("import sys, unimp, unimp_keras, unimp_keras.backend; unimp.backends(); "
             "print([m for m in ('tensorflow', 'keras') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -33,7 +33,7 @@ class Scope:
     plan: Plan
     keras_policy: str
     data_format: str
-    backend: Any  # the TensorFlowBackend that binds it
+    backend: Any  # the KerasBackend that binds it
 
     def apply(self, model: Any, optimizer: Any = None, **options: Any) -> Any:
         """``unimp.apply(policy, model, optimizer)`` for the model built in this scope: binds the scope's

@@ -85,7 +85,7 @@ def decide(plan: Plan, units: list[Any]) -> list[tuple[Any, Fp8Decision]]:
     return out
 
 
-EAGER = ("unimp (tensorflow): layer {path!r} trains in Keras float8, whose custom gradient does not run "
+EAGER = ("unimp (keras): layer {path!r} trains in Keras float8, whose custom gradient does not run "
          "eagerly on TensorFlow (under an eager tf.GradientTape Keras fails inside it); fix: train with "
          "model.fit / model.train_on_batch (not run_eagerly), or wrap your training step in tf.function")
 

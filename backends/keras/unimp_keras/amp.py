@@ -30,7 +30,7 @@ from .bind import Binding, undo
 from .trace import observe
 
 
-class TensorFlowAmp(Amp):
+class KerasAmp(Amp):
     """A unimp policy bound to one Keras model and optimizer."""
 
     def __init__(self, plan: Plan, model: Any, optimizer: Any, inner: Any, binding: Binding) -> None:

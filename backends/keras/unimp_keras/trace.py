@@ -8,7 +8,7 @@ layers that cast by themselves (``autocast = False``: Embedding, normalisations)
 they produce.
 
 >>> import keras, numpy as np
->>> from unimp_tensorflow.index import walk
+>>> from unimp_keras.index import walk
 >>> m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="fc")])
 >>> seen, out = observe(m, walk(m), np.zeros((1, 3), "float32"))
 >>> seen["fc"], out

@@ -24,7 +24,7 @@ Y = RNG.normal(size=(16, 1)).astype("float32")
 # loads a file in a process where neither unimp nor its backend can be imported
 LOAD = r"""
 import json, sys
-sys.modules["unimp"] = sys.modules["unimp_tensorflow"] = None
+sys.modules["unimp"] = sys.modules["unimp_keras"] = None
 import keras
 out = {}
 for path in sys.argv[1:]:

@@ -15,7 +15,7 @@ from unimp.conformance.state_dicts import check_counters_at_bound
 from unimp.errors import StateError, UnsupportedError
 from unimp.loss_scale import LossScale
 from unimp.policy.spec import INT32_MAX
-from unimp_tensorflow.scaler import DeviceLossScale, next_state
+from unimp_keras.scaler import DeviceLossScale, next_state
 
 X = np.random.default_rng(0).normal(size=(8, 8)).astype("float32")
 

@@ -1,7 +1,7 @@
 """The conformance kit: the shared probe as a Keras functional model, driven by a custom loop.
 
 >>> from unimp.conformance.probe import probe_weights
->>> kit = TensorFlowKit()
+>>> kit = KerasKit()
 >>> m = kit.build_probe(probe_weights())
 >>> [layer.name for layer in m.layers[1:]]
 ['embed', 'fc1', 'act', 'conv', 'norm', 'head', 'logp']
@@ -31,10 +31,10 @@ def nll(logp: Any, targets: Any) -> tf.Tensor:
 _PROBE_PARAM = {"embeddings": "weight", "kernel": "weight", "gamma": "weight", "bias": "bias", "beta": "bias"}
 
 
-class TensorFlowKit(Kit):
+class KerasKit(Kit):
     """Hooks for :mod:`unimp.conformance` on Keras 3 / TensorFlow (CPU runs fp32, bf16 and fp16)."""
 
-    backend = "tensorflow"
+    backend = "keras"
 
     def supports(self, request: Plan) -> str | None:
         return None  # TF CPU has float16 and bfloat16 kernels for every probe layer

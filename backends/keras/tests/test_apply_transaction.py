@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import unimp
-from unimp_tensorflow.backend import TensorFlowBackend
+from unimp_keras.backend import KerasBackend
 
 X = np.random.default_rng(0).normal(size=(8, 12)).astype("float32")
 
@@ -36,7 +36,7 @@ def state_of(model, optimizer):
 def test_snapshot_covers_everything_apply_changes(policy):
     model, optimizer = model_and_optimizer()
     before = state_of(model, optimizer)
-    snap = TensorFlowBackend().snapshot(model, optimizer)
+    snap = KerasBackend().snapshot(model, optimizer)
     amp = unimp.apply(policy, model, optimizer)
     assert state_of(model, optimizer) != before
     snap.restore()
@@ -47,7 +47,7 @@ def test_snapshot_covers_everything_apply_changes(policy):
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_apply_failing_half_way_changes_nothing(error, monkeypatch):
-    from unimp_tensorflow import bind
+    from unimp_keras import bind
 
     model, optimizer = model_and_optimizer()
     before = state_of(model, optimizer)

@@ -1,9 +1,10 @@
-"""The unimp plug-in for Keras 3 models on TensorFlow (entry point ``unimp.backends: tensorflow``).
+"""The unimp plug-in for Keras 3 models on any Keras backend: TensorFlow, JAX or torch
+(entry point ``unimp.backends: keras``).
 
-This module imports no framework: unimp only looks at it once ``keras``/``tensorflow`` is imported.
+This module imports no framework: unimp only looks at it once ``keras`` is imported.
 
 >>> import unimp
->>> TensorFlowBackend().compile(unimp.load("mixed_bf16")).op("conv").dtype
+>>> KerasBackend().compile(unimp.load("mixed_bf16")).op("conv").dtype
 'bfloat16'
 """
 
@@ -16,26 +17,34 @@ from typing import Any, ClassVar
 from unimp.spi import Amp, Backend, Plan, Snapshot, ops
 
 from .ops import NATIVE_OPS
-from .plan import compile_plan
+from .plan import KERAS_BACKENDS, check_keras_backend, check_not_keras2, compile_plan
 
 OPTIONS = ("native_loss_scale",)
 
 
-class TensorFlowBackend(Backend):
-    """Keras 3 models (Sequential, functional, subclassed) and Keras optimizers, TensorFlow backend."""
+class KerasBackend(Backend):
+    """Keras 3 models (Sequential, functional, subclassed) and Keras optimizers, on the TensorFlow, JAX or
+    torch backend of Keras (``KERAS_BACKEND``)."""
 
-    name: ClassVar[str] = "tensorflow"
+    name: ClassVar[str] = "keras"
     framework: ClassVar[str] = "keras"
-    distribution: ClassVar[str] = "unimp-tensorflow"
-    model_types: ClassVar[str] = "keras.Model (Keras 3, TensorFlow backend)"
-    native_ops: ClassVar = ops.native_table("tensorflow", NATIVE_OPS)
+    distribution: ClassVar[str] = "unimp-keras"
+    model_types: ClassVar[str] = f"keras.Model (Keras 3; KERAS_BACKEND {' | '.join(KERAS_BACKENDS)})"
+    native_ops: ClassVar = ops.native_table("keras", NATIVE_OPS)
     tags: ClassVar = frozenset({"fp16", "bf16", "master_weights", "loss_scaling", "training", "overrides", "layout",
                                 "layer_level", "distributed", "remove"})
-    priority: ClassVar[int] = 0
+    # above unimp-torch and unimp-ipex: on KERAS_BACKEND=torch a Keras model is also a torch.nn.Module
+    priority: ClassVar[int] = 20
 
     def accepts(self, model: Any) -> bool:
+        """Any Keras 3 ``keras.Model`` under a Keras backend unimp runs on; a Keras model it cannot run
+        (another Keras backend, tf_keras / Keras 2) is a clear error naming the fix, not a silent no."""
         keras = sys.modules.get("keras")
-        return keras is not None and isinstance(model, keras.Model) and keras.backend.backend() == "tensorflow"
+        if keras is not None and isinstance(model, getattr(keras, "Model", ())):
+            check_keras_backend(keras)
+            return True
+        check_not_keras2(model)
+        return False
 
     def plan(self, request: Plan, model: Any = None) -> Plan:
         from .index import model_index
@@ -61,10 +70,10 @@ class TensorFlowBackend(Backend):
         """
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
-            raise TypeError(f"unimp.apply (tensorflow): unknown option(s) {unknown}; valid: {list(OPTIONS)}")
-        from .amp import TensorFlowAmp
+            raise TypeError(f"unimp.apply (keras): unknown option(s) {unknown}; valid: {list(OPTIONS)}")
+        from .amp import KerasAmp
         from .bind import apply_layers, check_inputs, patch_output, reset_compiled_functions, wrap_optimizer
-        from .distributed import strategy_of
+        from .tf_distribute import strategy_of
 
         check_inputs(model, optimizer)
         if not plan.layers:  # compiled without the model: index it once
@@ -90,7 +99,7 @@ class TensorFlowBackend(Backend):
             binding.compiled_optimizer = optimizer
             model.optimizer = wrapper
         reset_compiled_functions(model)
-        return TensorFlowAmp(plan, model, wrapper, optimizer, binding)
+        return KerasAmp(plan, model, wrapper, optimizer, binding)
 
     def scope(self, plan: Plan) -> Any:
         """``unimp.scope(policy)``: build new Keras models under the compiled ``plan`` (see :mod:`.building`)."""
@@ -99,6 +108,6 @@ class TensorFlowBackend(Backend):
         return scope(plan, self)
 
     def conformance_kit(self) -> Any:
-        from .testing import TensorFlowKit
+        from .testing import KerasKit
 
-        return TensorFlowKit()
+        return KerasKit()

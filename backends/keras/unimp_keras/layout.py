@@ -1,5 +1,5 @@
 """Layout findings about conv data formats (dims not a multiple of ``layout.align`` are the Plan's, from
-the model index: :func:`unimp_tensorflow.index.dims`).
+the model index: :func:`unimp_keras.index.dims`).
 
 >>> data_formats([])
 {}
@@ -24,5 +24,5 @@ def layout_findings(formats: dict[str, str], channels_last: bool) -> list[str]:
     if not channels_last:
         return []
     return [f"{path}: data_format='{fmt}', the policy asks channels_last; rebuild this layer with "
-            f"data_format='channels_last' (or build the model under unimp_tensorflow.scope(policy))"
+            f"data_format='channels_last' (or build the model under unimp_keras.scope(policy))"
             for path, fmt in formats.items() if fmt != "channels_last"]

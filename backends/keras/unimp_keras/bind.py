@@ -23,13 +23,13 @@ import keras
 from unimp.spi import Plan, UnsupportedError, dtypes
 
 from . import fp8
-from .distributed import is_distributed, unhook_inner
 from .dtype_policies import FollowInputs, keras_policy
 from .index import Unit, descendants, is_graph, walk
 from .layout import data_formats, layout_findings
 from .optimizer import AmpOptimizer, KerasAmpOptimizer, SavesAsKeras
 from .params import Swap, swap_params
 from .plan import keras_rule
+from .tf_distribute import is_distributed, unhook_inner
 from .trace import call_name
 
 
@@ -46,26 +46,26 @@ class Binding:
     compiled_optimizer: Any = None
     findings: list[str] = field(default_factory=list)
     formats: dict[str, str] = field(default_factory=dict)
-    fp8: list[Any] = field(default_factory=list)  # unimp_tensorflow.fp8.Fp8Layer per layer quantized to float8
+    fp8: list[Any] = field(default_factory=list)  # unimp_keras.fp8.Fp8Layer per layer quantized to float8
     fp8_decisions: list[Any] = field(default_factory=list)  # unimp.plan.fp8.Fp8Decision per layer FP8 concerns
 
 
 def check_inputs(model: Any, optimizer: Any) -> None:
     """Clear errors for what this backend cannot take, before anything is changed."""
     if not isinstance(model, keras.Model):
-        raise TypeError(f"unimp (tensorflow): model must be a Keras 3 keras.Model (Sequential, functional "
+        raise TypeError(f"unimp (keras): model must be a Keras 3 keras.Model (Sequential, functional "
                         f"or subclassed), got {type(model).__name__}; wrap a bare layer in keras.Sequential")
     if not model.built:
-        raise ValueError(f"unimp (tensorflow): model {model.name!r} is not built (its variables do not exist "
+        raise ValueError(f"unimp (keras): model {model.name!r} is not built (its variables do not exist "
                          f"yet); call it once on a batch or model.build(input_shape) before unimp.apply, or "
-                         f"build it inside unimp_tensorflow.scope(policy)")
+                         f"build it inside unimp_keras.scope(policy)")
     if optimizer is None:
         return
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise TypeError("unimp (tensorflow): optimizer is already a LossScaleOptimizer; pass its inner "
+        raise TypeError("unimp (keras): optimizer is already a LossScaleOptimizer; pass its inner "
                         "optimizer (optimizer.inner_optimizer) — unimp adds the loss scaling the policy asks for")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"unimp (tensorflow): optimizer must be a Keras 3 keras.optimizers.Optimizer "
+        raise TypeError(f"unimp (keras): optimizer must be a Keras 3 keras.optimizers.Optimizer "
                         f"instance (e.g. keras.optimizers.Adam(1e-3)), got {type(optimizer).__name__}")
 
 
@@ -89,7 +89,7 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
     """Findings first (they may refuse), then dtype policies and low-precision params."""
     units = walk(model)
     binding = Binding(units)
-    binding.findings += plan.layout.act("tensorflow")
+    binding.findings += plan.layout.act("keras")
     binding.formats = data_formats(units)
     binding.findings += layout_findings(binding.formats, plan.channels_last)
     plans = []
@@ -132,7 +132,7 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
 
 def patch_compile_config(model: Any, binding: Binding) -> None:
     """``model.save`` names Keras' own optimizer for a unimp wrapper the model was compiled with
-    (see :class:`~unimp_tensorflow.optimizer.SavesAsKeras`): the file loads without unimp."""
+    (see :class:`~unimp_keras.optimizer.SavesAsKeras`): the file loads without unimp."""
     own, original = model.__dict__.get("get_compile_config"), model.get_compile_config
 
     def get_compile_config() -> Any:
@@ -233,12 +233,12 @@ def wrap_optimizer(plan: Plan, optimizer: Any, binding: Binding, native: bool | 
     use_keras = keras_rule(plan.loss_scale) and not binding.swaps and not distributed if native is None else native
     if use_keras:
         if not keras_rule(plan.loss_scale) or binding.swaps:
-            raise UnsupportedError("unimp (tensorflow): native_loss_scale=True needs the policy's loss_scale "
+            raise UnsupportedError("unimp (keras): native_loss_scale=True needs the policy's loss_scale "
                                    "to be Keras' fixed rule (dynamic, x2 / x0.5, hysteresis 1, min 0, max inf, "
                                    "growth_requires_finite false) and no low-precision params; fix: drop "
                                    "native_loss_scale or use the keras_mixed_float16 preset's loss_scale")
         if distributed:
-            raise UnsupportedError("unimp (tensorflow): native_loss_scale=True under a tf.distribute strategy: "
+            raise UnsupportedError("unimp (keras): native_loss_scale=True under a tf.distribute strategy: "
                                    "Keras' LossScaleOptimizer takes replica 0's finiteness (a non-finite gradient "
                                    "on another replica is applied) and reduces in the gradients' dtype, not "
                                    "distributed.reduce_dtype; fix: drop native_loss_scale (unimp's wrapper runs "

@@ -22,8 +22,8 @@ from unimp.conformance.loss_scale import (
     replay_size,
 )
 from unimp.loss_scale import LossScale, LossScaleState, trajectory
-from unimp_tensorflow.optimizer import AmpOptimizer
-from unimp_tensorflow.scaler import DeviceLossScale, decode, device_spec, transition
+from unimp_keras.optimizer import AmpOptimizer
+from unimp_keras.scaler import DeviceLossScale, decode, device_spec, transition
 
 KNOBS = [
     {},  # torch GradScaler defaults
@@ -93,8 +93,8 @@ def test_state_machine_replays_the_reference_for_every_knob():
 def test_float64_scales_are_a_plan_fallback():
     policy = unimp.load({"extends": "mixed_fp16", "loss_scale": {"scale_dtype": "float64"}})
     with pytest.raises(unimp.UnsupportedError, match=r"scale_dtype = 'float64' cannot be honoured.*fix"):
-        unimp.get_backend("tensorflow").compile(policy)
-    plan = unimp.get_backend("tensorflow").compile(policy.replace(on_unsupported="fallback"))
+        unimp.get_backend("keras").compile(policy)
+    plan = unimp.get_backend("keras").compile(policy.replace(on_unsupported="fallback"))
     assert any("scale_dtype = 'float64' runs as 'float32'" in n for n in plan.notes)
 
 
@@ -152,7 +152,7 @@ def _keras3(spec, seq):
 
 def test_keras3_replays_its_preset_and_the_tf_rule():
     """keras.optimizers.LossScaleOptimizer = keras_mixed_float16 (subnormal = "flush": TensorFlow's
-    kernels flush its float32 scale) = unimp_tensorflow's rule, on the system replay sequences."""
+    kernels flush its float32 scale) = unimp_keras's rule, on the system replay sequences."""
     spec = unimp.load("keras_mixed_float16").loss_scale
     n, longest = replay_size(0.5)
     assert check_system_replay(_keras3, spec, n=n, max_len=longest, backend=_tf_runner,

@@ -5,7 +5,7 @@ Keras decides dtypes per layer, so every op with a Keras layer class is ``layer`
 CPU without native units) imports TensorFlow to look for GPUs; the CPU facts are ``unimp.hardware``'s.
 
 >>> import unimp
->>> plan = compile_plan(Plan.request(unimp.load("mixed_bf16"), "tensorflow"))
+>>> plan = compile_plan(Plan.request(unimp.load("mixed_bf16"), "keras"))
 >>> plan.op("linear").control, plan.op("linear").native, plan.op("loss").control
 ('layer', ('Dense',), 'fixed')
 """
@@ -14,11 +14,45 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from unimp.spi import LayerInfo, LossScaleSpec, Plan, dtypes, hardware, ops
+from unimp.spi import LayerInfo, LossScaleSpec, Plan, UnsupportedError, dtypes, hardware, ops
 
 from .fp8 import support as fp8_support
 from .ops import NATIVE_OPS
+
+KERAS_BACKENDS = ("tensorflow", "jax", "torch")  # the Keras backends unimp runs on
+
+
+def keras_backend() -> str:
+    """The Keras backend this process runs (``KERAS_BACKEND``), checked to be one unimp runs on."""
+    import keras
+
+    check_keras_backend(keras)
+    return keras.backend.backend()
+
+
+def check_keras_backend(keras: Any) -> None:
+    """A clear :class:`UnsupportedError` for a Keras unimp cannot run: Keras 2, or a Keras 3 backend
+    other than tensorflow / jax / torch (numpy, openvino: they do not train)."""
+    version = getattr(keras, "__version__", "0")
+    if int(version.split(".")[0]) < 3:
+        raise UnsupportedError(f"unimp-keras: Keras {version} is Keras 2; unimp runs Keras 3 models; fix: "
+                               f"pip install 'keras>=3' (and build the model with keras, not tf_keras)")
+    name = keras.backend.backend()
+    if name not in KERAS_BACKENDS:
+        raise UnsupportedError(f"unimp-keras: Keras runs on its {name!r} backend, which does not train "
+                               f"(no gradients); unimp runs Keras 3 on {', '.join(KERAS_BACKENDS)}; fix: set "
+                               f"KERAS_BACKEND=tensorflow, jax or torch before importing keras")
+
+
+def check_not_keras2(model: Any) -> None:
+    """A clear :class:`UnsupportedError` for a tf_keras (Keras 2) model, which unimp-keras does not take."""
+    if type(model).__module__.split(".")[0] == "tf_keras":
+        raise UnsupportedError(f"unimp-keras: {type(model).__name__} is a tf_keras / Keras 2 model; unimp "
+                               f"runs Keras 3 models; fix: pip install 'keras>=3', build the model with "
+                               f"`import keras` (not tf_keras / TF_USE_LEGACY_KERAS=1), and pick "
+                               f"KERAS_BACKEND=tensorflow, jax or torch")
 
 EXTRA_NATIVE = {
     "softmax": ("Activation(softmax)",),
@@ -103,7 +137,7 @@ def distributed_note(rd: str) -> str:
 
 
 @dataclass(frozen=True)
-class TensorFlowDetails:
+class KerasDetails:
     """What the tensorflow backend decided at compile time (``plan.details``)."""
 
     loss_scaler: str  # which optimizer wrapper runs the loss scale
@@ -132,7 +166,7 @@ def compile_plan(request: Plan, index: Iterable[LayerInfo] | None = None) -> Pla
                      f"{param} params get {param} copies while applied; the original float32 variables are "
                      "the masters the optimizer wrapper updates")
     spec = request.loss_scale_at(compute)
-    details = TensorFlowDetails(loss_scaler(spec, request.uses_master_weights), distributed_note(request.reduce_dtype))
+    details = KerasDetails(loss_scaler(spec, request.uses_master_weights), distributed_note(request.reduce_dtype))
     return request.compile(control=control, native=native, compute_dtype=compute, compute_reason=reason,
                            fixed=fixed, notes=(*notes, details.loss_scaler, details.distributed), details=details,
                            index=index, fp8=fp8_support(), loss_scale_unsupported=unsupported(spec))

@@ -26,7 +26,7 @@ import tensorflow as tf
 from unimp.spi import UnsupportedError
 
 XLA_MESSAGE = (
-    "unimp (tensorflow): the optimizer step of a tf.distribute strategy that uses merge_call "
+    "unimp (keras): the optimizer step of a tf.distribute strategy that uses merge_call "
     "(MirroredStrategy here) cannot be compiled by XLA (jit_compile=True): the cross-replica "
     "gradient all-reduce and the agreed skip decision need merge_call / per-device variables, which an "
     "XLA cluster cannot hold (Keras' own optimizers and LossScaleOptimizer fail the same way: "
@@ -52,7 +52,7 @@ def strategy_of(model: Any, optimizer: Any) -> Any:
         where = ("the model under a tf.distribute strategy's scope but not the optimizer" if ms is not None
                  else "the optimizer under a tf.distribute strategy's scope but not the model"
                  if ms is None and os_ is not None else "the model and optimizer under different strategies")
-        raise ValueError(f"unimp (tensorflow): {where}; Keras needs both created inside the same "
+        raise ValueError(f"unimp (keras): {where}; Keras needs both created inside the same "
                          "strategy.scope() (its optimizer variables must be mirrored like the model's). fix: "
                          "with strategy.scope(): model = ...; optimizer = keras.optimizers.Adam(...); "
                          "then unimp.apply(policy, model, optimizer)")

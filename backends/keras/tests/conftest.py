@@ -1,0 +1,38 @@
+"""Shared fixtures: quiet TensorFlow, one kit per session, the Keras backend this run uses.
+
+The suite runs under ``KERAS_BACKEND=tensorflow``, ``jax`` and ``torch``; a test that only one Keras backend
+can run is marked ``@pytest.mark.keras_backend("tensorflow")`` and skipped under the others.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "keras_backend(*names): runs only under these KERAS_BACKENDs")
+    import unimp.backend.registry as registry
+
+    if "keras" not in registry.backends():  # an env that still has the old unimp-tensorflow installed
+        from unimp_keras.backend import KerasBackend
+
+        registry.register_backend(KerasBackend)
+
+
+def pytest_collection_modifyitems(config, items):
+    import keras
+
+    here = keras.backend.backend()
+    for item in items:
+        marker = item.get_closest_marker("keras_backend")
+        if marker is not None and here not in marker.args:
+            item.add_marker(pytest.mark.skip(reason=f"needs KERAS_BACKEND in {marker.args} (this run: {here})"))
+
+
+@pytest.fixture(scope="session")
+def kit():
+    from unimp_keras.testing import KerasKit
+
+    return KerasKit()
