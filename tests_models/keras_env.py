@@ -13,22 +13,15 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import unimp
+from unimp_keras.backend import KerasBackend
+from unimp_keras.index import walk
+from unimp_keras.ops import GRAPH_OPS
 
-try:  # unimp-keras (issue 25: the Keras adapter for every Keras 3 backend)
-    from unimp_keras import index
-    from unimp_keras.backend import KerasBackend as _Backend
-    from unimp_keras.ops import GRAPH_OPS
-except ImportError:  # before the move: the TensorFlow-only adapter
-    from unimp_tensorflow import index
-    from unimp_tensorflow.backend import TensorFlowBackend as _Backend
-    from unimp_tensorflow.ops import GRAPH_OPS
-
-walk = index.walk
 __all__ = ["GRAPH_OPS", "KERAS_BACKENDS", "importable_backends", "keras_backend_name", "walk"]
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")  # the tox envs run them in this order
 
-if _Backend.name not in unimp.backends():
-    unimp.register_backend(_Backend)
+if KerasBackend.name not in unimp.backends():
+    unimp.register_backend(KerasBackend)
 
 
 def keras_backend_name() -> str:
