@@ -50,7 +50,7 @@ def _sequences(n=4, length=40, seed=0):
 def _initial(spec, batch):
     st = LossScale(device_spec(spec)).initial_state()
     return DeviceLossScale(tf.fill([batch], tf.constant(st.scale, tf.float32)),
-                 *(tf.fill([batch], tf.constant(v, tf.int64)) for v in (0, st.hysteresis_left, 0, 0)))
+                 *(tf.fill([batch], tf.constant(v, tf.int32)) for v in (0, st.hysteresis_left, 0, 0)))
 
 
 def _tf_runner(spec, seqs):

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from unimp.spi import Amp, Backend, Plan, Snapshot, ops
 
 from .ops import NATIVE_OPS
-from .plan import KERAS_BACKENDS, check_keras_backend, check_not_keras2, compile_plan
+from .plan import KERAS_BACKENDS, check_keras_backend, check_not_keras2, compile_plan, keras_backend
 
 OPTIONS = ("native_loss_scale",)
 
@@ -73,14 +73,17 @@ class KerasBackend(Backend):
             raise TypeError(f"unimp.apply (keras): unknown option(s) {unknown}; valid: {list(OPTIONS)}")
         from .amp import KerasAmp
         from .bind import apply_layers, check_inputs, patch_output, reset_compiled_functions, wrap_optimizer
-        from .tf_distribute import strategy_of
 
         check_inputs(model, optimizer)
         if not plan.layers:  # compiled without the model: index it once
             from .index import model_index
 
             plan = plan.with_index(model_index(model))
-        strategy = strategy_of(model, optimizer)  # tf.distribute: variables unimp creates are mirrored
+        strategy = None
+        if keras_backend() == "tensorflow":
+            from .tf_distribute import strategy_of
+
+            strategy = strategy_of(model, optimizer)  # tf.distribute: variables unimp creates are mirrored
         with strategy.scope() if strategy is not None else contextlib.nullcontext():
             binding = apply_layers(plan, model)
             wrapper = None

@@ -29,7 +29,6 @@ from .layout import data_formats, layout_findings
 from .optimizer import AmpOptimizer, KerasAmpOptimizer, SavesAsKeras
 from .params import Swap, swap_params
 from .plan import keras_rule
-from .tf_distribute import is_distributed, unhook_inner
 from .trace import call_name
 
 
@@ -165,10 +164,8 @@ def patch_save(layer: Any, binding: Binding) -> None:
     The saved value is the trained master where the optimizer keeps one, else the low copy in the
     original dtype — what ``remove()`` leaves in the model.
     """
-    import tensorflow as tf
-
     def original_value(s: Any) -> Any:
-        return s.original if id(s.low) in binding.master_ids else tf.cast(s.low.value, s.original.dtype)
+        return s.original if id(s.low) in binding.master_ids else keras.ops.cast(s.low.value, s.original.dtype)
 
     originals = {id(s.low): (lambda s=s: original_value(s)) for s in binding.swaps if s.layer is layer}
     own, save = layer.__dict__.get("save_own_variables"), layer.save_own_variables
@@ -229,7 +226,11 @@ def wrap_optimizer(plan: Plan, optimizer: Any, binding: Binding, native: bool | 
     spec = plan.loss_scale_run  # the Plan compiled under on_unsupported: its fallbacks run, named in its notes
     masters = {id(s.low): s.original for s in binding.swaps if s.low.trainable and plan.master_weights.enabled}
     binding.master_ids = set(masters)
-    distributed = is_distributed(getattr(optimizer, "_distribution_strategy", None))
+    distributed = False
+    if keras.backend.backend() == "tensorflow":
+        from .tf_distribute import is_distributed
+
+        distributed = is_distributed(getattr(optimizer, "_distribution_strategy", None))
     use_keras = keras_rule(plan.loss_scale) and not binding.swaps and not distributed if native is None else native
     if use_keras:
         if not keras_rule(plan.loss_scale) or binding.swaps:
@@ -253,7 +254,10 @@ def undo(model: Any, optimizer: Any, wrapper: Any, binding: Binding, masters_on:
         model.optimizer = binding.compiled_optimizer
     if wrapper is not None:
         optimizer.loss_scale_factor = wrapper._saved_factor
-        unhook_inner(optimizer)
+        if keras.backend.backend() == "tensorflow":
+            from .tf_distribute import unhook_inner
+
+            unhook_inner(optimizer)
     if binding.call_patched:
         del model.__dict__["call"]
     for layer, own, name in reversed(binding.instance_methods):

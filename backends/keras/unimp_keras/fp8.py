@@ -93,6 +93,10 @@ EAGER = ("unimp (keras): layer {path!r} trains in Keras float8, whose custom gra
 def guard_eager(u: Any, methods: list[tuple[Any, Any, str]]) -> None:
     """A clear :class:`UnsupportedError` instead of Keras' internal one when a float8 layer is
     differentiated eagerly (an instance ``quantized_call``, undone with the binding's methods)."""
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return  # the eager-gradient limit is TensorFlow's
     import tensorflow as tf
     from tensorflow.python.eager import record
 

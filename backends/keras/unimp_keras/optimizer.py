@@ -2,7 +2,11 @@
 
 :class:`AmpOptimizer` subclasses Keras' own ``LossScaleOptimizer`` (so ``compile`` never
 wraps it a second time) but runs unimp's rule (:mod:`unimp_keras.scaler`) over float32 /
-int64 variables. :class:`KerasAmpOptimizer` *is* Keras' rule, used where the policy asks
+int32 Keras variables, on every Keras backend, with the structure of Keras' class: a stateful
+``apply`` (TensorFlow, torch, JAX outside ``jit``; ``tf.cond`` in a TensorFlow graph, a host branch
+eagerly) and a traceable ``stateless_apply`` (what Keras' JAX trainer calls inside ``jit``: the
+skip is a select of the old values, so a skipped step keeps every bit).
+:class:`KerasAmpOptimizer` *is* Keras' rule, used where the policy asks
 for exactly that rule; it only adds the step/skip counters of the canonical state. A skipped
 step calls nothing on the inner optimizer: variables, slots and ``iterations`` keep their bits.
 
@@ -28,20 +32,23 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 from keras.src.saving import serialization_lib
 from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.utils import tracking
 
 from unimp.spi import LossScale, LossScaleSpec, LossScaleState, StateError, dtypes
 
-from .scaler import DeviceLossScale, all_finite, encode, next_state
-from .tf_distribute import all_reduce, hook_inner, refuse_xla
+from .scaler import COUNTER, DeviceLossScale, all_finite, held, next_state
 
 ONLY_FIRST = "only_first_replica"
 
 
-def _unscale(grads: list, scale: tf.Tensor | None, variables: list | None = None) -> list:
+def _is_tf() -> bool:
+    return keras.backend.backend() == "tensorflow"
+
+
+def _unscale(grads: list, scale: Any, variables: list | None = None) -> list:
     """``grads / scale``; a Keras float8 scaling variable's "gradient" (its new value, the variable's
     ``overwrite_with_gradient``) is left as it is."""
     if scale is None:
@@ -51,17 +58,40 @@ def _unscale(grads: list, scale: tf.Tensor | None, variables: list | None = None
     for i, g in enumerate(grads):
         if g is None or (i < len(keep) and keep[i]):
             out.append(g)
-        elif isinstance(g, tf.IndexedSlices):
-            out.append(tf.IndexedSlices(g.values / tf.cast(scale, g.values.dtype), g.indices, g.dense_shape))
+        elif type(g).__name__ == "IndexedSlices":  # TensorFlow's sparse gradients (Embedding)
+            out.append(type(g)(g.values / ops.cast(scale, g.values.dtype), g.indices, g.dense_shape))
         else:
-            out.append(g / tf.cast(scale, g.dtype))
+            out.append(g / ops.cast(scale, g.dtype))
     return out
 
 
-def _held(scale: float) -> tf.Tensor:
-    """A scale as the float32 tensor the state holds, subnormals built from their bits (TensorFlow's
-    conversions flush them: Keras' Constant(2**-140) initializer reads back 0.0)."""
-    return encode(tf.constant(dtypes.f32(scale), tf.float64))  # on the float32 grid first: encode reads grid values
+def _dense32(g: Any) -> Any:
+    """A gradient as a dense float32 tensor (for a float32 master)."""
+    if type(g).__name__ == "IndexedSlices":
+        import tensorflow as tf
+
+        g = tf.convert_to_tensor(g)
+    return ops.cast(g, "float32")
+
+
+def _cond(pred: Any, fn: Any) -> None:
+    """Run ``fn`` when ``pred``: ``tf.cond`` in a TensorFlow graph, a host branch eagerly (torch, JAX
+    outside ``jit``; inside ``jit`` Keras' JAX trainer calls :meth:`AmpOptimizer.stateless_apply`)."""
+    if _is_tf():
+        import tensorflow as tf
+
+        if not tf.executing_eagerly():
+            tf.cond(pred, fn, lambda: None)
+            return
+    try:
+        take = bool(ops.convert_to_numpy(pred))
+    except Exception as e:  # a traced JAX value: the stateful apply cannot branch on it
+        raise RuntimeError("unimp AmpOptimizer.apply() under jax.jit: Keras on JAX steps an optimizer "
+                           "inside jit with stateless_apply (as model.fit does); fix: call "
+                           "optimizer.stateless_apply(optimizer_variables, grads, trainable_variables) in "
+                           "your jitted step, or apply() outside jit") from e
+    if take:
+        fn()
 
 
 class ExactState(KerasSaveable):
@@ -113,12 +143,12 @@ class SavesAsKeras(keras.optimizers.LossScaleOptimizer):
 
     @tracking.no_automatic_dependency_tracking
     def _make_counters(self) -> None:
-        self._skipped = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST, name="unimp_skipped")
-        self._steps = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST, name="unimp_steps")
+        self._skipped = self.add_variable((), "zeros", COUNTER, aggregation=ONLY_FIRST, name="unimp_skipped")
+        self._steps = self.add_variable((), "zeros", COUNTER, aggregation=ONLY_FIRST, name="unimp_steps")
 
     def _count(self, var: Any) -> None:
         """One more step / skip, saturating at the int32 bound as the core's rule does (never wraps)."""
-        var.assign(tf.minimum(var + 1, dtypes.INT32_MAX))
+        var.assign(var + ops.cast(var < dtypes.INT32_MAX, var.dtype))
 
     def keras_config(self) -> dict[str, Any]:
         inner = serialization_lib.serialize_keras_object(self.inner_optimizer)
@@ -156,7 +186,8 @@ class AmpOptimizer(SavesAsKeras):
     """Loss scaling by unimp's reference rule; optionally float32 masters for low-precision params.
 
     ``masters`` maps ``id(model variable)`` to its float32 master: the inner optimizer updates
-    the master and the model variable becomes ``cast(master)`` after every applied step.
+    the master and the model variable becomes ``cast(master)`` after every applied step. On JAX the
+    masters are optimizer variables too (:attr:`variables`), so ``stateless_apply`` carries them.
     """
 
     def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, masters: dict[int, Any] | None = None,
@@ -166,20 +197,30 @@ class AmpOptimizer(SavesAsKeras):
         self._masters = dict(masters or {})
         self._make_state()
         self._make_exact_state()
-        hook_inner(inner_optimizer)  # this wrapper sums gradients across replicas itself
+        if _is_tf():
+            from .tf_distribute import hook_inner
+
+            hook_inner(inner_optimizer)  # this wrapper sums gradients across replicas itself
 
     @tracking.no_automatic_dependency_tracking
     def _make_state(self) -> None:
         init = LossScale(self.spec).initial_state()
         # Under tf.distribute these are mirrored variables, written only in the cross-replica context
         # (one update, every replica's copy set to the same value).
-        self.dynamic_scale = self.add_variable((), lambda shape, dtype: _held(init.scale), "float32",
+        self.dynamic_scale = self.add_variable((), lambda shape, dtype: held(init.scale), "float32",
                                                aggregation=ONLY_FIRST, name="unimp_scale")
-        self.step_counter = self.add_variable((), "zeros", "int64", aggregation=ONLY_FIRST,
+        self.step_counter = self.add_variable((), "zeros", COUNTER, aggregation=ONLY_FIRST,
                                               name="unimp_growth_tracker")
         self._hysteresis = self.add_variable((), keras.initializers.Constant(init.hysteresis_left),
-                                             "int64", aggregation=ONLY_FIRST, name="unimp_hysteresis_left")
+                                             COUNTER, aggregation=ONLY_FIRST, name="unimp_hysteresis_left")
         self._make_counters()
+
+    @property
+    def variables(self) -> list:
+        """Keras' layout (own variables, then the inner optimizer's); on JAX the float32 masters sit
+        between them: Keras' JAX trainer hands ``stateless_apply`` exactly these values."""
+        masters = list(self._masters.values()) if keras.backend.backend() == "jax" else []
+        return [*self._variables, *masters, *self.inner_optimizer.variables]
 
     # ------------------------------------------------------------------ state
     def _state(self) -> DeviceLossScale:
@@ -187,17 +228,17 @@ class AmpOptimizer(SavesAsKeras):
                                self._skipped.value, self._steps.value)
 
     def loss_scale_state(self) -> LossScaleState:
-        s = [tf.convert_to_tensor(v) for v in self._state()]  # a mirrored variable reads its primary copy
+        s = [np.asarray(ops.convert_to_numpy(v)) for v in self._state()]  # a mirrored variable: its primary copy
         return LossScaleState(float(s[0]), int(s[1]), int(s[2]), int(s[3]), int(s[4]))
 
     def set_loss_scale_state(self, state: LossScaleState) -> None:
         problems = LossScale(self.spec).problems(state)  # the rule as it runs here (a float32 scale)
         if problems:
             raise StateError("loss-scale state: " + "; ".join(problems))
-        self.dynamic_scale.assign(_held(state.scale))
+        self.dynamic_scale.assign(held(state.scale))
         for var, value in zip((self.step_counter, self._hysteresis, self._skipped, self._steps),
                               (state.growth_tracker, state.hysteresis_left, state.skipped, state.steps), strict=True):
-            var.assign(tf.cast(value, var.dtype))
+            var.assign(np.asarray(value, COUNTER))
 
     # ------------------------------------------------------------------ Keras hooks
     @tracking.no_automatic_dependency_tracking
@@ -209,10 +250,13 @@ class AmpOptimizer(SavesAsKeras):
     def scale_loss(self, loss: Any) -> Any:
         if self.spec.mode == "none":
             return loss
-        return loss * tf.cast(self.dynamic_scale, loss.dtype)
+        return loss * ops.cast(self.dynamic_scale, loss.dtype)
 
-    def check_finite(self, grads: list) -> tf.Tensor:
+    def check_finite(self, grads: list) -> Any:
         return all_finite(grads)
+
+    def _checking(self) -> bool:
+        return self.spec.mode != "none" or self.spec.skip_nonfinite
 
     def _apply_inner(self, grads: list, trainable_variables: list | None, sync_masters: bool = True) -> None:
         tvs = list(trainable_variables or self._trainable_variables)
@@ -220,15 +264,15 @@ class AmpOptimizer(SavesAsKeras):
         if not self._masters:
             self.inner_optimizer.apply(_unscale(grads, scale, tvs), trainable_variables=tvs)
             return
-        grads32 = [g if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32) for g in grads]
+        grads32 = [g if g is None else _dense32(g) for g in grads]
         targets = [self._masters.get(id(v), v) for v in tvs]
         self.inner_optimizer.apply(_unscale(grads32, scale, tvs), trainable_variables=targets)
         if sync_masters:
             for v, m in zip(tvs, targets, strict=True):
                 if m is not v:
-                    v.assign(tf.cast(m, v.dtype))
+                    v.assign(ops.cast(m, v.dtype))
 
-    def _update(self, finite: tf.Tensor) -> None:
+    def _update(self, finite: Any) -> None:
         new = next_state(self.spec, self._state(), finite)
         if self.spec.mode == "dynamic":
             self.dynamic_scale.assign(new.scale)
@@ -240,71 +284,79 @@ class AmpOptimizer(SavesAsKeras):
 
     def _common_apply(self, grads: list, trainable_variables: list | None = None) -> None:
         grads = list(grads)
-        if self.spec.mode == "none" and not self.spec.skip_nonfinite:
+        if not self._checking():
             self._apply_inner(grads, trainable_variables)
             self._count(self._steps)
             return
         finite = self.check_finite(grads)
         if self.spec.skip_nonfinite:
-            tf.cond(finite, lambda: self._apply_inner(grads, trainable_variables), lambda: None)
+            _cond(finite, lambda: self._apply_inner(grads, trainable_variables))
         else:
             self._apply_inner(grads, trainable_variables)
         self._update(finite)
 
+    # ------------------------------------------------------------------ JAX: inside jit
+    def stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list) -> tuple[list, list]:
+        """One step as pure values (Keras' JAX trainer, or a user's jitted step): ``(new trainable
+        values, new optimizer values)`` in :attr:`variables`' order. A skipped step returns the old
+        values (a select, traceable); the loss-scale state follows the rule either way."""
+        if not self.built:
+            raise ValueError("unimp AmpOptimizer.stateless_apply: build it first "
+                             "(optimizer.build(model.trainable_variables))")
+        from keras.src.backend import StatelessScope
+
+        own, masters = list(self._variables), list(self._masters.values()) if keras.backend.backend() == "jax" \
+            else []
+        if len(masters) != len(self._masters):
+            raise NotImplementedError("unimp AmpOptimizer.stateless_apply with float32 master weights runs on "
+                                      "Keras' JAX backend; on TensorFlow and torch call optimizer.apply(grads, vars)")
+        n_own, n_m = len(own), len(masters)
+        values = list(optimizer_variables)
+        own_v, master_v, inner_v = values[:n_own], values[n_own:n_own + n_m], values[n_own + n_m:]
+        tvs = list(self._trainable_variables)
+        grads, trainable_variables = list(grads), list(trainable_variables)
+        with StatelessScope(state_mapping=list(zip(self.variables, values))) as scope:
+            finite = self.check_finite(grads) if self._checking() else ops.convert_to_tensor(True)
+            scale = None if self.spec.mode == "none" else self.dynamic_scale.value
+            slot = {id(m): i for i, m in enumerate(masters)}
+            where = [slot.get(id(self._masters[id(v)])) if id(v) in self._masters else None for v in tvs]
+            targets = [master_v[w] if w is not None else t for w, t in zip(where, trainable_variables, strict=True)]
+            gs = [g if g is None or w is None else ops.cast(g, "float32") for g, w in zip(grads, where, strict=True)]
+            new_targets, new_inner = self.inner_optimizer.stateless_apply(inner_v, _unscale(gs, scale, tvs),
+                                                                          targets)
+            if self._checking():
+                self._update(finite)
+            else:
+                self._count(self._steps)
+        new_own = [scope.get_current_value(v) for v in own]
+        new_own = [o if n is None else n for o, n in zip(own_v, new_own, strict=True)]
+        new_masters = list(master_v)
+        new_tvs = []
+        for i, (w, t) in enumerate(zip(where, new_targets, strict=True)):
+            if w is None:
+                new_tvs.append(t)
+            else:
+                new_masters[w] = t
+                new_tvs.append(ops.cast(t, tvs[i].dtype))
+        if self.spec.skip_nonfinite:
+            keep = lambda new, old: [ops.where(finite, a, b) for a, b in zip(new, old, strict=True)]
+            new_tvs = keep(new_tvs, trainable_variables)
+            new_masters = keep(new_masters, master_v)
+            new_inner = keep(new_inner, inner_v)
+        return new_tvs, [*new_own, *new_masters, *new_inner]
+
     # ------------------------------------------------------------------ tf.distribute
     def _tf_apply(self, grads: list, trainable_variables: list | None = None) -> None:
-        if tf.distribute.in_cross_replica_context():
-            raise ValueError("unimp AmpOptimizer.apply() must be called in a replica context "
-                             "(inside strategy.run(...)), as Keras optimizers require")
-        if not tf.distribute.has_strategy():
-            self._common_apply(grads, trainable_variables)
-            return
-        self._distributed_apply(list(grads), trainable_variables)
+        from .tf_distribute import tf_apply
 
-    def _distributed_apply(self, grads: list, trainable_variables: list | None) -> None:
-        """Replica context: reduce in ``reduce_dtype``, vote on finiteness, step or skip together."""
-        refuse_xla()
-        tvs = list(trainable_variables or self._trainable_variables)
-        ctx = tf.distribute.get_replica_context()
-        out = [tf.float32 if id(v) in self._masters else g.dtype if g is not None else None
-               for g, v in zip(grads, tvs, strict=True)]
-        reduced = all_reduce(ctx, grads, self.reduce_dtype, out)
-        checking = self.spec.mode != "none" or self.spec.skip_nonfinite
-        finite = self.check_finite(reduced) if checking else tf.constant(True)
-        ctx.merge_call(self._cross_replica_step, args=(reduced, finite, tvs))
-
-    def _cross_replica_step(self, distribution: Any, reduced: list, finite: Any, tvs: list) -> None:
-        # Every replica's flag (identical after the sum, since inf/nan propagate through it) is
-        # combined explicitly: one decision, taken once, for all replicas.
-        agreed = tf.reduce_all(tf.stack([tf.convert_to_tensor(f) for f in
-                                         distribution.experimental_local_results(finite)]))
-
-        def step() -> None:
-            distribution.extended.call_for_each_replica(self._apply_inner, args=(reduced, tvs),
-                                                        kwargs={"sync_masters": False})
-            for v in tvs:
-                m = self._masters.get(id(v))
-                if m is not None:
-                    distribution.extended.update(v.value, _assign_cast, args=(m.value,), group=False)
-
-        if self.spec.skip_nonfinite:
-            tf.cond(agreed, step, lambda: None)
-        else:
-            step()
-        if self.spec.mode == "none" and not self.spec.skip_nonfinite:
-            self._count(self._steps)
-        else:
-            self._update(agreed)
+        tf_apply(self, grads, trainable_variables)
 
     def _stateful_handle_finite_grads(self, grads: list, trainable_variables: list | None) -> None:
-        self._apply_inner(list(grads), trainable_variables)  # not reached: _tf_apply is unimp's
-        self._update(tf.constant(True))
+        self._apply_inner(list(grads), trainable_variables)  # not reached: _common_apply is unimp's
+        self._update(ops.convert_to_tensor(True))
 
     def _stateful_handle_non_finite_grads(self) -> None:
-        self._update(tf.constant(False))
-
-    def stateless_apply(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("unimp's AmpOptimizer runs on the TensorFlow backend of Keras")
+        self._update(ops.convert_to_tensor(False))
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
@@ -321,10 +373,6 @@ class AmpOptimizer(SavesAsKeras):
         ls["hysteresis_refill"] = tuple(ls["hysteresis_refill"])
         return cls(inner, LossScaleSpec(**ls), name=config.get("name"),
                    reduce_dtype=config.get("reduce_dtype", "float32"))
-
-
-def _assign_cast(var: Any, master: Any) -> Any:
-    return var.assign(tf.cast(master, var.dtype))
 
 
 class KerasAmpOptimizer(SavesAsKeras):
@@ -371,8 +419,21 @@ class KerasAmpOptimizer(SavesAsKeras):
 
     def scale_loss(self, loss: Any) -> Any:
         if not self.built and self._pending is not None:
-            return loss * tf.cast(self._pending.scale, loss.dtype)
+            return loss * ops.cast(self._pending.scale, loss.dtype)
         return super().scale_loss(loss)
+
+    def stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list) -> tuple[list, list]:
+        """Keras' own stateless step (JAX), plus the step / skip counters."""
+        finite = self.check_finite(grads)
+        new_tvs, new_vars = super().stateless_apply(optimizer_variables, grads, trainable_variables)
+        at = {id(v): i for i, v in enumerate(self.variables)}
+        new_vars = list(new_vars)
+        i, j = at[id(self._steps)], at[id(self._skipped)]
+        room = lambda c: ops.cast(c < dtypes.INT32_MAX, COUNTER)  # saturate, never wrap
+        steps, skipped = optimizer_variables[i], optimizer_variables[j]
+        new_vars[i] = steps + room(steps)
+        new_vars[j] = skipped + room(skipped) * ops.cast(ops.logical_not(finite), COUNTER)
+        return new_tvs, new_vars
 
     def _common_apply(self, grads: list, trainable_variables: list | None = None) -> None:
         self._count(self._steps)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 
 @dataclass
@@ -37,9 +37,9 @@ class Swap:
 
     def undo(self, write_back: bool) -> None:
         """Put the original back; ``write_back`` copies the low values into it if they changed."""
-        changed = not bool(tf.reduce_all(tf.equal(self.low.value, self.initial)))
+        changed = not bool(ops.convert_to_numpy(ops.all(ops.equal(self.low.value, self.initial))))
         if write_back and changed:
-            self.original.assign(tf.cast(self.low.value, self.original.dtype))
+            self.original.assign(ops.cast(self.low.value, self.original.dtype))
         _replace(self.layer, self.attrs, self.store, self.low, self.original)
 
 
@@ -58,8 +58,8 @@ def swap_params(layer: Any, dtype: str) -> list[Swap]:
             if var.dtype == dtype or not keras.backend.is_float_dtype(var.dtype):
                 continue
             attrs = tuple(k for k, v in vars(layer).items() if v is var)
-            low = keras.Variable(tf.cast(var.value, dtype), dtype=dtype, trainable=var.trainable,
+            low = keras.Variable(ops.cast(var.value, dtype), dtype=dtype, trainable=var.trainable,
                                  name=var.name)
             _replace(layer, attrs, store, var, low)
-            swaps.append(Swap(layer, attrs, store, var, low, tf.identity(low.value)))
+            swaps.append(Swap(layer, attrs, store, var, low, ops.copy(low.value)))
     return swaps

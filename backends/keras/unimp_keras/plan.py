@@ -1,8 +1,9 @@
-"""The request (the policy as asked) -> the Keras Plan: per canonical op the layer classes that carry it. No TF import.
+"""The request (the policy as asked) -> the Keras Plan: per canonical op the layer classes that carry it.
 
 Keras decides dtypes per layer, so every op with a Keras layer class is ``layer``-controlled;
 ``loss`` is ``fixed`` (Keras losses compute in float32). ``auto`` (and a low-precision dtype on a
-CPU without native units) imports TensorFlow to look for GPUs; the CPU facts are ``unimp.hardware``'s.
+CPU without native units) asks the Keras backend (TensorFlow, JAX, torch) for GPUs; the CPU facts are
+``unimp.hardware``'s.
 
 >>> import unimp
 >>> plan = compile_plan(Plan.request(unimp.load("mixed_bf16"), "keras"))
@@ -77,23 +78,50 @@ def keras_rule(spec: LossScaleSpec) -> bool:
             and spec.hysteresis == 1 and spec.min == 0.0 and spec.max == float("inf")
             and spec.skip_nonfinite and spec.growth_schedule == "interval"
             and not spec.growth_requires_finite and spec.at_min == "clamp"
-            and spec.subnormal == "flush" and spec.scale_dtype == "float32")  # it flushes on TF's CPU kernels
+            and spec.subnormal == keras_subnormal() and spec.scale_dtype == "float32")
 
 
-def _gpus() -> list:
-    import tensorflow as tf
+def keras_subnormal() -> str:
+    """What Keras' LossScaleOptimizer does with a subnormal scale here: its float32 multiply flushes it on
+    TensorFlow's CPU kernels and XLA (JAX), keeps it on torch (IEEE)."""
+    return "keep" if _keras_backend_name() == "torch" else "flush"
 
-    return tf.config.list_physical_devices("GPU")
+
+def gpu_capability() -> tuple[int, int] | None:
+    """The compute capability of the first GPU the Keras backend runs on, or None without one (GPU detection
+    is the Keras backend's own: ``tf.config``, ``jax.devices()``, ``torch.cuda``)."""
+    name = _keras_backend_name()
+    if name == "tensorflow":
+        import tensorflow as tf
+
+        gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            return None
+        return tuple(tf.config.experimental.get_device_details(gpus[0]).get("compute_capability", (0, 0)))
+    if name == "jax":
+        import jax
+
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        if not gpus:
+            return None
+        cc = str(getattr(gpus[0], "compute_capability", "0.0")).split(".")
+        return int(cc[0]), int(cc[1]) if len(cc) > 1 else 0
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
+
+
+def _kernels() -> str:
+    """Whose CPU kernels run the Keras layers, for messages."""
+    return {"tensorflow": "Keras (TensorFlow, oneDNN)", "jax": "Keras (JAX, XLA:CPU)"}.get(_keras_backend_name(),
+                                                                                         "Keras (torch)")
 
 
 def resolve_compute_auto() -> tuple[str, str]:
     """``auto`` on this machine: bf16 on Ampere+ GPUs (fp16 + dynamic scaling before); on CPU from its facts."""
-    import tensorflow as tf
-
-    gpus = _gpus()
-    if not gpus:
-        return hardware.resolve_cpu_auto("Keras (oneDNN)")
-    cc = tuple(tf.config.experimental.get_device_details(gpus[0]).get("compute_capability", (0, 0)))
+    cc = gpu_capability()
+    if cc is None:
+        return hardware.resolve_cpu_auto(_kernels())
     return hardware.resolve_auto(fast_bf16=cc >= (8, 0), fast_fp16=True,
                                  where=f"this GPU (compute capability {cc[0]}.{cc[1]})")
 
@@ -103,9 +131,9 @@ def warn_emulated(request: Plan, compute: str) -> str | None:
     wanted = [("compute_dtype", compute)] + [(f"overrides[{i}].compute_dtype", o.compute_dtype)
                                              for i, o in enumerate(request.overrides)]
     slow = [(k, d) for k, d in wanted if dtypes.is_low(d) and hardware.cpu().emulated(d)]
-    if not slow or _gpus():
+    if not slow or gpu_capability() is not None:
         return None
-    return hardware.warn_emulated(slow[0][1], slow[0][0], "Keras (oneDNN)")
+    return hardware.warn_emulated(slow[0][1], slow[0][0], _kernels())
 
 
 def loss_scaler(spec: LossScaleSpec, masters: bool) -> str:
@@ -116,15 +144,83 @@ def loss_scaler(spec: LossScaleSpec, masters: bool) -> str:
 
 
 def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
-    """Loss-scale knobs this backend cannot honour: ``{knob: (what runs instead, why)}``."""
-    if spec.mode == "dynamic" and spec.scale_dtype == "float64":
-        return {"scale_dtype": ("float32", "the Keras optimizer holds the scale in a float32 variable; fix: "
-                                "scale_dtype = 'float32'")}
-    return {}
+    """Loss-scale knobs this Keras backend cannot honour: ``{knob: (what runs instead, why)}``.
+
+    Everywhere: a float64 scale (Keras' optimizer variable is float32). On JAX (XLA): what a float32
+    scale computed by XLA cannot hold bit for bit (:func:`xla_unsupported`).
+    """
+    if spec.mode != "dynamic":
+        return {}
+    out = {}
+    if spec.scale_dtype == "float64":
+        out["scale_dtype"] = ("float32", "the Keras optimizer holds the scale in a float32 variable; fix: "
+                              "scale_dtype = 'float32'")
+    if _keras_backend_name() == "jax":
+        out.update(xla_unsupported(spec))
+    return out
+
+
+def _keras_backend_name() -> str:
+    import keras
+
+    return keras.backend.backend()
+
+
+def _jax_x64() -> bool:
+    import jax
+
+    return bool(jax.config.jax_enable_x64)
+
+
+def xla_flushes_subnormals() -> bool:
+    """Whether XLA on the default JAX device flushes a float32 subnormal result to 0 (measured:
+    XLA:CPU does, and reads subnormal inputs as 0)."""
+    import jax
+    import numpy as np
+
+    with jax.ensure_compile_time_eval():
+        tiny = np.float32(dtypes.FLT_TINY)
+        return float(jax.jit(lambda x: x * np.float32(0.5))(tiny)) == 0.0
+
+
+def xla_unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
+    """The knobs Keras on JAX cannot hold: subnormal float32 scales where XLA flushes them, factors not
+    exact in float32 without ``jax_enable_x64``, a raise (``at_min = "error"``) inside a jitted step."""
+    out = {}
+    flush = xla_flushes_subnormals()
+    fix_x64 = "jax.config.update('jax_enable_x64', True)"
+    if flush and spec.subnormal == "keep" and spec.min < dtypes.FLT_TINY:
+        out["subnormal"] = ("flush", "XLA on this device flushes float32 subnormals, so a scale below 2^-126 "
+                            "reads as 0; fix: subnormal = 'flush' or loss_scale.min >= 2^-126")
+    if flush and spec.initial < dtypes.FLT_TINY:
+        out["initial"] = (dtypes.FLT_TINY, "this XLA device reads a float32 scale below 2^-126 as 0; fix: "
+                          "initial >= 2^-126")
+    if not _jax_x64() and spec.backoff == "multiply" and 0 < dtypes.f32(spec.backoff_factor) < dtypes.FLT_TINY \
+            and flush:
+        out["backoff_factor"] = (0.0, f"without jax_enable_x64 the factor is a float32 below 2^-126, which this "
+                                 f"XLA device reads as 0; fix: {fix_x64} or backoff_factor >= 2^-126")
+    if spec.factor_arithmetic == "float64" and not _jax_x64():
+        used = ("growth_factor", "backoff_factor") if spec.backoff == "multiply" else ("growth_factor",)
+        for key in used:
+            value = getattr(spec, key)
+            if dtypes.f32(value) != value:
+                out["factor_arithmetic"] = ("float32", (
+                    f"loss_scale.{key} = {value!r} is not exactly representable in float32 and Keras on JAX "
+                    f"multiplies in float32 without jax_enable_x64; fix: a float32 value such as "
+                    f"{dtypes.f32(value)!r} or a power of two, factor_arithmetic = 'float32', or {fix_x64}"))
+    if spec.at_min == "error":
+        out["at_min"] = ("clamp", "Keras on JAX runs the optimizer step jitted (stateless_apply), where nothing "
+                         "can raise; fix: at_min = 'clamp'")
+    return out
 
 
 def distributed_note(rd: str) -> str:
-    """How tf.distribute runs with gradients reduced in ``rd`` (the Keras 3 facts this backend works around)."""
+    """How tf.distribute runs with gradients reduced in ``rd`` (the Keras 3 facts this backend works around);
+    on the JAX and torch backends of Keras, that unimp does not distribute."""
+    name = _keras_backend_name()
+    if name != "tensorflow":
+        return (f"data parallel: not run by unimp on Keras' {name} backend (tf.distribute is TensorFlow's; "
+                f"Keras' keras.distribution on JAX is not covered): one device")
     how = ("in float32" if rd == "float32" else
            f"in {rd}: each replica casts its scaled gradients to {rd} before the sum, back after")
     return (f"tf.distribute (MirroredStrategy): unimp's optimizer wrapper all-reduces gradients (SUM) {how} "
@@ -138,14 +234,15 @@ def distributed_note(rd: str) -> str:
 
 @dataclass(frozen=True)
 class KerasDetails:
-    """What the tensorflow backend decided at compile time (``plan.details``)."""
+    """What the keras backend decided at compile time (``plan.details``)."""
 
     loss_scaler: str  # which optimizer wrapper runs the loss scale
     distributed: str  # how tf.distribute runs under the policy
 
 
 def compile_plan(request: Plan, index: Iterable[LayerInfo] | None = None) -> Plan:
-    """The Plan of ``request`` on Keras 3 / TensorFlow (``index``: the model's layers, when known)."""
+    """The Plan of ``request`` on Keras 3, this process' Keras backend (``index``: the model's layers, when known)."""
+    keras_backend()
     compute, reason = request.compute_dtype, "as the policy says"
     if compute == "auto":
         compute, reason = resolve_compute_auto()

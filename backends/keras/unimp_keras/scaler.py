@@ -1,97 +1,135 @@
-"""The core loss-scale rule (:func:`unimp.loss_scale.rule.step`) on TensorFlow tensors: :class:`KerasOps`
-over :class:`DeviceLossScale`.
+"""The core loss-scale rule (:func:`unimp.loss_scale.rule.step`) on Keras tensors: :class:`KerasOps`
+(``keras.ops``) over :class:`DeviceLossScale`, on every Keras backend.
 
-Pure functions of tensors, so one step traces into a ``tf.function`` with no host sync. The
-scale is stored in float32 and computed in float64 on the float32 grid (products rounded once,
-as the reference's ``f32(scale * factor)``; subnormals kept or flushed as the policy says, even
-though TensorFlow's CPU kernels flush float32 subnormals). ``scale_dtype = "float64"`` cannot be
-held (the Keras optimizer's scale variable is float32): :func:`unimp_keras.plan.unsupported` says
-so, and :func:`next_state` refuses such a spec (the Plan's ``on_unsupported = "fallback"`` runs
-``plan.loss_scale_run`` instead, the float32 rule its notes name; :func:`device_spec`).
+Pure functions of tensors, so one step traces into a ``tf.function``, a jitted JAX step or runs
+eagerly on torch. The scale is held in a float32 Keras variable and computed in float64 on the
+float32 grid (products rounded once, as the reference's ``f32(scale * factor)``; subnormals rounded
+as IEEE float32 rounds them) where the Keras backend has float64: TensorFlow (reading and writing
+the scale through its bits, :mod:`unimp_keras.tf_scale`, because its CPU kernels flush float32
+subnormals) and torch (plain casts keep subnormals). JAX has float64 only under
+``jax_enable_x64``; without it the rule multiplies in float32 (one rounding, the factor exact in
+float32). What a Keras backend cannot hold is declared in the Plan, never run silently wrong
+(:func:`unimp_keras.plan.unsupported`: ``scale_dtype = "float64"`` everywhere; on XLA subnormal
+scales, non-float32 factors without x64, ``at_min = "error"`` inside a compiled step), and
+:func:`next_state` refuses such a spec (``on_unsupported = "fallback"`` runs ``plan.loss_scale_run``).
 
->>> import tensorflow as tf, unimp
+>>> import keras, unimp
 >>> spec = unimp.load({"loss_scale": {"initial": 8.0, "growth_interval": 1}}).loss_scale
->>> st = next_state(spec, DeviceLossScale(tf.constant(8.0), *[tf.constant(v, tf.int64) for v in (0, 1, 0, 0)]),
-...                 tf.constant(True))
->>> float(st.scale), int(st.steps)
+>>> st = next_state(spec, initial(spec), keras.ops.convert_to_tensor(True))
+>>> to_state(st).scale, to_state(st).steps
 (16.0, 1)
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-import tensorflow as tf
+import keras
+import numpy as np
+from keras import ops
 
-from unimp.spi import Arrays, LossScale, LossScaleSpec, dtypes, step
+from unimp.spi import (
+    Arrays,
+    LossScale,
+    LossScaleAtMinimumError,
+    LossScaleSpec,
+    LossScaleState,
+    dtypes,
+    step,
+)
 
 from .plan import unsupported
 
-
-class DeviceLossScale(NamedTuple):
-    """Canonical loss-scale state as tensors: float32 scale, int64 counters."""
-
-    scale: tf.Tensor
-    growth_tracker: tf.Tensor
-    hysteresis_left: tf.Tensor
-    skipped: tf.Tensor
-    steps: tf.Tensor
-
-
+COUNTER = "int32"  # counters are int32 on every device; the rule saturates them at the bound
 _TWO_149 = 2.0 ** 149
 
 
-def decode(scale: tf.Tensor) -> tf.Tensor:
-    """A float32 scale as float64, subnormals included (read from the bits: TensorFlow's CPU kernels
-    treat a subnormal input as 0)."""
-    bits = tf.bitcast(scale, tf.int32)
-    sub = tf.equal(tf.bitwise.bitwise_and(bits, 0x7F800000), 0)
-    mantissa = tf.cast(tf.bitwise.bitwise_and(bits, 0x7FFFFF), tf.float64) / _TWO_149
-    return tf.where(sub, mantissa, tf.cast(scale, tf.float64))
+class DeviceLossScale(NamedTuple):
+    """Canonical loss-scale state as Keras tensors: float32 scale, int32 counters."""
+
+    scale: Any
+    growth_tracker: Any
+    hysteresis_left: Any
+    skipped: Any
+    steps: Any
 
 
-def encode(x: tf.Tensor) -> tf.Tensor:
-    """A float64 value on the float32 grid as float32, subnormals built from their bits (a cast
-    would flush them to 0)."""
-    sub = x < dtypes.FLT_TINY
-    bits = tf.cast(tf.where(sub, x, tf.zeros_like(x)) * _TWO_149, tf.int32)
-    return tf.where(sub, tf.bitcast(bits, tf.float32), tf.cast(tf.where(sub, _tiny(x), x), tf.float32))
+def wide() -> str:
+    """The dtype the rule computes the scale in on this Keras backend: float64 where it has one."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return "float64" if jax.config.jax_enable_x64 else "float32"
+    return "float64"
 
 
-def _tiny(x: tf.Tensor) -> tf.Tensor:
-    return tf.fill(tf.shape(x), tf.constant(dtypes.FLT_TINY, x.dtype))
+def held(value: float) -> Any:
+    """A scale as the float32 tensor the state holds; its bits are kept (no kernel runs on it)."""
+    return ops.convert_to_tensor(np.float32(dtypes.f32(value)))
+
+
+def decode(scale: Any) -> Any:
+    """The held float32 scale in :func:`wide`, subnormals included."""
+    if keras.backend.backend() == "tensorflow":
+        from .tf_scale import decode as tf_decode
+
+        return tf_decode(scale)
+    return ops.cast(scale, wide())
+
+
+def encode(x: Any) -> Any:
+    """A :func:`wide` value on the float32 grid as the held float32."""
+    if keras.backend.backend() == "tensorflow":
+        from .tf_scale import encode as tf_encode
+
+        return tf_encode(x)
+    return ops.cast(x, "float32")
+
+
+def _barrier(x: Any) -> Any:
+    """Keep XLA from turning ``x / constant`` into ``x * (1 / constant)`` (another rounding)."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.lax.optimization_barrier(x)
+    return x
+
+
+def _on_grid(p: Any) -> Any:
+    """A float64 value rounded to the nearest float32 (subnormals as IEEE float32 rounds them)."""
+    sub = p < dtypes.FLT_TINY
+    rounded_sub = ops.round(ops.where(sub, p, ops.zeros_like(p)) * _TWO_149) / _TWO_149  # exact in float64
+    normal = ops.cast(ops.cast(ops.where(sub, ops.full_like(p, dtypes.FLT_TINY), p), "float32"), "float64")
+    return ops.where(sub, rounded_sub, normal)
 
 
 class KerasOps:
-    """:class:`unimp.loss_scale.rule.ArrayOps` over TensorFlow tensors. The scale is computed in float64 on
-    the float32 grid (products rounded once, subnormals rounded as IEEE float32 does), so the rule
-    is exact even where TensorFlow flushes float32 subnormals."""
+    """:class:`unimp.loss_scale.rule.ArrayOps` over Keras tensors (``keras.ops``): the scale in
+    :func:`wide` (float64 on the float32 grid, or float32 where the Keras backend has no float64)."""
 
-    def scalar(self, value: float) -> tf.Tensor:
-        return tf.constant(value, tf.float64)
+    def __init__(self) -> None:
+        self.dtype = wide()
 
-    def counter(self, value: int) -> tf.Tensor:
-        return tf.constant(value, tf.int64)
+    def scalar(self, value: float) -> Any:
+        return ops.convert_to_tensor(value, self.dtype)
 
-    def count(self, flag: tf.Tensor) -> tf.Tensor:
-        return tf.cast(flag, tf.int64)
+    def counter(self, value: int) -> Any:
+        return ops.convert_to_tensor(value, COUNTER)
 
-    def mul(self, scale: tf.Tensor, factor: float) -> tf.Tensor:
-        return _on_grid(scale * factor)
+    def count(self, flag: Any) -> Any:
+        return ops.cast(flag, COUNTER)
 
-    def div(self, scale: tf.Tensor, divisor: float) -> tf.Tensor:
-        return _on_grid(scale / divisor)  # float64 quotient of float32 values, then one float32 rounding
+    def mul(self, scale: Any, factor: float) -> Any:
+        p = scale * ops.convert_to_tensor(factor, self.dtype)
+        return _on_grid(p) if self.dtype == "float64" else p
 
-    where, isfinite = staticmethod(tf.where), staticmethod(tf.math.is_finite)
-    logical_and, logical_not = staticmethod(tf.logical_and), staticmethod(tf.logical_not)
-    maximum = staticmethod(tf.maximum)
+    def div(self, scale: Any, divisor: float) -> Any:
+        q = scale / _barrier(ops.convert_to_tensor(divisor, self.dtype))
+        return _on_grid(q) if self.dtype == "float64" else q
 
-
-def _on_grid(p: tf.Tensor) -> tf.Tensor:
-    """A float64 value rounded to the nearest float32 (subnormals as IEEE float32 rounds them)."""
-    sub = p < dtypes.FLT_TINY
-    rounded_sub = tf.math.rint(tf.where(sub, p, tf.zeros_like(p)) * _TWO_149) / _TWO_149  # exact in float64
-    return tf.where(sub, rounded_sub, tf.cast(tf.cast(tf.where(sub, _tiny(p), p), tf.float32), tf.float64))
+    where, isfinite = staticmethod(ops.where), staticmethod(ops.isfinite)
+    logical_and, logical_not = staticmethod(ops.logical_and), staticmethod(ops.logical_not)
+    maximum = staticmethod(ops.maximum)
 
 
 def device_spec(spec: LossScaleSpec) -> LossScaleSpec:
@@ -106,30 +144,56 @@ def runnable(spec: LossScaleSpec) -> LossScaleSpec:
     return spec
 
 
-def next_state(spec: LossScaleSpec, st: DeviceLossScale, finite: tf.Tensor) -> DeviceLossScale:
+def initial(spec: LossScaleSpec, state: LossScaleState | None = None) -> DeviceLossScale:
+    """The state (default: the spec's initial one) as Keras tensors."""
+    st = state or LossScale(spec).initial_state()
+    counters = (st.growth_tracker, st.hysteresis_left, st.skipped, st.steps)
+    return DeviceLossScale(held(st.scale), *(ops.convert_to_tensor(v, COUNTER) for v in counters))
+
+
+def to_state(st: DeviceLossScale) -> LossScaleState:
+    """Plain Python numbers (a host read)."""
+    values = [np.asarray(ops.convert_to_numpy(v)) for v in st]
+    return LossScaleState(float(values[0]), *(int(v) for v in values[1:]))
+
+
+AT_MIN = ("unimp: loss scale already at its minimum ({min:g}) and gradients are still not finite; set "
+          "loss_scale.at_min = 'clamp' to keep training at the floor")
+
+
+def next_state(spec: LossScaleSpec, st: DeviceLossScale, finite: Any) -> DeviceLossScale:
     """The state after one step whose gradients were (not) all finite (``finite``: scalar bool):
-    the core's rule (:func:`unimp.loss_scale.rule.step`) on tensors, no host sync; ``at_min = "error"``
-    hit is a ``tf.debugging.Assert``."""
+    the core's rule on tensors, no host sync; ``at_min = "error"`` hit is a ``tf.debugging.Assert`` on
+    TensorFlow and a :class:`LossScaleAtMinimumError` on torch (XLA declares it: no raise in a jitted step)."""
     new, error = transition(spec, st, finite)
     if error is not None:
-        tf.debugging.Assert(tf.reduce_all(tf.logical_not(error)), [
-            f"unimp: loss scale already at its minimum ({spec.min:g}) and gradients are still not "
-            f"finite; set loss_scale.at_min = 'clamp' to keep training at the floor"])
+        message = AT_MIN.format(min=spec.min)
+        if keras.backend.backend() == "tensorflow":
+            from .tf_scale import assert_not
+
+            assert_not(error, message)
+        elif bool(ops.convert_to_numpy(ops.any(error))):
+            raise LossScaleAtMinimumError(message)
     return new
 
 
-def transition(spec: LossScaleSpec, st: DeviceLossScale, finite: tf.Tensor) -> tuple[DeviceLossScale, tf.Tensor | None]:
-    """(next state, ``at_min = "error"`` flag or None) of :func:`next_state`, without the assertion."""
+def transition(spec: LossScaleSpec, st: DeviceLossScale, finite: Any) -> tuple[DeviceLossScale, Any]:
+    """(next state, ``at_min = "error"`` flag or None) of :func:`next_state`, without the check."""
     spec = runnable(spec)
+    counters = [ops.cast(c, COUNTER) for c in st[1:]]
     if spec.mode != "dynamic":
-        new, _, _ = step(KerasOps(), spec, Arrays(*st), finite)
+        new, _, _ = step(KerasOps(), spec, Arrays(st.scale, *counters), finite)
         return DeviceLossScale(*new), None
-    new, _, error = step(KerasOps(), spec, Arrays(decode(st.scale), *st[1:]), finite)
+    new, _, error = step(KerasOps(), spec, Arrays(decode(st.scale), *counters), finite)
     return DeviceLossScale(encode(new.scale), *new[1:]), error
 
 
-def all_finite(grads: list) -> tf.Tensor:
-    """True when every gradient (dense or IndexedSlices) is finite."""
-    checks = [tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
-              for g in grads if g is not None]
-    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+def _dense(g: Any) -> Any:
+    """A gradient as a dense tensor's values (TensorFlow's ``IndexedSlices``: their values)."""
+    return g.values if type(g).__name__ == "IndexedSlices" else g
+
+
+def all_finite(grads: list) -> Any:
+    """True when every gradient (dense or TensorFlow IndexedSlices) is finite."""
+    checks = [ops.all(ops.isfinite(_dense(g))) for g in grads if g is not None]
+    return ops.all(ops.stack(checks)) if checks else ops.convert_to_tensor(True)

@@ -13,26 +13,28 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
 from unimp.conformance.kit import Kit, Observation
 from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, PROBE, TIME, VOCAB, ProbeBatch
 from unimp.spi import Plan
 
 from .index import walk
+from .steps import custom_step
 
 
-def nll(logp: Any, targets: Any) -> tf.Tensor:
+def nll(logp: Any, targets: Any) -> Any:
     """Mean negative log-likelihood of integer targets, in float32."""
-    picked = tf.gather(tf.cast(logp, tf.float32), tf.cast(targets, tf.int32), batch_dims=2)
-    return -tf.reduce_mean(picked)
+    index = ops.expand_dims(ops.cast(targets, "int32"), -1)
+    return -ops.mean(ops.take_along_axis(ops.cast(logp, "float32"), index, axis=-1))
 
 
 _PROBE_PARAM = {"embeddings": "weight", "kernel": "weight", "gamma": "weight", "bias": "bias", "beta": "bias"}
 
 
 class KerasKit(Kit):
-    """Hooks for :mod:`unimp.conformance` on Keras 3 / TensorFlow (CPU runs fp32, bf16 and fp16)."""
+    """Hooks for :mod:`unimp.conformance` on Keras 3, this process' Keras backend (TensorFlow, JAX or torch;
+    CPU runs fp32, bf16 and fp16)."""
 
     backend = "keras"
 
@@ -73,22 +75,8 @@ class KerasKit(Kit):
         return keras.backend.standardize_dtype(value.dtype)
 
     def step(self, amp: Any, batch: ProbeBatch, poison: bool = False) -> float:
-        """One custom-loop step: scale_loss -> tape.gradient -> apply_gradients (in a tf.function where
-        Keras float8 layers run: their gradient does not run eagerly)."""
-        if amp._binding.fp8:
-            compiled = self.__dict__.setdefault("_fp8_steps", {})
-            fn = compiled.setdefault(id(amp), (amp, tf.function(self._step)))[1]  # amp kept: ids stay unique
-            return float(fn(amp, tf.constant(batch.tokens), tf.constant(batch.targets), poison))
-        return float(self._step(amp, batch.tokens, batch.targets, poison))
-
-    def _step(self, amp: Any, tokens: Any, targets: Any, poison: bool) -> Any:
-        variables = amp.model.trainable_variables
-        with tf.GradientTape() as tape:
-            loss = nll(amp.model(tokens, training=True), targets)
-            scaled = amp.scale_loss(loss * (float("inf") if poison else 1.0))
-        grads = tape.gradient(scaled, variables)
-        amp.apply_gradients(zip(grads, variables))
-        return loss
+        """One custom-loop step, each Keras backend's own way (:func:`custom_step`)."""
+        return custom_step(amp, nll, batch.tokens, batch.targets, poison)
 
     def snapshot(self, amp: Any) -> dict[str, Any]:
         out = {f"model/{i}:{v.path}": v.numpy() for i, v in enumerate(amp.model.weights)}
@@ -120,4 +108,4 @@ class KerasKit(Kit):
         return out
 
     def forward_fingerprint(self, model: Any, batch: ProbeBatch) -> Any:
-        return model(batch.tokens, training=False).numpy()
+        return ops.convert_to_numpy(model(batch.tokens, training=False))

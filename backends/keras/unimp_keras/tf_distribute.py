@@ -1,4 +1,4 @@
-"""tf.distribute support: gradient all-reduce in the Plan's ``reduce_dtype``, XLA refusal.
+"""tf.distribute (Keras' TensorFlow backend only): gradient all-reduce in the Plan's ``reduce_dtype``, XLA refusal.
 
 Keras 3 on TensorFlow sums gradients across replicas inside the optimizer
 (``TFOptimizer._all_reduce_sum_gradients``, called from ``_backend_update_step``) in the
@@ -105,3 +105,56 @@ def unhook_inner(inner: Any) -> None:
 def refuse_xla() -> None:
     if in_xla_context():
         raise UnsupportedError(XLA_MESSAGE)
+
+
+def tf_apply(opt: Any, grads: list, trainable_variables: list | None = None) -> None:
+    """:class:`unimp_keras.optimizer.AmpOptimizer`'s ``apply`` on Keras' TensorFlow backend: its own
+    step without a strategy, the agreed step (:func:`distributed_apply`) under one."""
+    if tf.distribute.in_cross_replica_context():
+        raise ValueError("unimp AmpOptimizer.apply() must be called in a replica context "
+                         "(inside strategy.run(...)), as Keras optimizers require")
+    if not tf.distribute.has_strategy():
+        opt._common_apply(grads, trainable_variables)
+        return
+    distributed_apply(opt, list(grads), trainable_variables)
+
+
+def distributed_apply(opt: Any, grads: list, trainable_variables: list | None) -> None:
+    """Replica context: reduce in ``reduce_dtype``, vote on finiteness, step or skip together."""
+    refuse_xla()
+    tvs = list(trainable_variables or opt._trainable_variables)
+    ctx = tf.distribute.get_replica_context()
+    out = [tf.float32 if id(v) in opt._masters else g.dtype if g is not None else None
+           for g, v in zip(grads, tvs, strict=True)]
+    reduced = all_reduce(ctx, grads, opt.reduce_dtype, out)
+    checking = opt.spec.mode != "none" or opt.spec.skip_nonfinite
+    finite = opt.check_finite(reduced) if checking else tf.constant(True)
+    ctx.merge_call(_cross_replica_step, args=(opt, reduced, finite, tvs))
+
+
+def _cross_replica_step(distribution: Any, opt: Any, reduced: list, finite: Any, tvs: list) -> None:
+    # Every replica's flag (identical after the sum, since inf/nan propagate through it) is
+    # combined explicitly: one decision, taken once, for all replicas.
+    agreed = tf.reduce_all(tf.stack([tf.convert_to_tensor(f) for f in
+                                     distribution.experimental_local_results(finite)]))
+
+    def step() -> None:
+        distribution.extended.call_for_each_replica(opt._apply_inner, args=(reduced, tvs),
+                                                    kwargs={"sync_masters": False})
+        for v in tvs:
+            m = opt._masters.get(id(v))
+            if m is not None:
+                distribution.extended.update(v.value, _assign_cast, args=(m.value,), group=False)
+
+    if opt.spec.skip_nonfinite:
+        tf.cond(agreed, step, lambda: None)
+    else:
+        step()
+    if opt.spec.mode == "none" and not opt.spec.skip_nonfinite:
+        opt._count(opt._steps)
+    else:
+        opt._update(agreed)
+
+
+def _assign_cast(var: Any, master: Any) -> Any:
+    return var.assign(tf.cast(master, var.dtype))
