@@ -67,7 +67,8 @@ def train(model, amp, steps):
     out = []
     for _ in range(steps):
         before = model.get_weights()
-        loss = model.fit(X, Y, batch_size=len(Y), epochs=1, verbose=0, shuffle=False).history["loss"][0]
+        # keras.Model.fit: keras_hub's own fit batches numpy with grain or tf.data (neither in the JAX / torch envs)
+        loss = keras.Model.fit(model, X, Y, batch_size=len(Y), epochs=1, verbose=0, shuffle=False).history["loss"][0]
         finite = any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
         state = LossScaleState.from_dict(amp.state_dict()).to_dict()
         out.append({"loss": float(loss), "finite": finite, "state": state})

@@ -88,8 +88,10 @@ def fit(model, optimizer, name, callbacks=()):
     _, x, y = DATA[name]
     # 10 eager steps cost less than tracing a train function (measured: MobileNetV2 cell 27 s vs 37 s)
     model.compile(optimizer=optimizer, loss=LOSS, run_eagerly=True)
-    return model.fit(x, y, batch_size=len(y), epochs=STEPS, verbose=0, shuffle=False,
-                     callbacks=list(callbacks)).history["loss"]
+    # keras.Model.fit: keras_hub's PipelineModel.fit batches numpy inputs with grain or tf.data, neither of which
+    # the JAX / torch envs have; without a preprocessor it runs this same fit after batching
+    return keras.Model.fit(model, x, y, batch_size=len(y), epochs=STEPS, verbose=0, shuffle=False,
+                           callbacks=list(callbacks)).history["loss"]
 
 
 @functools.cache
