@@ -10,6 +10,34 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import pytest
 
+# Modules whose steps are TensorFlow's own (tf.GradientTape / tf.function / tf.scan / tf.distribute / tf.config):
+# collected only under KERAS_BACKEND=tensorflow. The issue's must-holds on every Keras backend, each with its
+# own custom step, are test_every_keras_backend.py; the conformance suite runs under all three.
+TENSORFLOW_ONLY = {
+    "test_apply.py": "its custom loops are tf.GradientTape / tf.function loops",
+    "test_state_dict.py": "its training step is a tf.GradientTape step",
+    "test_fp8.py": "the TensorFlow-only eager float8 refusal and tf.function steps",
+    "test_loss_scale.py": "the rule replayed through tf.scan in one tf.function",
+    "test_loss_scale_bounds.py": "tf.GradientTape steps at the int32 bound",
+    "test_tf_hardware.py": "TensorFlow's GPU detection",
+    "test_distributed.py": "tf.distribute",
+    "distributed_worker.py": "tf.distribute",
+    "test_migrate.py": "Keras' LossScaleOptimizer driven through tf.GradientTape (keras_steps.py)",
+    "test_real_config_replay.py": "test_loss_scale's TensorFlow replay",
+}
+
+
+def _keras_backend() -> str:
+    import keras
+
+    return keras.backend.backend()
+
+
+def pytest_ignore_collect(collection_path, config):
+    if collection_path.name in TENSORFLOW_ONLY and _keras_backend() != "tensorflow":
+        return True
+    return None
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "keras_backend(*names): runs only under these KERAS_BACKENDs")
@@ -22,9 +50,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    import keras
-
-    here = keras.backend.backend()
+    here = _keras_backend()
     for item in items:
         marker = item.get_closest_marker("keras_backend")
         if marker is not None and here not in marker.args:

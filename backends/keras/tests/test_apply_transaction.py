@@ -27,9 +27,11 @@ def model_and_optimizer():
 def state_of(model, optimizer):
     layers = [model, *model._flatten_layers(include_self=False, recursive=True)]
     return {"layers": [(id(layer), type(layer), layer.dtype_policy.name, sorted(layer.__dict__)) for layer in layers],
-            "variables": [(id(v), v.path, v.dtype, np.asarray(v.value).tobytes()) for v in model.variables],
+            "variables": [(id(v), v.path, v.dtype, np.asarray(keras.ops.convert_to_numpy(v.value)).tobytes())
+                          for v in model.variables],
             "optimizer": (id(model.optimizer), sorted(optimizer.__dict__),
-                          [(id(v), np.asarray(v.value).tobytes()) for v in optimizer.variables])}
+                          [(id(v), np.asarray(keras.ops.convert_to_numpy(v.value)).tobytes())
+                           for v in optimizer.variables])}
 
 
 @pytest.mark.parametrize("policy", ["mixed_bf16", "pure_bf16", "mixed_fp16"])

@@ -52,6 +52,10 @@ def fit(model, policy, steps=4):
 @pytest.mark.parametrize("post_norm", [False, True], ids=["pre_norm", "post_norm"])
 @pytest.mark.parametrize("preset", ["mixed_bf16", "keras_mixed_float16", "pure_bf16"])
 def test_residual_blocks_train(preset, post_norm):
+    if preset == "keras_mixed_float16" and keras.backend.backend() == "jax" and \
+            all(d.platform == "cpu" for d in __import__("jax").devices()):
+        pytest.skip("Keras' own mixed_float16 MultiHeadAttention does not run on JAX's CPU (XLA: \"precision "
+                    "'F16_F16_F32' is not supported by dot_general on CPU\"), with or without unimp")
     # seeded: on some initialisations (e.g. seed 45) Keras' own mixed_float16 + LossScaleOptimizer turns the
     # embedding NaN after one step; unimp reproduces that exactly, so an unseeded init made this test flaky
     keras.utils.set_random_seed(0)
@@ -80,7 +84,8 @@ def test_keras_mixed_float16_matches_keras_own_policy():
         keras.config.set_dtype_policy("float32")
     native.set_weights(weights)
     amp = unimp.apply("keras_mixed_float16", model)
-    np.testing.assert_array_equal(np.asarray(model(TOKENS), np.float32), np.asarray(native(TOKENS), np.float32))
+    np.testing.assert_array_equal(np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(model(TOKENS), "float32"))),
+                                  np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(native(TOKENS), "float32"))))
     amp.remove()
 
 
@@ -95,7 +100,7 @@ def test_keras_file_saved_while_applied_loads_without_unimp(tmp_path, preset):
     assert {w.dtype for w in loaded.weights} == {"float32"}
     amp.remove()  # the trained model in float32 (masters where the policy keeps them)
     for a, b in zip(model.weights, loaded.weights):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))
     again = unimp.apply(preset, loaded)  # and it can be applied again
-    assert np.isfinite(np.asarray(loaded(TOKENS), np.float32)).all()
+    assert np.isfinite(np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(loaded(TOKENS), "float32")))).all()
     again.remove()

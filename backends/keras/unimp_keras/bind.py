@@ -165,7 +165,9 @@ def patch_save(layer: Any, binding: Binding) -> None:
     original dtype — what ``remove()`` leaves in the model.
     """
     def original_value(s: Any) -> Any:
-        return s.original if id(s.low) in binding.master_ids else keras.ops.cast(s.low.value, s.original.dtype)
+        if id(s.low) in binding.master_ids:
+            return s.original
+        return keras.ops.convert_to_numpy(keras.ops.cast(s.low.value, s.original.dtype))
 
     originals = {id(s.low): (lambda s=s: original_value(s)) for s in binding.swaps if s.layer is layer}
     own, save = layer.__dict__.get("save_own_variables"), layer.save_own_variables
