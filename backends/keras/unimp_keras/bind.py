@@ -27,7 +27,7 @@ from .dtype_policies import FollowInputs, keras_policy
 from .index import Unit, descendants, is_graph, walk
 from .layout import data_formats, layout_findings
 from .optimizer import AmpOptimizer, KerasAmpOptimizer, SavesAsKeras
-from .params import Swap, swap_params
+from .params import Swap, retrack, swap_params
 from .plan import keras_rule
 from .trace import call_name
 
@@ -123,6 +123,7 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
     for u in units:
         if u.parent is not None and not is_graph(u.parent):
             patch_stream(u.layer, u.parent, binding)
+    retrack(model, [(s.original, s.low) for s in binding.swaps])
     for layer in {id(s.layer): s.layer for s in binding.swaps}.values():
         patch_save(layer, binding)
     patch_compile_config(model, binding)
@@ -270,6 +271,7 @@ def undo(model: Any, optimizer: Any, wrapper: Any, binding: Binding, masters_on:
     fp8.undo(binding.fp8)
     for s in reversed(binding.swaps):
         s.undo(write_back=not (masters_on and s.low.trainable))
+    retrack(model, [(s.low, s.original) for s in binding.swaps])
     for layer, original in binding.policies.values():
         layer._dtype_policy = original
     reset_compiled_functions(model)

@@ -17,6 +17,7 @@ when masters are on; otherwise the low copies are written back first).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,33 @@ def _replace(layer: Any, attrs: tuple[str, ...], store: str, old: Any, new: Any)
     items[next(i for i, v in enumerate(items) if v is old)] = new
 
 
+def retrack(model: Any, pairs: list[tuple[Any, Any]]) -> None:
+    """Keras' torch backend: the model is a ``torch.nn.Module`` whose parameters are its variables' tensors,
+    held in ``_torch_params`` dicts (the model's and each layer's). For each ``(old, new)`` variable pair the
+    dicts are pointed at ``new``'s tensor, so ``model.parameters()`` and ``Model.zero_grad()`` (Keras' torch
+    ``train_step`` clears the gradients through it) see the variables that run; without it the swapped-in
+    tensors' gradients would add up over the steps. No-op on the other Keras backends."""
+    if keras.backend.backend() != "torch" or not pairs:
+        return
+    import torch
+
+    by_id = {id(old.value): new.value for old, new in pairs}
+    for module in model.modules():
+        if isinstance(module, torch.nn.ParameterDict):
+            for key, tensor in list(module.items()):
+                if id(tensor) in by_id:
+                    module[key] = by_id[id(tensor)]
+
+
+def _same_path(var: Any, value: Any, dtype: str) -> Any:
+    """A new variable at ``var``'s path (``model/layer/kernel``): Keras keys a torch model's parameters by
+    path, so copies made outside the layer's scope (path ``kernel``) would replace each other there."""
+    with contextlib.ExitStack() as scopes:
+        for part in var.path.split("/")[:-1]:
+            scopes.enter_context(keras.name_scope(part))
+        return keras.Variable(value, dtype=dtype, trainable=var.trainable, name=var.name)
+
+
 def swap_params(layer: Any, dtype: str) -> list[Swap]:
     """Replace the layer's own float variables by ``dtype`` copies; returns what to undo."""
     swaps = []
@@ -58,8 +86,7 @@ def swap_params(layer: Any, dtype: str) -> list[Swap]:
             if var.dtype == dtype or not keras.backend.is_float_dtype(var.dtype):
                 continue
             attrs = tuple(k for k, v in vars(layer).items() if v is var)
-            low = keras.Variable(ops.cast(var.value, dtype), dtype=dtype, trainable=var.trainable,
-                                 name=var.name)
+            low = _same_path(var, ops.cast(var.value, dtype), dtype)
             _replace(layer, attrs, store, var, low)
             swaps.append(Swap(layer, attrs, store, var, low, ops.copy(low.value)))
     return swaps
