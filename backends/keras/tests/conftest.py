@@ -17,7 +17,6 @@ TENSORFLOW_ONLY = {
     "test_apply.py": "its custom loops are tf.GradientTape / tf.function loops",
     "test_state_dict.py": "its training step is a tf.GradientTape step",
     "test_fp8.py": "the TensorFlow-only eager float8 refusal and tf.function steps",
-    "test_loss_scale.py": "the rule replayed through tf.scan in one tf.function",
     "test_loss_scale_bounds.py": "tf.GradientTape steps at the int32 bound",
     "test_tf_hardware.py": "TensorFlow's GPU detection",
     "test_distributed.py": "tf.distribute",
