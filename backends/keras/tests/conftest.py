@@ -21,8 +21,6 @@ TENSORFLOW_ONLY = {
     "test_tf_hardware.py": "TensorFlow's GPU detection",
     "test_distributed.py": "tf.distribute",
     "distributed_worker.py": "tf.distribute",
-    "test_migrate.py": "Keras' LossScaleOptimizer driven through tf.GradientTape (keras_steps.py)",
-    "test_real_config_replay.py": "test_loss_scale's TensorFlow replay",
 }
 
 
