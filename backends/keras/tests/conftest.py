@@ -15,9 +15,7 @@ import pytest
 # own custom step, are test_every_keras_backend.py; the conformance suite runs under all three.
 TENSORFLOW_ONLY = {
     "test_apply.py": "its custom loops are tf.GradientTape / tf.function loops",
-    "test_state_dict.py": "its training step is a tf.GradientTape step",
     "test_fp8.py": "the TensorFlow-only eager float8 refusal and tf.function steps",
-    "test_loss_scale_bounds.py": "tf.GradientTape steps at the int32 bound",
     "test_tf_hardware.py": "TensorFlow's GPU detection",
     "test_distributed.py": "tf.distribute",
     "distributed_worker.py": "tf.distribute",
