@@ -14,7 +14,6 @@ import pytest
 # collected only under KERAS_BACKEND=tensorflow. The must-holds on every Keras backend, each with its
 # own custom step, are test_every_keras_backend.py; the conformance suite runs under all three.
 TENSORFLOW_ONLY = {
-    "test_apply.py": "its custom loops are tf.GradientTape / tf.function loops",
     "test_fp8.py": "the TensorFlow-only eager float8 refusal and tf.function steps",
     "test_tf_hardware.py": "TensorFlow's GPU detection",
     "test_distributed.py": "tf.distribute",
