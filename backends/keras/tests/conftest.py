@@ -10,20 +10,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import pytest
 
-# Modules whose steps are TensorFlow's own (tf.GradientTape / tf.function / tf.scan / tf.distribute / tf.config):
-# collected only under KERAS_BACKEND=tensorflow. The issue's must-holds on every Keras backend, each with its
-# own custom step, are test_every_keras_backend.py; the conformance suite runs under all three.
+# Modules whose subject is TensorFlow's own (tf.distribute, tf.config GPU detection): collected only under
+# KERAS_BACKEND=tensorflow. Every other module runs on each Keras backend with that backend's own step
+# (unimp_keras.steps); single TensorFlow-only tests (the eager float8 refusal, tf_keras) are marked
+# @pytest.mark.keras_backend("tensorflow").
 TENSORFLOW_ONLY = {
-    "test_apply.py": "its custom loops are tf.GradientTape / tf.function loops",
-    "test_state_dict.py": "its training step is a tf.GradientTape step",
-    "test_fp8.py": "the TensorFlow-only eager float8 refusal and tf.function steps",
-    "test_loss_scale.py": "the rule replayed through tf.scan in one tf.function",
-    "test_loss_scale_bounds.py": "tf.GradientTape steps at the int32 bound",
     "test_tf_hardware.py": "TensorFlow's GPU detection",
     "test_distributed.py": "tf.distribute",
     "distributed_worker.py": "tf.distribute",
-    "test_migrate.py": "Keras' LossScaleOptimizer driven through tf.GradientTape (keras_steps.py)",
-    "test_real_config_replay.py": "test_loss_scale's TensorFlow replay",
 }
 
 

@@ -1,9 +1,11 @@
-"""A real Keras training step whose gradient is finite or inf as asked: drives a LossScaleOptimizer
-(Keras' own or unimp's) through a finite/non-finite sequence in the loss-scale and migration tests."""
+"""A real Keras training step whose gradient is finite or inf as asked, on every Keras backend (each
+backend's own step: :func:`unimp_keras.steps.optimizer_step`): drives a LossScaleOptimizer (Keras' own
+or unimp's) through a finite/non-finite sequence in the loss-scale and migration tests."""
 
 import keras
 import numpy as np
-import tensorflow as tf
+
+from unimp_keras.steps import optimizer_step
 
 
 def tiny_variable() -> keras.Variable:
@@ -13,13 +15,7 @@ def tiny_variable() -> keras.Variable:
 
 def step_fn(opt, w):
     """``step(poison)``: one scaled step of ``opt`` on ``w``; the gradient is inf when ``poison``."""
-    @tf.function
-    def step(poison):
-        with tf.GradientTape() as tape:
-            loss = 1e-30 * tf.reduce_sum(w * w) * tf.where(poison, tf.constant(np.inf, tf.float32), 1.0)
-            scaled = opt.scale_loss(loss)
-        opt.apply_gradients([(tape.gradient(scaled, w), w)])
-    return step
+    return optimizer_step(opt, [w], lambda: 1e-30 * keras.ops.sum(w * w))
 
 
 def replay_scales(opt, finites) -> list[float]:
@@ -27,6 +23,6 @@ def replay_scales(opt, finites) -> list[float]:
     step = step_fn(opt, tiny_variable())
     scales = []
     for finite in finites:
-        step(tf.constant(not finite))
+        step(not finite)
         scales.append(float(opt.dynamic_scale.numpy()))
     return scales

@@ -13,6 +13,7 @@ CPU without native units) asks the Keras backend (TensorFlow, JAX, torch) for GP
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -214,6 +215,56 @@ def xla_unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
     return out
 
 
+ATTENTION_XLA_F16 = ("KERAS_BACKEND=jax: Keras' attention (keras.ops.dot_product_attention, which "
+                     "MultiHeadAttention and GroupedQueryAttention call) compiles in float16 to a float16 x "
+                     "float16 -> float32 dot that XLA on this device cannot run (XLA: {error}), with or without "
+                     "unimp (Keras' own mixed_float16 fails the same way in fit / jit), so unimp runs the "
+                     "attention layers in float32")
+ATTENTION_FIX = ("on JAX's CPU move \"attention\" from [ops].lower to [ops].float32, or use bfloat16 "
+                 "(mixed_bf16), a GPU, or KERAS_BACKEND=tensorflow / torch")
+
+
+@functools.cache
+def xla_f16_attention_error() -> str | None:
+    """XLA's message where the default JAX device cannot compile ``keras.ops.dot_product_attention`` in
+    float16, else None (measured once: XLA:CPU has no F16 x F16 -> F32 dot_general; Dense, EinsumDense,
+    the convolutions, einsum, matmul, the RNNs and the normalisations compile in float16 there)."""
+    import jax
+    import numpy as np
+
+    q = np.ones((1, 2, 1, 4), np.float16)  # (batch, time, heads, head dim)
+    try:
+        with jax.ensure_compile_time_eval():
+            jax.block_until_ready(jax.jit(lambda q: keras_ops().dot_product_attention(q, q, q))(q))
+    except Exception as e:  # XLA refuses at compile time (ValueError in jax 0.10)
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "not supported" not in text:
+            raise
+        return text
+    return None
+
+
+def keras_ops() -> Any:
+    import keras
+
+    return keras.ops
+
+
+def device_fixed(request: Plan, compute: str, index: Iterable[LayerInfo] | None) -> dict[str, tuple[str, str]]:
+    """Ops this Keras backend's device cannot run in the dtype the policy asks: ``{op: ("float32", why)}``.
+
+    On JAX without a GPU: ``attention`` in float16 (:func:`xla_f16_attention_error`), declared when the
+    model has an attention layer (or no model is given)."""
+    if _keras_backend_name() != "jax" or request.requested("attention", compute) != "float16":
+        return {}
+    if index is not None and not any(info.kind == "attention" for info in index):
+        return {}
+    if gpu_capability() is not None:
+        return {}
+    error = xla_f16_attention_error()
+    return {} if error is None else {"attention": ("float32", ATTENTION_XLA_F16.format(error=error))}
+
+
 def distributed_note(rd: str) -> str:
     """How tf.distribute runs with gradients reduced in ``rd`` (the Keras 3 facts this backend works around);
     on the JAX and torch backends of Keras, that unimp does not distribute."""
@@ -254,6 +305,9 @@ def compile_plan(request: Plan, index: Iterable[LayerInfo] | None = None) -> Pla
     follows_f32 = want is None and request.output_cast == "float32"
     fixed = {"loss": (None, LOSS_WHY + "; it takes the float32 model output, so it follows its inputs")
              if follows_f32 else ("float32", LOSS_WHY)}
+    index = list(index) if index is not None else None
+    device = device_fixed(request, compute, index)
+    fixed.update(device)
     control = {op: "layer" for op in ops.CANONICAL_OPS if op not in fixed}
     native = {op: (*NATIVE_OPS.get(op, ()), *EXTRA_NATIVE.get(op, ())) for op in ops.CANONICAL_OPS}
     notes = list(NOTES)
@@ -266,4 +320,5 @@ def compile_plan(request: Plan, index: Iterable[LayerInfo] | None = None) -> Pla
     details = KerasDetails(loss_scaler(spec, request.uses_master_weights), distributed_note(request.reduce_dtype))
     return request.compile(control=control, native=native, compute_dtype=compute, compute_reason=reason,
                            fixed=fixed, notes=(*notes, details.loss_scaler, details.distributed), details=details,
-                           index=index, fp8=fp8_support(), loss_scale_unsupported=unsupported(spec))
+                           index=index, fp8=fp8_support(), loss_scale_unsupported=unsupported(spec),
+                           fix=ATTENTION_FIX if device else "change the policy's op lists")

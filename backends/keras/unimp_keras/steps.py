@@ -41,6 +41,63 @@ def custom_step(amp: Any, loss_fn: Loss, x: Any, y: Any, poison: bool = False) -
     return _torch_step(amp, loss_fn, x, y, poison)
 
 
+def optimizer_step(opt: Any, variables: list, loss_fn: Callable[[], Any]) -> Callable[[bool], None]:
+    """``step(poison)``: one scaled step of ``opt`` (a loss-scaling optimizer: unimp's or Keras' own) on bare
+    ``variables``, ``loss_fn()`` reading them, each Keras backend's way (TensorFlow: a ``tf.function``
+    GradientTape step; JAX: jitted ``jax.grad`` + ``stateless_apply``; torch: ``backward``); ``poison``
+    multiplies the loss by inf. What the loss-scale tests drive without a model.
+
+    >>> import keras, numpy as np
+    >>> w = keras.Variable(np.ones(2, np.float32))
+    >>> opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8.0)
+    >>> step = optimizer_step(opt, [w], lambda: keras.ops.sum(w * w))
+    >>> step(True); float(opt.dynamic_scale.numpy()), step(False), float(opt.dynamic_scale.numpy())
+    (4.0, None, 4.0)
+    """
+    name = keras.backend.backend()
+    if name == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function
+        def tf_step(poison: Any) -> None:
+            with tf.GradientTape() as tape:
+                scaled = opt.scale_loss(loss_fn() * _factor(poison))
+            opt.apply_gradients(zip(tape.gradient(scaled, variables), variables))
+
+        return lambda poison: tf_step(tf.constant(poison)) and None
+    if name == "torch":
+        def torch_step(poison: bool) -> None:
+            for v in variables:
+                v.value.grad = None
+            opt.scale_loss(loss_fn() * _factor(ops.convert_to_tensor(poison))).backward()
+            opt.apply_gradients([(v.value.grad, v) for v in variables])
+            for v in variables:
+                v.value.grad = None
+
+        return torch_step
+    import jax
+    from keras.src.backend import StatelessScope
+
+    def pure(tv: list, ov: list, poison: Any) -> Any:
+        def scaled_of(tv: list) -> Any:
+            mapping = [*zip(variables, tv, strict=True), *zip(opt.variables, ov, strict=True)]
+            with StatelessScope(state_mapping=mapping):
+                return opt.scale_loss(loss_fn() * _factor(poison))
+
+        return opt.stateless_apply(ov, jax.grad(scaled_of)(tv), tv)
+
+    jitted = jax.jit(pure)
+
+    def jax_step(poison: bool) -> None:
+        if not opt.built:
+            opt.build(variables)
+        new_tv, new_ov = jitted([v.value for v in variables], [v.value for v in opt.variables], poison)
+        for var, value in (*zip(variables, new_tv, strict=True), *zip(opt.variables, new_ov, strict=True)):
+            var.assign(value)
+
+    return jax_step
+
+
 def _factor(poison: Any) -> Any:
     return ops.where(poison, ops.convert_to_tensor(np.inf, "float32"), ops.convert_to_tensor(1.0, "float32"))
 

@@ -39,7 +39,10 @@ class KerasKit(Kit):
     backend = "keras"
 
     def supports(self, request: Plan) -> str | None:
-        return None  # TF CPU has float16 and bfloat16 kernels for every probe layer
+        # every probe layer has float16 and bfloat16 kernels on each Keras backend's CPU; the one op a device
+        # cannot run (float16 attention on JAX's CPU, which the probe has none of) is the Plan's to declare
+        # (unimp_keras.plan.device_fixed): a fallback or an UnsupportedError, never a kit skip
+        return None
 
     def build_probe(self, weights: dict[str, Any]) -> Any:
         ly = keras.layers
