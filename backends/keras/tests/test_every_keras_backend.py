@@ -162,11 +162,27 @@ def test_keras_float8_trains_or_is_refused_where_keras_cannot():
 
 
 def test_a_keras_backend_that_cannot_train_is_a_clear_error():
+    """A real Keras 3 on its numpy backend (it ships with Keras; inference only), in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import keras, unimp\n"
+            "from unimp.backend import registry\n"
+            "if 'keras' not in registry.backends():  # sources on PYTHONPATH, no entry point installed\n"
+            "    from unimp_keras import KerasBackend; registry.register_backend(KerasBackend)\n"
+            "m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])\n"
+            "try:\n"
+            "    unimp.apply('mixed_bf16', m, keras.optimizers.SGD(0.1))\n"
+            "except unimp.UnsupportedError as e:\n"
+            "    print('UnsupportedError:', e)\n")
+    env = {**os.environ, "KERAS_BACKEND": "numpy", "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "UnsupportedError:" in out.stdout and "KERAS_BACKEND=tensorflow, jax or torch" in out.stdout, \
+        out.stdout + out.stderr[-2000:]
     from unimp_keras.plan import check_keras_backend
 
-    fake = types.SimpleNamespace(__version__="3.15.0", backend=types.SimpleNamespace(backend=lambda: "numpy"))
-    with pytest.raises(unimp.UnsupportedError, match="KERAS_BACKEND=tensorflow, jax or torch"):
-        check_keras_backend(fake)
+    # Keras 2 (tf_keras) is not installable next to Keras 3 here: its version string is what the check reads
     old = types.SimpleNamespace(__version__="2.15.0", backend=types.SimpleNamespace(backend=lambda: "tensorflow"))
     with pytest.raises(unimp.UnsupportedError, match="pip install 'keras>=3'"):
         check_keras_backend(old)
