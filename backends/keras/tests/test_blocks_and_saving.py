@@ -148,3 +148,23 @@ def test_keras_file_saved_while_applied_loads_without_unimp(tmp_path, preset):
     again = unimp.apply(preset, loaded)  # and it can be applied again
     assert np.isfinite(np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(loaded(TOKENS), "float32")))).all()
     again.remove()
+
+
+@pytest.mark.skipif(not _jax_cpu(), reason="XLA:CPU's float16 attention: Keras on JAX without a GPU")
+def test_an_override_asking_float16_attention_is_declared_on_jax_cpu():
+    """The same device limit set per layer: an override putting attention in float16 under mixed_bf16 is a
+    located error naming the override, or (fallback) those attention layers run float32 and the rest as asked."""
+    keras.utils.set_random_seed(0)
+    model = lm(False)
+    override = {"extends": "mixed_bf16", "overrides": [{"types": ["attention"], "compute_dtype": "float16"}]}
+    with pytest.raises(unimp.UnsupportedError) as err:
+        unimp.apply(override, model, keras.optimizers.Adam(1e-3))
+    text = str(err.value)
+    assert "overrides[0].compute_dtype = 'float16'" in text and "block0.attn" in text and "KERAS_BACKEND=jax" in text
+    assert all(layer.dtype_policy.name == "float32" for layer in model._flatten_layers())  # nothing changed
+    amp, losses = fit(model, {**override, "on_unsupported": "fallback"})
+    assert amp.plan.override_fallbacks == {0: "float32"}
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]  # jit-compiled fit ran: no XLA refusal
+    rows = {r.path: r for r in amp.report(TOKENS[:2]).rows}
+    assert rows["block0.attn"].compute_dtype == "float32" and rows["block0.fc1"].compute_dtype == "bfloat16"
+    amp.remove()

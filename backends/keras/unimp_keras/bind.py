@@ -81,6 +81,8 @@ def _decide(plan: Plan, unit: Unit) -> tuple[str | None, str, str]:
         op = plan.op(unit.kind)
         if not op.honoured:
             compute = op.dtype
+    elif unit.kind == "attention" and d.override in plan.override_fallbacks:  # the device cannot run it so
+        compute = plan.override_fallbacks[d.override]
     return compute, d.param_dtype, d.category
 
 

@@ -255,23 +255,57 @@ def device_fixed(request: Plan, compute: str, index: Iterable[LayerInfo] | None)
 
     On JAX without a GPU: ``attention`` in float16 (:func:`xla_f16_attention_error`), declared when the
     model has an attention layer (or no model is given)."""
-    if _keras_backend_name() != "jax" or request.requested("attention", compute) != "float16":
+    if request.requested("attention", compute) != "float16":
         return {}
     if index is not None and not any(info.kind == "attention" for info in index):
         return {}
-    if gpu_capability() is not None:
-        return {}
-    error = xla_f16_attention_error()
+    error = device_f16_attention_error()
     return {} if error is None else {"attention": ("float32", ATTENTION_XLA_F16.format(error=error))}
+
+
+def device_f16_attention_error() -> str | None:
+    """XLA's refusal of float16 attention on this process' device (Keras on JAX without a GPU), else None."""
+    if _keras_backend_name() != "jax" or gpu_capability() is not None:
+        return None
+    return xla_f16_attention_error()
+
+
+def device_override_fallbacks(request: Plan, compute: str,
+                              index: list[LayerInfo] | None) -> tuple[list[str], dict[int, str]]:
+    """Overrides that ask float16 of attention layers this device cannot run so (:func:`device_fixed`'s op,
+    set per layer): ``(problems, {override index: "float32"})``; the binding runs those attention layers in
+    float32 (the override's other layers as it says)."""
+    problems: list[str] = []
+    fallbacks: dict[int, str] = {}
+    error = None
+    for i, o in enumerate(request.overrides):
+        if (compute if o.compute_dtype == "auto" else o.compute_dtype) != "float16":
+            continue
+        hits = [info.path for info in index or () if info.kind == "attention"
+                and o.matches(info.path, (*info.type_names, info.kind))]
+        if index is not None and not hits:
+            continue
+        error = error or device_f16_attention_error()
+        if error is None:
+            return [], {}
+        where = f"attention layers {', '.join(hits[:3])}{' ...' if len(hits) > 3 else ''}" if hits else \
+            "its attention layers"
+        problems.append(f"overrides[{i}].compute_dtype = 'float16' on {where}: "
+                        + ATTENTION_XLA_F16.format(error=error))
+        fallbacks[i] = "float32"
+    return problems, fallbacks
 
 
 def distributed_note(rd: str) -> str:
     """How tf.distribute runs with gradients reduced in ``rd`` (the Keras 3 facts this backend works around);
     on the JAX and torch backends of Keras, that unimp does not distribute."""
     name = _keras_backend_name()
+    if name == "jax":
+        return ("data parallel: Keras' own keras.distribution (DataParallel) lays out the variables and batches; "
+                "the policy's layer dtypes and loss scale run as on one device, the gradients reduced as XLA "
+                "shards them (in their dtype); tf.distribute is TensorFlow's")
     if name != "tensorflow":
-        return (f"data parallel: not run by unimp on Keras' {name} backend (tf.distribute is TensorFlow's; "
-                f"Keras' keras.distribution on JAX is not covered): one device")
+        return f"data parallel: not run by unimp on Keras' {name} backend (tf.distribute is TensorFlow's): one device"
     how = ("in float32" if rd == "float32" else
            f"in {rd}: each replica casts its scaled gradients to {rd} before the sum, back after")
     return (f"tf.distribute (MirroredStrategy): unimp's optimizer wrapper all-reduces gradients (SUM) {how} "
@@ -308,6 +342,7 @@ def compile_plan(request: Plan, index: Iterable[LayerInfo] | None = None) -> Pla
     index = list(index) if index is not None else None
     device = device_fixed(request, compute, index)
     fixed.update(device)
+    problems, override_fallbacks = device_override_fallbacks(request, compute, index)
     control = {op: "layer" for op in ops.CANONICAL_OPS if op not in fixed}
     native = {op: (*NATIVE_OPS.get(op, ()), *EXTRA_NATIVE.get(op, ())) for op in ops.CANONICAL_OPS}
     notes = list(NOTES)
@@ -321,4 +356,5 @@ def compile_plan(request: Plan, index: Iterable[LayerInfo] | None = None) -> Pla
     return request.compile(control=control, native=native, compute_dtype=compute, compute_reason=reason,
                            fixed=fixed, notes=(*notes, details.loss_scaler, details.distributed), details=details,
                            index=index, fp8=fp8_support(), loss_scale_unsupported=unsupported(spec),
-                           fix=ATTENTION_FIX if device else "change the policy's op lists")
+                           problems=problems, override_fallbacks=override_fallbacks,
+                           fix=ATTENTION_FIX if device or problems else "change the policy's op lists")
