@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from unimp.dtypes import FLT_TINY
 from unimp.errors import StateError, UnsupportedError
 from unimp.loss_scale.rule import Arrays, PyOps, f32, held, step, tiny
 from unimp.policy import LossScaleSpec
@@ -203,6 +204,33 @@ class LossScale:
     def as_run(self, unsupported: Mapping[str, tuple[str, str]]) -> LossScaleSpec:
         """The spec with each knob a backend cannot honour set to what runs instead."""
         return loss_scale_as_run(self.spec, unsupported)
+
+    def float32_limits(self, *, flushes: bool, who: str, fix: str) -> dict[str, tuple[str, str]]:
+        """The knobs a device running the rule's factors in float32 cannot honour (an XLA device without
+        ``jax_enable_x64``): ``{knob: (what runs instead, why)}`` for a backoff factor below 2^-126 where the
+        device ``flushes`` float32 subnormals (it reads as 0), and factors not exact in float32 under
+        ``factor_arithmetic = "float64"``. ``who`` names what multiplies ("JAX", "Keras on JAX"); ``fix``: the
+        way to float64 arithmetic there.
+
+        >>> from unimp.policy.loading import load
+        >>> spec = load({"loss_scale": {"growth_factor": 1.1, "factor_arithmetic": "float64"}}).loss_scale
+        >>> LossScale(spec).float32_limits(flushes=True, who="JAX", fix="enable x64")["factor_arithmetic"][0]
+        'float32'
+        """
+        spec, out = self.spec, {}
+        if spec.backoff == "multiply" and 0 < f32(spec.backoff_factor) < FLT_TINY and flushes:
+            out["backoff_factor"] = (0.0, f"the factor is a float32 below 2^-126 in {who}, which this device "
+                                          f"reads as 0; fix: {fix} or backoff_factor >= 2^-126")
+        if spec.factor_arithmetic == "float64":
+            used = ("growth_factor", "backoff_factor") if spec.backoff == "multiply" else ("growth_factor",)
+            for key in used:
+                value = getattr(spec, key)
+                if f32(value) != value:
+                    out["factor_arithmetic"] = ("float32", (
+                        f"loss_scale.{key} = {value!r} is not exactly representable in float32 and {who} "
+                        f"multiplies in float32; fix: a float32 value such as {f32(value)!r} or a power of two, "
+                        f"factor_arithmetic = 'float32', or {fix}"))
+        return out
 
     def problems(self, state: LossScaleState) -> list[str]:
         """What in a well-formed ``state`` this rule cannot hold or never produces (:func:`policy_problems`)."""

@@ -79,20 +79,9 @@ def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
             and flushes_subnormals():
         out["initial"] = (dtypes.FLT_TINY, "this XLA device reads a float32 scale below 2^-126 as 0; fix: initial >= "
                           "2^-126, or scale_dtype = 'float64' with jax_enable_x64")
-    if not _x64() and spec.backoff == "multiply" and 0 < dtypes.f32(spec.backoff_factor) < dtypes.FLT_TINY \
-            and flushes_subnormals():
-        out["backoff_factor"] = (0.0, "without jax_enable_x64 the factor is a float32 below 2^-126, which this "
-                                 "XLA device reads as 0; fix: jax.config.update('jax_enable_x64', True) or "
-                                 "backoff_factor >= 2^-126")
-    if spec.factor_arithmetic == "float64" and not _x64():
-        used = ("growth_factor", "backoff_factor") if spec.backoff == "multiply" else ("growth_factor",)
-        for key in used:
-            value = getattr(spec, key)
-            if dtypes.f32(value) != value:
-                out["factor_arithmetic"] = ("float32", (
-                    f"loss_scale.{key} = {value!r} is not exactly representable in float32 and JAX "
-                    f"multiplies in float32 without jax_enable_x64; fix: use a float32 value such as "
-                    f"{dtypes.f32(value)!r} or a power of two, or factor_arithmetic = 'float32'"))
+    if not _x64():
+        out.update(LossScale(spec).float32_limits(flushes=flushes_subnormals(), who="JAX (without jax_enable_x64)",
+                                                  fix="jax.config.update('jax_enable_x64', True)"))
     return out
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from unimp.spi import LayerInfo, LossScaleSpec, Plan, UnsupportedError, dtypes, hardware, ops
+from unimp.spi import LayerInfo, LossScale, LossScaleSpec, Plan, UnsupportedError, dtypes, hardware, ops
 
 from .fp8 import support as fp8_support
 from .ops import NATIVE_OPS
@@ -196,19 +196,9 @@ def xla_unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
     if flush and spec.initial < dtypes.FLT_TINY:
         out["initial"] = (dtypes.FLT_TINY, "this XLA device reads a float32 scale below 2^-126 as 0; fix: "
                           "initial >= 2^-126")
-    if not _jax_x64() and spec.backoff == "multiply" and 0 < dtypes.f32(spec.backoff_factor) < dtypes.FLT_TINY \
-            and flush:
-        out["backoff_factor"] = (0.0, f"without jax_enable_x64 the factor is a float32 below 2^-126, which this "
-                                 f"XLA device reads as 0; fix: {fix_x64} or backoff_factor >= 2^-126")
-    if spec.factor_arithmetic == "float64" and not _jax_x64():
-        used = ("growth_factor", "backoff_factor") if spec.backoff == "multiply" else ("growth_factor",)
-        for key in used:
-            value = getattr(spec, key)
-            if dtypes.f32(value) != value:
-                out["factor_arithmetic"] = ("float32", (
-                    f"loss_scale.{key} = {value!r} is not exactly representable in float32 and Keras on JAX "
-                    f"multiplies in float32 without jax_enable_x64; fix: a float32 value such as "
-                    f"{dtypes.f32(value)!r} or a power of two, factor_arithmetic = 'float32', or {fix_x64}"))
+    if not _jax_x64():
+        out.update(LossScale(spec).float32_limits(flushes=flush, who="Keras on JAX (without jax_enable_x64)",
+                                                  fix=fix_x64))
     if spec.at_min == "error":
         out["at_min"] = ("clamp", "Keras on JAX runs the optimizer step jitted (stateless_apply), where nothing "
                          "can raise; fix: at_min = 'clamp'")
