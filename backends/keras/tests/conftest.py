@@ -15,7 +15,6 @@ import pytest
 # (unimp_keras.steps); single TensorFlow-only tests (the eager float8 refusal, tf_keras) are marked
 # @pytest.mark.keras_backend("tensorflow").
 TENSORFLOW_ONLY = {
-    "test_tf_hardware.py": "TensorFlow's GPU detection",
     "test_distributed.py": "tf.distribute",
     "distributed_worker.py": "tf.distribute",
 }

@@ -247,10 +247,22 @@ def device_fixed(request: Plan, compute: str, index: Iterable[LayerInfo] | None)
     model has an attention layer (or no model is given)."""
     if request.requested("attention", compute) != "float16":
         return {}
-    if index is not None and not any(info.kind == "attention" for info in index):
+    if index is not None and not any(calls_dot_product_attention(info) for info in index):
         return {}
     error = device_f16_attention_error()
     return {} if error is None else {"attention": ("float32", ATTENTION_XLA_F16.format(error=error))}
+
+
+# Keras' own attention layers whose call runs keras.ops.dot_product_attention (Keras 3.15: MultiHeadAttention's
+# _compute_attention for 4-D inputs without dropout or returned scores; GroupedQueryAttention). keras_hub's
+# attention layers (CachedMultiHeadAttention, CachedGemmaAttention, ...) compile in float16 on XLA:CPU (their
+# keras_hub cells train under mixed_fp16 on JAX's CPU), so only these exact classes are declared.
+DOT_PRODUCT_ATTENTION = frozenset({"MultiHeadAttention", "GroupedQueryAttention"})
+
+
+def calls_dot_product_attention(info: LayerInfo) -> bool:
+    """Whether the layer is one of Keras' own attention classes that call ``keras.ops.dot_product_attention``."""
+    return info.kind == "attention" and bool(info.type_names) and info.type_names[0] in DOT_PRODUCT_ATTENTION
 
 
 def device_f16_attention_error() -> str | None:
@@ -271,7 +283,7 @@ def device_override_fallbacks(request: Plan, compute: str,
     for i, o in enumerate(request.overrides):
         if (compute if o.compute_dtype == "auto" else o.compute_dtype) != "float16":
             continue
-        hits = [info.path for info in index or () if info.kind == "attention"
+        hits = [info.path for info in index or () if calls_dot_product_attention(info)
                 and o.matches(info.path, (*info.type_names, info.kind))]
         if index is not None and not hits:
             continue

@@ -38,6 +38,13 @@ class KerasKit(Kit):
 
     backend = "keras"
 
+    @property
+    def label(self) -> str:
+        """``keras-<Keras backend>``: one conformance column per Keras backend (``.obs/keras-jax.json``)."""
+        import keras
+
+        return f"keras-{keras.backend.backend()}"
+
     def supports(self, request: Plan) -> str | None:
         # every probe layer has float16 and bfloat16 kernels on each Keras backend's CPU; the one op a device
         # cannot run (float16 attention on JAX's CPU, which the probe has none of) is the Plan's to declare

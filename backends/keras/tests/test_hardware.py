@@ -1,6 +1,7 @@
 """CPU facts decide `auto` and the emulation warning (expectations from unimp.hardware, never this machine).
 
-`tox -e hwsim` reruns these under a simulated AVX2-only CPU (UNIMP_CPU_FEATURES=avx2 + ONEDNN_MAX_CPU_ISA).
+`tox -e hwsim` reruns these under a simulated AVX2-only CPU (UNIMP_CPU_FEATURES=avx2 + ONEDNN_MAX_CPU_ISA /
+XLA_FLAGS / ATEN_CPU_CAPABILITY), on each Keras backend.
 """
 
 import warnings
@@ -8,14 +9,14 @@ import warnings
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import unimp
 from unimp import hardware
 from unimp.conformance.checks import check_emulation_warning
+from unimp_keras.plan import gpu_capability
 
 pytestmark = pytest.mark.hardware
-CPU_ONLY = not tf.config.list_physical_devices("GPU")
+CPU_ONLY = gpu_capability() is None  # the Keras backend's own GPU detection
 
 
 def model():
