@@ -67,6 +67,12 @@ DATA = {
 }
 
 
+def declared_on_jax_cpu(e):
+    """The keras Plan's located refusal of float16 attention on JAX's CPU (XLA has no F16 x F16 -> F32 dot; a
+    jitted step cannot compile it, Keras' own mixed_float16 included): ``unimp_keras.plan.device_fixed``."""
+    return keras.backend.backend() == "jax" and "F16_F16_F32" in str(e) and "KERAS_BACKEND=jax" in str(e)
+
+
 def numpy(x):
     """A backend tensor (TensorFlow, JAX or torch) as numpy."""
     return keras.ops.convert_to_numpy(x)
@@ -143,7 +149,13 @@ def test_keras_model(name, preset, cell, tmp_path):
     before = numpy(model(x, training=False) if name == "mobilenet_v2" else model(x))
 
     # remove() without training: every weight, dtype policy and output bit for bit
-    amp = unimp.apply(preset, model)
+    try:
+        amp = unimp.apply(preset, model)
+    except unimp.UnsupportedError as e:
+        if not declared_on_jax_cpu(e):
+            raise
+        c.na(f"the Plan refuses it on JAX's CPU (jitted fit cannot compile float16 attention; Keras' own "
+             f"mixed_float16 fails the same way): {str(e).splitlines()[1].strip()[:160]}")
     amp.remove()
     assert all(np.array_equal(a, w.numpy()) for a, w in zip(weights, model.weights))
     assert {layer.dtype_policy.name for layer in model._flatten_layers()} == {"float32"}
@@ -287,7 +299,12 @@ def test_attention_layers_follow_the_policy_as_keras_own_policy_does(name, prese
         native = factory()
     finally:
         keras.config.set_dtype_policy("float32")
-    amp = unimp.apply(preset, model)
+    try:
+        amp = unimp.apply(preset, model)
+    except unimp.UnsupportedError as e:
+        if not declared_on_jax_cpu(e):
+            raise
+        pytest.skip(f"declared by the Plan on JAX's CPU: {str(e).splitlines()[1].strip()[:160]}")
     ours, theirs = matmul_dtypes(model, x), matmul_dtypes(native, x)
     low = unimp.load(preset).compute_dtype
     assert ours == theirs, (ours, theirs)

@@ -253,16 +253,17 @@ def device_fixed(request: Plan, compute: str, index: Iterable[LayerInfo] | None)
     return {} if error is None else {"attention": ("float32", ATTENTION_XLA_F16.format(error=error))}
 
 
-# Keras' own attention layers whose call runs keras.ops.dot_product_attention (Keras 3.15: MultiHeadAttention's
-# _compute_attention for 4-D inputs without dropout or returned scores; GroupedQueryAttention). keras_hub's
-# attention layers (CachedMultiHeadAttention, CachedGemmaAttention, ...) compile in float16 on XLA:CPU (their
-# keras_hub cells train under mixed_fp16 on JAX's CPU), so only these exact classes are declared.
+# Keras' own attention classes whose call runs keras.ops.dot_product_attention (Keras 3.15: MultiHeadAttention's
+# _compute_attention for 4-D inputs without dropout or returned scores; GroupedQueryAttention), and their
+# subclasses (keras_hub's CachedMultiHeadAttention: GPT-2, BERT). Measured under jax.jit on XLA:CPU in float16:
+# those fail, keras_hub's own einsum attention (CachedGemmaAttention) compiles.
 DOT_PRODUCT_ATTENTION = frozenset({"MultiHeadAttention", "GroupedQueryAttention"})
 
 
 def calls_dot_product_attention(info: LayerInfo) -> bool:
-    """Whether the layer is one of Keras' own attention classes that call ``keras.ops.dot_product_attention``."""
-    return info.kind == "attention" and bool(info.type_names) and info.type_names[0] in DOT_PRODUCT_ATTENTION
+    """Whether the layer is (a subclass of) one of Keras' attention classes that call
+    ``keras.ops.dot_product_attention``."""
+    return info.kind == "attention" and bool(DOT_PRODUCT_ATTENTION & set(info.type_names))
 
 
 def device_f16_attention_error() -> str | None:
