@@ -27,8 +27,24 @@ class ReportRow:
     fp8: str | None = None  # the FP8 recipe the layer ran (unimp.plan.fp8), None = not FP8
 
 
+class RowTable:
+    """A dataclass holding one row per layer (``rows``, each with a ``path``): :class:`Report` and the tuner's
+    ``Sensitivity``."""
+
+    def row(self, path: str) -> Any:
+        for r in self.rows:
+            if r.path == path:
+                return r
+        raise KeyError(path)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["rows"] = [asdict(r) for r in self.rows]
+        return d
+
+
 @dataclass
-class Report:
+class Report(RowTable):
     """Rows plus loss-scale counters; ``print(report)`` shows a table."""
 
     rows: list[ReportRow]
@@ -42,16 +58,6 @@ class Report:
     # per layer tensor over a watch's recorded steps (unimp.watch.Summary), when amp.watch() ran
     numerics: dict[str, Any] | None = None
 
-    def row(self, path: str) -> ReportRow:
-        for r in self.rows:
-            if r.path == path:
-                return r
-        raise KeyError(path)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["rows"] = [asdict(r) for r in self.rows]
-        return d
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)

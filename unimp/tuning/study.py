@@ -21,7 +21,7 @@ import fnmatch
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from unimp.backend.registry import detect, get_backend
@@ -30,7 +30,7 @@ from unimp.errors import TuneError, UnimpWarning, UnsupportedError
 from unimp.plan import Plan
 from unimp.policy.loading import load
 from unimp.policy.spec import MAX_NAME, show
-from unimp.report import Report, format_table
+from unimp.report import Report, RowTable, format_table
 from unimp.tuning.evaluate import Evaluator, LossFn, Run, change, check_count, divergence, read_batches
 from unimp.tuning.measurements import Shape
 from unimp.tuning.variants import Candidate, high_of, lowering, reference, target_of
@@ -69,7 +69,7 @@ class LayerSensitivity:
 
 
 @dataclass(frozen=True)
-class Sensitivity:
+class Sensitivity(RowTable):
     """The sensitivity table: one row per candidate layer, the most sensitive first.
 
     ``reference_loss``: every candidate layer at ``high`` (the precision the target is compared with), the rest as
@@ -103,17 +103,6 @@ class Sensitivity:
     def lowered_to(self) -> str:
         """``fp8 (tensorwise)``, ``bfloat16`` or ``float16``."""
         return f"fp8 ({self.recipe})" if self.target == "fp8" else self.target
-
-    def row(self, path: str) -> LayerSensitivity:
-        for r in self.rows:
-            if r.path == path:
-                return r
-        raise KeyError(path)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["rows"] = [asdict(r) for r in self.rows]
-        return d
 
     def __str__(self) -> str:
         speed = self.target == "fp8"

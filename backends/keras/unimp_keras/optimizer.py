@@ -303,7 +303,6 @@ class AmpOptimizer(SavesAsKeras):
         if not self.built:
             raise ValueError("unimp AmpOptimizer.stateless_apply: build it first "
                              "(optimizer.build(model.trainable_variables))")
-        from keras.src.backend import StatelessScope
 
         own, masters = list(self._variables), list(self._masters.values()) if keras.backend.backend() == "jax" \
             else []
@@ -315,7 +314,7 @@ class AmpOptimizer(SavesAsKeras):
         own_v, master_v, inner_v = values[:n_own], values[n_own:n_own + n_m], values[n_own + n_m:]
         tvs = list(self._trainable_variables)
         grads, trainable_variables = list(grads), list(trainable_variables)
-        with StatelessScope(state_mapping=list(zip(self.variables, values))) as scope:
+        with keras.StatelessScope(state_mapping=list(zip(self.variables, values))) as scope:
             finite = self.check_finite(grads) if self._checking() else ops.convert_to_tensor(True)
             scale = None if self.spec.mode == "none" else self.dynamic_scale.value
             slot = {id(m): i for i, m in enumerate(masters)}

@@ -76,12 +76,11 @@ def optimizer_step(opt: Any, variables: list, loss_fn: Callable[[], Any]) -> Cal
 
         return torch_step
     import jax
-    from keras.src.backend import StatelessScope
 
     def pure(tv: list, ov: list, poison: Any) -> Any:
         def scaled_of(tv: list) -> Any:
             mapping = [*zip(variables, tv, strict=True), *zip(opt.variables, ov, strict=True)]
-            with StatelessScope(state_mapping=mapping):
+            with keras.StatelessScope(state_mapping=mapping):
                 return opt.scale_loss(loss_fn() * _factor(poison))
 
         return opt.stateless_apply(ov, jax.grad(scaled_of)(tv), tv)
@@ -159,7 +158,6 @@ def _jax_step(amp: Any, loss_fn: Loss, x: Any, y: Any, poison: bool) -> float:
 def _jax_pure_step(amp: Any, loss_fn: Loss) -> Callable[..., Any]:
     """The pure step ``(trainable, non-trainable, optimizer values, x, y, poison) -> (loss, new values...)``."""
     import jax
-    from keras.src.backend import StatelessScope
 
     model, opt = amp.model, amp.optimizer
 
@@ -167,7 +165,7 @@ def _jax_pure_step(amp: Any, loss_fn: Loss) -> Callable[..., Any]:
         def loss_of(tv: list) -> Any:
             out, new_ntv = model.stateless_call(tv, ntv, x, training=True)
             loss = loss_fn(out, y)
-            with StatelessScope(state_mapping=list(zip(opt.variables, ov, strict=True))):
+            with keras.StatelessScope(state_mapping=list(zip(opt.variables, ov, strict=True))):
                 scaled = amp.scale_loss(loss * _factor(poison))
             return scaled, (loss, new_ntv)
 
