@@ -55,7 +55,9 @@ from torch_gpu import _ms, _timed  # the shared CUDA-event / wall-clock timers
 
 PRESETS = {"tensorwise": "fp8_tensorwise", "rowwise": "fp8_rowwise"}
 # the two benches' models, by hidden size (hf_llama_gpu.config, fp8_gpu's defaults)
-MODELS = {2048: dict(inter=5632, layers=8, heads=16, kv=16), 4096: dict(inter=14336, layers=4, heads=32, kv=8)}
+MODELS = {2048: dict(inter=5632, layers=8, heads=16, kv=16), 4096: dict(inter=14336, layers=4, heads=32, kv=8),
+          # a family no other bench uses: GQA with a narrow KV (4 of 24 heads) and a wide MLP (issue 31)
+          3072: dict(inter=8192, layers=6, heads=24, kv=4)}
 SMOKE = dict(hidden=64, inter=128, layers=2, heads=4, kv=2, vocab=128, seq=32, batch=2)
 LOSS_TAIL = 50  # the final loss: the mean of the last 50 steps
 T0 = time.perf_counter()
@@ -113,8 +115,9 @@ def tune(recipe: str, base: nn.Module, batches: list, args: argparse.Namespace) 
         return _loss(model(input_ids=batch[0]).logits, batch[1])
 
     linears = sum(isinstance(m, nn.Linear) for m in base.modules())
+    speed = args.speed if args.speed in ("compiled", "eager", "gemm") else args.speed == "true"
     tuned = unimp.tune(base_policy(recipe, args.weights, args.keep_out), base, batches, loss_fn, target="fp8",
-                       speed=True, max_batches=len(batches), max_layers=max(64, linears),
+                       speed=speed, max_batches=len(batches), max_layers=max(64, linears),
                        max_loss_increase=args.max_loss_increase, min_speedup=args.min_speedup)
     rows = {r.path: r for r in tuned.sensitivity.rows}
     info = {"text": tuned.text, "kept": {k.layer.path: k.reason for k in tuned.kept},
@@ -196,6 +199,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tune-batches", type=int, default=2, help="batches unimp.tune measures on")
     ap.add_argument("--max-loss-increase", type=float, default=0.01, help="unimp.tune's max_loss_increase")
     ap.add_argument("--min-speedup", type=float, default=1.0, help="unimp.tune's min_speedup")
+    ap.add_argument("--speed", default="compiled", help="unimp.tune's speed: compiled (whole compiled steps decide), "
+                                                        "eager, gemm (the per-shape microbenchmark), false")
     ap.add_argument("--keep-out", default="", help="comma-separated module globs kept out of FP8 by an override "
                                                    "before tuning (default: none: tune decides every Linear)")
     ap.add_argument("--loss-steps", type=int, default=300, help="loss steps of bf16 and each tuned policy (0: skip)")

@@ -10,7 +10,16 @@ trained with ``model.train_on_batch`` (Keras' own jitted JAX train step, as ``fi
   while the model is built);
 - ``keras mixed_bfloat16 (A/A)``: a second build of the same, the control: its ratio to the first is the noise;
 - ``unimp mixed_bf16``: built in float32, then ``amp = unimp.apply("mixed_bf16", model, Adam)`` and compiled
-  with ``amp.optimizer`` (norms stay float32 by the preset's design: not the same dtypes as Keras' own).
+  with ``amp.optimizer`` (norms stay float32 by the preset's design: not the same dtypes as Keras' own);
+- ``keras twin``: Keras' own ``mixed_bfloat16`` given unimp's dtypes by hand — built under ``mixed_bfloat16``,
+  then ``layer.dtype_policy = "float32"`` on the layers ``mixed_bf16`` runs in float32 (the token embedding,
+  whose float32 output makes the residual stream float32; the decoder blocks, which carry that stream; every
+  RMSNorm; the attention softmax): ``unimp / twin`` is the mechanism's cost, ``twin / keras`` the preset's
+  dtype choice.
+
+``--hlo``: each peak subprocess also dumps XLA's optimised HLO of the train step (``--xla_dump_to``) and
+reports the op counts (converts, fusions, GEMM custom-calls) and XLA's buffer-assignment totals, per variant
+(the HLO diff against the twin).
 
 Time: all variants alive in one process, rounds in rotating order, ``--block`` steps per variant per round,
 median step ms (and the median of per-round ratios). Peak memory: each variant alone in a fresh subprocess
@@ -26,6 +35,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -33,7 +43,9 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 # the peak-memory subprocesses need the device while this process holds its models: no 75% preallocation
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-VARIANTS = ("keras mixed_bfloat16", "keras mixed_bfloat16 (A/A)", "unimp mixed_bf16")
+VARIANTS = ("keras mixed_bfloat16", "keras mixed_bfloat16 (A/A)", "unimp mixed_bf16", "keras twin")
+# the layers unimp's mixed_bf16 runs in float32 on a keras_hub Gemma (amp.report(); the twin sets them by hand)
+FLOAT32_LAYERS = ("ReversibleEmbedding", "GemmaDecoderBlock", "RMSNormalization", "Softmax", "GemmaBackbone")
 
 
 def config(smoke: bool) -> tuple[dict[str, int], int, int]:
@@ -66,6 +78,10 @@ def build(name: str, smoke: bool) -> Any:
         model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
     finally:
         keras.config.set_dtype_policy("float32")
+    if name == "keras twin":
+        for layer in [backbone, *backbone._flatten_layers(include_self=False, recursive=True)]:
+            if type(layer).__name__ in FLOAT32_LAYERS:
+                layer.dtype_policy = "float32"
     optimizer = keras.optimizers.Adam(1e-4)
     if name.startswith("unimp"):
         import unimp
@@ -131,10 +147,39 @@ def peak(name: str, smoke: bool, warmup: int) -> dict[str, Any]:
         step(model, x, y)
     stats = jax.devices()[0].memory_stats() or {}
     params = sum(v.value.nbytes for v in model.variables)
+    dtypes = {}
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        dtypes[type(layer).__name__] = sorted({*dtypes.get(type(layer).__name__, ()),
+                                               str(layer.dtype_policy.compute_dtype)})
+    hlo = hlo_stats(os.environ["HLO_DIR"]) if os.environ.get("HLO_DIR") else None
     if "peak_bytes_in_use" not in stats:
-        return {"peak_gib": None, "variables_gib": params / 2**30}
+        return {"peak_gib": None, "variables_gib": params / 2**30, "dtypes": dtypes, "hlo": hlo}
     return {"peak_gib": stats["peak_bytes_in_use"] / 2**30, "in_use_gib": stats["bytes_in_use"] / 2**30,
-            "variables_gib": params / 2**30}
+            "variables_gib": params / 2**30, "dtypes": dtypes, "hlo": hlo}
+
+
+def hlo_stats(folder: str) -> dict[str, Any]:
+    """Op counts of the largest optimised HLO module XLA dumped (the train step) and its buffer totals."""
+    import collections
+    import glob
+    import re
+
+    mods = sorted(glob.glob(os.path.join(folder, "*after_optimizations.txt")), key=os.path.getsize)
+    if not mods:
+        return {"error": f"no HLO dumped in {folder}"}
+    with open(mods[-1]) as f:
+        text = f.read()
+    ops = collections.Counter(re.findall(r"= [a-z0-9\[\],{}: ]*? ([a-z][a-z-]*)\(", text))
+    gemms = len(re.findall(r'custom_call_target="__cublas\$gemm|custom_call_target="__cublas\$lt', text))
+    converts_f32 = len(re.findall(r"= f32\[[^=]*? convert\(", text))
+    converts_bf16 = len(re.findall(r"= bf16\[[^=]*? convert\(", text))
+    out = {"module": os.path.basename(mods[-1]), "ops": dict(ops.most_common(12)), "gemm_custom_calls": gemms,
+           "converts_to_f32": converts_f32, "converts_to_bf16": converts_bf16}
+    ba = mods[-1].replace("after_optimizations.txt", "after_optimizations-buffer-assignment.txt")
+    if os.path.exists(ba):
+        with open(ba) as f:
+            out["buffer_assignment"] = [ln.strip() for ln in f if re.search(r"(?i)total|allocation:", ln)][:12]
+    return out
 
 
 def table(result: dict[str, Any]) -> str:
@@ -147,6 +192,9 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"| {n} | {ms[n]:.2f} | {ms[n] / base:.3f} | {rr[n]:.3f} | "
                      f"{'n/a' if pk is None else f'{pk:.2f}'} |")
     u, aa = ms["unimp mixed_bf16"] / base, ms["keras mixed_bfloat16 (A/A)"] / base
+    tw = ms["keras twin"]
+    lines.append(f"\nmechanism: unimp / keras twin (same dtypes) {ms['unimp mixed_bf16'] / tw:.3f}; dtype choice: "
+                 f"twin / keras mixed_bfloat16 {tw / base:.3f}")
     lines.append(f"\nunimp / native {u:.3f} with the A/A control beside it {aa:.3f} "
                  f"({result['device']}, {result['rounds']} rounds x {result['block']} steps)")
     return "\n".join(lines)
@@ -158,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--block", type=int, default=None, help="steps per variant per round")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    ap.add_argument("--hlo", action="store_true", help="dump and summarise each variant's optimised HLO")
     ap.add_argument("--peak", default=None, help=argparse.SUPPRESS)  # one variant's peak (subprocess)
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args(argv)
@@ -183,8 +232,12 @@ def main(argv: list[str] | None = None) -> None:
     mem: dict[str, Any] = {}
     if not args.no_memory:
         env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-        for n in VARIANTS:
+        for i, n in enumerate(VARIANTS):
             cmd = [sys.executable, __file__, "--peak", n] + (["--smoke"] if args.smoke else [])
+            if args.hlo:
+                folder = os.path.join(tempfile.gettempdir(), f"keras_hub_hlo{i}")
+                env = {**env, "HLO_DIR": folder, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +
+                                                                f" --xla_dump_to={folder} --xla_dump_hlo_as_text")}
             res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
             line = [ln for ln in res.stdout.splitlines() if ln.startswith("PEAK ")]
             mem[n] = json.loads(line[-1][5:]) if line else {"peak_gib": None, "error": res.stderr[-2000:]}

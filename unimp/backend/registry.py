@@ -11,13 +11,15 @@ no unimp backend accepts <class 'object'>
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 from unimp.backend import Amp, Backend
 from unimp.backend.applied import is_applied, release
 from unimp.backend.transaction import all_or_nothing
-from unimp.errors import UnsupportedError
+from unimp.errors import UnimpWarning, UnsupportedError
 from unimp.plan import Plan
+from unimp.policy import Policy
 from unimp.policy.loading import load
 
 GROUP = "unimp.backends"
@@ -103,6 +105,7 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
                         f"{chosen.model_types})")
     if plan is None:
         plan = chosen.compile(policy, model)
+        tuned_elsewhere(chosen, policy, model)
     # all or nothing: whatever apply changed before it failed is put back (unimp.backend.transaction)
     def bind() -> Amp:
         amp = chosen.apply(plan, model, optimizer, **options)
@@ -114,6 +117,19 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
         return amp
 
     return all_or_nothing(chosen.snapshot(model, optimizer, plan), bind)
+
+
+def tuned_elsewhere(backend: Backend, policy: Policy, model: Any) -> None:
+    """Warn when ``policy``'s speed decisions (``tuned_on``, from ``unimp tune``) were measured on another kind
+    of device than the one ``model`` is on."""
+    if not policy.tuned_on:
+        return
+    hooks = backend.tuning()
+    here = hooks.device_kind(model) if hasattr(hooks, "device_kind") else None
+    if here is not None and here != policy.tuned_on:
+        warnings.warn(f"{policy.source}: tuned_on = {policy.tuned_on!r}, but the model is on {here!r}: the tuned "
+                      f"policy's speed decisions (which layers run in FP8) were measured elsewhere; rerun unimp "
+                      f"tune on this device for decisions that hold here", UnimpWarning, stacklevel=3)
 
 
 def scope(policy: Any, *, backend: str = "keras") -> Any:

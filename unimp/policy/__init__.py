@@ -141,6 +141,7 @@ class Policy:
     distributed: Distributed
     overrides: tuple[Override, ...] = ()
     fp8: Fp8Spec = Fp8Spec()
+    tuned_on: str | None = None  # the device its speed decisions were measured on (unimp.tune); no fingerprint
     source: str = field(default="<dict>", compare=False)
 
     # ---------------------------------------------------------------- construction / export
@@ -158,7 +159,7 @@ class Policy:
             overrides=tuple(Override(**{k: tuple(v) if isinstance(v, list) else v for k, v in o.items()})
                             for o in d["overrides"]),
             fp8=Fp8Spec(**{k: tuple(v) if isinstance(v, list) else v for k, v in d["fp8"].items()}),
-            source=source,
+            tuned_on=d.get("tuned_on"), source=source,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -173,6 +174,7 @@ class Policy:
             "ops": table(self.ops), "loss_scale": table(self.loss_scale),
             "master_weights": table(self.master_weights), "layout": table(self.layout),
             "distributed": table(self.distributed), "overrides": overrides, "fp8": table(self.fp8),
+            **({"tuned_on": self.tuned_on} if self.tuned_on is not None else {}),
         }
 
     @property
@@ -180,6 +182,7 @@ class Policy:
         """Stable hash of everything that changes behaviour (not ``name``)."""
         d = self.to_dict()
         d.pop("name")
+        d.pop("tuned_on", None)
         if self.fp8 == Fp8Spec():  # policies without FP8 keep the fingerprint they had before [fp8] existed
             d.pop("fp8")
         if d["loss_scale"]["backoff"] == "multiply":  # policies keep the fingerprint they had before the knob

@@ -63,6 +63,9 @@ TOP: dict[str, Field] = {
                           "in the dtype its producing op ran in (torch.autocast, Keras 3, Paddle auto_cast)"),
     "on_unsupported": _enum(("error", "fallback"), "error",
                             "what to do when a backend cannot honour a request"),
+    "tuned_on": Field("str", None, "the device a tuned policy's speed decisions were measured on (`unimp tune` "
+                                   "writes it); applying it on another kind of device warns; not part of the "
+                                   "fingerprint"),
 }
 
 TABLES: dict[str, dict[str, Field]] = {

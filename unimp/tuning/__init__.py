@@ -64,7 +64,7 @@ def tune(policy: Any, model: Any, batches: Any, loss_fn: Callable[[Any, Any], An
     :class:`~unimp.tuning.tuner.Tuned` (``.policy``, ``.text``: the commented policy file, ``.write(path)``).
     At most ``log2(candidates) + 2`` runs more than :func:`sensitivity`.
     """
-    from unimp.tuning.study import Study, check_options
+    from unimp.tuning.study import Study, check_options, speed_mode
     from unimp.tuning.tuner import budget, choose
 
     limit, fastest = budget(max_loss_increase), budget(min_speedup, "min_speedup")
@@ -74,4 +74,4 @@ def tune(policy: Any, model: Any, batches: Any, loss_fn: Callable[[Any, Any], An
     study = Study(policy, model, batches, loss_fn, target=target, layers=layers, max_layers=max_layers,
                   max_batches=max_batches, backend=backend)
     table = study.measure(speed=speed, hessian_samples=hessian_samples, seed=seed)
-    return choose(study, table, limit, outputs, fastest)
+    return choose(study, table, limit, outputs, fastest, speed_mode(speed) if study.target == "fp8" else None)

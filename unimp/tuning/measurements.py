@@ -43,6 +43,20 @@ class Measurements(Protocol):
         grad-weight) in ``compute_dtype`` and in FP8 with ``recipe`` (casts and scaling included), on the
         device ``model`` is on; or why nothing can be measured there (a sentence)."""
 
+    def no_fp8_speed(self, model: Any) -> str | None:
+        """Why FP8 speed cannot be measured on the device ``model`` is on (a sentence), or None."""
+
+    def device_kind(self, model: Any) -> str:
+        """The kind of device ``model`` is on (a GPU's name, ``cpu``): where speed decisions hold."""
+
+    def fp8_candidate_sets(self, model: Any, paths: Sequence[str], recipe: str) -> dict[str, list[str]]:
+        """Named sets of the layers at ``paths`` to try in FP8 together (e.g. the framework's own filters)."""
+
+    def step_seconds(self, model: Any, policy: Any, loss_fn: Callable[[Any, Any], Any], batch: Any,
+                     compiled: bool) -> float:
+        """Seconds of one training step (forward and backward of ``loss_fn(model, batch)``) of a copy of ``model``
+        under ``policy``, compiled as the framework compiles when ``compiled``."""
+
     def hessian_traces(self, model: Any, loss_fn: Callable[[Any, Any], Any], batches: Sequence[Any],
                        paths: Sequence[str], samples: int, seed: int) -> dict[str, tuple[float, int]]:
         """Per layer at ``paths``: the Hutchinson estimate of the trace of the loss's Hessian with respect

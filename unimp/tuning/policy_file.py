@@ -76,7 +76,8 @@ def render(tuned: Policy, base: Policy, header: Sequence[str], added: Sequence[t
     lines = [_comment(h) for h in header]
     preset = preset_of(base)
     if preset is not None:
-        lines += [f"name = {_value(tuned.name)}", f"extends = {_value(preset)}", ""]
+        lines += [f"name = {_value(tuned.name)}", f"extends = {_value(preset)}",
+                  *([f"tuned_on = {_value(tuned.tuned_on)}"] if tuned.tuned_on else []), ""]
     else:
         body = {k: v for k, v in tuned.to_dict().items() if k != "overrides"}
         lines += [to_text(body, "toml").rstrip("\n"), ""]
@@ -92,7 +93,7 @@ def render(tuned: Policy, base: Policy, header: Sequence[str], added: Sequence[t
         again = load(parse_text(text, "toml"))
     except PolicyError as e:
         raise AssertionError(f"unimp bug: the tuned policy file does not load back ({e})") from None
-    if again.fingerprint != tuned.fingerprint:
+    if again.fingerprint != tuned.fingerprint or again.tuned_on != tuned.tuned_on:
         raise AssertionError(f"unimp bug: the tuned policy file loads as {again.fingerprint}, not the tuned "
                              f"{tuned.fingerprint}")
     return text

@@ -28,6 +28,7 @@ from unimp.backend.registry import detect, get_backend
 from unimp.dtypes import is_low, reference_tolerance
 from unimp.errors import TuneError, UnimpWarning, UnsupportedError
 from unimp.plan import Plan
+from unimp.policy import Policy
 from unimp.policy.loading import load
 from unimp.policy.spec import MAX_NAME, show
 from unimp.report import Report, RowTable, format_table
@@ -190,11 +191,13 @@ class Study:
     def run(self, policy: Any) -> Run:
         return self.evaluator.run(policy)
 
-    def measure(self, speed: bool = True, hessian_samples: int = 0, seed: int = 0) -> Sensitivity:
-        """One run per candidate (plus the options), the table sorted by divergence."""
+    def measure(self, speed: Any = True, hessian_samples: int = 0, seed: int = 0) -> Sensitivity:
+        """One run per candidate (plus the options), the table sorted by divergence. ``speed="gemm"``: each layer's
+        FP8 GEMM speed-up; ``"compiled"``/``"eager"``: the GEMM shapes only (whole steps decide: :meth:`step_time`)."""
         lowered_to = f"fp8 {self.recipe}" if self.target == "fp8" else self.target
         paths = [c.path for c in self.candidates]
-        shapes, speedups, note = self._speed(paths) if speed and self.target == "fp8" else ({}, {}, "")
+        mode = speed_mode(speed) if self.target == "fp8" else None
+        shapes, speedups, note = self._speed(paths, mode == "gemm") if mode else ({}, {}, "")
         traces = self._hessian(paths, hessian_samples, seed) if hessian_samples else {}
         rows = []
         for c in self.candidates:
@@ -210,21 +213,35 @@ class Study:
                            divergence(self.ref.losses, self.lowered.losses), self.lowered_output_divergence,
                            self.noise, tuple(rows), self.evaluator.runs, note)
 
-    def _speed(self, paths: Sequence[str]) -> tuple[dict[str, Shape], dict[str, float], str]:
-        """Each layer's GEMM shape and FP8 speed-up, or why they are not measured."""
+    def _speed(self, paths: Sequence[str], gemm: bool) -> tuple[dict[str, Shape], dict[str, float], str]:
+        """Each layer's GEMM shape and (``gemm``) FP8 GEMM speed-up, or why they are not measured."""
         hooks = self.evaluator.hooks
         shaper, timer = getattr(hooks, "gemm_shapes", None), getattr(hooks, "fp8_gemm_times", None)
-        if shaper is None or timer is None:
+        if shaper is None or (gemm and timer is None):
             return {}, {}, f"not measured (backend {self.backend.name} has no FP8 GEMM microbenchmark)"
         model, ev = self.evaluator.copy(), self.evaluator
         with ev.evaluating():
             shapes = shaper(model, paths, lambda: ev.loss_fn(model, ev.batches[0]))
+        if not gemm:
+            why = getattr(hooks, "no_fp8_speed", None)
+            return shapes, {}, (why(model) if why else None) or ""
         fp8 = self.plan.fp8
         assert fp8 is not None
         times = timer(model, sorted(set(shapes.values())), fp8.recipe, self.plan.compute_dtype, fp8.gradient_format)
         if isinstance(times, str):
             return shapes, {}, times
         return shapes, {p: times[s][0] / times[s][1] for p, s in shapes.items() if s in times}, ""
+
+    def step_time(self, policy: Policy, compiled: bool) -> float:
+        """Seconds of one training step (forward and backward of ``loss_fn`` on the first batch) under ``policy``,
+        compiled or eager, as the backend measures it on the model's device."""
+        ev = self.evaluator
+        return float(ev.hooks.step_seconds(ev.model, policy, ev.loss_fn, ev.batches[0], compiled))
+
+    def device_kind(self) -> str | None:
+        """The kind of device the model is on (speed decisions hold there), where the backend says."""
+        hook = getattr(self.evaluator.hooks, "device_kind", None)
+        return None if hook is None else str(hook(self.evaluator.model))
 
     def _hessian(self, paths: Sequence[str], samples: int, seed: int) -> dict[str, tuple[float, int]]:
         hook = getattr(self.evaluator.hooks, "hessian_traces", None)
@@ -235,10 +252,28 @@ class Study:
         return hook(ev.copy(), ev.loss_fn, ev.batches, paths, samples, seed)
 
 
+SPEED_MODES = ("compiled", "eager", "gemm")
+
+
+def speed_mode(speed: Any) -> str | None:
+    """``speed`` as a mode: ``"compiled"`` (True: whole training steps, compiled), ``"eager"``, ``"gemm"`` (the
+    FP8 GEMM microbenchmark per layer shape) or None (False: speed not measured).
+
+    >>> speed_mode(True), speed_mode("gemm"), speed_mode(False)
+    ('compiled', 'gemm', None)
+    """
+    if isinstance(speed, bool):
+        return "compiled" if speed else None
+    if speed not in SPEED_MODES:
+        raise TuneError(f"speed={show(speed)}: expected True (= \"compiled\"), \"compiled\" (whole training "
+                        f"steps, torch.compile'd: what decides FP8 speed when the user compiles), \"eager\", "
+                        f"\"gemm\" (the per-shape FP8 GEMM microbenchmark) or False")
+    return str(speed)
+
+
 def check_options(speed: Any, hessian_samples: Any, seed: Any) -> None:
     """The measurement options, checked before any run."""
-    if not isinstance(speed, bool):
-        raise TuneError(f"speed={show(speed)}: expected True or False")
+    speed_mode(speed)
     check_count("hessian_samples", hessian_samples, 0, MAX_HESSIAN_SAMPLES)
     check_count("seed", seed, 0)
 

@@ -28,6 +28,7 @@ from unimp.policy import Policy
 from unimp.policy.spec import MAX_ITEMS, show
 from unimp.tuning.evaluate import Run, change, divergence
 from unimp.tuning.policy_file import preset_of, render
+from unimp.tuning.speed import SpeedSearch
 from unimp.tuning.study import (
     LayerSensitivity,
     Sensitivity,
@@ -160,10 +161,13 @@ class _Search:
         return lo
 
 
-def choose(study: Study, table: Sensitivity, limit: float, outputs: float | None, fastest: float) -> Tuned:
+def choose(study: Study, table: Sensitivity, limit: float, outputs: float | None, fastest: float,
+           speed: str | None = None) -> Tuned:
     """The tuned policy from a study's table: the layers over the limits alone (and, for FP8, those slower than
     ``fastest``) kept high, then the longest least-sensitive-first set of the rest within the limits lowered.
-    ``outputs``: the per-layer output limit (None: what rounding explains, :attr:`Sensitivity.rounding`)."""
+    ``outputs``: the per-layer output limit (None: what rounding explains, :attr:`Sensitivity.rounding`).
+    ``speed`` ``"compiled"``/``"eager"`` (FP8): of that set, the layers in FP8 are those of the fastest whole
+    training step measured (:mod:`unimp.tuning.speed`); the rest stay in the compute dtype."""
     limits = Limits(limit, table.rounding if outputs is None else outputs)
     reasons: dict[str, str] = {}
     for r in table.rows:
@@ -180,7 +184,23 @@ def choose(study: Study, table: Sensitivity, limit: float, outputs: float | None
     for r in order[k:]:
         reasons[r.path] = (f"kept in {study.high}: within the limits alone, but lowered with the {k} less sensitive "
                            f"layers: {search.fails(k + 1)}")
-    run, final = search.run(k), search.policy(k)
+    steps: SpeedSearch | None = None
+    if study.target == "fp8" and speed in ("compiled", "eager") and k:
+        steps = _by_step(study, search, order[:k], table, speed == "compiled")
+        if steps is not None:
+            fast = steps.best()
+            won = steps.time("chosen", fast)
+            for r in order[:k]:
+                if r.path not in fast:
+                    reasons[r.path] = (f"kept in {study.high}: the {speed} training step is fastest with it in "
+                                       f"{study.high} ({_step_text(steps, fast, won)})")
+            keep = [search.by_path[p] for p in sorted(
+                [p for p in (r.path for r in table.rows) if p in reasons], key=search.rank.__getitem__)]
+            final = keeping(study.policy, study.target, keep, name=f"{study.policy.name[:200]}-tuned")
+            run = study.run(final)
+    if steps is None:
+        run, final = search.run(k), search.policy(k)
+        keep = search.kept(k)
     total = divergence(study.ref.losses, run.losses)
     table = replace(table, evaluations=study.evaluator.runs)
     kept = tuple(Kept(r, reasons[r.path]) for r in table.rows if r.path in reasons)
@@ -188,10 +208,47 @@ def choose(study: Study, table: Sensitivity, limit: float, outputs: float | None
     notes = {x.layer.path: f"{x.layer.path}: {x.reason}; {_measured(x.layer, study.target, study.high)}"
              for x in kept}
     added = [(o, [notes[c.path] for c in layers]) for o, layers in
-             keep_overrides(study.target, search.kept(k), MAX_ITEMS - len(study.policy.overrides))]
-    text = render(final, study.policy, _header(study, table, run, limits, len(kept)), added, _tail(study, lowered))
+             keep_overrides(study.target, keep, MAX_ITEMS - len(study.policy.overrides))]
+    header = _header(study, table, run, limits, len(kept)) + (_steps_header(study, steps, speed) if steps else [])
+    if steps is not None and study.device_kind():
+        final = final.replace(tuned_on=study.device_kind())
+    text = render(final, study.policy, header, added, _tail(study, lowered))
     return Tuned(final, text, table, kept, lowered, run.mean, change(study.ref.losses, run.losses), total,
                  run.output_divergence, limit, limits.outputs)
+
+
+def _by_step(study: Study, search: _Search, lowerable: Sequence[LayerSensitivity], table: Sensitivity,
+             compiled: bool) -> SpeedSearch | None:
+    """The step-time search over the layers the numerics allow in FP8 (None: the backend cannot time steps)."""
+    hooks = study.evaluator.hooks
+    if getattr(hooks, "step_seconds", None) is None:
+        return None
+    why = getattr(hooks, "no_fp8_speed", lambda model: None)(study.evaluator.model)
+    if why:
+        return None
+    paths = [r.path for r in lowerable]
+    high = [search.by_path[r.path] for r in table.rows if r.path not in set(paths)]
+    named_hook = getattr(hooks, "fp8_candidate_sets", None)
+    named = named_hook(study.evaluator.model, paths, study.recipe) if named_hook else {}
+
+    def timer(fp8: frozenset[str]) -> float:
+        kept = [*high, *(search.by_path[p] for p in paths if p not in fp8)]
+        return study.step_time(keeping(study.policy, study.target, kept, name="step"), compiled)
+
+    return SpeedSearch(paths, {r.path: r.shape for r in lowerable if r.shape}, timer, named)
+
+
+def _step_text(steps: SpeedSearch, fast: frozenset[str], won: float) -> str:
+    floor = next(t.seconds for t in steps.timed if not t.layers)
+    return (f"chosen set of {len(fast)} FP8 layers {won * 1e3:.3f} ms/step, no FP8 layer {floor * 1e3:.3f} ms/step; "
+            f"{len(steps.timed)} sets timed, noise {steps.noise:.1%}")
+
+
+def _steps_header(study: Study, steps: SpeedSearch, speed: str | None) -> list[str]:
+    device = study.device_kind() or "this device"
+    return [f"FP8 layers decided by the {speed} training step measured on {device} (forward + backward of loss_fn "
+            f"on batches[0]; a difference counts above the noise {steps.noise:.1%}, from an A/A pair); sets timed:",
+            *(f"  {t.name}: {len(t.layers)} FP8 layers, {t.seconds * 1e3:.3f} ms/step" for t in steps.timed)]
 
 
 def _header(study: Study, table: Sensitivity, run: Run, limits: Limits, kept: int) -> list[str]:

@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 import unimp
+from unimp.backend.applied import is_applied
 from unimp.cli import main
 from unimp.dtypes import FP8_FORMATS, reference_tolerance
+from unimp.errors import TuneError
 
 pytest.importorskip("torchao", reason="FP8 needs torchao: pip install 'unimp-torch[fp8]'")
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
@@ -173,3 +175,71 @@ def test_the_microbenchmarks_fp8_step_computes_the_three_gemms(recipe):
               reference_tolerance("bfloat16" if recipe == "rowwise_gw_hp" else grad, 3)]
     assert all(e <= b for e, b in zip(errors, bounds, strict=True)), (errors, bounds)
     assert [a.shape for a in got] == [(64, 48), (64, 32), (48, 32)] and all(a.dtype == torch.bfloat16 for a in got)
+
+
+# ---------------------------------------------------------------- speed decided by whole steps (issue 31)
+
+
+def _llama(layers: int = 4) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                        max_position_embeddings=16, use_cache=False))
+
+
+def _lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(input_ids=batch[:, :-1]).logits.flatten(0, 1).float(),
+                                       batch[:, 1:].flatten())
+
+
+def test_step_seconds_times_a_cut_copy_and_leaves_the_model_alone():
+    """The step timer runs the user's loss_fn forward and backward on a copy whose block stack is cut to two blocks;
+    the user's model keeps its four blocks, its weights and no gradients."""
+    from unimp_torch.tuning import STEP_BLOCKS, TorchTuning, _cut_stack
+
+    model = _llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    seconds = TorchTuning().step_seconds(model, "fp8_tensorwise", _lm_loss, batch, compiled=False)
+    assert seconds > 0 and len(model.model.layers) == 4 and not is_applied(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    cut = _llama()
+    _cut_stack(cut, STEP_BLOCKS)
+    assert len(cut.model.layers) == STEP_BLOCKS
+
+
+def test_torchao_filters_are_candidate_sets():
+    """torchao's own filters (its default and ``_auto_filter_for_recipe``) are what the search must beat."""
+    from torchao.float8 import _auto_filter_for_recipe
+
+    from unimp_torch.tuning import TorchTuning
+
+    model = _llama(2)
+    paths = [p for p, m in model.named_modules() if isinstance(m, nn.Linear)]
+    sets = TorchTuning().fp8_candidate_sets(model, paths, "tensorwise")
+    auto = _auto_filter_for_recipe("tensorwise", filter_fqns=["lm_head", "output"])
+    assert sets["torchao default filter"] == [p for p in paths if p != "lm_head"]
+    assert sets["torchao auto filter"] == [p for p in paths if auto(model.get_submodule(p), p)]
+
+
+def test_no_fp8_gemms_means_no_speed_decision_and_no_device_claim():
+    """On a CPU (FP8 emulated) the compiled-step search measures nothing: the file says so and claims no device."""
+    batch = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    tuned = unimp.tune("fp8_tensorwise", _llama(2), [batch], _lm_loss, speed="compiled", max_layers=64)
+    assert tuned.policy.tuned_on is None and "not measured (no FP8 GEMMs on this device: cpu)" in tuned.text
+    with pytest.raises(TuneError, match="speed=a string 'fast'"):
+        unimp.tune("fp8_tensorwise", _llama(2), [batch], _lm_loss, speed="fast")
+
+
+def test_a_policy_tuned_on_another_device_warns_when_applied():
+    model = _llama(2)
+    with pytest.warns(unimp.UnimpWarning, match="tuned_on = 'NVIDIA H100 80GB HBM3', but the model is on 'cpu'"):
+        unimp.apply(unimp.load("fp8_tensorwise").replace(tuned_on="NVIDIA H100 80GB HBM3"), model).remove()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        unimp.apply(unimp.load("fp8_tensorwise").replace(tuned_on="cpu"), model).remove()

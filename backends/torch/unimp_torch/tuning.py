@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from .fp8 import FP8_CUDA
 
 Shape = tuple[int, int, int]
 WARMUP, REPEATS = 3, 20
+STEP_REPEATS, STEP_BLOCKS = 15, 2  # timed training steps per candidate set; blocks of a cut stack
 MAX_KEPT = 1 << 22  # elements kept per recorded output (16 MiB in float32)
 
 
@@ -86,13 +88,10 @@ class TorchTuning:
     def fp8_gemm_times(self, model: nn.Module, shapes: Iterable[Shape], recipe: str, compute_dtype: str,
                        gradient_format: str) -> dict[Shape, tuple[float, float]] | str:
         """Per shape: seconds of one step's GEMMs in ``compute_dtype`` and in FP8 (median of ``REPEATS``)."""
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        if device.type != "cuda":
-            return f"not measured (no FP8 GEMMs on this device: {device.type})"
-        cc = torch.cuda.get_device_capability(device)
-        if cc < FP8_CUDA:
-            return (f"not measured (this GPU, {torch.cuda.get_device_name(device)}, compute capability "
-                    f"{cc[0]}.{cc[1]}, has no FP8 GEMMs: torch._scaled_mm needs {FP8_CUDA[0]}.{FP8_CUDA[1]}+)")
+        why = self.no_fp8_speed(model)
+        if why:
+            return why
+        device = next(p.device for p in model.parameters())
         high = getattr(torch, compute_dtype)
         grad = getattr(torch, dtypes.FP8_FORMATS[gradient_format])
         out = {}
@@ -103,6 +102,72 @@ class TorchTuning:
         except Exception as e:  # torch refuses this recipe/format/shape on this GPU: say so, decide nothing on it
             return f"not measured (torch._scaled_mm: {type(e).__name__}: {str(e).splitlines()[0][:200]})"
         return out
+
+    def no_fp8_speed(self, model: nn.Module) -> str | None:
+        """Why FP8 speed cannot be measured where ``model`` is (no FP8 GEMMs there: FP8 is emulated), or None."""
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if device.type != "cuda":
+            return f"not measured (no FP8 GEMMs on this device: {device.type})"
+        cc = torch.cuda.get_device_capability(device)
+        if cc < FP8_CUDA:
+            return (f"not measured (this GPU, {torch.cuda.get_device_name(device)}, compute capability "
+                    f"{cc[0]}.{cc[1]}, has no FP8 GEMMs: torch._scaled_mm needs {FP8_CUDA[0]}.{FP8_CUDA[1]}+)")
+        return None
+
+    def device_kind(self, model: nn.Module) -> str:
+        """The kind of device ``model`` is on, as speed decisions are tied to it: the GPU's name, or ``cpu``."""
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+    def fp8_candidate_sets(self, model: nn.Module, paths: Sequence[str], recipe: str) -> dict[str, list[str]]:
+        """torchao's own layer filters as candidate FP8 sets (where torchao imports): its default (every
+        ``nn.Linear`` but ``lm_head``/``output``, as torchtitan's ``filter_fqns``) and ``_auto_filter_for_recipe``
+        (what torchtitan's ``auto_filter_small_kn`` calls), each restricted to ``paths``."""
+        linears = {p: m for p, m in model.named_modules() if p in set(paths) and isinstance(m, nn.Linear)}
+        keep_out = ("lm_head", "output")
+        sets = {"torchao default filter": [p for p, m in linears.items() if not any(k in p for k in keep_out)
+                                           and m.in_features % 16 == 0 and m.out_features % 16 == 0]}
+        try:
+            from torchao.float8 import _auto_filter_for_recipe
+
+            auto = _auto_filter_for_recipe(recipe, filter_fqns=list(keep_out))
+            sets["torchao auto filter"] = [p for p, m in linears.items() if auto(m, p)]
+        except Exception:  # torchao absent or without this recipe: its default's rule above still stands
+            pass
+        return sets
+
+    def step_seconds(self, model: nn.Module, policy: Any, loss_fn: Callable[[Any, Any], Any], batch: Any,
+                     compiled: bool) -> float:
+        """Median seconds of one training step — ``amp.backward(loss_fn(model, batch))`` — of a copy of ``model``
+        under ``policy``, ``torch.compile``d (inductor) when ``compiled``, on ``model``'s device.
+
+        A stack of three or more identical blocks (an ``nn.ModuleList`` of one class: a transformer's layers) is
+        cut to its first ``STEP_BLOCKS`` in the copy: a block's kernels and fusions do not depend on how many
+        blocks follow, so the sets rank alike, at a fraction of the compile time."""
+        import copy
+
+        from unimp.spi import apply
+
+        torch._dynamo.reset()  # one compile per set: dynamo's per-code cache would fill up and fall back to eager
+        m = copy.deepcopy(model)
+        _cut_stack(m, STEP_BLOCKS)
+        amp = apply(policy, m)
+        run = torch.compile(amp.model) if compiled else amp.model
+        params = [p for p in m.parameters() if p.requires_grad]
+        device = next((p.device for p in params), torch.device("cpu"))
+
+        def step() -> None:
+            amp.backward(loss_fn(run, batch))
+            for p in params:
+                p.grad = None
+
+        try:
+            for _ in range(WARMUP):
+                step()
+            return statistics.median(_step_time(step, device) for _ in range(STEP_REPEATS))
+        finally:
+            amp.remove()
+            torch._dynamo.reset()
 
     def hessian_traces(self, model: nn.Module, loss_fn: Callable[[Any, Any], Any], batches: Sequence[Any],
                        paths: Sequence[str], samples: int, seed: int) -> dict[str, tuple[float, int]]:
@@ -212,3 +277,26 @@ def _seconds(step: Callable[..., Any], shape: Shape, dtype: torch.dtype, device:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1000)
     return statistics.median(times)
+
+
+def _cut_stack(model: nn.Module, keep: int) -> None:
+    """Cut the longest ``nn.ModuleList`` of three or more same-class modules to its first ``keep``."""
+    stacks = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > keep
+              and len(m) >= 3 and len({type(c) for c in m}) == 1]
+    if stacks:
+        stack = max((m for _, m in stacks), key=len)
+        del stack[keep:]
+
+
+def _step_time(step: Callable[[], None], device: torch.device) -> float:
+    """Seconds of one ``step()`` (CUDA events on a GPU, the wall clock elsewhere)."""
+    if device.type != "cuda":
+        t = time.perf_counter()
+        step()
+        return time.perf_counter() - t
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000
