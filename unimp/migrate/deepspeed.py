@@ -33,7 +33,7 @@ are listed as ignored. Unknown keys inside ``fp16`` / ``bf16`` are errors.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from unimp.migrate.common import (
@@ -160,9 +160,10 @@ def _accelerate_adds(cfg: dict[str, Any], mp: str, source: str) -> None:
 
 
 def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config",
-                  assume: Mapping[str, Any] | None = None) -> Imported:
+                  assume: Mapping[str, Any] | None = None, model: Callable[[Draft], None] | None = None) -> Imported:
     """The policy a DeepSpeed engine built from ``config`` trains with (``assume``: HF Trainer
-    arguments that ``"auto"`` values resolve from, e.g. ``{"bf16": True}``)."""
+    arguments that ``"auto"`` values resolve from, e.g. ``{"bf16": True}``; ``model``: what the
+    model code run under the engine adds, e.g. Megatron's float32 loss, applied to the draft)."""
     if not isinstance(config, Mapping):
         raise bad(source, "", "expected a JSON object (the DeepSpeed config)")
     config = resolve_auto(config, trainer_args(assume, source), source)
@@ -248,6 +249,8 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
     if isinstance(zero, Mapping):  # offload, buckets, prefetch...: where and when, not in which dtype
         d.ignored.extend(f"zero_optimization.{k}" for k in zero if k != "stage")
     d.ignored.extend(k for k in config if k not in PRECISION)
+    if model is not None:
+        model(d)
     return d.build()
 
 
