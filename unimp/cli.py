@@ -88,8 +88,11 @@ def _fp8_summary(plan: Any) -> str:
             f" (dims % {f.dims_multiple})")
 
 
-def _read_source(text: str) -> tuple[object, str]:
-    """A config file's parsed content (JSON/TOML/YAML) or its text, or ``text`` itself (a pasted string)."""
+def _read_source(text: str, system: str | None = None) -> tuple[object, str]:
+    """A config file's parsed content (JSON/TOML/YAML; YAML merge keys read) or its text, or ``text``
+    itself (a pasted string); a ``.json`` file of a system that reads hjson (DeepSpeed) as its text,
+    which that system's importer parses as the system does."""
+    from unimp.migrate import HJSON
     import os
     import stat
     from pathlib import Path
@@ -110,8 +113,8 @@ def _read_source(text: str) -> tuple[object, str]:
         if path is not None and not any(c.isspace() for c in text) and path.suffix.lower() in FORMATS:
             raise PolicyError(f"{path}: no such file (pass an existing file, or the configuration itself)")
         return text, "<argument>"
-    if path.suffix.lower() in FORMATS:
-        return read_file(path), str(path)
+    if path.suffix.lower() in FORMATS and not (system in HJSON and path.suffix.lower() == ".json"):
+        return read_file(path, merge_keys=True), str(path)
     try:  # non-blocking open + fstat: a pipe or device swapped in after the check cannot hang the read
         with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
@@ -134,7 +137,7 @@ def _import(args: argparse.Namespace) -> int:
     if not args.source.strip():  # an unset shell variable, not "the system's defaults"
         raise PolicyError(f"<argument>: empty configuration for --from {args.system}; pass a file or the "
                           f"configuration string (`unimp import --help`)")
-    raw, source = _read_source(args.source)
+    raw, source = _read_source(args.source, args.system)
     imported = import_from(args.system, raw, source, _assume(args.assume))
     if args.output:
         _write(args.output, checked(imported).text)

@@ -37,6 +37,7 @@ def module(system: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{SYSTEMS[system]}")
 
 
+HJSON = ("deepspeed",)  # systems that read their JSON as hjson (comments allowed): given its text, not parsed JSON
 ASSUMES = ("deepspeed",)  # systems whose "auto" values resolve from assumed run arguments (HF Trainer)
 
 

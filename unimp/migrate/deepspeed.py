@@ -46,6 +46,7 @@ from unimp.migrate.common import (
     flag,
     has_knob,
     number,
+    plain,
     power_of_two,
     refuse,
     relabel,
@@ -377,10 +378,34 @@ def export_policy(policy: Policy) -> Exported:
     return Exported(out.system, out.config, out.text, out.unexpressed + tuple(notes))
 
 
+def read_config(text: str, source: str) -> Any:
+    """A DeepSpeed config's text as DeepSpeed reads it (runtime/config.py ``DeepSpeedConfig.__init__``:
+    ``hjson.load(..., object_pairs_hook=dict_raise_error_on_duplicate_keys)``): JSON plus ``//``, ``#``
+    and ``/* */`` comments, duplicate keys refused.
+
+    >>> read_config('{"fp16": {"enabled": true}  // fp16 run\n}', "ds.json")
+    {'fp16': {'enabled': True}}
+    """
+    import hjson
+
+    def table(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise bad(source, key, "given twice in one table (DeepSpeed refuses duplicate keys: "
+                                       "dict_raise_error_on_duplicate_keys); keep one")
+            out[key] = value
+        return out
+
+    try:
+        return hjson.loads(text, object_pairs_hook=table)
+    except hjson.HjsonDecodeError as e:
+        raise bad(source, "", f"not a DeepSpeed config (DeepSpeed reads JSON with comments, hjson: {e})") from None
+    except RecursionError:
+        raise bad(source, "", "nested too deeply; a DeepSpeed config is a few levels deep") from None
+
+
 def from_cli(raw: Any, source: str, assume: Mapping[str, Any] | None = None) -> Imported:
     if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except ValueError as e:
-            raise bad(source, "", f"not a DeepSpeed JSON config ({e})") from None
+        raw = plain(read_config(raw, source), source)
     return import_policy(raw, source=source, assume=assume)
