@@ -204,8 +204,17 @@ def _write(output: str, text: str) -> None:
 def _export(args: argparse.Namespace) -> int:
     from unimp.migrate import export_to
 
-    exported = export_to(args.system, load(args.policy), strict=args.strict)
+    into = None
+    if args.into is not None:
+        into, _ = _read_source(args.into, args.system)
+        if not args.into.strip() or isinstance(into, str) and into == args.into:
+            raise PolicyError(f"<argument>: --into {printable(args.into[:200])}: no such file (name the "
+                              f"{args.system} configuration file to merge into)")
+    exported = export_to(args.system, load(args.policy), strict=args.strict, into=into,
+                         into_source=args.into or "<argument>: --into")
     print(exported.text, end="")
+    for line in exported.changed:
+        _say(f"changed in {printable(args.into)}: {printable(line)}", file=sys.stderr)
     for line in exported.unexpressed:
         _say(f"not expressed: {line}", file=sys.stderr)
     return 0
@@ -331,6 +340,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("policy")
     p.add_argument("--to", dest="system", required=True, metavar="SYSTEM", help=", ".join(SYSTEMS))
     p.add_argument("--strict", action="store_true", help="fail when the system cannot express a key")
+    p.add_argument("--into", metavar="FILE", help="your own config file: print it with only its precision keys "
+                                                  "changed (every other key kept as it is)")
     p.set_defaults(run=_export)
     p = sub.add_parser("tune", help="a policy file keeping the layers sensitive to lowering high (measured)",
                        description="Run SCRIPT.py's factory() -> (model, batches, loss_fn), measure each layer the "

@@ -79,6 +79,7 @@ class Exported:
     config: Any
     text: str
     unexpressed: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()  # with ``into``: the top-level keys of the user's file the export changed
 
     def strict(self) -> Exported:
         """``self``, or :class:`UnsupportedError` listing what the system cannot express."""
@@ -683,6 +684,36 @@ def finish(system: str, policy: Policy, config: Any, text: str,
         warnings.simplefilter("ignore", UnimpWarning)
         native = reimport(config).policy
     return Exported(system, config, text, unexpressed(policy, native, system))
+
+
+def merge_into(original: Mapping[str, Any], config: Mapping[str, Any],
+               owned: tuple[str, ...]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``original`` (the user's own config file) with only its precision keys (``owned``) taken from
+    ``config`` (the export): a section both hold is updated key by key (its other keys kept), an owned
+    key the export lacks is removed, every other key is kept verbatim and in place. Returns the merged
+    config and one line per top-level key changed.
+
+    >>> merge_into({"fp16": {"enabled": True, "auto_cast": False}, "zero_optimization": {"stage": 3}},
+    ...            {"bf16": {"enabled": True}}, ("fp16", "bf16"))
+    ({'zero_optimization': {'stage': 3}, 'bf16': {'enabled': True}}, ('fp16 (removed)', 'bf16 (added)'))
+    """
+    out: dict[str, Any] = {}
+    changed: list[str] = []
+    for key, value in original.items():
+        if key not in owned:
+            out[key] = value
+        elif key in config:
+            new = config[key]
+            out[key] = {**value, **new} if isinstance(value, Mapping) and isinstance(new, Mapping) else new
+            if out[key] != value:
+                changed.append(key)
+        else:
+            changed.append(f"{key} (removed)")
+    for key, value in config.items():
+        if key not in original:
+            out[key] = value
+            changed.append(f"{key} (added)")
+    return out, tuple(changed)
 
 
 def power_of_two(x: float) -> int | None:

@@ -45,6 +45,7 @@ from unimp.migrate.common import (
     finish,
     flag,
     has_knob,
+    merge_into,
     number,
     plain,
     power_of_two,
@@ -341,17 +342,25 @@ def _fp16(fp16: Mapping[str, Any], stage: int, source: str) -> Draft:
     return d
 
 
-def export_policy(policy: Policy) -> Exported:
+OWNED = ("fp16", "bf16", "bfloat16", "amp", "torch_autocast", "communication_data_type")  # what export writes
+
+
+def export_policy(policy: Policy, into: Mapping[str, Any] | None = None) -> Exported:
     """A DeepSpeed config (``fp16``/``bf16``, ``zero_optimization.stage``, ``communication_data_type``).
 
-    The policy holds no ZeRO stage: a policy with the ZeRO optimizers' loss scaler is written with
-    ``"zero_optimization": {"stage": 1}`` (the lowest stage that runs it) and that is listed as not
-    expressed, so ``--strict`` fails until the user names the stage their run uses.
+    ``into``: the user's own config, of which only the precision keys (``OWNED``) change; every other
+    key (``zero_optimization`` with its stage, batch sizes, optimizer...) is kept verbatim, and what
+    re-importing the merged config does not give back is listed as not expressed.
+
+    Without ``into`` the policy holds no ZeRO stage: a policy with the ZeRO optimizers' loss scaler
+    is written with ``"zero_optimization": {"stage": 1}`` (the lowest stage that runs it) and that is
+    listed as not expressed, so ``--strict`` fails until the user names the stage (or passes ``into``).
     """
     cfg: dict[str, Any] = {}
     notes: list[str] = []
     ls = policy.loss_scale
     low = policy.compute_dtype if policy.compute_dtype in LOW else None
+    zero = False
     if policy.compute_dtype == "float16":
         sec: dict[str, Any] = {"enabled": True}
         if ls.mode == "static":
@@ -363,19 +372,31 @@ def export_policy(policy: Policy) -> Exported:
             zero = ls.hysteresis > 1 or ls.at_min == "error"
             if zero:
                 sec.update(hysteresis=ls.hysteresis, consecutive_hysteresis="finite" in ls.hysteresis_refill)
-                cfg["zero_optimization"] = {"stage": 1}
-                notes.append("zero_optimization.stage = 1: the policy holds no ZeRO stage (partitioning is not a "
-                             "precision setting); 1 is the lowest stage whose optimizer runs this loss scaler "
-                             "(DynamicLossScaler): set the stage your run uses (1, 2 or 3 give the same numerics)")
-        cfg = {"fp16": sec, **cfg}
+        cfg["fp16"] = sec
     elif policy.compute_dtype == "bfloat16":
         cfg["bf16"] = {"enabled": True, **({"check_grad_overflow": True} if ls.skip_nonfinite else {})}
     else:
         cfg["fp16"] = {"enabled": False}  # float32: an explicit setting (an empty config is refused on import)
     if low is not None and policy.distributed.reduce_dtype != low:
         cfg["communication_data_type"] = {"float32": "fp32", **LOW}[policy.distributed.reduce_dtype]
+    changed: tuple[str, ...] = ()
+    if into is not None:
+        cfg, changed = merge_into(into, cfg, OWNED)
+        given = into.get("zero_optimization")
+        if zero and _stage(into, "--into") == 0:  # the loss scaler needs a ZeRO optimizer: the lowest stage
+            cfg["zero_optimization"] = {**(given if isinstance(given, Mapping) else {}), "stage": 1}
+            changed += ("zero_optimization.stage (set to 1)",)
+            notes.append("zero_optimization.stage = 0 in --into: the policy's loss scaler (hysteresis, raise at the "
+                         "minimum) is the ZeRO optimizers' DynamicLossScaler, so the stage was set to 1 (the lowest "
+                         "that runs it); a partitioning change is yours to make: set the stage in your file")
+    elif zero:
+        cfg["zero_optimization"] = {"stage": 1}
+        notes.append("zero_optimization.stage = 1: the policy holds no ZeRO stage (partitioning is not a "
+                     "precision setting); 1 is the lowest stage whose optimizer runs this loss scaler "
+                     "(DynamicLossScaler): set the stage your run uses (1, 2 or 3 give the same numerics), or "
+                     "export --into your config to keep its own")
     out = finish(SYSTEM, policy, cfg, json.dumps(cfg, indent=2) + "\n", import_policy)
-    return Exported(out.system, out.config, out.text, out.unexpressed + tuple(notes))
+    return Exported(out.system, out.config, out.text, out.unexpressed + tuple(notes), changed)
 
 
 def read_config(text: str, source: str) -> Any:
@@ -397,6 +418,12 @@ def read_config(text: str, source: str) -> Any:
             out[key] = value
         return out
 
+    try:  # plain JSON first: its numbers as written (hjson reads 1.0 as 1), kept so by export --into
+        return json.loads(text, object_pairs_hook=table)
+    except ValueError:
+        pass
+    except RecursionError:
+        raise bad(source, "", "nested too deeply; a DeepSpeed config is a few levels deep") from None
     try:
         return hjson.loads(text, object_pairs_hook=table)
     except hjson.HjsonDecodeError as e:
