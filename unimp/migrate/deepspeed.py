@@ -404,7 +404,7 @@ def read_config(text: str, source: str) -> Any:
     ``hjson.load(..., object_pairs_hook=dict_raise_error_on_duplicate_keys)``): JSON plus ``//``, ``#``
     and ``/* */`` comments, duplicate keys refused.
 
-    >>> read_config('{"fp16": {"enabled": true}  // fp16 run\n}', "ds.json")
+    >>> read_config('{"fp16": {"enabled": true}  /* an fp16 run */ }', "ds.json")
     {'fp16': {'enabled': True}}
     """
     import hjson
