@@ -77,8 +77,12 @@ def import_policy(config: Mapping[str, Any], *, source: str = "neox config") -> 
                                        "none sets it; import the file that sets the precision, or add "
                                        "precision: \"fp32\" to import float32")
     notes: list[str] = []
-    ds = {k: v for k, v in cfg.items() if k not in (*OWN, "fp16", "bf16")}
+    spelled = {k.replace("-", "_"): k for k in config}  # other keys listed as the file spells them
+    ds = {(k if k in deepspeed.PRECISION else spelled[k]): v for k, v in cfg.items() if k not in (*OWN, "fp16", "bf16")}
     ds.update(extra)
+    if "deepspeed_extra_args" in cfg:
+        notes.append(f"{spelled['deepspeed_extra_args']}: its keys are handed to DeepSpeed as they are (read above: "
+                     f"{', '.join(extra) or 'none'})")
     if precision == "fp16":
         ds["fp16"] = _read(blocks["fp16"] or {"enabled": True}, "fp16", notes, source) | {"enabled": True}
     elif precision == "bfloat16":
@@ -103,6 +107,9 @@ def import_policy(config: Mapping[str, Any], *, source: str = "neox config") -> 
                                                    "in fp16 only support in fp16 mode', arguments.py validate_values)")
     softmax = flag(source, "attention_softmax_in_fp32", cfg.get("attention_softmax_in_fp32", False))
     scaling = flag(source, "apply_query_key_layer_scaling", cfg.get("apply_query_key_layer_scaling", False))
+    for key, on in (("attention_softmax_in_fp32", softmax), ("apply_query_key_layer_scaling", scaling)):
+        if key in cfg and not on:
+            notes.append(f"{spelled[key]}: false (the attention softmax in the model dtype unless the other is set)")
     if flag(source, "fp32_allreduce", cfg.get("fp32_allreduce", False)):
         notes.append("fp32_allreduce: the tensor-parallel all-reduces run in float32 (megatron/mpu/mappings.py "
                      "_reduce); the data-parallel gradient reduce is DeepSpeed's (above), which DeeperSpeed does not "
