@@ -92,11 +92,11 @@ def _read_source(text: str, system: str | None = None) -> tuple[object, str]:
     """A config file's parsed content (JSON/TOML/YAML; YAML merge keys read) or its text, or ``text``
     itself (a pasted string); a ``.json`` file of a system that reads hjson (DeepSpeed) as its text,
     which that system's importer parses as the system does."""
-    from unimp.migrate import HJSON
     import os
     import stat
     from pathlib import Path
 
+    from unimp.migrate import HJSON
     from unimp.policy.resolve import FORMATS, MAX_FILE_BYTES, read_file
 
     path = Path(text) if text.strip() and len(text) < 4096 and "\n" not in text else None
@@ -207,7 +207,7 @@ def _export(args: argparse.Namespace) -> int:
     into = None
     if args.into is not None:
         into, _ = _read_source(args.into, args.system)
-        if not args.into.strip() or isinstance(into, str) and into == args.into:
+        if not args.into.strip() or (isinstance(into, str) and into == args.into):
             raise PolicyError(f"<argument>: --into {printable(args.into[:200])}: no such file (name the "
                               f"{args.system} configuration file to merge into)")
     exported = export_to(args.system, load(args.policy), strict=args.strict, into=into,

@@ -395,7 +395,10 @@ def _script(tree: ast.Module, text: str, known: Any) -> list[str] | None:
     ``Call(...)``), in source order; None when ``text`` is not a script (only simple statements, each a
     known call, an import or ``k=v``) or holds no known call. A call named like a known one
     (``GradScalar``) is kept, so its unknown name is reported, never skipped."""
-    from unimp.policy.ops import suggest
+    import difflib
+
+    def typo(name: str) -> bool:  # GradScalar for GradScaler (set_global_policy is not global_policy)
+        return bool(difflib.get_close_matches(name, list(known), n=1, cutoff=0.9))
 
     def last(node: ast.Call) -> str:
         return _dotted(node.func).rpartition(".")[2]
@@ -413,7 +416,7 @@ def _script(tree: ast.Module, text: str, known: Any) -> list[str] | None:
             parent[id(child)] = node
     found: list[tuple[int, int, str]] = []
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Call) or not (last(node) in known or suggest(last(node), list(known))):
+        if not isinstance(node, ast.Call) or not (last(node) in known or typo(last(node))):
             continue
         up, inside = parent.get(id(node)), False
         while up is not None and not inside:  # a call inside a known call is its argument

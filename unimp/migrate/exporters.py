@@ -25,4 +25,5 @@ from unimp.migrate.neox import export_policy as neox
 from unimp.migrate.paddle import export_policy as paddle
 from unimp.migrate.torch import export_policy as torch
 
-__all__ = ["accelerate", "apex", "deepspeed", "flax", "jmp", "keras", "lightning", "megatron", "neox", "paddle", "torch"]
+__all__ = ["accelerate", "apex", "deepspeed", "flax", "jmp", "keras", "lightning", "megatron", "neox", "paddle",
+           "torch"]

@@ -124,8 +124,8 @@ def import_policy(config: Mapping[str, Any], *, source: str = "neox config") -> 
             _move(d, "loss", "float32", "fp16_lm_cross_entropy false (NeoX default): gpt2_model.py cross_entropy "
                                         "computes vocab_parallel_cross_entropy(output.float(), labels)")
         if softmax or scaling:
-            _move(d, "softmax", "float32", f"{'attention_softmax_in_fp32' if softmax else 'apply_query_key_layer_scaling'}"
-                                           f": FusedScaleMaskSoftmax(softmax_in_fp32=True) (transformer.py)")
+            key = "attention_softmax_in_fp32" if softmax else "apply_query_key_layer_scaling"
+            _move(d, "softmax", "float32", f"{key}: FusedScaleMaskSoftmax(softmax_in_fp32=True) (transformer.py)")
 
     imp = deepspeed.import_policy(ds, source=source, model=model)
     why = {"fp16": "precision fp16: the DeepSpeed fp16 block", "bfloat16": "precision bfloat16: DeepSpeed bf16",
