@@ -88,12 +88,15 @@ def _fp8_summary(plan: Any) -> str:
             f" (dims % {f.dims_multiple})")
 
 
-def _read_source(text: str) -> tuple[object, str]:
-    """A config file's parsed content (JSON/TOML/YAML) or its text, or ``text`` itself (a pasted string)."""
+def _read_source(text: str, system: str | None = None) -> tuple[object, str]:
+    """A config file's parsed content (JSON/TOML/YAML; YAML merge keys read) or its text, or ``text``
+    itself (a pasted string); a ``.json`` file of a system that reads hjson (DeepSpeed) as its text,
+    which that system's importer parses as the system does."""
     import os
     import stat
     from pathlib import Path
 
+    from unimp.migrate import HJSON
     from unimp.policy.resolve import FORMATS, MAX_FILE_BYTES, read_file
 
     path = Path(text) if text.strip() and len(text) < 4096 and "\n" not in text else None
@@ -110,8 +113,8 @@ def _read_source(text: str) -> tuple[object, str]:
         if path is not None and not any(c.isspace() for c in text) and path.suffix.lower() in FORMATS:
             raise PolicyError(f"{path}: no such file (pass an existing file, or the configuration itself)")
         return text, "<argument>"
-    if path.suffix.lower() in FORMATS:
-        return read_file(path), str(path)
+    if path.suffix.lower() in FORMATS and not (system in HJSON and path.suffix.lower() == ".json"):
+        return read_file(path, merge_keys=True), str(path)
     try:  # non-blocking open + fstat: a pipe or device swapped in after the check cannot hang the read
         with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
@@ -134,7 +137,7 @@ def _import(args: argparse.Namespace) -> int:
     if not args.source.strip():  # an unset shell variable, not "the system's defaults"
         raise PolicyError(f"<argument>: empty configuration for --from {args.system}; pass a file or the "
                           f"configuration string (`unimp import --help`)")
-    raw, source = _read_source(args.source)
+    raw, source = _read_source(args.source, args.system)
     imported = import_from(args.system, raw, source, _assume(args.assume))
     if args.output:
         _write(args.output, checked(imported).text)
@@ -201,8 +204,17 @@ def _write(output: str, text: str) -> None:
 def _export(args: argparse.Namespace) -> int:
     from unimp.migrate import export_to
 
-    exported = export_to(args.system, load(args.policy), strict=args.strict)
+    into = None
+    if args.into is not None:
+        into, _ = _read_source(args.into, args.system)
+        if not args.into.strip() or (isinstance(into, str) and into == args.into):
+            raise PolicyError(f"<argument>: --into {printable(args.into[:200])}: no such file (name the "
+                              f"{args.system} configuration file to merge into)")
+    exported = export_to(args.system, load(args.policy), strict=args.strict, into=into,
+                         into_source=args.into or "<argument>: --into")
     print(exported.text, end="")
+    for line in exported.changed:
+        _say(f"changed in {printable(args.into)}: {printable(line)}", file=sys.stderr)
     for line in exported.unexpressed:
         _say(f"not expressed: {line}", file=sys.stderr)
     return 0
@@ -328,6 +340,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("policy")
     p.add_argument("--to", dest="system", required=True, metavar="SYSTEM", help=", ".join(SYSTEMS))
     p.add_argument("--strict", action="store_true", help="fail when the system cannot express a key")
+    p.add_argument("--into", metavar="FILE", help="your own config file: print it with only its precision keys "
+                                                  "changed (every other key kept as it is)")
     p.set_defaults(run=_export)
     p = sub.add_parser("tune", help="a policy file keeping the layers sensitive to lowering high (measured)",
                        description="Run SCRIPT.py's factory() -> (model, batches, loss_fn), measure each layer the "

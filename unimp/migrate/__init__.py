@@ -24,7 +24,7 @@ from unimp.policy.spec import show
 SYSTEMS: dict[str, str] = {
     "deepspeed": "deepspeed", "apex": "apex", "accelerate": "accelerate", "lightning": "lightning",
     "keras": "keras", "tf_keras": "keras", "torch": "torch", "paddle": "paddle", "jmp": "jmp",
-    "flax": "flax", "megatron": "megatron",
+    "flax": "flax", "megatron": "megatron", "neox": "neox",
 }
 
 
@@ -37,6 +37,7 @@ def module(system: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{SYSTEMS[system]}")
 
 
+HJSON = ("deepspeed",)  # systems that read their JSON as hjson (comments allowed): given its text, not parsed JSON
 ASSUMES = ("deepspeed",)  # systems whose "auto" values resolve from assumed run arguments (HF Trainer)
 
 
@@ -69,13 +70,34 @@ def import_from(system: str, raw: Any, source: str | None = None, assume: dict[s
     return checked(mod.from_cli(raw, src, **extra))
 
 
-def export_to(system: str, policy: Any, strict: bool = False) -> Exported:
-    """``policy`` (anything :func:`unimp.load` takes) as ``system``'s configuration."""
+def export_to(system: str, policy: Any, strict: bool = False, into: Any = None,
+              into_source: str = "<argument>: --into") -> Exported:
+    """``policy`` (anything :func:`unimp.load` takes) as ``system``'s configuration; ``into``: the
+    user's own configuration (a parsed file, or its text), of which only the precision keys change.
+
+    >>> out = export_to("deepspeed", "deepspeed_bf16", into={"bf16": {"enabled": False},
+    ...                 "zero_optimization": {"stage": 3}, "train_batch_size": 8})
+    >>> out.config
+    {'bf16': {'enabled': True}, 'zero_optimization': {'stage': 3}, 'train_batch_size': 8}
+    """
+    from unimp.migrate.common import bad, plain
     from unimp.policy.loading import load
 
     mod = module(system)
     p = load(policy)
-    out = mod.export_policy(p, tf_keras=True) if system == "tf_keras" else mod.export_policy(p)
+    if into is None:
+        out = mod.export_policy(p, tf_keras=True) if system == "tf_keras" else mod.export_policy(p)
+        return out.strict() if strict else out
+    if not hasattr(mod, "OWNED"):
+        raise bad(into_source, "", f"{system}'s configuration is not a file export can merge into (exports that "
+                                   f"can: {', '.join(s for s in SYSTEMS if hasattr(module(s), 'OWNED'))}); "
+                                   f"paste the printed configuration instead")
+    if isinstance(into, str):
+        into = mod.read_config(into, into_source) if hasattr(mod, "read_config") else into
+    into = plain(into, into_source)
+    if not isinstance(into, dict):
+        raise bad(into_source, "", f"expected the {system} configuration file (a table), got {show(into)}")
+    out = mod.export_policy(p, into=into)
     return out.strict() if strict else out
 
 

@@ -14,6 +14,7 @@ import ast
 import datetime
 import json
 import math
+import textwrap
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ class Exported:
     config: Any
     text: str
     unexpressed: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()  # with ``into``: the top-level keys of the user's file the export changed
 
     def strict(self) -> Exported:
         """``self``, or :class:`UnsupportedError` listing what the system cannot express."""
@@ -326,13 +328,14 @@ def calls(text: str, source: str, known: Any = None) -> list[Call]:
     """
     if len(text) > MAX_TEXT:
         raise bad(source, "", f"{len(text)} characters; a pasted configuration is at most {MAX_TEXT}")
-    parts = _statements(text)
+    parts = _statements(text, known)
     out: list[Call] = []
     for part in parts:
-        node = _call_of(part, known)
+        node, code = _call_of(part, known), part
         if node is None:
             try:
-                node = ast.parse(f"_({part})", mode="eval").body
+                code = f"_({part})"  # k=v, ...: the source segments of its values are read from this text
+                node = ast.parse(code, mode="eval").body
             except (SyntaxError, ValueError, RecursionError, MemoryError):
                 raise bad(source, "", f"cannot read {short(part)}: expected key=value pairs or Call(key=value, ...)") \
                     from None
@@ -341,12 +344,12 @@ def calls(text: str, source: str, known: Any = None) -> list[Call]:
         name = _dotted(node.func)
         if any(isinstance(a, ast.Starred) for a in node.args):
             raise bad(source, name or "", f"{short(part)}: *args cannot be read; write the arguments out")
-        args = tuple(_value(a, part, source, f"{name}() argument {i + 1}") for i, a in enumerate(node.args))
+        args = tuple(_value(a, code, source, f"{name}() argument {i + 1}") for i, a in enumerate(node.args))
         kwargs: dict[str, Any] = {}
         for kw in node.keywords:
             if kw.arg is None:
                 raise bad(source, "", f"{short(part)}: **kwargs cannot be read; write the keys out")
-            kwargs[kw.arg] = _value(kw.value, part, source, kw.arg)
+            kwargs[kw.arg] = _value(kw.value, code, source, kw.arg)
         out.append(Call(None if name == "_" else name, tuple(plain(list(args), source)), plain(kwargs, source),
                         _target(part)))
     return out
@@ -364,19 +367,71 @@ def _target(part: str) -> str | None:
     return None
 
 
-def _statements(text: str) -> list[str]:
+def _statements(text: str, known: Any = None) -> list[str]:
     """The statements of ``text``: as Python parses it when it does (calls may span lines), else its
-    lines and ``;``-separated parts."""
+    lines and ``;``-separated parts. A script (loops, functions, calls such as ``print(...)``) is read
+    for the ``known`` calls only, wherever they are, as the system runs them: the rest sets no precision."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        tree = None
+        try:
+            text = textwrap.dedent(text)  # lines pasted from inside a function or loop
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            tree = None
     code = ast.Expr | ast.Assign | ast.With | ast.Return
+    script = _script(tree, text, known) if tree is not None and known else None
+    if script:
+        return script
     if tree is not None and tree.body and all(isinstance(st, code | ast.Import | ast.ImportFrom) for st in tree.body):
         # imports name modules, they set nothing: skipped
         segments = (ast.get_source_segment(text, st) or "" for st in tree.body if isinstance(st, code))
         return [p.strip() for p in segments if p.strip()]
     return [p.strip() for p in text.replace("\n", ";").split(";") if p.strip()]
+
+
+def _script(tree: ast.Module, text: str, known: Any) -> list[str] | None:
+    """The ``known`` calls of a script (each as its statement: ``x = Call(...)``, ``with Call(...):``,
+    ``Call(...)``), in source order; None when ``text`` is not a script (only simple statements, each a
+    known call, an import or ``k=v``) or holds no known call. A call named like a known one
+    (``GradScalar``) is kept, so its unknown name is reported, never skipped."""
+    import difflib
+
+    def typo(name: str) -> bool:  # GradScalar for GradScaler (set_global_policy is not global_policy)
+        return bool(difflib.get_close_matches(name, list(known), n=1, cutoff=0.9))
+
+    def last(node: ast.Call) -> str:
+        return _dotted(node.func).rpartition(".")[2]
+
+    simple = ast.Expr | ast.Assign | ast.With | ast.Return | ast.Import | ast.ImportFrom
+    top = [st for st in tree.body if not isinstance(st, ast.Import | ast.ImportFrom)]
+    calls_ = [st.value if isinstance(st, ast.Expr | ast.Assign | ast.Return) else st.items[0].context_expr
+              if isinstance(st, ast.With) and st.items else None for st in top]
+    if all(isinstance(st, simple) for st in tree.body) and all(
+            not isinstance(c, ast.Call) or last(c) in known or _dotted(c.func) == "?" for c in calls_):
+        return None
+    parent: dict[int, ast.AST] = {}
+    for node in ast.walk(tree):
+        for child in ast.iter_child_nodes(node):
+            parent[id(child)] = node
+    found: list[tuple[int, int, str]] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not (last(node) in known or typo(last(node))):
+            continue
+        up, inside = parent.get(id(node)), False
+        while up is not None and not inside:  # a call inside a known call is its argument
+            inside = isinstance(up, ast.Call) and last(up) in known
+            up = parent.get(id(up))
+        if inside:
+            continue
+        holder = parent.get(id(node))
+        segment = ast.get_source_segment(text, node) or ""
+        if isinstance(holder, ast.Assign) and len(holder.targets) == 1 and isinstance(holder.targets[0], ast.Name):
+            segment = f"{holder.targets[0].id} = {segment}"
+        elif isinstance(holder, ast.withitem):
+            segment = f"with {segment}:"
+        found.append((node.lineno, node.col_offset, segment))
+    return [seg for _, _, seg in sorted(found)] or None
 
 
 def _call_of(part: str, known: Any = None) -> ast.Call | None:
@@ -400,9 +455,12 @@ def _call_of(part: str, known: Any = None) -> ast.Call | None:
 
 def _value(node: ast.AST, part: str, source: str, key: str) -> Any:
     try:
-        return ast.literal_eval(node)
+        value = ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
         pass
+    else:  # a set of names (Paddle's docs write custom_white_list={'conv2d'}): a list, in a stable order
+        names = isinstance(value, set | frozenset) and all(isinstance(v, str) for v in value)
+        return sorted(value) if names else value
     value = _power(node, source, key)
     if value is not None:
         return value
@@ -414,6 +472,8 @@ def _value(node: ast.AST, part: str, source: str, key: str) -> Any:
         func = node.func.func if isinstance(node.func, ast.Call) and not node.func.args else node.func
         if _dotted(func).rpartition(".")[2] in DTYPE_CALLS:  # jnp.float32(x), jmp.half_dtype()(x)
             return _value(node.args[0], part, source, key)
+    if isinstance(node, ast.Call) and _dotted(node.func) != "?" and key.endswith("argument 1"):
+        return Name(_dotted(node.func) + "()")  # an object built in place (LossScaleOptimizer(Adam(), ...))
     segment = ast.get_source_segment(part, node) or ""
     raise bad(source, key, f"{short(segment)} is not a literal; write the value (a number, string, boolean or list)")
 
@@ -627,6 +687,36 @@ def finish(system: str, policy: Policy, config: Any, text: str,
         warnings.simplefilter("ignore", UnimpWarning)
         native = reimport(config).policy
     return Exported(system, config, text, unexpressed(policy, native, system))
+
+
+def merge_into(original: Mapping[str, Any], config: Mapping[str, Any],
+               owned: tuple[str, ...]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``original`` (the user's own config file) with only its precision keys (``owned``) taken from
+    ``config`` (the export): a section both hold is updated key by key (its other keys kept), an owned
+    key the export lacks is removed, every other key is kept verbatim and in place. Returns the merged
+    config and one line per top-level key changed.
+
+    >>> merge_into({"fp16": {"enabled": True, "auto_cast": False}, "zero_optimization": {"stage": 3}},
+    ...            {"bf16": {"enabled": True}}, ("fp16", "bf16"))
+    ({'zero_optimization': {'stage': 3}, 'bf16': {'enabled': True}}, ('fp16 (removed)', 'bf16 (added)'))
+    """
+    out: dict[str, Any] = {}
+    changed: list[str] = []
+    for key, value in original.items():
+        if key not in owned:
+            out[key] = value
+        elif key in config:
+            new = config[key]
+            out[key] = {**value, **new} if isinstance(value, Mapping) and isinstance(new, Mapping) else new
+            if out[key] != value:
+                changed.append(key)
+        else:
+            changed.append(f"{key} (removed)")
+    for key, value in config.items():
+        if key not in original:
+            out[key] = value
+            changed.append(f"{key} (added)")
+    return out, tuple(changed)
 
 
 def power_of_two(x: float) -> int | None:

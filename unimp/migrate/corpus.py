@@ -51,6 +51,11 @@ def pasted(root: Path, entry: dict[str, Any]) -> str:
 
 def imported(root: Path, entry: dict[str, Any]) -> Imported:
     """``unimp import`` of the entry (a config file parsed as the CLI parses it, or the pasted lines)."""
+    from unimp.migrate import HJSON
+
     text = pasted(root, entry)
-    raw: Any = read_file(Path(text)) if "lines" not in entry and Path(text).suffix in PARSED else text
+    parsed = "lines" not in entry and Path(text).suffix in PARSED
+    if parsed and entry["system"] in HJSON and Path(text).suffix == ".json":
+        text, parsed = Path(text).read_text(), False  # its importer reads it as the system does (hjson)
+    raw: Any = read_file(Path(text), merge_keys=True) if parsed else text
     return import_from(entry["system"], raw, source=entry["file"])

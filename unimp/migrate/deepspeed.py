@@ -33,7 +33,7 @@ are listed as ignored. Unknown keys inside ``fp16`` / ``bf16`` are errors.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from unimp.migrate.common import (
@@ -45,7 +45,9 @@ from unimp.migrate.common import (
     finish,
     flag,
     has_knob,
+    merge_into,
     number,
+    plain,
     power_of_two,
     refuse,
     relabel,
@@ -160,9 +162,10 @@ def _accelerate_adds(cfg: dict[str, Any], mp: str, source: str) -> None:
 
 
 def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config",
-                  assume: Mapping[str, Any] | None = None) -> Imported:
+                  assume: Mapping[str, Any] | None = None, model: Callable[[Draft], None] | None = None) -> Imported:
     """The policy a DeepSpeed engine built from ``config`` trains with (``assume``: HF Trainer
-    arguments that ``"auto"`` values resolve from, e.g. ``{"bf16": True}``)."""
+    arguments that ``"auto"`` values resolve from, e.g. ``{"bf16": True}``; ``model``: what the
+    model code run under the engine adds, e.g. Megatron's float32 loss, applied to the draft)."""
     if not isinstance(config, Mapping):
         raise bad(source, "", "expected a JSON object (the DeepSpeed config)")
     config = resolve_auto(config, trainer_args(assume, source), source)
@@ -248,6 +251,8 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
     if isinstance(zero, Mapping):  # offload, buckets, prefetch...: where and when, not in which dtype
         d.ignored.extend(f"zero_optimization.{k}" for k in zero if k != "stage")
     d.ignored.extend(k for k in config if k not in PRECISION)
+    if model is not None:
+        model(d)
     return d.build()
 
 
@@ -337,17 +342,25 @@ def _fp16(fp16: Mapping[str, Any], stage: int, source: str) -> Draft:
     return d
 
 
-def export_policy(policy: Policy) -> Exported:
+OWNED = ("fp16", "bf16", "bfloat16", "amp", "torch_autocast", "communication_data_type")  # what export writes
+
+
+def export_policy(policy: Policy, into: Mapping[str, Any] | None = None) -> Exported:
     """A DeepSpeed config (``fp16``/``bf16``, ``zero_optimization.stage``, ``communication_data_type``).
 
-    The policy holds no ZeRO stage: a policy with the ZeRO optimizers' loss scaler is written with
-    ``"zero_optimization": {"stage": 1}`` (the lowest stage that runs it) and that is listed as not
-    expressed, so ``--strict`` fails until the user names the stage their run uses.
+    ``into``: the user's own config, of which only the precision keys (``OWNED``) change; every other
+    key (``zero_optimization`` with its stage, batch sizes, optimizer...) is kept verbatim, and what
+    re-importing the merged config does not give back is listed as not expressed.
+
+    Without ``into`` the policy holds no ZeRO stage: a policy with the ZeRO optimizers' loss scaler
+    is written with ``"zero_optimization": {"stage": 1}`` (the lowest stage that runs it) and that is
+    listed as not expressed, so ``--strict`` fails until the user names the stage (or passes ``into``).
     """
     cfg: dict[str, Any] = {}
     notes: list[str] = []
     ls = policy.loss_scale
     low = policy.compute_dtype if policy.compute_dtype in LOW else None
+    zero = False
     if policy.compute_dtype == "float16":
         sec: dict[str, Any] = {"enabled": True}
         if ls.mode == "static":
@@ -359,25 +372,67 @@ def export_policy(policy: Policy) -> Exported:
             zero = ls.hysteresis > 1 or ls.at_min == "error"
             if zero:
                 sec.update(hysteresis=ls.hysteresis, consecutive_hysteresis="finite" in ls.hysteresis_refill)
-                cfg["zero_optimization"] = {"stage": 1}
-                notes.append("zero_optimization.stage = 1: the policy holds no ZeRO stage (partitioning is not a "
-                             "precision setting); 1 is the lowest stage whose optimizer runs this loss scaler "
-                             "(DynamicLossScaler): set the stage your run uses (1, 2 or 3 give the same numerics)")
-        cfg = {"fp16": sec, **cfg}
+        cfg["fp16"] = sec
     elif policy.compute_dtype == "bfloat16":
         cfg["bf16"] = {"enabled": True, **({"check_grad_overflow": True} if ls.skip_nonfinite else {})}
     else:
         cfg["fp16"] = {"enabled": False}  # float32: an explicit setting (an empty config is refused on import)
     if low is not None and policy.distributed.reduce_dtype != low:
         cfg["communication_data_type"] = {"float32": "fp32", **LOW}[policy.distributed.reduce_dtype]
+    changed: tuple[str, ...] = ()
+    if into is not None:
+        cfg, changed = merge_into(into, cfg, OWNED)
+        given = into.get("zero_optimization")
+        if zero and _stage(into, "--into") == 0:  # the loss scaler needs a ZeRO optimizer: the lowest stage
+            cfg["zero_optimization"] = {**(given if isinstance(given, Mapping) else {}), "stage": 1}
+            changed += ("zero_optimization.stage (set to 1)",)
+            notes.append("zero_optimization.stage = 0 in --into: the policy's loss scaler (hysteresis, raise at the "
+                         "minimum) is the ZeRO optimizers' DynamicLossScaler, so the stage was set to 1 (the lowest "
+                         "that runs it); a partitioning change is yours to make: set the stage in your file")
+    elif zero:
+        cfg["zero_optimization"] = {"stage": 1}
+        notes.append("zero_optimization.stage = 1: the policy holds no ZeRO stage (partitioning is not a "
+                     "precision setting); 1 is the lowest stage whose optimizer runs this loss scaler "
+                     "(DynamicLossScaler): set the stage your run uses (1, 2 or 3 give the same numerics), or "
+                     "export --into your config to keep its own")
     out = finish(SYSTEM, policy, cfg, json.dumps(cfg, indent=2) + "\n", import_policy)
-    return Exported(out.system, out.config, out.text, out.unexpressed + tuple(notes))
+    return Exported(out.system, out.config, out.text, out.unexpressed + tuple(notes), changed)
+
+
+def read_config(text: str, source: str) -> Any:
+    """A DeepSpeed config's text as DeepSpeed reads it (runtime/config.py ``DeepSpeedConfig.__init__``:
+    ``hjson.load(..., object_pairs_hook=dict_raise_error_on_duplicate_keys)``): JSON plus ``//``, ``#``
+    and ``/* */`` comments, duplicate keys refused.
+
+    >>> read_config('{"fp16": {"enabled": true}  /* an fp16 run */ }', "ds.json")
+    {'fp16': {'enabled': True}}
+    """
+    import hjson
+
+    def table(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise bad(source, key, "given twice in one table (DeepSpeed refuses duplicate keys: "
+                                       "dict_raise_error_on_duplicate_keys); keep one")
+            out[key] = value
+        return out
+
+    try:  # plain JSON first: its numbers as written (hjson reads 1.0 as 1), kept so by export --into
+        return json.loads(text, object_pairs_hook=table)
+    except ValueError:
+        pass
+    except RecursionError:
+        raise bad(source, "", "nested too deeply; a DeepSpeed config is a few levels deep") from None
+    try:
+        return hjson.loads(text, object_pairs_hook=table)
+    except hjson.HjsonDecodeError as e:
+        raise bad(source, "", f"not a DeepSpeed config (DeepSpeed reads JSON with comments, hjson: {e})") from None
+    except RecursionError:
+        raise bad(source, "", "nested too deeply; a DeepSpeed config is a few levels deep") from None
 
 
 def from_cli(raw: Any, source: str, assume: Mapping[str, Any] | None = None) -> Imported:
     if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except ValueError as e:
-            raise bad(source, "", f"not a DeepSpeed JSON config ({e})") from None
+        raw = plain(read_config(raw, source), source)
     return import_policy(raw, source=source, assume=assume)

@@ -21,7 +21,9 @@ from unimp.migrate.jmp import export_policy as jmp
 from unimp.migrate.keras import export_policy as keras
 from unimp.migrate.lightning import export_policy as lightning
 from unimp.migrate.megatron import export_policy as megatron
+from unimp.migrate.neox import export_policy as neox
 from unimp.migrate.paddle import export_policy as paddle
 from unimp.migrate.torch import export_policy as torch
 
-__all__ = ["accelerate", "apex", "deepspeed", "flax", "jmp", "keras", "lightning", "megatron", "paddle", "torch"]
+__all__ = ["accelerate", "apex", "deepspeed", "flax", "jmp", "keras", "lightning", "megatron", "neox", "paddle",
+           "torch"]

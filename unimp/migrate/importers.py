@@ -22,9 +22,10 @@ from unimp.migrate.jmp import import_policy as jmp
 from unimp.migrate.keras import import_policy as keras
 from unimp.migrate.lightning import import_policy as lightning
 from unimp.migrate.megatron import import_policy as megatron
+from unimp.migrate.neox import import_policy as neox
 from unimp.migrate.paddle import import_amp_configs as paddle_amp_configs
 from unimp.migrate.paddle import import_policy as paddle
 from unimp.migrate.torch import import_policy as torch
 
-__all__ = ["accelerate", "apex", "deepspeed", "flax", "jmp", "keras", "lightning", "megatron", "paddle",
+__all__ = ["accelerate", "apex", "deepspeed", "flax", "jmp", "keras", "lightning", "megatron", "neox", "paddle",
            "paddle_amp_configs", "torch"]

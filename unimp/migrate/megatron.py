@@ -420,7 +420,8 @@ def _deepspeed(got: dict[str, Any], other: list[str], script: dict[str, Any], so
     except ValueError as e:
         raise bad(source, "--deepspeed_config", f"the DeepSpeed config the script writes is not JSON after its "
                                                 f"variables are filled in ({e})") from None
-    imp = deepspeed.import_policy(cfg, source=f"{source}: --deepspeed_config {path} (the script's heredoc)")
+    imp = deepspeed.import_policy(cfg, source=f"{source}: --deepspeed_config {path} (the script's heredoc)",
+                                  model=lambda d: _deepspeed_model(d, got, other))
     ds_low = {"float16": "--fp16", "bfloat16": "--bf16"}.get(imp.policy.param_dtype)
     for flag in ("--fp16", "--bf16"):
         if got.get(flag) and flag != ds_low:
@@ -435,6 +436,29 @@ def _deepspeed(got: dict[str, Any], other: list[str], script: dict[str, Any], so
     for note in launch:
         warnings.warn(f"{source}: {note}", UnimpWarning, stacklevel=2)
     return relabel(imp, SYSTEM, source, "the --deepspeed_config it writes", ignored, notes + launch)
+
+
+def _deepspeed_model(d: Draft, got: dict[str, Any], other: list[str]) -> None:
+    """What Megatron-DeepSpeed's model code adds to the DeepSpeed engine's whole-model low precision.
+
+    pretrain_gpt.py model_provider builds ``GPTModelPipe`` under ``--deepspeed`` (microsoft's: unless
+    ``--no-pipeline-parallel``), whose specs end with ``float16_to_fp32`` when ``--fp16``/``--bf16`` is
+    given and whose loss is ``vocab_parallel_cross_entropy(output.contiguous().float(), labels)``
+    (megatron/model/gpt_model.py ``get_cross_entropy``); the plain ``GPTModel`` returns the logits in
+    the model dtype and computes ``vocab_parallel_cross_entropy(output.float(), labels)`` unless
+    ``--fp16-lm-cross-entropy`` (``post_language_model_processing``). ``get_model`` returns before the
+    ``Float16Module`` wrap (training.py: ``if args.deepspeed: return model``)."""
+    pipe = "--no-pipeline-parallel" not in other
+    if pipe or not got.get("--fp16-lm-cross-entropy"):
+        where = ("GPTModelPipe loss: vocab_parallel_cross_entropy(output.contiguous().float(), labels)" if pipe else
+                 "--fp16-lm-cross-entropy not given: post_language_model_processing computes "
+                 "vocab_parallel_cross_entropy(output.float(), labels)")
+        _move(d, "loss", "float32", where)
+    if pipe and (got.get("--fp16") or got.get("--bf16")):
+        d.set("output_dtype", "float32", "GPTModelPipe (--deepspeed): its last spec is float16_to_fp32 under "
+                                         "--fp16/--bf16")
+    if pipe and got.get("--fp16-lm-cross-entropy"):
+        d.note("--fp16-lm-cross-entropy: unused by GPTModelPipe (its loss upcasts the logits); ignored", warn=True)
 
 
 def from_cli(raw: Any, source: str) -> Imported:

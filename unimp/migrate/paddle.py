@@ -82,7 +82,8 @@ def import_policy(auto_cast: Mapping[str, Any] | None = None, grad_scaler: Mappi
                   source: str = "paddle", decorate: Mapping[str, Any] | None = None,
                   ignored: tuple[str, ...] = (), notes: tuple[str, ...] = ()) -> Imported:
     """The policy of ``with paddle.amp.auto_cast(**auto_cast)`` + ``paddle.amp.GradScaler(**grad_scaler)``
-    (no GradScaler given: ``GradScaler()`` for float16, none for bfloat16) + ``paddle.amp.decorate(**decorate)``."""
+    (no GradScaler given: no loss scaling, as the loop then calls ``loss.backward()`` unscaled; warned for
+    float16) + ``paddle.amp.decorate(**decorate)``."""
     ac, gs = dict(auto_cast or {}), grad_scaler
     check_keys(ac, AUTO_CAST_KEYS, source, "auto_cast.")
     dec = dict(decorate or {})
@@ -123,13 +124,16 @@ def import_policy(auto_cast: Mapping[str, Any] | None = None, grad_scaler: Mappi
         origin = "level OD: only the white list runs low"
     moves = _moves(ac, source, "auto_cast.", lists)
     _apply(d, lists, moves, origin)
-    if gs is None and dtype == "bfloat16":
-        d.set("loss_scale.mode", "none", "no GradScaler given (bfloat16)")
+    if gs is None:  # auto_cast scales nothing: the loop's loss.backward() runs unscaled without a GradScaler
+        d.set("loss_scale.mode", "none", f"no GradScaler given ({dtype})")
         d.set("loss_scale.skip_nonfinite", False, "no GradScaler: every step is taken")
+        if dtype == "float16":
+            d.note("no GradScaler given: float16 gradients are not scaled; import the paddle.amp.GradScaler(...) "
+                   "line too if the loop uses one", warn=True)
         return d.build()
-    kw = dict(gs or {})
+    kw = dict(gs)
     check_keys(kw, SCALER_KEYS, source, "GradScaler.")
-    _scaler(d, kw, GRAD_SCALER, "GradScaler." if gs is not None else "GradScaler() not given, defaults: ")
+    _scaler(d, kw, GRAD_SCALER, "GradScaler.")
     return d.build()
 
 

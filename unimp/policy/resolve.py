@@ -234,7 +234,7 @@ def _open_checked(real: Path, flags: int) -> int:
 
 
 def read_file(path: Path, limit: int = MAX_FILE_BYTES, spent: list[int] | None = None,
-              checked: Path | None = None) -> Any:
+              checked: Path | None = None, merge_keys: bool = False) -> Any:
     """Parse a TOML/YAML/JSON file into plain data; every failure is a located PolicyError.
 
     At most ``limit`` bytes are read, whatever the file claims its size is (``/proc`` files say 0).
@@ -266,13 +266,14 @@ def read_file(path: Path, limit: int = MAX_FILE_BYTES, spent: list[int] | None =
     except UnicodeDecodeError as e:
         raise PolicyError(f"{path}: not UTF-8 text (byte {e.start}); save the file as UTF-8") from None
     try:
-        return parse_text(text, fmt)
+        return parse_text(text, fmt, merge_keys)
     except PolicyError as e:
         raise PolicyError(f"{path}: {e}") from None
 
 
-def parse_text(text: str, fmt: str) -> Any:
-    """Parse policy text of one format (``toml`` | ``yaml`` | ``json``); duplicate keys are refused."""
+def parse_text(text: str, fmt: str, merge_keys: bool = False) -> Any:
+    """Parse policy text of one format (``toml`` | ``yaml`` | ``json``); duplicate keys are refused;
+    ``merge_keys``: YAML merge keys (``<<:``) are read (another system's file), else refused."""
     if text.startswith("\ufeff"):
         text = text[1:]
     try:
@@ -285,7 +286,7 @@ def parse_text(text: str, fmt: str) -> Any:
             return tomllib.loads(text)
         if fmt == "json":
             return json.loads(text, object_pairs_hook=_json_table)
-        return _yaml_load(text)
+        return _yaml_load(text, merge_keys)
     except PolicyError:
         raise
     except RecursionError:
@@ -316,22 +317,34 @@ def _json_table(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 @functools.cache
-def _yaml_loader() -> type:
-    """PyYAML's safe loader that refuses duplicate keys and merge keys (``<<``: an alias bomb's tool)."""
+def _yaml_loader(merge: bool = False) -> type:
+    """PyYAML's safe loader that refuses duplicate keys and merge keys (``<<``: an alias bomb's tool);
+    ``merge``: merge keys are read as YAML 1.1 defines them (another system's file, e.g. an Accelerate
+    config, may use them), each merged mapping bounded to ``MAX_MERGED`` pairs so that aliases
+    cannot multiply it."""
     import yaml
     from yaml.constructor import ConstructorError
 
+    tag = "tag:yaml.org,2002:merge"
+
     class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
         def flatten_mapping(self, node: Any) -> None:
+            if merge:
+                super().flatten_mapping(node)
+                if len(node.value) > MAX_MERGED:
+                    raise ConstructorError(None, None, f"merge keys (<<) build a mapping of over {MAX_MERGED} "
+                                                       f"entries; write the keys out", node.start_mark)
+                return
             for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
+                if key_node.tag == tag:
                     raise ConstructorError(None, None, "merge keys (<<) are not supported in policy files; "
                                                        "use `extends`", key_node.start_mark)
 
         def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            own = [k for k, _ in node.value if k.tag != tag]  # a merged key the mapping sets again is no duplicate
             self.flatten_mapping(node)
             seen: set[Any] = set()
-            for key_node, _ in node.value:
+            for key_node in own:
                 key = self.construct_object(key_node, deep=deep)
                 try:
                     dup = key in seen
@@ -347,10 +360,13 @@ def _yaml_loader() -> type:
     return Loader
 
 
-def _yaml_load(text: str) -> Any:
+MAX_MERGED = 20_000  # entries of one mapping built with merge keys (a real config's mapping holds a few dozen)
+
+
+def _yaml_load(text: str, merge: bool = False) -> Any:
     import yaml
 
-    return yaml.load(text, Loader=_yaml_loader())
+    return yaml.load(text, Loader=_yaml_loader(merge))
 
 
 def _plain(d: Any) -> Any:
