@@ -46,6 +46,8 @@ from unimp.migrate.common import (
     flag,
     has_knob,
     number,
+    pasted_json,
+    plain,
     power_of_two,
     refuse,
     relabel,
@@ -165,6 +167,7 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
     arguments that ``"auto"`` values resolve from, e.g. ``{"bf16": True}``)."""
     if not isinstance(config, Mapping):
         raise bad(source, "", "expected a JSON object (the DeepSpeed config)")
+    config = plain(config, source)  # the bounds of every source (the CLI's too): size, depth, value types
     config = resolve_auto(config, trainer_args(assume, source), source)
     added = config.pop("__added__", [])
     fp16 = _section(config, "fp16", source)
@@ -376,8 +379,5 @@ def export_policy(policy: Policy) -> Exported:
 
 def from_cli(raw: Any, source: str, assume: Mapping[str, Any] | None = None) -> Imported:
     if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except ValueError as e:
-            raise bad(source, "", f"not a DeepSpeed JSON config ({e})") from None
+        raw = pasted_json(raw, source, "", "not a DeepSpeed JSON config")
     return import_policy(raw, source=source, assume=assume)
