@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from unimp.errors import FileError, UnimpWarning
+from unimp.text import printable
 from unimp.watch.order import Event, first_nonfinite
 from unimp.watch.records import AT_LEAST, COUNTS, LayerStats, StepRecord
 from unimp.watch.summary import Summary
@@ -166,4 +167,4 @@ class Watch:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "watching"
         return (f"<unimp.Watch every={self.every} localize={self.localize} {state}, {len(self)} records"
-                + (f", {self.path}" if self.path else "") + ">")
+                + (f", {printable(str(self.path))}" if self.path else "") + ">")
