@@ -160,6 +160,8 @@ def plain(raw: Any, source: str) -> Any:
                                   f"without aliases")
         if depth > MAX_DEPTH:
             raise bad(source, where, f"nested over {MAX_DEPTH} levels deep; a configuration is a few levels deep")
+        if isinstance(value, Mapping | list | tuple) and len(value) > MAX_VALUES - count - len(stack):
+            raise bad(source, where, f"over {MAX_VALUES} values; a mixed-precision configuration holds far fewer")
         if isinstance(value, Mapping):
             table: dict[str, Any] = {}
             for key, item in value.items():
