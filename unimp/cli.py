@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from unimp.errors import FileError, PolicyError, TuneError, UnsupportedError
-from unimp.text import printable
 from unimp.policy.loading import dumps, load, preset_names
 from unimp.policy.ops import OPS
 from unimp.policy.resolve import flatten
 from unimp.policy.spec import json_schema, show
 from unimp.report import format_table
+from unimp.text import printable
 
 
 def _say(text: str, file: Any = None) -> None:

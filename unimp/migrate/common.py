@@ -154,14 +154,14 @@ def plain(raw: Any, source: str) -> Any:
     while stack:
         value, parent, slot, where, depth = stack.pop()
         count += 1
-        if count > MAX_VALUES:
+        # a table or list of more items than the bound allows is refused before its items are walked
+        if count > MAX_VALUES or (isinstance(value, Mapping | list | tuple)
+                                  and len(value) > MAX_VALUES - count - len(stack)):
             raise bad(source, "", f"over {MAX_VALUES} values (YAML aliases count each time they are used); a "
                                   f"mixed-precision configuration holds far fewer: pass the file itself, "
                                   f"without aliases")
         if depth > MAX_DEPTH:
             raise bad(source, where, f"nested over {MAX_DEPTH} levels deep; a configuration is a few levels deep")
-        if isinstance(value, Mapping | list | tuple) and len(value) > MAX_VALUES - count - len(stack):
-            raise bad(source, where, f"over {MAX_VALUES} values; a mixed-precision configuration holds far fewer")
         if isinstance(value, Mapping):
             table: dict[str, Any] = {}
             for key, item in value.items():
