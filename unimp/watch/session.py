@@ -68,7 +68,7 @@ class Watch:
         self.path = None
         if path is not None:
             if not isinstance(path, str | os.PathLike):
-                raise ValueError(f"amp.watch(path={path!r:.40}): a file name (str or path), e.g. 'numerics.jsonl'")
+                raise FileError(f"amp.watch(path={path!r:.40}): a file name (str or path), e.g. 'numerics.jsonl'")
             jsonl = JsonLines(path)
             self.path = jsonl.path
             self._writers.append(jsonl)
