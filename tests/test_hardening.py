@@ -442,3 +442,103 @@ def test_pipes_and_symlink_loops_are_refused_not_waited_on(tmp_path):
     for name in ("fifo.toml", "loop.toml"):
         (tmp_path / "p.toml").write_text(f'extends = "{name}"\n')
         refused(tmp_path / "p.toml", name)
+
+
+# ---------------------------------------------------------------- issue 32: bad input, the rest
+
+DEEP = "[" * 60000
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["import", DEEP, "--from", "deepspeed"], "<argument>: not a DeepSpeed JSON config (not valid JSON: nested too "
+                                              "deeply)"),
+    (["import", "{" + '"a":{' * 10000, "--from", "accelerate"], "<argument>: not a JSON table (not valid JSON: "),
+    (["import", "mixed_precision: fp16\nGradScalerKwargs: abc", "--from", "accelerate"],
+     "<argument>: GradScalerKwargs: expected a table of GradScaler arguments (e.g. init_scale: 1024), got a string "
+     "'abc'"),
+    (["import", "opt_level=[1]", "--from", "apex"], "<argument>: opt_level: a list of 1 items is not one of O0, O1"),
+])
+def test_cli_strings_are_refused_like_files(args, message, capsys):
+    """The tracebacks of issue 32 (RecursionError, ValueError, TypeError): one located message each."""
+    assert answer(cli.main, args) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("importer", ["megatron", "deepspeed"])
+def test_python_import_api_has_the_cli_bounds(importer):
+    """10**6 Megatron arguments or DeepSpeed keys through the Python API: refused as the CLI refuses them."""
+    from unimp.migrate import importers
+
+    big = (["--fp16", *(f"--x{i}" for i in range(10**6))] if importer == "megatron"
+           else {"fp16": {"enabled": True}, **{f"k{i}": 1 for i in range(10**6)}})
+    err = answer(getattr(importers, importer), big)
+    assert isinstance(err, PolicyError) and "over 20000" in str(err), err
+
+
+def test_python_import_api_refuses_what_is_not_a_command_line():
+    from unimp.migrate import importers
+
+    with pytest.raises(PolicyError, match="every argument a string"):
+        importers.megatron(["--fp16", 3])
+
+
+def _reached_trackers(policy):
+    """Every growth_tracker the reference rule produces from the initial state (finite steps, one overflow)."""
+    rule = LossScale(policy.loss_scale)
+    outs = rule.replay([True] * 40 + [False] + [True] * 40)
+    return {o.state.growth_tracker for o in outs} | {rule.initial_state().growth_tracker}
+
+
+@pytest.mark.parametrize(("loss_scale", "bad"), [
+    ({"growth_interval": 3}, 3), ({"growth_interval": 3}, 1000),
+    ({"growth_interval": 3, "growth_schedule": "interval_plus_one"}, 4),
+    ({"mode": "static", "initial": 1024.0}, 1)])
+def test_state_dict_the_rule_cannot_reach_is_refused(loss_scale, bad):
+    """A growth_tracker the loss-scale rule never produces (issue 32: 1000 with growth_interval 3) is refused
+    by the core check every Amp's load_state_dict runs, naming the key and the valid range; the largest the
+    rule reaches (by replaying it) loads."""
+    from unimp.errors import StateError
+    from unimp.loss_scale import LossScaleState
+
+    policy = unimp.load({"extends": "mixed_fp16", "loss_scale": loss_scale})
+    reached = _reached_trackers(policy)
+    assert bad not in reached
+    rule = LossScale(policy.loss_scale)
+    top = rule.initial_state().scale
+    assert rule.problems(LossScaleState(top, max(reached), policy.loss_scale.hysteresis)) == []
+    problems = rule.problems(LossScaleState(top, bad, policy.loss_scale.hysteresis))
+    assert len(problems) == 1 and problems[0].startswith(f"growth_tracker: {bad} is out of range 0 to {max(reached)}")
+    with pytest.raises(StateError, match=f"growth_tracker: {bad} is out of range"):
+        _check_loaded(policy, {"scale": top, "growth_tracker": bad, "hysteresis_left": policy.loss_scale.hysteresis,
+                               "skipped": 0, "steps": 0})
+
+
+def _check_loaded(policy, state):
+    """What every Amp's load_state_dict checks of a well-formed state (unimp.backend.Amp.load_state_dict)."""
+    from unimp.errors import StateError
+    from unimp.loss_scale import LossScaleState, check_state, policy_problems
+
+    problems = check_state(state) or policy_problems(policy.loss_scale, LossScaleState.from_dict(state))
+    if problems:
+        raise StateError("; ".join(problems))
+
+
+def test_the_window_schedule_tracker_is_unbounded():
+    """DeepSpeed's window tracker is never reset on growth: any int32 count is reachable."""
+    from unimp.loss_scale import LossScaleState
+
+    policy = unimp.load("deepspeed_fp16")
+    assert LossScale(policy.loss_scale).problems(LossScaleState(65536.0, INT32_MAX, 1)) == []
+
+
+def test_messages_escape_control_characters_of_names():
+    """One escaping helper (unimp.text.printable) in every unimp error, warning and table."""
+    from unimp.errors import FileError, StateError, TuneError, UnimpWarning, UnsupportedError
+    from unimp.report import format_table
+
+    for cls in (PolicyError, UnsupportedError, TuneError, StateError, FileError, UnimpWarning):
+        text = str(cls("layer 'b\x1b[2J':\nfix\x07"))
+        assert "\x1b" not in text and "\x07" not in text and "b\\x1b[2J" in text and "\nfix\\x07" in text, cls
+    table = format_table(("path",), [("b\x1b[2J",)], title="t\x1b]0;x\x07", footer=["f\x9b"])
+    assert not any(c in table for c in "\x1b\x07\x9b") and "b\\x1b[2J" in table

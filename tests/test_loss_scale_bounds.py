@@ -59,8 +59,10 @@ def test_the_window_tracker_continues_from_its_residue():
 
 
 def test_the_largest_counters_load_and_step_in_the_amp(toy):  # noqa: F811
+    """steps and skipped at the int32 bound, the tracker at the largest value the rule reaches
+    (interval - 1 = 1999): it loads and grows on the next finite step."""
     amp = unimp.apply(unimp.load("mixed_fp16"), Model())
-    sd = {**amp.state_dict(), "growth_tracker": MAX, "steps": MAX, "skipped": MAX}
+    sd = {**amp.state_dict(), "growth_tracker": 1999, "steps": MAX, "skipped": MAX}
     amp.load_state_dict(sd)
     amp.step(True)
     after = amp.state_dict()

@@ -12,13 +12,13 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from unimp.errors import PolicyError, TuneError, UnsupportedError
-from unimp.migrate.common import printable
+from unimp.errors import FileError, PolicyError, TuneError, UnsupportedError
 from unimp.policy.loading import dumps, load, preset_names
 from unimp.policy.ops import OPS
 from unimp.policy.resolve import flatten
 from unimp.policy.spec import json_schema, show
 from unimp.report import format_table
+from unimp.text import printable
 
 
 def _say(text: str, file: Any = None) -> None:
@@ -140,8 +140,7 @@ def _import(args: argparse.Namespace) -> int:
     raw, source = _read_source(args.source, args.system)
     imported = import_from(args.system, raw, source, _assume(args.assume))
     if args.output:
-        _write(args.output, checked(imported).text)
-        _say(f"wrote {args.output} ({imported.system}, fingerprint {imported.policy.fingerprint})", file=sys.stderr)
+        _write(args.output, checked(imported).text, f"{imported.system}, fingerprint {imported.policy.fingerprint}")
     else:
         print(checked(imported).text, end="")
     return 0
@@ -174,31 +173,14 @@ def _exists(path: Any) -> bool:
         return False
 
 
-def _write(output: str, text: str) -> None:
-    """``text`` to the file ``output`` (whole, or not at all); every failure a located error with the fix."""
-    import os
-    from pathlib import Path
+def _write(output: str, text: str, what: str) -> None:
+    """``text`` to the file ``output``, whole or not at all (:func:`unimp.files.write_file`: a FIFO, device or
+    directory refused at once, a full disk one located error and the old file untouched), then one line on
+    stderr saying what was written: an existing file is replaced, and the line says so."""
+    from unimp.files import write_file
 
-    path = Path(output)
-    where = f"<argument>: -o {printable(output[:200])}"
-    if path.is_dir():
-        raise PolicyError(f"{where}: is a directory; name a file in it (e.g. {printable(str(path / 'policy.toml'))})")
-    if not path.parent.is_dir():
-        raise PolicyError(f"{where}: no directory {printable(str(path.parent)[:200])}; create it first or "
-                          f"write elsewhere")
-    data = text.encode("utf-8")
-    try:  # non-blocking open: a pipe nobody reads is refused (ENXIO), not waited on forever
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NONBLOCK", 0), 0o666)
-        try:
-            if hasattr(os, "set_blocking"):
-                os.set_blocking(fd, True)  # a reader is there: write all of it
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-    except OSError as e:
-        raise PolicyError(f"{where}: cannot write ({e.strerror or e}); choose another file") from None
+    replaced = write_file(output, text, where=f"<argument>: -o {printable(output[:200])}")
+    _say(f"{'replaced' if replaced else 'wrote'} {output} ({what})", file=sys.stderr)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -212,7 +194,10 @@ def _export(args: argparse.Namespace) -> int:
                               f"{args.system} configuration file to merge into)")
     exported = export_to(args.system, load(args.policy), strict=args.strict, into=into,
                          into_source=args.into or "<argument>: --into")
-    print(exported.text, end="")
+    if args.output:
+        _write(args.output, exported.text, f"{exported.system} configuration")
+    else:
+        print(exported.text, end="")
     for line in exported.changed:
         _say(f"changed in {printable(args.into)}: {printable(line)}", file=sys.stderr)
     for line in exported.unexpressed:
@@ -277,10 +262,8 @@ def _tune(args: argparse.Namespace) -> int:
                  max_layers=args.max_layers, max_batches=args.max_batches, speed=not args.no_speed,
                  hessian_samples=args.hessian_samples, seed=args.seed, backend=args.backend)
     if args.output:
-        _write(args.output, tuned.text)
         _say(str(tuned))
-        _say(f"wrote {args.output} (policy {tuned.policy.name!r}, fingerprint {tuned.policy.fingerprint})",
-             file=sys.stderr)
+        _write(args.output, tuned.text, f"policy {tuned.policy.name!r}, fingerprint {tuned.policy.fingerprint}")
     else:
         _say(str(tuned), file=sys.stderr)
         print(tuned.text, end="")
@@ -330,7 +313,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import", help="a policy file from another system's AMP configuration")
     p.add_argument("source", metavar="FILE|STRING")
     p.add_argument("--from", dest="system", required=True, metavar="SYSTEM", help=", ".join(SYSTEMS))
-    p.add_argument("-o", "--output", help="write the policy here instead of printing it")
+    p.add_argument("-o", "--output", help="write the policy here instead of printing it (an existing file is "
+                                          "replaced, whole)")
     p.add_argument("--assume", action="append", metavar="KEY=VALUE|FILE",
                    help="run arguments that 'auto' values resolve from (DeepSpeed: HF Trainer's fp16, bf16, "
                         "fp16_full_eval, bf16_full_eval, fp16_backend, fp16_opt_level; or a TrainingArguments "
@@ -342,6 +326,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="fail when the system cannot express a key")
     p.add_argument("--into", metavar="FILE", help="your own config file: print it with only its precision keys "
                                                   "changed (every other key kept as it is)")
+    p.add_argument("-o", "--output", help="write the configuration here instead of printing it (an existing file "
+                                          "is replaced, whole)")
     p.set_defaults(run=_export)
     p = sub.add_parser("tune", help="a policy file keeping the layers sensitive to lowering high (measured)",
                        description="Run SCRIPT.py's factory() -> (model, batches, loss_fn), measure each layer the "
@@ -350,7 +336,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("factory", metavar="SCRIPT.py[:factory]",
                    help="a Python file and its function returning (model, batches, loss_fn) (default: factory)")
     p.add_argument("--policy", required=True, help="the policy to tune (a file or preset name)")
-    p.add_argument("-o", "--out", dest="output", help="write the tuned policy here instead of printing it")
+    p.add_argument("-o", "--out", dest="output", help="write the tuned policy here instead of printing it (an "
+                                                         "existing file is replaced, whole)")
     p.add_argument("--target", choices=("fp8", "bf16", "fp16"), help="what to lower to (default: what the policy "
                                                                         "lowers to)")
     p.add_argument("--max-loss-increase", type=float, default=0.01, metavar="X",
@@ -385,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.showwarning = _warn  # warnings name files and values too: escaped like the rest
             return args.run(args)
-    except (PolicyError, UnsupportedError, TuneError) as e:
+    except (PolicyError, UnsupportedError, TuneError, FileError) as e:
         _say(str(e), file=sys.stderr)
         return 1
     except BrokenPipeError:  # `unimp presets | head`

@@ -1,4 +1,4 @@
-"""The plug-in surface: every core name a backend package may import (24 names).
+"""The plug-in surface: every core name a backend package may import (25 names).
 
 A backend (``unimp_torch``, ``unimp_jax``, ... or a new one) imports the core from this module only
 (its conformance kit also from :mod:`unimp.conformance.kit`), never from ``unimp.plan``,
@@ -26,12 +26,13 @@ By job:
 - for kits and integrations, as users call them: :func:`load`, :func:`apply`;
 - three vocabularies, each a module: ``ops`` (the canonical ops, ``native_table``, the class -> op walk
   ``kind_of``), ``dtypes`` (dtype names, float32/int32 facts, ``f32``) and ``hardware`` (the CPU facts,
-  the ``auto`` resolvers, ``warn_emulated``).
+  the ``auto`` resolvers, ``warn_emulated``);
+- ``files``: the one writer of every file unimp writes (``write_file``: whole or not at all).
 """
 
 from __future__ import annotations
 
-from unimp import dtypes, hardware
+from unimp import dtypes, files, hardware
 from unimp.backend import Amp, Backend
 from unimp.backend.registry import apply
 from unimp.backend.transaction import Snapshot
@@ -55,6 +56,6 @@ __all__ = [
     "LossScaleAtMinimumError", "Report", "ReportRow", "StateError", "UnimpWarning", "UnsupportedError",
     # for kits and integrations
     "apply", "load",
-    # vocabularies (modules)
-    "dtypes", "hardware", "ops",
+    # vocabularies (modules), the file writer
+    "dtypes", "files", "hardware", "ops",
 ]

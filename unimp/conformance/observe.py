@@ -27,6 +27,7 @@ from unimp.conformance.checks import STANDARD_POLICIES, NotApplicable, run, setu
 from unimp.conformance.kit import Kit
 from unimp.conformance.probe import probe_batches, probe_weights
 from unimp.errors import UnsupportedError
+from unimp.files import write_file
 from unimp.policy import Policy
 from unimp.policy.loading import load
 
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.resume:
-        (out / f"{kit.label}.json").write_text(json.dumps(observe(kit), indent=1))
+        write_file(out / f"{kit.label}.json", json.dumps(observe(kit), indent=1), where="--out")
         print(f"wrote {out / (kit.label + '.json')}")
         return 0
     for src in args.resume:
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         result = _guard(resume, kit, source)
         target = out / f"resume-{source['backend']}-{kit.label}.json"
-        target.write_text(json.dumps({"from": source["backend"], "to": kit.label, **result}, indent=1))
+        write_file(target, json.dumps({"from": source["backend"], "to": kit.label, **result}, indent=1), where="--out")
         print(f"wrote {target}")
     return 0
 

@@ -16,7 +16,7 @@ import math
 from typing import Any
 
 from unimp.errors import StateError
-from unimp.loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
+from unimp.loss_scale import STATE_KEYS, LossScaleState, check_state, max_growth_tracker, policy_problems
 from unimp.policy import LossScaleSpec
 from unimp.policy.spec import FLT_MAX, INT32_MAX
 
@@ -77,8 +77,7 @@ def extreme_state(amp: Any) -> dict[str, Any]:
     grow from it)."""
     sd = amp.state_dict()
     spec = amp._loss_scale_run()  # what the backend runs (the Plan with its fallbacks)
-    tracker = {"interval": spec.growth_interval - 1, "interval_plus_one": spec.growth_interval}.get(
-        spec.growth_schedule, INT32_MAX)
+    tracker = max_growth_tracker(spec)
     return {**sd, "scale": FLT_MAX if spec.mode == "dynamic" else sd["scale"],
             "growth_tracker": tracker, "skipped": INT32_MAX, "steps": INT32_MAX,
             "hysteresis_left": spec.hysteresis}
@@ -157,19 +156,20 @@ def amp_checks(max_examples: int = 30) -> tuple[Any, Any, Any]:
 
 
 def check_counters_at_bound(amp: Any, step: Any, finite: bool = True) -> LossScaleState:
-    """Load a state with every counter at the int32 bound (growth tracker, steps, skipped), run one real
+    """Load a state with every counter at its bound (steps and skipped at the int32 bound, the growth tracker
+    at the largest value the rule reaches: :func:`unimp.loss_scale.max_growth_tracker`), run one real
     training step (``step(amp, finite)``) and compare the state with the reference
     :class:`unimp.LossScale` from the same state; the Amp then loads its own state dict. A backend whose
     native rule cannot run from that tracker refuses the load with a :class:`StateError` and changes
     nothing (then the check returns the unchanged state). Returns the state after the step.
 
-    The rule (:func:`unimp.loss_scale.rule.step`): counters saturate, a tracker at or past the interval grows
+    The rule (:func:`unimp.loss_scale.rule.step`): counters saturate, a tracker at the interval's end grows
     on the next finite step; no device counter wraps to -2**31.
     """
     from unimp.loss_scale import LossScale
 
     spec = amp._loss_scale_run()  # what the backend runs (the Plan with its fallbacks)
-    sd = {**amp.state_dict(), "growth_tracker": INT32_MAX, "steps": INT32_MAX, "skipped": INT32_MAX,
+    sd = {**amp.state_dict(), "growth_tracker": max_growth_tracker(spec), "steps": INT32_MAX, "skipped": INT32_MAX,
           "hysteresis_left": spec.hysteresis}
     if spec.mode == "dynamic":
         sd["scale"] = max(1024.0, spec.min)  # a real finite step stays finite in float16 at this scale

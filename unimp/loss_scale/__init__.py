@@ -104,6 +104,21 @@ def check_state(d: Any) -> list[str]:
     return problems
 
 
+def max_growth_tracker(spec: LossScaleSpec) -> int:
+    """The largest ``growth_tracker`` the rule of ``spec`` produces: ``growth_interval - 1`` (it grows and
+    resets on reaching the interval), ``growth_interval`` for Flax's ``interval_plus_one``, the int32
+    bound for DeepSpeed's ``window`` (never reset on growth), 0 when the scale is not dynamic.
+
+    >>> import unimp
+    >>> max_growth_tracker(unimp.load({"loss_scale": {"growth_interval": 3}}).loss_scale)
+    2
+    """
+    if spec.mode != "dynamic":
+        return 0
+    return {"interval": spec.growth_interval - 1, "interval_plus_one": spec.growth_interval}.get(
+        spec.growth_schedule, INT32_MAX)
+
+
 def policy_problems(spec: LossScaleSpec, st: LossScaleState) -> list[str]:
     """What in a well-formed state (:func:`check_state`) the rule of ``spec`` cannot hold or never
     produces, each naming the key and the fix; ``[]`` when :meth:`LossScale.update` runs from it.
@@ -130,6 +145,13 @@ def policy_problems(spec: LossScaleSpec, st: LossScaleState) -> list[str]:
                    f"policy with min = 0 backs off to 0")
     if st.hysteresis_left > spec.hysteresis:
         out.append(f"hysteresis_left: {st.hysteresis_left} is above loss_scale.hysteresis ({spec.hysteresis})")
+    top = max_growth_tracker(spec)
+    if st.growth_tracker > top:
+        why = (f"loss_scale.mode = {spec.mode!r} never counts toward growth" if spec.mode != "dynamic" else
+               f"loss_scale.growth_schedule = {spec.growth_schedule!r} with growth_interval = "
+               f"{spec.growth_interval} grows the scale and resets the count before it gets there")
+        out.append(f"growth_tracker: {st.growth_tracker} is out of range 0 to {top}: {why}; load a state saved "
+                   f"under this policy")
     return out
 
 

@@ -119,8 +119,8 @@ def step(ops: ArrayOps, spec: LossScaleSpec, st: Arrays, finite: Any) -> tuple[A
     full, zero = ops.counter(spec.hysteresis), ops.counter(0)
     n = spec.growth_interval
     # ---- a finite step
-    # tracker + 1 is only taken below the bound: no int32 counter ever wraps (a loaded tracker past
-    # the interval grows on the next finite step, as tracker + 1 >= n says)
+    # tracker + 1 is only taken below the bound: no int32 counter ever wraps (a tracker past the
+    # interval, which a load refuses, would grow on the next finite step, as tracker + 1 >= n says)
     if spec.growth_schedule == "interval":
         grow = tracker >= n - 1
         tracker_ok = ops.where(grow, zero, tracker + 1)

@@ -38,11 +38,13 @@ from unimp.migrate.common import (
     finish,
     kwargs_of,
     leading_name,
+    pasted_json,
+    plain,
     refuse,
     relabel,
 )
 from unimp.policy import Policy
-from unimp.policy.spec import short
+from unimp.policy.spec import short, show
 
 SYSTEM = "accelerate"
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
@@ -61,6 +63,9 @@ def import_policy(mixed_precision: str = "no", grad_scaler_kwargs: Mapping[str, 
         raise bad(source, "mixed_precision", f"{short(mixed_precision)} is not one of {', '.join(PRECISIONS)}")
     if mixed_precision == "fp8":
         return _fp8({"fp8_config": {"backend": "TE"}}, source, ignored)
+    if grad_scaler_kwargs is not None and not isinstance(grad_scaler_kwargs, Mapping):
+        raise bad(source, "GradScalerKwargs", f"expected a table of GradScaler arguments (e.g. init_scale: 1024), "
+                                              f"got {show(grad_scaler_kwargs)}")
     kw = dict(grad_scaler_kwargs or {})
     check_keys(kw, SCALER_KEYS, source, "GradScalerKwargs.")
     if kw and mixed_precision != "fp16":
@@ -97,12 +102,7 @@ def import_policy(mixed_precision: str = "no", grad_scaler_kwargs: Mapping[str, 
 
 def from_cli(raw: Any, source: str) -> Imported:
     if isinstance(raw, str) and raw.lstrip().startswith("{"):  # a JSON table pasted as a string
-        import json
-
-        try:
-            raw = json.loads(raw)
-        except ValueError as e:
-            raise bad(source, "", f"not a JSON table ({e})") from None
+        raw = plain(pasted_json(raw, source, "", "not a JSON table"), source)
     if isinstance(raw, str) and ":" in raw and "(" not in raw and "=" not in raw:  # lines pasted from the YAML file
         from unimp.migrate.common import pasted_yaml
 

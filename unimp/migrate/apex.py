@@ -59,7 +59,7 @@ def _val(v: Any) -> str:
 def import_policy(opt_level: str = "O1", *, source: str = "apex.amp.initialize", **overrides: Any) -> Imported:
     """The policy of ``amp.initialize(model, optimizer, opt_level=opt_level, **overrides)``."""
     check_keys(overrides, OVERRIDES, source)
-    if opt_level not in LEVELS:
+    if not isinstance(opt_level, str) or opt_level not in LEVELS:
         raise bad(source, "opt_level", f"{short(opt_level)} is not one of O0, O1, O2, O3 (letter O, not zero)")
     overrides = {k: v for k, v in overrides.items() if v is not None}  # None: the opt_level's value
     notes = []

@@ -26,6 +26,7 @@ from unimp.policy import Policy
 from unimp.policy.loading import load, preset_names
 from unimp.policy.resolve import flatten
 from unimp.policy.spec import FLT_MAX, TABLES, short, show
+from unimp.text import printable
 
 MAX_TEXT = 65536  # characters of a pasted configuration (an AST of a longer one is not worth building)
 MAX_VALUES = 20_000  # values (tables, lists, scalars; an alias counted each time it is used) in one source
@@ -96,19 +97,6 @@ def has_knob(path: str) -> bool:
     return key in TABLES.get(table, {})
 
 
-def printable(text: str) -> str:
-    r"""``text`` safe for a terminal and a TOML comment: control characters (newlines included),
-    escape sequences and lone surrogates escaped.
-
-    >>> print(printable("a\x1b[31mb\ncd\udc80"))
-    a\x1b[31mb\ncd\udc80
-    """
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
-                   for c in text)
-
-
 def name(key: Any) -> str:
     """A source key (or location) as quoted in a message or comment: escaped, at most ``MAX_NAME`` characters."""
     text = key if isinstance(key, str) else show(key)
@@ -124,6 +112,17 @@ def refuse(source: str, key: str, message: str, fix: str) -> UnsupportedError:
 def bad(source: str, key: str, message: str) -> PolicyError:
     """Malformed source input: names the source (file or ``<argument>``) and the key."""
     return PolicyError(f"{printable(source)}: {name(key) + ': ' if key else ''}{message}")
+
+
+def pasted_json(text: str, source: str, key: str, what: str) -> Any:
+    """``text`` (a JSON document pasted or written by a script) parsed in bounded work: deep nesting and
+    duplicate keys are located errors (``what``: what it should have been), never a RecursionError."""
+    from unimp.policy.resolve import parse_text
+
+    try:
+        return parse_text(text, "json")
+    except PolicyError as e:
+        raise bad(source, key, f"{what} ({e})") from None
 
 
 def pasted_yaml(text: str, source: str, expected: str) -> Any:
@@ -157,7 +156,9 @@ def plain(raw: Any, source: str) -> Any:
     while stack:
         value, parent, slot, where, depth = stack.pop()
         count += 1
-        if count > MAX_VALUES:
+        # a table or list of more items than the bound allows is refused before its items are walked
+        if count > MAX_VALUES or (isinstance(value, Mapping | list | tuple)
+                                  and len(value) > MAX_VALUES - count - len(stack)):
             raise bad(source, "", f"over {MAX_VALUES} values (YAML aliases count each time they are used); a "
                                   f"mixed-precision configuration holds far fewer: pass the file itself, "
                                   f"without aliases")

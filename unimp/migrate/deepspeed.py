@@ -168,6 +168,7 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
     model code run under the engine adds, e.g. Megatron's float32 loss, applied to the draft)."""
     if not isinstance(config, Mapping):
         raise bad(source, "", "expected a JSON object (the DeepSpeed config)")
+    config = plain(config, source)  # the bounds of every source (the CLI's too): size, depth, value types
     config = resolve_auto(config, trainer_args(assume, source), source)
     added = config.pop("__added__", [])
     fp16 = _section(config, "fp16", source)

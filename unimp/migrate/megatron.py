@@ -40,7 +40,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from unimp.errors import UnimpWarning
-from unimp.migrate.common import MAX_TEXT, Draft, Exported, Imported, bad, finish, has_knob, number, refuse, relabel
+from unimp.migrate.common import (
+    MAX_TEXT,
+    Draft,
+    Exported,
+    Imported,
+    bad,
+    finish,
+    has_knob,
+    number,
+    pasted_json,
+    refuse,
+    relabel,
+)
 from unimp.policy import Policy
 from unimp.policy.spec import short
 
@@ -167,8 +179,15 @@ def parse_args(args: str | Sequence[str], source: str = "megatron") -> tuple[dic
 def _parse(args: str | Sequence[str], source: str) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
     if isinstance(args, str):
         words, assigned, docs, positional = _words(args, source)
-    else:
+    else:  # the bounds of a command line, the same as a script's (and the CLI's)
+        if not isinstance(args, Sequence) or len(args) > MAX_WORDS:
+            raise bad(source, "", f"over {MAX_WORDS} arguments; pass the training command line itself"
+                      if isinstance(args, Sequence) else f"expected a command line (a string or a list of "
+                                                         f"strings), got {short(args)}")
         words, assigned, docs, positional = list(args), {}, {}, []
+        if not all(isinstance(w, str) for w in words):
+            raise bad(source, "", "expected a command line: every argument a string (e.g. ['--fp16', "
+                                  "'--loss-scale-window', '1000'])")
     got: dict[str, Any] = {}
     other: list[str] = []
     defaults: list[str] = []
@@ -415,11 +434,8 @@ def _deepspeed(got: dict[str, Any], other: list[str], script: dict[str, Any], so
     script = {**script, "referenced": script.get("referenced", set()) | _names(body) | _names(path)}
     text = _VAR.sub(lambda m: json.dumps(_expand(m.group(0), script["assigned"])) if "$" in
                     _expand(m.group(0), script["assigned"]) else _expand(m.group(0), script["assigned"]), body)
-    try:
-        cfg = json.loads(text)
-    except ValueError as e:
-        raise bad(source, "--deepspeed_config", f"the DeepSpeed config the script writes is not JSON after its "
-                                                f"variables are filled in ({e})") from None
+    cfg = pasted_json(text, source, "--deepspeed_config", "the DeepSpeed config the script writes is not JSON after "
+                                                         "its variables are filled in")
     imp = deepspeed.import_policy(cfg, source=f"{source}: --deepspeed_config {path} (the script's heredoc)",
                                   model=lambda d: _deepspeed_model(d, got, other))
     ds_low = {"float16": "--fp16", "bfloat16": "--bf16"}.get(imp.policy.param_dtype)

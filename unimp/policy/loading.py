@@ -73,10 +73,13 @@ def dumps(policy: Policy, fmt: str = "toml") -> str:
 
 
 def dump(policy: Policy, path: str | os.PathLike) -> Path:
-    """Write the resolved policy to ``path``; the format follows the file's suffix."""
+    """Write the resolved policy to ``path``, whole or not at all (:func:`unimp.files.write_file`); the
+    format follows the file's suffix."""
+    from unimp.files import shown, write_file
+
     p = Path(path)
     fmt = FORMATS.get(p.suffix.lower())
     if fmt is None:
-        raise PolicyError(f"{p}: unknown file type {p.suffix!r} (use .toml, .yaml, .yml or .json)")
-    p.write_text(dumps(policy, fmt))
+        raise PolicyError(f"{shown(p)}: unknown file type {shown(p.suffix)!r} (use .toml, .yaml, .yml or .json)")
+    write_file(p, dumps(policy, fmt), where=f"dump({shown(p)!r})")
     return p

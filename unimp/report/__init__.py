@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from unimp.text import printable, printable_lines
+
 
 @dataclass(frozen=True)
 class ReportRow:
@@ -116,7 +118,9 @@ def numerics_view(numerics: dict[str, Any] | None) -> list[str]:
 
 def format_table(header: tuple[str, ...], rows: Iterable[tuple[str, ...]], title: str = "",
                  footer: Iterable[str] = ()) -> str:
-    rows = [header, *rows]
+    """A plain-text table; every cell, the title and the footer lines printable (:func:`unimp.text.printable`:
+    a module path or key holding a control sequence is shown escaped, never sent to the terminal)."""
+    rows = [tuple(printable(str(c)) for c in r) for r in (header, *rows)]
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    return "\n".join(([title] if title else []) + lines + list(footer))
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(([printable_lines(title)] if title else []) + lines + [printable_lines(f) for f in footer])

@@ -53,7 +53,7 @@ def _value(value: Any) -> str:
 
 
 def _comment(text: str) -> str:
-    from unimp.migrate.common import printable  # not at import: `import unimp` stays fast
+    from unimp.text import printable
 
     return f"# {printable(text)}"
 

@@ -64,10 +64,12 @@ class Tuned:
     max_output_divergence: float
 
     def write(self, path: str | os.PathLike) -> Path:
-        """Write the policy file (TOML) to ``path``."""
-        p = Path(path)
-        p.write_text(self.text)
-        return p
+        """Write the policy file (TOML) to ``path``, whole or not at all (:func:`unimp.files.write_file`: a
+        failure is a :class:`~unimp.errors.FileError` and leaves no partial file)."""
+        from unimp.files import shown, write_file
+
+        write_file(path, self.text, where=f"Tuned.write({shown(path)!r})")
+        return Path(path)
 
     def __str__(self) -> str:
         s = self.sensitivity

@@ -23,10 +23,13 @@ True
 from __future__ import annotations
 
 import os
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from unimp.errors import FileError, UnimpWarning
+from unimp.text import printable
 from unimp.watch.order import Event, first_nonfinite
 from unimp.watch.records import AT_LEAST, COUNTS, LayerStats, StepRecord
 from unimp.watch.summary import Summary
@@ -65,7 +68,7 @@ class Watch:
         self.path = None
         if path is not None:
             if not isinstance(path, str | os.PathLike):
-                raise ValueError(f"amp.watch(path={path!r:.40}): a file name (str or path), e.g. 'numerics.jsonl'")
+                raise FileError(f"amp.watch(path={path!r:.40}): a file name (str or path), e.g. 'numerics.jsonl'")
             jsonl = JsonLines(path)
             self.path = jsonl.path
             self._writers.append(jsonl)
@@ -86,7 +89,8 @@ class Watch:
 
     def sampled(self, step: int) -> bool:
         """Whether step ``step`` is sampled: the first step watched, then every ``every``-th."""
-        return self._start is not None and step >= self._start and (step - self._start) % self.every == 0
+        return (not self.closed and self._start is not None and step >= self._start
+                and (step - self._start) % self.every == 0)
 
     def add(self, step: int, *, skipped: bool, scale: float | None, sampled: bool,
             layers: Iterable[tuple[str, str, str, float, Mapping[str, float] | Sequence[float]]] = (),
@@ -111,7 +115,13 @@ class Watch:
         d = record.to_dict()
         self._records.append(d)
         for write in self._writers:
-            write(d)
+            try:
+                write(d)
+            except FileError as e:  # a full disk: training goes on, the watch stops (its file ends whole)
+                warnings.warn(f"{e}; the watch stopped at step {step} (its records so far stay in "
+                              f"watch.records and the file); training goes on", UnimpWarning, stacklevel=2)
+                self.close()
+                break
         return d
 
     # ------------------------------------------------------------------ for users
@@ -157,4 +167,4 @@ class Watch:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "watching"
         return (f"<unimp.Watch every={self.every} localize={self.localize} {state}, {len(self)} records"
-                + (f", {self.path}" if self.path else "") + ">")
+                + (f", {printable(str(self.path))}" if self.path else "") + ">")

@@ -35,27 +35,24 @@ def _finite(value: Any) -> Any:
 
 
 class JsonLines:
-    """Appends each record it is called with to ``path`` as one line of strict JSON (created if missing)."""
+    """Appends each record it is called with to ``path`` as one line of strict JSON (created if missing).
+
+    Each record is written whole or not at all (:class:`unimp.files.AppendLog`): a full disk leaves
+    the file ending with the last whole record and raises a :class:`~unimp.errors.FileError` (the
+    watch then stops with a warning; training goes on). A target that is not a regular file (a
+    FIFO, a device, a directory) is refused at once."""
 
     def __init__(self, path: str | os.PathLike[str], *, argument: str = "path") -> None:
-        p = Path(path)
-        if p.is_dir() or not p.parent.is_dir():
-            raise ValueError(f"{argument}={str(path)!r}: " + (
-                "is a directory; name a file in it, e.g. numerics.jsonl" if p.is_dir()
-                else f"its directory {str(p.parent)!r} does not exist; create it first"))
-        try:
-            self._file = p.open("a", encoding="utf-8")
-        except OSError as e:
-            raise ValueError(f"{argument}={str(path)!r}: cannot be opened for writing ({e.strerror}); "
-                             f"name a writable file") from None
-        self.path = p
+        from unimp.files import AppendLog, shown
+
+        self._log = AppendLog(path, where=f"amp.watch({argument}={shown(path)!r})")
+        self.path = Path(path)
 
     def __call__(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(_finite(record), allow_nan=False) + "\n")
-        self._file.flush()
+        self._log.append(json.dumps(_finite(record), allow_nan=False) + "\n")
 
     def close(self) -> None:
-        self._file.close()
+        self._log.close()
 
 
 class ScalarWriter:

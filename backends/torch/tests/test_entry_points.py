@@ -172,3 +172,106 @@ def test_copies_and_pickles_run_their_own_entry_points():
         with OpLog() as log:
             got = _generate(other, inputs)
         assert torch.equal(got, want) and all(d == torch.bfloat16 for _, d in log.ops)
+
+
+# ---------------------------------------------------------------- amp.report() after an entry point (issue 32)
+
+def pegasus():
+    cfg = transformers.PegasusConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+                                     decoder_start_token_id=0)
+    return transformers.PegasusForConditionalGeneration(cfg), {"input_ids": torch.randint(2, 64, (2, 7))}
+
+
+def mamba():
+    cfg = transformers.MambaConfig(vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=1, expand=2,
+                                   conv_kernel=4, time_step_rank=4)
+    return transformers.MambaForCausalLM(cfg), {"input_ids": torch.randint(2, 64, (2, 7))}
+
+
+class WeightLog(torch.overrides.TorchFunctionMode):
+    """Output dtype of the first computation that takes each module's weight (or a view of it: squeeze,
+    unsqueeze) as an argument, under native autocast: what a layer computed in when its parent used its
+    weight directly."""
+
+    VIEWS = ("squeeze", "unsqueeze", "view", "t", "transpose")
+
+    def __init__(self, model):
+        super().__init__()
+        self.weights = {id(m.weight): path for path, m in model.named_modules()
+                        if isinstance(getattr(m, "weight", None), torch.Tensor)}
+        self.views, self.dtypes = {}, {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        paths = [self.weights.get(id(a)) or self.views.get(id(a)) for a in args]
+        path = next((p for p in paths if p), None)
+        if path is not None and isinstance(out, torch.Tensor):
+            if getattr(func, "__name__", "") in self.VIEWS:
+                self.views[id(out)] = path
+            else:
+                self.dtypes.setdefault(path, out.dtype)
+        return out
+
+
+def _native_module_dtypes(model, call):
+    """Per module, the output dtype of its last call (hooks) under native autocast around ``call``."""
+    seen, handles = {}, []
+    for path, m in model.named_modules():
+        def hook(_m, _a, out, path=path):
+            first = out[0] if isinstance(out, tuple | list) else out
+            if isinstance(first, torch.Tensor) and first.is_floating_point():
+                seen[path] = unimp.dtypes.dtype_name(first.dtype)
+        handles.append(m.register_forward_hook(hook))
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            call(model)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def test_report_after_generate_lists_every_layer_that_ran_encoder_included():
+    """HF Pegasus: generate() runs the encoder once (get_encoder()(...)), then the decoder per token; the
+    report after it lists the encoder's rows too (they were '-': only the first forward was observed), with
+    the dtypes native autocast gives each layer, and says which call the rows come from."""
+    torch.manual_seed(0)
+    model, inputs = pegasus()
+    model.eval()
+    call = lambda m: _generate(m, inputs)
+    native = _native_module_dtypes(copy.deepcopy(model), call)
+    assert any(p.startswith("model.encoder.layers") for p in native)
+    amp = unimp.apply("torch_autocast_cpu", model)
+    call(amp.model)
+    report = amp.report()
+    rows = {r.path: r for r in report.rows}
+    encoder = [p for p in rows if p.startswith("model.encoder.") and p in native]
+    assert encoder and all(rows[p].output_dtype == native[p] for p in encoder), \
+        {p: (rows[p].output_dtype, native[p]) for p in encoder}
+    ran = [p for p in rows if p in native]
+    assert all(rows[p].output_dtype == native[p] for p in ran)
+    assert rows["model.encoder.layers.0.fc1"].compute_dtype == "bfloat16"
+    assert "rows observed during the first call after apply: model.generate()" in str(report)
+    amp.remove()
+
+
+def test_report_fills_layers_whose_weights_their_parent_uses_mamba():
+    """HF Mamba's mixer computes with ``self.conv1d.weight`` (F.conv1d) and ``self.dt_proj.weight @ x``
+    without calling those modules: their report rows carry the dtype native autocast computes those ops in
+    (they were empty)."""
+    torch.manual_seed(0)
+    model, inputs = mamba()
+    model.eval()
+    ref = copy.deepcopy(model)
+    log = WeightLog(ref)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), log:
+        _generate(ref, inputs)
+    amp = unimp.apply("torch_autocast_cpu", model)
+    _generate(amp.model, inputs)
+    rows = {r.path: r for r in amp.report().rows}
+    for layer in ("backbone.layers.0.mixer.conv1d", "backbone.layers.0.mixer.dt_proj"):
+        want = unimp.dtypes.dtype_name(log.dtypes[layer])
+        assert (rows[layer].compute_dtype, rows[layer].output_dtype) == (want, want), (layer, rows[layer])
+    amp.remove()

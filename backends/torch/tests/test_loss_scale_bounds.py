@@ -43,8 +43,8 @@ def test_gradscaler_at_the_bound_it_can_reach_and_past_it():
     """torch.amp.GradScaler keeps _growth_tracker in int32 and grows at tracker + 1 == growth_interval
     (aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp, _amp_update_scale_cpu_): from the largest
     tracker it produces itself (interval - 1, interval 2**31 - 1) it grows, and so does unimp; from
-    2**31 - 1 (a state only a checkpoint can hold) torch wraps to -2**31 and keeps its scale, where
-    the reference grows: unimp follows the reference (the wrapped state is not even loadable)."""
+    2**31 - 1 (a state only a checkpoint can hold) torch wraps to -2**31 and keeps its scale: unimp
+    refuses to load that state (a tracker past what the rule reaches, issue 32)."""
     spec = unimp.load("torch_autocast_cuda").replace(loss_scale={"growth_interval": INT32_MAX}).loss_scale
     for tracker, torch_grows in ((INT32_MAX - 1, True), (INT32_MAX, False)):
         scaler = torch.amp.GradScaler("cpu", growth_interval=INT32_MAX)
@@ -57,6 +57,11 @@ def test_gradscaler_at_the_bound_it_can_reach_and_past_it():
         if not torch_grows:
             assert scaler._growth_tracker.item() == -(2**31)
         amp = _apply(unimp.load("torch_autocast_cuda").replace(loss_scale={"growth_interval": INT32_MAX}))
+        if not torch_grows:
+            with pytest.raises(unimp.StateError, match=f"growth_tracker: {tracker} is out of range 0 to {tracker - 1}"):
+                amp.load_state_dict({**amp.state_dict(), "growth_tracker": tracker})
+            amp.remove()
+            continue
         amp.load_state_dict({**amp.state_dict(), "growth_tracker": tracker})
         _step(amp)
         want = LossScale(spec).update(LossScaleState(65536.0, tracker, 1, 0, 0), True).state

@@ -180,6 +180,9 @@ class TorchAmp(Amp):
                           fp8.get(path))
                 for path, r in observed.items() if is_layer(path, self.module.get_submodule(path))]
         notes = [f"wrapped per layer: {', '.join(self.wrapped)}"] if self.wrapped else []
+        if not (args or kwargs) and self._observer.entry is not None:
+            notes.append(f"rows observed during the first call after apply: model.{self._observer.entry}() (every "
+                         f"forward it made)")
         notes += Fp8Decision.report_notes(self.fp8.decisions) if self.fp8 is not None else []
         return self.report_header(rows, notes)
 

@@ -298,9 +298,13 @@ class PolicyMethod:
         self.__doc__ = getattr(self.__wrapped__, "__doc__", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.forward.module
+        module, forward = self.forward.module, self.forward
         method = functools.partial(getattr(type(module), self.name), module)
-        return self.forward._run(torch.compiler.is_compiling(), args, kwargs, method)
+        compiling = torch.compiler.is_compiling()
+        if not compiling and forward.observer is not None:  # the first call after apply: observed whole (all
+            observer, forward.observer = forward.observer, None  # the forwards generate() makes, its encoder's)
+            return observer.run(module, lambda: forward._run(False, args, kwargs, method), entry=self.name)
+        return forward._run(compiling, args, kwargs, method)
 
     @property
     def __signature__(self) -> inspect.Signature:  # the bound method's (callers read it: HF generate does)

@@ -2,8 +2,12 @@
 
 A ``TorchFunctionMode`` records the output dtype of the first compute function each module calls
 itself (after autocast and unimp's op rules acted on it); forward hooks record output dtypes.
-Casts, views and factories do not count as compute. The first forward after ``apply`` is observed
-as it runs (:class:`Observer`); ``amp.report(x)`` runs :func:`observe` on an example input.
+Casts, views and factories do not count as compute. A layer whose parent computes with its
+weights instead of calling it (HF Mamba's mixer: ``F.conv1d(x, self.conv1d.weight...)``,
+``self.dt_proj.weight @ x``) gets the dtypes of those computations. The first call after
+``apply`` is observed as it runs (:class:`Observer`): the first forward, or the first call of another
+entry point (``generate()``: the encoder once, the decoder at every step, all of it); ``amp.report(x)``
+runs :func:`observe` on an example input.
 
 >>> import torch
 >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))
@@ -15,6 +19,7 @@ as it runs (:class:`Observer`); ``amp.report(x)`` runs :func:`observe` on an exa
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -68,22 +73,54 @@ class _Recorder(TorchFunctionMode):
     mode would change how some backends' kernels record gradients in the observed forward).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, owners: dict[int, tuple[torch.Tensor, list[str]]] | None = None) -> None:
         super().__init__()
         self.stack: list[str] = []
         self.compute: dict[str, str] = {}
         self.attention: dict[str, str] = {}  # path -> dtype of the attention op it calls itself
+        # id(weight or a view of it) -> (the tensor, the paths of the modules holding it); a weak dict of views
+        self.owners = owners if owners is not None else {}
+        self.views: dict[int, tuple[weakref.ref, list[str]]] = {}
+        self.by_weight: dict[str, str] = {}  # path -> dtype of the first computation its parent made with its weights
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         path = self.stack[-1] if self.stack else None
-        if path is not None and getattr(func, "__name__", "") in ATTENTION_OPS and path not in self.attention:
+        name = getattr(func, "__name__", "")
+        if path is not None and name in ATTENTION_OPS and path not in self.attention:
             self.attention[path] = _dtype(out)
-        if path is not None and path not in self.compute and getattr(func, "__name__", "") not in NOT_COMPUTE:
+        if path is not None and path not in self.compute and name not in NOT_COMPUTE:
             d = _dtype(out)
             if d and d in NAMES.values():
                 self.compute[path] = d
+        if path is not None and self.owners:
+            self._weights(path, name, args, kwargs, out)
         return out
+
+    def _owners(self, t: Any) -> list[str]:
+        if not isinstance(t, torch.Tensor):
+            return []
+        held = self.owners.get(id(t))
+        if held is not None and held[0] is t:
+            return held[1]
+        view = self.views.get(id(t))
+        return view[1] if view is not None and view[0]() is t else []
+
+    def _weights(self, path: str, name: str, args: tuple, kwargs: dict | None, out: Any) -> None:
+        """A computation of ``path`` with the weights of a module below it (not called itself): its dtypes
+        are that module's; a view or cast of such a weight is followed to where it is used."""
+        tensors = [*args, *(kwargs or {}).values()]
+        below = [p for t in tensors for p in self._owners(t) if p.startswith(f"{path}.") or (not path and p)]
+        if not below:
+            return
+        if name in NOT_COMPUTE:
+            if isinstance(out, torch.Tensor):
+                self.views[id(out)] = (weakref.ref(out), below)
+            return
+        d = _dtype(out)
+        if d and d in NAMES.values():
+            for p in below:
+                self.by_weight.setdefault(p, d)
 
 
 class Observer:
@@ -95,16 +132,21 @@ class Observer:
 
     def __init__(self) -> None:
         self.rows: dict[str, dict[str, Any]] | None = None
+        self.entry: str | None = None  # the entry point observed (None: forward)
 
-    def run(self, model: nn.Module, fn: Callable[[], Any]) -> Any:
-        rec = _Recorder()
+    def run(self, model: nn.Module, fn: Callable[[], Any], entry: str | None = None) -> Any:
+        """``fn()`` observed. ``entry``: the name of the entry point ``fn`` calls (``"generate"``) instead of
+        the forward: the model's own forward calls inside it are hooked too (its row's output dtype)."""
+        owners: dict[int, tuple[torch.Tensor, list[str]]] = {}
         rows: dict[str, dict[str, Any]] = {}
         handles = []
         for path, m in model.named_modules():
             params = [p for p in m.parameters(recurse=False) if p.is_floating_point()]
             rows[path] = {"kind": kind(m) or report_kind(m), "param_dtype": _dtype(params[0]) if params else None,
                           "compute_dtype": None, "output_dtype": None, "types": type_names(m)}
-            if not path:
+            for p in params:
+                owners.setdefault(id(p), (p, []))[1].append(path)
+            if not path and entry is None:
                 continue  # the root: recorded around fn (its own hooks are decided before it runs)
 
             def pre(_m: nn.Module, _a: Any, path: str = path) -> None:
@@ -115,6 +157,7 @@ class Observer:
                 rows[path]["output_dtype"] = _dtype(out)
 
             handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+        rec = _Recorder(owners)
         rec.stack.append("")
         try:
             with rec:
@@ -122,14 +165,17 @@ class Observer:
         finally:
             for h in handles:
                 h.remove()
-        rows[""]["output_dtype"] = _dtype(out)
+        if entry is None:
+            rows[""]["output_dtype"] = _dtype(out)
         for path, row in rows.items():
             row["compute_dtype"] = rec.compute.get(path)
+            if path and row["output_dtype"] is None and path in rec.by_weight:  # never called: what its weights made
+                row["compute_dtype"] = row["output_dtype"] = rec.by_weight[path]
             if row["kind"] == "attention" and path in rec.attention:  # a block: its attention op's dtype
                 row["compute_dtype"] = rec.attention[path]
             if row["kind"] == "batch_norm" and row["param_dtype"] == "float32" and row["compute_dtype"]:
                 row["compute_dtype"] = "float32"  # torch's batch_norm computes in its fp32 params' dtype
-        self.rows = rows
+        self.rows, self.entry = rows, entry
         return out
 
 

@@ -182,7 +182,10 @@ class TorchWatch(_NotCopied):
     # ------------------------------------------------------------------ install
     def arm(self) -> None:
         """Hooks for the next step: eager, installed when it is sampled (or always with ``localize``), else
-        none; once the model runs compiled, installed for good (see the module's docstring)."""
+        none; once the model runs compiled, installed for good (see the module's docstring). None once the
+        watch closed (a full disk under its file closes it from inside the step's record)."""
+        if self.session.closed:
+            return
         compiled = getattr(self.amp.module.__dict__.get("forward"), "compiled_inputs", None) is not None
         if compiled and not self.compiled:
             self.compiled = True

@@ -29,13 +29,14 @@ True
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 from typing import Any
 
 import torch
 import transformers
 
-from unimp.spi import Plan, apply, load
+from unimp.spi import Plan, apply, files, load
 
 AMP_FILE = "unimp_amp.pt"
 
@@ -111,7 +112,10 @@ class UnimpTrainer(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         if self.amp is not None and self.args.should_save:
-            torch.save(self.amp.state_dict(), os.path.join(output_dir, AMP_FILE))
+            buffer = io.BytesIO()  # then written whole or not at all (a full disk leaves no partial file)
+            torch.save(self.amp.state_dict(), buffer)
+            path = os.path.join(output_dir, AMP_FILE)
+            files.write_file(path, buffer.getvalue(), where=f"checkpoint {files.shown(path)}")
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
