@@ -1,6 +1,6 @@
 """Hand-written native Keras mixed precision vs ``unimp.apply``, side by side in one process (CPU).
 
-    python bench/tensorflow_bench.py [--steps 40] [--rounds 8]
+    python bench/keras_bench.py [--steps 40] [--rounds 8]
 
 Both models have the same architecture and the same per-layer dtypes: the native one is built
 with ``dtype="mixed_bfloat16"`` on Dense/Conv1D and the pooling that follows them (unimp: an

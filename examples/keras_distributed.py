@@ -1,6 +1,6 @@
 """Data-parallel Keras training under one unimp policy: tf.distribute.MirroredStrategy, 2 CPU replicas.
 
-    python examples/tensorflow_distributed.py [policy.toml]
+    python examples/keras_distributed.py [policy.toml]
 
 The CPU is split into two logical devices (before TensorFlow initialises them), so this runs on
 any machine; on GPUs use ``MirroredStrategy()`` as usual. Model and optimizer are created inside

@@ -1,6 +1,6 @@
 """Train a small Keras model under the team's shared unimp policy (the training loop of docs/design.md).
 
-    python examples/tensorflow_train.py [policy.toml]
+    python examples/keras_train.py [policy.toml]
 
 Uses examples/team_policy.toml when present (else the mixed_bf16 preset). The model is built in
 float32 as usual; ``unimp.apply`` sets per-layer dtype policies and wraps the optimizer. It trains
