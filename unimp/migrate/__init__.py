@@ -24,7 +24,7 @@ from unimp.policy.spec import show
 SYSTEMS: dict[str, str] = {
     "deepspeed": "deepspeed", "apex": "apex", "accelerate": "accelerate", "lightning": "lightning",
     "keras": "keras", "tf_keras": "keras", "torch": "torch", "paddle": "paddle", "jmp": "jmp",
-    "flax": "flax", "megatron": "megatron", "neox": "neox",
+    "flax": "flax", "megatron": "megatron", "neox": "neox", "hf_trainer": "hf_trainer",
 }
 
 
