@@ -1,0 +1,173 @@
+"""Lifetimes and interrupts under stress, framework-free: what every backend's lifetime tests drive.
+
+* :func:`sweep`: the hyper-parameter sweep pattern. ``trial(preset)`` applies a policy and trains a
+  step; what it returns (model, optimizer, Amp) is dropped without ``amp.remove()``, in a reference
+  cycle, ``trials`` times round the presets, while :class:`RandomCollections` runs full collections
+  at random lines of unimp's own code (the garbage collector may run at any allocation: inside a
+  lock, between two writes), ``gc.freeze()`` / ``gc.unfreeze()`` at two random trials hold dropped
+  Amps back then release them at once, all under a :func:`watchdog`, so a deadlock fails with every
+  thread's traceback instead of hanging CI.
+* :func:`interrupts`: the Ctrl-C pattern: ``KeyboardInterrupt`` raised at the k-th line that runs in
+  the named files, for every k (a tracing hook: nothing of the framework is replaced).
+
+>>> preset_cycle(["fp32", "mixed_bf16"], 3)
+['fp32', 'mixed_bf16', 'fp32']
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import faulthandler
+import gc
+import random
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+_OWN = (f"{Path(__file__).parents[1]}", "unimp_")  # the core's files, and every backend package's
+
+
+def _ours(path: str) -> bool:
+    return path.startswith(_OWN[0]) or _OWN[1] in path
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float) -> Iterator[None]:
+    """Inside, a hang fails: after ``seconds`` every thread's traceback goes to stderr and the process
+    exits (``faulthandler.dump_traceback_later``; a deadlocked thread could never be cleaned up)."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+class RandomCollections:
+    """While entered (in this thread): ``gc.collect()`` at each line of unimp's code with probability ``p``.
+
+    ``inside`` counts, per function of unimp's, the collections that started while it was running
+    (read from ``gc.callbacks``, so collections the interpreter starts itself count too): a test
+    asserts its critical sections really saw one.
+    """
+
+    def __init__(self, p: float = 0.02, seed: int = 0) -> None:
+        self.p = p
+        self.rng = random.Random(seed)
+        self.collections = 0
+        self.inside: collections.Counter[str] = collections.Counter()
+
+    def _trace(self, frame: Any, event: str, arg: Any) -> Any:
+        if not _ours(frame.f_code.co_filename):
+            return None
+        return self._line
+
+    def _line(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and self.rng.random() < self.p:
+            gc.collect()
+        return self._line
+
+    def _seen(self, phase: str, info: dict) -> None:
+        if phase != "start":
+            return
+        self.collections += 1
+        frame = sys._getframe(1)
+        names = set()
+        while frame is not None:
+            if _ours(frame.f_code.co_filename):
+                names.add(frame.f_code.co_name)
+            frame = frame.f_back
+        self.inside.update(names)
+
+    def __enter__(self) -> RandomCollections:
+        gc.callbacks.append(self._seen)
+        sys.settrace(self._trace)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(None)
+        gc.callbacks.remove(self._seen)
+
+
+def preset_cycle(presets: Sequence[str], trials: int) -> list[str]:
+    """``trials`` preset names, round the list."""
+    return [presets[i % len(presets)] for i in range(trials)]
+
+
+def sweep(trial: Callable[[str], Iterable[Any]], presets: Sequence[str], trials: int = 200, *, seed: int = 0,
+          p: float = 0.02, timeout: float = 120.0) -> RandomCollections:
+    """Run ``trial(preset)`` ``trials`` times round ``presets``, dropping what each returns in a reference
+    cycle without ``remove()``, under random collections, freezes and a watchdog; returns the collections'
+    record. Warm up (one trial per preset) before: the freeze then keeps the imports out of every collection."""
+    rng = random.Random(seed)
+    hold, let_go = sorted(rng.sample(range(trials), 2))  # dropped Amps held back in between, then let go at once
+    gc.collect()
+    gc.freeze()  # what exists now (the frameworks) is never traversed again: collections stay cheap
+    try:
+        with watchdog(timeout), RandomCollections(p, seed) as gcs:
+            for i, preset in enumerate(preset_cycle(presets, trials)):
+                held: list[Any] = list(trial(preset))
+                held.append(held)  # model, optimizer and Amp in a cycle: only a collection frees them
+                del held
+                if i == hold:
+                    gc.freeze()
+                elif i == let_go:  # their finalizers run in one collection
+                    gc.unfreeze()
+                    gc.collect()
+                    gc.freeze()
+        return gcs
+    finally:
+        gc.unfreeze()
+        gc.collect()
+
+
+def _line_trace(files: Sequence[str], on_line: Callable[[Any], None]) -> Callable[..., Any]:
+    """A ``sys.settrace`` function calling ``on_line(frame)`` at each line run in ``files`` (path suffixes)."""
+    suffixes = tuple(files)
+
+    def line(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            on_line(frame)
+        return line
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        return line if frame.f_code.co_filename.endswith(suffixes) else None
+
+    return trace
+
+
+def interrupts(files: Sequence[str], run: Callable[[], Any], done: Callable[[Any], None]) -> Iterator[str | None]:
+    """The Ctrl-C pattern: for every line that ``run()`` executes in ``files`` (path suffixes), ``run()`` again
+    with a ``KeyboardInterrupt`` raised at that line; yields where (None if ``run()`` finished first: then
+    ``done(result)``, as after the first, counting run), after each attempt, for the caller's checks."""
+    count = [0]
+
+    def seen(frame: Any) -> None:
+        count[0] += 1
+
+    sys.settrace(_line_trace(files, seen))
+    try:
+        result = run()
+    finally:
+        sys.settrace(None)
+    done(result)
+    for k in range(count[0]):
+        left = [k]
+
+        def arrive(frame: Any) -> None:
+            if left[0] == 0:
+                sys.settrace(None)  # one interrupt, as one Ctrl-C
+                raise KeyboardInterrupt(f"injected at {Path(frame.f_code.co_filename).name}:{frame.f_lineno}")
+            left[0] -= 1
+
+        sys.settrace(_line_trace(files, arrive))
+        try:
+            result = run()
+        except KeyboardInterrupt as e:
+            yield str(e)
+            continue
+        finally:
+            sys.settrace(None)
+        done(result)
+        yield None
