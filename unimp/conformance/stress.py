@@ -21,8 +21,10 @@ import contextlib
 import faulthandler
 import gc
 import random
+import signal
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import traceback
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,31 +37,49 @@ def _ours(path: str) -> bool:
 
 @contextlib.contextmanager
 def watchdog(seconds: float) -> Iterator[None]:
-    """Inside, a hang fails: after ``seconds`` every thread's traceback goes to stderr and the process
-    exits (``faulthandler.dump_traceback_later``; a deadlocked thread could never be cleaned up)."""
-    faulthandler.dump_traceback_later(seconds, exit=True)
+    """Inside (the main thread), a hang fails instead of hanging CI: after ``seconds`` a ``SIGALRM``,
+    repeated every 50 ms, raises ``TimeoutError`` where the thread waits (acquiring a lock can be
+    interrupted so); one raised in a finalizer is swallowed by the interpreter, so the block fails on
+    leaving too, with the first stack it hung in. Should even that not end it, faulthandler dumps every
+    thread's traceback and exits the process at ``2 * seconds``."""
+    hung: list[str] = []
+
+    def alarm(signum: int, frame: Any) -> None:
+        if not hung:
+            hung.append("".join(traceback.format_stack(frame)))
+        raise TimeoutError(f"unimp watchdog: still running after {seconds} s (a deadlock?); where it hung:\n{hung[0]}")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 0.05)
+    faulthandler.dump_traceback_later(2 * seconds, exit=True)
     try:
         yield
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
         faulthandler.cancel_dump_traceback_later()
+    if hung:
+        raise TimeoutError(f"unimp watchdog: still running after {seconds} s (a deadlock?); where it hung:\n{hung[0]}")
 
 
 class RandomCollections:
-    """While entered (in this thread): ``gc.collect()`` at each line of unimp's code with probability ``p``.
+    """While entered (in this thread): ``gc.collect()`` at each line of unimp's code with probability ``p``
+    (of its functions named in ``where``, if given: garbage then lives until it reaches them).
 
     ``inside`` counts, per function of unimp's, the collections that started while it was running
     (read from ``gc.callbacks``, so collections the interpreter starts itself count too): a test
     asserts its critical sections really saw one.
     """
 
-    def __init__(self, p: float = 0.02, seed: int = 0) -> None:
+    def __init__(self, p: float = 0.02, seed: int = 0, where: Collection[str] | None = None) -> None:
         self.p = p
+        self.where = where  # only in unimp's functions of these names (None: in all of unimp's code)
         self.rng = random.Random(seed)
         self.collections = 0
         self.inside: collections.Counter[str] = collections.Counter()
 
     def _trace(self, frame: Any, event: str, arg: Any) -> Any:
-        if not _ours(frame.f_code.co_filename):
+        if not _ours(frame.f_code.co_filename) or (self.where is not None and frame.f_code.co_name not in self.where):
             return None
         return self._line
 
@@ -96,16 +116,16 @@ def preset_cycle(presets: Sequence[str], trials: int) -> list[str]:
 
 
 def sweep(trial: Callable[[str], Iterable[Any]], presets: Sequence[str], trials: int = 200, *, seed: int = 0,
-          p: float = 0.02, timeout: float = 120.0) -> RandomCollections:
+          p: float = 0.02, where: Collection[str] | None = None, timeout: float = 120.0) -> RandomCollections:
     """Run ``trial(preset)`` ``trials`` times round ``presets``, dropping what each returns in a reference
-    cycle without ``remove()``, under random collections, freezes and a watchdog; returns the collections'
-    record. Warm up (one trial per preset) before: the freeze then keeps the imports out of every collection."""
+    cycle without ``remove()``, under random collections (``p``, ``where``: :class:`RandomCollections`), freezes
+    and a watchdog; returns the collections' record. Warm up (one trial per preset) before: the freeze then keeps the imports out of every collection."""
     rng = random.Random(seed)
     hold, let_go = sorted(rng.sample(range(trials), 2))  # dropped Amps held back in between, then let go at once
     gc.collect()
     gc.freeze()  # what exists now (the frameworks) is never traversed again: collections stay cheap
     try:
-        with watchdog(timeout), RandomCollections(p, seed) as gcs:
+        with watchdog(timeout), RandomCollections(p, seed, where) as gcs:
             for i, preset in enumerate(preset_cycle(presets, trials)):
                 held: list[Any] = list(trial(preset))
                 held.append(held)  # model, optimizer and Amp in a cycle: only a collection frees them
