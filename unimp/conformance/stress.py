@@ -2,9 +2,8 @@
 
 * :func:`sweep`: the hyper-parameter sweep pattern. ``trial(preset)`` applies a policy and trains a
   step; what it returns (model, optimizer, Amp) is dropped without ``amp.remove()``, in a reference
-  cycle, ``trials`` times round the presets, while :class:`RandomCollections` runs full collections
-  at random lines of unimp's own code (the garbage collector may run at any allocation: inside a
-  lock, between two writes), ``gc.freeze()`` / ``gc.unfreeze()`` at two random trials hold dropped
+  cycle, ``trials`` times round the presets, while :class:`RandomCollections` runs collections at
+  random points (the garbage collector may run at any allocation: inside a lock, between two writes), ``gc.freeze()`` / ``gc.unfreeze()`` at two random trials hold dropped
   Amps back then release them at once, all under a :func:`watchdog`, so a deadlock fails with every
   thread's traceback instead of hanging CI.
 * :func:`interrupts`: the Ctrl-C pattern: ``KeyboardInterrupt`` raised at the k-th line that runs in
@@ -63,33 +62,40 @@ def watchdog(seconds: float) -> Iterator[None]:
 
 
 class RandomCollections:
-    """While entered (in this thread): ``gc.collect()`` at each line of unimp's code with probability ``p``
-    (of its functions named in ``where``, if given: garbage then lives until it reaches them).
+    """While entered (in this thread), collections at random points; ``inside`` counts, per function of unimp's,
+    the collections that started while it was running (read from ``gc.callbacks``): a test asserts its
+    critical sections really saw one.
 
-    ``inside`` counts, per function of unimp's, the collections that started while it was running
-    (read from ``gc.callbacks``, so collections the interpreter starts itself count too): a test
-    asserts its critical sections really saw one.
+    Without ``where``: the collector's thresholds are drawn anew after each collection (the youngest
+    generation from 1 to ``1 / p`` allocations, the older ones every 2), so collections run where
+    allocations happen, in unimp's code or the framework's, at almost no cost. With ``where`` (names of
+    unimp's functions): a ``gc.collect()`` at each of their lines with probability ``p`` instead, and
+    none elsewhere, so garbage lives until one of them runs (a tracing hook: slower).
     """
 
-    def __init__(self, p: float = 0.02, seed: int = 0, where: Collection[str] | None = None) -> None:
+    def __init__(self, p: float = 0.1, seed: int = 0, where: Collection[str] | None = None) -> None:
         self.p = p
-        self.where = where  # only in unimp's functions of these names (None: in all of unimp's code)
         self.rng = random.Random(seed)
+        self.where = where
         self.collections = 0
         self.inside: collections.Counter[str] = collections.Counter()
 
     def _trace(self, frame: Any, event: str, arg: Any) -> Any:
-        if not _ours(frame.f_code.co_filename) or (self.where is not None and frame.f_code.co_name not in self.where):
-            return None
-        return self._line
+        code = frame.f_code
+        return self._line if code.co_name in self.where and _ours(code.co_filename) else None  # type: ignore[operator]
 
     def _line(self, frame: Any, event: str, arg: Any) -> Any:
         if event == "line" and self.rng.random() < self.p:
             gc.collect()
         return self._line
 
+    def _threshold(self) -> None:
+        gc.set_threshold(self.rng.randint(1, max(1, round(1 / self.p))), 2, 2)
+
     def _seen(self, phase: str, info: dict) -> None:
-        if phase != "start":
+        if phase == "stop":
+            if self.where is None:
+                self._threshold()
             return
         self.collections += 1
         frame = sys._getframe(1)
@@ -101,13 +107,18 @@ class RandomCollections:
         self.inside.update(names)
 
     def __enter__(self) -> RandomCollections:
+        self.thresholds = gc.get_threshold()
         gc.callbacks.append(self._seen)
-        sys.settrace(self._trace)
+        if self.where is None:
+            self._threshold()
+        else:
+            sys.settrace(self._trace)
         return self
 
     def __exit__(self, *exc: object) -> None:
         sys.settrace(None)
         gc.callbacks.remove(self._seen)
+        gc.set_threshold(*self.thresholds)
 
 
 def preset_cycle(presets: Sequence[str], trials: int) -> list[str]:
@@ -116,7 +127,7 @@ def preset_cycle(presets: Sequence[str], trials: int) -> list[str]:
 
 
 def sweep(trial: Callable[[str], Iterable[Any]], presets: Sequence[str], trials: int = 200, *, seed: int = 0,
-          p: float = 0.02, where: Collection[str] | None = None, timeout: float = 120.0) -> RandomCollections:
+          p: float = 0.1, where: Collection[str] | None = None, timeout: float = 120.0) -> RandomCollections:
     """Run ``trial(preset)`` ``trials`` times round ``presets``, dropping what each returns in a reference
     cycle without ``remove()``, under random collections (``p``, ``where``: :class:`RandomCollections`), freezes
     and a watchdog; returns the collections' record. Warm up (one trial per preset) before: the freeze then keeps the imports out of every collection."""
