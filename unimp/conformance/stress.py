@@ -23,9 +23,14 @@ import random
 import signal
 import sys
 import traceback
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from unimp.backend import applied
+from unimp.errors import UnsupportedError
+from unimp.policy.loading import preset_names
 
 _OWN = (f"{Path(__file__).parents[1]}", "unimp_")  # the core's files, and every backend package's
 
@@ -119,6 +124,24 @@ class RandomCollections:
         sys.settrace(None)
         gc.callbacks.remove(self._seen)
         gc.set_threshold(*self.thresholds)
+
+
+def runnable(trial: Callable[[str], Any], presets: Sequence[str] | None = None) -> list[str]:
+    """The presets (all shipped ones by default) ``trial`` runs here, each run once: its warm-up before a
+    :func:`sweep` (an :class:`~unimp.errors.UnsupportedError`: a preset the backend declares it cannot run)."""
+    out = []
+    for preset in presets if presets is not None else preset_names():
+        try:
+            trial(preset)
+        except UnsupportedError:
+            continue
+        out.append(preset)
+    return out
+
+
+def dead_marks() -> list[int]:
+    """Ids still marked applied whose object is gone (a leak of the applied marks: must be empty)."""
+    return [i for i, entry in applied._applied.items() if isinstance(entry, weakref.ref) and entry() is None]
 
 
 def preset_cycle(presets: Sequence[str], trials: int) -> list[str]:

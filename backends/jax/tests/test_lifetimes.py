@@ -38,8 +38,7 @@ def test_sweep_of_dropped_amps_every_preset_cycles_random_collections_and_freeze
     claim and marks too) and gc.freeze(), under a watchdog; nothing of them stays, no applied mark is left."""
     import warnings
 
-    from unimp.backend import applied
-    from unimp.conformance.stress import sweep
+    from unimp.conformance.stress import dead_marks, runnable, sweep
 
     x = np.ones((2, 8), np.float32)
 
@@ -49,21 +48,13 @@ def test_sweep_of_dropped_amps_every_preset_cycles_random_collections_and_freeze
         amp.model(x)
         return model, amp
 
-    def runs(preset):  # warms it up before the sweep freezes the heap
-        try:
-            trial(preset)
-            return True
-        except unimp.UnsupportedError:  # a preset this backend declares it cannot run here (float64 scales)
-            return False
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # bf16-on-CPU and fallback warnings
-        presets = [p for p in unimp.preset_names() if runs(p)]
+        presets = runnable(trial)
         gcs = sweep(trial, presets, 200, seed=4, timeout=120)
     assert gcs.inside["claim"] > 0 and len(presets) > 10
     gc.collect()
-    assert not any(isinstance(r, weakref.ref) and r() is None for r in applied._applied.values())
-    assert not [o for o in gc.get_objects() if isinstance(o, nnx.Linear)]
+    assert not dead_marks() and not [o for o in gc.get_objects() if isinstance(o, nnx.Linear)]
 
 
 def test_a_report_in_one_thread_records_only_its_own_layer_calls():
