@@ -115,14 +115,14 @@ def test_racing_applies_to_one_model_one_wins():
         for _ in range(100):
             model, barrier, out = Model(), threading.Barrier(2), []
 
-            def run():
+            def run(model, barrier, out):
                 barrier.wait()
                 try:
                     out.append(unimp.apply("mixed_bf16", model, backend="lifetimes"))
                 except unimp.AlreadyAppliedError as e:
                     out.append(e)
 
-            threads = [threading.Thread(target=run) for _ in range(2)]
+            threads = [threading.Thread(target=run, args=(model, barrier, out)) for _ in range(2)]
             for t in threads:
                 t.start()
             for t in threads:

@@ -25,8 +25,8 @@ from unimp.watch import Watch, read_records
 __version__ = "0.1.0"
 
 __all__ = [
-    "CANONICAL_OPS", "OPS", "AlreadyAppliedError", "Amp", "Backend", "LossScale", "LossScaleState", "OpDecision", "Override",
-    "Plan", "Policy", "PolicyError", "Report", "ReportRow", "StateError", "UnimpWarning",
+    "CANONICAL_OPS", "OPS", "AlreadyAppliedError", "Amp", "Backend", "LossScale", "LossScaleState", "OpDecision",
+    "Override", "Plan", "Policy", "PolicyError", "Report", "ReportRow", "StateError", "UnimpWarning",
     "UnsupportedError", "Watch", "apply", "backends", "compile_ops", "detect", "dump", "dumps", "get_backend",
     "load", "preset_names", "read_records", "register_backend", "scope", "sensitivity", "trajectory", "tune",
 ]

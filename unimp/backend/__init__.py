@@ -358,7 +358,8 @@ class Amp(abc.ABC):
         memo[id(self)] = new
         try:
             # the copy is not watched (a watch holds a file and hooks on this Amp's model)
-            state = copy.deepcopy({k: v for k, v in vars(self).items() if k not in ("_applied_ids", "_watch", "_removing")}, memo)
+            own = ("_applied_ids", "_watch", "_removing")
+            state = copy.deepcopy({k: v for k, v in vars(self).items() if k not in own}, memo)
         except Exception as e:
             raise UnsupportedError(
                 f"copy.deepcopy(amp): the {self.backend} backend's objects cannot be copied "

@@ -3,9 +3,10 @@
 * :func:`sweep`: the hyper-parameter sweep pattern. ``trial(preset)`` applies a policy and trains a
   step; what it returns (model, optimizer, Amp) is dropped without ``amp.remove()``, in a reference
   cycle, ``trials`` times round the presets, while :class:`RandomCollections` runs collections at
-  random points (the garbage collector may run at any allocation: inside a lock, between two writes), ``gc.freeze()`` / ``gc.unfreeze()`` at two random trials hold dropped
-  Amps back then release them at once, all under a :func:`watchdog`, so a deadlock fails with every
-  thread's traceback instead of hanging CI.
+  random points (the garbage collector may run at any allocation: inside a lock, between two
+  writes), ``gc.freeze()`` / ``gc.unfreeze()`` at two random trials hold dropped Amps back then
+  release them at once, all under a :func:`watchdog`, so a deadlock fails with the stack it hung in
+  instead of hanging CI.
 * :func:`interrupts`: the Ctrl-C pattern: ``KeyboardInterrupt`` raised at the k-th line that runs in
   the named files, for every k (a tracing hook: nothing of the framework is replaced).
 
@@ -23,6 +24,7 @@ import random
 import signal
 import sys
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -139,6 +141,18 @@ def runnable(trial: Callable[[str], Any], presets: Sequence[str] | None = None) 
     return out
 
 
+def sweep_every_preset(trial: Callable[[str], Iterable[Any]], *, seed: int, trials: int = 200,
+                       timeout: float = 120.0) -> tuple[list[str], RandomCollections]:
+    """:func:`sweep` round every preset ``trial`` runs here (:func:`runnable`, which warms them up), the
+    framework's warnings silenced; then a full collection. The presets and the collections' record."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bf16 on this CPU, fallbacks, misaligned dims of tiny models
+        presets = runnable(trial)
+        gcs = sweep(trial, presets, trials, seed=seed, timeout=timeout)
+    gc.collect()
+    return presets, gcs
+
+
 def dead_marks() -> list[int]:
     """Ids still marked applied whose object is gone (a leak of the applied marks: must be empty)."""
     return [i for i, entry in applied._applied.items() if isinstance(entry, weakref.ref) and entry() is None]
@@ -152,8 +166,9 @@ def preset_cycle(presets: Sequence[str], trials: int) -> list[str]:
 def sweep(trial: Callable[[str], Iterable[Any]], presets: Sequence[str], trials: int = 200, *, seed: int = 0,
           p: float = 0.1, where: Collection[str] | None = None, timeout: float = 120.0) -> RandomCollections:
     """Run ``trial(preset)`` ``trials`` times round ``presets``, dropping what each returns in a reference
-    cycle without ``remove()``, under random collections (``p``, ``where``: :class:`RandomCollections`), freezes
-    and a watchdog; returns the collections' record. Warm up (one trial per preset) before: the freeze then keeps the imports out of every collection."""
+    cycle without ``remove()``, under random collections (``p``, ``where``: :class:`RandomCollections`),
+    freezes and a watchdog; returns the collections' record. Warm up first (:func:`runnable`): the freeze
+    then keeps the imports out of every collection."""
     rng = random.Random(seed)
     hold, let_go = sorted(rng.sample(range(trials), 2))  # dropped Amps held back in between, then let go at once
     gc.collect()
@@ -191,6 +206,19 @@ def _line_trace(files: Sequence[str], on_line: Callable[[Any], None]) -> Callabl
     return trace
 
 
+def _interrupt_after(k: int) -> Callable[[Any], None]:
+    """An ``on_line`` raising ``KeyboardInterrupt`` at the line after ``k`` others (once, as one Ctrl-C)."""
+    left = [k]
+
+    def arrive(frame: Any) -> None:
+        if left[0] == 0:
+            sys.settrace(None)
+            raise KeyboardInterrupt(f"injected at {Path(frame.f_code.co_filename).name}:{frame.f_lineno}")
+        left[0] -= 1
+
+    return arrive
+
+
 def interrupts(files: Sequence[str], run: Callable[[], Any], done: Callable[[Any], None]) -> Iterator[str | None]:
     """The Ctrl-C pattern: for every line that ``run()`` executes in ``files`` (path suffixes), ``run()`` again
     with a ``KeyboardInterrupt`` raised at that line; yields where (None if ``run()`` finished first: then
@@ -207,15 +235,7 @@ def interrupts(files: Sequence[str], run: Callable[[], Any], done: Callable[[Any
         sys.settrace(None)
     done(result)
     for k in range(count[0]):
-        left = [k]
-
-        def arrive(frame: Any) -> None:
-            if left[0] == 0:
-                sys.settrace(None)  # one interrupt, as one Ctrl-C
-                raise KeyboardInterrupt(f"injected at {Path(frame.f_code.co_filename).name}:{frame.f_lineno}")
-            left[0] -= 1
-
-        sys.settrace(_line_trace(files, arrive))
+        sys.settrace(_line_trace(files, _interrupt_after(k)))
         try:
             result = run()
         except KeyboardInterrupt as e:

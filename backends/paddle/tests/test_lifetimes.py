@@ -3,13 +3,10 @@ trial's Amp without ``amp.remove()``, collected whenever the garbage collector r
 
 from __future__ import annotations
 
-import gc
-import warnings
-
 import paddle
 
 import unimp
-from unimp.conformance.stress import dead_marks, runnable, sweep
+from unimp.conformance.stress import dead_marks, sweep_every_preset
 
 
 def trial(preset: str) -> tuple:
@@ -26,10 +23,5 @@ def test_sweep_of_dropped_amps_every_preset_cycles_random_collections_and_freeze
     """200 applies round every preset, dropped without remove(), collections at random points (inside unimp's
     claim and marks too), gc.freeze() holding some back, under a watchdog: it finishes and leaves no applied
     mark behind."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fallback warnings
-        presets = runnable(trial)
-        gcs = sweep(trial, presets, 200, seed=6, timeout=120)
-    assert gcs.inside["claim"] > 0 and len(presets) > 10
-    gc.collect()
-    assert not dead_marks()
+    presets, gcs = sweep_every_preset(trial, seed=6)
+    assert gcs.inside["claim"] > 0 and len(presets) > 10 and not dead_marks()

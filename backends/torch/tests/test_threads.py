@@ -7,6 +7,7 @@ threads every microsecond while the tests run.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import warnings
@@ -57,11 +58,13 @@ def test_racing_applies_to_one_model_one_wins_the_other_gets_a_located_error():
     for _ in range(100):
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
         params = list(model.parameters())
-        out = _together(lambda: unimp.apply("mixed_bf16", model), lambda: unimp.apply("mixed_bf16", model))
+        apply = functools.partial(unimp.apply, "mixed_bf16", model)
+        out = _together(apply, apply)
         amps = [o for o in out if isinstance(o, unimp.Amp)]
         errors = [o for o in out if isinstance(o, unimp.AlreadyAppliedError)]
         assert len(amps) == 1 and len(errors) == 1, out
-        assert f"Sequential (id 0x{id(model):x}) already has a unimp policy applied; call amp.remove()" in str(errors[0])
+        assert f"Sequential (id 0x{id(model):x}) already has a unimp policy applied; call amp.remove()" in str(
+            errors[0])
         amps[0].remove()
         assert not applied.is_applied(model) and "forward" not in vars(model) and list(model.parameters()) == params
 
@@ -75,7 +78,7 @@ def test_racing_removes_of_one_amp_restore_once():
         amp = unimp.apply("pure_bf16", model, opt)
         out = _together(amp.remove, amp.remove)
         assert sum(o is model for o in out) >= 1, out
-        assert all(o is model or isinstance(o, unimp.StateError) and "another thread is removing" in str(o)
+        assert all(o is model or (isinstance(o, unimp.StateError) and "another thread is removing" in str(o))
                    for o in out), out
         assert not applied.is_applied(model) and all(p.dtype == torch.float32 for p in model.parameters())
         unimp.apply("pure_bf16", model, opt).remove()
@@ -119,6 +122,6 @@ def test_two_models_trained_in_two_threads_equal_the_runs_one_after_the_other(pr
     without that cache."""
     for trial in range(100):
         alone = [_train(preset, 2 * trial), _train(preset, 2 * trial + 1)]
-        together = _together(lambda: _train(preset, 2 * trial), lambda: _train(preset, 2 * trial + 1))
+        together = _together(*(functools.partial(_train, preset, seed) for seed in (2 * trial, 2 * trial + 1)))
         for a, b in zip(alone, together, strict=True):
             assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True)), f"trial {trial}"

@@ -1,7 +1,8 @@
 """The model's forward under the compiled plan: autocast, unimp's op rules, layout, output dtype.
 
 With no op moves this is exactly ``with torch.autocast(device, dtype, cache_enabled=False): model(x)``
-(no weight-cast cache: :func:`autocast_to` says why) plus the policy's output cast (none for ``output_dtype = "unchanged"``: the outputs as autocast leaves them);
+(no weight-cast cache: :func:`autocast_to` says why) plus the policy's output cast (none for
+``output_dtype = "unchanged"``: the outputs as autocast leaves them);
 a float32 compute dtype whose overrides lower layers runs under autocast to float32 (:func:`autocast_to`),
 so the ops after those layers take their inputs as the Plan says.
 With moves, the ops run the policy's way (:mod:`unimp_torch.op_overrides`):
@@ -166,8 +167,8 @@ class _CheckpointUnderRules:
             if _patch_users == 1:
                 if _ckpt.CheckpointFunction is not _ReentrantCheckpoint:
                     _originals["CheckpointFunction"] = _ckpt.CheckpointFunction
-                if _ckpt._checkpoint_without_reentrant_generator is not _non_reentrant:
-                    _originals["_checkpoint_without_reentrant_generator"] = _ckpt._checkpoint_without_reentrant_generator
+                if (own := _ckpt._checkpoint_without_reentrant_generator) is not _non_reentrant:
+                    _originals["_checkpoint_without_reentrant_generator"] = own
                 _ckpt.CheckpointFunction = _ReentrantCheckpoint
                 _ckpt._checkpoint_without_reentrant_generator = _non_reentrant
 
