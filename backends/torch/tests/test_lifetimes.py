@@ -94,6 +94,7 @@ def test_ctrl_c_at_any_line_of_apply_bookkeeping_rolls_back():
         where.append(at)
         assert not applied.is_applied(model), at
         assert "forward" not in vars(model) and list(model.parameters()) == params, at
+        assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params, strict=True)) and not opt.state, at
         state = model.state_dict()
         assert all(torch.equal(state[k], v) and state[k].dtype == v.dtype for k, v in before.items()), at
     assert len([w for w in where if w]) > 40 and any("registry.py" in w for w in where if w)
