@@ -12,7 +12,7 @@ no framework.
 
 from unimp.backend import Amp, Backend, UnimpWarning
 from unimp.backend.registry import apply, backends, detect, get_backend, register_backend, scope
-from unimp.errors import PolicyError, StateError, UnsupportedError
+from unimp.errors import AlreadyAppliedError, PolicyError, StateError, UnsupportedError
 from unimp.loss_scale import LossScale, LossScaleState, trajectory
 from unimp.plan import OpDecision, Plan, compile_ops
 from unimp.policy import Override, Policy
@@ -25,8 +25,8 @@ from unimp.watch import Watch, read_records
 __version__ = "0.1.0"
 
 __all__ = [
-    "CANONICAL_OPS", "OPS", "Amp", "Backend", "LossScale", "LossScaleState", "OpDecision", "Override",
-    "Plan", "Policy", "PolicyError", "Report", "ReportRow", "StateError", "UnimpWarning",
+    "CANONICAL_OPS", "OPS", "AlreadyAppliedError", "Amp", "Backend", "LossScale", "LossScaleState", "OpDecision",
+    "Override", "Plan", "Policy", "PolicyError", "Report", "ReportRow", "StateError", "UnimpWarning",
     "UnsupportedError", "Watch", "apply", "backends", "compile_ops", "detect", "dump", "dumps", "get_backend",
     "load", "preset_names", "read_records", "register_backend", "scope", "sensitivity", "trajectory", "tune",
 ]

@@ -60,3 +60,8 @@ class UnimpWarning(_Printable, UserWarning):
 
 class StateError(_Printable, ValueError):
     """A ``state_dict`` that does not belong to this policy or has the wrong keys."""
+
+
+class AlreadyAppliedError(RuntimeError):
+    """``unimp.apply`` on a model that has a policy applied, or is being applied or removed in another
+    thread (names the model and the fix: ``amp.remove()`` first, or keep the Amp)."""

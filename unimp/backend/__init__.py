@@ -325,13 +325,26 @@ class Amp(abc.ABC):
                              f"({type(e).__name__}: {e}); nothing was changed") from e
 
     def remove(self) -> Any:
-        """Undo ``apply``: the model's forward, dtypes and parameters are restored exactly."""
-        if not self._removed:
+        """Undo ``apply``: the model's forward, dtypes and parameters are restored exactly.
+
+        Once: a second call returns the model. Two threads removing one Amp at the same time: one
+        removes it, the other gets a :class:`StateError` (the model stays marked applied until the
+        removal is done, so an ``unimp.apply`` racing it is refused too)."""
+        if self._removed:
+            return self.model
+        mine = object()
+        if self.__dict__.setdefault("_removing", mine) is not mine:  # atomic: one remover wins
+            raise StateError(f"amp.remove(): another thread is removing this Amp ({type(self.model).__name__} "
+                             f"id 0x{id(self.model):x}) right now; remove it from one thread, then apply again")
+        try:
             if getattr(self, "_watch", None) is not None:
                 self._watch.close()
             self._restore()
             release(getattr(self, "_applied_ids", [id(self.model)]))
             self._removed = True
+        except BaseException:
+            del self.__dict__["_removing"]  # not removed: it may be tried again
+            raise
         return self.model
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Amp:
@@ -345,7 +358,8 @@ class Amp(abc.ABC):
         memo[id(self)] = new
         try:
             # the copy is not watched (a watch holds a file and hooks on this Amp's model)
-            state = copy.deepcopy({k: v for k, v in vars(self).items() if k not in ("_applied_ids", "_watch")}, memo)
+            own = ("_applied_ids", "_watch", "_removing")
+            state = copy.deepcopy({k: v for k, v in vars(self).items() if k not in own}, memo)
         except Exception as e:
             raise UnsupportedError(
                 f"copy.deepcopy(amp): the {self.backend} backend's objects cannot be copied "

@@ -15,8 +15,8 @@ import warnings
 from typing import Any
 
 from unimp.backend import Amp, Backend
-from unimp.backend.applied import is_applied, release
-from unimp.backend.transaction import all_or_nothing
+from unimp.backend.applied import Journal, already_applied, claim, is_applied
+from unimp.backend.transaction import Snapshot, all_or_nothing
 from unimp.errors import UnimpWarning, UnsupportedError
 from unimp.plan import Plan
 from unimp.policy import Policy
@@ -97,8 +97,7 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
     else:
         policy = load(policy)
     if is_applied(model):
-        raise RuntimeError(f"unimp.apply: this {type(model).__name__} already has a unimp policy "
-                           f"applied; call amp.remove() first, or keep using the Amp you have")
+        raise already_applied(model)
     chosen = get_backend(backend) if backend else detect(model)
     if backend and not chosen.accepts(model):
         raise TypeError(f"backend {backend!r} does not accept {type(model)!r} (it takes "
@@ -106,17 +105,23 @@ def apply(policy: Any, model: Any, optimizer: Any = None, *, backend: str | None
     if plan is None:
         plan = chosen.compile(policy, model)
         tuned_elsewhere(chosen, policy, model)
-    # all or nothing: whatever apply changed before it failed is put back (unimp.backend.transaction)
+    # one transaction (unimp.backend.transaction): the claim on the model first (of two threads applying
+    # to it, the loser leaves before anything is read or changed), then the snapshot, the backend's apply
+    # and the marks; whatever raises (a Ctrl-C at any line included) puts back the model and every mark
+    journal = Journal()
+
+    def begin() -> Snapshot:
+        journal.open()
+        claim(model)
+        return chosen.snapshot(model, optimizer, plan)
+
     def bind() -> Amp:
         amp = chosen.apply(plan, model, optimizer, **options)
-        try:  # marked applied inside the transaction: a Ctrl-C here is rolled back like any other
-            amp.bind_also(model, amp.model)  # after what the backend bound itself (a wrapper's inner module)
-        except BaseException:
-            release(getattr(amp, "_applied_ids", []))
-            raise
+        amp.bind_also(model, amp.model)  # after what the backend bound itself (a wrapper's inner module)
+        journal.close()
         return amp
 
-    return all_or_nothing(chosen.snapshot(model, optimizer, plan), bind)
+    return all_or_nothing(begin, bind, journal.rollback)
 
 
 def tuned_elsewhere(backend: Backend, policy: Policy, model: Any) -> None:

@@ -115,15 +115,23 @@ def _restore_object(obj: Any, cls: type, saved: dict[str, Any]) -> None:
 _MISSING = object()
 
 
-def all_or_nothing(snapshot: Snapshot | None, apply: Callable[[], Any]) -> Any:
+def all_or_nothing(snapshot: Snapshot | Callable[[], Snapshot | None] | None, apply: Callable[[], Any],
+                   undo: Callable[[], None] | None = None) -> Any:
     """``apply()``; if it raises (anything, ``KeyboardInterrupt`` included), ``snapshot`` is restored
-    first (a failure to restore is added to the original error as a note, never hides it)."""
+    first, then ``undo()`` runs (a failure of either is added to the original error as a note, never
+    hides it). ``snapshot`` may be a function taking it: called inside, so what runs before the
+    snapshot is taken (``unimp.apply`` claims the model there) is rolled back by ``undo`` too."""
+    taken = None
     try:
+        taken = snapshot() if callable(snapshot) else snapshot
         return apply()
     except BaseException as error:
-        if snapshot is not None:
+        for step, what in ((taken.restore if taken is not None else None, "restoring the model"),
+                           (undo, "undoing its bookkeeping")):
+            if step is None:
+                continue
             try:
-                snapshot.restore()
+                step()
             except Exception as e:  # the original error is what the user needs; this one is attached
-                error.add_note(f"unimp: restoring the model after the failed apply also failed: {e!r}")
+                error.add_note(f"unimp: {what} after the failed apply also failed: {e!r}")
         raise

@@ -16,12 +16,14 @@ step is traced, so an nnx model remembers the last forward's input shapes per st
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from unimp.spi import Fp8Decision, Report, ReportRow
 
-_RECORDERS: list[dict[str, ReportRow]] = []
+# the recordings open in each thread (a report traced in one thread never takes another thread's layer calls)
+_local = threading.local()
 # The last forward's input shapes per static token (model class + policy fingerprint). Keyed by the
 # token, not by the model: a compiled step traced for an equal token is reused by every Amp with that
 # token. It holds ShapeDtypeStructs only (no arrays, no model).
@@ -32,17 +34,19 @@ _LAST_INPUTS: dict[str, Any] = {}
 def recording() -> Iterator[dict[str, ReportRow]]:
     """The rows of the layer calls made inside (path -> row, in call order)."""
     rows: dict[str, ReportRow] = {}
-    _RECORDERS.append(rows)
+    previous = getattr(_local, "rows", None)
+    _local.rows = rows
     try:
         yield rows
     finally:
-        _RECORDERS.pop()
+        _local.rows = previous
 
 
 def record(lp: Any, compute_dtype: str | None, param_dtype: str | None, output_dtype: str | None) -> None:
     """One layer call (``lp``: its :class:`~unimp_jax.layers.LayerPlan`), when a forward is recorded."""
-    if _RECORDERS:
-        _RECORDERS[-1][lp.path] = ReportRow(lp.path, lp.kind, compute_dtype, param_dtype, output_dtype, fp8=lp.fp8)
+    rows = getattr(_local, "rows", None)
+    if rows is not None:
+        rows[lp.path] = ReportRow(lp.path, lp.kind, compute_dtype, param_dtype, output_dtype, fp8=lp.fp8)
 
 
 def remember_inputs(token: str, args: tuple, kwargs: dict) -> None:

@@ -1,7 +1,8 @@
 """The model's forward under the compiled plan: autocast, unimp's op rules, layout, output dtype.
 
-With no op moves this is exactly ``with torch.autocast(device, dtype): model(x)`` plus the
-policy's output cast (none for ``output_dtype = "unchanged"``: the outputs as autocast leaves them);
+With no op moves this is exactly ``with torch.autocast(device, dtype, cache_enabled=False): model(x)``
+(no weight-cast cache: :func:`autocast_to` says why) plus the policy's output cast (none for
+``output_dtype = "unchanged"``: the outputs as autocast leaves them);
 a float32 compute dtype whose overrides lower layers runs under autocast to float32 (:func:`autocast_to`),
 so the ops after those layers take their inputs as the Plan says.
 With moves, the ops run the policy's way (:mod:`unimp_torch.op_overrides`):
@@ -102,14 +103,28 @@ class _Float32Autocast:
 
 
 def autocast_to(device: str, dtype: torch.dtype) -> Any:
-    """``torch.autocast(device, dtype=dtype)``, float32 included."""
-    return _Float32Autocast(device) if dtype == torch.float32 else torch.autocast(device, dtype=dtype)
+    """``torch.autocast(device, dtype=dtype, cache_enabled=False)``, float32 included.
+
+    Without torch's weight-cast cache: that cache is one map for the whole process (autocast's other
+    state is per thread), emptied whenever any thread leaves its outermost autocast. A weight used twice
+    in one forward (a module called twice, shared layers) gets one cast, or two when another thread's
+    exit emptied the map in between, and its gradient is summed in the low dtype or in float32
+    accordingly: with the cache, a thread's results depend on the others' timing. Without it every use
+    casts the weight itself (forward values are the same; such a weight's gradients are summed in
+    float32, as a second cast gives them in native autocast too), in every thread alike.
+    """
+    return _Float32Autocast(device) if dtype == torch.float32 else torch.autocast(device, dtype=dtype,
+                                                                                  cache_enabled=False)
 
 
 _local = threading.local()  # .forward: the PolicyForward whose rules are active in this thread
-_patch_lock = threading.Lock()
+# Held only across the count and the patch below, which touch module attributes. A collection can still run
+# there (any allocation) and run finalizers: unimp's never take this lock, and a user's __del__ that runs a
+# unimp forward re-enters it in the same thread (an RLock): the count goes first and the originals are
+# never torch.utils.checkpoint's patched names, so a nested entry or exit at any line leaves it right.
+_patch_lock = threading.RLock()
 _patch_users = 0
-_originals: dict[str, Any] = {}  # torch.utils.checkpoint's own, while patched
+_originals: dict[str, Any] = {}  # torch.utils.checkpoint's own (kept once read)
 
 
 def _under_rules(function: Callable) -> Callable:
@@ -148,12 +163,14 @@ class _CheckpointUnderRules:
     def __enter__(self) -> None:
         global _patch_users
         with _patch_lock:
-            if _patch_users == 0:
-                _originals.update(CheckpointFunction=_ckpt.CheckpointFunction,
-                                  _checkpoint_without_reentrant_generator=_ckpt._checkpoint_without_reentrant_generator)
+            _patch_users += 1
+            if _patch_users == 1:
+                if _ckpt.CheckpointFunction is not _ReentrantCheckpoint:
+                    _originals["CheckpointFunction"] = _ckpt.CheckpointFunction
+                if (own := _ckpt._checkpoint_without_reentrant_generator) is not _non_reentrant:
+                    _originals["_checkpoint_without_reentrant_generator"] = own
                 _ckpt.CheckpointFunction = _ReentrantCheckpoint
                 _ckpt._checkpoint_without_reentrant_generator = _non_reentrant
-            _patch_users += 1
 
     def __exit__(self, *exc: object) -> None:
         global _patch_users
@@ -162,7 +179,6 @@ class _CheckpointUnderRules:
             if _patch_users == 0:
                 _ckpt.CheckpointFunction = _originals["CheckpointFunction"]
                 _ckpt._checkpoint_without_reentrant_generator = _originals["_checkpoint_without_reentrant_generator"]
-                _originals.clear()
 
 
 _checkpoint_under_rules = _CheckpointUnderRules()  # stateless: one object serves every forward

@@ -123,7 +123,7 @@ class LayerForward:
         module, rule = self.module, self.rule
         inner = self.inner if self.inner is not None else functools.partial(type(module).forward, module)
         if rule.composite:
-            with torch.autocast(self.device, dtype=DTYPES[rule.dtype]):
+            with torch.autocast(self.device, dtype=DTYPES[rule.dtype], cache_enabled=False):  # forward.autocast_to
                 return inner(*args, **kwargs)
         dtype = _target(rule, module, args, kwargs)
         if dtype is None:

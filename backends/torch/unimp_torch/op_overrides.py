@@ -42,6 +42,7 @@ torch.float32
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import types
@@ -205,10 +206,17 @@ class EagerPolicyMode(PolicyMode):
 # ---------------------------------------------------------------- unimp's Autocast kernels (eager)
 
 _state = threading.local()  # .table: aten name -> category while a unimp forward runs in this thread
+# Kernels are held by handles: acquire() registers what is missing; the last handle dropped destroys the
+# library. The handles are dropped by finalizers (a PolicyForward collected by the GC), which may run in
+# any thread at any allocation, also in a thread that is inside acquire() holding _lock: release() never
+# waits for _lock. It queues the handle (deque.append: atomic) and drops the queue only if it gets the
+# lock at once; whoever holds the lock drops the queue after letting it go (_drop_released), so a
+# handle released while the lock was held is dropped as soon as the holder leaves.
 _lock = threading.Lock()
 _lib: Any = None
 _registered: set[tuple[str, str]] = set()  # (qualified overload, device)
 _users: dict[int, tuple[tuple[str, str], ...]] = {}
+_released: collections.deque[int] = collections.deque()  # handles released, not dropped yet
 _handles = itertools.count(1)
 
 
@@ -291,29 +299,45 @@ class SingleOpForward:
 def acquire(names: Mapping[str, str] | tuple[str, ...], device: str) -> int:
     """Register unimp's kernels for aten ``names`` on ``device`` (once per process); returns a handle."""
     global _lib
-    with _lock:
-        if _lib is None:
-            _lib = torch.library.Library("aten", "IMPL")
-        mine = []
-        for name in names:
-            for q in overloads(name):
-                if (q, device) not in _registered:
-                    ov = q.split(".")[1] if "." in q else "default"
-                    _lib.impl(q, _kernel(getattr(getattr(torch.ops.aten, name), ov), name, device),
-                              AUTOCAST_KEYS[device])
-                    _registered.add((q, device))
-                mine.append((q, device))
-        handle = next(_handles)
-        _users[handle] = tuple(mine)
-        return handle
+    try:
+        with _lock:
+            if _lib is None:
+                _lib = torch.library.Library("aten", "IMPL")
+            mine = []
+            for name in names:
+                for q in overloads(name):
+                    if (q, device) not in _registered:
+                        ov = q.split(".")[1] if "." in q else "default"
+                        _lib.impl(q, _kernel(getattr(getattr(torch.ops.aten, name), ov), name, device),
+                                  AUTOCAST_KEYS[device])
+                        _registered.add((q, device))
+                    mine.append((q, device))
+            handle = next(_handles)
+            _users[handle] = tuple(mine)
+            return handle
+    finally:
+        _drop_released()
 
 
 def release(handle: int) -> None:
-    """Drop a handle; the kernels go away with the last one (torch's own behaviour returns)."""
+    """Drop a handle; the kernels go away with the last one (torch's own behaviour returns).
+
+    Never waits (a finalizer calls it, maybe inside :func:`acquire` in the same thread): when another
+    caller holds the kernels' lock, the handle is dropped by that caller as it leaves."""
+    _released.append(handle)
+    _drop_released()
+
+
+def _drop_released() -> None:
+    """Drop the released handles if the lock is free now (else its holder does, on its way out)."""
     global _lib
-    with _lock:
-        _users.pop(handle, None)
-        if not _users and _lib is not None:
-            _lib._destroy()
-            _lib = None
-            _registered.clear()
+    while _released and _lock.acquire(blocking=False):
+        try:
+            while _released:
+                _users.pop(_released.popleft(), None)
+            if not _users and _lib is not None:
+                _lib._destroy()
+                _lib = None
+                _registered.clear()
+        finally:
+            _lock.release()
