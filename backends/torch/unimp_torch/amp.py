@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.spi import Amp, Fp8Decision, LossScaleState, Plan, Report, ReportRow
+from unimp.spi import Amp, Fp8Decision, LossScaleState, Plan, Report, ReportRow, UnsupportedError
 
 from .forward import PolicyForward, patch_forward
 from .fp8 import Fp8Binding
@@ -267,9 +267,9 @@ class TorchAmp(Amp):
         self._check_live("amp.state_dict()")
         if self.iteration.pending:
             raise UnsupportedError(
-                f"amp.state_dict(): amp.optimizers{self.iteration.pending} stepped since the last loss-scale update "
-                f"and the others sharing the scale have not; save after every optimizer of the iteration stepped "
-                f"(or after amp.update())")
+                f"amp.state_dict(): {len(self.iteration.pending)} of the {len(self.iteration.members)} optimizers "
+                f"sharing the loss scale stepped since its last update and the others have not; save after every "
+                f"optimizer of the iteration stepped (or after amp.update())")
         return super().state_dict()
 
     def report(self, *args: Any, **kwargs: Any) -> Report:

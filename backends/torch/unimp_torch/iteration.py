@@ -56,10 +56,10 @@ class Iteration:
         """Refuse a second step of ``optimizer`` before the update (nothing changed yet)."""
         if optimizer not in self.found:
             return
-        waiting = [i for i, m in enumerate(self.members) if m not in self.found]
+        waiting = [type(m.optimizer).__name__ for m in self.members if m not in self.found]
         raise UnsupportedError(
             f"{verb}: this optimizer already stepped since the last loss-scale update, which waits for the other "
-            f"optimizers sharing the scale (not stepped yet: amp.optimizers{waiting}); when not every optimizer "
+            f"optimizers sharing the scale (not stepped yet: {', '.join(waiting)}); when not every optimizer "
             f"steps every iteration, call amp.update() after the last optimizer step of each iteration "
             f"(torch.amp.GradScaler's scaler.update())")
 

@@ -1,0 +1,436 @@
+"""Several optimizers and several models in one process, side by side with what users run natively.
+
+- pytorch/examples dcgan/main.py (netD/netG, two Adam optimizers, BCELoss) with one
+  ``torch.amp.GradScaler`` as torch's AMP examples add it ("Working with Multiple Models, Losses,
+  and Optimizers": ``step(opt_d); step(opt_g); update()``): unimp equal bit for bit;
+- one model, two optimizers (body and head: issue 32), masters per optimizer, exact resume;
+- an optimizer unimp does not wrap, refused at its first step (never a scaled or lost update);
+- Lightning manual optimization with two optimizers, against Lightning's own mixed precision;
+- a frozen teacher beside a trained student, a policy model beside its frozen reference (TRL
+  style), an EMA of the fp32 masters (``torch.optim.swa_utils.AveragedModel``).
+"""
+
+import copy
+
+import pytest
+import torch
+import unimp
+from torch import nn
+from unimp.errors import UnsupportedError
+
+NZ, NGF, NDF, NC = 8, 8, 8, 3
+
+
+def dcgan(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """pytorch/examples dcgan/main.py's Generator and Discriminator, scaled to 16x16 images (three layers each)."""
+    torch.manual_seed(seed)
+    net_g = nn.Sequential(
+        nn.ConvTranspose2d(NZ, NGF * 2, 4, 1, 0, bias=False), nn.BatchNorm2d(NGF * 2), nn.ReLU(True),
+        nn.ConvTranspose2d(NGF * 2, NGF, 4, 2, 1, bias=False), nn.BatchNorm2d(NGF), nn.ReLU(True),
+        nn.ConvTranspose2d(NGF, NC, 4, 2, 1, bias=False), nn.Tanh())
+    net_d = nn.Sequential(
+        nn.Conv2d(NC, NDF, 4, 2, 1, bias=False), nn.LeakyReLU(0.2, inplace=True),
+        nn.Conv2d(NDF, NDF * 2, 4, 2, 1, bias=False), nn.BatchNorm2d(NDF * 2), nn.LeakyReLU(0.2, inplace=True),
+        nn.Conv2d(NDF * 2, 1, 4, 1, 0, bias=False), nn.Sigmoid())
+    for m in (*net_g.modules(), *net_d.modules()):  # dcgan/main.py's weights_init
+        if isinstance(m, nn.Conv2d | nn.ConvTranspose2d):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.normal_(m.weight, 1.0, 0.02)
+            nn.init.zeros_(m.bias)
+    return net_d, net_g
+
+
+def adam(net: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(net.parameters(), lr=2e-4, betas=(0.5, 0.999))
+
+
+def batches(steps: int, b: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.rand(b, NC, 16, 16, generator=g) * 2 - 1, torch.randn(b, NZ, 1, 1, generator=g))
+            for _ in range(steps)]
+
+
+def params_of(*nets: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for n in nets for p in n.state_dict().values()]
+
+
+# grows every good iteration: overflows and skips happen, among them an iteration where D skips and G steps
+SCALE = {"initial": 2.0 ** 13, "growth_interval": 1}
+
+
+def dcgan_native(data, scale=SCALE):
+    """dcgan/main.py's loop with torch.autocast("cpu", float16) and one GradScaler (torch's AMP recipe)."""
+    net_d, net_g = dcgan()
+    net_d, net_g = (n.to(memory_format=torch.channels_last) for n in (net_d, net_g))  # as the preset's layout
+    opt_d, opt_g = adam(net_d), adam(net_g)
+    criterion = nn.BCELoss()
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale["initial"], growth_interval=scale["growth_interval"])
+    trace = []
+    for real, noise in data:
+        real = real.to(memory_format=torch.channels_last)
+        net_d.zero_grad()
+        with torch.autocast("cpu", torch.float16):
+            output = net_d(real).view(-1)
+            err_d_real = criterion(output, torch.ones_like(output, dtype=torch.float32))
+        scaler.scale(err_d_real).backward()
+        with torch.autocast("cpu", torch.float16):
+            fake = net_g(noise)
+            output = net_d(fake.detach()).view(-1)
+            err_d_fake = criterion(output, torch.zeros_like(output, dtype=torch.float32))
+        scaler.scale(err_d_fake).backward()
+        before_d = weights(net_d)
+        scaler.step(opt_d)
+        net_g.zero_grad()
+        with torch.autocast("cpu", torch.float16):
+            output = net_d(fake).view(-1)
+            err_g = criterion(output, torch.ones_like(output, dtype=torch.float32))
+        scaler.scale(err_g).backward()
+        before_g = weights(net_g)
+        scaler.step(opt_g)
+        scaler.update()
+        trace.append((scaler.get_scale(), _moved(before_d, net_d), _moved(before_g, net_g)))
+    return params_of(net_d, net_g), trace
+
+
+def weights(net: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def _moved(before: list[torch.Tensor], net: nn.Module) -> bool:
+    """Whether the optimizer step changed the net's parameters (Adam on nonzero grads always does)."""
+    return any(not torch.equal(a, b) for a, b in zip(before, weights(net), strict=True))
+
+
+def dcgan_unimp(data, scale=SCALE, preset="mixed_fp16"):
+    """The same loop under unimp: each net its own Amp, one loss scale shared (share_scale_with)."""
+    net_d, net_g = dcgan()
+    opt_d, opt_g = adam(net_d), adam(net_g)
+    policy = {"extends": preset, "loss_scale": scale}
+    amp_d = unimp.apply(policy, net_d, opt_d)
+    amp_g = unimp.apply(policy, net_g, opt_g, share_scale_with=amp_d)
+    criterion = nn.BCELoss()
+    trace = []
+    for real, noise in data:
+        net_d.zero_grad()
+        output = net_d(real).view(-1).float()  # the loss in float32, as autocast runs BCELoss
+        amp_d.backward(criterion(output, torch.ones_like(output)))
+        fake = net_g(noise)
+        output = net_d(fake.detach()).view(-1).float()
+        amp_d.backward(criterion(output, torch.zeros_like(output)))
+        before_d = weights(net_d)
+        amp_d.optimizer.step()
+        net_g.zero_grad()
+        output = net_d(fake).view(-1).float()
+        amp_g.backward(criterion(output, torch.ones_like(output)))
+        before_g = weights(net_g)
+        amp_g.optimizer.step()  # the last optimizer of the iteration: the one update
+        trace.append((amp_d.scale, _moved(before_d, net_d), _moved(before_g, net_g)))
+    assert amp_g.scale == amp_d.scale
+    amp_g.remove(), amp_d.remove()
+    return params_of(net_d, net_g), trace
+
+
+def test_dcgan_two_optimizers_one_scale_matches_gradscaler_bitwise():
+    """Two models, two Adams, one loss scale: every parameter, scale and skip decision equal to
+    autocast + one GradScaler, over steps where D alone, G alone or both overflow."""
+    data = batches(8)
+    native, native_trace = dcgan_native(data)
+    ours, our_trace = dcgan_unimp(data)
+    assert our_trace == native_trace
+    stepped = {(d, g) for _, d, g in native_trace}
+    assert {(True, True), (False, False), (False, True)} <= stepped, native_trace  # one optimizer skips alone
+    assert all(torch.equal(a, b) for a, b in zip(ours, native, strict=True))
+
+
+def critic_loss(out: torch.Tensor) -> torch.Tensor:
+    """WGAN's critic loss on one forward of [real; fake] (one forward: autocast's weight-cast cache, shared by
+    two forwards in one autocast region, would sum their weight gradients in float16 natively)."""
+    real, fake = out.float().view(-1).chunk(2)
+    return real.mean() - fake.mean()
+
+
+def test_gan_critic_stepped_twice_per_generator_step_needs_amp_update():
+    """A critic stepped twice per generator step (WGAN's n_critic): the second critic step before the shared
+    scale's update is refused naming amp.update(); with amp.update() after each step, as GradScaler's
+    step(); update() per optimizer step, every parameter and scale equals native bit for bit."""
+    data = batches(6)
+
+    def run(native: bool) -> tuple[list[torch.Tensor], list[float]]:
+        net_d, net_g = dcgan()
+        if native:
+            net_d, net_g = (n.to(memory_format=torch.channels_last) for n in (net_d, net_g))
+        opt_d, opt_g = adam(net_d), adam(net_g)
+        policy = {"extends": "mixed_fp16", "loss_scale": SCALE}
+        scaler = torch.amp.GradScaler("cpu", init_scale=SCALE["initial"], growth_interval=1)
+        amp_d = None if native else unimp.apply(policy, net_d, opt_d)
+        amp_g = None if native else unimp.apply(policy, net_g, opt_g, share_scale_with=amp_d)
+        scales = []
+
+        def step(net, opt, amp, loss_of):
+            net.zero_grad()
+            if native:
+                with torch.autocast("cpu", torch.float16):
+                    loss = loss_of()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                scales.append(scaler.get_scale())
+            else:
+                amp.backward(loss_of())
+                amp.optimizer.step()
+                amp.update()
+                scales.append(amp.scale)
+
+        def cl(x):
+            return x.to(memory_format=torch.channels_last) if native else x
+
+        for i, (real, noise) in enumerate(data):
+            step(net_d, opt_d, amp_d, lambda real=real, noise=noise: critic_loss(net_d(cl(torch.cat(
+                [real, net_g(noise).detach()])))))
+            if i % 2 == 1:  # the generator every second critic step
+                step(net_g, opt_g, amp_g, lambda noise=noise: -net_d(net_g(noise)).float().mean())
+        if not native:
+            amp_g.remove(), amp_d.remove()
+        return params_of(net_d, net_g), scales
+
+    native, native_scales = run(True)
+    ours, our_scales = run(False)
+    assert our_scales == native_scales
+    assert all(torch.equal(a, b) for a, b in zip(ours, native, strict=True))
+
+    net_d, net_g = dcgan()
+    amp_d = unimp.apply("mixed_fp16", net_d, adam(net_d))
+    amp_g = unimp.apply("mixed_fp16", net_g, adam(net_g), share_scale_with=amp_d)
+    real, noise = data[0]
+    for attempt in range(2):
+        amp_d.backward(critic_loss(net_d(torch.cat([real, net_g(noise).detach()]))))
+        if attempt == 0:
+            amp_d.optimizer.step()
+            with pytest.raises(UnsupportedError, match=r"1 of the 2 optimizers sharing the loss scale stepped.* save after"):
+                amp_d.state_dict()  # mid-iteration: the update the flag waits for is not in the state
+    before = weights(net_d)
+    with pytest.raises(UnsupportedError, match=r"already stepped since the last loss-scale update.*amp.update\(\)"):
+        amp_d.optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(net_d), strict=True))
+    amp_g.remove(), amp_d.remove()
+
+
+# ---------------------------------------------------------------- one model, several optimizers (issue 32)
+B, D_IN, HIDDEN, CLASSES = 8, 16, 32, 4
+
+
+def body_and_head(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
+                         nn.Linear(HIDDEN, CLASSES))
+
+
+def two_sgds(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """The body's optimizer and the head's (another learning rate and momentum), as issue 32 has them."""
+    return [torch.optim.SGD(model[:4].parameters(), lr=0.1), torch.optim.SGD(model[4].parameters(), lr=0.3,
+                                                                              momentum=0.9)]
+
+
+def mlp_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(B, D_IN, generator=g), torch.randint(0, CLASSES, (B,), generator=g)) for _ in range(steps)]
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.float(), y)
+
+
+def fp32_updates(data) -> list[torch.Tensor]:
+    """The fp32 reference: the same model, data and two optimizers, no mixed precision."""
+    model = body_and_head()
+    opts = two_sgds(model)
+    before = params_of(model)
+    for x, y in data:
+        for o in opts:
+            o.zero_grad()
+        loss_fn(model(x), y).backward()
+        for o in opts:
+            o.step()
+    return [a - b for a, b in zip(params_of(model), before, strict=True)]
+
+
+def unit_roundoff(preset: str) -> float:
+    return {"mixed_fp16": 2.0 ** -11, "fp16_master": 2.0 ** -11, "pure_bf16": 2.0 ** -8}[preset]
+
+
+def rel_errors(updates: list[torch.Tensor], reference: list[torch.Tensor]) -> list[float]:
+    return [float((u.double() - r.double()).norm() / r.double().norm()) for u, r in zip(updates, reference,
+                                                                                          strict=True)]
+
+
+# the worst-case bound of a length-K dot product in a low-precision dtype (Higham's gamma_K ~ K u), K the
+# longest reduction (the hidden width), plus one rounding of the stored low-precision weights and one of the output
+def update_tolerance(preset: str) -> float:
+    return (HIDDEN + 2) * unit_roundoff(preset)
+
+
+@pytest.mark.parametrize("preset", ["mixed_fp16", "fp16_master", "pure_bf16"])
+def test_body_and_head_optimizers_share_one_scale_and_update_like_fp32(preset):
+    """Issue 32's model: ``unimp.apply(preset, model, [opt_body, opt_head])``: each optimizer's groups are
+    the fp32 masters of its own parameters, and every update equals the fp32 reference's within the
+    dtype's bound (never the scaled gradient's, never zero); mixed_fp16 equals autocast + GradScaler bit
+    for bit."""
+    data = mlp_batches(3)
+    model = body_and_head()
+    opts = two_sgds(model)
+    amp = unimp.apply(preset, model, opts)
+    assert [o.optimizer for o in amp.optimizers] == opts and amp.optimizer is amp.optimizers[0]
+    if preset != "mixed_fp16":
+        masters = {id(m): n for n, _, m in amp.master_weights}
+        owned = [[masters[id(p)] for g in o.param_groups for p in g["params"]] for o in amp.optimizers]
+        assert owned == [["0.weight", "0.bias", "2.weight", "2.bias"], ["4.weight", "4.bias"]]
+        assert all(p.dtype == torch.float32 for o in amp.optimizers for g in o.param_groups for p in g["params"])
+    before = params_of(model)
+    for x, y in data:
+        for o in amp.optimizers:
+            o.zero_grad()
+        amp.backward(loss_fn(model(x), y))
+        for o in amp.optimizers:
+            o.step()
+    updates = [a - b for a, b in zip(params_of(model), before, strict=True)]
+    errors = rel_errors(updates, fp32_updates(data))
+    assert max(errors) < update_tolerance(preset), errors
+    assert amp.state_dict()["steps"] == len(data)  # one loss-scale update per iteration, not per optimizer
+    amp.remove()
+    if preset == "mixed_fp16":  # native: autocast + one GradScaler stepping both optimizers, then one update
+        native = body_and_head()
+        opts = two_sgds(native)
+        scaler = torch.amp.GradScaler("cpu")
+        for x, y in data:
+            for o in opts:
+                o.zero_grad()
+            with torch.autocast("cpu", torch.float16):
+                logits = native(x)
+            scaler.scale(loss_fn(logits, y)).backward()
+            for o in opts:
+                scaler.step(o)
+            scaler.update()
+        assert all(torch.equal(a, b) for a, b in zip(params_of(model), params_of(native), strict=True))
+
+
+@pytest.mark.parametrize("built", ["before_apply", "after_apply"])
+@pytest.mark.parametrize("preset", ["mixed_fp16", "fp16_master", "pure_bf16"])
+def test_unwrapped_optimizer_refused_at_its_first_step(preset, built):
+    """Issue 32: a second optimizer unimp does not wrap, stepped after amp.backward(loss): refused at its first
+    step, naming the fix, the model's weights untouched (it would have applied the scaled gradient, or an
+    update the masters never get); amp.add_optimizer(opt) then makes the same loop right."""
+    data = mlp_batches(2)
+    model = body_and_head()
+    opt_body = torch.optim.SGD(model[:4].parameters(), lr=0.1)
+    opt_head = torch.optim.SGD(model[4].parameters(), lr=0.3, momentum=0.9) if built == "before_apply" else None
+    amp = unimp.apply(preset, model, opt_body)
+    if opt_head is None:
+        opt_head = torch.optim.SGD(model[4].parameters(), lr=0.3, momentum=0.9)
+    before = params_of(model)
+    x, y = data[0]
+    amp.backward(loss_fn(model(x), y))
+    amp.optimizer.step()
+    with pytest.raises(UnsupportedError, match=r"SGD.step\(\): this optimizer steps '4.weight.*"
+                                               r"pass it to unimp.apply.*amp.add_optimizer"):
+        opt_head.step()
+    assert torch.equal(params_of(model)[4], before[4])  # the head: no update at all
+    with pytest.raises(UnsupportedError, match=r"passed to unimp.apply.*step the wrapper"):
+        opt_body.step()  # the optimizer passed to apply, stepped around its wrapper
+    head = amp.add_optimizer(opt_head)
+    assert amp.optimizers[-1] is head and head.optimizer is opt_head
+    for x, y in data:
+        for o in amp.optimizers:
+            o.zero_grad()
+        amp.backward(loss_fn(model(x), y))
+        for o in amp.optimizers:
+            o.step()
+    ref = body_and_head()
+    ref_body, ref_head = two_sgds(ref)
+    x, y = data[0]
+    loss_fn(ref(x), y).backward()
+    ref_body.step()
+    for x, y in data:
+        ref_body.zero_grad(), ref_head.zero_grad()
+        loss_fn(ref(x), y).backward()
+        ref_body.step(), ref_head.step()
+    reference = [a - b for a, b in zip(params_of(ref), params_of(body_and_head()), strict=True)]
+    errors = rel_errors([a - b for a, b in zip(params_of(model), before, strict=True)],
+                        [r - (b - b0) for r, b, b0 in zip(reference, before, params_of(body_and_head()), strict=True)])
+    assert max(errors) < update_tolerance(preset), errors
+    amp.remove()
+
+
+def test_gradscaler_stepping_an_applied_model_refused_plain_optimizer_kept_under_mixed_bf16():
+    """A GradScaler user's scaler.step(opt) on a model under a scaling policy is refused (scaled twice); under
+    mixed_bf16 (no scaling, no masters) a plain optimizer steps the model exactly as under native autocast."""
+    data = mlp_batches(2)
+    model = body_and_head()
+    amp = unimp.apply("mixed_fp16", model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = data[0]
+    scaler.scale(loss_fn(model(x), y)).backward()
+    before = params_of(model)
+    with pytest.raises(UnsupportedError, match="amp.add_optimizer"):
+        scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, params_of(model), strict=True))
+    amp.remove()
+
+    ours, native = body_and_head(), body_and_head()
+    amp = unimp.apply("mixed_bf16", ours)
+    for model, under in ((ours, None), (native, torch.bfloat16)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in data:
+            opt.zero_grad()
+            with torch.autocast("cpu", under or torch.bfloat16, enabled=under is not None):
+                logits = model(x)
+            loss_fn(logits, y).backward()
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params_of(ours), params_of(native), strict=True))
+    amp.remove()
+
+
+def test_two_optimizers_resume_mid_run_bitwise():
+    """fp16_master, two Adams, a scale that changes: saving after 3 of 6 iterations (model, both optimizers,
+    amp) and resuming into a fresh model gives bit for bit the run that never stopped."""
+    import io
+
+    data = mlp_batches(6)
+    policy = {"extends": "fp16_master", "loss_scale": {"initial": 2.0 ** 20, "growth_interval": 2}}
+
+    def start() -> tuple[nn.Module, unimp.Amp]:
+        model = body_and_head()
+        return model, unimp.apply(policy, model, [torch.optim.Adam(model[:4].parameters(), lr=1e-2),
+                                                  torch.optim.Adam(model[4].parameters(), lr=3e-2)])
+
+    def train(model, amp, part):
+        for x, y in part:
+            for o in amp.optimizers:
+                o.zero_grad()
+            amp.backward(loss_fn(model(x), y))
+            for o in amp.optimizers:
+                o.step()
+
+    model, amp = start()
+    train(model, amp, data)
+    straight, straight_scale = params_of(model), amp.state_dict()
+    amp.remove()
+
+    model, amp = start()
+    train(model, amp, data[:3])
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizers": [o.state_dict() for o in amp.optimizers],
+                "amp": amp.state_dict()}, buf)
+    amp.remove()
+    buf.seek(0)
+    saved = torch.load(buf)
+    model, amp = start()
+    model.load_state_dict(saved["model"])
+    for o, sd in zip(amp.optimizers, saved["optimizers"], strict=True):
+        o.load_state_dict(sd)
+    amp.load_state_dict(saved["amp"])
+    train(model, amp, data[3:])
+    assert amp.state_dict() == straight_scale and straight_scale["scale"] != 2.0 ** 20
+    assert all(torch.equal(a, b) for a, b in zip(params_of(model), straight, strict=True))
+    amp.remove()
