@@ -434,3 +434,66 @@ def test_two_optimizers_resume_mid_run_bitwise():
     assert amp.state_dict() == straight_scale and straight_scale["scale"] != 2.0 ** 20
     assert all(torch.equal(a, b) for a, b in zip(params_of(model), straight, strict=True))
     amp.remove()
+
+
+# ---------------------------------------------------------------- Lightning manual optimization
+def lightning_gan(precision_or_plugin) -> list[torch.Tensor]:
+    """A LightningModule GAN under manual optimization (``automatic_optimization = False``, two optimizers from
+    ``configure_optimizers``, ``self.optimizers()``, ``self.manual_backward``), as Lightning's GAN example."""
+    import lightning as L
+
+    class GAN(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.generator = nn.Sequential(nn.Linear(NZ, 32), nn.LeakyReLU(0.2), nn.Linear(32, 16), nn.Tanh())
+            self.discriminator = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+            self.automatic_optimization = False
+
+        def forward(self, z):
+            return self.generator(z)
+
+        def training_step(self, batch, i):
+            real, z = batch
+            opt_d, opt_g = self.optimizers()
+            fake = self(z)
+            out = self.discriminator(torch.cat([real, fake.detach()])).float()  # one forward: see critic_loss
+            target = torch.cat([torch.ones(len(real), 1), torch.zeros(len(real), 1)])
+            self.manual_backward(nn.functional.binary_cross_entropy_with_logits(out, target))
+            opt_d.step()
+            opt_d.zero_grad()
+            out = self.discriminator(fake).float()
+            self.manual_backward(nn.functional.binary_cross_entropy_with_logits(out, torch.ones_like(out)))
+            opt_g.step()
+            opt_g.zero_grad()
+
+        def configure_optimizers(self):
+            return [torch.optim.Adam(self.discriminator.parameters(), lr=2e-3, betas=(0.5, 0.999)),
+                    torch.optim.Adam(self.generator.parameters(), lr=2e-3, betas=(0.5, 0.999))]
+
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.rand(16, 16, generator=g) * 2 - 1,
+                                                                      torch.randn(16, NZ, generator=g)), batch_size=4)
+    options = {"plugins": [precision_or_plugin]} if not isinstance(precision_or_plugin, str) else {
+        "precision": precision_or_plugin}
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, **options)
+    module = GAN()
+    trainer.fit(module, data)
+    return params_of(module)
+
+
+@pytest.mark.parametrize("preset", ["mixed_bf16", "mixed_fp16"])
+def test_lightning_manual_optimization_two_optimizers_matches_lightning_amp(preset):
+    """UnimpPrecision with two optimizers under manual optimization: each optimizer's opt.step() unscales and
+    steps its own parameters, one loss scale; every parameter equals Lightning's own mixed precision bit for
+    bit (bf16-mixed; 16-mixed with torch's GradScaler on CPU, no overflow in these steps)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from unimp_torch.integrations.lightning import UnimpPrecision
+
+    plugin = UnimpPrecision(preset)
+    ours = lightning_gan(plugin)
+    assert [type(o.optimizer).__name__ for o in plugin.amp.optimizers] == ["Adam", "Adam"]
+    assert plugin.amp.state_dict()["steps"] == 4  # one update per iteration (4 batches), not per optimizer
+    native = lightning_gan("bf16-mixed" if preset == "mixed_bf16" else MixedPrecision("16-mixed", "cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(ours, native, strict=True))

@@ -101,9 +101,11 @@ class _Float32Autocast:
         torch.set_autocast_dtype(self.device, self.previous[1])
 
 
-def autocast_to(device: str, dtype: torch.dtype) -> Any:
-    """``torch.autocast(device, dtype=dtype)``, float32 included."""
-    return _Float32Autocast(device) if dtype == torch.float32 else torch.autocast(device, dtype=dtype)
+def autocast_to(device: str, dtype: torch.dtype, cache: bool | None = None) -> Any:
+    """``torch.autocast(device, dtype=dtype, cache_enabled=cache)``, float32 included (``None``: as the enclosing
+    autocast, torch's default)."""
+    return _Float32Autocast(device) if dtype == torch.float32 else torch.autocast(device, dtype=dtype,
+                                                                                    cache_enabled=cache)
 
 
 _local = threading.local()  # .forward: the PolicyForward whose rules are active in this thread
@@ -229,13 +231,15 @@ class PolicyForward:
         return _Rules(self)
 
     @contextlib.contextmanager
-    def region(self) -> Iterator[None]:
+    def region(self, cache: bool | None = None) -> Iterator[None]:
         """Code around the model (a loss on its outputs) under the policy as its forward runs: autocast and
-        the eager op rules, as ``torch.autocast`` covers a whole step (Lightning's ``forward_context``)."""
+        the eager op rules, as ``torch.autocast`` covers a whole step (Lightning's ``forward_context``).
+        ``cache=False``: no cast cache in the region (nor in forwards inside it), for a region in which an
+        optimizer steps (manual optimization): a cached low-precision copy of a weight would outlive its update."""
         if self.autocast is None:
             yield
             return
-        with autocast_to(self.device, self.autocast):
+        with autocast_to(self.device, self.autocast, cache):
             if self.mode is None:
                 yield
                 return

@@ -70,7 +70,7 @@ class UnimpPrecision(Precision):
         if not isinstance(forward, PolicyForward):
             yield
             return
-        with forward.region():
+        with forward.region(cache=False):  # as Lightning's autocast: optimizers may step inside (manual optimization)
             yield
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
