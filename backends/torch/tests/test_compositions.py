@@ -497,3 +497,139 @@ def test_lightning_manual_optimization_two_optimizers_matches_lightning_amp(pres
     assert plugin.amp.state_dict()["steps"] == 4  # one update per iteration (4 batches), not per optimizer
     native = lightning_gan("bf16-mixed" if preset == "mixed_bf16" else MixedPrecision("16-mixed", "cpu"))
     assert all(torch.equal(a, b) for a, b in zip(ours, native, strict=True))
+
+
+# ---------------------------------------------------------------- several models in one process
+def rows(report) -> dict[str, tuple[str, str]]:
+    """``{path: (compute dtype, param dtype)}`` of the report's layers with parameters."""
+    return {r.path: (r.compute_dtype, r.param_dtype) for r in report.rows if r.param_dtype is not None}
+
+
+def test_distillation_teacher_frozen_inference_beside_trained_student():
+    """A frozen teacher under an inference policy (mixed_bf16, no optimizer) beside a student trained under
+    fp16_master: each report lists only its own model's layers in its own dtypes, the teacher's weights never
+    change, and the student's update equals the fp32 reference's (same teacher outputs) within fp16's bound."""
+    from collections import OrderedDict
+
+    torch.manual_seed(5)
+    teacher = nn.Sequential(OrderedDict(enc=nn.Linear(D_IN, 2 * HIDDEN), act=nn.ReLU(),
+                                        cls=nn.Linear(2 * HIDDEN, CLASSES))).requires_grad_(False).eval()
+    frozen = params_of(teacher)
+    student = body_and_head(1)
+    amp_t = unimp.apply("mixed_bf16", teacher)
+    amp_s = unimp.apply("fp16_master", student, torch.optim.SGD(student.parameters(), lr=0.5))
+    reference = body_and_head(1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    before = params_of(student)
+
+    def kd(student_logits, teacher_logits, t=2.0):
+        return nn.functional.kl_div(nn.functional.log_softmax(student_logits.float() / t, -1),
+                                    nn.functional.softmax(teacher_logits.float() / t, -1), reduction="batchmean")
+
+    for x, _ in mlp_batches(3):
+        with torch.no_grad():
+            t_logits = teacher(x)
+        assert t_logits.dtype == torch.bfloat16
+        amp_s.optimizer.zero_grad()
+        amp_s.backward(kd(student(x), t_logits))
+        amp_s.optimizer.step()
+        ref_opt.zero_grad()
+        kd(reference(x), t_logits).backward()
+        ref_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params_of(teacher), frozen, strict=True))
+    assert rows(amp_t.report()) == {"enc": ("bfloat16", "float32"), "cls": ("bfloat16", "float32")}
+    assert rows(amp_s.report()) == {p: ("float16", "float16") for p in ("0", "2", "4")}
+    errors = rel_errors([a - b for a, b in zip(params_of(student), before, strict=True)],
+                        [a - b for a, b in zip(params_of(reference), before, strict=True)])
+    assert max(errors) < update_tolerance("fp16_master"), errors
+    amp_s.remove(), amp_t.remove()
+
+
+def test_reference_model_trl_style_gpt2_policy_beside_frozen_copy():
+    """TRL's create_reference_model pattern on a tiny GPT-2 (HF, random init): the reference is a frozen
+    ``copy.deepcopy`` of the policy model, each under its own policy; a DPO step trains the policy
+    (its update equal to the fp32 reference's within fp16's bound), the reference never changes, and each
+    report is its own. A copy made after apply already runs the policy's forward: applying again is refused,
+    naming the fix."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(7)
+    policy = GPT2LMHeadModel(config)
+    fp32_policy = copy.deepcopy(policy)
+    ref = copy.deepcopy(policy).requires_grad_(False).eval()  # trl.create_reference_model: a frozen deep copy
+    frozen = params_of(ref)
+    amp_ref = unimp.apply("mixed_bf16", ref)
+    amp_pol = unimp.apply("fp16_master", policy, torch.optim.SGD(policy.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(8)
+    chosen, rejected = (torch.randint(0, 64, (2, 12), generator=g) for _ in range(2))
+
+    def logp(model, ids):
+        logits = model(ids).logits[:, :-1].float()
+        return torch.gather(logits.log_softmax(-1), 2, ids[:, 1:, None]).squeeze(-1).sum(-1)
+
+    def dpo(model, ref_c, ref_r, beta=0.1):
+        return -nn.functional.logsigmoid(beta * ((logp(model, chosen) - ref_c) - (logp(model, rejected) - ref_r))).mean()
+
+    fp32_opt = torch.optim.SGD(fp32_policy.parameters(), lr=0.1)
+    before = params_of(policy)
+    for _ in range(2):
+        with torch.no_grad():
+            ref_c, ref_r = logp(ref, chosen), logp(ref, rejected)
+        amp_pol.optimizer.zero_grad()
+        amp_pol.backward(dpo(policy, ref_c, ref_r))
+        amp_pol.optimizer.step()
+        fp32_opt.zero_grad()
+        dpo(fp32_policy, ref_c, ref_r).backward()
+        fp32_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params_of(ref), frozen, strict=True))
+    ours, theirs = rows(amp_pol.report()), rows(amp_ref.report())
+    assert ours.keys() == theirs.keys() and ours  # the same layers (a copy), each report its own model's dtypes
+    matmuls = {p for p, (c, _) in theirs.items() if c == "bfloat16"}  # Conv1D / lm_head: each its own dtype
+    assert matmuls and all(ours[p][0] == "float16" for p in matmuls)
+    assert {d for v in ours.values() for d in v} <= {"float16", "float32"} and "float16" in {p for _, p in ours.values()}
+    assert {d for v in theirs.values() for d in v} == {"bfloat16", "float32"}
+    assert {p for _, p in theirs.values()} == {"float32"}
+    moved = [(a - b, c - b) for a, b, c in zip(params_of(policy), before, params_of(fp32_policy), strict=True)
+             if not torch.equal(c, b)]
+    errors = rel_errors([u for u, _ in moved], [r for _, r in moved])
+    assert max(errors) < (4 * config.n_embd + 2) * unit_roundoff("fp16_master"), errors  # K = the MLP's width
+    with pytest.raises(RuntimeError, match="copy of a model with a unimp policy applied.*fresh model"):
+        unimp.apply("mixed_bf16", copy.deepcopy(policy))
+    amp_pol.remove(), amp_ref.remove()
+
+
+def test_ema_averaged_model_averages_the_fp32_masters():
+    """torch.optim.swa_utils.AveragedModel with get_ema_multi_avg_fn over a model under fp16_master, built and
+    updated inside ``amp.masters_in_model()`` (the documented way): the EMA is of the fp32 masters, bit for
+    bit what AveragedModel computes on an fp32 model holding the same weights, and not the EMA of the
+    float16 weights the model computes with (what AveragedModel(model) outside the block averages).
+    (timm's ModelEmaV3 is not installed in the torch env; AveragedModel is torch's own.)"""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model = body_and_head()
+    amp = unimp.apply("fp16_master", model, torch.optim.SGD(model.parameters(), lr=0.5))
+    with amp.masters_in_model():
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    rounded = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))  # outside the block: the low copies
+    shadow = body_and_head()  # a plain fp32 model given the masters' values: torch's own EMA of them
+    expected = AveragedModel(shadow, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    for x, y in mlp_batches(4):
+        amp.optimizer.zero_grad()
+        amp.backward(loss_fn(model(x), y))
+        amp.optimizer.step()
+        with amp.masters_in_model():
+            ema.update_parameters(model)
+        rounded.update_parameters(model)
+        with torch.no_grad():
+            for s, (_, _, m) in zip(shadow.parameters(), amp.master_weights, strict=True):
+                s.copy_(m)
+        expected.update_parameters(shadow)
+    assert all(p.dtype == torch.float32 for p in ema.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), expected.parameters(), strict=True))
+    assert not all(torch.equal(a.float(), b) for a, b in zip(rounded.parameters(), expected.parameters(),
+                                                             strict=True))
+    x = mlp_batches(1)[0][0]
+    assert ema(x).dtype == model(x).dtype  # the copy runs under the policy too
+    amp.remove()
