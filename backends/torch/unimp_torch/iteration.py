@@ -71,7 +71,8 @@ class Iteration:
 
     @property
     def pending(self) -> list[int]:
-        """Indices of the members that stepped since the last update while others have not (empty between iterations)."""
+        """Indices of the members that stepped since the last update while others have not (empty between
+        iterations)."""
         return [i for i, m in enumerate(self.members) if m in self.found]
 
     def update(self) -> None:

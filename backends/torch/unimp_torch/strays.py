@@ -19,9 +19,9 @@ its first step, again only after an ``apply`` or ``remove``), whether it was bui
 >>> amp = unimp.apply("mixed_fp16", m)
 >>> stray = torch.optim.SGD(m.parameters(), lr=0.1)
 >>> amp.backward(m(torch.randn(3, 2)).sum())
->>> stray.step()
+>>> stray.step()  # doctest: +ELLIPSIS
 Traceback (most recent call last):
-unimp.errors.UnsupportedError: SGD.step(): this optimizer steps 'weight' of a Linear under the unimp policy 'mixed_fp16' ...
+unimp.errors.UnsupportedError: SGD.step(): this optimizer steps 'weight' of a Linear under the unimp policy ...
 >>> _ = amp.remove()
 """
 

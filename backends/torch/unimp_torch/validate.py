@@ -41,7 +41,7 @@ def check_inputs(model: Any, optimizer: Any, on_skip: Any) -> str:
 
 
 def as_list(optimizer: Any) -> list[Any]:
-    """``unimp.apply``'s optimizer argument as a list: ``None`` -> ``[]``, one -> ``[it]``, a list/tuple -> its items."""
+    """``unimp.apply``'s optimizer argument as a list: ``None`` -> ``[]``, one -> ``[it]``, a list/tuple: its items."""
     if optimizer is None:
         return []
     return list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
