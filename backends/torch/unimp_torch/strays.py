@@ -38,7 +38,8 @@ from unimp.spi import UnsupportedError
 from .optimizer import AmpOptimizer
 
 _amps: weakref.WeakSet[Any] = weakref.WeakSet()  # live TorchAmps
-_wrapped: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()  # inner -> AmpOptimizer
+# inner optimizer -> weakref to its AmpOptimizer (which holds the inner one: a strong value would keep both alive)
+_wrapped: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weakref.WeakKeyDictionary()
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()  # -> generation
 _state = {"generation": 0, "handle": None}
 
@@ -53,14 +54,15 @@ def watch(amp: Any) -> None:
 
 def wrapped(optimizer: Any) -> None:
     """``optimizer`` (an AmpOptimizer) wraps ``optimizer.optimizer``: its inner steps come from it."""
-    _wrapped[optimizer.optimizer] = optimizer
+    _wrapped[optimizer.optimizer] = weakref.ref(optimizer)
 
 
 def unwatch(amp: Any) -> None:
     """``amp`` was removed: its model and optimizers are plain again."""
     _amps.discard(amp)
     for opt in getattr(amp, "optimizers", []):
-        if _wrapped.get(opt.optimizer) is opt:
+        ref = _wrapped.get(opt.optimizer)
+        if ref is not None and ref() is opt:
             del _wrapped[opt.optimizer]
     _state["generation"] += 1
 
@@ -68,7 +70,8 @@ def unwatch(amp: Any) -> None:
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if isinstance(optimizer, AmpOptimizer):
         return
-    owner = _wrapped.get(optimizer)
+    ref = _wrapped.get(optimizer)
+    owner = ref() if ref is not None else None
     if owner is not None:
         if not owner.in_step:
             _refuse_direct(optimizer, owner)
