@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.spi import Amp, Fp8Decision, LossScaleState, Plan, Report, ReportRow, UnsupportedError
+from unimp.spi import Amp, Fp8Decision, LossScaleState, Plan, Report, ReportRow
 
 from .forward import PolicyForward, patch_forward
 from .fp8 import Fp8Binding
@@ -265,11 +265,7 @@ class TorchAmp(Amp):
         """The loss-scale state (:meth:`unimp.Amp.state_dict`), between iterations: refused while some optimizers
         sharing the scale stepped and others have not (the update those flags wait for is not in the state)."""
         self._check_live("amp.state_dict()")
-        if self.iteration.pending:
-            raise UnsupportedError(
-                f"amp.state_dict(): {len(self.iteration.pending)} of the {len(self.iteration.members)} optimizers "
-                f"sharing the loss scale stepped since its last update and the others have not; save after every "
-                f"optimizer of the iteration stepped (or after amp.update())")
+        self.iteration.refuse_pending("amp.state_dict()")
         return super().state_dict()
 
     def report(self, *args: Any, **kwargs: Any) -> Report:

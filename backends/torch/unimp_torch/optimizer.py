@@ -58,7 +58,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         own = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self.masters = [t for t in params.masters if id(t[2]) in own]  # (name, low, master) of this optimizer's params
         self.iteration = iteration if iteration is not None else Iteration(scaler)
-        self.iteration.join(self)
+        self.iteration.join(self, type(optimizer).__name__)
         self.in_step = False  # the inner optimizer's step is being called from step() (the step pre-hook reads it)
         self.on_skip = on_skip
         self.live = live
