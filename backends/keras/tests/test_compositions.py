@@ -11,6 +11,7 @@ A list of optimizers for one Keras model is refused naming that pattern.
 import keras
 import numpy as np
 import pytest
+
 import unimp
 from unimp.errors import UnsupportedError
 

@@ -16,6 +16,7 @@ from collections import defaultdict
 import numpy as np
 import paddle
 import pytest
+
 import unimp
 from unimp.errors import UnsupportedError
 
