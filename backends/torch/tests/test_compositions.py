@@ -628,3 +628,29 @@ def test_ema_averaged_model_averages_the_fp32_masters():
     x = mlp_batches(1)[0][0]
     assert ema(x).dtype == model(x).dtype  # the copy runs under the policy too
     amp.remove()
+
+
+def test_several_optimizers_bad_input_names_the_optimizer_and_the_fix():
+    """A parameter in two optimizers, an optimizer wrapped twice or over another model, an unknown optimizer
+    to unscale, a scale shared across two rules: each refused before anything changes, naming the fix."""
+    model = body_and_head()
+    with pytest.raises(ValueError, match=r"optimizer\[1\]: .* also stepped by optimizer\[0\]"):
+        unimp.apply("fp16_master", model, [torch.optim.SGD(model.parameters(), lr=0.1),
+                                           torch.optim.SGD(model[4].parameters(), lr=0.1)])
+    assert not unimp.Amp.is_bound(model) and model[0].weight.dtype == torch.float32
+    body = torch.optim.SGD(model[:4].parameters(), lr=0.1)
+    amp = unimp.apply("fp16_master", model, [body])
+    with pytest.raises(ValueError, match="already wrapped"):
+        amp.add_optimizer(body)
+    with pytest.raises(ValueError, match=r"also stepped by amp.optimizers\[0\]"):
+        amp.add_optimizer(torch.optim.SGD(model[2].parameters(), lr=0.1))  # the low copies of body's params
+    with pytest.raises(ValueError, match="not a parameter of this model"):
+        amp.add_optimizer(torch.optim.SGD(body_and_head().parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"not one of this Amp's optimizers.*amp.add_optimizer"):
+        amp.unscale_(torch.optim.SGD(model[4].parameters(), lr=0.1))
+    other = body_and_head()
+    with pytest.raises(UnsupportedError, match="one shared scale runs one rule"):
+        unimp.apply({"extends": "mixed_fp16", "loss_scale": {"initial": 1024.0}}, other,
+                    torch.optim.SGD(other.parameters(), lr=0.1), share_scale_with=amp)
+    assert not unimp.Amp.is_bound(other)
+    amp.remove()
