@@ -116,8 +116,8 @@ def _check_shared(other: Any, plan: Plan, amp_type: type) -> None:
                         f"{type(other).__name__}")
     other._check_live("unimp.apply(..., share_scale_with=amp)")
     if other.plan.loss_scale != plan.loss_scale:
-        raise UnsupportedError(f"share_scale_with: that Amp's loss-scale rule (policy {other.policy.name!r}) differs "
-                               f"from this policy's ({plan.policy.name}); one shared scale runs one rule: apply the "
+        raise UnsupportedError(f"share_scale_with: that Amp's loss-scale rule ({other.plan.where}) differs "
+                               f"from this one's ({plan.where}); one shared scale runs one rule: apply the "
                                f"same loss_scale section to both models")
 
 

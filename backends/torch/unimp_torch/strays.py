@@ -110,7 +110,7 @@ def _problem(amp: Any, optimizer: torch.optim.Optimizer) -> str | None:
     if hit is None:
         return None
     return (f"{type(optimizer).__name__}.step(): this optimizer steps '{hit}' of a {type(amp.module).__name__} "
-            f"under the unimp policy '{amp.policy.name}' but unimp does not wrap it: {consequence}. Fix: pass it "
+            f"under the unimp policy '{amp.plan.name}' but unimp does not wrap it: {consequence}. Fix: pass it "
             f"to unimp.apply(policy, model, [optimizer, ...]) with the others, or wrap it after apply with "
             f"opt = amp.add_optimizer(opt) and step what that returns (after amp.backward(loss))")
 
