@@ -89,8 +89,9 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 def _consequence(amp: Any) -> str | None:
     """What stepping ``amp``'s parameters without unimp does (None: nothing goes wrong)."""
     if amp.scaler.spec.mode != "none":
-        return (f"its update would be the scaled gradient's (loss scale {amp.scaler.scale.item():g} times "
-                f"too large) and never skipped on overflow")
+        return (f"after amp.backward(loss) its update would be the scaled gradient's (loss scale "
+                f"{amp.scaler.scale.item():g} times too large), never skipped on overflow; after a plain "
+                f"loss.backward() the policy's loss scaling would not run at all")
     if amp.params.home:
         return ("its update would be lost: the model holds low-precision copies of fp32 master weights, "
                 "and every wrapped step copies the masters over them")
