@@ -38,6 +38,7 @@ from unimp.backend.registry import apply
 from unimp.backend.transaction import Snapshot
 from unimp.errors import StateError, UnimpWarning, UnsupportedError
 from unimp.loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState
+from unimp.loss_scale.iteration import Iteration
 from unimp.loss_scale.rule import ArrayOps, Arrays, step
 from unimp.plan import LayerInfo, Plan
 from unimp.plan.fp8 import Fp8Decision, Fp8Support
@@ -50,8 +51,8 @@ __all__ = [
     "Amp", "Backend", "Snapshot",
     # the compiled contract
     "Fp8Decision", "Fp8Support", "LayerInfo", "LossScaleSpec", "Plan",
-    # the loss-scale rule and its array-ops protocol
-    "ArrayOps", "Arrays", "LossScale", "LossScaleState", "step",
+    # the loss-scale rule and its array-ops protocol; one update per iteration over several optimizers
+    "ArrayOps", "Arrays", "Iteration", "LossScale", "LossScaleState", "step",
     # the output, errors, warnings
     "LossScaleAtMinimumError", "Report", "ReportRow", "StateError", "UnimpWarning", "UnsupportedError",
     # for kits and integrations

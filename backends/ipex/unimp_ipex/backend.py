@@ -51,6 +51,11 @@ class IpexBackend(TorchBackend):
             raise TypeError(f"unimp.apply(...) for ipex got unknown options {sorted(options)}; it accepts "
                             f"engine='auto'|'ipex'|'torch' and on_skip=callable")
         device = check_inputs(model, optimizer, on_skip)
+        if isinstance(optimizer, list | tuple):
+            from unimp.spi import UnsupportedError
+
+            raise UnsupportedError("optimizer: backend 'ipex' binds one optimizer (ipex.optimize takes one); pass "
+                                   "one, or use backend='torch' for several optimizers sharing one loss scale")
         if device != "cpu":
             from unimp.spi import UnsupportedError
 

@@ -60,6 +60,13 @@ def check_inputs(model: Any, optimizer: Any) -> None:
                          f"build it inside unimp_keras.scope(policy)")
     if optimizer is None:
         return
+    if isinstance(optimizer, list | tuple):
+        raise UnsupportedError(
+            f"unimp (keras): several optimizers ({len(optimizer)}) for one Keras model: apply the policy to each "
+            f"sub-model with its own optimizer, e.g. amp_d = unimp.apply(policy, discriminator, d_opt); "
+            f"amp_g = unimp.apply(policy, generator, g_opt), and use amp_d.optimizer / amp_g.optimizer in "
+            f"train_step; each keeps its own loss scale, as Keras' mixed_float16 gives each optimizer its own "
+            f"LossScaleOptimizer (keras.io DCGAN)")
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         raise TypeError("unimp (keras): optimizer is already a LossScaleOptimizer; pass its inner "
                         "optimizer (optimizer.inner_optimizer) — unimp adds the loss scaling the policy asks for")

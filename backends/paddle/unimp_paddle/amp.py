@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unimp.spi import Amp, LossScaleState, Plan, Report
+from unimp.spi import Amp, Iteration, LossScaleState, Plan, Report
 
 from . import trace
 from .distributed import data_parallel, refuse_data_parallel
@@ -26,7 +26,7 @@ from .scaler import DeviceLossScale
 
 
 class PaddleAmp(Amp):
-    """A policy bound to one ``paddle.nn.Layer`` (+ optimizer)."""
+    """A policy bound to one ``paddle.nn.Layer`` (+ its optimizers: one, or a list sharing one loss scale)."""
 
     def __init__(self, plan: Plan, model: Any, optimizer: Any = None) -> None:
         import paddle
@@ -34,9 +34,14 @@ class PaddleAmp(Amp):
         if not isinstance(model, paddle.nn.Layer):
             raise TypeError(f"unimp.apply: model must be a paddle.nn.Layer, got {type(model).__name__}")
         refuse_data_parallel(model)
-        if optimizer is not None and not hasattr(optimizer, "step"):
-            raise TypeError(f"unimp.apply: optimizer must be a paddle.optimizer.Optimizer (with step()), "
-                            f"got {type(optimizer).__name__}")
+        inners = list(optimizer) if isinstance(optimizer, list | tuple) else [] if optimizer is None else [optimizer]
+        for i, opt in enumerate(inners):
+            if not hasattr(opt, "step"):
+                where = f"optimizer[{i}]" if len(inners) > 1 else "optimizer"
+                raise TypeError(f"unimp.apply: {where} must be a paddle.optimizer.Optimizer (with step()), "
+                                f"got {type(opt).__name__}")
+        owned = _owned_params(model, inners)
+        optimizer = inners[0] if inners else None
         if not plan.layers:  # compiled without the model: index it once
             plan = plan.with_index(model_index(model))
         super().__init__(plan, model, optimizer)
@@ -56,13 +61,17 @@ class PaddleAmp(Amp):
                                        "layers": {path: self._guards[id(layer)] for path, layer in
                                                   model.named_sublayers() if id(layer) in self._guards}}
         if self.active and self.level == "O2":
-            self._decorate(model, optimizer)
+            self._decorate(model, inners if len(inners) > 1 else optimizer)
         self._wrapped = self._wrap_forwards(model)
         params = [p for p in model.parameters() if not p.stop_gradient]
         place = params[0].place if params else None
         self.scaler = DeviceLossScale(plan.loss_scale_run, place)
+        self.iteration = PaddleIteration(self.scaler)
         self._scaling = plan.loss_scale_run.mode != "none"
-        self.optimizer = AmpOptimizer(optimizer, self.scaler, params) if optimizer is not None else None
+        # one optimizer checks every trainable parameter (as before); several, each its own parameters
+        self.optimizers = [AmpOptimizer(opt, self.scaler, params if len(inners) == 1 else own, self.iteration)
+                           for opt, own in zip(inners, owned, strict=True)]
+        self.optimizer = self.optimizers[0] if self.optimizers else None
 
     # ------------------------------------------------------------------ setup
     def _check_layout(self, model: Any) -> None:
@@ -165,6 +174,19 @@ class PaddleAmp(Amp):
         """
         return data_parallel(self, **kwargs)
 
+    def update(self) -> None:
+        """End the iteration: the loss scale updated from the optimizers that stepped since the last update
+        (``paddle.amp.GradScaler.update()``). Needed only when not every optimizer steps every iteration:
+        otherwise the update runs by itself after the last of them stepped (:mod:`unimp.loss_scale.iteration`)."""
+        self._check_live("amp.update()")
+        self.iteration.update()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loss-scale state (:meth:`unimp.Amp.state_dict`), between iterations (refused mid-iteration)."""
+        self._check_live("amp.state_dict()")
+        self.iteration.refuse_pending("amp.state_dict()")
+        return super().state_dict()
+
     def scale_loss(self, loss: Any) -> Any:
         """The loss times the current loss scale (for custom loops)."""
         if self._watching is not None:
@@ -192,6 +214,7 @@ class PaddleAmp(Amp):
 
     def set_loss_scale_state(self, state: LossScaleState) -> None:
         self.scaler.load(state)
+        self.iteration.reset()
 
     def report(self, *inputs: Any, **kw_inputs: Any) -> Report:
         """Per layer: kind, compute/param/output dtype seen in a real forward of ``inputs``.
@@ -228,6 +251,37 @@ class PaddleAmp(Amp):
         with paddle.no_grad():
             for k, (dtype, value) in self._saved.items():
                 state[k].set_value(paddle.to_tensor(value, dtype=dtype))
+
+
+class PaddleIteration(Iteration):
+    """The optimizers sharing one :class:`DeviceLossScale`; their flags are "all finite" booleans."""
+
+    def __init__(self, scaler: DeviceLossScale) -> None:
+        super().__init__()
+        self.scaler = scaler
+
+    def advance(self, flags: list[bool]) -> None:
+        self.scaler.update(all(flags))
+
+
+def _owned_params(model: Any, optimizers: list[Any]) -> list[list[Any]]:
+    """Each optimizer's trainable parameters (its ``_param_groups`` or ``_parameter_list``); a parameter of
+    two optimizers, or not of ``model``, is refused naming the optimizer."""
+    own = {id(p) for p in model.parameters()}
+    seen: dict[int, int] = {}
+    out = []
+    for i, opt in enumerate(optimizers):
+        groups = getattr(opt, "_param_groups", None) or getattr(opt, "_parameter_list", None) or []
+        params = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+        for p in params:
+            if id(p) not in own:
+                raise ValueError(f"unimp.apply: optimizer[{i}] holds a parameter ({p.name}) that is not one of this "
+                                 f"model's; build each optimizer over this model's parameters")
+            if seen.setdefault(id(p), i) != i:
+                raise ValueError(f"unimp.apply: parameter {p.name} is in optimizer[{seen[id(p)]}] and optimizer[{i}]; "
+                                 f"each parameter belongs to one optimizer (its gradient is unscaled once per step)")
+        out.append([p for p in params if not p.stop_gradient])
+    return out
 
 
 def _list_sets(args: dict[str, Any]) -> tuple[set[str], set[str]]:

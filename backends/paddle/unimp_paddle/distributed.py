@@ -135,7 +135,7 @@ def data_parallel(amp: Any, **kwargs: Any) -> Any:
     dp = paddle.DataParallel(layer, **kwargs)
     group = kwargs.get("group")
     nranks = world_size(group)
-    params = amp.optimizer._params if amp.optimizer is not None else tuple(
+    params = tuple(p for o in amp.optimizers for p in o._params) if amp.optimizers else tuple(
         p for p in layer.parameters() if not p.stop_gradient)
     # no optimizer: nobody calls step(), so Paddle's reducer must do it (in the grads' dtype)
     native = grad_dtypes(params) <= {reduce} or amp.optimizer is None
@@ -145,8 +145,8 @@ def data_parallel(amp: Any, **kwargs: Any) -> Any:
         "nranks": nranks, "reduce_dtype": reduce,
         "all_reduce": "paddle reducer" if native else "unimp (amp.optimizer.step, flat buffer)",
         "found_inf": "all_reduce max over the group"}
-    if amp.optimizer is not None:
-        amp.optimizer.distribute(group, nranks, None if native else GradReducer(reduce, group, nranks))
+    for opt in amp.optimizers:  # each reduces (and agrees found-inf over) its own parameters
+        opt.distribute(group, nranks, None if native else GradReducer(reduce, group, nranks))
     amp._dp = dp
     amp._layer = layer
     amp.model = dp

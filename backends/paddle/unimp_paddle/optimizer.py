@@ -24,9 +24,16 @@ from .scaler import DeviceLossScale
 class AmpOptimizer:
     """Wraps a Paddle optimizer: ``step()``, ``clear_grad()``; other attributes pass through."""
 
-    def __init__(self, inner: Any, scaler: DeviceLossScale, params: list[Any]) -> None:
+    def __init__(self, inner: Any, scaler: DeviceLossScale, params: list[Any], iteration: Any = None) -> None:
         self._inner = inner
         self._scaler = scaler
+        # the optimizers sharing the scale (unimp.loss_scale.iteration): updated once all of them stepped
+        if iteration is None:
+            from .amp import PaddleIteration
+
+            iteration = PaddleIteration(scaler)
+        self._iteration = iteration
+        iteration.join(self, type(inner).__name__)
         self._params = tuple(params)
         spec = scaler.spec
         self._scaled = spec.mode != "none"
@@ -66,7 +73,10 @@ class AmpOptimizer:
         return found_inf
 
     def step(self) -> bool:
-        """One optimizer step under the policy; returns True when the step was skipped."""
+        """One optimizer step under the policy (unscaled and checked on this optimizer's parameters, skipped on
+        their non-finite gradients); returns True when the step was skipped. The loss scale is updated once
+        every optimizer sharing it has stepped."""
+        self._iteration.check_step(self, "amp.optimizer.step()")
         if not self._warned:
             self._warn_if_distributed()
         if self._reduce is not None:
@@ -79,9 +89,10 @@ class AmpOptimizer:
 
                 found = agree_found_inf(found, self._group, self._nranks)
             finite = not bool(found.item())
-        skip = self._scaler.update(finite)
+        skip = self._scaler.spec.skip_nonfinite and not finite
         if not skip:
             self._inner.step()
+        self._iteration.stepped(self, finite)
         if self.after_step is not None:
             self.after_step(skip)
         return skip

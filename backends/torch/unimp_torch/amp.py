@@ -1,4 +1,10 @@
-"""``TorchAmp``: a policy bound to one ``torch.nn.Module`` (+ optimizer), and ``bind`` which makes it.
+"""``TorchAmp``: a policy bound to one ``torch.nn.Module`` (+ its optimizers), and ``bind`` which makes it.
+
+Several optimizers share the Amp's one loss scale (``unimp.apply(policy, model, [opt_a, opt_b])``,
+or ``amp.add_optimizer(opt)`` later; another Amp joins it with ``share_scale_with=amp``): each is
+unscaled, checked and skipped on its own parameters, and the scale is updated once every one of
+them has stepped, as ``torch.amp.GradScaler``'s ``step(a); step(b); update()``
+(:mod:`unimp_torch.iteration`).
 
 >>> import torch, unimp
 >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
@@ -12,6 +18,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -25,24 +32,30 @@ from .forward import PolicyForward, patch_forward
 from .fp8 import Fp8Binding
 from .index import model_index
 from .integrations.save_pretrained import save_full_precision
+from .iteration import Iteration
 from .layers import DTYPES, Rule, kind, output_cast, type_names, wrap
 from .layout import has_conv2d, restore_layout, to_channels_last
 from .optimizer import AfterInnerStep, AmpOptimizer
 from .params import ParamState, cast_params
 from .scaler import DeviceLossScale
 from .trace import Observer, example_inputs, is_layer, observe
+from .validate import as_list, check_optimizers
 
 
 class TorchAmp(Amp):
     """The handle :func:`unimp.apply` returns for torch models."""
 
     def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 device: str) -> None:
+                 device: str, shared: TorchAmp | None = None) -> None:
         super().__init__(plan, model, optimizer)
         self.device = device
         self.module = model  # the user's module itself (amp.model may be its DDP wrapper)
         self.inner_optimizer = optimizer
-        self.scaler = DeviceLossScale(plan.loss_scale, _first_device(model))
+        self.optimizers: list[AmpOptimizer] = []  # the wrapped optimizers; amp.optimizer is the first
+        self.on_skip: Callable[[], Any] | None = None
+        # one loss scale for every optimizer of the iteration (this Amp's, and those of Amps sharing it)
+        self.scaler = shared.scaler if shared is not None else DeviceLossScale(plan.loss_scale, _first_device(model))
+        self.iteration = shared.iteration if shared is not None else Iteration(self.scaler)
         self.params = ParamState()
         self.wrapped: list[str] = []  # module paths with a layer-level forward
         self._undo: list[Callable[[], None]] = []
@@ -73,28 +86,116 @@ class TorchAmp(Amp):
         return self.scaler.scale_loss(loss)
 
     def _refuse_after_unscale(self, verb: str) -> None:
-        if isinstance(self.optimizer, AmpOptimizer):
-            self.optimizer.refuse_after_unscale(verb)
+        for opt in self.iteration.members:  # a scaled loss may reach the params of any optimizer sharing the scale
+            opt.refuse_after_unscale(verb)
 
-    def unscale_(self) -> torch.Tensor | None:
+    def unscale_(self, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor | None:
         """Unscale this step's grads now (e.g. before clipping or inspecting them); returns found_inf.
 
+        ``optimizer`` (one of ``amp.optimizers``, or the optimizer it wraps): only its parameters'
+        grads, as ``GradScaler.unscale_(optimizer)``; by default every optimizer's (their flags summed).
         With master weights, the model's low-precision parameters then show their masters' unscaled
         fp32 gradients (:class:`unimp_torch.params.MasterGrad`), so GradScaler's idiom
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` clips what the optimizer steps.
         Refused when no loss was scaled since the last step (a plain ``loss.backward()``)."""
         self._check_live("amp.unscale_()")
-        return self.optimizer.unscale_() if self.optimizer is not None else None
+        found = None
+        for opt in self._chosen(optimizer, "amp.unscale_(optimizer)"):
+            f = opt.unscale_()
+            found = f if found is None or f is None else found + f
+        return found
+
+    def _chosen(self, optimizer: Any, verb: str) -> list[AmpOptimizer]:
+        if optimizer is None:
+            return list(self.optimizers)
+        for opt in self.optimizers:
+            if optimizer is opt or optimizer is opt.optimizer:
+                return [opt]
+        raise ValueError(f"{verb}: this {type(optimizer).__name__} is not one of this Amp's optimizers "
+                         f"({len(self.optimizers)} wrapped); pass one of amp.optimizers, or wrap it first: "
+                         f"amp.add_optimizer(optimizer)")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> torch.Tensor:
-        """Clip the unscaled gradients (of the masters, when there are masters); returns the norm."""
+        """Clip the unscaled gradients (of the masters, when there are masters) of every optimizer together;
+        returns the norm."""
         self._check_live("amp.clip_grad_norm_()")
-        if self.optimizer is None:
+        if not self.optimizers:
             params = list(self.model.parameters())
         else:
-            self.optimizer.unscale_()
-            params = self.optimizer.master_params()
+            params = []
+            for opt in self.optimizers:
+                opt.unscale_()
+                params += opt.master_params()
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, **kwargs)
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> AmpOptimizer:
+        """Wrap one more optimizer of this model; returns the wrapper to step (``amp.optimizers[-1]``).
+
+        It shares the Amp's loss scale with the others (one update once all of them stepped, as one
+        ``torch.amp.GradScaler`` steps several optimizers). Built before or after ``apply``: where the
+        policy keeps fp32 masters, its low-precision parameters are replaced in its param groups (and
+        state) by their masters, which it steps from then on.
+
+        >>> import torch, unimp
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        >>> amp = unimp.apply("fp16_master", m, torch.optim.SGD(m[0].parameters(), lr=0.1))
+        >>> head = amp.add_optimizer(torch.optim.SGD(m[1].parameters(), lr=0.1))
+        >>> head.param_groups[0]["params"][0].dtype, len(amp.optimizers)
+        (torch.float32, 2)
+        >>> _ = amp.remove()
+        """
+        self._check_live("amp.add_optimizer()")
+        if isinstance(optimizer, AmpOptimizer):
+            raise ValueError("amp.add_optimizer(optimizer): this optimizer is already wrapped by unimp "
+                             "(an amp.optimizers entry); pass the torch.optim optimizer itself")
+        if any(optimizer is m.optimizer for m in self.iteration.members):
+            raise ValueError("amp.add_optimizer(optimizer): this optimizer is already wrapped (it is in "
+                             "amp.optimizers); step that wrapper")
+        # where masters exist, the model holds low-precision copies: the optimizer steps their masters
+        by_low = {i: orig for i, (_, orig) in self.params.home.items()}
+        low_of = {id(orig): low for low, orig in self.params.home.values()}
+        taken = {}
+        for i, opt in enumerate(self.optimizers):
+            for p in opt.master_params():
+                taken[id(p)] = f"amp.optimizers[{i}]"
+                if id(p) in low_of:
+                    taken[id(low_of[id(p)])] = f"amp.optimizers[{i}]"
+        own = {id(p) for p in self.module.parameters()} | set(low_of)  # built after apply or before (originals)
+        check_optimizers(self.module, [optimizer], "amp.add_optimizer(optimizer)", taken, own)
+        remap = {id(p): by_low[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in by_low}
+        if remap:
+            for group in optimizer.param_groups:
+                group["params"] = [by_low.get(id(p), p) for p in group["params"]]
+            optimizer.state = defaultdict(dict, {remap.get(id(p), p): v for p, v in optimizer.state.items()})
+        self.params.add_masters({id(p) for g in optimizer.param_groups for p in g["params"]},
+                                dict(self.module.named_parameters()))
+        return self._wrap_optimizer(optimizer)
+
+    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> AmpOptimizer:
+        from . import strays
+
+        names = {id(p): n for n, p in self.module.named_parameters()} | {id(m): n for n, _, m in self.params.masters}
+        wrapped = AmpOptimizer(optimizer, self.scaler, self.params, self.on_skip, self._check_live, names,
+                               self.iteration)
+        try:
+            self._undo.append(AfterInnerStep.attach(wrapped))
+            self._undo.append(lambda: self.iteration.leave(wrapped))
+            wrapped.agree = self.agree
+            self.optimizers.append(wrapped)
+            if self.optimizer is None:
+                self.optimizer = wrapped
+            strays.wrapped(wrapped)
+        except BaseException:
+            self.iteration.leave(wrapped)
+            raise
+        return wrapped
+
+    def update(self) -> None:
+        """End the iteration: the loss scale updated from the optimizers that stepped since the last update
+        (``torch.amp.GradScaler.update()``). Needed only when not every optimizer sharing the scale steps
+        every iteration: otherwise the update runs by itself after the last of them stepped."""
+        self._check_live("amp.update()")
+        self.iteration.update()
 
     def ddp(self, **kwargs: Any) -> nn.Module:
         """``DistributedDataParallel(amp.model, **kwargs)`` under the policy; sets and returns ``amp.model``.
@@ -158,6 +259,14 @@ class TorchAmp(Amp):
     def set_loss_scale_state(self, state: LossScaleState) -> None:
         self._check_live("amp.set_loss_scale_state()")
         self.scaler.set_state(state)
+        self.iteration.reset()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loss-scale state (:meth:`unimp.Amp.state_dict`), between iterations: refused while some optimizers
+        sharing the scale stepped and others have not (the update those flags wait for is not in the state)."""
+        self._check_live("amp.state_dict()")
+        self.iteration.refuse_pending("amp.state_dict()")
+        return super().state_dict()
 
     def report(self, *args: Any, **kwargs: Any) -> Report:
         """Per module path: kind, observed compute/param/output dtype. With inputs, runs a fresh
@@ -186,7 +295,20 @@ class TorchAmp(Amp):
         notes += Fp8Decision.report_notes(self.fp8.decisions) if self.fp8 is not None else []
         return self.report_header(rows, notes)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> TorchAmp:
+        """The copy (:meth:`unimp.Amp.__deepcopy__`) guards its own model and optimizers (:mod:`unimp_torch.strays`)."""
+        from . import strays
+
+        new = super().__deepcopy__(memo)
+        strays.watch(new)
+        for opt in new.optimizers:
+            strays.wrapped(opt)
+        return new
+
     def _restore(self) -> None:
+        from . import strays
+
+        strays.unwatch(self)
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
@@ -200,20 +322,26 @@ def _first_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: str,
-         on_skip: Callable[[], Any] | None, fsdp: bool = False) -> TorchAmp:
+def bind(plan: Plan, model: nn.Module, optimizer: Any, device: str,
+         on_skip: Callable[[], Any] | None, fsdp: bool = False, shared: TorchAmp | None = None) -> TorchAmp:
     """Apply ``plan`` to ``model``; on any error, everything done so far is undone.
 
+    ``optimizer``: None, one optimizer or a list/tuple of them (each wrapped, all sharing one loss scale).
     ``fsdp``: the model is sharded with FSDP2, which owns parameter dtypes (checked against the
     policy) and the masters (its sharded parameters); see :mod:`unimp_torch.distributed`.
+    ``shared``: an Amp whose loss scale this one shares (``share_scale_with=``).
     """
+    from . import strays
+
+    optimizers = as_list(optimizer)
     if isinstance(model.__dict__.get("forward"), PolicyForward):
         raise RuntimeError(f"unimp.apply: this {type(model).__name__} is a copy of a model with a unimp "
                            f"policy applied (its forward already runs under that policy); apply the policy "
                            f"to a fresh model, or use the copy as it is")
     if not plan.layers:  # compiled without the model: index it once
         plan = plan.with_index(model_index(model))
-    amp = TorchAmp(plan, model, optimizer, device)
+    amp = TorchAmp(plan, model, optimizers[0] if optimizers else None, device, shared)
+    amp.optimizer, amp.on_skip = None, on_skip
     try:
         amp.findings = list(plan.layout.act("torch"))
         if fsdp:
@@ -226,7 +354,7 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
                                     "torch.channels_last) before fully_shard")
         elif plan.channels_last and has_conv2d(model):
             amp._layout = to_channels_last(model)
-        optimized = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
+        optimized = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
         if not fsdp:
             amp.params = cast_params(model, plan, optimized)
         if plan.fp8 is not None and plan.fp8.active:  # after the params' dtypes: Float8Linear shares them
@@ -245,10 +373,9 @@ def bind(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
                                        output_cast(plan), bool(amp._layout), params_up))
         model.__dict__["forward"].observer = amp._observer
         amp._undo.append(save_full_precision(amp, model))  # HF save_pretrained: the fp32 masters
-        if optimizer is not None:
-            names = {id(p): n for n, p in model.named_parameters()} | {id(m): n for n, _, m in amp.params.masters}
-            amp.optimizer = AmpOptimizer(optimizer, amp.scaler, amp.params, on_skip, amp._check_live, names)
-            amp._undo.append(AfterInnerStep.attach(amp.optimizer))
+        for opt in optimizers:
+            amp._wrap_optimizer(opt)
+        strays.watch(amp)
         if fsdp:
             from .distributed import attach_fsdp
 

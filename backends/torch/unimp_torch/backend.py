@@ -49,19 +49,26 @@ class TorchBackend(Backend):
         def value(t: Any) -> tuple[Callable[[], Any], Callable[[Any], None]]:
             return (lambda: t.data), (lambda data: setattr(t, "data", data))
 
-        return Snapshot([*modules, optimizer], [value(t) for t in tensors.values()])
+        from .validate import as_list
+
+        return Snapshot([*modules, *as_list(optimizer)], [value(t) for t in tensors.values()])
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, *,
-              on_skip: Callable[[], Any] | None = None, **options: Any) -> Any:
-        """Bind ``plan``; ``on_skip()`` is called after every skipped optimizer step."""
-        from .amp import bind
+              on_skip: Callable[[], Any] | None = None, share_scale_with: Any = None, **options: Any) -> Any:
+        """Bind ``plan``; ``optimizer``: one ``torch.optim.Optimizer`` or a list of them (one loss scale,
+        :mod:`unimp_torch.iteration`); ``on_skip()`` is called after every skipped optimizer step;
+        ``share_scale_with``: another torch Amp whose loss scale (and iteration) this model's optimizers
+        share, as one ``torch.amp.GradScaler`` serves two models (a GAN's generator and discriminator)."""
+        from .amp import TorchAmp, bind
         from .distributed import attach_ddp, check_ddp_order, is_ddp, is_fsdp
         from .validate import check_inputs
 
         if options:
             raise TypeError(f"unimp.apply(...) for torch got unknown options {sorted(options)}; "
-                            f"it accepts on_skip=callable")
+                            f"it accepts on_skip=callable, share_scale_with=amp")
         device = check_inputs(model, optimizer, on_skip)
+        if share_scale_with is not None:
+            _check_shared(share_scale_with, plan, TorchAmp)
         if plan.details.device != device:
             raise UnsupportedError(f"unimp-torch: this Plan was compiled for {plan.details.device}, the model is on "
                                    f"{device}; compile it with the model: backend.compile(policy, model)")
@@ -77,7 +84,8 @@ class TorchBackend(Backend):
                                         "(its amp.model can be compiled)"))
         if ddp is not None:
             check_ddp_order(plan, ddp)
-        amp = bind(plan, inner, optimizer, device, on_skip, fsdp=ddp is None and is_fsdp(inner))
+        amp = bind(plan, inner, optimizer, device, on_skip, fsdp=ddp is None and is_fsdp(inner),
+                   shared=share_scale_with)
         if ddp is not None:
             try:
                 attach_ddp(amp, ddp, owned=False)
@@ -99,6 +107,18 @@ class TorchBackend(Backend):
         from .tuning import TorchTuning
 
         return TorchTuning()
+
+
+def _check_shared(other: Any, plan: Plan, amp_type: type) -> None:
+    """``share_scale_with``: a live torch Amp whose loss-scale rule is this Plan's (one scale, one rule)."""
+    if not isinstance(other, amp_type):
+        raise TypeError(f"share_scale_with: expected the Amp unimp.apply returned for another torch model, got "
+                        f"{type(other).__name__}")
+    other._check_live("unimp.apply(..., share_scale_with=amp)")
+    if other.plan.loss_scale != plan.loss_scale:
+        raise UnsupportedError(f"share_scale_with: that Amp's loss-scale rule ({other.plan.where}) differs "
+                               f"from this one's ({plan.where}); one shared scale runs one rule: apply the "
+                               f"same loss_scale section to both models")
 
 
 def _compiled_inner(model: Any) -> Any:

@@ -332,8 +332,8 @@ def _agree_over(amp: Any, groups: list[Any]) -> None:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=g)
 
     amp.agree = agree
-    if amp.optimizer is not None:
-        amp.optimizer.agree = agree
+    for opt in amp.optimizers:
+        opt.agree = agree
 
 
 def warn_undistributed() -> None:

@@ -102,8 +102,8 @@ class _Float32Autocast:
         torch.set_autocast_dtype(self.device, self.previous[1])
 
 
-def autocast_to(device: str, dtype: torch.dtype) -> Any:
-    """``torch.autocast(device, dtype=dtype, cache_enabled=False)``, float32 included.
+def autocast_to(device: str, dtype: torch.dtype, cache: bool = False) -> Any:
+    """``torch.autocast(device, dtype=dtype, cache_enabled=cache)``, float32 included (``cache`` False by default).
 
     Without torch's weight-cast cache: that cache is one map for the whole process (autocast's other
     state is per thread), emptied whenever any thread leaves its outermost autocast. A weight used twice
@@ -114,7 +114,7 @@ def autocast_to(device: str, dtype: torch.dtype) -> Any:
     float32, as a second cast gives them in native autocast too), in every thread alike.
     """
     return _Float32Autocast(device) if dtype == torch.float32 else torch.autocast(device, dtype=dtype,
-                                                                                  cache_enabled=False)
+                                                                                  cache_enabled=cache)
 
 
 _local = threading.local()  # .forward: the PolicyForward whose rules are active in this thread
@@ -245,13 +245,15 @@ class PolicyForward:
         return _Rules(self)
 
     @contextlib.contextmanager
-    def region(self) -> Iterator[None]:
+    def region(self, cache: bool = False) -> Iterator[None]:
         """Code around the model (a loss on its outputs) under the policy as its forward runs: autocast and
-        the eager op rules, as ``torch.autocast`` covers a whole step (Lightning's ``forward_context``)."""
+        the eager op rules, as ``torch.autocast`` covers a whole step (Lightning's ``forward_context``).
+        No cast cache in the region by default (:func:`autocast_to`; and none may be: an optimizer stepping inside
+        it under manual optimization would leave a cached low-precision copy of a weight stale)."""
         if self.autocast is None:
             yield
             return
-        with autocast_to(self.device, self.autocast):
+        with autocast_to(self.device, self.autocast, cache):
             if self.mode is None:
                 yield
                 return

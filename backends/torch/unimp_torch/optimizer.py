@@ -33,6 +33,7 @@ import torch
 
 from unimp.spi import UnsupportedError
 
+from .iteration import Iteration
 from .params import MasterGrad, ParamState
 from .scaler import DeviceLossScale
 from .validate import check_optimizer_state
@@ -42,16 +43,23 @@ class AmpOptimizer(torch.optim.Optimizer):
     """Wraps the user's optimizer; construct through :func:`unimp.apply`.
 
     ``live(verb)`` raises once the Amp is removed; ``names`` maps ``id(param)`` of the
-    optimizer's parameters to their model names (for messages).
+    optimizer's parameters to their model names (for messages). ``iteration`` holds the optimizers
+    sharing the loss scale (:mod:`unimp_torch.iteration`): the scale is updated once all of them
+    stepped; by default this optimizer alone (updated after each step).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, scaler: DeviceLossScale, params: ParamState,
                  on_skip: Callable[[], Any] | None = None, live: Callable[[str], None] | None = None,
-                 names: dict[int, str] | None = None) -> None:
+                 names: dict[int, str] | None = None, iteration: Iteration | None = None) -> None:
         # deliberately not calling Optimizer.__init__: state and groups are the inner optimizer's
         self.optimizer = optimizer
         self.scaler = scaler
         self.params = params
+        own = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self.masters = [t for t in params.masters if id(t[2]) in own]  # (name, low, master) of this optimizer's params
+        self.iteration = iteration if iteration is not None else Iteration(scaler)
+        self.iteration.join(self, type(optimizer).__name__)
+        self.in_step = False  # the inner optimizer's step is being called from step() (the step pre-hook reads it)
         self.on_skip = on_skip
         self.live = live
         self.names = names or {}
@@ -143,7 +151,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         return self._unscaled is not None and self._unscaled[1] == self.scaler.losses
 
     def unscale_(self) -> torch.Tensor | None:
-        """Move grads to the masters and divide by the scale (once per set of grads); returns found_inf."""
+        """Move this optimizer's grads to its masters and divide by the scale (once per set of grads); returns
+        found_inf (of this optimizer's parameters only)."""
         self._live("amp.optimizer.unscale_()")
         if not self.scaler.checks:
             return None
@@ -151,7 +160,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             return self._unscaled[0]
         if self.scaler.spec.mode != "none" and self.scaler.losses == self._losses_spent:
             self._refuse_unscaled_backward()
-        for _, low, master in self.params.masters:
+        for _, low, master in self.masters:
             master.grad = None if low.grad is None else low.grad.to(master.dtype)
         grads = []
         for p in self.master_params():
@@ -169,7 +178,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._unscaled = (found, self.scaler.losses)
         # the model's low-precision params now show the unscaled fp32 grads the optimizer steps, so
         # GradScaler's idiom (unscale_, then clip_grad_norm_(model.parameters())) clips the masters
-        for _, low, master in self.params.masters:
+        for _, low, master in self.masters:
             if low.grad is not None and master.grad is not None and not master.grad.is_sparse:
                 low.grad = MasterGrad(master.grad, low.dtype)
         return found
@@ -178,7 +187,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         """No loss was scaled since the last step: gradients from a plain ``loss.backward()`` would be
         divided by the loss scale. Refused (nothing changed) when there are gradients at all."""
         grads = [n for p in self.master_params() if p.grad is not None for n in (self.names.get(id(p), "?"),)]
-        grads += [name for name, low, _ in self.params.masters if low.grad is not None]
+        grads += [name for name, low, _ in self.masters if low.grad is not None]
         if not grads:
             return
         raise UnsupportedError(
@@ -203,7 +212,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._live("amp.optimizer.zero_grad()")
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._unscaled = None  # these gradients are gone: a new loss starts a new set
-        for _, low, _ in self.params.masters:
+        for _, low, _ in self.masters:
             if set_to_none:
                 low.grad = None
             elif isinstance(low.grad, MasterGrad):  # the next backward accumulates in low precision again
@@ -217,6 +226,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         any hook of the user's, so an exception in a user hook (a Ctrl-C) cannot leave the model's
         weights behind the masters or the step uncounted; user post-hooks see the updated model."""
         self._live("amp.optimizer.step()")
+        self.iteration.check_step(self, "amp.optimizer.step()")
         if closure is not None:
             raise UnsupportedError("amp.optimizer.step(closure): closures re-run forward and backward "
                                    "inside step, which loss scaling cannot see; call amp.backward(loss) "
@@ -228,9 +238,8 @@ class AmpOptimizer(torch.optim.Optimizer):
 
                 warn_undistributed()
         if not self.scaler.checks:  # no scaling, no skipping: the plain step
-            if self.params.masters:
-                for _, low, master in self.params.masters:
-                    master.grad = None if low.grad is None else low.grad.to(master.dtype)
+            for _, low, master in self.masters:
+                master.grad = None if low.grad is None else low.grad.to(master.dtype)
             out = self._inner_step(None, False, ())
             if self.after_step is not None:
                 self.after_step(False)
@@ -269,7 +278,11 @@ class AmpOptimizer(torch.optim.Optimizer):
         versions, held = [p._version for p in params], len(state)  # a first step adds state
         self._pending, self._stepped = (found, skip, fresh), False
         try:
-            out = self.optimizer.step()
+            self.in_step = True
+            try:
+                out = self.optimizer.step()
+            finally:
+                self.in_step = False
             self._finish()
         except BaseException:
             # a Ctrl-C after the inner step updated the params (in its post-hooks, in _finish): the model
@@ -298,17 +311,17 @@ class AmpOptimizer(torch.optim.Optimizer):
                     del state[p]
         elif self._fused and skip and self.on_skip is not None:
             self._skipped_now = bool(found.item())
-        self.params.sync_low()
+        self.params.sync_low(self.masters)
         self._count(found, skip)
         self._pending = None
 
     def _count(self, found: torch.Tensor | None, skip: bool) -> None:
         """The step is done (or skipped): the scale and counters updated, this step's grads spent."""
         if found is None:  # no scaling, no skipping
-            self.scaler.update(None)
+            self.iteration.stepped(self, None)
             return
         self.last_skipped = found > 0 if skip else torch.zeros((), dtype=torch.bool)
-        self.scaler.update(found)
+        self.iteration.stepped(self, found)
         self._pending = None  # counted: an interrupt from here on does not count it again
         self._unscaled = None
         self._losses_spent = self.scaler.losses

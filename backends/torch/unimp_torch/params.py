@@ -54,11 +54,22 @@ class ParamState:
     home: dict[int, tuple[nn.Parameter, nn.Parameter]] = field(default_factory=dict)
     hooks: list[Any] = field(default_factory=list)
 
-    def sync_low(self) -> None:
-        """Low-precision params := cast(master), after every optimizer step."""
-        if self.masters:
-            lows = [low.data for _, low, _ in self.masters]
-            torch._foreach_copy_(lows, [m.data for _, _, m in self.masters])
+    def sync_low(self, masters: list[tuple[str, nn.Parameter, nn.Parameter]] | None = None) -> None:
+        """Low-precision params := cast(master) for ``masters`` (default: all), after an optimizer step."""
+        masters = self.masters if masters is None else masters
+        if masters:
+            lows = [low.data for _, low, _ in masters]
+            torch._foreach_copy_(lows, [m.data for _, _, m in masters])
+
+    def add_masters(self, optimized: set[int], named: dict[str, nn.Parameter]) -> None:
+        """The fp32 originals in ``optimized`` (ids) become masters of their low-precision copies (an optimizer
+        wrapped after ``apply``); ``named``: the model's ``named_parameters()``."""
+        have = {id(m) for _, _, m in self.masters}
+        name_of = {id(p): n for n, p in named.items()}
+        for low, original in self.home.values():
+            if id(original) in optimized and id(original) not in have:
+                self.masters.append((name_of.get(id(low), "?"), low, original))
+                have.add(id(original))
 
     def restore(self) -> None:
         """Put the user's parameters back: originals (with the masters' values), exact dtypes.

@@ -34,21 +34,45 @@ def check_inputs(model: Any, optimizer: Any, on_skip: Any) -> str:
                         f"itself (not its state_dict or a function)")
     check_modules(model)
     device = device_of(model)
-    if optimizer is not None:
+    check_optimizers(model, as_list(optimizer), "optimizer")
+    if on_skip is not None and not callable(on_skip):
+        raise TypeError(f"on_skip: expected a callable taking no arguments, got {type(on_skip).__name__}")
+    return device
+
+
+def as_list(optimizer: Any) -> list[Any]:
+    """``unimp.apply``'s optimizer argument as a list: ``None`` -> ``[]``, one -> ``[it]``, a list/tuple: its items."""
+    if optimizer is None:
+        return []
+    return list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
+
+
+def check_optimizers(model: torch.nn.Module, optimizers: list[Any], where: str,
+                     taken: dict[int, str] | None = None, own: set[int] | None = None) -> None:
+    """Each is a ``torch.optim.Optimizer`` over parameters of ``model``, no parameter in two of them (nor
+    in ``taken``: ``id(param)`` -> which optimizer already steps it); errors name the optimizer, group, index.
+    ``own``: the ids that count as the model's (default: ``model.parameters()``)."""
+    own = {id(p) for p in model.parameters()} if own is None else own
+    seen = dict(taken or {})
+    several = len(optimizers) > 1
+    for oi, optimizer in enumerate(optimizers):
+        name = f"{where}[{oi}]" if several else where
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}; "
-                            f"build one over model.parameters(), or pass None")
-        own = {id(p) for p in model.parameters()}
+            raise TypeError(f"{name}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+                            f"build one over model.parameters(), pass a list of them, or None")
         for gi, group in enumerate(optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
                 if id(p) not in own:
                     raise ValueError(
-                        f"optimizer: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) is not a "
+                        f"{name}: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) is not a "
                         f"parameter of this model; build the optimizer from this model's parameters, e.g. "
                         f"torch.optim.AdamW(model.parameters()), after moving the model to its device")
-    if on_skip is not None and not callable(on_skip):
-        raise TypeError(f"on_skip: expected a callable taking no arguments, got {type(on_skip).__name__}")
-    return device
+                if id(p) in seen and seen[id(p)] != name:
+                    raise ValueError(
+                        f"{name}: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) is also stepped "
+                        f"by {seen[id(p)]}; each parameter belongs to one optimizer (its gradient is unscaled "
+                        f"once per step); split the parameters between the optimizers")
+                seen[id(p)] = name
 
 
 def check_modules(model: torch.nn.Module) -> None:

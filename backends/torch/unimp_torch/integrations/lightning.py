@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import Precision
 
-from unimp.spi import UnsupportedError, apply, load
+from unimp.spi import apply, load
 
 
 class UnimpPrecision(Precision):
@@ -52,16 +52,13 @@ class UnimpPrecision(Precision):
         self._pending_state: dict[str, Any] | None = None
 
     def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> Any:
-        if len(optimizers) > 1:
-            raise UnsupportedError(f"UnimpPrecision: configure_optimizers returned {len(optimizers)} optimizers; "
-                                   "unimp binds one optimizer per model; fix: return one optimizer (with several "
-                                   "param groups if needed)")
-        self.amp = apply(self.unimp_policy, model, optimizers[0] if optimizers else None)
+        """Apply the policy to the LightningModule with every optimizer ``configure_optimizers`` returned (one
+        loss scale; several: manual optimization, ``self.optimizers()``)."""
+        self.amp = apply(self.unimp_policy, model, list(optimizers) or None)
         if self._pending_state is not None:
             self.amp.load_state_dict(self._pending_state)
             self._pending_state = None
-        wrapped = [self.amp.optimizer] if optimizers else []
-        return model, wrapped, lr_schedulers
+        return model, list(self.amp.optimizers), lr_schedulers
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
@@ -73,7 +70,7 @@ class UnimpPrecision(Precision):
         if not isinstance(forward, PolicyForward):
             yield
             return
-        with forward.region():
+        with forward.region(cache=False):  # as Lightning's autocast: optimizers may step inside (manual optimization)
             yield
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
@@ -83,8 +80,8 @@ class UnimpPrecision(Precision):
                        **kwargs: Any) -> Any:
         result = closure()  # training_step + backward of the scaled loss
         skip = result is None and getattr(model, "automatic_optimization", True)
-        if not skip:
-            self.amp.unscale_()  # gradient clipping and on_before_optimizer_step see true gradients
+        if not skip:  # gradient clipping and on_before_optimizer_step see true gradients (of this optimizer's params)
+            self.amp.unscale_(optimizer if optimizer in self.amp.optimizers else None)
         self._after_closure(model, optimizer)
         if skip:
             return result

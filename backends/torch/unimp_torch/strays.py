@@ -1,0 +1,127 @@
+"""Optimizers that step an applied model's parameters around unimp, refused at their first step.
+
+A ``torch.optim`` optimizer unimp does not wrap, stepping parameters of a model under a policy
+that scales the loss, would apply the *scaled* gradient (65536 times the update); under a policy
+with fp32 master weights (``fp16_master``, ``pure_bf16``), its update of the low-precision copies
+(or of the masters, whose gradients never arrive) would be lost at the next copy from the
+masters. Both are refused with an :class:`unimp.errors.UnsupportedError` naming the fix, before
+the optimizer changes anything. So is a wrapped optimizer stepped directly (the object passed to
+``unimp.apply`` instead of ``amp.optimizers[i]``). Where nothing is scaled and there are no
+masters (``mixed_bf16``), any optimizer steps the model correctly and is let through.
+
+One global ``torch.optim`` step pre-hook does it, registered at the first ``unimp.apply``: per
+step it costs a dictionary lookup; an optimizer is checked against the applied models once (at
+its first step, again only after an ``apply`` or ``remove``), whether it was built before or after
+``apply``.
+
+>>> import torch, unimp
+>>> m = torch.nn.Linear(2, 2)
+>>> amp = unimp.apply("mixed_fp16", m)
+>>> stray = torch.optim.SGD(m.parameters(), lr=0.1)
+>>> amp.backward(m(torch.randn(3, 2)).sum())
+>>> stray.step()  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+unimp.errors.UnsupportedError: SGD.step(): this optimizer steps 'weight' of a Linear under the unimp policy ...
+>>> _ = amp.remove()
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from unimp.spi import UnsupportedError
+
+from .optimizer import AmpOptimizer
+
+_amps: weakref.WeakSet[Any] = weakref.WeakSet()  # live TorchAmps
+# inner optimizer -> weakref to its AmpOptimizer (which holds the inner one: a strong value would keep both alive)
+_wrapped: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weakref.WeakKeyDictionary()
+_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()  # -> generation
+_state = {"generation": 0, "handle": None}
+
+
+def watch(amp: Any) -> None:
+    """Guard ``amp``'s model from unwrapped optimizers (the hook registered once per process)."""
+    if _state["handle"] is None:
+        _state["handle"] = register_optimizer_step_pre_hook(_pre_step)
+    _amps.add(amp)
+    _state["generation"] += 1
+
+
+def wrapped(optimizer: Any) -> None:
+    """``optimizer`` (an AmpOptimizer) wraps ``optimizer.optimizer``: its inner steps come from it."""
+    _wrapped[optimizer.optimizer] = weakref.ref(optimizer)
+
+
+def unwatch(amp: Any) -> None:
+    """``amp`` was removed: its model and optimizers are plain again."""
+    _amps.discard(amp)
+    for opt in getattr(amp, "optimizers", []):
+        ref = _wrapped.get(opt.optimizer)
+        if ref is not None and ref() is opt:
+            del _wrapped[opt.optimizer]
+    _state["generation"] += 1
+
+
+def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if isinstance(optimizer, AmpOptimizer):
+        return
+    ref = _wrapped.get(optimizer)
+    owner = ref() if ref is not None else None
+    if owner is not None:
+        if not owner.in_step:
+            _refuse_direct(optimizer, owner)
+        return
+    generation = _state["generation"]
+    if _checked.get(optimizer) == generation:
+        return
+    for amp in list(_amps):
+        problem = _problem(amp, optimizer)
+        if problem is not None:
+            raise UnsupportedError(problem)
+    _checked[optimizer] = generation
+
+
+def _consequence(amp: Any) -> str | None:
+    """What stepping ``amp``'s parameters without unimp does (None: nothing goes wrong)."""
+    if amp.scaler.spec.mode != "none":
+        return (f"after amp.backward(loss) its update would be the scaled gradient's (loss scale "
+                f"{amp.scaler.scale.item():g} times too large), never skipped on overflow; after a plain "
+                f"loss.backward() the policy's loss scaling would not run at all")
+    if amp.params.home:
+        return ("its update would be lost: the model holds low-precision copies of fp32 master weights, "
+                "and every wrapped step copies the masters over them")
+    return None
+
+
+def _problem(amp: Any, optimizer: torch.optim.Optimizer) -> str | None:
+    if amp._removed:
+        return None
+    consequence = _consequence(amp)
+    if consequence is None:
+        return None
+    names = {id(p): n for n, p in amp.module.named_parameters()}
+    names |= {id(orig): n + " (its fp32 original)" for n, p in amp.module.named_parameters()
+              if (orig := amp.params.home.get(id(p), (None, None))[1]) is not None}
+    hit = next((names[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in names), None)
+    if hit is None:
+        return None
+    return (f"{type(optimizer).__name__}.step(): this optimizer steps '{hit}' of a {type(amp.module).__name__} "
+            f"under the unimp policy '{amp.plan.name}' but unimp does not wrap it: {consequence}. Fix: pass it "
+            f"to unimp.apply(policy, model, [optimizer, ...]) with the others, or wrap it after apply with "
+            f"opt = amp.add_optimizer(opt) and step what that returns (after amp.backward(loss))")
+
+
+def _refuse_direct(optimizer: torch.optim.Optimizer, owner: Any) -> None:
+    amp_needs = owner.scaler.spec.mode != "none" or owner.masters
+    if not amp_needs:
+        return
+    raise UnsupportedError(
+        f"{type(optimizer).__name__}.step(): this optimizer was passed to unimp.apply, which wraps it; step the "
+        f"wrapper (amp.optimizer, or amp.optimizers[i] with several): stepping it directly would apply "
+        + ("the scaled gradients" if owner.scaler.spec.mode != "none" else "updates the fp32 masters never get")
+        + " without unimp's unscale, skip and master copy")

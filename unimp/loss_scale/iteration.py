@@ -1,0 +1,96 @@
+"""One loss-scale update per training iteration, over every optimizer sharing the scale.
+
+``torch.amp.GradScaler`` with several optimizers (torch's AMP examples, "Working with Multiple
+Models, Losses, and Optimizers"): ``scaler.step(opt_a); scaler.step(opt_b); scaler.update()``.
+Each optimizer is unscaled and checked on its own parameters and skipped only when *its own*
+gradients are not finite; ``update()`` then advances the scale once, from the flags of every
+optimizer stepped since the last update (any non-finite: a backoff, as GradScaler's summed
+``found_inf_combined``).
+
+Here the update runs by itself once every optimizer of the group has stepped (or skipped) since
+the last one: with one optimizer, after each step. A loop where some optimizer does not step every
+iteration (a critic stepped five times per generator step) ends the iteration with
+``amp.update()``; stepping an optimizer a second time before the update is refused, as GradScaler
+refuses ``step()`` twice since the last ``update()``. A backend subclasses :class:`Iteration` with
+:meth:`Iteration.advance` (its flags into its scaler); the bookkeeping is written once, here.
+
+>>> class Printed(Iteration):
+...     def advance(self, flags): print("update from", flags)
+>>> it = Printed(); it.join("opt_d", "Adam"); it.join("opt_g", "Adam")
+>>> it.stepped("opt_d", True)  # opt_g has not stepped yet: no update
+>>> it.stepped("opt_g", False)
+update from [True, False]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unimp.errors import UnsupportedError
+
+
+class Iteration:
+    """The optimizers sharing one loss scale, and the flags of those stepped since its last update."""
+
+    def __init__(self) -> None:
+        self.members: list[Any] = []  # the backend's optimizer wrappers, in the order they joined
+        self.names: dict[Any, str] = {}  # member -> what messages call it (its optimizer's class)
+        self.found: dict[Any, Any] = {}  # member -> its flag (None: not checked)
+
+    def advance(self, flags: list[Any]) -> None:
+        """Advance the scale once from ``flags`` (each stepped member's, None left out; may be empty)."""
+        raise NotImplementedError
+
+    def join(self, member: Any, name: str) -> None:
+        self.members.append(member)
+        self.names[member] = name
+
+    def leave(self, member: Any) -> None:
+        """``member`` no longer shares the scale (its Amp was removed); a flag it left still counts."""
+        self.members = [m for m in self.members if m is not member]
+        self.names.pop(member, None)
+        if self.found and len(self.found) >= len(self.members):
+            self.update()
+
+    def check_step(self, member: Any, verb: str) -> None:
+        """Refuse a second step of ``member`` before the update (nothing changed yet)."""
+        if member not in self.found:
+            return
+        waiting = [self.names[m] for m in self.members if m not in self.found]
+        raise UnsupportedError(
+            f"{verb}: this optimizer already stepped since the last loss-scale update, which waits for the other "
+            f"optimizers sharing the scale (not stepped yet: {', '.join(waiting)}); when not every optimizer "
+            f"steps every iteration, call amp.update() after the last optimizer step of each iteration "
+            f"(torch.amp.GradScaler's scaler.update())")
+
+    def stepped(self, member: Any, flag: Any) -> None:
+        """``member`` stepped (or skipped) with ``flag``; the update runs once every member has."""
+        self.found[member] = flag
+        if len(self.found) >= len(self.members):
+            self.update()
+
+    @property
+    def pending(self) -> list[int]:
+        """Indices of the members that stepped since the last update while others have not (empty between
+        iterations)."""
+        return [i for i, m in enumerate(self.members) if m in self.found]
+
+    def update(self) -> None:
+        """The scale advanced once from the flags of the members stepped since the last update (none: nothing)."""
+        if not self.found:
+            return
+        flags = [f for f in self.found.values() if f is not None]
+        self.found.clear()
+        self.advance(flags)
+
+    def reset(self) -> None:
+        """A loaded loss-scale state replaces the iteration's flags."""
+        self.found.clear()
+
+    def refuse_pending(self, verb: str) -> None:
+        """Refuse ``verb`` (saving the state) mid-iteration: the update the flags wait for is not in the state."""
+        if self.pending:
+            raise UnsupportedError(
+                f"{verb}: {len(self.pending)} of the {len(self.members)} optimizers sharing the loss scale stepped "
+                f"since its last update and the others have not; save after every optimizer of the iteration "
+                f"stepped (or after amp.update())")
