@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from unimp.spi import Amp, Iteration, LossScaleState, Plan, Report
+from unimp.spi import Amp, LossScaleState, Plan, Report
 
 from . import trace
 from .distributed import data_parallel, refuse_data_parallel
 from .index import channels_last_findings, layer_kind, model_index
+from .iteration import PaddleIteration
 from .ops import OpLists, compile_lists
 from .optimizer import AmpOptimizer
 from .scaler import DeviceLossScale
@@ -251,17 +252,6 @@ class PaddleAmp(Amp):
         with paddle.no_grad():
             for k, (dtype, value) in self._saved.items():
                 state[k].set_value(paddle.to_tensor(value, dtype=dtype))
-
-
-class PaddleIteration(Iteration):
-    """The optimizers sharing one :class:`DeviceLossScale`; their flags are "all finite" booleans."""
-
-    def __init__(self, scaler: DeviceLossScale) -> None:
-        super().__init__()
-        self.scaler = scaler
-
-    def advance(self, flags: list[bool]) -> None:
-        self.scaler.update(all(flags))
 
 
 def _owned_params(model: Any, optimizers: list[Any]) -> list[list[Any]]:

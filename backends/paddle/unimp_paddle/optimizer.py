@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .iteration import PaddleIteration
 from .scaler import DeviceLossScale
 
 
@@ -29,8 +30,6 @@ class AmpOptimizer:
         self._scaler = scaler
         # the optimizers sharing the scale (unimp.loss_scale.iteration): updated once all of them stepped
         if iteration is None:
-            from .amp import PaddleIteration
-
             iteration = PaddleIteration(scaler)
         self._iteration = iteration
         iteration.join(self, type(inner).__name__)
