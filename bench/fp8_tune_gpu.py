@@ -42,6 +42,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -203,6 +204,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                         "eager, gemm (the per-shape microbenchmark), false")
     ap.add_argument("--keep-out", default="", help="comma-separated module globs kept out of FP8 by an override "
                                                    "before tuning (default: none: tune decides every Linear)")
+    ap.add_argument("--policies", default=None, help="PREFIX: take the tuned policies from PREFIX.<recipe>.toml (a "
+                                                    "tuned file written by an earlier run) instead of tuning")
+    ap.add_argument("--loss-only", action="store_true", help="stop after the loss phase (no timing phase)")
     ap.add_argument("--loss-steps", type=int, default=300, help="loss steps of bf16 and each tuned policy (0: skip)")
     ap.add_argument("--corpus-vocab", type=int, default=2048, help="tokens of the Markov corpus (< vocab)")
     ap.add_argument("--rounds", type=int, default=5)
@@ -282,6 +286,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base.eval()
     for r in recipes:
         tr = time.perf_counter()
+        if args.policies:
+            path = f"{args.policies}.{r}.toml"
+            tuned[r] = SimpleNamespace(policy=unimp.load(path), text=Path(path).read_text())
+            result["tune"][r] = {"policy_file": path, "text": tuned[r].text}
+            say(f"tune {r}: the tuned policy of {path} (tuned_on {tuned[r].policy.tuned_on!r})")
+            continue
         try:
             tuned[r], info = tune(r, base, tune_data, args)
         except Exception as e:  # e.g. no torchao on this machine: unimp says why; the bf16 variants still run
@@ -369,6 +379,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     elapsed["loss"] = time.perf_counter() - t
     say(f"phase loss: {elapsed['loss']:.1f}s")
     save()
+    if args.loss_only:
+        return result
 
     # ---- phase 3: the other variants, then the timed rounds
     t = time.perf_counter()
