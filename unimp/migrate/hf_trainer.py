@@ -141,12 +141,13 @@ def import_policy(args: Mapping[str, Any], *, source: str = "TrainingArguments",
     return relabel(imp, SYSTEM, source, why, rest, _read_keys(args, imp.text, notes))
 
 
-def _read_keys(args: Mapping[str, Any], text: str, notes: list[str]) -> tuple[str, ...]:
+def _read_keys(args: Mapping[str, Any], text: str, notes: list[str],
+               precision: tuple[str, ...] = PRECISION) -> tuple[str, ...]:
     """``notes`` and one line for each precision argument given that no line names yet (read: it changes
     nothing above, e.g. ``torch_dtype: null``, ``use_cpu: false``), so none is dropped silently."""
     said = text + "\n".join(notes)
     extra = [f"{k} = {_val(v)}: read; the default (nothing above changes)" for k, v in args.items()
-             if k.replace("-", "_") in PRECISION and k not in said]
+             if k.replace("-", "_") in precision and k not in said]
     return (*notes, *extra)
 
 
