@@ -113,10 +113,30 @@ def import_policy(args: Mapping[str, Any], *, source: str = "TrainingArguments")
     else:
         notes.append("bf16: do_grad_scaling is False (Trainer._wrap_amp_model): loss.backward() unscaled"
                      + ("; scale_loss unused" if "scale_loss" in args else ""))
-    imp = paddle.import_policy(ac, scaler, source=source, decorate=decorate, lists_key="amp_")
+    imp = _named(paddle.import_policy(ac, scaler, source=source, decorate=decorate, lists_key="amp_"), ac,
+                 len(white), len(black), "scale_loss" in args)
     why = f"{'fp16' if dtype == 'float16' else 'bf16'}, fp16_opt_level {level}: the Trainer's auto_cast" + (
         " + decorate" if decorate else "") + (" + GradScaler" if scaler else "")
     return relabel(imp, SYSTEM, source, why, rest, _read_keys(args, imp.text, notes, PRECISION))
+
+
+def _named(imp: Imported, ac: Mapping[str, Any], whites: int, blacks: int, scale_given: bool) -> Imported:
+    """``imp`` with its comments naming PaddleNLP's keys: the Trainer's own list entries (after the user's
+    ``whites`` / ``blacks`` in ``ac``) as the Trainer's, ``GradScaler.init_loss_scaling`` as ``scale_loss``."""
+    import re
+
+    def origin(m: re.Match[str]) -> str:
+        kind, i = m.group(1), int(m.group(2))
+        if i < (whites if kind == "white" else blacks):
+            return m.group(0)
+        if kind == "white":
+            return f"the Trainer's O2 white list ({', '.join(TRAINER_O2_WHITE)})"
+        return f"the Trainer's own black list ({ac['custom_black_list'][i]})"
+
+    text = re.sub(r"amp_custom_(white|black)_list\[(\d+)\]", origin, imp.text)
+    scale = "scale_loss" if scale_given else "scale_loss not given: 2**15"
+    text = text.replace("# GradScaler.init_loss_scaling", f"# {scale} (GradScaler(init_loss_scaling=...))")
+    return Imported(imp.system, imp.policy, text, imp.ignored)
 
 
 def _level(args: Mapping[str, Any], source: str) -> str:
@@ -240,8 +260,8 @@ def from_cli(raw: Any, source: str) -> Imported:
                 raw = json.loads(text)
             except ValueError as e:
                 raise bad(source, "", f"not a JSON table ({e})") from None
-        elif "--" in text:
-            raw = parse_command_line(text, source)
+        elif "--" in text or (any(w.endswith(".json") for w in text.split()) and ":" not in text.split()[0]):
+            raw = parse_command_line(text, source)  # flags, or `python run_finetune.py args.json`
         else:
             raw = pasted_yaml(text, source, "TrainingArguments (--bf16 --fp16_opt_level O2, a JSON table or YAML "
                                             "lines bf16: true)")
