@@ -125,7 +125,8 @@ def test_bf16_o2_with_master_grad_is_decorate_with_master_grad():
     got = _nlp("--bf16 --fp16_opt_level O2 --amp_master_grad").policy
     want = _paddle("with paddle.amp.auto_cast(True, custom_white_list=['lookup_table_v2', 'embedding'], "
                    "custom_black_list=['reduce_sum', 'c_softmax_with_cross_entropy'], level='O2', dtype='bfloat16'):\n"
-                   "    pass\nmodel = paddle.amp.decorate(models=model, level='O2', dtype='bfloat16', master_grad=True)")
+                   "    pass\nmodel = paddle.amp.decorate(models=model, level='O2', dtype='bfloat16', "
+                   "master_grad=True)")
     assert effective(got) == effective(want)
     assert (got.param_dtype, got.master_weights.enabled, got.distributed.reduce_dtype, got.loss_scale.mode,
             got.ops.category("embedding")) == ("bfloat16", True, "float32", "none", "lower")
@@ -155,6 +156,7 @@ def test_json_values_are_read_as_pdargumentparser_reads_them(tmp_path):
     ({"bf16": True, "fp16_opt_level": "o2"}, "fp16_opt_level"),  # the Trainer compares to "O2" as written
     ({"bf16": True, "amp_custom_black_list": "reduce_sum sin"}, "amp_custom_black_list"),  # one op name 'a b'
     ({"bf16": True, "amp_custom_white_list": ["not_an_op"]}, "amp_custom_white_list[0]"),
+    ({"bf16": True, "amp_custom_white_list": ["matmul", ["softmax"]]}, "amp_custom_white_list[1]"),
     ({"fp16": True, "amp_custom_white_list": ["softmax", "reduce_sum"]}, "amp_custom_white_list[1]"),  # overlap
     ({"fp16": True, "amp_custom_white_list": ["tanh"]}, "amp_custom_white_list[0]"),  # part of 'activation'
     ({"bf16": True, "fp16_opt_level": "O2", "amp_custom_black_list": ["embedding"]}, "amp_custom_black_list[0]"),

@@ -171,6 +171,9 @@ def _names(args: Mapping[str, Any], source: str, key: str) -> list[Any]:
                                f"Paddle moves no op; write a list ([\"reduce_sum\", ...])")
     if not isinstance(value, list | tuple):
         raise bad(source, key, f"expected a list of Paddle op names, got {show(value)}")
+    for i, name in enumerate(value):
+        if not isinstance(name, str):
+            raise bad(source, f"{key}[{i}]", f"expected a Paddle op name (a string), got {show(name)}")
     return list(value)
 
 
