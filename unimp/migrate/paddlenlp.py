@@ -34,7 +34,17 @@ from pathlib import Path
 from typing import Any
 
 from unimp.errors import PolicyError, UnsupportedError
-from unimp.migrate.common import Exported, Imported, bad, finish, merge_into, number, pasted_yaml, refuse, relabel
+from unimp.migrate.common import (
+    Exported,
+    Imported,
+    bad,
+    finish,
+    merge_into,
+    number,
+    pasted_arguments,
+    refuse,
+    relabel,
+)
 from unimp.policy import Policy
 from unimp.policy.ops import kind_of
 from unimp.policy.spec import short, show
@@ -255,19 +265,15 @@ def parse_command_line(text: str, source: str) -> dict[str, Any]:
     return out
 
 
+def _is_command_line(text: str) -> bool:
+    """Flags, or ``python run_finetune.py args.json`` (no flag: the arguments file alone)."""
+    words = text.split()
+    return "--" in text or (any(w.endswith(".json") for w in words) and ":" not in words[0])
+
+
 def from_cli(raw: Any, source: str) -> Imported:
-    if isinstance(raw, str):
-        text = raw.strip()
-        if text.startswith("{"):
-            try:
-                raw = json.loads(text)
-            except ValueError as e:
-                raise bad(source, "", f"not a JSON table ({e})") from None
-        elif "--" in text or (any(w.endswith(".json") for w in text.split()) and ":" not in text.split()[0]):
-            raw = parse_command_line(text, source)  # flags, or `python run_finetune.py args.json`
-        else:
-            raw = pasted_yaml(text, source, "TrainingArguments (--bf16 --fp16_opt_level O2, a JSON table or YAML "
-                                            "lines bf16: true)")
+    raw = pasted_arguments(raw, source, parse_command_line, "TrainingArguments (--bf16 --fp16_opt_level O2, a JSON "
+                           "table or YAML lines bf16: true)", _is_command_line)
     return import_policy(raw, source=source)
 
 
