@@ -197,7 +197,7 @@ def test_every_readme_migration_command_runs(monkeypatch, capsys):
     commands = re.findall(r"`(unimp import [^`]*--from \w+(?: --assume \S+)?)`", section)
     assert {c.split("--from ")[1].split()[0] for c in commands} == {
         "lightning", "torch", "keras", "tf_keras", "paddle", "jmp", "flax", "deepspeed", "apex", "accelerate",
-        "megatron", "neox", "hf_trainer"}
+        "megatron", "neox", "hf_trainer", "paddlenlp"}
     for command in commands:
         assert main(shlex.split(command)[1:]) == 0, (command, capsys.readouterr().err)
 

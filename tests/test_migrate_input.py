@@ -80,7 +80,7 @@ def _answer(args, capsys):
 
 
 SYSTEMS = ("torch", "lightning", "keras", "tf_keras", "paddle", "jmp", "flax", "deepspeed", "apex", "accelerate",
-           "megatron")
+           "megatron", "paddlenlp")
 
 
 @pytest.mark.parametrize("system", SYSTEMS)

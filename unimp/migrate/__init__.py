@@ -25,6 +25,7 @@ SYSTEMS: dict[str, str] = {
     "deepspeed": "deepspeed", "apex": "apex", "accelerate": "accelerate", "lightning": "lightning",
     "keras": "keras", "tf_keras": "keras", "torch": "torch", "paddle": "paddle", "jmp": "jmp",
     "flax": "flax", "megatron": "megatron", "neox": "neox", "hf_trainer": "hf_trainer",
+    "paddlenlp": "paddlenlp",
 }
 
 

@@ -139,6 +139,23 @@ def pasted_yaml(text: str, source: str, expected: str) -> Any:
     return plain(parsed, source)
 
 
+def pasted_arguments(raw: Any, source: str, command_line: Callable[[str, str], dict[str, Any]], expected: str,
+                     is_command_line: Callable[[str], bool] = lambda text: "--" in text) -> Any:
+    """A trainer's arguments as pasted: a JSON table, a command line (``command_line`` parses it), or YAML
+    lines; anything else (a file's parsed table) as it is. ``expected`` says what was expected."""
+    if not isinstance(raw, str):
+        return raw
+    text = raw.strip()
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise bad(source, "", f"not a JSON table ({e})") from None
+    if is_command_line(text):
+        return command_line(text, source)
+    return pasted_yaml(text, source, expected)
+
+
 def plain(raw: Any, source: str) -> Any:
     """``raw`` (a parsed configuration) as plain data, checked in bounded time and memory: tables with
     string keys, lists, strings, numbers, booleans and null; at most ``MAX_VALUES`` values (a YAML

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from unimp.errors import PolicyError, UnimpWarning, UnsupportedError
-from unimp.migrate.common import Exported, Imported, bad, finish, flag, merge_into, pasted_yaml, refuse, relabel
+from unimp.migrate.common import Exported, Imported, bad, finish, flag, merge_into, pasted_arguments, refuse, relabel
 from unimp.policy import Policy
 from unimp.policy.spec import short, show
 
@@ -141,12 +141,13 @@ def import_policy(args: Mapping[str, Any], *, source: str = "TrainingArguments",
     return relabel(imp, SYSTEM, source, why, rest, _read_keys(args, imp.text, notes))
 
 
-def _read_keys(args: Mapping[str, Any], text: str, notes: list[str]) -> tuple[str, ...]:
+def _read_keys(args: Mapping[str, Any], text: str, notes: list[str],
+               precision: tuple[str, ...] = PRECISION) -> tuple[str, ...]:
     """``notes`` and one line for each precision argument given that no line names yet (read: it changes
     nothing above, e.g. ``torch_dtype: null``, ``use_cpu: false``), so none is dropped silently."""
     said = text + "\n".join(notes)
     extra = [f"{k} = {_val(v)}: read; the default (nothing above changes)" for k, v in args.items()
-             if k.replace("-", "_") in PRECISION and k not in said]
+             if k.replace("-", "_") in precision and k not in said]
     return (*notes, *extra)
 
 
@@ -311,19 +312,8 @@ def parse_command_line(text: str, source: str) -> dict[str, Any]:
 
 def from_cli(raw: Any, source: str) -> Imported:
     base = Path(source).parent if source not in ("<argument>", SYSTEM) else None
-    if isinstance(raw, str):
-        text = raw.strip()
-        if text.startswith("{"):
-            import json
-
-            try:
-                raw = json.loads(text)
-            except ValueError as e:
-                raise bad(source, "", f"not a JSON table ({e})") from None
-        elif "--" in text:
-            raw = parse_command_line(text, source)
-        else:
-            raw = pasted_yaml(text, source, "TrainingArguments (--bf16 ..., a JSON table or YAML lines bf16: true)")
+    raw = pasted_arguments(raw, source, parse_command_line,
+                           "TrainingArguments (--bf16 ..., a JSON table or YAML lines bf16: true)")
     return import_policy(raw, source=source, base=base)
 
 

@@ -80,10 +80,13 @@ AMP_CONFIGS = {"init_loss_scaling": 32768.0, "incr_ratio": 2.0, "decr_ratio": 0.
 
 def import_policy(auto_cast: Mapping[str, Any] | None = None, grad_scaler: Mapping[str, Any] | None = None, *,
                   source: str = "paddle", decorate: Mapping[str, Any] | None = None,
-                  ignored: tuple[str, ...] = (), notes: tuple[str, ...] = ()) -> Imported:
+                  ignored: tuple[str, ...] = (), notes: tuple[str, ...] = (),
+                  lists_key: str = "auto_cast.") -> Imported:
     """The policy of ``with paddle.amp.auto_cast(**auto_cast)`` + ``paddle.amp.GradScaler(**grad_scaler)``
     (no GradScaler given: no loss scaling, as the loop then calls ``loss.backward()`` unscaled; warned for
-    float16) + ``paddle.amp.decorate(**decorate)``."""
+    float16) + ``paddle.amp.decorate(**decorate)``. ``lists_key``: the prefix an error in a custom list
+    names (``auto_cast.custom_white_list[0]``; a system passing its own keys, e.g. PaddleNLP's
+    ``amp_custom_white_list``, names them)."""
     ac, gs = dict(auto_cast or {}), grad_scaler
     check_keys(ac, AUTO_CAST_KEYS, source, "auto_cast.")
     dec = dict(decorate or {})
@@ -122,7 +125,7 @@ def import_policy(auto_cast: Mapping[str, Any] | None = None, grad_scaler: Mappi
         lists = {"lower": lists["lower"], "float32": [o for o in CANONICAL_OPS if o not in lists["lower"]],
                  "promote": []}
         origin = "level OD: only the white list runs low"
-    moves = _moves(ac, source, "auto_cast.", lists)
+    moves = _moves(ac, source, lists_key, lists)
     _apply(d, lists, moves, origin)
     if gs is None:  # auto_cast scales nothing: the loop's loss.backward() runs unscaled without a GradScaler
         d.set("loss_scale.mode", "none", f"no GradScaler given ({dtype})")
@@ -348,7 +351,30 @@ def _fleet_lines(text: str, source: str) -> dict[str, Any] | None:
     return found
 
 
+def _paddlenlp_arguments(raw: Any, source: str) -> None:
+    """A located error naming ``--from paddlenlp`` when ``raw`` (a file's table, pasted JSON or a command
+    line) holds PaddleNLP ``TrainingArguments`` (``fp16``, ``fp16_opt_level``, ``scale_loss`` ...) and
+    nothing of Paddle's own calls or fleet's ``amp_configs``."""
+    import re
+
+    from unimp.migrate.paddlenlp import PRECISION
+
+    ours = {*AMP_CONFIG_KEYS, *AUTO_CAST_KEYS, *CALLS, "strategy"}
+    if isinstance(raw, Mapping):
+        keys = [k for k in raw if k in PRECISION] if not ours & set(raw) else []
+    elif isinstance(raw, str) and not any(f"{c}(" in raw or f"{c} =" in raw for c in ours):
+        found = re.findall(r'(?:^|\s)--(\w+)|"(\w+)"\s*:', raw)  # flags, JSON keys
+        keys = [k for pair in found for k in pair if k in PRECISION]
+    else:
+        keys = []
+    if keys:
+        raise bad(source, keys[0], "a PaddleNLP TrainingArguments key (paddlenlp.trainer.TrainingArguments: the "
+                                   "Trainer's fp16 / bf16 / fp16_opt_level / scale_loss), not Paddle's auto_cast, "
+                                   "GradScaler or fleet amp_configs; import it with --from paddlenlp")
+
+
 def from_cli(raw: Any, source: str) -> Imported:
+    _paddlenlp_arguments(raw, source)
     if isinstance(raw, Mapping) and "AMP" in raw:  # a PaddleClas config
         return import_paddleclas(raw, source=source)
     if isinstance(raw, Mapping) and "amp_configs" in raw:
@@ -379,6 +405,18 @@ def from_cli(raw: Any, source: str) -> Imported:
                          source=source, decorate=dec)
 
 
+def custom_lists(policy: Policy, base: Policy) -> tuple[list[str], list[str]]:
+    """The custom white and black lists (Paddle op types, sorted) that move ``base``'s ops to where
+    ``policy`` runs them; ops ``policy`` neither lowers nor keeps in float32 are not listed."""
+    white, black, table = [], [], paddle_names()
+    for op in CANONICAL_OPS:
+        cat = policy.ops.category(op)
+        if cat != base.ops.category(op) and cat in ("lower", "float32"):
+            names = [n for n in table.get(op, ()) if n[:1].islower()]
+            (white if cat == "lower" else black).extend(names)
+    return sorted(white), sorted(black)
+
+
 def export_policy(policy: Policy) -> Exported:
     """``{"auto_cast": {...}, "GradScaler": {...}}``: custom lists hold the ops that differ from the
     level's defaults (their Paddle op types)."""
@@ -387,14 +425,8 @@ def export_policy(policy: Policy) -> Exported:
     if policy.compute_dtype == "float32":
         ac = {"enable": False}
     else:
-        base = load("paddle_o2" if level == "O2" else "paddle_o1")
-        white, black, table = [], [], paddle_names()
-        for op in CANONICAL_OPS:
-            cat = policy.ops.category(op)
-            if cat != base.ops.category(op) and cat in ("lower", "float32"):
-                names = [n for n in table.get(op, ()) if n[:1].islower()]
-                (white if cat == "lower" else black).extend(names)
-        ac.update(custom_white_list=sorted(white), custom_black_list=sorted(black))
+        white, black = custom_lists(policy, load("paddle_o2" if level == "O2" else "paddle_o1"))
+        ac.update(custom_white_list=white, custom_black_list=black)
     ls = policy.loss_scale
     gs: dict[str, Any]
     if ls.mode == "none":
