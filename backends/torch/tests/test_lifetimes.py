@@ -41,10 +41,20 @@ def trial(preset: str) -> tuple:
     return model, opt, amp
 
 
-def _assert_all_released() -> None:
+def _alive() -> tuple[set[int], dict]:
+    """The PolicyForwards alive now (earlier tests' compiled models keep theirs in dynamo's caches) and the
+    kernel users they hold."""
     gc.collect()
-    assert not [o for o in gc.get_objects() if isinstance(o, PolicyForward)]
-    assert op_overrides._users == {} and op_overrides._lib is None and not op_overrides._released
+    return {id(o) for o in gc.get_objects() if isinstance(o, PolicyForward)}, dict(op_overrides._users)
+
+
+def _assert_all_released(before: tuple[set[int], dict]) -> None:
+    """Every Amp the sweep dropped is gone, with its kernels' users and marks: what is left is what was alive
+    before it."""
+    forwards, users = _alive()
+    assert forwards <= before[0], len(forwards - before[0])
+    assert op_overrides._users == before[1] and not op_overrides._released
+    assert op_overrides._lib is None or before[1]
     assert not dead_marks()
 
 
@@ -65,18 +75,20 @@ def test_sweep_of_dropped_pure_bf16_amps_with_sgd_momentum_does_not_hang():
     """The reported hang: 200 pure_bf16 trials, SGD with momentum, each Amp dropped without remove(). A
     collection inside ``op_overrides.acquire`` (which held a non-reentrant lock) finalized an earlier Amp,
     whose release waited on that lock in the same thread for ever; now a release never waits."""
+    before = _alive()
     gcs = sweep(trial, ["pure_bf16"], 200, seed=1, p=0.1, where=CRITICAL, timeout=60)
     assert gcs.inside["acquire"] > 0  # collections really ran inside the kernels' critical section
-    _assert_all_released()
+    _assert_all_released(before)
 
 
 def test_sweep_of_dropped_amps_every_preset_cycles_random_collections_and_freezes():
     """The sweep over every preset: model, optimizer and Amp in a reference cycle, collections at random
     points (seen by gc.callbacks inside acquire, claim and the checkpoint patch), gc.freeze() holding dropped
     Amps back then releasing them at once; the kernels go away with the last Amp."""
+    before = _alive()
     presets, gcs = sweep_every_preset(trial, seed=2, timeout=90)
     assert len(presets) > 20 and gcs.inside["acquire"] > 0 and gcs.inside["claim"] > 0 and gcs.inside["__enter__"] > 0
-    _assert_all_released()
+    _assert_all_released(before)
 
 
 def test_ctrl_c_at_any_line_of_apply_bookkeeping_rolls_back():
