@@ -51,7 +51,7 @@ def _alive() -> tuple[set[int], dict]:
 def _assert_all_released(before: tuple[set[int], dict]) -> None:
     """Every Amp the sweep dropped is gone, with its kernels' users and marks: what is left is what was alive
     before it."""
-    forwards, users = _alive()
+    forwards, _ = _alive()
     assert forwards <= before[0], len(forwards - before[0])
     assert op_overrides._users == before[1] and not op_overrides._released
     assert op_overrides._lib is None or before[1]
