@@ -598,8 +598,8 @@ def test_reference_model_trl_style_gpt2_policy_beside_frozen_copy():
 def test_ema_averaged_model_averages_the_fp32_masters():
     """torch.optim.swa_utils.AveragedModel with get_ema_multi_avg_fn over a model under fp16_master, built and
     updated inside ``amp.masters_in_model()`` (the documented way): the EMA is of the fp32 masters, bit for
-    bit what AveragedModel computes on an fp32 model holding the same weights, and not the EMA of the
-    float16 weights the model computes with (what AveragedModel(model) outside the block averages).
+    bit what AveragedModel computes on an fp32 model holding the same weights (nested in the update's own
+    block: see test_ema_plain_averaged_model_averages_the_fp32_masters).
     (timm's ModelEmaV3 is not installed in the torch env; AveragedModel is torch's own.)"""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
@@ -607,7 +607,6 @@ def test_ema_averaged_model_averages_the_fp32_masters():
     amp = unimp.apply("fp16_master", model, torch.optim.SGD(model.parameters(), lr=0.5))
     with amp.masters_in_model():
         ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
-    rounded = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))  # outside the block: the low copies
     shadow = body_and_head()  # a plain fp32 model given the masters' values: torch's own EMA of them
     expected = AveragedModel(shadow, multi_avg_fn=get_ema_multi_avg_fn(0.9))
     for x, y in mlp_batches(4):
@@ -616,15 +615,47 @@ def test_ema_averaged_model_averages_the_fp32_masters():
         amp.optimizer.step()
         with amp.masters_in_model():
             ema.update_parameters(model)
-        rounded.update_parameters(model)
         with torch.no_grad():
             for s, (_, _, m) in zip(shadow.parameters(), amp.master_weights, strict=True):
                 s.copy_(m)
         expected.update_parameters(shadow)
     assert all(p.dtype == torch.float32 for p in ema.parameters())
     assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), expected.parameters(), strict=True))
-    assert not all(torch.equal(a.float(), b) for a, b in zip(rounded.parameters(), expected.parameters(),
-                                                             strict=True))
+    x = mlp_batches(1)[0][0]
+    assert ema(x).dtype == model(x).dtype  # the copy runs under the policy too
+    amp.remove()
+
+
+def test_ema_plain_averaged_model_averages_the_fp32_masters():
+    """The plain pattern (torch's docs, timm): ``ema = AveragedModel(model)`` after apply, then
+    ``ema.update_parameters(model)`` each step, no ``masters_in_model()``: the EMA is bit for bit torch's
+    EMA of an fp32 model holding the masters, and differs from the EMA of the float16 copies by more than
+    float32 rounding (what it silently was before)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model = body_and_head()
+    amp = unimp.apply("fp16_master", model, torch.optim.SGD(model.parameters(), lr=0.5))
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    shadow, rounded_shadow = body_and_head(), body_and_head()  # fp32 models given the masters / the fp16 copies
+    expected = AveragedModel(shadow, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    rounded = AveragedModel(rounded_shadow, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    for x, y in mlp_batches(4):
+        amp.optimizer.zero_grad()
+        amp.backward(loss_fn(model(x), y))
+        amp.optimizer.step()
+        ema.update_parameters(model)
+        with torch.no_grad():
+            for s, r, (_, low, m) in zip(shadow.parameters(), rounded_shadow.parameters(), amp.master_weights,
+                                         strict=True):
+                s.copy_(m), r.copy_(low)
+        expected.update_parameters(shadow)
+        rounded.update_parameters(rounded_shadow)
+    assert model[0].weight.dtype == torch.float16  # the model kept its low-precision copies
+    assert all(p.dtype == torch.float32 for p in ema.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), expected.parameters(), strict=True))
+    gap = max(float((a - b).abs().max() / b.abs().max()) for a, b in
+              zip(rounded.parameters(), expected.parameters(), strict=True))
+    assert gap > 8 * torch.finfo(torch.float32).eps, gap  # the two EMAs differ beyond float32 rounding
     x = mlp_batches(1)[0][0]
     assert ema(x).dtype == model(x).dtype  # the copy runs under the policy too
     amp.remove()

@@ -31,6 +31,7 @@ from unimp.spi import Amp, Fp8Decision, LossScaleState, Plan, Report, ReportRow
 from .forward import PolicyForward, patch_forward
 from .fp8 import Fp8Binding
 from .index import model_index
+from .integrations.ema import track as track_ema
 from .integrations.save_pretrained import save_full_precision
 from .iteration import Iteration
 from .layers import DTYPES, Rule, kind, output_cast, type_names, wrap
@@ -373,6 +374,7 @@ def bind(plan: Plan, model: nn.Module, optimizer: Any, device: str,
                                        output_cast(plan), bool(amp._layout), params_up))
         model.__dict__["forward"].observer = amp._observer
         amp._undo.append(save_full_precision(amp, model))  # HF save_pretrained: the fp32 masters
+        amp._undo.append(track_ema(amp))  # AveragedModel(model): the EMA of the fp32 masters
         for opt in optimizers:
             amp._wrap_optimizer(opt)
         strays.watch(amp)

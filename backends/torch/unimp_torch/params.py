@@ -53,6 +53,7 @@ class ParamState:
     in_place: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
     home: dict[int, tuple[nn.Parameter, nn.Parameter]] = field(default_factory=dict)
     hooks: list[Any] = field(default_factory=list)
+    shown: int = 0  # depth of originals_in_model blocks (nested ones change nothing)
 
     def sync_low(self, masters: list[tuple[str, nn.Parameter, nn.Parameter]] | None = None) -> None:
         """Low-precision params := cast(master) for ``masters`` (default: all), after an optimizer step."""
@@ -112,12 +113,17 @@ class ParamState:
     @contextmanager
     def originals_in_model(self) -> Iterator[None]:
         """The fp32 originals in the model's parameter slots for the block; then the low copies
-        again, recast from the originals (which the block may have changed)."""
+        again, recast from the originals (which the block may have changed). Nested blocks change nothing."""
+        if self.shown:
+            yield
+            return
+        self.shown = 1
         for module, name, original, _ in self.swapped:
             module._parameters[name] = original
         try:
             yield
         finally:
+            self.shown = 0
             for module, name, _, low in self.swapped:
                 module._parameters[name] = low
             with torch.no_grad():

@@ -1,0 +1,92 @@
+"""``torch.optim.swa_utils.AveragedModel`` of a model with fp32 masters averages the masters.
+
+``ema = AveragedModel(model)`` then ``ema.update_parameters(model)`` each step (torch's docs,
+timm's ``ModelEmaV3``) reads ``model.parameters()``: under a policy with master weights
+(``fp16_master``, ``pure_bf16``) those are the rounded low-precision copies the forward computes
+with, and the copy ``AveragedModel`` makes holds them too. An EMA built from an applied model
+instead gets fp32 parameters in those slots at its first update, and its ``update_parameters``
+runs inside ``amp.masters_in_model()`` of the model it is given: the EMA of what the optimizer steps.
+
+How: torch's public global hook on module registration
+(``torch.nn.modules.module.register_module_module_registration_hook``) sees
+``AveragedModel.__init__`` assign ``self.module = deepcopy(model)``; for the copy of an applied
+model (its forward runs the policy), it gives that one ``AveragedModel`` an instance
+``update_parameters`` (:class:`FromMasters`): the only per-object way in, since
+``update_parameters`` reads ``model.parameters()`` itself. No torch class is patched. An ``AveragedModel`` built
+before ``unimp.apply`` is not seen: build it after.
+
+>>> import torch, unimp
+>>> from torch.optim.swa_utils import AveragedModel
+>>> m = torch.nn.Linear(2, 2)
+>>> amp = unimp.apply("pure_bf16", m, torch.optim.SGD(m.parameters(), lr=0.1))
+>>> ema = AveragedModel(m); ema.update_parameters(m)
+>>> ema.module.weight.dtype, torch.equal(ema.module.weight, amp.master_weights[0][2])
+(torch.float32, True)
+>>> _ = amp.remove()
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
+from torch.optim.swa_utils import AveragedModel
+
+_amps: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()  # module -> weakref to its Amp
+_hook: list[Any] = []
+
+
+def _amp_of(model: nn.Module) -> Any:
+    ref = _amps.get(model)
+    amp = ref() if ref is not None else None
+    return amp if amp is not None and amp.params.swapped else None
+
+
+def track(amp: Any) -> Callable[[], None]:
+    """Let an ``AveragedModel`` of ``amp.module`` (or of a copy of it) average the masters; returns the undo."""
+    if not amp.params.swapped:
+        return lambda: None
+    if not _hook:
+        _hook.append(register_module_module_registration_hook(_registered))
+    _amps[amp.module] = weakref.ref(amp)
+    return lambda: _amps.pop(amp.module, None)
+
+
+def _registered(parent: nn.Module, name: str, value: Any) -> None:
+    if name == "module" and isinstance(parent, AveragedModel) and hasattr(value.__dict__.get("forward"), "observer"):
+        parent.__dict__["update_parameters"] = FromMasters(parent)  # a copy of a model with a policy applied
+
+
+class FromMasters:
+    """An ``AveragedModel``'s ``update_parameters`` when it copied a model with a policy applied: given a model
+    with low-precision copies, the averaged parameters in those slots become fp32 (once), and the class's
+    ``update_parameters`` runs inside ``amp.masters_in_model()``."""
+
+    def __init__(self, averaged: AveragedModel) -> None:
+        self.averaged = averaged
+
+    def __call__(self, model: nn.Module) -> None:
+        update = type(self.averaged).update_parameters
+        amp = _amp_of(model)
+        if amp is None:
+            return update(self.averaged, model)
+        _full_precision_slots(self.averaged.module, amp)
+        with amp.masters_in_model():
+            return update(self.averaged, model)
+
+
+def _full_precision_slots(copy: nn.Module, amp: Any) -> None:
+    """The copy's parameters in the slots of ``amp``'s low-precision copies get the fp32 dtype (ties kept)."""
+    paths = {id(m): p for p, m in amp.module.named_modules(remove_duplicate=False)}
+    made: dict[int, nn.Parameter] = {}
+    for module, name, original, _ in amp.params.swapped:
+        owner = copy.get_submodule(paths[id(module)])
+        p = owner._parameters.get(name)
+        if p is None or p.dtype == original.dtype:
+            continue
+        if id(original) not in made:
+            made[id(original)] = nn.Parameter(p.detach().to(original.dtype), requires_grad=p.requires_grad)
+        owner._parameters[name] = made[id(original)]
