@@ -202,7 +202,18 @@ def _export(args: argparse.Namespace) -> int:
         _say(f"changed in {printable(args.into)}: {printable(line)}", file=sys.stderr)
     for line in exported.unexpressed:
         _say(f"not expressed: {line}", file=sys.stderr)
+    if into is None and _merges_into(args.system):
+        _say(f"only the precision keys are written (the policy holds no ZeRO stage, batch sizes or other "
+             f"{args.system} settings); to keep every other key of your configuration, merge into it: "
+             f"--into YOUR_CONFIG", file=sys.stderr)
     return 0
+
+
+def _merges_into(system: str) -> bool:
+    """Whether ``unimp export --to system --into FILE`` can merge into the user's file."""
+    from unimp.migrate import module
+
+    return hasattr(module(system), "OWNED")
 
 
 def _factory(spec: str) -> Any:
