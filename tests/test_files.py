@@ -36,8 +36,10 @@ needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipe
 
 def limited(body: str, limit: int, cwd: Path) -> subprocess.CompletedProcess:
     """``body`` in a fresh interpreter whose files may not grow past ``limit`` bytes."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", LIMITED.format(limit=limit, body=body)], cwd=cwd, env=env,
+    # no bytecode written under the limit: a .pyc cut short there would break every later import of that module
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run([sys.executable, "-B", "-c", LIMITED.format(limit=limit, body=body)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=60)
 
 

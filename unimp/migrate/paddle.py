@@ -351,20 +351,24 @@ def _fleet_lines(text: str, source: str) -> dict[str, Any] | None:
     return found
 
 
+# PaddleNLP's Trainer keys (unimp.migrate.paddlenlp reads them; here for the hint that names --from paddlenlp)
+NLP_BOOLS = ("fp16", "bf16", "amp_master_grad", "fp16_full_eval", "bf16_full_eval", "enable_auto_parallel")
+NLP_LISTS = ("amp_custom_white_list", "amp_custom_black_list")
+NLP_PRECISION = (*NLP_BOOLS, *NLP_LISTS, "fp16_opt_level", "scale_loss")
+
+
 def _paddlenlp_arguments(raw: Any, source: str) -> None:
     """A located error naming ``--from paddlenlp`` when ``raw`` (a file's table, pasted JSON or a command
     line) holds PaddleNLP ``TrainingArguments`` (``fp16``, ``fp16_opt_level``, ``scale_loss`` ...) and
     nothing of Paddle's own calls or fleet's ``amp_configs``."""
     import re
 
-    from unimp.migrate.paddlenlp import PRECISION
-
     ours = {*AMP_CONFIG_KEYS, *AUTO_CAST_KEYS, *CALLS, "strategy"}
     if isinstance(raw, Mapping):
-        keys = [k for k in raw if k in PRECISION] if not ours & set(raw) else []
+        keys = [k for k in raw if k in NLP_PRECISION] if not ours & set(raw) else []
     elif isinstance(raw, str) and not any(f"{c}(" in raw or f"{c} =" in raw for c in ours):
         found = re.findall(r'(?:^|\s)--(\w+)|"(\w+)"\s*:', raw)  # flags, JSON keys
-        keys = [k for pair in found for k in pair if k in PRECISION]
+        keys = [k for pair in found for k in pair if k in NLP_PRECISION]
     else:
         keys = []
     if keys:

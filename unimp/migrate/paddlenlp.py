@@ -45,15 +45,15 @@ from unimp.migrate.common import (
     refuse,
     relabel,
 )
+from unimp.migrate.paddle import NLP_BOOLS, NLP_LISTS, NLP_PRECISION
 from unimp.policy import Policy
 from unimp.policy.ops import kind_of
 from unimp.policy.spec import short, show
 
 SYSTEM = "paddlenlp"
-BOOLS = ("fp16", "bf16", "amp_master_grad", "fp16_full_eval", "bf16_full_eval", "enable_auto_parallel")
-LISTS = ("amp_custom_white_list", "amp_custom_black_list")
+BOOLS, LISTS = NLP_BOOLS, NLP_LISTS  # kept in unimp.migrate.paddle, whose hint names --from paddlenlp
 LEVELS = ("O0", "O1", "O2", "OD")  # what Trainer hands to auto_cast(level=...) as given (O2: decorate too)
-PRECISION = (*BOOLS, *LISTS, "fp16_opt_level", "scale_loss")
+PRECISION = NLP_PRECISION
 OWNED = ("fp16", "bf16", "fp16_opt_level", "scale_loss", "amp_master_grad", *LISTS)  # what export writes
 SCALE_LOSS = 2.0 ** 15  # training_args.py: scale_loss: float = field(default=2**15)
 TRAINER_BLACK = ("reduce_sum", "c_softmax_with_cross_entropy")  # autocast_smart_context_manager, every level

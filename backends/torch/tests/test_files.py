@@ -67,7 +67,7 @@ def limited(body: str, limit: int, cwd: Path) -> subprocess.CompletedProcess:
         """)
     paths = [str(ROOT), str(ROOT / "backends" / "torch"), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONDONTWRITEBYTECODE": "1"}
-    return subprocess.run([sys.executable, "-c", head + body], cwd=cwd, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-B", "-c", head + body], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=300)
 
 
