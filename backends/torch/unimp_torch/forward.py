@@ -321,7 +321,12 @@ class PolicyMethod:
         compiling = torch.compiler.is_compiling()
         if not compiling and forward.observer is not None:  # the first call after apply: observed whole (all
             observer, forward.observer = forward.observer, None  # the forwards generate() makes, its encoder's)
-            return observer.run(module, lambda: forward._run(False, args, kwargs, method), entry=self.name)
+            try:
+                return observer.run(module, lambda: forward._run(False, args, kwargs, method), entry=self.name)
+            finally:
+                if not observer.ran:  # a method that runs no layer (Lightning's on_fit_start): the next call tells
+                    observer.rows = observer.entry = None
+                    forward.observer = observer
         return forward._run(compiling, args, kwargs, method)
 
     @property

@@ -134,6 +134,11 @@ class Observer:
         self.rows: dict[str, dict[str, Any]] | None = None
         self.entry: str | None = None  # the entry point observed (None: forward)
 
+    @property
+    def ran(self) -> bool:
+        """Whether the observed call ran a layer (a row below the root has a dtype)."""
+        return any(path and (row["compute_dtype"] or row["output_dtype"]) for path, row in (self.rows or {}).items())
+
     def run(self, model: nn.Module, fn: Callable[[], Any], entry: str | None = None) -> Any:
         """``fn()`` observed. ``entry``: the name of the entry point ``fn`` calls (``"generate"``) instead of
         the forward: the model's own forward calls inside it are hooked too (its row's output dtype)."""
