@@ -205,11 +205,12 @@ class WeightLog(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        paths = [self.weights.get(id(a)) or self.views.get(id(a)) for a in args]
+        paths = [self.weights.get(id(a)) or (self.views[id(a)][1] if self.views.get(id(a), (None,))[0] is a else None)
+                 for a in args]
         path = next((p for p in paths if p), None)
         if path is not None and isinstance(out, torch.Tensor):
             if getattr(func, "__name__", "") in self.VIEWS:
-                self.views[id(out)] = path
+                self.views[id(out)] = (out, path)  # kept alive: a freed view's id is reused by other tensors
             else:
                 self.dtypes.setdefault(path, out.dtype)
         return out
