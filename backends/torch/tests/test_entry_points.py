@@ -203,10 +203,13 @@ class WeightLog(torch.overrides.TorchFunctionMode):
                         if isinstance(getattr(m, "weight", None), torch.Tensor)}
         self.views, self.dtypes = {}, {}
 
+    def _view(self, a):
+        seen = self.views.get(id(a))
+        return seen[1] if seen is not None and seen[0] is a else None
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        paths = [self.weights.get(id(a)) or (self.views[id(a)][1] if self.views.get(id(a), (None,))[0] is a else None)
-                 for a in args]
+        paths = [self.weights.get(id(a)) or self._view(a) for a in args]
         path = next((p for p in paths if p), None)
         if path is not None and isinstance(out, torch.Tensor):
             if getattr(func, "__name__", "") in self.VIEWS:
