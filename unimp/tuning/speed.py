@@ -52,10 +52,10 @@ class SpeedSearch:
         self.named = {n: frozenset(p for p in ps if p in ok) for n, ps in named.items()}
         self.timed: list[Timed] = []
         self._cache: dict[frozenset[str], float] = {}
-        base = self.time("no FP8 layer", frozenset())
+        self.floor = self.time("no FP8 layer", frozenset())  # the step every answer is held to
         again = self.timer(frozenset())
         self.timed.append(Timed("no FP8 layer (A/A repeat)", frozenset(), again))
-        self.noise = max(NOISE_FLOOR, 2 * abs(again - base) / base)
+        self.noise = max(NOISE_FLOOR, 2 * abs(again - self.floor) / self.floor)
 
     def time(self, name: str, layers: frozenset[str]) -> float:
         if layers not in self._cache:
@@ -79,14 +79,13 @@ class SpeedSearch:
         """The fastest set found (see the module's steps); the empty set when no FP8 set beats the floor."""
         if not self.eligible:
             return frozenset()
-        floor = self._cache[frozenset()]
         seeds = {"every eligible layer": frozenset(self.eligible), **self.named}
         current = min((frozenset(), *seeds.values()), key=lambda s: (self.time(self._name(s, seeds), s), len(s)))
         for group in self.groups():
             flipped = current ^ group
             if self.faster(self.time(self._name(flipped, seeds), flipped), self._cache[current]):
                 current = flipped
-        return current if self.faster(self._cache[current], floor) else frozenset()
+        return current if self.faster(self._cache[current], self.floor) else frozenset()
 
     def _name(self, layers: frozenset[str], seeds: Mapping[str, frozenset[str]]) -> str:
         for n, s in seeds.items():

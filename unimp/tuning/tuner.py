@@ -135,12 +135,19 @@ class _Search:
 
     def kept(self, k: int) -> list[Candidate]:
         """The layers kept when the first ``k`` of the order are lowered, most sensitive first."""
-        return [self.by_path[p] for p in sorted([*self.always_kept, *(r.path for r in self.order[k:])],
-                                                key=self.rank.__getitem__)]
+        return self.candidates([*self.always_kept, *(r.path for r in self.order[k:])])
+
+    def candidates(self, paths: Sequence[str]) -> list[Candidate]:
+        """The candidates at ``paths``, most sensitive first."""
+        return [self.by_path[p] for p in sorted(paths, key=self.rank.__getitem__)]
 
     def policy(self, k: int) -> Policy:
+        return self.keeping(self.kept(k))
+
+    def keeping(self, kept: Sequence[Candidate]) -> Policy:
+        """The tuned policy keeping ``kept`` high."""
         s = self.study
-        return keeping(s.policy, s.target, self.kept(k), name=f"{s.policy.name[:200]}-tuned")
+        return keeping(s.policy, s.target, kept, name=f"{s.policy.name[:200]}-tuned")
 
     def run(self, k: int) -> Run:
         if k not in self.runs:
@@ -196,9 +203,8 @@ def choose(study: Study, table: Sensitivity, limit: float, outputs: float | None
                 if r.path not in fast:
                     reasons[r.path] = (f"kept in {study.high}: the {speed} training step is fastest with it in "
                                        f"{study.high} ({_step_text(steps, fast, won)})")
-            keep = [search.by_path[p] for p in sorted(
-                [p for p in (r.path for r in table.rows) if p in reasons], key=search.rank.__getitem__)]
-            final = keeping(study.policy, study.target, keep, name=f"{study.policy.name[:200]}-tuned")
+            keep = search.candidates(list(reasons))
+            final = search.keeping(keep)
             run = study.run(final)
     if steps is None:
         run, final = search.run(k), search.policy(k)
@@ -211,9 +217,11 @@ def choose(study: Study, table: Sensitivity, limit: float, outputs: float | None
              for x in kept}
     added = [(o, [notes[c.path] for c in layers]) for o, layers in
              keep_overrides(study.target, keep, MAX_ITEMS - len(study.policy.overrides))]
-    header = _header(study, table, run, limits, len(kept)) + (_steps_header(study, steps, speed) if steps else [])
-    if steps is not None and study.device_kind():
-        final = final.replace(tuned_on=study.device_kind())
+    header = _header(study, table, run, limits, len(kept))
+    if steps is not None:
+        device = study.device_kind()
+        header += _steps_header(steps, speed, device)
+        final = final.replace(tuned_on=device) if device else final
     text = render(final, study.policy, header, added, _tail(study, lowered))
     return Tuned(final, text, table, kept, lowered, run.mean, change(study.ref.losses, run.losses), total,
                  run.output_divergence, limit, limits.outputs)
@@ -234,22 +242,20 @@ def _by_step(study: Study, search: _Search, lowerable: Sequence[LayerSensitivity
     named = named_hook(study.evaluator.model, paths, study.recipe) if named_hook else {}
 
     def timer(fp8: frozenset[str]) -> float:
-        kept = [*high, *(search.by_path[p] for p in paths if p not in fp8)]
-        return study.step_time(keeping(study.policy, study.target, kept, name="step"), compiled)
+        return study.step_time(search.keeping([*high, *(search.by_path[p] for p in paths if p not in fp8)]), compiled)
 
     return SpeedSearch(paths, {r.path: r.shape for r in lowerable if r.shape}, timer, named)
 
 
 def _step_text(steps: SpeedSearch, fast: frozenset[str], won: float) -> str:
-    floor = next(t.seconds for t in steps.timed if not t.layers)
-    return (f"chosen set of {len(fast)} FP8 layers {won * 1e3:.3f} ms/step, no FP8 layer {floor * 1e3:.3f} ms/step; "
-            f"{len(steps.timed)} sets timed, noise {steps.noise:.1%}")
+    return (f"chosen set of {len(fast)} FP8 layers {won * 1e3:.3f} ms/step, no FP8 layer {steps.floor * 1e3:.3f} "
+            f"ms/step; {len(steps.timed)} sets timed, noise {steps.noise:.1%}")
 
 
-def _steps_header(study: Study, steps: SpeedSearch, speed: str | None) -> list[str]:
-    device = study.device_kind() or "this device"
-    return [f"FP8 layers decided by the {speed} training step measured on {device} (forward + backward of loss_fn "
-            f"on batches[0]; a difference counts above the noise {steps.noise:.1%}, from an A/A pair); sets timed:",
+def _steps_header(steps: SpeedSearch, speed: str | None, device: str | None) -> list[str]:
+    return [f"FP8 layers decided by the {speed} training step measured on {device or 'this device'} (forward + "
+            f"backward of loss_fn on batches[0]; a difference counts above the noise {steps.noise:.1%}, from an A/A "
+            f"pair); sets timed:",
             *(f"  {t.name}: {len(t.layers)} FP8 layers, {t.seconds * 1e3:.3f} ms/step" for t in steps.timed)]
 
 

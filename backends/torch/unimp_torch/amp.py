@@ -40,7 +40,7 @@ from .optimizer import AfterInnerStep, AmpOptimizer
 from .params import ParamState, cast_params
 from .scaler import DeviceLossScale
 from .trace import Observer, example_inputs, is_layer, observe
-from .validate import as_list, check_optimizers
+from .validate import as_list, check_optimizers, first_device
 
 
 class TorchAmp(Amp):
@@ -55,7 +55,7 @@ class TorchAmp(Amp):
         self.optimizers: list[AmpOptimizer] = []  # the wrapped optimizers; amp.optimizer is the first
         self.on_skip: Callable[[], Any] | None = None
         # one loss scale for every optimizer of the iteration (this Amp's, and those of Amps sharing it)
-        self.scaler = shared.scaler if shared is not None else DeviceLossScale(plan.loss_scale, _first_device(model))
+        self.scaler = shared.scaler if shared is not None else DeviceLossScale(plan.loss_scale, first_device(model))
         self.iteration = shared.iteration if shared is not None else Iteration(self.scaler)
         self.params = ParamState()
         self.wrapped: list[str] = []  # module paths with a layer-level forward
@@ -315,12 +315,6 @@ class TorchAmp(Amp):
         self._undo.clear()
         self.params.restore()
         restore_layout(self._layout)
-
-
-def _first_device(model: nn.Module) -> torch.device:
-    for t in (*model.parameters(), *model.buffers()):
-        return t.device
-    return torch.device("cpu")
 
 
 def bind(plan: Plan, model: nn.Module, optimizer: Any, device: str,

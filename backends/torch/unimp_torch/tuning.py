@@ -32,6 +32,7 @@ from torch import nn
 from unimp.spi import dtypes
 
 from .fp8 import FP8_CUDA
+from .validate import first_device
 
 Shape = tuple[int, int, int]
 WARMUP, REPEATS = 3, 20
@@ -91,7 +92,7 @@ class TorchTuning:
         why = self.no_fp8_speed(model)
         if why:
             return why
-        device = next(p.device for p in model.parameters())
+        device = first_device(model)
         high = getattr(torch, compute_dtype)
         grad = getattr(torch, dtypes.FP8_FORMATS[gradient_format])
         out = {}
@@ -105,7 +106,7 @@ class TorchTuning:
 
     def no_fp8_speed(self, model: nn.Module) -> str | None:
         """Why FP8 speed cannot be measured where ``model`` is (no FP8 GEMMs there: FP8 is emulated), or None."""
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        device = first_device(model)
         if device.type != "cuda":
             return f"not measured (no FP8 GEMMs on this device: {device.type})"
         cc = torch.cuda.get_device_capability(device)
@@ -116,7 +117,7 @@ class TorchTuning:
 
     def device_kind(self, model: nn.Module) -> str:
         """The kind of device ``model`` is on, as speed decisions are tied to it: the GPU's name, or ``cpu``."""
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        device = first_device(model)
         return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
     def fp8_candidate_sets(self, model: nn.Module, paths: Sequence[str], recipe: str) -> dict[str, list[str]]:
@@ -154,7 +155,7 @@ class TorchTuning:
         amp = apply(policy, m)
         run = torch.compile(amp.model) if compiled else amp.model
         params = [p for p in m.parameters() if p.requires_grad]
-        device = next((p.device for p in params), torch.device("cpu"))
+        device = first_device(m)
 
         def step() -> None:
             amp.backward(loss_fn(run, batch))
@@ -268,24 +269,15 @@ def _seconds(step: Callable[..., Any], shape: Shape, dtype: torch.dtype, device:
     x, w, g = (torch.randn(*s, generator=gen, device=device, dtype=dtype) for s in ((m, k), (n, k), (m, n)))
     for _ in range(WARMUP):
         step(x, w, g)
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step(x, w, g)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return statistics.median(times)
+    return statistics.median(_step_time(lambda: step(x, w, g), device) for _ in range(REPEATS))
 
 
 def _cut_stack(model: nn.Module, keep: int) -> None:
     """Cut the longest ``nn.ModuleList`` of three or more same-class modules to its first ``keep``."""
-    stacks = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > keep
-              and len(m) >= 3 and len({type(c) for c in m}) == 1]
+    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > max(keep, 2)
+              and len({type(c) for c in m}) == 1]
     if stacks:
-        stack = max((m for _, m in stacks), key=len)
-        del stack[keep:]
+        del max(stacks, key=len)[keep:]
 
 
 def _step_time(step: Callable[[], None], device: torch.device) -> float:

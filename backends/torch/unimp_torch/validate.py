@@ -27,6 +27,13 @@ def device_of(model: Any) -> str:
     return kinds.pop() if kinds else "cpu"
 
 
+def first_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer (``cpu`` when it has none)."""
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
 def check_inputs(model: Any, optimizer: Any, on_skip: Any) -> str:
     """Validate ``model``/``optimizer``/``on_skip``; returns the model's device type."""
     if not isinstance(model, torch.nn.Module):
