@@ -17,6 +17,8 @@ before ``unimp.apply`` is not seen: build it after.
 
 >>> import torch, unimp
 >>> from torch.optim.swa_utils import AveragedModel
+
+from ..forward import PolicyForward
 >>> m = torch.nn.Linear(2, 2)
 >>> amp = unimp.apply("pure_bf16", m, torch.optim.SGD(m.parameters(), lr=0.1))
 >>> ema = AveragedModel(m); ema.update_parameters(m)
@@ -34,6 +36,8 @@ from typing import Any
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 from torch.optim.swa_utils import AveragedModel
+
+from ..forward import PolicyForward
 
 _amps: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()  # module -> weakref to its Amp
 _hook: list[Any] = []
@@ -56,7 +60,8 @@ def track(amp: Any) -> Callable[[], None]:
 
 
 def _registered(parent: nn.Module, name: str, value: Any) -> None:
-    if name == "module" and isinstance(parent, AveragedModel) and hasattr(value.__dict__.get("forward"), "observer"):
+    if name == "module" and isinstance(parent, AveragedModel) and isinstance(value.__dict__.get("forward"),
+                                                                               PolicyForward):
         parent.__dict__["update_parameters"] = FromMasters(parent)  # a copy of a model with a policy applied
 
 
@@ -67,13 +72,16 @@ class FromMasters:
 
     def __init__(self, averaged: AveragedModel) -> None:
         self.averaged = averaged
+        self.widened: Any = None  # a weakref to the Amp whose slots the averaged copy already holds in fp32
 
     def __call__(self, model: nn.Module) -> None:
         update = type(self.averaged).update_parameters
         amp = _amp_of(model)
         if amp is None:
             return update(self.averaged, model)
-        _full_precision_slots(self.averaged.module, amp)
+        if self.widened is None or self.widened() is not amp:  # once per Amp, not every step
+            _full_precision_slots(self.averaged.module, amp)
+            self.widened = weakref.ref(amp)
         with amp.masters_in_model():
             return update(self.averaged, model)
 
