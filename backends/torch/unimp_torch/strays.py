@@ -86,23 +86,18 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _checked[optimizer] = generation
 
 
-def _consequence(amp: Any) -> str | None:
-    """What stepping ``amp``'s parameters without unimp does (None: nothing goes wrong)."""
+def _consequence(amp: Any) -> str:
+    """What stepping ``amp``'s parameters without unimp does (it scales the loss or keeps masters)."""
     if amp.scaler.spec.mode != "none":
         return (f"after amp.backward(loss) its update would be the scaled gradient's (loss scale "
                 f"{amp.scaler.scale.item():g} times too large), never skipped on overflow; after a plain "
                 f"loss.backward() the policy's loss scaling would not run at all")
-    if amp.params.home:
-        return ("its update would be lost: the model holds low-precision copies of fp32 master weights, "
-                "and every wrapped step copies the masters over them")
-    return None
+    return ("its update would be lost: the model holds low-precision copies of fp32 master weights, "
+            "and every wrapped step copies the masters over them")
 
 
 def _problem(amp: Any, optimizer: torch.optim.Optimizer) -> str | None:
-    if amp._removed:
-        return None
-    consequence = _consequence(amp)
-    if consequence is None:
+    if amp._removed or (amp.scaler.spec.mode == "none" and not amp.params.home):  # nothing goes wrong
         return None
     names = {id(p): n for n, p in amp.module.named_parameters()}
     names |= {id(orig): n + " (its fp32 original)" for n, p in amp.module.named_parameters()
@@ -111,7 +106,7 @@ def _problem(amp: Any, optimizer: torch.optim.Optimizer) -> str | None:
     if hit is None:
         return None
     return (f"{type(optimizer).__name__}.step(): this optimizer steps '{hit}' of a {type(amp.module).__name__} "
-            f"under the unimp policy '{amp.plan.name}' but unimp does not wrap it: {consequence}. Fix: pass it "
+            f"under the unimp policy '{amp.plan.name}' but unimp does not wrap it: {_consequence(amp)}. Fix: pass it "
             f"to unimp.apply(policy, model, [optimizer, ...]) with the others, or wrap it after apply with "
             f"opt = amp.add_optimizer(opt) and step what that returns (after amp.backward(loss))")
 
