@@ -18,6 +18,7 @@ import torch
 import transformers
 
 import unimp
+import unimp_torch.watch
 from unimp.watch import read_records
 
 FC = "transformer.h.1.mlp.c_fc"  # where the forward overflow is planted
@@ -279,7 +280,12 @@ def _capture(model):
     return got
 
 
-def test_sampled_statistics_match_plain_torch_on_the_same_tensors():
+@pytest.mark.parametrize("counting", ["per bound (CPU)", "at once (accelerators)", "at once, in chunks"])
+def test_sampled_statistics_match_plain_torch_on_the_same_tensors(counting, monkeypatch):
+    if counting.startswith("at once"):  # the GPU's eager counting, run here on the CPU
+        monkeypatch.setattr(unimp_torch.watch, "_COUNTED_PER_BOUND", frozenset())
+    if counting.endswith("chunks"):  # a tensor larger than a chunk: counted chunk by chunk
+        monkeypatch.setattr(unimp_torch.watch, "_CHUNK", 1000)
     model = gpt2()
     amp = apply(model)
     watch = amp.watch(every=2)

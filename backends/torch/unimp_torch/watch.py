@@ -166,6 +166,9 @@ class TorchWatch(_NotCopied):
         self.order: list[int] = []  # eager hooks' slots, first occurrence in the step, in execution order
         self.seen: set[int] = set()
         self.pending: list[tuple[int, torch.Tensor]] = []  # eager checks of the step: (slot, float32 sum)
+        # eager measurements of the step: (slot, amax, counts), folded into the buffers when the host reads
+        self.pending_measures: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.pending_codes: dict[int, int] = {}  # eager: slot -> dtype code (a host constant)
         self.checked: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self.measured: dict[int, tuple[weakref.ref, int, tuple[str, bool]]] = {}  # eager: id -> (tensor, slot, how)
         self.same: dict[int, int] = {}  # eager: slot -> the slot that measured the same tensor this step
@@ -245,6 +248,10 @@ class TorchWatch(_NotCopied):
                 self.same[slot] = seen[1]
                 return
             self.measured[id(t)] = (weakref.ref(t), slot, (target, scaled))
+            amax, counts = _amax_and_counts(t, self._how(t, target, scaled))
+            self.pending_measures.append((slot, amax, counts))  # folded in by _read: no kernel per slot here
+            self.pending_codes[slot] = CODES.index(target)
+            return
         amax, counts = _amax_and_counts(t, self._how(t, target, scaled))
         self.amax[slot] = torch.maximum(self.amax[slot], amax)
         self.counts[slot].add_(counts)
@@ -351,6 +358,8 @@ class TorchWatch(_NotCopied):
         self.order.clear()
         self.seen.clear()
         self.pending.clear()
+        self.pending_measures.clear()
+        self.pending_codes.clear()
         self.checked.clear()
         self.measured.clear()
         self.same.clear()
@@ -362,8 +371,15 @@ class TorchWatch(_NotCopied):
         if self.pending:
             slots, sums = zip(*self.pending, strict=True)
             self.flags.index_add_(0, torch.tensor(slots, device=self.flags.device), torch.stack(sums))
+        if self.pending_measures:
+            slots, amaxes, counted = zip(*self.pending_measures, strict=True)
+            index = torch.tensor(slots, device=self.amax.device)
+            self.amax.scatter_reduce_(0, index, torch.stack(amaxes), "amax")  # magnitudes: >= the buffer's 0
+            self.counts.index_add_(0, index, torch.stack(counted))
         flags, seq = self.flags.tolist(), self.seq.tolist()
         amax, counts, codes = self.amax.tolist(), self.counts.tolist(), self.codes.tolist()
+        for slot, code in self.pending_codes.items():
+            codes[slot] = code
         for slot, src in self.same.items():  # the same tensor measured once for two layers
             amax[slot], counts[slot], codes[slot] = amax[src], counts[src], codes[src]
         positions = {slot: float(i) for i, slot in enumerate(self.order)}
@@ -492,7 +508,10 @@ def _amax_and_counts(t: torch.Tensor, how: tuple) -> tuple[torch.Tensor, torch.T
     amax = x.nan_to_num(0.0, 0.0, 0.0).amax().float()
     if scale_to is not None:  # tensorwise to the format's max, as an FP8 cast scales
         x = x * torch.where(amax > 0, scale_to / amax, 1.0)
-    counts = torch.cat([_at_least(x, bounds), x.new_full((1,), x.numel(), dtype=torch.int64)])
+    if x.device.type in _COUNTED_PER_BOUND or torch.compiler.is_compiling():
+        counts = torch.cat([_at_least(x, bounds), x.new_full((1,), x.numel(), dtype=torch.int64)])
+    else:  # an accelerator: kernel launches, not bytes, are the eager cost
+        counts = _at_least_at_once(x, bounds)
     return amax, counts
 
 
@@ -532,6 +551,30 @@ def _at_least(x: torch.Tensor, bounds: tuple[int, ...]) -> torch.Tensor:
         total = torch.int32 if n < 2**31 else torch.int64
         counts = [(bits - (b - 1)).clamp_(0, 1).sum(dtype=total).long() for b in distinct]
     return torch.stack([counts[distinct.index(b)] for b in bounds])
+
+
+# device types whose eager counts run a pass per bound (CPU: a comparison to booleans is several times slower
+# there than integer clamps); elsewhere one broadcast comparison (_at_least_at_once)
+_COUNTED_PER_BOUND = frozenset({"cpu"})
+_CHUNK = 1 << 25  # elements per comparison: its boolean [chunk, 7] stays at most 224 MiB
+
+
+def _at_least_at_once(x: torch.Tensor, bounds: tuple[int, ...]) -> torch.Tensor:
+    """:func:`_at_least`'s counts plus numel (int64, 7) in one broadcast comparison and one sum per chunk of
+    ``x`` (the numel as the count of patterns >= 0): a few kernels per tensor where :func:`_at_least` launches
+    four per bound (an eager sampled step on a GPU is dominated by launches, not by bytes)."""
+    itype = _INT_OF[x.dtype]
+    bits = (x.view(itype) & torch.iinfo(itype).max).reshape(-1, 1)
+    against = _against(bounds, itype, x.device)
+    if bits.shape[0] <= _CHUNK:
+        return (bits >= against).sum(0)
+    return torch.stack([(part >= against).sum(0) for part in bits.split(_CHUNK)]).sum(0)
+
+
+@functools.cache
+def _against(bounds: tuple[int, ...], itype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``bounds`` and 0 on ``device``, made once (a copy to the device per tensor would wait on the stream)."""
+    return torch.tensor((*bounds, 0), dtype=itype, device=device)
 
 
 def _finite(x: float) -> bool:
