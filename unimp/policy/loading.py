@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from unimp.errors import PolicyError
-from unimp.policy import Policy
 from unimp.policy.resolve import (
     FORMATS,
     bad_name,
@@ -32,6 +31,7 @@ from unimp.policy.resolve import (
 from unimp.policy.resolve import (
     extends_roots as roots_of,
 )
+from unimp.policy.resolved import Policy
 from unimp.policy.spec import show
 
 __all__ = ["dump", "dumps", "load", "preset_names", "preset_path", "read_file", "resolve_dict"]
