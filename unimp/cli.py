@@ -132,7 +132,7 @@ def _read_source(text: str, system: str | None = None) -> tuple[object, str]:
 
 def _import(args: argparse.Namespace) -> int:
     from unimp.migrate import import_from
-    from unimp.migrate.common import checked
+    from unimp.migrate.draft import checked
 
     if not args.source.strip():  # an unset shell variable, not "the system's defaults"
         raise PolicyError(f"<argument>: empty configuration for --from {args.system}; pass a file or the "

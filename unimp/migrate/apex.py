@@ -25,19 +25,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from unimp.migrate.common import (
-    Draft,
-    Exported,
-    Imported,
-    bad,
-    check_keys,
-    finish,
-    flag,
-    has_knob,
-    kwargs_of,
-    number,
-    refuse,
-)
+from unimp.migrate.draft import Draft, Exported, Imported, has_knob
+from unimp.migrate.export_check import finish
+from unimp.migrate.parsing import kwargs_of
+from unimp.migrate.values import bad, check_keys, flag, number, refuse
 from unimp.policy import Policy
 from unimp.policy.loading import load
 from unimp.policy.spec import short

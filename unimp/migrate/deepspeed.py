@@ -36,23 +36,10 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from unimp.migrate.common import (
-    Draft,
-    Exported,
-    Imported,
-    bad,
-    check_keys,
-    finish,
-    flag,
-    has_knob,
-    merge_into,
-    number,
-    plain,
-    power_of_two,
-    refuse,
-    relabel,
-    take,
-)
+from unimp.migrate.draft import Draft, Exported, Imported, has_knob, relabel, take
+from unimp.migrate.export_check import finish, merge_into
+from unimp.migrate.parsing import plain
+from unimp.migrate.values import bad, check_keys, flag, number, power_of_two, refuse
 from unimp.policy import Policy
 from unimp.policy.spec import short, show
 

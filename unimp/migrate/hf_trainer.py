@@ -38,7 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from unimp.errors import PolicyError, UnimpWarning, UnsupportedError
-from unimp.migrate.common import Exported, Imported, bad, finish, flag, merge_into, pasted_arguments, refuse, relabel
+from unimp.migrate.draft import Exported, Imported, relabel
+from unimp.migrate.export_check import finish, merge_into
+from unimp.migrate.parsing import pasted_arguments
+from unimp.migrate.values import bad, flag, refuse
 from unimp.policy import Policy
 from unimp.policy.spec import short, show
 

@@ -37,24 +37,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from unimp.migrate.common import (
-    Draft,
-    Exported,
-    Imported,
-    Name,
-    bad,
-    calls,
-    check_keys,
-    finish,
-    leading_name,
-    number,
-    refuse,
-    short,
-    take,
-    text,
-)
+from unimp.migrate.draft import Draft, Exported, Imported, take
+from unimp.migrate.export_check import finish
+from unimp.migrate.parsing import calls, leading_name
+from unimp.migrate.values import Name, bad, check_keys, number, refuse, text
 from unimp.policy import Policy
 from unimp.policy.loading import load
+from unimp.policy.spec import short
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
 POLICY_CALLS = ("set_global_policy", "set_policy", "set_dtype_policy", "Policy", "DTypePolicy", "FloatDTypePolicy")

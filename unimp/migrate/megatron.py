@@ -40,19 +40,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from unimp.errors import UnimpWarning
-from unimp.migrate.common import (
-    MAX_TEXT,
-    Draft,
-    Exported,
-    Imported,
-    bad,
-    finish,
-    has_knob,
-    number,
-    pasted_json,
-    refuse,
-    relabel,
-)
+from unimp.migrate.draft import Draft, Exported, Imported, has_knob, relabel
+from unimp.migrate.export_check import finish
+from unimp.migrate.parsing import MAX_TEXT, pasted_json
+from unimp.migrate.values import bad, number, refuse
 from unimp.policy import Policy
 from unimp.policy.spec import short
 
@@ -524,7 +515,7 @@ def export_policy(policy: Policy) -> Exported:
 def _fp32_unexpressed(policy: Policy) -> tuple[str, ...]:
     """What a float32 Megatron run (no precision argument: every op, param and reduction in float32,
     the ``fp32`` preset) does not reproduce of ``policy``."""
-    from unimp.migrate.common import unexpressed
+    from unimp.migrate.export_check import unexpressed
     from unimp.policy.loading import load
 
     return unexpressed(policy, load("fp32"), SYSTEM)

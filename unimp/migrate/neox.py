@@ -37,7 +37,10 @@ from typing import Any
 
 from unimp.errors import UnimpWarning
 from unimp.migrate import deepspeed
-from unimp.migrate.common import Draft, Exported, Imported, bad, finish, flag, merge_into, pasted_yaml, relabel
+from unimp.migrate.draft import Draft, Exported, Imported, relabel
+from unimp.migrate.export_check import finish, merge_into
+from unimp.migrate.parsing import pasted_yaml
+from unimp.migrate.values import bad, flag
 from unimp.policy import Policy
 from unimp.policy.spec import short, show
 

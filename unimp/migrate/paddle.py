@@ -27,26 +27,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from unimp.errors import UnsupportedError
-from unimp.migrate.common import (
-    MAX_TEXT,
-    Draft,
-    Exported,
-    Imported,
-    bad,
-    calls,
-    check_keys,
-    finish,
-    flag,
-    has_knob,
-    kwargs_of,
-    refuse,
-    short,
-    take,
-)
+from unimp.migrate.draft import Draft, Exported, Imported, has_knob, take
+from unimp.migrate.export_check import finish
+from unimp.migrate.parsing import MAX_TEXT, calls, kwargs_of
+from unimp.migrate.values import bad, check_keys, flag, refuse
 from unimp.policy import Policy
 from unimp.policy.loading import load
 from unimp.policy.ops import CANONICAL_OPS, kind_of
-from unimp.policy.spec import show
+from unimp.policy.spec import short, show
 
 SYSTEM = "paddle"
 

@@ -34,18 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from unimp.errors import PolicyError, UnsupportedError
-from unimp.migrate.common import (
-    Exported,
-    Imported,
-    bad,
-    finish,
-    merge_into,
-    number,
-    pasted_arguments,
-    refuse,
-    relabel,
-)
+from unimp.migrate.draft import Exported, Imported, relabel
+from unimp.migrate.export_check import finish, merge_into
 from unimp.migrate.paddle import NLP_BOOLS, NLP_LISTS, NLP_PRECISION
+from unimp.migrate.parsing import pasted_arguments
+from unimp.migrate.values import bad, number, refuse
 from unimp.policy import Policy
 from unimp.policy.ops import kind_of
 from unimp.policy.spec import short, show
