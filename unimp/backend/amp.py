@@ -19,7 +19,7 @@ from unimp.errors import StateError, UnimpWarning, UnsupportedError
 from unimp.loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
 from unimp.plan import Plan
 from unimp.policy import LossScaleSpec, Policy
-from unimp.report import Report
+from unimp.report import Report, ReportRow
 from unimp.watch import Watch
 from unimp.watch.writer import ScalarWriter
 
@@ -253,8 +253,9 @@ class Amp(abc.ABC):
             raise StateError(f"amp.remove(): another thread is removing this Amp ({type(self.model).__name__} "
                              f"id 0x{id(self.model):x}) right now; remove it from one thread, then apply again")
         try:
-            if getattr(self, "_watch", None) is not None:
-                self._watch.close()
+            watch = getattr(self, "_watch", None)
+            if watch is not None:
+                watch.close()
             self._restore()
             release(getattr(self, "_applied_ids", [id(self.model)]))
             self._removed = True
@@ -303,7 +304,7 @@ class Amp(abc.ABC):
         return NoForwardError("amp.report(): no forward has run under this Amp yet; run amp.model(x) once first, "
                               "or pass an example input: amp.report(x)" + (f" ({hint})" if hint else ""))
 
-    def report_header(self, rows: list, notes: list[str] | None = None) -> Report:
+    def report_header(self, rows: list[ReportRow], notes: list[str] | None = None) -> Report:
         """A Report with the counters filled from the loss-scale state (and the Plan's FP8 fallback, if any)."""
         self._check_live("amp.report()")
         st = self.loss_scale_state()

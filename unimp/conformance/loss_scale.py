@@ -27,10 +27,10 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from unimp.dtypes import FLT_MAX
 from unimp.loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState
 from unimp.policy import LossScaleSpec
 from unimp.policy.loading import load
-from unimp.policy.spec import FLT_MAX
 
 #: Edge cases every backend replays (on top of seeded random knobs): the float32 cap (item: growth
 #: at FLT_MAX clamps, the finiteness check must not override it), floors, the subnormal range,

@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from unimp.dtypes import FLT_MAX, INT32_MAX
 from unimp.errors import StateError
 from unimp.loss_scale import STATE_KEYS, LossScaleState, check_state, max_growth_tracker, policy_problems
 from unimp.policy import LossScaleSpec
-from unimp.policy.spec import FLT_MAX, INT32_MAX
 
 BAD_SCALES = (math.nan, math.inf, -math.inf, -1.0, 0.0, -0.0, 1e39, 3.5e38, 10**400, 1e-50, "65536", None, True,
               [1.0], {"scale": 1.0})

@@ -13,6 +13,7 @@ apex's Python float).
 [8.0, 16.0, 8.0, 8.0]
 """
 
+from unimp.dtypes import f32
 from unimp.loss_scale.fallbacks import loss_scale_as_run, loss_scale_fallbacks
 from unimp.loss_scale.reference import (
     LossScale,
@@ -22,7 +23,6 @@ from unimp.loss_scale.reference import (
     policy_problems,
     trajectory,
 )
-from unimp.loss_scale.rule import f32
 from unimp.loss_scale.state import STATE_KEYS, LossScaleState, check_state
 
 __all__ = ["STATE_KEYS", "LossScale", "LossScaleAtMinimumError", "LossScaleState", "Outcome", "check_state", "f32",

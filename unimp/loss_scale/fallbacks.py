@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 from unimp.errors import UnsupportedError
 from unimp.policy.tables import LossScaleSpec
 
 
-def loss_scale_fallbacks(spec: LossScaleSpec, unsupported: Mapping[str, tuple[str, str]], where: str,
+def loss_scale_fallbacks(spec: LossScaleSpec, unsupported: Mapping[str, tuple[Any, str]], where: str,
                          on_unsupported: str) -> list[str]:
     """Apply ``on_unsupported`` to the loss-scale knobs a backend cannot honour (``unsupported``:
     ``{knob: (what runs instead, why)}``): an :class:`UnsupportedError` naming each (``"error"``),
@@ -27,6 +28,6 @@ def loss_scale_fallbacks(spec: LossScaleSpec, unsupported: Mapping[str, tuple[st
     return [f"loss_scale.{k} = {getattr(spec, k)!r} runs as {v!r}: {why}" for k, (v, why) in unsupported.items()]
 
 
-def loss_scale_as_run(spec: LossScaleSpec, unsupported: Mapping[str, tuple[str, str]]) -> LossScaleSpec:
+def loss_scale_as_run(spec: LossScaleSpec, unsupported: Mapping[str, tuple[Any, str]]) -> LossScaleSpec:
     """``spec`` with each knob a backend cannot honour set to what it runs instead."""
     return dataclasses.replace(spec, **{k: v for k, (v, _) in unsupported.items()})

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from unimp.dtypes import FLT_TINY
+from unimp.dtypes import FLT_MAX, FLT_TINY, INT32_MAX, f32
 from unimp.loss_scale.fallbacks import loss_scale_as_run, loss_scale_fallbacks
-from unimp.loss_scale.rule import Arrays, PyOps, f32, held, step, tiny
+from unimp.loss_scale.rule import Arrays, PyOps, held, step, tiny
 from unimp.loss_scale.state import STATE_KEYS, LossScaleState
-from unimp.policy.spec import FLT_MAX, INT32_MAX
 from unimp.policy.tables import LossScaleSpec
 
 
@@ -106,15 +106,15 @@ class LossScale:
         """The smallest normal value of the held dtype (below it ``subnormal = "flush"`` gives 0)."""
         return tiny(self.spec)
 
-    def fallbacks(self, unsupported: Mapping[str, tuple[str, str]], where: str, on_unsupported: str) -> list[str]:
+    def fallbacks(self, unsupported: Mapping[str, tuple[Any, str]], where: str, on_unsupported: str) -> list[str]:
         """The knobs a backend cannot honour refused or noted (:func:`loss_scale_fallbacks`)."""
         return loss_scale_fallbacks(self.spec, unsupported, where, on_unsupported)
 
-    def as_run(self, unsupported: Mapping[str, tuple[str, str]]) -> LossScaleSpec:
+    def as_run(self, unsupported: Mapping[str, tuple[Any, str]]) -> LossScaleSpec:
         """The spec with each knob a backend cannot honour set to what runs instead."""
         return loss_scale_as_run(self.spec, unsupported)
 
-    def float32_limits(self, *, flushes: bool, who: str, fix: str) -> dict[str, tuple[str, str]]:
+    def float32_limits(self, *, flushes: bool, who: str, fix: str) -> dict[str, tuple[Any, str]]:
         """The knobs a device running the rule's factors in float32 cannot honour (an XLA device without
         ``jax_enable_x64``): ``{knob: (what runs instead, why)}`` for a backoff factor below 2^-126 where the
         device ``flushes`` float32 subnormals (it reads as 0), and factors not exact in float32 under
@@ -126,7 +126,8 @@ class LossScale:
         >>> LossScale(spec).float32_limits(flushes=True, who="JAX", fix="enable x64")["factor_arithmetic"][0]
         'float32'
         """
-        spec, out = self.spec, {}
+        spec = self.spec
+        out: dict[str, tuple[Any, str]] = {}
         if spec.backoff == "multiply" and 0 < f32(spec.backoff_factor) < FLT_TINY and flushes:
             out["backoff_factor"] = (0.0, f"the factor is a float32 below 2^-126 in {who}, which this device "
                                           f"reads as 0; fix: {fix} or backoff_factor >= 2^-126")

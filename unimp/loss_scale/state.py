@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from unimp.dtypes import INT32_MAX
 from unimp.errors import StateError
-from unimp.policy.spec import INT32_MAX
 
 STATE_KEYS = ("scale", "growth_tracker", "hysteresis_left", "skipped", "steps")
 
@@ -66,18 +66,18 @@ def check_state(d: Any) -> list[str]:
         problems.append(f"missing keys {missing}; expected {list(STATE_KEYS)} (save it with amp.state_dict())")
     if "scale" in d:
         v = d["scale"]
-        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        if not _real(v):
             problems.append(f"scale: expected a number, got {_show(v)}; pass a Python float")
         elif not _finite(v) or not (v > 0 or (v == 0 and math.copysign(1.0, v) > 0)):
             shown = repr(float(v)) if isinstance(v, float) else _show(v)
             problems.append(f"scale: {shown} is not a finite number >= 0; a dynamic scale starts at "
                             f"loss_scale.initial, 65536.0 by default")
-    counters = {}
+    counters: dict[str, int] = {}
     for key in STATE_KEYS[1:]:
         if key not in d:
             continue
         v = d[key]
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not _integral(v):
+        if not _real(v) or not _integral(v):
             problems.append(f"{key}: expected a whole number, got {_show(v)}; counters are integers")
         elif not 0 <= v <= INT32_MAX:
             problems.append(f"{key}: {_show(v)} is out of range; a counter is between 0 and {INT32_MAX} (int32)")
@@ -89,6 +89,11 @@ def check_state(d: Any) -> list[str]:
         problems.append(f"skipped ({counters['skipped']}) is more than steps ({counters['steps']}); a step is "
                         f"skipped at most once")
     return problems
+
+
+def _real(v: Any) -> bool:
+    """Whether ``v`` is a real number (any :class:`numbers.Real`: Python's, NumPy's), not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def _finite(v: Any) -> bool:

@@ -89,6 +89,7 @@ def export_to(system: str, policy: Any, strict: bool = False, into: Any = None,
 
     mod = module(system)
     p = load(policy)
+    out: Exported
     if into is None:
         out = mod.export_policy(p, tf_keras=True) if system == "tf_keras" else mod.export_policy(p)
         return out.strict() if strict else out

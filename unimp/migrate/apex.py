@@ -193,8 +193,8 @@ def from_cli(raw: Any, source: str) -> Imported:
     if isinstance(raw, dict) and "opt_level" not in raw:
         raise bad(source, "opt_level", "not given: the input holds no amp.initialize opt_level; pass it (O0-O3)")
     if isinstance(raw, dict):
-        kw = dict(raw)
-        return import_policy(kw.pop("opt_level", "O1"), source=source, **kw)
+        given = dict(raw)
+        return import_policy(given.pop("opt_level", "O1"), source=source, **given)
     if isinstance(raw, str) and "=" not in raw and "(" not in raw:
         return import_policy(raw.strip().strip("'\""), source=source)
     if isinstance(raw, str) and raw.strip()[:2] in LEVELS and raw.strip()[2:3] in (",", ";", " "):

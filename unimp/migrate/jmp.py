@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from unimp.loss_scale.rule import f32
+from unimp.dtypes import f32
 from unimp.migrate.draft import Draft, Exported, Imported, has_knob, take
 from unimp.migrate.export_check import finish
 from unimp.migrate.parsing import calls

@@ -190,10 +190,10 @@ def from_cli(raw: Any, source: str, tf_keras: bool = False) -> Imported:
         check_keys(raw, ("policy", LSO), source)
         if "policy" not in raw:
             raise bad(source, "policy", "nothing read: no dtype policy given")
-        lso = raw.get(LSO)
-        if lso is not None and not isinstance(lso, Mapping):
+        given = raw.get(LSO)
+        if given is not None and not isinstance(given, Mapping):
             raise bad(source, LSO, "expected a table of LossScaleOptimizer arguments")
-        return import_policy(text(source, "policy", raw["policy"]), lso, tf_keras=tf_keras, source=source)
+        return import_policy(text(source, "policy", raw["policy"]), given, tf_keras=tf_keras, source=source)
     name, rest = leading_name(raw)
     if name is not None:
         lso_calls = _lso_of(rest, source, tf_keras) if rest.strip() else None

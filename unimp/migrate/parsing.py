@@ -17,9 +17,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from unimp.dtypes import FLT_MAX
 from unimp.errors import PolicyError
 from unimp.migrate.values import MAX_BITS, MAX_NAME, Name, bad, name, number
-from unimp.policy.spec import FLT_MAX, short, show
+from unimp.policy.spec import short, show
 
 MAX_TEXT = 65536  # characters of a pasted configuration (an AST of a longer one is not worth building)
 MAX_VALUES = 20_000  # values (tables, lists, scalars; an alias counted each time it is used) in one source
@@ -161,7 +162,8 @@ def calls(text: str, source: str, known: Any = None) -> list[Call]:
     parts = _statements(text, known)
     out: list[Call] = []
     for part in parts:
-        node, code = _call_of(part, known), part
+        node: ast.expr | None = _call_of(part, known)
+        code = part
         if node is None:
             try:
                 code = f"_({part})"  # k=v, ...: the source segments of its values are read from this text
@@ -355,7 +357,8 @@ def _power(node: ast.AST, source: str, key: str) -> float | int | None:
         raise bad(source, key, f"a power of {abs(exp) * abs(math.log2(abs(base))):.3g} bits is out of range "
                                f"(at most {FLT_MAX:.4g}); write the value the system runs")
     try:
-        return base ** exp
+        power: float | int = base ** exp
+        return power
     except (OverflowError, ZeroDivisionError):
         raise bad(source, key, "the power is out of range or divides by zero; write the value") from None
 

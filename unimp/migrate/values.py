@@ -14,8 +14,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from unimp.dtypes import FLT_MAX
 from unimp.errors import PolicyError, UnsupportedError
-from unimp.policy.spec import FLT_MAX, short, show
+from unimp.policy.spec import short, show
 from unimp.text import printable
 
 MAX_BITS = 1000  # bits of an integer a source may hold (any larger is out of every dtype's range)

@@ -61,9 +61,8 @@ class Policy:
             ops=OpLists(**{k: tuple(v) for k, v in d["ops"].items()}),
             loss_scale=LossScaleSpec(**ls), master_weights=MasterWeights(**d["master_weights"]),
             layout=Layout(**d["layout"]), distributed=Distributed(**d["distributed"]),
-            overrides=tuple(Override(**{k: tuple(v) if isinstance(v, list) else v for k, v in o.items()})
-                            for o in d["overrides"]),
-            fp8=Fp8Spec(**{k: tuple(v) if isinstance(v, list) else v for k, v in d["fp8"].items()}),
+            overrides=tuple(Override(**_lists_as_tuples(o)) for o in d["overrides"]),
+            fp8=Fp8Spec(**_lists_as_tuples(d["fp8"])),
             tuned_on=d.get("tuned_on"), source=source,
         )
 
@@ -188,3 +187,8 @@ class Policy:
 
     def __str__(self) -> str:
         return to_text(self.to_dict(), "toml")
+
+
+def _lists_as_tuples(table: Mapping[str, Any]) -> dict[str, Any]:
+    """A resolved table with its lists as tuples (the frozen dataclasses hold tuples)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
