@@ -224,7 +224,7 @@ def _deepspeed(ds: Any, a: Mapping[str, Any], on: Mapping[str, bool], backend: s
     """``deepspeed``: the DeepSpeed config, its "auto" values filled from these arguments."""
     from unimp.migrate import deepspeed
 
-    assume = {k: on[k] for k in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval") if k in on}
+    assume: dict[str, Any] = {k: on[k] for k in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval") if k in on}
     if backend != "auto":
         assume["half_precision_backend"] = backend
     if "fp16_opt_level" in a:
@@ -262,7 +262,8 @@ def _assume_text(on: Mapping[str, bool]) -> str:
 
 
 def _find(path: str, base: Path | None) -> Path | None:
-    for p in (Path(path), *((base / path,) if base is not None else ())):
+    candidates: list[Path] = [Path(path), *([base / path] if base is not None else [])]
+    for p in candidates:
         try:
             if p.is_file():
                 return p

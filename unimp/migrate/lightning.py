@@ -261,10 +261,12 @@ def _nemo(name: str, said: str, model: Mapping[str, Any], source: str, ignored: 
         interval = number(source, f"{p}native_amp_growth_interval", model.get("native_amp_growth_interval", 1000),
                           int, minimum=1)
         hyst = 1 if bert else number(source, f"{p}hysteresis", model.get("hysteresis", 2), int, minimum=1)
-        given = (lambda k: f"{p}{k}" if k in model else f"{p}{k} not given: NeMo default")
-        if bert:
-            given = (lambda k, g=given: "name megatron_bert: MegatronBertTrainerBuilder._grad_scaler passes no "
-                     "hysteresis (GradScaler default 1)" if k == "hysteresis" else g(k))
+        def given(k: str) -> str:
+            if bert and k == "hysteresis":
+                return ("name megatron_bert: MegatronBertTrainerBuilder._grad_scaler passes no hysteresis "
+                        "(GradScaler default 1)")
+            return f"{p}{k}" if k in model else f"{p}{k} not given: NeMo default"
+
         d.set("loss_scale.mode", "dynamic", "NeMo GradScaler (fp16)")
         d.set("loss_scale.initial", init, given("native_amp_init_scale"))
         d.set("loss_scale.growth_factor", 2.0, "NeMo GradScaler: torch's growth_factor 2.0")
@@ -354,7 +356,7 @@ def _resolve(value: Any, root: Mapping[str, Any], source: str, where: str) -> An
 # NeMo 2 (nemo/lightning/pytorch/plugins/mixed_precision.py::MegatronMixedPrecision.__init__) -> the
 # Megatron-core settings it configures, written as the Megatron arguments of the same name; its defaults
 NEMO2_PLUGIN = "MegatronMixedPrecision"
-NEMO2_ARGS = {"fp16_initial_loss_scale": ("--initial-loss-scale", 4294967296.0),
+NEMO2_ARGS: dict[str, tuple[str, Any]] = {"fp16_initial_loss_scale": ("--initial-loss-scale", 4294967296.0),
               "fp16_min_loss_scale": ("--min-loss-scale", 1.0), "fp16_loss_scale_window": ("--loss-scale-window", 1000),
               "fp16_hysteresis": ("--hysteresis", 2), "fp16_loss_scale": ("--loss-scale", None),
               "fp8": ("--fp8-format", None), "fp8_recipe": ("--fp8-recipe", "delayed"),

@@ -91,7 +91,8 @@ def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str,
         raise bad(source, "", f"{len(text)} characters; a launch script is at most {16 * MAX_TEXT}")
     docs: dict[str, str] = {}
     kept: list[str] = []
-    end, target, body = None, "", []
+    end: str | None = None
+    target, body = "", list[str]()
     for line in text.split("\n"):  # heredocs cut out line by line (linear: no regex over the whole text)
         if end is not None:
             if line.strip() == end:

@@ -400,7 +400,9 @@ def from_cli(raw: Any, source: str) -> Imported:
 def custom_lists(policy: Policy, base: Policy) -> tuple[list[str], list[str]]:
     """The custom white and black lists (Paddle op types, sorted) that move ``base``'s ops to where
     ``policy`` runs them; ops ``policy`` neither lowers nor keeps in float32 are not listed."""
-    white, black, table = [], [], paddle_names()
+    white: list[str] = []
+    black: list[str] = []
+    table = paddle_names()
     for op in CANONICAL_OPS:
         cat = policy.ops.category(op)
         if cat != base.ops.category(op) and cat in ("lower", "float32"):
