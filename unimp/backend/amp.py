@@ -12,7 +12,7 @@ import copy
 import functools
 import warnings
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from unimp.backend.applied import is_applied, release, remember
 from unimp.errors import StateError, UnimpWarning, UnsupportedError
@@ -264,7 +264,7 @@ class Amp(abc.ABC):
             raise
         return self.model
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Amp:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         """An independent Amp over deep copies of the model and optimizer (same state).
 
         Refused with :class:`UnsupportedError` (naming the fix) when the backend's objects cannot be copied.
