@@ -40,6 +40,12 @@ FRAMEWORK = {"torch": "Torch", "jax": "Jax", "keras": "Keras", "paddle": "Paddle
 
 def _required() -> dict[str, tuple[str, ...]]:
     """The guide's required role files -> the names each must define (``<F>`` per framework)."""
+    return {file: names for file, (names, _) in _required_table().items()}
+
+
+def _required_table() -> dict[str, tuple[tuple[str, ...], dict[str, str]]]:
+    """The guide's required role files -> (the names each must define, {backend: the backend it takes the
+    role from unchanged}, e.g. ``{"ipex": "torch"}`` from a cell ``ipex: torch's (...)``)."""
     lines = _section4().splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("| required file |"))
     out = {}
@@ -47,7 +53,8 @@ def _required() -> dict[str, tuple[str, ...]]:
         if not line.startswith("|"):
             break
         cells = [c.strip() for c in line.strip("|").split("|")]
-        out[cells[0].strip("`")] = tuple(re.findall(r"`([^`]+)`", cells[2]))
+        taken = dict(re.findall(rf"\b({'|'.join(COLUMNS)}): ({'|'.join(COLUMNS)})'s\b", cells[3]))
+        out[cells[0].strip("`")] = (tuple(re.findall(r"`([^`]+)`", cells[2])), taken)
     return out
 
 
@@ -68,11 +75,21 @@ def _defined(path) -> set[str]:
 
 
 def test_every_backend_has_every_required_role_file_with_its_name():
-    required, wrong = _required(), []
+    """Each required role is a file defining its name, or, where the guide says a backend takes the role from
+    another one unchanged, no file at all (no re-export stub) and an import of that backend in its package."""
+    required, wrong = _required_table(), []
     assert {"backend.py", "plan.py", "amp.py", "testing.py"} <= set(required)
     for col, f in FRAMEWORK.items():
         pkg = ROOT / "backends" / col / f"unimp_{col}"
-        for file, names in required.items():
+        for file, (names, taken) in required.items():
+            if col in taken:
+                source = taken[col]
+                if (pkg / file).is_file():
+                    wrong.append(f"{col}: {file} is there, but the guide says {col} takes the role from {source}; "
+                                 f"remove the file or the guide's `{col}: {source}'s`")
+                elif not any(f"unimp_{source}" in p.read_text() for p in pkg.rglob("*.py")):
+                    wrong.append(f"{col}: takes {file}'s role from {source}, but imports nothing of unimp_{source}")
+                continue
             if not (pkg / file).is_file():
                 wrong.append(f"{col}: no {file}")
                 continue
@@ -80,6 +97,15 @@ def test_every_backend_has_every_required_role_file_with_its_name():
             if missing:
                 wrong.append(f"{col}/{file}: does not define {', '.join(missing)}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_a_role_is_taken_only_from_a_backend_that_has_it():
+    """A backend named as the source of a role (``ipex: torch's``) has that role's file itself."""
+    required = _required_table()
+    assert any(taken for _, taken in required.values()), "the guide's last column names no backend"
+    for file, (_, taken) in required.items():
+        for col, source in taken.items():
+            assert source != col and (ROOT / "backends" / source / f"unimp_{source}" / file).is_file(), (col, file)
 
 
 def _only_one_framework() -> dict[str, set[str]]:

@@ -143,7 +143,7 @@ def test_ctrl_c_at_any_line_of_apply_rolls_back_the_applied_mark():
 
     model = Model()
     files = ("unimp/backend/registry.py", "unimp/backend/applied.py", "unimp/backend/transaction.py",
-             "unimp/backend/__init__.py")
+             "unimp/backend/adapter.py", "unimp/backend/amp.py")
     where = []
     for at in interrupts(files, lambda: unimp.apply("mixed_bf16", model, backend="lifetimes"),
                          lambda amp: amp.remove()):

@@ -10,7 +10,7 @@ import unimp
 from unimp.cli import main
 from unimp.loss_scale import LossScaleAtMinimumError, trajectory
 from unimp.migrate import export_to, exporters, import_from, importers
-from unimp.migrate.common import effective
+from unimp.migrate.export_check import effective
 
 ROUND_TRIPS = [
     ("torch", "GradScaler(init_scale=2**10, growth_interval=50, backoff_factor=0.25)"),

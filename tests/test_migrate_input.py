@@ -152,10 +152,10 @@ def test_ignored_keys_cannot_inject_settings_or_reach_the_terminal_raw(tmp_path,
 
 def test_a_text_that_does_not_load_back_is_never_written(tmp_path, monkeypatch):
     """The fingerprint check before writing: a renderer that writes another policy is an error."""
-    from unimp.migrate import common, import_from
+    from unimp.migrate import draft, import_from
 
-    real = common.Draft.render
-    monkeypatch.setattr(common.Draft, "render", lambda self: real(self).replace("growth_interval = 2000",
+    real = draft.Draft.render
+    monkeypatch.setattr(draft.Draft, "render", lambda self: real(self).replace("growth_interval = 2000",
                                                                                 "growth_interval = 1999"))
     out = tmp_path / "p.toml"
     with pytest.raises(unimp.PolicyError, match="loads as fingerprint .* nothing written"):

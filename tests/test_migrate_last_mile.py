@@ -110,6 +110,18 @@ def test_neox_bfloat16_precision_is_bf16_and_fp16_type_is_warned():
         import_from("neox", {"precision": "fp16", "bf16": {"enabled": True}})
 
 
+def test_neox_amp_block_without_precision_is_deepspeeds_apex_amp():
+    """A NeoX config whose only precision key is an ``amp`` block (no ``precision``, no fp16/bf16 block) hands
+    that block to DeepSpeed, which runs apex AMP with it: the policy DeepSpeed's own config gives (it was a
+    raw KeyError: None)."""
+    amp = {"enabled": True, "opt_level": "O2"}
+    imp = _quiet(import_from, "neox", {"amp": amp})
+    native = _quiet(import_from, "deepspeed", {"amp": amp, "zero_optimization": {"stage": 0},
+                                               "fp16": {"enabled": False}})
+    assert imp.policy.fingerprint == native.policy.fingerprint
+    assert "precision not given: the DeepSpeed amp block (amp)" in imp.text
+
+
 def test_neox_yaml_dialect_and_round_trip(tmp_path, capsys):
     text = ('{\n  # a NeoX file\n  "precision": "bfloat16",\n'
             '  "zero_optimization": {"stage": 1, "overlap_comm": True,},\n  "num-layers": 12,\n}\n')

@@ -7,7 +7,7 @@ import pytest
 
 import unimp
 from unimp.migrate import export_to, import_from
-from unimp.migrate.common import effective
+from unimp.migrate.export_check import effective
 
 DEFAULTS = [
     ("apex", "O1", "apex_o1"), ("apex", "O2", "apex_o2"),

@@ -21,8 +21,8 @@ import unimp
 from unimp.cli import main
 from unimp.errors import UnimpWarning
 from unimp.migrate import export_to, import_from
-from unimp.migrate.common import effective
 from unimp.migrate.corpus import entries, imported, pasted
+from unimp.migrate.export_check import effective
 from unimp.policy.loading import read_file
 
 ROOT = Path(__file__).parent / "fixtures" / "real_configs"

@@ -22,7 +22,7 @@ import pytest
 from unimp.cli import _read_source, main
 from unimp.errors import PolicyError, UnimpWarning, UnsupportedError
 from unimp.migrate import export_to, import_from
-from unimp.migrate.common import effective
+from unimp.migrate.export_check import effective
 from unimp.policy.loading import load
 from unimp.policy.resolve import parse_text
 

@@ -21,7 +21,7 @@ from test_real_configs_ds import FACTS, _facts
 from unimp.cli import _read_source, main
 from unimp.errors import PolicyError, UnimpWarning, UnsupportedError
 from unimp.migrate import export_to, import_from
-from unimp.migrate.common import effective
+from unimp.migrate.export_check import effective
 from unimp.migrate.hf_trainer import OWNED
 
 ROOT = pathlib.Path(__file__).with_name("fixtures") / "real_configs"

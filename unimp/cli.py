@@ -113,6 +113,7 @@ def _read_source(text: str, system: str | None = None) -> tuple[object, str]:
         if path is not None and not any(c.isspace() for c in text) and path.suffix.lower() in FORMATS:
             raise PolicyError(f"{path}: no such file (pass an existing file, or the configuration itself)")
         return text, "<argument>"
+    assert path is not None  # is_file
     if path.suffix.lower() in FORMATS and not (system in HJSON and path.suffix.lower() == ".json"):
         return read_file(path, merge_keys=True), str(path)
     try:  # non-blocking open + fstat: a pipe or device swapped in after the check cannot hang the read
@@ -132,7 +133,7 @@ def _read_source(text: str, system: str | None = None) -> tuple[object, str]:
 
 def _import(args: argparse.Namespace) -> int:
     from unimp.migrate import import_from
-    from unimp.migrate.common import checked
+    from unimp.migrate.draft import checked
 
     if not args.source.strip():  # an unset shell variable, not "the system's defaults"
         raise PolicyError(f"<argument>: empty configuration for --from {args.system}; pass a file or the "
@@ -382,7 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _warn  # warnings name files and values too: escaped like the rest
-            return args.run(args)
+            code: int = args.run(args)
+            return code
     except (PolicyError, UnsupportedError, TuneError, FileError) as e:
         _say(str(e), file=sys.stderr)
         return 1

@@ -31,7 +31,8 @@ def f32(x: float) -> float:
     if math.isnan(x) or math.isinf(x):
         return x
     try:
-        return struct.unpack("f", struct.pack("f", x))[0]
+        rounded: float = struct.unpack("f", struct.pack("f", x))[0]
+        return rounded
     except OverflowError:
         return math.copysign(math.inf, x)
 
@@ -81,7 +82,8 @@ def reference_tolerance(dtype: str, layers: int) -> float:
     >>> round(reference_tolerance("float16", 100), 6), reference_tolerance("bfloat16", 4)
     (0.004883, 0.0078125)
     """
-    return UNIT_ROUNDOFF[dtype] * layers ** 0.5
+    root: float = layers ** 0.5
+    return UNIT_ROUNDOFF[dtype] * root
 
 
 class Limits(NamedTuple):

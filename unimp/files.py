@@ -90,7 +90,7 @@ def target(path: Any, where: str, example: str = "policy.toml") -> Path:
 
 def _failed(where: str, path: Path, e: OSError, left: str) -> FileError:
     """One located error for a failed write: the cause, what was left, the fix."""
-    what, fix = _CAUSES.get(e.errno, (e.strerror or str(e), "choose another file"))
+    what, fix = _CAUSES.get(e.errno or 0, (e.strerror or str(e), "choose another file"))  # errno None: no cause
     return FileError(f"{where}: {what} writing {shown(path)}; {left} ({fix})")
 
 

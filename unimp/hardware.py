@@ -60,6 +60,8 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from unimp.errors import PolicyError, UnimpWarning
 
@@ -171,7 +173,7 @@ class CpuFacts:
             text += f" [simulated: {ENV}={self.simulated}]"
         return text
 
-    def record(self) -> dict:
+    def record(self) -> dict[str, Any]:
         """The facts as plain data (for Plans, reports and the conformance matrix)."""
         return {"arch": self.arch, "model": self.model, "features": sorted(self.features),
                 "simulated": self.simulated, "native_bf16": self.native_bf16, "native_fp16": self.native_fp16,
@@ -185,7 +187,7 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or "unknown CPU", frozenset()
-    model, flags = "", frozenset()
+    model, flags = "", frozenset[str]()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
@@ -358,7 +360,8 @@ def emulated_message(dtype: str, key: str, framework: str, facts: CpuFacts | Non
 
 def caller_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the first frame outside unimp and its backends."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
         if not (name == "unimp" or name.startswith(("unimp.", "unimp_"))):
@@ -430,8 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(facts.describe())
     print("features:", " ".join(sorted(facts.features)) or "(none read)")
-    for fw, kw in (("torch", {}), ("XLA:CPU", {"bf16": False})):
-        print(f"auto ({fw}):", resolve_cpu_auto(fw, facts, **kw)[0])
+    for fw, bf16 in (("torch", True), ("XLA:CPU", False)):
+        print(f"auto ({fw}):", resolve_cpu_auto(fw, facts, bf16=bf16)[0])
     return 0
 
 

@@ -14,7 +14,8 @@ import sys
 import warnings
 from typing import Any
 
-from unimp.backend import Amp, Backend
+from unimp.backend.adapter import Backend
+from unimp.backend.amp import Amp
 from unimp.backend.applied import Journal, already_applied, claim, is_applied
 from unimp.backend.transaction import Snapshot, all_or_nothing
 from unimp.errors import UnimpWarning, UnsupportedError

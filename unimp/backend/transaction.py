@@ -21,7 +21,9 @@ is written where nothing changed, so restoring an untouched model changes nothin
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _DEPTH = 3  # containers restored in place this deep: optimizer.param_groups -> group -> group["params"]
 
@@ -115,8 +117,8 @@ def _restore_object(obj: Any, cls: type, saved: dict[str, Any]) -> None:
 _MISSING = object()
 
 
-def all_or_nothing(snapshot: Snapshot | Callable[[], Snapshot | None] | None, apply: Callable[[], Any],
-                   undo: Callable[[], None] | None = None) -> Any:
+def all_or_nothing(snapshot: Snapshot | Callable[[], Snapshot | None] | None, apply: Callable[[], T],
+                   undo: Callable[[], None] | None = None) -> T:
     """``apply()``; if it raises (anything, ``KeyboardInterrupt`` included), ``snapshot`` is restored
     first, then ``undo()`` runs (a failure of either is added to the original error as a note, never
     hides it). ``snapshot`` may be a function taking it: called inside, so what runs before the

@@ -471,7 +471,8 @@ def run(kit: Kit, policies: tuple[str, ...] = STANDARD_POLICIES) -> list[Result]
     return out
 
 
-def check_emulation_warning(caught: list, amp: Any, caller: str, dtype: str = "bfloat16") -> None:
+def check_emulation_warning(caught: list[warnings.WarningMessage], amp: Any, caller: str,
+                            dtype: str = "bfloat16") -> None:
     """An explicit ``dtype`` policy warns (at the caller's line ``caller``, naming the fix) exactly
     where :func:`unimp.hardware.cpu` says the CPU emulates ``dtype``, and the Plan's reason agrees."""
     from unimp import hardware

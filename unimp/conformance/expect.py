@@ -52,6 +52,7 @@ def expected_layers(policy: Policy, compute_dtype: str | None = None,
             dtype = plan.override_fallbacks[d.override]
         if dtype is None:
             dtype = x if x is not None else param
+        assert dtype is not None, layer.path  # the first probe layer has params, every later one an input
         out[layer.path] = Expect(dtype, param, dtype)
         x = dtype
     return out

@@ -74,13 +74,16 @@ def expected_fp8(kit: Kit, policy: Policy) -> dict[str, str | None]:
     from unimp.backend.registry import get_backend
 
     plan = get_backend(kit.backend).compile(policy)
-    out = {}
+    out: dict[str, str | None] = {}
+    assert plan.fp8 is not None, f"{kit.backend}: the Plan of an FP8 policy has no fp8 table"
     for layer in PROBE:
         if layer.kind not in plan.fp8.ops:
             continue
         shape = dict(layer.params)["weight"]
         dims = {"in_features": shape[-2], "out_features": shape[-1]}
-        d = decide_fp8(plan, layer.path, layer.kind, (), dims)
+        # the Plan is frozen (read-only members), unimp.plan.fp8.Planned declares settable ones: goes with the
+        # typed Plan (unimp/plan/ is being rewritten)
+        d = decide_fp8(plan, layer.path, layer.kind, (), dims)  # type: ignore[arg-type]
         out[layer.path] = d.recipe if d.fp8 else None
     return out
 

@@ -26,16 +26,17 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from unimp.dtypes import FLT_MAX
 from unimp.loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState
 from unimp.policy import LossScaleSpec
 from unimp.policy.loading import load
-from unimp.policy.spec import FLT_MAX
 
 #: Edge cases every backend replays (on top of seeded random knobs): the float32 cap (item: growth
 #: at FLT_MAX clamps, the finiteness check must not override it), floors, the subnormal range,
 #: growth every step, hysteresis, non-power-of-two factors, each knob's every value.
-EDGE_KNOBS: tuple[dict, ...] = (
+EDGE_KNOBS: tuple[dict[str, Any], ...] = (
     {},
     {"initial": 2.0 ** 127, "growth_interval": 1, "max": FLT_MAX, "on_max": "clamp", "min": 2.0 ** -126},
     {"initial": 2.0 ** 126, "growth_interval": 1, "max": float("inf"), "growth_requires_finite": True},
@@ -102,7 +103,9 @@ Runner = Callable[[LossScaleSpec, list[list[bool]]], list[Replay]]
 def reference(spec: LossScaleSpec, finites: Sequence[bool]) -> Replay:
     """The reference's :class:`Replay` of one sequence."""
     rule = LossScale(spec)
-    st, scales, skips = rule.initial_state(), [], []
+    st = rule.initial_state()
+    scales: list[float] = []
+    skips: list[bool] = []
     for i, f in enumerate(finites):
         try:
             out = rule.update(st, bool(f))
@@ -119,7 +122,7 @@ def knob_specs(n_specs: int = 24, seed: int = 0) -> list[LossScaleSpec]:
     rng = random.Random(seed)
     out = [_spec(k) for k in EDGE_KNOBS]
     while len(out) < n_specs:
-        knobs = {k: rng.choice(v) for k, v in _CHOICES.items()}
+        knobs: dict[str, Any] = {k: rng.choice(v) for k, v in _CHOICES.items()}
         knobs["hysteresis_refill"] = [e for e in ("finite", "growth", "backoff") if rng.random() < 0.5]
         if knobs["min"] > knobs["initial"] or knobs["initial"] > knobs["max"]:
             knobs["min"], knobs["max"] = 0.0, float("inf")
@@ -127,7 +130,7 @@ def knob_specs(n_specs: int = 24, seed: int = 0) -> list[LossScaleSpec]:
     return out[:n_specs]
 
 
-def _spec(knobs: dict) -> LossScaleSpec:
+def _spec(knobs: dict[str, Any]) -> LossScaleSpec:
     import warnings
 
     with warnings.catch_warnings():
@@ -141,7 +144,8 @@ def sequences(n: int, min_len: int = 50, max_len: int = 300, seed: int = 0) -> l
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        length, seq = rng.randint(min_len, max_len), []
+        length = rng.randint(min_len, max_len)
+        seq: list[bool] = []
         while len(seq) < length:
             p_bad = rng.choice((0.01, 0.05, 0.3, 0.6, 0.9, 0.995))
             seq += [rng.random() >= p_bad for _ in range(rng.randint(1, max(2, length // 4)))]

@@ -13,16 +13,20 @@ backend's tests define an ``amp`` fixture (its own Amps, parametrized) and take 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from unimp.dtypes import FLT_MAX, INT32_MAX
 from unimp.errors import StateError
 from unimp.loss_scale import STATE_KEYS, LossScaleState, check_state, max_growth_tracker, policy_problems
 from unimp.policy import LossScaleSpec
-from unimp.policy.spec import FLT_MAX, INT32_MAX
+
+if TYPE_CHECKING:
+    from unimp.backend import Amp
 
 BAD_SCALES = (math.nan, math.inf, -math.inf, -1.0, 0.0, -0.0, 1e39, 3.5e38, 10**400, 1e-50, "65536", None, True,
               [1.0], {"scale": 1.0})
-BAD_COUNTERS = (-1, -(2**40), 2**31, 10**30, 1.5, 0.5, True, False, "3", None, math.nan, math.inf, [], 2.0**40)
+BAD_COUNTERS: tuple[Any, ...] = (-1, -(2**40), 2**31, 10**30, 1.5, 0.5, True, False, "3", None, math.nan, math.inf,
+                                 [], 2.0**40)
 
 
 def bad_scales(valid: dict[str, Any], spec: LossScaleSpec | None = None) -> tuple[Any, ...]:
@@ -46,7 +50,7 @@ def garbage_state_dicts(valid: dict[str, Any], spec: LossScaleSpec | None = None
     scales = bad_scales(valid, spec)
 
     @st.composite
-    def build(draw: Any) -> dict[str, Any]:
+    def build(draw: Any) -> Any:  # a state dict, or ("not a mapping") anything else
         d = dict(valid)
         changes = draw(st.dictionaries(st.sampled_from(STATE_KEYS[1:4]), st.integers(0, 3), max_size=2))
         for key, value in changes.items():
@@ -155,7 +159,7 @@ def amp_checks(max_examples: int = 30) -> tuple[Any, Any, Any]:
             test_deepcopy_of_the_amp_works_or_is_refused_clearly)
 
 
-def check_counters_at_bound(amp: Any, step: Any, finite: bool = True) -> LossScaleState:
+def check_counters_at_bound(amp: Amp, step: Any, finite: bool = True) -> LossScaleState:
     """Load a state with every counter at its bound (steps and skipped at the int32 bound, the growth tracker
     at the largest value the rule reaches: :func:`unimp.loss_scale.max_growth_tracker`), run one real
     training step (``step(amp, finite)``) and compare the state with the reference

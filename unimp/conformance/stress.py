@@ -28,6 +28,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from unimp.backend import applied
@@ -99,13 +100,13 @@ class RandomCollections:
     def _threshold(self) -> None:
         gc.set_threshold(self.rng.randint(1, max(1, round(1 / self.p))), 2, 2)
 
-    def _seen(self, phase: str, info: dict) -> None:
+    def _seen(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "stop":
             if self.where is None:
                 self._threshold()
             return
         self.collections += 1
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         names = set()
         while frame is not None:
             if _ours(frame.f_code.co_filename):

@@ -17,7 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from unimp.errors import PolicyError
-from unimp.migrate.common import Exported, Imported
+from unimp.migrate.draft import Exported, Imported
 from unimp.policy.ops import suggest
 from unimp.policy.spec import show
 
@@ -47,10 +47,12 @@ def import_from(system: str, raw: Any, source: str | None = None, assume: dict[s
     ``assume``: the run's arguments a system's ``"auto"`` values resolve from (DeepSpeed: HF Trainer's).
 
     Every system's input goes through one path: its size and shape are bounded and checked
-    (:func:`~unimp.migrate.common.plain`) before the system's reader sees it, and the policy file
-    is checked to load back to the policy reported (:func:`~unimp.migrate.common.checked`).
+    (:func:`~unimp.migrate.parsing.plain`) before the system's reader sees it, and the policy file
+    is checked to load back to the policy reported (:func:`~unimp.migrate.draft.checked`).
     """
-    from unimp.migrate.common import MAX_TEXT, bad, checked, plain
+    from unimp.migrate.draft import checked
+    from unimp.migrate.parsing import MAX_TEXT, plain
+    from unimp.migrate.values import bad
 
     mod = module(system)
     src = source or system
@@ -81,11 +83,13 @@ def export_to(system: str, policy: Any, strict: bool = False, into: Any = None,
     >>> out.config
     {'bf16': {'enabled': True}, 'zero_optimization': {'stage': 3}, 'train_batch_size': 8}
     """
-    from unimp.migrate.common import bad, plain
+    from unimp.migrate.parsing import plain
+    from unimp.migrate.values import bad
     from unimp.policy.loading import load
 
     mod = module(system)
     p = load(policy)
+    out: Exported
     if into is None:
         out = mod.export_policy(p, tf_keras=True) if system == "tf_keras" else mod.export_policy(p)
         return out.strict() if strict else out

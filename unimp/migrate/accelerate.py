@@ -29,20 +29,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from unimp.migrate import torch as torch_amp
-from unimp.migrate.common import (
-    Draft,
-    Exported,
-    Imported,
-    bad,
-    check_keys,
-    finish,
-    kwargs_of,
-    leading_name,
-    pasted_json,
-    plain,
-    refuse,
-    relabel,
-)
+from unimp.migrate.draft import Draft, Exported, Imported, relabel
+from unimp.migrate.export_check import finish
+from unimp.migrate.parsing import kwargs_of, leading_name, pasted_json, plain
+from unimp.migrate.values import bad, check_keys, refuse
 from unimp.policy import Policy
 from unimp.policy.spec import short, show
 
@@ -104,7 +94,7 @@ def from_cli(raw: Any, source: str) -> Imported:
     if isinstance(raw, str) and raw.lstrip().startswith("{"):  # a JSON table pasted as a string
         raw = plain(pasted_json(raw, source, "", "not a JSON table"), source)
     if isinstance(raw, str) and ":" in raw and "(" not in raw and "=" not in raw:  # lines pasted from the YAML file
-        from unimp.migrate.common import pasted_yaml
+        from unimp.migrate.parsing import pasted_yaml
 
         return import_config(pasted_yaml(raw, source, "a precision, Accelerator(mixed_precision=...) or lines of an "
                                                       "accelerate config YAML file"), source=source)

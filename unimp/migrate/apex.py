@@ -25,19 +25,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from unimp.migrate.common import (
-    Draft,
-    Exported,
-    Imported,
-    bad,
-    check_keys,
-    finish,
-    flag,
-    has_knob,
-    kwargs_of,
-    number,
-    refuse,
-)
+from unimp.migrate.draft import Draft, Exported, Imported, has_knob
+from unimp.migrate.export_check import finish
+from unimp.migrate.parsing import kwargs_of
+from unimp.migrate.values import bad, check_keys, flag, number, refuse
 from unimp.policy import Policy
 from unimp.policy.loading import load
 from unimp.policy.spec import short
@@ -202,8 +193,8 @@ def from_cli(raw: Any, source: str) -> Imported:
     if isinstance(raw, dict) and "opt_level" not in raw:
         raise bad(source, "opt_level", "not given: the input holds no amp.initialize opt_level; pass it (O0-O3)")
     if isinstance(raw, dict):
-        kw = dict(raw)
-        return import_policy(kw.pop("opt_level", "O1"), source=source, **kw)
+        given = dict(raw)
+        return import_policy(given.pop("opt_level", "O1"), source=source, **given)
     if isinstance(raw, str) and "=" not in raw and "(" not in raw:
         return import_policy(raw.strip().strip("'\""), source=source)
     if isinstance(raw, str) and raw.strip()[:2] in LEVELS and raw.strip()[2:3] in (",", ";", " "):

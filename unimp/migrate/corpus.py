@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from unimp.migrate import import_from
-from unimp.migrate.common import Imported
+from unimp.migrate.draft import Imported
 from unimp.policy.loading import read_file
 
 PARSED = (".yaml", ".yml", ".json", ".toml")  # files passed as files; anything else is pasted text

@@ -36,23 +36,10 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from unimp.migrate.common import (
-    Draft,
-    Exported,
-    Imported,
-    bad,
-    check_keys,
-    finish,
-    flag,
-    has_knob,
-    merge_into,
-    number,
-    plain,
-    power_of_two,
-    refuse,
-    relabel,
-    take,
-)
+from unimp.migrate.draft import Draft, Exported, Imported, has_knob, relabel, take
+from unimp.migrate.export_check import finish, merge_into
+from unimp.migrate.parsing import plain
+from unimp.migrate.values import bad, check_keys, flag, number, power_of_two, refuse
 from unimp.policy import Policy
 from unimp.policy.spec import short, show
 
@@ -245,11 +232,12 @@ def import_policy(config: Mapping[str, Any], *, source: str = "deepspeed config"
         raise refuse(source, "msamp.enabled", "MS-AMP keeps weights and optimizer states in FP8/FP16; unimp keeps "
                      "float32 masters", "remove the msamp section (or keep this run in DeepSpeed)")
     zero = config.get("zero_optimization")
-    for key in QUANTIZED_COMM if isinstance(zero, Mapping) else ():
-        if zero.get(key):
-            raise refuse(source, f"zero_optimization.{key}", "ZeRO++ quantized communication (int8 weights / int4 "
-                         "gradients on the wire) has no unimp key", f"remove {key}")
-    if isinstance(zero, Mapping):  # offload, buckets, prefetch...: where and when, not in which dtype
+    if isinstance(zero, Mapping):
+        for key in QUANTIZED_COMM:
+            if zero.get(key):
+                raise refuse(source, f"zero_optimization.{key}", "ZeRO++ quantized communication (int8 weights / "
+                             "int4 gradients on the wire) has no unimp key", f"remove {key}")
+        # offload, buckets, prefetch...: where and when, not in which dtype
         d.ignored.extend(f"zero_optimization.{k}" for k in zero if k != "stage")
     d.ignored.extend(k for k in config if k not in PRECISION)
     if model is not None:
@@ -288,7 +276,7 @@ def _stage(config: Mapping[str, Any], source: str) -> int:
         return int(zero)
     if not isinstance(zero, Mapping):
         raise bad(source, "zero_optimization", "expected a JSON object")
-    stage = number(source, "zero_optimization.stage", zero.get("stage", 0), int, minimum=0)
+    stage: int = number(source, "zero_optimization.stage", zero.get("stage", 0), int, minimum=0)
     if stage > 3:
         raise bad(source, "zero_optimization.stage", f"{stage}: ZeRO stages are 0-3")
     return stage

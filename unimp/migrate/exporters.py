@@ -1,7 +1,7 @@
 """Write a unimp policy as another system's configuration (``unimp export``).
 
 Each function takes a resolved :class:`unimp.Policy` and returns an
-:class:`~unimp.migrate.common.Exported`: ``.config`` (the native arguments / config sections),
+:class:`~unimp.migrate.draft.Exported`: ``.config`` (the native arguments / config sections),
 ``.text`` (ready to paste) and ``.unexpressed`` (one line per policy key the system cannot
 express; ``.strict()`` raises ``UnsupportedError`` when there is any).
 

@@ -15,22 +15,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from unimp.migrate.common import (
-    MAX_TEXT,
-    Draft,
-    Exported,
-    Imported,
-    bad,
-    check_keys,
-    finish,
-    has_knob,
-    kwargs_of,
-    number,
-    refuse,
-    take,
-)
+from unimp.dtypes import FLT_TINY
+from unimp.migrate.draft import Draft, Exported, Imported, has_knob, take
+from unimp.migrate.export_check import finish
+from unimp.migrate.parsing import MAX_TEXT, kwargs_of
+from unimp.migrate.values import bad, check_keys, number, refuse
 from unimp.policy import Policy
-from unimp.policy.spec import FLT_TINY
 
 SYSTEM = "flax"
 KEYS = ("growth_factor", "backoff_factor", "growth_interval", "fin_steps", "scale", "minimum_scale")

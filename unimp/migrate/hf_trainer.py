@@ -38,7 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from unimp.errors import PolicyError, UnimpWarning, UnsupportedError
-from unimp.migrate.common import Exported, Imported, bad, finish, flag, merge_into, pasted_arguments, refuse, relabel
+from unimp.migrate.draft import Exported, Imported, relabel
+from unimp.migrate.export_check import finish, merge_into
+from unimp.migrate.parsing import pasted_arguments
+from unimp.migrate.values import bad, flag, refuse
 from unimp.policy import Policy
 from unimp.policy.spec import short, show
 
@@ -221,7 +224,7 @@ def _deepspeed(ds: Any, a: Mapping[str, Any], on: Mapping[str, bool], backend: s
     """``deepspeed``: the DeepSpeed config, its "auto" values filled from these arguments."""
     from unimp.migrate import deepspeed
 
-    assume = {k: on[k] for k in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval") if k in on}
+    assume: dict[str, Any] = {k: on[k] for k in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval") if k in on}
     if backend != "auto":
         assume["half_precision_backend"] = backend
     if "fp16_opt_level" in a:
@@ -259,7 +262,8 @@ def _assume_text(on: Mapping[str, bool]) -> str:
 
 
 def _find(path: str, base: Path | None) -> Path | None:
-    for p in (Path(path), *((base / path,) if base is not None else ())):
+    candidates: list[Path] = [Path(path), *([base / path] if base is not None else [])]
+    for p in candidates:
         try:
             if p.is_file():
                 return p

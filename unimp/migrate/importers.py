@@ -1,6 +1,6 @@
 """Read another system's mixed-precision configuration as a unimp policy (``unimp import``).
 
-Each function takes the system's own arguments and returns an :class:`~unimp.migrate.common.Imported`:
+Each function takes the system's own arguments and returns an :class:`~unimp.migrate.draft.Imported`:
 ``.policy`` (a resolved :class:`unimp.Policy`) and ``.text`` (the policy file, a comment on each
 key naming the source key it came from). What unimp cannot express is an ``UnsupportedError``
 naming the source key and the fix; malformed input a ``PolicyError``.

@@ -20,23 +20,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from unimp.loss_scale.rule import f32
-from unimp.migrate.common import (
-    Draft,
-    Exported,
-    Imported,
-    bad,
-    calls,
-    check_keys,
-    finish,
-    has_knob,
-    number,
-    refuse,
-    short,
-    take,
-    text,
-)
+from unimp.dtypes import f32
+from unimp.migrate.draft import Draft, Exported, Imported, has_knob, take
+from unimp.migrate.export_check import finish
+from unimp.migrate.parsing import calls
+from unimp.migrate.values import bad, check_keys, number, refuse, text
 from unimp.policy import Policy
+from unimp.policy.spec import short
 
 SYSTEM = "jmp"
 NAMES = {"full": "float32", "f32": "float32", "float32": "float32", "f16": "float16", "float16": "float16",

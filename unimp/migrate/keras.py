@@ -37,24 +37,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from unimp.migrate.common import (
-    Draft,
-    Exported,
-    Imported,
-    Name,
-    bad,
-    calls,
-    check_keys,
-    finish,
-    leading_name,
-    number,
-    refuse,
-    short,
-    take,
-    text,
-)
+from unimp.migrate.draft import Draft, Exported, Imported, take
+from unimp.migrate.export_check import finish
+from unimp.migrate.parsing import calls, leading_name
+from unimp.migrate.values import Name, bad, check_keys, number, refuse, text
 from unimp.policy import Policy
 from unimp.policy.loading import load
+from unimp.policy.spec import short
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
 POLICY_CALLS = ("set_global_policy", "set_policy", "set_dtype_policy", "Policy", "DTypePolicy", "FloatDTypePolicy")
@@ -201,10 +190,10 @@ def from_cli(raw: Any, source: str, tf_keras: bool = False) -> Imported:
         check_keys(raw, ("policy", LSO), source)
         if "policy" not in raw:
             raise bad(source, "policy", "nothing read: no dtype policy given")
-        lso = raw.get(LSO)
-        if lso is not None and not isinstance(lso, Mapping):
+        given = raw.get(LSO)
+        if given is not None and not isinstance(given, Mapping):
             raise bad(source, LSO, "expected a table of LossScaleOptimizer arguments")
-        return import_policy(text(source, "policy", raw["policy"]), lso, tf_keras=tf_keras, source=source)
+        return import_policy(text(source, "policy", raw["policy"]), given, tf_keras=tf_keras, source=source)
     name, rest = leading_name(raw)
     if name is not None:
         lso_calls = _lso_of(rest, source, tf_keras) if rest.strip() else None

@@ -41,9 +41,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from unimp.migrate import torch as torch_amp
-from unimp.migrate.common import Draft, Exported, Imported, bad, calls, finish, flag, number, refuse, short, text
+from unimp.migrate.draft import Draft, Exported, Imported
+from unimp.migrate.export_check import finish
+from unimp.migrate.parsing import calls
+from unimp.migrate.values import bad, flag, number, refuse, text
 from unimp.policy import Policy
 from unimp.policy.loading import load
+from unimp.policy.spec import short
 
 SYSTEM = "lightning"
 ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
@@ -109,7 +113,7 @@ def _deepspeed(name: str, said: str, stage: int, kw: Mapping[str, Any], source: 
     ``_format_precision_config``: "16-mixed"/"16-true" add ``fp16`` {enabled, loss_scale, ...} with the
     strategy's scaler arguments, "bf16-*" ``bf16`` {enabled}; the engine then converts the whole model."""
     from unimp.migrate import deepspeed
-    from unimp.migrate.common import relabel
+    from unimp.migrate.draft import relabel
 
     config: dict[str, Any] = {"zero_optimization": {"stage": stage}}
     if name.startswith("16"):
@@ -257,10 +261,12 @@ def _nemo(name: str, said: str, model: Mapping[str, Any], source: str, ignored: 
         interval = number(source, f"{p}native_amp_growth_interval", model.get("native_amp_growth_interval", 1000),
                           int, minimum=1)
         hyst = 1 if bert else number(source, f"{p}hysteresis", model.get("hysteresis", 2), int, minimum=1)
-        given = (lambda k: f"{p}{k}" if k in model else f"{p}{k} not given: NeMo default")
-        if bert:
-            given = (lambda k, g=given: "name megatron_bert: MegatronBertTrainerBuilder._grad_scaler passes no "
-                     "hysteresis (GradScaler default 1)" if k == "hysteresis" else g(k))
+        def given(k: str) -> str:
+            if bert and k == "hysteresis":
+                return ("name megatron_bert: MegatronBertTrainerBuilder._grad_scaler passes no hysteresis "
+                        "(GradScaler default 1)")
+            return f"{p}{k}" if k in model else f"{p}{k} not given: NeMo default"
+
         d.set("loss_scale.mode", "dynamic", "NeMo GradScaler (fp16)")
         d.set("loss_scale.initial", init, given("native_amp_init_scale"))
         d.set("loss_scale.growth_factor", 2.0, "NeMo GradScaler: torch's growth_factor 2.0")
@@ -350,7 +356,7 @@ def _resolve(value: Any, root: Mapping[str, Any], source: str, where: str) -> An
 # NeMo 2 (nemo/lightning/pytorch/plugins/mixed_precision.py::MegatronMixedPrecision.__init__) -> the
 # Megatron-core settings it configures, written as the Megatron arguments of the same name; its defaults
 NEMO2_PLUGIN = "MegatronMixedPrecision"
-NEMO2_ARGS = {"fp16_initial_loss_scale": ("--initial-loss-scale", 4294967296.0),
+NEMO2_ARGS: dict[str, tuple[str, Any]] = {"fp16_initial_loss_scale": ("--initial-loss-scale", 4294967296.0),
               "fp16_min_loss_scale": ("--min-loss-scale", 1.0), "fp16_loss_scale_window": ("--loss-scale-window", 1000),
               "fp16_hysteresis": ("--hysteresis", 2), "fp16_loss_scale": ("--loss-scale", None),
               "fp8": ("--fp8-format", None), "fp8_recipe": ("--fp8-recipe", "delayed"),
@@ -373,7 +379,7 @@ def _nemo2(plugin: Mapping[str, Any], raw: Mapping[str, Any], at: str, source: s
     ``DynamicGradScaler`` settings (``fp16_*``), ``grad_reduce_in_fp32`` (default true) and FP8
     settings: imported as the Megatron run with the same settings."""
     from unimp.migrate import megatron
-    from unimp.migrate.common import relabel
+    from unimp.migrate.draft import relabel
 
     kw = {k: _resolve(v, raw, source, f"{at}.{k}") for k, v in plugin.items() if k != "_target_"}
     known = ("precision", "grad_reduce_in_fp32", *NEMO2_ARGS, *NEMO2_SAME, *NEMO2_NOTED)
@@ -510,7 +516,7 @@ def from_cli(raw: Any, source: str) -> Imported:
     if "(" not in value and "=" not in value and ":" not in value:
         return import_policy(value.strip("'\""), source=source)
     if "(" not in value and ":" in value:  # `precision: 16` pasted from a YAML file
-        from unimp.migrate.common import pasted_yaml
+        from unimp.migrate.parsing import pasted_yaml
 
         return _from_mapping(pasted_yaml(value, source, "a precision, Trainer(precision=...) or a YAML `precision:` "
                                                         "key"), source)

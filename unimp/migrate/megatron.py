@@ -40,19 +40,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from unimp.errors import UnimpWarning
-from unimp.migrate.common import (
-    MAX_TEXT,
-    Draft,
-    Exported,
-    Imported,
-    bad,
-    finish,
-    has_knob,
-    number,
-    pasted_json,
-    refuse,
-    relabel,
-)
+from unimp.migrate.draft import Draft, Exported, Imported, has_knob, relabel
+from unimp.migrate.export_check import finish
+from unimp.migrate.parsing import MAX_TEXT, pasted_json
+from unimp.migrate.values import bad, number, refuse
 from unimp.policy import Policy
 from unimp.policy.spec import short
 
@@ -100,7 +91,8 @@ def _words(text: str, source: str) -> tuple[list[str], dict[str, str], dict[str,
         raise bad(source, "", f"{len(text)} characters; a launch script is at most {16 * MAX_TEXT}")
     docs: dict[str, str] = {}
     kept: list[str] = []
-    end, target, body = None, "", []
+    end: str | None = None
+    target, body = "", list[str]()
     for line in text.split("\n"):  # heredocs cut out line by line (linear: no regex over the whole text)
         if end is not None:
             if line.strip() == end:
@@ -524,7 +516,7 @@ def export_policy(policy: Policy) -> Exported:
 def _fp32_unexpressed(policy: Policy) -> tuple[str, ...]:
     """What a float32 Megatron run (no precision argument: every op, param and reduction in float32,
     the ``fp32`` preset) does not reproduce of ``policy``."""
-    from unimp.migrate.common import unexpressed
+    from unimp.migrate.export_check import unexpressed
     from unimp.policy.loading import load
 
     return unexpressed(policy, load("fp32"), SYSTEM)

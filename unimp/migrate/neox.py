@@ -37,7 +37,10 @@ from typing import Any
 
 from unimp.errors import UnimpWarning
 from unimp.migrate import deepspeed
-from unimp.migrate.common import Draft, Exported, Imported, bad, finish, flag, merge_into, pasted_yaml, relabel
+from unimp.migrate.draft import Draft, Exported, Imported, relabel
+from unimp.migrate.export_check import finish, merge_into
+from unimp.migrate.parsing import pasted_yaml
+from unimp.migrate.values import bad, flag
 from unimp.policy import Policy
 from unimp.policy.spec import short, show
 
@@ -101,6 +104,8 @@ def import_policy(config: Mapping[str, Any], *, source: str = "neox config") -> 
     where = "precision" if "precision" in cfg else f"{'fp16' if precision == 'fp16' else 'bf16'}.enabled"
     if precision == "fp32":
         where = "precision"
+    elif precision is None:  # only an amp block: DeepSpeed runs apex AMP with it
+        where = "amp"
     fp16_ce = flag(source, "fp16_lm_cross_entropy", cfg.get("fp16_lm_cross_entropy", False))
     if fp16_ce and precision != "fp16":
         raise bad(source, "fp16_lm_cross_entropy", "true without precision fp16: NeoX refuses it ('lm cross entropy "
@@ -128,8 +133,10 @@ def import_policy(config: Mapping[str, Any], *, source: str = "neox config") -> 
             _move(d, "softmax", "float32", f"{key}: FusedScaleMaskSoftmax(softmax_in_fp32=True) (transformer.py)")
 
     imp = deepspeed.import_policy(ds, source=source, model=model)
-    why = {"fp16": "precision fp16: the DeepSpeed fp16 block", "bfloat16": "precision bfloat16: DeepSpeed bf16",
-           "fp32": "precision fp32: no DeepSpeed fp16/bf16"}[precision]
+    whys: dict[str | None, str] = {
+        "fp16": "precision fp16: the DeepSpeed fp16 block", "bfloat16": "precision bfloat16: DeepSpeed bf16",
+        "fp32": "precision fp32: no DeepSpeed fp16/bf16", None: "precision not given: the DeepSpeed amp block"}
+    why = whys[precision]
     return relabel(imp, SYSTEM, source, f"{why} ({where})", (), tuple(notes))
 
 

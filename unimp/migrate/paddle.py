@@ -27,26 +27,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from unimp.errors import UnsupportedError
-from unimp.migrate.common import (
-    MAX_TEXT,
-    Draft,
-    Exported,
-    Imported,
-    bad,
-    calls,
-    check_keys,
-    finish,
-    flag,
-    has_knob,
-    kwargs_of,
-    refuse,
-    short,
-    take,
-)
+from unimp.migrate.draft import Draft, Exported, Imported, has_knob, take
+from unimp.migrate.export_check import finish
+from unimp.migrate.parsing import MAX_TEXT, calls, kwargs_of
+from unimp.migrate.values import bad, check_keys, flag, refuse
 from unimp.policy import Policy
 from unimp.policy.loading import load
 from unimp.policy.ops import CANONICAL_OPS, kind_of
-from unimp.policy.spec import show
+from unimp.policy.spec import short, show
 
 SYSTEM = "paddle"
 
@@ -412,7 +400,9 @@ def from_cli(raw: Any, source: str) -> Imported:
 def custom_lists(policy: Policy, base: Policy) -> tuple[list[str], list[str]]:
     """The custom white and black lists (Paddle op types, sorted) that move ``base``'s ops to where
     ``policy`` runs them; ops ``policy`` neither lowers nor keeps in float32 are not listed."""
-    white, black, table = [], [], paddle_names()
+    white: list[str] = []
+    black: list[str] = []
+    table = paddle_names()
     for op in CANONICAL_OPS:
         cat = policy.ops.category(op)
         if cat != base.ops.category(op) and cat in ("lower", "float32"):

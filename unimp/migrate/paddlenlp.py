@@ -34,18 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from unimp.errors import PolicyError, UnsupportedError
-from unimp.migrate.common import (
-    Exported,
-    Imported,
-    bad,
-    finish,
-    merge_into,
-    number,
-    pasted_arguments,
-    refuse,
-    relabel,
-)
+from unimp.migrate.draft import Exported, Imported, relabel
+from unimp.migrate.export_check import finish, merge_into
 from unimp.migrate.paddle import NLP_BOOLS, NLP_LISTS, NLP_PRECISION
+from unimp.migrate.parsing import pasted_arguments
+from unimp.migrate.values import bad, number, refuse
 from unimp.policy import Policy
 from unimp.policy.ops import kind_of
 from unimp.policy.spec import short, show
@@ -165,10 +158,10 @@ def _scale(args: Mapping[str, Any], source: str) -> float:
             value = float(value)
         except ValueError:
             raise bad(source, "scale_loss", f"{short(value)} is not a number") from None
-    value = number(source, "scale_loss", value)
-    if not 0 < value < float("inf"):
-        raise bad(source, "scale_loss", f"{value:g}: the initial loss scale must be a positive finite number")
-    return value
+    scale: float = number(source, "scale_loss", value)
+    if not 0 < scale < float("inf"):
+        raise bad(source, "scale_loss", f"{scale:g}: the initial loss scale must be a positive finite number")
+    return scale
 
 
 def _names(args: Mapping[str, Any], source: str, key: str) -> list[Any]:
@@ -307,7 +300,8 @@ def export_policy(policy: Policy, into: Mapping[str, Any] | None = None) -> Expo
         except (PolicyError, UnsupportedError):  # lists the Trainer's own would overlap
             continue
     best = min(outs, key=lambda o: len(o.unexpressed))
-    out, unexpressed, changed = dict(best.config), best.unexpressed, ()
+    out, unexpressed = dict(best.config), best.unexpressed
+    changed: tuple[str, ...] = ()
     if into is not None:
         out, changed = merge_into(into, out, OWNED)
         try:

@@ -26,7 +26,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from unimp.migrate.common import Draft, Exported, Imported, bad, check_keys, finish, flag, kwargs_of, take, text
+from unimp.migrate.draft import Draft, Exported, Imported, take
+from unimp.migrate.export_check import finish
+from unimp.migrate.parsing import kwargs_of
+from unimp.migrate.values import bad, check_keys, flag, text
 from unimp.policy import Policy
 
 SYSTEM = "torch"

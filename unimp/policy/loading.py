@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from unimp.errors import PolicyError
-from unimp.policy import Policy
 from unimp.policy.resolve import (
     FORMATS,
     bad_name,
@@ -32,12 +31,13 @@ from unimp.policy.resolve import (
 from unimp.policy.resolve import (
     extends_roots as roots_of,
 )
+from unimp.policy.resolved import Policy
 from unimp.policy.spec import show
 
 __all__ = ["dump", "dumps", "load", "preset_names", "preset_path", "read_file", "resolve_dict"]
 
 
-def load(source: Any, *, extends_roots: Iterable[str | os.PathLike] = ()) -> Policy:
+def load(source: Any, *, extends_roots: Iterable[str | os.PathLike[str]] = ()) -> Policy:
     """A resolved :class:`Policy` from a file path, preset name, dict or Policy.
 
     ``extends`` may name a preset or a file inside the directory tree of the file that names it
@@ -72,7 +72,7 @@ def dumps(policy: Policy, fmt: str = "toml") -> str:
     return to_text(policy.to_dict(), fmt)
 
 
-def dump(policy: Policy, path: str | os.PathLike) -> Path:
+def dump(policy: Policy, path: str | os.PathLike[str]) -> Path:
     """Write the resolved policy to ``path``, whole or not at all (:func:`unimp.files.write_file`); the
     format follows the file's suffix."""
     from unimp.files import shown, write_file

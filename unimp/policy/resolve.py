@@ -65,7 +65,7 @@ def preset_path(name: str) -> Path:
     return _preset_dir() / f"{name}.toml"
 
 
-def extends_roots(extra: Iterable[str | os.PathLike]) -> tuple[Path, ...]:
+def extends_roots(extra: Iterable[str | os.PathLike[str]]) -> tuple[Path, ...]:
     """Directory trees ``extends`` may read besides the naming file's own (explicit opt-in)."""
     env = [p for p in os.environ.get(EXTENDS_ROOTS_ENV, "").split(os.pathsep) if p]
     try:
@@ -354,7 +354,8 @@ def _yaml_loader(merge: bool = False) -> type:
                 if dup:
                     raise ConstructorError(None, None, f"duplicate key {short(key)} (YAML would keep only the "
                                                        f"last one); remove one of them", key_node.start_mark)
-            return super().construct_mapping(node, deep=deep)
+            mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+            return mapping
 
     Loader.add_constructor("tag:yaml.org,2002:map", Loader.construct_yaml_map)
     return Loader

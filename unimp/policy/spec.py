@@ -48,7 +48,7 @@ class Field:
     max_items: int = MAX_ITEMS  # items of a list
 
 
-def _enum(choices: tuple[str, ...], default: str, doc: str) -> Field:
+def _enum(choices: tuple[str, ...], default: str | None, doc: str) -> Field:
     return Field("enum", default, doc, choices=choices)
 
 
@@ -327,7 +327,8 @@ def _check_number(field: Field, value: Any, path: str, problems: Problems) -> An
             return value
         problems.add(path, "must be finite" + (" (or inf)" if field.allow_inf else ""))
         return None
-    bounds = [(field.exclusive_minimum, lambda v, b: v > b, ">"), (field.minimum, lambda v, b: v >= b, ">="),
+    bounds: list[tuple[float | None, Callable[[Any, float], bool], str]] = [
+        (field.exclusive_minimum, lambda v, b: v > b, ">"), (field.minimum, lambda v, b: v >= b, ">="),
               (field.maximum, lambda v, b: v <= b, "<="), (field.exclusive_maximum, lambda v, b: v < b, "<")]
     for bound, ok, op in bounds:
         if bound is not None and not ok(value, bound):  # int/float comparison is exact: no overflow
@@ -354,7 +355,10 @@ def _check_list(field: Field, value: Any, path: str, problems: Problems) -> Any:
     for i, item in enumerate(value):
         where = f"{path}[{i}]"
         if not isinstance(item, str) or not item:
-            problems.add(where, lambda item=item: f"expected a non-empty string, got {show(item)}")
+            def not_string(item: Any = item) -> str:
+                return f"expected a non-empty string, got {show(item)}"
+
+            problems.add(where, not_string)
             continue
         why = _bad_string(item, field, blank_ok=True) if field.kind == "strlist" else None
         if why:
@@ -369,10 +373,16 @@ def _check_list(field: Field, value: Any, path: str, problems: Problems) -> Any:
             problems.add(where, message)
             continue
         if field.kind == "enumlist" and item not in field.choices:
-            problems.add(where, lambda item=item: f"{short(item)} is not one of {', '.join(field.choices)}")
+            def not_a_choice(item: str = item) -> str:
+                return f"{short(item)} is not one of {', '.join(field.choices)}"
+
+            problems.add(where, not_a_choice)
             continue
         if item in seen:
-            problems.add(where, lambda item=item: f"{short(item)} is listed twice")
+            def twice(item: str = item) -> str:
+                return f"{short(item)} is listed twice"
+
+            problems.add(where, twice)
             continue
         seen.add(item)
         out.append(item)

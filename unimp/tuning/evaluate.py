@@ -149,7 +149,8 @@ class Evaluator:
     @staticmethod
     def _report(amp: Any) -> Report:
         try:
-            return amp.report()
+            report: Report = amp.report()
+            return report
         except NoForwardError:
             raise TuneError("loss_fn never ran the model it was given (amp.report() saw no forward): loss_fn(model, "
                             "batch) must compute the batch's loss with model") from None

@@ -226,7 +226,7 @@ class Study:
             why = getattr(hooks, "no_fp8_speed", None)
             return shapes, {}, (why(model) if why else None) or ""
         fp8 = self.plan.fp8
-        assert fp8 is not None
+        assert fp8 is not None and timer is not None
         times = timer(model, sorted(set(shapes.values())), fp8.recipe, self.plan.compute_dtype, fp8.gradient_format)
         if isinstance(times, str):
             return shapes, {}, times
@@ -249,7 +249,8 @@ class Study:
             raise UnsupportedError(f"hessian_samples={samples}: backend {self.backend.name} has no gradient hook "
                                    f"for the Hutchinson estimate (unimp-torch has one); pass hessian_samples=0")
         ev = self.evaluator
-        return hook(ev.copy(), ev.loss_fn, ev.batches, paths, samples, seed)
+        traces: dict[str, tuple[float, int]] = hook(ev.copy(), ev.loss_fn, ev.batches, paths, samples, seed)
+        return traces
 
 
 SPEED_MODES = ("compiled", "eager", "gemm")

@@ -63,7 +63,7 @@ class Tuned:
     max_loss_increase: float
     max_output_divergence: float
 
-    def write(self, path: str | os.PathLike) -> Path:
+    def write(self, path: str | os.PathLike[str]) -> Path:
         """Write the policy file (TOML) to ``path``, whole or not at all (:func:`unimp.files.write_file`: a
         failure is a :class:`~unimp.errors.FileError` and leaves no partial file)."""
         from unimp.files import shown, write_file

@@ -155,8 +155,9 @@ class Watch:
                 self._stop()
         finally:
             for w in self._writers:
-                if callable(getattr(w, "close", None)):
-                    w.close()
+                close = getattr(w, "close", None)
+                if callable(close):
+                    close()
 
     def __enter__(self) -> Watch:
         return self

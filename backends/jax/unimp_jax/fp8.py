@@ -294,6 +294,7 @@ def dot_general_for(recipe: str, forward: str, gradient: str, state: Mapping[str
             out = _current(lhs, rhs, dn, fwd, grad, CURRENT[recipe])
         else:
             s = state
+            assert s is not None  # a delayed recipe carries its scales and amax histories
             out = _delayed(lhs, rhs, s["input_scale"], s["kernel_scale"], s["output_grad_scale"],
                            s["input_amax_history"], s["kernel_amax_history"], s["output_grad_amax_history"],
                            dn, fwd, grad, _AMAX_AXIS.get())

@@ -33,7 +33,7 @@ class LayerPlan:
     """What the policy asks of one layer (hashable: it is static under jit)."""
 
     path: str
-    kind: str
+    kind: str | None
     type_names: tuple[str, ...]
     decision: Any  # the Plan's LayerDecision
     softmax_fp32: bool = False  # linen attention: force_fp32_for_softmax

@@ -71,7 +71,8 @@ def in_scan_body(m: Any, depth: int = 64) -> bool:
     jax.checkpoint's tracing) sits 20+ frames below it."""
     if not m.path or isinstance(m.parent, nn.Module):  # lifted bodies are clones bound to a bare scope
         return False
-    codes, frame = _scan_body_codes(), sys._getframe(1)
+    codes = _scan_body_codes()
+    frame: types.FrameType | None = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
             return False
@@ -115,6 +116,7 @@ class LinenAmp(JaxAmp):
         self._fp8_tree: Any = None  # the FP8 state of the forward being traced
         self.params = self.cast_params(self.original_params)
         if delayed:  # Flax's layout: the state in the _overwrite_with_gradient collection next to params
+            assert plan.fp8 is not None  # layers chose the delayed recipe
             self.params = {"params": self.params, fp8.OWG: fp8.linen_state(delayed, plan.fp8.amax_history)}
         self.opt_state = self.tx.init(self.original_params)
 
@@ -169,7 +171,7 @@ class LinenAmp(JaxAmp):
         dot = None
         if lp.fp8:
             state = fp8.lookup(self._fp8_tree, path) if lp.fp8 == "delayed" else None
-            dot = fp8.dot_general_for(lp.fp8, *lp.fp8_formats, state)
+            dot = fp8.dot_general_for(lp.fp8, lp.fp8_formats[0], lp.fp8_formats[1], state)
         return run_layer(lp, m, next_fun, args, kwargs, param_dtype, dot)
 
     # ------------------------------------------------------------------ Amp API

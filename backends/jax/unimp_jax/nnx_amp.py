@@ -64,7 +64,8 @@ def _wrapped_class(cls: type) -> type:
             dot = None
             if lp.fp8:
                 meta = self.__dict__.get(fp8.NNX_ATTR)
-                dot = fp8.dot_general_for(lp.fp8, *lp.fp8_formats, meta.values() if meta is not None else None)
+                dot = fp8.dot_general_for(lp.fp8, lp.fp8_formats[0], lp.fp8_formats[1],
+                                          meta.values() if meta is not None else None)
             param_dtype = next((dtype_name(v.get_value()) for v in _params(self).values()), None)
             out = run_layer(lp, self, call, args, kwargs, param_dtype, dot)
         return cast_floats(out, out_dtype) if out_dtype else out
@@ -90,6 +91,7 @@ class NnxAmp(JaxAmp):
             path = ".".join(map(str, parts))
             lp = self._layer(index[path]) if path in index else None
             if lp and lp.fp8 == "delayed":  # set as nnx data (a plain setattr), so transforms carry it
+                assert plan.fp8 is not None  # the layer chose the delayed recipe
                 setattr(m, fp8.NNX_ATTR, fp8.Fp8Meta(plan.fp8.amax_history))
                 self._fp8_layers.append(m)
             param_dtype = (lp.decision.param_dtype if lp else plan.decide(path, None).param_dtype)
@@ -113,7 +115,8 @@ class NnxAmp(JaxAmp):
         self._saved.append((m, {"__class__": type(m), **saved, "_new": tuple(attrs)}))
         for k, v in attrs.items():
             object.__setattr__(m, k, v)
-        object.__setattr__(m, "__class__", _wrapped_class(type(m)))  # not an nnx attribute
+        # not an nnx attribute; functools.cache's stub wants Hashable, which mypy does not see a class object as
+        object.__setattr__(m, "__class__", _wrapped_class(type(m)))  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ Amp API
     def _opt_state_holder(self) -> Any:
@@ -126,9 +129,10 @@ class NnxAmp(JaxAmp):
     def report(self, *args: Any, **kwargs: Any) -> Report:
         """What ran, from a traced forward (``args``: example inputs; default: the last call's shapes)."""
         if not args and not kwargs:
-            if trace.last_inputs(self._token) is None:
+            last = trace.last_inputs(self._token)
+            if last is None:
                 raise self.no_forward()
-            args, kwargs = trace.last_inputs(self._token)
+            args, kwargs = last
         return trace.report(self, lambda: nnx.eval_shape(lambda m, a, k: m(*a, **k), self.model, args, kwargs))
 
     def fp8_state(self) -> Any:

@@ -42,7 +42,7 @@ class AmpOptState(NamedTuple):
 
 # tx.update -> {(loss-scale spec, masters): weak reference to the wrapped update}: holds nothing alive (the
 # wrapped functions close over tx, so a strong value would keep its own key alive)
-_WRAPPED: weakref.WeakKeyDictionary[Any, dict[str, weakref.ref]] = weakref.WeakKeyDictionary()
+_WRAPPED: weakref.WeakKeyDictionary[Any, dict[tuple[Any, bool], weakref.ref]] = weakref.WeakKeyDictionary()
 
 
 def _is_float(x: Any) -> bool:

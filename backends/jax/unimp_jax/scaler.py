@@ -67,9 +67,9 @@ def _flushes(dtype: str, x64: bool) -> bool:
         return float(jax.jit(lambda x: x * t(0.5))(t(smallest))) == 0.0
 
 
-def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
+def unsupported(spec: LossScaleSpec) -> dict[str, tuple[Any, str]]:
     """Knobs this device cannot honour: ``{knob: (what runs instead, why)}``."""
-    out = {}
+    out: dict[str, tuple[Any, str]] = {}
     if spec.mode != "dynamic":
         return out
     if spec.scale_dtype == "float64" and not _x64():
@@ -219,4 +219,4 @@ def update_tree(spec: LossScaleSpec, t: DeviceLossScale, finite: Any) -> DeviceL
         smallest = JaxOps(spec).scalar(LossScale(spec).tiny)
         frozen = frozen | ((new.scale < smallest) & (t.scale >= smallest))
     kept = [jnp.where(frozen, old, v).astype(old.dtype) for old, v in zip(t[:5], new, strict=True)]
-    return DeviceLossScale(*kept, at_min_error=frozen)
+    return DeviceLossScale._make([*kept, frozen])  # the five counters, then at_min_error

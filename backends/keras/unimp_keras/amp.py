@@ -69,7 +69,8 @@ class KerasAmp(Amp):
         if self._removed:
             raise RuntimeError("amp.report(): this Amp was removed; apply the policy again to report")
         seen, out = observe(self.model, self._binding.units, _sample(self.model) if x is None else x)
-        ran = {e.path: self.plan.fp8.recipe for e in self._binding.fp8}
+        fp8 = self.plan.fp8  # None: no layer runs FP8
+        ran = {e.path: fp8.recipe for e in self._binding.fp8} if fp8 is not None else {}
         rows = [ReportRow(u.path, u.kind, *seen[u.path], fp8=ran.get(u.path)) for u in self._binding.units
                 if u.path in seen]
         rows.append(ReportRow("", None, None, None, out))

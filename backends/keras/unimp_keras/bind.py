@@ -88,7 +88,8 @@ def _decide(plan: Plan, unit: Unit) -> tuple[str | None, str, str]:
         op = plan.op(unit.kind)
         if not op.honoured:
             compute = op.dtype
-    elif unit.kind == "attention" and d.override in plan.override_fallbacks:  # the device cannot run it so
+    elif unit.kind == "attention" and d.override is not None and d.override in plan.override_fallbacks:
+        # the device cannot run it so
         compute = plan.override_fallbacks[d.override]
     return compute, d.param_dtype, d.category
 
@@ -100,7 +101,7 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
     binding.findings += plan.layout.act("keras")
     binding.formats = data_formats(units)
     binding.findings += layout_findings(binding.formats, plan.channels_last)
-    plans = []
+    plans: list[tuple[Unit, Any, str | None]] = []
     for u in units:
         if u.container:  # a composite (attention) follows its op's rule; other containers their inputs
             compute = _decide(plan, u)[0] if u.kind is not None else None
@@ -116,14 +117,15 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
         else:
             kp = keras_policy(compute, param)  # may refuse before anything changed
         plans.append((u, kp, param))
-    for u, kp, param in plans:
+    for u, kp, held in plans:
         _set_policy(binding, u.layer, kp)
         if not u.container:
+            assert held is not None  # a layer's own param dtype (None only for containers)
             for sub in descendants(u.layer):  # e.g. the projections inside MultiHeadAttention
-                _set_policy(binding, sub, kp if not isinstance(kp, FollowInputs) else FollowInputs(param))
-        if param is not None and dtypes.is_low(param) and u.has_params:
+                _set_policy(binding, sub, kp if not isinstance(kp, FollowInputs) else FollowInputs(held))
+        if held is not None and dtypes.is_low(held) and u.has_params:
             for layer in (u.layer, *descendants(u.layer)):
-                binding.swaps += swap_params(layer, param)
+                binding.swaps += swap_params(layer, held)
     for u, decision in fp8.decide(plan, units):  # Keras' float8 Dense on the layers the Plan chose
         binding.fp8_decisions.append(decision)
         if decision.fp8:

@@ -89,7 +89,7 @@ class FollowInputs(Applied):
         x_dtype = K.standardize_dtype(x.dtype)
         if not K.is_float_dtype(x_dtype):
             return x
-        target = dtypes.widest([x_dtype, self.variable_dtype]) if self._promote else x_dtype
+        target = (dtypes.widest([x_dtype, self.variable_dtype]) or x_dtype) if self._promote else x_dtype
         self._seen = target
         return x if target == x_dtype else keras.ops.cast(x, target)
 

@@ -117,6 +117,7 @@ def quantize(plan: Plan, u: Any, originals: dict[int, tuple[Any, Any]]) -> Fp8La
     in ``originals``, as the binding keeps every policy it changes)."""
     from keras.dtype_policies import QuantizedFloat8DTypePolicy
 
+    assert plan.fp8 is not None  # a layer the Plan's fp8 table chose
     layer = u.layer
     entry = Fp8Layer(u.path, layer, layer.__dict__.get("_is_quantized", _MISSING),
                      layer.__dict__.get("quantization_config", _MISSING))

@@ -27,6 +27,7 @@ applied model reads back (``load_weights``).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -103,7 +104,8 @@ class ExactState(KerasSaveable):
     FIELDS = ("scale", "growth_tracker", "hysteresis_left", "skipped", "steps")
 
     def __init__(self, optimizer: Any) -> None:
-        self._optimizer = weakref.ref(optimizer)  # not an attribute Keras' saver would walk into
+        # not an attribute Keras' saver would walk into; alive whenever Keras saves or loads this object
+        self._optimizer: Callable[[], Any] = weakref.ref(optimizer)
 
     def _obj_type(self) -> str:
         return "Loss"  # Keras' saver walks only its own object types; this one has no children

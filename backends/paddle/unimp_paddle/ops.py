@@ -82,9 +82,9 @@ class OpLists:
         black = (set(default_black) - ALL_CANONICAL_TYPES) | set(self.black)
         return white, black
 
-    def moved(self, kind: str, dtype: str | None) -> OpLists:
+    def moved(self, kind: str | None, dtype: str | None) -> OpLists:
         """These lists with the op types of canonical ``kind`` moved to run in ``dtype``."""
-        names = op_types(kind)
+        names = op_types(kind) if kind is not None else frozenset()
         white, black, gray = self.white - names, self.black - names, self.gray - names
         if dtype is None:
             gray |= names

@@ -264,7 +264,7 @@ class PaddleWatch:
     def _record(self, skipped: bool) -> None:
         positions, flags, stats = self._read() if self.checking else ({}, {}, {})
         # finite: its sum is, and (measured) its counts have no non-finite value (AT_LEAST[4])
-        events = [(self.paths[slot // 4], PLACES[slot % 4], pos,
+        events: list[tuple[str, str, float | None, bool]] = [(self.paths[slot // 4], PLACES[slot % 4], pos,
                    _finite(flags.get(slot, 0.0)) and not (slot in stats and stats[slot][1][4]))
                   for slot, pos in positions.items()]
         if skipped:
@@ -281,7 +281,7 @@ class PaddleWatch:
         self.session.add(self.step, skipped=skipped, scale=self.scale_used, sampled=self.sampling, layers=layers,
                          events=events, backward_order=self.backward_order)
 
-    def _loss_and_params(self) -> list[tuple[str, str, None, bool]]:
+    def _loss_and_params(self) -> list[tuple[str, str, float | None, bool]]:
         """A skipped step: the scaled loss and every parameter gradient it left, checked in one host read."""
         import paddle
 
@@ -292,7 +292,7 @@ class PaddleWatch:
         if not sums:
             return []
         finite = paddle.isfinite(paddle.stack(sums)).numpy().tolist()
-        out: list[tuple[str, str, None, bool]] = []
+        out: list[tuple[str, str, float | None, bool]] = []
         if self.losses:
             out.append((LOSS_PATH, "loss", None, all(finite[:len(self.losses)])))
         for (name, _), ok in zip(grads, finite[len(self.losses):], strict=True):

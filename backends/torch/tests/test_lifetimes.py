@@ -100,7 +100,7 @@ def test_ctrl_c_at_any_line_of_apply_bookkeeping_rolls_back():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     params = list(model.parameters())
     files = ("unimp/backend/registry.py", "unimp/backend/applied.py", "unimp/backend/transaction.py",
-             "unimp/backend/__init__.py", "unimp_torch/backend.py")
+             "unimp/backend/adapter.py", "unimp/backend/amp.py", "unimp_torch/backend.py")
     where = []
     for at in interrupts(files, lambda: unimp.apply("mixed_bf16", model, opt), lambda amp: amp.remove()):
         where.append(at)

@@ -55,8 +55,9 @@ class TorchAmp(Amp):
         self.optimizers: list[AmpOptimizer] = []  # the wrapped optimizers; amp.optimizer is the first
         self.on_skip: Callable[[], Any] | None = None
         # one loss scale for every optimizer of the iteration (this Amp's, and those of Amps sharing it)
-        self.scaler = shared.scaler if shared is not None else DeviceLossScale(plan.loss_scale, first_device(model))
-        self.iteration = shared.iteration if shared is not None else Iteration(self.scaler)
+        self.scaler: DeviceLossScale = (shared.scaler if shared is not None
+                                        else DeviceLossScale(plan.loss_scale, first_device(model)))
+        self.iteration: Iteration = shared.iteration if shared is not None else Iteration(self.scaler)
         self.params = ParamState()
         self.wrapped: list[str] = []  # module paths with a layer-level forward
         self._undo: list[Callable[[], None]] = []
@@ -388,7 +389,8 @@ def _wrap_layers(amp: TorchAmp, model: nn.Module, plan: Plan, device: str) -> No
     for path, module in model.named_modules():
         names, k = type_names(module), kind(module)
         decision = plan.decide(path, k, names)
-        if decision.override is not None and plan.overrides[decision.override].compute_dtype is not None:
+        if decision.override is not None and plan.overrides[decision.override].compute_dtype is not None \
+                and decision.compute_dtype is not None:  # the override's own dtype (or the Plan's, for auto)
             composite = any(True for _ in module.children()) and decision.compute_dtype != "float32"
             amp._undo.append(wrap(module, Rule(decision.compute_dtype, composite), device))
             amp.wrapped.append(path or "<model>")

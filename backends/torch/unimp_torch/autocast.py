@@ -169,6 +169,7 @@ def moves(op: str, wanted: str, device: str, torch_own: bool = False, other_low:
     ((), ('cat', 'stack', 'index_copy'))
     """
     names = function_names(op, device)
+    candidates: tuple[str, ...]
     if names and same(native_category(names[0], device), wanted, names[0]):
         candidates = () if torch_own else ALSO_MOVED.get(op, ())
     else:

@@ -109,7 +109,7 @@ class TorchBackend(Backend):
         return TorchTuning()
 
 
-def _check_shared(other: Any, plan: Plan, amp_type: type) -> None:
+def _check_shared(other: Any, plan: Plan, amp_type: type[Any]) -> None:
     """``share_scale_with``: a live torch Amp whose loss-scale rule is this Plan's (one scale, one rule)."""
     if not isinstance(other, amp_type):
         raise TypeError(f"share_scale_with: expected the Amp unimp.apply returned for another torch model, got "

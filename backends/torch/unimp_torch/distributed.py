@@ -36,7 +36,7 @@ import fnmatch
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -185,13 +185,15 @@ def _matcher(units: Units) -> Callable[[str, nn.Module], bool]:
     if units is None:
         return lambda path, m: False
     if isinstance(units, type) or (isinstance(units, tuple) and units and all(isinstance(u, type) for u in units)):
-        return lambda path, m: isinstance(m, units)
+        classes = cast("type | tuple[type, ...]", units)
+        return lambda path, m: isinstance(m, classes)
     if isinstance(units, str):
         units = [units]
     if callable(units):
         return units
-    globs = list(units)
-    if not all(isinstance(g, str) for g in globs):
+    items = list(units)
+    globs = [g for g in items if isinstance(g, str)]
+    if len(globs) != len(items):
         raise TypeError("units: expected module classes, path globs (e.g. 'layers.*'), or a callable "
                         f"(path, module) -> bool; got {units!r}")
     return lambda path, m: any(fnmatch.fnmatchcase(path, g) for g in globs)
@@ -244,7 +246,7 @@ def fully_shard(model: nn.Module, policy: Any, *, units: Units = None, **kwargs:
         count: dict[str, int] = {}
         for p in own:
             count[want[p]] = count.get(want[p], 0) + sum(t.numel() for _, t in _direct_params(modules[p]))
-        dtypes[u] = want[u] if u in want else max(count, key=count.get) if count else request.param_dtype
+        dtypes[u] = want[u] if u in want else max(count, key=lambda d: count[d]) if count else request.param_dtype
         for p in own:
             if want[p] != dtypes[u] and p != u:
                 extra.append(p)
@@ -305,12 +307,12 @@ def check_fsdp(model: nn.Module, plan: Plan) -> None:
 
 
 def attach_fsdp(amp: Any, model: nn.Module) -> None:
-    meshes = []
+    meshes: list[Any] = []
     for p in model.parameters():
         mesh = getattr(p, "device_mesh", None)
         if mesh is not None and all(mesh is not m for m in meshes):
             meshes.append(mesh)
-    groups = []
+    groups: list[Any] = []
     for mesh in meshes:
         for dim in range(mesh.ndim):
             g = mesh.get_group(dim)

@@ -23,7 +23,8 @@ module does not import torch.
 - ``check_inputs``: the argument checks ``apply`` makes (clear errors naming the argument).
 - ``TorchKit``: the conformance kit (probe model and training step).
 - ``AmpOptimizer``, ``DeviceLossScale``: the optimizer wrapper and the loss-scale holder a ``TorchAmp``
-  runs (an extension that keeps them unchanged names them in its own role files).
+  runs (an extension that keeps them unchanged takes their roles from unimp-torch: no file of its own,
+  docs/backend-guide.md section 4).
 """
 
 from __future__ import annotations

@@ -196,10 +196,12 @@ class _Rules:
     def __enter__(self) -> None:
         self.previous = getattr(_local, "forward", None)
         _local.forward = self.forward
+        assert self.inner is not None, "a PolicyForward with eager rules has kernels or an eager mode"
         self.inner.__enter__()
 
     def __exit__(self, *exc: object) -> None:
         try:
+            assert self.inner is not None
             self.inner.__exit__(*exc)
         finally:
             _local.forward = self.previous
@@ -384,10 +386,11 @@ def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, t
         if autocast is not None or params is not None:  # every other entry point under the same rules
             for name in entry_points(model):
                 undos.append(_install_method(model, PolicyMethod(forward, name)))
-        for module in model.modules() if forward.kernels else ():
-            name = single_op(module) if module is not model else None
-            if name is not None and forward.kernels.get(name) == "float32":
-                undos.append(install_forward(module, SingleOpForward(module, name, device), None, False))
+        kernels = forward.kernels or {}
+        for module in model.modules() if kernels else ():
+            op = single_op(module) if module is not model else None
+            if op is not None and kernels.get(op) == "float32":
+                undos.append(install_forward(module, SingleOpForward(module, op, device), None, False))
     except BaseException:  # half-way: the forwards installed so far and the kernels' hold released
         undo_and_release()
         raise

@@ -147,7 +147,7 @@ def convert(plan: Plan, model: nn.Module, device: str, fsdp: bool = False) -> tu
     """Swap the Plan's FP8 layers of ``model`` for torchao ``Float8Linear``; returns the binding and the undo."""
     float8 = _import_float8()
     binding = Fp8Binding(decisions(plan, model))
-    chosen = {d.path: d.recipe for d in binding.decisions if d.fp8}
+    chosen = {d.path: d.recipe for d in binding.decisions if d.fp8 and d.recipe is not None}  # fp8: a recipe
     done = {p for p, m in model.named_modules() if isinstance(m, float8.float8_linear.Float8Linear)}
     for path in set(chosen) - done:  # `done`: converted before sharding (unimp_torch.fully_shard), kept
         parent, _, name = path.rpartition(".")

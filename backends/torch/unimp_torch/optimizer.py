@@ -26,7 +26,7 @@ the step is retried.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -70,10 +70,10 @@ class AmpOptimizer(torch.optim.Optimizer):
         # set by unimp_torch.distributed: all-reduce found_inf (MAX) so every rank skips alike
         self.agree: Callable[[torch.Tensor], None] | None = None
         self._checked_dist = False
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
+        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = {}
         # (found_inf, skip, fresh params) of the step in flight until _finish has run
-        self._pending: tuple[torch.Tensor | None, bool, list[torch.Tensor]] | None = None
+        self._pending: tuple[torch.Tensor | None, bool, Sequence[torch.Tensor]] | None = None
         self._stepped = False  # the inner step of the step in progress ran (its post-hook was called)
         self._skipped_now: bool | None = None
         self._losses_spent = 0  # scaler.losses when the last step was done: equal = no loss scaled since
@@ -108,7 +108,7 @@ class AmpOptimizer(torch.optim.Optimizer):
     @property
     def found_inf(self) -> torch.Tensor | None:
         """This step's non-finite flag (device float32 0/1) once its grads are unscaled, else None."""
-        return self._unscaled[0] if self._current() else None
+        return self._unscaled[0] if self._unscaled is not None and self._current() else None
 
     def _live(self, verb: str) -> None:
         if self.live is not None:
@@ -156,7 +156,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._live("amp.optimizer.unscale_()")
         if not self.scaler.checks:
             return None
-        if self._current():
+        if self._unscaled is not None and self._current():
             return self._unscaled[0]
         if self.scaler.spec.mode != "none" and self.scaler.losses == self._losses_spent:
             self._refuse_unscaled_backward()
@@ -245,6 +245,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 self.after_step(False)
             return out
         found = self.unscale_()
+        assert found is not None  # scaler.checks: unscale_() returns found_inf
         skip = self.scaler.spec.skip_nonfinite
         if skip and self._fused:
             state, params = self.optimizer.state, self.master_params()
@@ -267,7 +268,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             self.after_step(bool(found.item()) if skipped_now is None and skip else bool(skipped_now))
         return out
 
-    def _inner_step(self, found: torch.Tensor | None, skip: bool, fresh: list[torch.Tensor]) -> Any:
+    def _inner_step(self, found: torch.Tensor | None, skip: bool, fresh: Sequence[torch.Tensor]) -> Any:
         """The inner optimizer's step; :meth:`_finish` runs from its post-hook (or right after it, when
         the hook is gone, e.g. on an optimizer unpickled without hooks). An exception before the
         inner step completes leaves the scale and counters as they were."""
@@ -305,11 +306,13 @@ class AmpOptimizer(torch.optim.Optimizer):
         if fresh:  # fused: state the kernel allocated but never filled on a skipped first step
             state = self.optimizer.state
             created = [p for p in fresh if state.get(p)]
+            assert found is not None  # fresh: a fused step under a scaler that checks
             self._skipped_now = bool(found.item()) if created or self.on_skip else None  # host read: first step
             if created and self._skipped_now:
                 for p in created:
                     del state[p]
         elif self._fused and skip and self.on_skip is not None:
+            assert found is not None  # skip: a scaler that checks
             self._skipped_now = bool(found.item())
         self.params.sync_low(self.masters)
         self._count(found, skip)

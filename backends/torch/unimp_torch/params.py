@@ -153,7 +153,7 @@ class MasterGrad(torch.Tensor):
         t.master = master_grad
         return t
 
-    def __repr__(self) -> str:  # type: ignore[override]
+    def __repr__(self) -> str:
         return f"MasterGrad({self.master!r})"
 
     @classmethod

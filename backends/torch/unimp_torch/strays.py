@@ -41,7 +41,7 @@ _amps: weakref.WeakSet[Any] = weakref.WeakSet()  # live TorchAmps
 # inner optimizer -> weakref to its AmpOptimizer (which holds the inner one: a strong value would keep both alive)
 _wrapped: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weakref.WeakKeyDictionary()
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()  # -> generation
-_state = {"generation": 0, "handle": None}
+_state: dict[str, Any] = {"generation": 0, "handle": None}
 
 
 def watch(amp: Any) -> None:
@@ -61,9 +61,10 @@ def unwatch(amp: Any) -> None:
     """``amp`` was removed: its model and optimizers are plain again."""
     _amps.discard(amp)
     for opt in getattr(amp, "optimizers", []):
-        ref = _wrapped.get(opt.optimizer)
+        inner = opt.optimizer
+        ref = _wrapped.get(inner)
         if ref is not None and ref() is opt:
-            del _wrapped[opt.optimizer]
+            del _wrapped[inner]
     _state["generation"] += 1
 
 

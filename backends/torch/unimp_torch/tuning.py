@@ -95,11 +95,12 @@ class TorchTuning:
         device = first_device(model)
         high = getattr(torch, compute_dtype)
         grad = getattr(torch, dtypes.FP8_FORMATS[gradient_format])
-        out = {}
+        out: dict[Shape, tuple[float, float]] = {}
         try:
             for shape in shapes:
-                out[shape] = tuple(_seconds(step, shape, high, device) for step in
-                                   (torch.compile(_high_step), torch.compile(_fp8_step(recipe, high, grad))))
+                high_s, fp8_s = (_seconds(step, shape, high, device) for step in
+                                 (torch.compile(_high_step), torch.compile(_fp8_step(recipe, high, grad))))
+                out[shape] = (high_s, fp8_s)
         except Exception as e:  # torch refuses this recipe/format/shape on this GPU: say so, decide nothing on it
             return f"not measured (torch._scaled_mm: {type(e).__name__}: {str(e).splitlines()[0][:200]})"
         return out
@@ -152,7 +153,7 @@ class TorchTuning:
         torch._dynamo.reset()  # one compile per set: dynamo's per-code cache would fill up and fall back to eager
         m = copy.deepcopy(model)
         _cut_stack(m, STEP_BLOCKS)
-        amp = apply(policy, m)
+        amp: Any = apply(policy, m)  # a torch model's Amp (unimp-torch's or unimp-ipex's): its backward()
         run = torch.compile(amp.model) if compiled else amp.model
         params = [p for p in m.parameters() if p.requires_grad]
         device = first_device(m)
@@ -198,7 +199,9 @@ class TorchTuning:
 
 class _Recorder:
     def __init__(self, model: nn.Module) -> None:
-        self.model, self.outputs, self.handle = model, [], None
+        self.model = model
+        self.outputs: list[list[torch.Tensor]] = []
+        self.handle: Any = None
 
     def __enter__(self) -> list[list[torch.Tensor]]:
         def seen(module: nn.Module, args: Any, output: Any) -> None:

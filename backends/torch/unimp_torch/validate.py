@@ -132,7 +132,9 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Any, nam
 def _optimizer_problems(optimizer: torch.optim.Optimizer, sd: Any, names: dict[int, str]) -> list[str]:
     if not isinstance(sd, Mapping):
         return [f"expected a dict with 'state' and 'param_groups', got {type(sd).__name__}"]
-    groups, saved_groups, state = optimizer.param_groups, sd.get("param_groups"), sd.get("state")
+    groups = optimizer.param_groups
+    saved_groups: Any = sd.get("param_groups")  # each checked below
+    state: Any = sd.get("state")
     for key, value, kinds in (("param_groups", saved_groups, (list, tuple)), ("state", state, Mapping)):
         if value is None:
             return [f"'{key}' missing"]
@@ -187,6 +189,11 @@ def _number(v: Any) -> float | None:
     return None
 
 
+def _finite_number(v: Any) -> bool:
+    x = _number(v)
+    return x is not None and math.isfinite(x)
+
+
 def _kind_problem(current: Any, saved: Any, key: str) -> str | None:
     """A saved hyperparameter that cannot stand where this optimizer has ``current``."""
     if isinstance(current, bool):
@@ -198,7 +205,7 @@ def _kind_problem(current: Any, saved: Any, key: str) -> str | None:
         return None
     numbers = isinstance(current, list | tuple) and all(_number(c) is not None for c in current)
     if numbers and (not isinstance(saved, list | tuple) or len(saved) != len(current)
-                    or any(_number(s) is None or not math.isfinite(_number(s)) for s in saved)):
+                    or not all(_finite_number(s) for s in saved)):
         return f"expected {len(current)} finite numbers, got {_short(saved)}"
     return None
 

@@ -279,7 +279,7 @@ class TorchWatch(_NotCopied):
             return None
         self._check(base + IN, floating)
         if self.sampling and base // 6 in self.fp8:
-            self._measure(base + FP8_IN, floating[0], self.fp8_formats[0], scaled=True)
+            self._measure(base + FP8_IN, floating[0], self._fp8_format(0), scaled=True)
         if not self.localize:
             return None
         # each input the layer takes, as a tensor only it uses: the gradient its backward produces for it
@@ -314,16 +314,21 @@ class TorchWatch(_NotCopied):
             main.register_hook(functools.partial(self._grad_output, base))
             return None
         measure = self._how(main, self._target(base, main)) if self.sampling else None
-        fp8 = ((base + FP8_GRAD_OUT, self._how(main, self.fp8_formats[1], scaled=True))
+        fp8 = ((base + FP8_GRAD_OUT, self._how(main, self._fp8_format(1), scaled=True))
                if self.sampling and base // 6 in self.fp8 else None)
         leaves[leaves.index(main)] = _Tap.apply(main, self.probe, (base + GRAD_OUT, measure, fp8))
         return leaves[0] if spec is None else tree_unflatten(leaves, spec)
+
+    def _fp8_format(self, side: int) -> Any:
+        """The torch dtype of an FP8 layer's forward (0) or gradient (1) format (asked for FP8 layers only)."""
+        assert self.fp8_formats is not None
+        return self.fp8_formats[side]
 
     def _grad_output(self, base: int, grad: torch.Tensor) -> None:
         if self.sampling:
             self._measure(base + GRAD_OUT, grad, self._target(base, grad))
             if base // 6 in self.fp8:
-                self._measure(base + FP8_GRAD_OUT, grad, self.fp8_formats[1], scaled=True)
+                self._measure(base + FP8_GRAD_OUT, grad, self._fp8_format(1), scaled=True)
         self._check(base + GRAD_OUT, [grad], measured=grad if self.sampling else None)
 
     def _grad_input(self, base: int, grad: torch.Tensor) -> None:
@@ -382,7 +387,7 @@ class TorchWatch(_NotCopied):
             codes[slot] = code
         for slot, src in self.same.items():  # the same tensor measured once for two layers
             amax[slot], counts[slot], codes[slot] = amax[src], counts[src], codes[src]
-        positions = {slot: float(i) for i, slot in enumerate(self.order)}
+        positions: dict[int, float | None] = {slot: float(i) for i, slot in enumerate(self.order)}
         positions.update({slot: p for slot, p in enumerate(seq) if p >= 0})
         if self.probe.grad is not None:  # traced backwards: no position (the core mirrors the forward's)
             for slot, row in enumerate(self.probe.grad.tolist()):

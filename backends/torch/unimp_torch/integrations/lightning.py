@@ -73,10 +73,10 @@ class UnimpPrecision(Precision):
         with forward.region(cache=False):  # as Lightning's autocast: optimizers may step inside (manual optimization)
             yield
 
-    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
         return super().pre_backward(self.amp.scale_loss(tensor), module)
 
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],  # type: ignore[override]
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],
                        **kwargs: Any) -> Any:
         result = closure()  # training_step + backward of the scaled loss
         skip = result is None and getattr(model, "automatic_optimization", True)

@@ -1,11 +1,9 @@
-"""What every importer and exporter shares: the commented policy draft, located errors, the
-argument parsers for the forms users paste (``k=v, ...``, ``Call(k=v); Call(...)``, JSON), and the
-export check (re-import the native config, list what differs).
+"""Reading what users paste, in bounded work and without executing anything: keyword-argument lists
+(``k=v, ...``), calls (``Call(k=v); Call(...)``, ``x = Call(...)``, ``with Call(...):``, scripts), JSON
+tables, YAML lines and command lines; every parsed configuration checked as plain data (:func:`plain`).
 
->>> d = Draft("torch", "GradScaler", extends="torch_autocast_cuda", why="torch.amp.GradScaler")
->>> d.set("loss_scale.growth_interval", 100, "growth_interval")
->>> print(d.build().text.splitlines()[-1])
-growth_interval = 100  # growth_interval
+>>> parse_calls("GradScaler(init_scale=2**10); growth_interval=10", "x")
+[('GradScaler', {'init_scale': 1024}), (None, {'growth_interval': 10})]
 """
 
 from __future__ import annotations
@@ -15,103 +13,18 @@ import datetime
 import json
 import math
 import textwrap
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from unimp.errors import PolicyError, UnimpWarning, UnsupportedError
-from unimp.loss_scale import f32
-from unimp.policy import Policy
-from unimp.policy.loading import load, preset_names
-from unimp.policy.resolve import flatten
-from unimp.policy.spec import FLT_MAX, TABLES, short, show
-from unimp.text import printable
+from unimp.dtypes import FLT_MAX
+from unimp.errors import PolicyError
+from unimp.migrate.values import MAX_BITS, MAX_NAME, Name, bad, name, number
+from unimp.policy.spec import short, show
 
 MAX_TEXT = 65536  # characters of a pasted configuration (an AST of a longer one is not worth building)
 MAX_VALUES = 20_000  # values (tables, lists, scalars; an alias counted each time it is used) in one source
 MAX_DEPTH = 32  # nesting of tables and lists in one source (real configurations nest 3 or 4 deep)
-MAX_BITS = 1000  # bits of an integer a source may hold (any larger is out of every dtype's range)
-MAX_NAME = 80  # characters of a source key quoted in a message or comment
-
-
-@dataclass(frozen=True)
-class Imported:
-    """A policy read from another system's configuration.
-
-    ``text`` is the policy file (TOML) with a comment on each key naming the source key it came
-    from; ``ignored`` lists the source keys that are not precision settings.
-    """
-
-    system: str
-    policy: Policy
-    text: str
-    ignored: tuple[str, ...] = ()
-
-
-def relabel(imp: Imported, system: str, source: str, why: str, ignored: tuple[str, ...] = (),
-            notes: tuple[str, ...] = ()) -> Imported:
-    """``imp`` (read by another system's importer, e.g. the DeepSpeed config an Accelerate file
-    builds) as ``system``'s import: its title, its name line (``why``: how that config came about),
-    ``notes`` added to its header, and every ignored key -- its own and ``ignored`` -- listed in the
-    file, so nothing the user's source held is dropped from what they read."""
-    lines = imp.text.splitlines()
-    body = next(i for i, line in enumerate(lines) if line.startswith("name = "))
-    kept = [line for line in lines[1:body] if not line.startswith("# Not precision settings (ignored): ")]
-    every = tuple(dict.fromkeys((*imp.ignored, *ignored)))
-    head = [f"# Imported from {system} ({printable(short(source))}) by `unimp import`.", *kept,
-            *(f"# {printable(n)}" for n in notes)]
-    if every:
-        head.append(f"# Not precision settings (ignored): {printable(', '.join(every))}")
-    name = f'name = "imported-{system}"  # unimp import --from {system}: {printable(why)}'
-    return Imported(system, imp.policy, "\n".join([*head, name, *lines[body + 1:]]) + "\n", every)
-
-
-@dataclass(frozen=True)
-class Exported:
-    """A policy written as another system's configuration.
-
-    ``config`` is the native configuration (a dict of keyword arguments or config sections, or a
-    string for command-line / policy-string systems); ``text`` is it ready to paste;
-    ``unexpressed`` holds one ``"key = value: why"`` line per policy key the system cannot express.
-    """
-
-    system: str
-    config: Any
-    text: str
-    unexpressed: tuple[str, ...] = ()
-    changed: tuple[str, ...] = ()  # with ``into``: the top-level keys of the user's file the export changed
-
-    def strict(self) -> Exported:
-        """``self``, or :class:`UnsupportedError` listing what the system cannot express."""
-        if self.unexpressed:
-            raise UnsupportedError(f"{self.system} cannot express {len(self.unexpressed)} key(s) of this policy:\n"
-                                   + "\n".join(f"  {u}" for u in self.unexpressed)
-                                   + "\n(drop --strict to export the rest, or change these keys)")
-        return self
-
-
-def has_knob(path: str) -> bool:
-    """Whether the policy format has ``table.key`` (knobs added later are written only when known)."""
-    table, _, key = path.partition(".")
-    return key in TABLES.get(table, {})
-
-
-def name(key: Any) -> str:
-    """A source key (or location) as quoted in a message or comment: escaped, at most ``MAX_NAME`` characters."""
-    text = key if isinstance(key, str) else show(key)
-    text = printable(text[:MAX_NAME * 2])
-    return text if len(text) <= MAX_NAME else text[:MAX_NAME] + "..."
-
-
-def refuse(source: str, key: str, message: str, fix: str) -> UnsupportedError:
-    """What the source says that unimp cannot express: names the source key and the fix."""
-    return UnsupportedError(f"{printable(source)}: {name(key) + ': ' if key else ''}{message}; {fix}")
-
-
-def bad(source: str, key: str, message: str) -> PolicyError:
-    """Malformed source input: names the source (file or ``<argument>``) and the key."""
-    return PolicyError(f"{printable(source)}: {name(key) + ': ' if key else ''}{message}")
 
 
 def pasted_json(text: str, source: str, key: str, what: str) -> Any:
@@ -213,100 +126,6 @@ def plain(raw: Any, source: str) -> Any:
     return out[0]
 
 
-class Draft:
-    """A policy being built from a source configuration, each key with the place it came from."""
-
-    def __init__(self, system: str, source: str, extends: str, why: str) -> None:
-        if extends not in preset_names():
-            raise AssertionError(f"unknown preset {extends}")
-        self.system, self.source = system, source
-        self.extends, self.why = extends, why
-        self.keys: dict[str, tuple[Any, str]] = {}
-        self.notes: list[str] = []
-        self.ignored: list[str] = []
-
-    def set(self, path: str, value: Any, origin: str) -> None:
-        """Set ``path`` (``"loss_scale.initial"`` or a top-level key) from ``origin`` (a source key,
-        or a sentence such as ``"DeepSpeed default"``)."""
-        self.keys[path] = (value, origin)
-
-    def note(self, text: str, warn: bool = False) -> None:
-        """A line for the file's header; ``warn`` also raises a :class:`UnimpWarning`."""
-        self.notes.append(text)
-        if warn:
-            warnings.warn(f"{self.source}: {text}", UnimpWarning, stacklevel=3)
-
-    def data(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": f"imported-{self.system}", "extends": self.extends}
-        for path, (value, _) in self.keys.items():
-            table, _, key = path.rpartition(".")
-            (out.setdefault(table, {}) if table else out)[key] = value
-        return out
-
-    def build(self) -> Imported:
-        try:
-            policy = load(self.data())
-        except PolicyError as e:
-            raise PolicyError([self._locate(p) for p in e.problems]) from None
-        return checked(Imported(self.system, policy, self.render(), tuple(self.ignored)))
-
-    def _locate(self, problem: str) -> str:
-        """A load problem (``<dict>: loss_scale.min: ...``) restated with the source key."""
-        text = problem.removeprefix("<dict>: ")
-        for path, (_, origin) in self.keys.items():
-            if text.startswith(path + ":") or text.startswith(path + "["):
-                return f"{self.source}: {origin}: {text[len(path) + 1:].strip()} (unimp key {path})"
-        return f"{self.source}: {text}"
-
-    def render(self) -> str:
-        """The policy file: every comment escaped (a source key cannot add a line or a control character)."""
-        lines = [f"# Imported from {self.system} ({printable(short(self.source))}) by `unimp import`.",
-                 *(f"# {printable(n)}" for n in self.notes)]
-        if self.ignored:
-            lines.append(f"# Not precision settings (ignored): {printable(', '.join(self.ignored))}")
-        lines += [f'name = "imported-{self.system}"  # unimp import --from {self.system}',
-                  f'extends = "{self.extends}"  # {printable(self.why)}']
-        tables: dict[str, list[str]] = {}
-        for path, (value, origin) in self.keys.items():
-            table, _, key = path.rpartition(".")
-            line = f"{key} = {toml_value(value)}  # {printable(origin)}"
-            if table:
-                tables.setdefault(table, []).append(line)
-            else:
-                lines.append(line)
-        for table, rows in tables.items():
-            lines += ["", f"[{table}]", *rows]
-        return "\n".join(lines) + "\n"
-
-
-def checked(imported: Imported) -> Imported:
-    """``imported``, once its text loads back to its policy's fingerprint (what is written is what was
-    reported); a mismatch is an error, never a different file."""
-    from unimp.policy.resolve import parse_text
-
-    try:
-        again = load(parse_text(imported.text, "toml"))
-    except PolicyError as e:
-        raise PolicyError(f"{imported.system}: the policy file does not load back ({e}); nothing written. "
-                          f"This is a unimp bug: please report it with the configuration") from None
-    if again.fingerprint != imported.policy.fingerprint:
-        raise PolicyError(f"{imported.system}: the policy file loads as fingerprint {again.fingerprint}, not the "
-                          f"{imported.policy.fingerprint} read; nothing written. This is a unimp bug: please report "
-                          f"it with the configuration")
-    return imported
-
-
-def toml_value(value: Any) -> str:
-    """One TOML value (inf written ``inf``)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return "inf" if math.isinf(value) and value > 0 else repr(value)
-    return json.dumps(list(value) if isinstance(value, tuple) else value)
-
-
-# ---------------------------------------------------------------- what users paste
-
 @dataclass(frozen=True)
 class Call:
     """One call as written in pasted code: ``name`` its dotted name (``None`` for a bare ``k=v`` list),
@@ -321,12 +140,6 @@ class Call:
     def last(self) -> str | None:
         """The call's own name (``set_global_policy`` of ``keras.mixed_precision.set_global_policy``)."""
         return None if self.name is None else self.name.rpartition(".")[2]
-
-
-class Name(str):
-    """A name in pasted code (``torch.float16``, ``optimizer``), kept as its text."""
-
-    __slots__ = ()
 
 
 DTYPE_CALLS = ("float32", "float16", "bfloat16", "float64", "asarray", "array", "tensor", "half_dtype",
@@ -349,7 +162,8 @@ def calls(text: str, source: str, known: Any = None) -> list[Call]:
     parts = _statements(text, known)
     out: list[Call] = []
     for part in parts:
-        node, code = _call_of(part, known), part
+        node: ast.expr | None = _call_of(part, known)
+        code = part
         if node is None:
             try:
                 code = f"_({part})"  # k=v, ...: the source segments of its values are read from this text
@@ -543,7 +357,8 @@ def _power(node: ast.AST, source: str, key: str) -> float | int | None:
         raise bad(source, key, f"a power of {abs(exp) * abs(math.log2(abs(base))):.3g} bits is out of range "
                                f"(at most {FLT_MAX:.4g}); write the value the system runs")
     try:
-        return base ** exp
+        power: float | int = base ** exp
+        return power
     except (OverflowError, ZeroDivisionError):
         raise bad(source, key, "the power is out of range or divides by zero; write the value") from None
 
@@ -595,165 +410,3 @@ def _table(value: Any, source: str, key: str) -> bool:
     if not isinstance(value, Mapping):
         raise bad(source, key, f"expected a table of keyword arguments, got {show(value)}")
     return True
-
-
-def check_keys(given: Mapping[str, Any], known: Mapping[str, Any] | tuple[str, ...], source: str,
-               where: str = "") -> None:
-    """Refuse keys the source system does not have (a typo would otherwise be dropped)."""
-    from unimp.policy.ops import suggest
-
-    for key in given:
-        if key not in known:
-            h = suggest(key, list(known)) if isinstance(key, str) else None
-            tail = f"did you mean '{h}'?" if h else f"known: {', '.join(known)}"
-            raise bad(source, f"{where}{key}", f"unknown argument ({tail})")
-
-
-def number(source: str, key: str, value: Any, kind: type = float, minimum: float | None = None) -> Any:
-    """A numeric source value checked for type (``kind`` int or float), range and lower bound."""
-    if isinstance(value, Name):
-        raise bad(source, key, f"`{name(str(value))}` is a name in the code, not a value; write the number it "
-                               f"holds")
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if ok and isinstance(value, int) and value.bit_length() > MAX_BITS:
-        raise bad(source, key, f"{show(value)} is out of range (at most {FLT_MAX:.4g}); write the value the "
-                               f"system runs")
-    if kind is int:
-        ok = ok and math.isfinite(value) and float(value).is_integer()
-    if not ok or (isinstance(value, float) and math.isnan(value)):
-        word = "an integer" if kind is int else "a number"
-        raise bad(source, key, f"expected {word}, got {show(value)}")
-    if minimum is not None and value < minimum:
-        raise bad(source, key, f"must be >= {minimum:g}; got {show(value)}")
-    return int(value) if kind is int else float(value)
-
-
-def text(source: str, key: str, value: Any, choices: Any = None) -> str:
-    """A string source value, checked for type (and against ``choices`` when given), never quoted whole.
-
-    >>> text("x", "dtype", "fp16", ("fp16", "bf16"))
-    'fp16'
-    """
-    if not isinstance(value, str):
-        raise bad(source, key, f"expected a string, got {show(value)}")
-    if isinstance(value, Name) and (choices is None or value not in choices):
-        raise bad(source, key, f"`{name(str(value))}` is a name in the code, not a value; write the value it holds"
-                  + (f" ({', '.join(map(str, choices))})" if choices else ""))
-    if choices is not None and value not in choices:
-        raise bad(source, key, f"{short(value)} is not one of {', '.join(map(str, choices))}")
-    return value
-
-
-def flag(source: str, key: str, value: Any) -> bool:
-    if isinstance(value, Name):
-        raise bad(source, key, f"`{name(str(value))}` is a name in the code, not a value; write True or False")
-    if not isinstance(value, bool):
-        raise bad(source, key, f"expected true or false, got {show(value)}")
-    return value
-
-
-# ---------------------------------------------------------------- export check
-
-_DYNAMIC_ONLY = ("initial", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min", "max",
-                 "growth_schedule", "on_max", "growth_requires_finite", "hysteresis_refill", "at_min",
-                 "scale_dtype", "subnormal", "factor_arithmetic", "backoff")
-
-
-def effective(policy: Policy) -> dict[str, Any]:
-    """The policy's keys that change behaviour (``name``, knobs of an unused mode, and the factor
-    arithmetic when both factors are float32 values, left out)."""
-    flat = flatten(policy.to_dict())
-    flat.pop("name", None)
-    mode = flat.get("loss_scale.mode")
-    for k in _DYNAMIC_ONLY:
-        if mode != "dynamic" and not (mode == "static" and k == "initial"):
-            flat.pop(f"loss_scale.{k}", None)
-    factors = (flat.get("loss_scale.growth_factor"), flat.get("loss_scale.backoff_factor"))
-    if all(f is None or f32(f) == f for f in factors):
-        flat.pop("loss_scale.factor_arithmetic", None)  # float32 factors: both arithmetics round the same product
-    g = flat.get("loss_scale.growth_factor")
-    if g is not None and math.frexp(g)[0] == 0.5 and flat.get("loss_scale.backoff_factor") == 1.0 / g:
-        flat.pop("loss_scale.backoff", None)  # a power-of-two factor: scale / g and scale * (1 / g) are one product
-    if flat.get("param_dtype") == "float32":
-        flat = {k: v for k, v in flat.items() if not k.startswith("master_weights.")}
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in flat.items()}
-
-
-def unexpressed(policy: Policy, native: Policy, system: str) -> tuple[str, ...]:
-    """One line per key whose value the native configuration does not reproduce."""
-    ours, theirs = effective(policy), effective(native)
-    lines = []
-    for key in sorted({*ours, *theirs}):
-        a, b = ours.get(key), theirs.get(key)
-        if key.startswith("ops.") and isinstance(a, tuple) and isinstance(b, tuple) and sorted(a) == sorted(b):
-            continue  # an op category is a set: the order of its list changes nothing
-        if a is not None and a != b:
-            lines.append(f"{key} = {_fmt(a)}: {system} cannot express it (its configuration gives {_fmt(b)})")
-    return tuple(lines)
-
-
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "nothing"
-    return toml_value(v)
-
-
-def finish(system: str, policy: Policy, config: Any, text: str,
-           reimport: Callable[[Any], Imported]) -> Exported:
-    """An :class:`Exported` whose ``unexpressed`` is what re-importing ``config`` does not give back."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnimpWarning)
-        native = reimport(config).policy
-    return Exported(system, config, text, unexpressed(policy, native, system))
-
-
-def merge_into(original: Mapping[str, Any], config: Mapping[str, Any],
-               owned: tuple[str, ...]) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """``original`` (the user's own config file) with only its precision keys (``owned``) taken from
-    ``config`` (the export): a section both hold is updated key by key (its other keys kept), an owned
-    key the export lacks is removed, every other key is kept verbatim and in place. Returns the merged
-    config and one line per top-level key changed.
-
-    >>> merge_into({"fp16": {"enabled": True, "auto_cast": False}, "zero_optimization": {"stage": 3}},
-    ...            {"bf16": {"enabled": True}}, ("fp16", "bf16"))
-    ({'zero_optimization': {'stage': 3}, 'bf16': {'enabled': True}}, ('fp16 (removed)', 'bf16 (added)'))
-    """
-    out: dict[str, Any] = {}
-    changed: list[str] = []
-    for key, value in original.items():
-        if key not in owned:
-            out[key] = value
-        elif key in config:
-            new = config[key]
-            out[key] = {**value, **new} if isinstance(value, Mapping) and isinstance(new, Mapping) else new
-            if out[key] != value:
-                changed.append(key)
-        else:
-            changed.append(f"{key} (removed)")
-    for key, value in config.items():
-        if key not in original:
-            out[key] = value
-            changed.append(f"{key} (added)")
-    return out, tuple(changed)
-
-
-def power_of_two(x: float) -> int | None:
-    """``k`` when ``x == 2**k`` exactly, else None."""
-    m, e = math.frexp(x)
-    return e - 1 if m == 0.5 else None
-
-
-def take(draft: Draft, path: str, given: Mapping[str, Any], key: str, default: Any, *, prefix: str = "",
-         kind: type = float, minimum: float | None = None, convert: Callable[[Any], Any] | None = None) -> Any:
-    """Set ``path`` from source key ``key`` of ``given`` (or the system's ``default``), commented
-    with where it came from; returns the value set."""
-    where = f"{prefix}{key}"
-    if key in given:
-        raw = given[key]
-        value = flag(draft.source, where, raw) if kind is bool else number(draft.source, where, raw, kind, minimum)
-        origin = where
-    else:
-        value, origin = default, f"{where} not given: {draft.system} default"
-    value = convert(value) if convert else value
-    draft.set(path, value, origin)
-    return value

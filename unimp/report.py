@@ -10,9 +10,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from unimp.text import printable, printable_lines
 
@@ -32,6 +32,9 @@ class ReportRow:
 class RowTable:
     """A dataclass holding one row per layer (``rows``, each with a ``path``): :class:`Report` and the tuner's
     ``Sensitivity``."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # each subclass is a dataclass
+    rows: Sequence[Any]
 
     def row(self, path: str) -> Any:
         for r in self.rows:
