@@ -60,15 +60,48 @@ def params_of(*nets: nn.Module) -> list[torch.Tensor]:
 SCALE = {"initial": 2.0 ** 13, "growth_interval": 1}
 
 
-def dcgan_native(data, scale=SCALE):
+class _Amplified(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by 1e9 in its dtype (float16: inf past 65504)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1e9
+
+
+class Overflow:
+    """A backward overflow planted in the discriminator: at iteration ``at``, the first forward of layer ``path``
+    (on the real batch) returns its output through :class:`_Amplified`, so the gradient reaching the layer's
+    own backward overflows float16: D's gradients are not finite, G's (from later forwards) are. (A forward
+    overflow would reach BCELoss as NaN, which refuses it.) ``next()`` starts an iteration."""
+
+    def __init__(self, net_d: nn.Module, at: int, path: str = "2") -> None:
+        self.at, self.iteration, self.calls = at, -1, 0
+        net_d.get_submodule(path).register_forward_hook(self)  # before any watch's hooks: they see its output
+
+    def next(self) -> None:
+        self.iteration, self.calls = self.iteration + 1, 0
+
+    def __call__(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+        self.calls += 1
+        return _Amplified.apply(out) if self.iteration == self.at and self.calls == 1 else None
+
+
+def dcgan_native(data, scale=SCALE, overflow_at=None):
     """dcgan/main.py's loop with torch.autocast("cpu", float16) and one GradScaler (torch's AMP recipe)."""
     net_d, net_g = dcgan()
+    planted = Overflow(net_d, overflow_at) if overflow_at is not None else None
     net_d, net_g = (n.to(memory_format=torch.channels_last) for n in (net_d, net_g))  # as the preset's layout
     opt_d, opt_g = adam(net_d), adam(net_g)
     criterion = nn.BCELoss()
     scaler = torch.amp.GradScaler("cpu", init_scale=scale["initial"], growth_interval=scale["growth_interval"])
     trace = []
     for real, noise in data:
+        if planted is not None:
+            planted.next()
         real = real.to(memory_format=torch.channels_last)
         net_d.zero_grad()
         with torch.autocast("cpu", torch.float16):
@@ -103,16 +136,22 @@ def _moved(before: list[torch.Tensor], net: nn.Module) -> bool:
     return any(not torch.equal(a, b) for a, b in zip(before, weights(net), strict=True))
 
 
-def dcgan_unimp(data, scale=SCALE, preset="mixed_fp16"):
-    """The same loop under unimp: each net its own Amp, one loss scale shared (share_scale_with)."""
+def dcgan_unimp(data, scale=SCALE, preset="mixed_fp16", overflow_at=None, watches=None, **watch):
+    """The same loop under unimp: each net its own Amp, one loss scale shared (share_scale_with). ``watches``: a
+    list that gets ``amp_d.watch(**watch)`` and ``amp_g.watch(**watch)``."""
     net_d, net_g = dcgan()
+    planted = Overflow(net_d, overflow_at) if overflow_at is not None else None
     opt_d, opt_g = adam(net_d), adam(net_g)
     policy = {"extends": preset, "loss_scale": scale}
     amp_d = unimp.apply(policy, net_d, opt_d)
     amp_g = unimp.apply(policy, net_g, opt_g, share_scale_with=amp_d)
+    if watches is not None:
+        watches += [amp_d.watch(**watch), amp_g.watch(**watch)]
     criterion = nn.BCELoss()
     trace = []
     for real, noise in data:
+        if planted is not None:
+            planted.next()
         net_d.zero_grad()
         output = net_d(real).view(-1).float()  # the loss in float32, as autocast runs BCELoss
         amp_d.backward(criterion(output, torch.ones_like(output)))
@@ -142,6 +181,35 @@ def test_dcgan_two_optimizers_one_scale_matches_gradscaler_bitwise():
     stepped = {(d, g) for _, d, g in native_trace}
     assert {(True, True), (False, False), (False, True)} <= stepped, native_trace  # one optimizer skips alone
     assert all(torch.equal(a, b) for a, b in zip(ours, native, strict=True))
+
+
+def test_dcgan_watch_records_one_step_per_iteration_of_the_shared_scale():
+    """amp.watch() on both DCGAN Amps (netD's optimizer steps first, netG's last and updates the shared scale):
+    one record per iteration, sampled by iteration count (every=2) or skipped, none lost or doubled; each
+    record's step, scale and skipped as torch.amp.GradScaler's run side by side (the same planted overflow:
+    skipped = the native scale backed off); the planted iteration located at the planted layer of netD in the
+    backward, and netG's record of it says netD's optimizer skipped (netG's stepped)."""
+    data, at = batches(8), 5
+    native_params, native = dcgan_native(data, overflow_at=at)
+    watches = []
+    ours_params, ours = dcgan_unimp(data, overflow_at=at, watches=watches, every=2, localize=True)
+    assert ours == native  # the scale and each optimizer's step or skip, iteration by iteration
+    assert native[at][1:] == (False, True)  # the planted overflow: D skipped, G stepped (both natively)
+    before = [SCALE["initial"]] + [scale for scale, _, _ in native[:-1]]
+    skipped = [after < used for (after, _, _), used in zip(native, before, strict=True)]  # GradScaler backed off
+    expected = [(i, before[i], skipped[i], i % 2 == 0) for i in range(len(data)) if i % 2 == 0 or skipped[i]]
+    assert len(expected) > len(data) // 2  # some unsampled iterations were skipped
+    watch_d, watch_g = watches
+    for watch in watches:
+        assert [(r["step"], r["scale"], r["skipped"], r["sampled"]) for r in watch.records] == expected
+    planted_d, planted_g = ({r["step"]: r for r in w.records}[at] for w in watches)
+    # the amplified gradient enters layer 2's own backward: its weight gradient is the first non-finite value
+    assert planted_d["first_nonfinite"] == {"path": "2", "direction": "backward", "tensor": "grad_param",
+                                           "exact": True}
+    assert planted_g["first_nonfinite"] is None  # netG's layers saw no non-finite value ...
+    assert "another optimizer sharing the loss scale had non-finite gradients (Adam of 0.weight)" in \
+        planted_g["notes"][0]  # ... and its record names the optimizer that skipped
+    assert all(r["layers"] for w in watches for r in w.records if r["sampled"])
 
 
 def critic_loss(out: torch.Tensor) -> torch.Tensor:
