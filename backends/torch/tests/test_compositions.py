@@ -729,6 +729,60 @@ def test_ema_plain_averaged_model_averages_the_fp32_masters():
     amp.remove()
 
 
+EMA_LR = 0.02  # small steps (a few 1e-3 of the weights over the run): where rounded weights would show
+
+
+def ema_displacement(ema: nn.Module, start: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.detach().double() - w.double() for p, w in zip(ema.parameters(), start, strict=True)]
+
+
+@pytest.mark.parametrize("average", ["multi_avg_fn", "avg_fn"])
+@pytest.mark.parametrize("preset", ["fp16_master", "pure_bf16"])
+def test_ema_built_before_apply_averages_the_fp32_masters_like_fp32(preset, average):
+    """The common order: ``ema = AveragedModel(model)`` first, then ``unimp.apply(preset, model, opt)``, then
+    ``ema.update_parameters(model)`` each step. Against a plain fp32 run with the same AveragedModel: the EMA's
+    move from the initial weights equals the fp32 EMA's within the dtype's update bound (as every update
+    does), where an EMA of the low-precision copies is off by their rounding (checked beside it), and
+    torch's foreach EMA (multi_avg_fn) mixing the fp32 copy with them raised a dtype error."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
+
+    def averaged(net: nn.Module) -> AveragedModel:
+        return (AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.9)) if average == "multi_avg_fn"
+                else AveragedModel(net, avg_fn=get_ema_avg_fn(0.9)))
+
+    data = mlp_batches(4)
+    reference = body_and_head()
+    start = params_of(reference)
+    ema_ref, opt = averaged(reference), torch.optim.SGD(reference.parameters(), lr=EMA_LR)
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(reference(x), y).backward()
+        opt.step()
+        ema_ref.update_parameters(reference)
+
+    model = body_and_head()
+    ema = averaged(model)  # before apply
+    amp = unimp.apply(preset, model, torch.optim.SGD(model.parameters(), lr=EMA_LR))
+    rounded_shadow = body_and_head()  # an fp32 model given the low-precision copies: the EMA of what they hold
+    rounded = averaged(rounded_shadow)
+    for x, y in data:
+        amp.optimizer.zero_grad()
+        amp.backward(loss_fn(model(x), y))
+        amp.optimizer.step()
+        ema.update_parameters(model)
+        with torch.no_grad():
+            for r, (_, low, _) in zip(rounded_shadow.parameters(), amp.master_weights, strict=True):
+                r.copy_(low)
+        rounded.update_parameters(rounded_shadow)
+    assert all(p.dtype == torch.float32 for p in ema.parameters())
+    expected = ema_displacement(ema_ref, start)
+    errors = rel_errors(ema_displacement(ema, start), expected)
+    assert max(errors) < update_tolerance(preset), errors
+    rounding = rel_errors(ema_displacement(rounded, start), expected)
+    assert max(rounding) > update_tolerance(preset), rounding  # the same check fails the EMA of the copies
+    amp.remove()
+
+
 def test_several_optimizers_bad_input_names_the_optimizer_and_the_fix():
     """A parameter in two optimizers, an optimizer wrapped twice or over another model, an unknown optimizer
     to unscale, a scale shared across two rules: each refused before anything changes, naming the fix."""

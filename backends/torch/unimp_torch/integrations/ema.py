@@ -12,23 +12,35 @@ How: torch's public global hook on module registration
 ``AveragedModel.__init__`` assign ``self.module = deepcopy(model)``; for the copy of an applied
 model (its forward runs the policy), it gives that one ``AveragedModel`` an instance
 ``update_parameters`` (:class:`FromMasters`): the only per-object way in, since
-``update_parameters`` reads ``model.parameters()`` itself. No torch class is patched. An ``AveragedModel`` built
-before ``unimp.apply`` is not seen: build it after.
+``update_parameters`` reads ``model.parameters()`` itself. No torch class is patched.
+
+An ``AveragedModel`` built *before* ``unimp.apply`` (``ema = AveragedModel(model)``, then the policy applied
+to ``model``) holds a plain fp32 copy, and its ``update_parameters(model)`` would mix that copy's fp32 with
+the model's low-precision copies (torch's foreach EMA refuses it with a dtype error; a per-parameter
+``avg_fn`` averages the rounded weights). ``apply`` finds it: every ``AveragedModel`` built since the hook is
+on is remembered (weakly), and those built before it, once, by one walk of the garbage collector's objects
+at the first ``apply`` of a policy with masters (tens of milliseconds in a process of ~400k objects);
+each whose copy has this model's class and parameter names and shapes gets the same ``update_parameters``.
+Given the applied model it averages the masters; given any other model, it is the class's own.
 
 >>> import torch, unimp
 >>> from torch.optim.swa_utils import AveragedModel
-
-from ..forward import PolicyForward
 >>> m = torch.nn.Linear(2, 2)
 >>> amp = unimp.apply("pure_bf16", m, torch.optim.SGD(m.parameters(), lr=0.1))
 >>> ema = AveragedModel(m); ema.update_parameters(m)
 >>> ema.module.weight.dtype, torch.equal(ema.module.weight, amp.master_weights[0][2])
 (torch.float32, True)
 >>> _ = amp.remove()
+>>> before = AveragedModel(m)  # built before apply
+>>> amp = unimp.apply("pure_bf16", m, torch.optim.SGD(m.parameters(), lr=0.1))
+>>> before.update_parameters(m); torch.equal(before.module.weight, amp.master_weights[0][2])
+True
+>>> _ = amp.remove()
 """
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +53,7 @@ from ..forward import PolicyForward
 
 _amps: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()  # module -> weakref to its Amp
 _hook: list[Any] = []
+_averaged: weakref.WeakSet[AveragedModel] = weakref.WeakSet()  # every AveragedModel seen (built or found)
 
 
 def _amp_of(model: nn.Module) -> Any:
@@ -55,14 +68,31 @@ def track(amp: Any) -> Callable[[], None]:
         return lambda: None
     if not _hook:
         _hook.append(register_module_module_registration_hook(_registered))
+        # those built before the hook was on: once per process (type() only: no attribute of a foreign object read)
+        _averaged.update(o for o in gc.get_objects() if issubclass(type(o), AveragedModel))
     _amps[amp.module] = weakref.ref(amp)
+    shape = _shape(amp.module)
+    for averaged in list(_averaged):  # built before apply: a copy of this model's architecture
+        copy = averaged.__dict__.get("_modules", {}).get("module")
+        if copy is not None and type(copy) is type(amp.module) and _shape(copy) == shape:
+            _from_masters(averaged)
     return lambda: _amps.pop(amp.module, None)
 
 
+def _shape(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
 def _registered(parent: nn.Module, name: str, value: Any) -> None:
-    if name == "module" and isinstance(parent, AveragedModel) and isinstance(value.__dict__.get("forward"),
-                                                                               PolicyForward):
-        parent.__dict__["update_parameters"] = FromMasters(parent)  # a copy of a model with a policy applied
+    if name == "module" and isinstance(parent, AveragedModel):
+        _averaged.add(parent)
+        if isinstance(value.__dict__.get("forward"), PolicyForward):  # a copy of a model with a policy applied
+            _from_masters(parent)
+
+
+def _from_masters(averaged: AveragedModel) -> None:
+    if not isinstance(averaged.__dict__.get("update_parameters"), FromMasters):
+        averaged.__dict__["update_parameters"] = FromMasters(averaged)
 
 
 class FromMasters:
@@ -84,6 +114,9 @@ class FromMasters:
             self.widened = weakref.ref(amp)
         with amp.masters_in_model():
             return update(self.averaged, model)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled with its AveragedModel (torch.save(ema)): no weakref
+        return FromMasters, (self.averaged,)
 
 
 def _full_precision_slots(copy: nn.Module, amp: Any) -> None:
