@@ -783,6 +783,44 @@ def test_ema_built_before_apply_averages_the_fp32_masters_like_fp32(preset, aver
     amp.remove()
 
 
+FRESH_PROCESS_EMA = """
+import sys, torch, unimp
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))  # before unimp_torch is even imported
+assert "unimp_torch" not in sys.modules
+amp = unimp.apply("fp16_master", model, torch.optim.SGD(model.parameters(), lr=0.1))
+shadow = AveragedModel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)),
+                       multi_avg_fn=get_ema_multi_avg_fn(0.9))  # torch's own EMA, given the masters
+for _ in range(3):
+    amp.optimizer.zero_grad()
+    amp.backward(model(torch.randn(4, 8)).float().square().mean())
+    amp.optimizer.step()
+    ema.update_parameters(model)
+    with amp.masters_in_model():
+        shadow.update_parameters(model)
+print(all(torch.equal(a, b) for a, b in zip(ema.parameters(), shadow.parameters(), strict=True)))
+"""
+
+
+def test_ema_built_before_the_torch_backend_is_imported_averages_the_fp32_masters():
+    """``import unimp`` imports no framework backend: an AveragedModel built before the first ``unimp.apply``
+    (in a fresh process, before ``unimp_torch`` is imported) is found at that apply, and its EMA is bit for bit
+    torch's EMA of the masters (``update_parameters`` inside ``amp.masters_in_model()``, the documented way)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "backends" / "torch"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-B", "-W", "ignore", "-c", FRESH_PROCESS_EMA], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"
+
+
 def test_several_optimizers_bad_input_names_the_optimizer_and_the_fix():
     """A parameter in two optimizers, an optimizer wrapped twice or over another model, an unknown optimizer
     to unscale, a scale shared across two rules: each refused before anything changes, naming the fix."""
