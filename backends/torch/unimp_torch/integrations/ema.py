@@ -23,6 +23,14 @@ at the first ``apply`` of a policy with masters (tens of milliseconds in a proce
 each whose copy has this model's class and parameter names and shapes gets the same ``update_parameters``.
 Given the applied model it averages the masters; given any other model, it is the class's own.
 
+timm's EMAs (``timm.utils.ModelEmaV3`` of timm's ``train.py``, ``ModelEmaV2``) average ``model.state_dict()``,
+which holds the fp32 masters while applied: one built before ``apply`` (an fp32 copy) already averages them.
+One built after ``apply`` copies the model's low-precision copies and would keep the EMA in float16 or
+bfloat16 (rounded every update, or stochastically rounded); the same hook sees it assign the copy as
+``self.module`` and gives the copy fp32 parameters holding the masters in those slots (found by the
+applied model whose parameters the fresh copy equals bit for bit): the EMA is then kept in float32. timm is
+not imported: the wrapper is known by its class's module and name.
+
 >>> import torch, unimp
 >>> from torch.optim.swa_utils import AveragedModel
 >>> m = torch.nn.Linear(2, 2)
@@ -45,6 +53,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 from torch.optim.swa_utils import AveragedModel
@@ -83,11 +92,36 @@ def _shape(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
 
 
+TIMM_EMAS = frozenset({"ModelEmaV2", "ModelEmaV3"})  # timm.utils.model_ema's, averaging model.state_dict()
+
+
 def _registered(parent: nn.Module, name: str, value: Any) -> None:
-    if name == "module" and isinstance(parent, AveragedModel):
+    if name != "module":
+        return
+    if isinstance(parent, AveragedModel):
         _averaged.add(parent)
         if isinstance(value.__dict__.get("forward"), PolicyForward):  # a copy of a model with a policy applied
             _from_masters(parent)
+    elif (type(parent).__name__ in TIMM_EMAS and type(parent).__module__.startswith("timm.")
+          and isinstance(value.__dict__.get("forward"), PolicyForward)):
+        amp = _copied_from(value)
+        if amp is not None:
+            _full_precision_slots(value, amp, masters=True)
+
+
+def _copied_from(copy: nn.Module) -> Any:
+    """The live Amp with masters whose model ``copy`` was just copied from: the same class, every parameter
+    equal bit for bit (None if there is none)."""
+    params = list(copy.parameters())
+    for module, ref in list(_amps.items()):
+        amp = ref()
+        if amp is None or not amp.params.swapped or type(module) is not type(copy):
+            continue
+        theirs = list(module.parameters())
+        if len(theirs) == len(params) and all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+                                              for a, b in zip(theirs, params, strict=True)):
+            return amp
+    return None
 
 
 def _from_masters(averaged: AveragedModel) -> None:
@@ -119,8 +153,9 @@ class FromMasters:
         return FromMasters, (self.averaged,)
 
 
-def _full_precision_slots(copy: nn.Module, amp: Any) -> None:
-    """The copy's parameters in the slots of ``amp``'s low-precision copies get the fp32 dtype (ties kept)."""
+def _full_precision_slots(copy: nn.Module, amp: Any, masters: bool = False) -> None:
+    """The copy's parameters in the slots of ``amp``'s low-precision copies get the fp32 dtype (ties kept):
+    their own values widened, or (``masters``) the masters' values."""
     paths = {id(m): p for p, m in amp.module.named_modules(remove_duplicate=False)}
     made: dict[int, nn.Parameter] = {}
     for module, name, original, _ in amp.params.swapped:
@@ -129,5 +164,6 @@ def _full_precision_slots(copy: nn.Module, amp: Any) -> None:
         if p is None or p.dtype == original.dtype:
             continue
         if id(original) not in made:
-            made[id(original)] = nn.Parameter(p.detach().to(original.dtype), requires_grad=p.requires_grad)
+            value = original.detach().clone() if masters else p.detach().to(original.dtype)
+            made[id(original)] = nn.Parameter(value.to(p.device), requires_grad=p.requires_grad)
         owner._parameters[name] = made[id(original)]
