@@ -16,9 +16,10 @@ refuses ``step()`` twice since the last ``update()``. A backend subclasses :clas
 
 Whatever ends a training iteration for the run (a numerics watch records one per iteration, whichever
 optimizer steps first) listens to the update: :meth:`Iteration.listen` adds a callable that
-:meth:`Iteration.notify` calls once per update with its flags (member -> flag, None: not checked). The backend calls :meth:`notify` once
-the verb that made the update returned (the last optimizer's ``step()``, ``amp.update()``), not from
-inside the optimizer step, where a listener's failure would leave that step half done.
+:meth:`Iteration.notify` calls once per update with its flags (member -> flag, None: not checked). The
+backend calls :meth:`notify` once the verb that made the update returned (the last optimizer's ``step()``,
+``amp.update()``), not from inside the optimizer step, where a listener's failure would leave that step
+half done.
 
 >>> class Printed(Iteration):
 ...     def advance(self, flags): print("update from", flags)

@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from models import train_steps
 from torch import nn
 
 import unimp
@@ -190,16 +191,15 @@ def test_dcgan_watch_records_one_step_per_iteration_of_the_shared_scale():
     skipped = the native scale backed off); the planted iteration located at the planted layer of netD in the
     backward, and netG's record of it says netD's optimizer skipped (netG's stepped)."""
     data, at = batches(8), 5
-    native_params, native = dcgan_native(data, overflow_at=at)
+    _, native = dcgan_native(data, overflow_at=at)
     watches = []
-    ours_params, ours = dcgan_unimp(data, overflow_at=at, watches=watches, every=2, localize=True)
+    _, ours = dcgan_unimp(data, overflow_at=at, watches=watches, every=2, localize=True)
     assert ours == native  # the scale and each optimizer's step or skip, iteration by iteration
     assert native[at][1:] == (False, True)  # the planted overflow: D skipped, G stepped (both natively)
     before = [SCALE["initial"]] + [scale for scale, _, _ in native[:-1]]
     skipped = [after < used for (after, _, _), used in zip(native, before, strict=True)]  # GradScaler backed off
     expected = [(i, before[i], skipped[i], i % 2 == 0) for i in range(len(data)) if i % 2 == 0 or skipped[i]]
     assert len(expected) > len(data) // 2  # some unsampled iterations were skipped
-    watch_d, watch_g = watches
     for watch in watches:
         assert [(r["step"], r["scale"], r["skipped"], r["sampled"]) for r in watch.records] == expected
     planted_d, planted_g = ({r["step"]: r for r in w.records}[at] for w in watches)
@@ -753,27 +753,24 @@ def test_ema_built_before_apply_averages_the_fp32_masters_like_fp32(preset, aver
     data = mlp_batches(4)
     reference = body_and_head()
     start = params_of(reference)
-    ema_ref, opt = averaged(reference), torch.optim.SGD(reference.parameters(), lr=EMA_LR)
-    for x, y in data:
-        opt.zero_grad()
-        loss_fn(reference(x), y).backward()
-        opt.step()
-        ema_ref.update_parameters(reference)
+    ema_ref = averaged(reference)
+    train_steps(reference, torch.optim.SGD(reference.parameters(), lr=EMA_LR), data, loss_fn,
+                after=lambda: ema_ref.update_parameters(reference))
 
     model = body_and_head()
     ema = averaged(model)  # before apply
     amp = unimp.apply(preset, model, torch.optim.SGD(model.parameters(), lr=EMA_LR))
     rounded_shadow = body_and_head()  # an fp32 model given the low-precision copies: the EMA of what they hold
     rounded = averaged(rounded_shadow)
-    for x, y in data:
-        amp.optimizer.zero_grad()
-        amp.backward(loss_fn(model(x), y))
-        amp.optimizer.step()
+
+    @torch.no_grad()
+    def update_both() -> None:
         ema.update_parameters(model)
-        with torch.no_grad():
-            for r, (_, low, _) in zip(rounded_shadow.parameters(), amp.master_weights, strict=True):
-                r.copy_(low)
+        for r, (_, low, _) in zip(rounded_shadow.parameters(), amp.master_weights, strict=True):
+            r.copy_(low)
         rounded.update_parameters(rounded_shadow)
+
+    train_steps(model, amp.optimizer, data, loss_fn, amp, after=update_both)
     assert all(p.dtype == torch.float32 for p in ema.parameters())
     expected = ema_displacement(ema_ref, start)
     errors = rel_errors(ema_displacement(ema, start), expected)

@@ -7,6 +7,7 @@ file (tox.ini); elsewhere it is skipped (PyPI's torchvision for the torch env's 
 
 import pytest
 import torch
+from models import train_steps
 from torch import nn
 
 import unimp
@@ -62,12 +63,9 @@ def test_timm_model_ema_v3_averages_the_fp32_masters_like_fp32(preset, built):
     data = batches()
     reference = vit()
     start = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    ema_ref, opt = ModelEmaV3(reference, decay=DECAY), torch.optim.SGD(reference.parameters(), lr=LR)
-    for x, y in data:
-        opt.zero_grad()
-        loss_fn(reference(x), y).backward()
-        opt.step()
-        ema_ref.update(reference)
+    ema_ref = ModelEmaV3(reference, decay=DECAY)
+    train_steps(reference, torch.optim.SGD(reference.parameters(), lr=LR), data, loss_fn,
+                after=lambda: ema_ref.update(reference))
 
     model = vit()
     ema = ModelEmaV3(model, decay=DECAY) if built == "before_apply" else None
@@ -76,21 +74,22 @@ def test_timm_model_ema_v3_averages_the_fp32_masters_like_fp32(preset, built):
         ema = ModelEmaV3(model, decay=DECAY)
     lows = {n: low for n, low, _ in amp.master_weights}
     shadow = vit()  # an fp32 model given the low-precision copies: the EMA of what they hold
-    with torch.no_grad():
+
+    @torch.no_grad()
+    def give_lows() -> None:
         for n, p in shadow.named_parameters():
             if n in lows:
                 p.copy_(lows[n])
+
+    give_lows()
     rounded = ModelEmaV3(shadow, decay=DECAY)
-    for x, y in data:
-        amp.optimizer.zero_grad()
-        amp.backward(loss_fn(model(x), y))
-        amp.optimizer.step()
+
+    def update_both() -> None:
         ema.update(model)
-        with torch.no_grad():
-            for n, p in shadow.named_parameters():
-                if n in lows:
-                    p.copy_(lows[n])
+        give_lows()
         rounded.update(shadow)
+
+    train_steps(model, amp.optimizer, data, loss_fn, amp, after=update_both)
     assert lows
     assert all(p.dtype == torch.float32 for p in ema.module.parameters())  # the EMA is kept in float32
     assert next(iter(lows.values())).dtype != torch.float32  # the model computes with low-precision copies
