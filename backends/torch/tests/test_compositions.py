@@ -11,6 +11,7 @@
 """
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -184,6 +185,15 @@ def test_dcgan_two_optimizers_one_scale_matches_gradscaler_bitwise():
     assert all(torch.equal(a, b) for a, b in zip(ours, native, strict=True))
 
 
+def expected_records(scales: list[float], every: int) -> list[tuple[int, float, bool, bool]]:
+    """What a watch must record, from a native GradScaler's scale after each iteration: ``(step, scale the
+    iteration's losses were scaled by, skipped, sampled)`` for each iteration sampled (every ``every``-th from
+    the first) or skipped (the scale backed off)."""
+    before = [SCALE["initial"], *scales[:-1]]
+    return [(i, used, after < used, i % every == 0) for i, (used, after) in enumerate(zip(before, scales, strict=True))
+            if i % every == 0 or after < used]
+
+
 def test_dcgan_watch_records_one_step_per_iteration_of_the_shared_scale():
     """amp.watch() on both DCGAN Amps (netD's optimizer steps first, netG's last and updates the shared scale):
     one record per iteration, sampled by iteration count (every=2) or skipped, none lost or doubled; each
@@ -196,9 +206,7 @@ def test_dcgan_watch_records_one_step_per_iteration_of_the_shared_scale():
     _, ours = dcgan_unimp(data, overflow_at=at, watches=watches, every=2, localize=True)
     assert ours == native  # the scale and each optimizer's step or skip, iteration by iteration
     assert native[at][1:] == (False, True)  # the planted overflow: D skipped, G stepped (both natively)
-    before = [SCALE["initial"]] + [scale for scale, _, _ in native[:-1]]
-    skipped = [after < used for (after, _, _), used in zip(native, before, strict=True)]  # GradScaler backed off
-    expected = [(i, before[i], skipped[i], i % 2 == 0) for i in range(len(data)) if i % 2 == 0 or skipped[i]]
+    expected = expected_records([scale for scale, _, _ in native], every=2)
     assert len(expected) > len(data) // 2  # some unsampled iterations were skipped
     for watch in watches:
         assert [(r["step"], r["scale"], r["skipped"], r["sampled"]) for r in watch.records] == expected
@@ -347,6 +355,56 @@ def rel_errors(updates: list[torch.Tensor], reference: list[torch.Tensor]) -> li
 # longest reduction (the hidden width), plus one rounding of the stored low-precision weights and one of the output
 def update_tolerance(preset: str) -> float:
     return (HIDDEN + 2) * unit_roundoff(preset)
+
+
+def test_watch_one_model_two_optimizers_head_first_body_every_second_iteration_then_amp_update():
+    """One Amp, ``amp.optimizers`` = [body, head]: the head steps first every iteration, the body every second
+    one, ``amp.update()`` ends each iteration (GradScaler's ``step(head); step(body); update()``). The watch
+    records each iteration once (sampled every 3 or skipped) with the step, scale and skip of a native
+    autocast + GradScaler run side by side; the planted overflow in the body's backward (an even iteration,
+    not sampled) is located at the planted layer, from either optimizer's flags."""
+    data, at = mlp_batches(8), 4
+
+    def run(native: bool) -> tuple[list[float], Any]:
+        model = body_and_head()
+        overflow = Overflow(model, at, path="2")
+        body, head = two_sgds(model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=SCALE["initial"], growth_interval=1)
+        amp = None if native else unimp.apply({"extends": "mixed_fp16", "loss_scale": SCALE}, model, [body, head])
+        watch = None if native else amp.watch(every=3, localize=True)
+        scales = []
+        for i, (x, y) in enumerate(data):
+            overflow.next()
+            model.zero_grad()
+            if native:
+                with torch.autocast("cpu", torch.float16):
+                    loss = loss_fn(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(head)
+                if i % 2 == 0:
+                    scaler.step(body)
+                scaler.update()
+                scales.append(scaler.get_scale())
+            else:
+                amp.backward(loss_fn(model(x), y))
+                amp.optimizers[1].step()
+                if i % 2 == 0:
+                    amp.optimizers[0].step()
+                amp.update()
+                scales.append(amp.scale)
+        if amp is not None:
+            amp.remove()
+        return scales, watch
+
+    native, _ = run(True)
+    ours, watch = run(False)
+    assert ours == native
+    expected = expected_records(native, every=3)
+    assert (at, native[at - 1], True, False) in expected  # the planted iteration: skipped natively, not sampled
+    assert [(r["step"], r["scale"], r["skipped"], r["sampled"]) for r in watch.records] == expected
+    planted = {r["step"]: r for r in watch.records}[at]
+    assert planted["first_nonfinite"] == {"path": "2", "direction": "backward", "tensor": "grad_param",
+                                          "exact": True}
 
 
 @pytest.mark.parametrize("preset", ["mixed_fp16", "fp16_master", "pure_bf16"])
