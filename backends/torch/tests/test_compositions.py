@@ -405,6 +405,15 @@ def test_watch_one_model_two_optimizers_head_first_body_every_second_iteration_t
     planted = {r["step"]: r for r in watch.records}[at]
     assert planted["first_nonfinite"] == {"path": "2", "direction": "backward", "tensor": "grad_param",
                                           "exact": True}
+    model = body_and_head()
+    amp = unimp.apply("mixed_fp16", model, two_sgds(model))
+    amp.backward(loss_fn(model(data[0][0]), data[0][1]))
+    amp.optimizers[1].step()
+    with pytest.raises(UnsupportedError, match=r"1 of the 2 optimizers .*mid-iteration.*after amp.update\(\)"):
+        amp.watch()  # its first record would miss the head's part of the iteration
+    amp.update()
+    assert amp.watch(every=1) is not None  # between iterations
+    amp.remove()
 
 
 @pytest.mark.parametrize("preset", ["mixed_fp16", "fp16_master", "pure_bf16"])

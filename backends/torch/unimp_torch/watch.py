@@ -348,8 +348,10 @@ class TorchWatch(_NotCopied):
         next."""
         try:
             flags = {m: f for m, f in found.items() if f is not None} if self.amp.scaler.spec.skip_nonfinite else {}
-            bad = dict(zip(flags, torch.stack([f.reshape(()) for f in flags.values()]).gt(0).tolist(),
-                           strict=True)) if flags else {}  # one host read
+            values = list(flags.values())
+            read = ([] if not values else [bool(values[0] > 0)] if len(values) == 1
+                    else torch.stack(values).reshape(-1).gt(0).tolist())  # one host read
+            bad = dict(zip(flags, read, strict=True))
             if self.sampling or any(bad.values()):
                 self._record(any(bad.values()), self._skipped_elsewhere(bad))
         finally:
@@ -622,6 +624,11 @@ def start(amp: Any, session: Any) -> TorchWatch:
     if not isinstance(amp.optimizer, AmpOptimizer):
         raise UnsupportedError("amp.watch(): a watch counts training steps through amp.optimizer.step(); apply the "
                                "policy with the optimizer: amp = unimp.apply(policy, model, optimizer)")
+    if amp.iteration.pending:  # its first record would miss what ran before: refused, nothing installed
+        raise UnsupportedError(f"amp.watch(): {len(amp.iteration.pending)} of the {len(amp.iteration.members)} "
+                               f"optimizers sharing the loss scale stepped since its last update (mid-iteration); "
+                               f"start the watch between iterations: after the iteration's last optimizer step, "
+                               f"or after amp.update()")
     if amp.distributed is not None and amp.distributed.get("engine") == "fsdp2":
         raise UnsupportedError("amp.watch(): not available on an FSDP2-sharded model yet (its parameters and "
                                "gradients are shards); watch a data-parallel (amp.ddp()) or single-device run")
