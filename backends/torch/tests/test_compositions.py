@@ -7,7 +7,10 @@
 - an optimizer unimp does not wrap, refused at its first step (never a scaled or lost update);
 - Lightning manual optimization with two optimizers, against Lightning's own mixed precision;
 - a frozen teacher beside a trained student, a policy model beside its frozen reference (TRL
-  style), an EMA of the fp32 masters (``torch.optim.swa_utils.AveragedModel``).
+  style), an EMA of the fp32 masters (``torch.optim.swa_utils.AveragedModel``, built after or before
+  ``apply``, against an fp32 run's EMA);
+- ``amp.watch()`` over several optimizers (DCGAN's two Amps sharing one scale, one Amp's body and head
+  optimizers with ``amp.update()``): one record per iteration, as a GradScaler run side by side.
 """
 
 import copy
