@@ -14,16 +14,28 @@ iteration (a critic stepped five times per generator step) ends the iteration wi
 refuses ``step()`` twice since the last ``update()``. A backend subclasses :class:`Iteration` with
 :meth:`Iteration.advance` (its flags into its scaler); the bookkeeping is written once, here.
 
+Whatever ends a training iteration for the run (a numerics watch records one per iteration, whichever
+optimizer steps first) listens to the update: :meth:`Iteration.listen` adds a callable that
+:meth:`Iteration.notify` calls once per update with its flags (member -> flag, None: not checked). The
+backend calls :meth:`notify` once the verb that made the update returned (the last optimizer's ``step()``,
+``amp.update()``), not from inside the optimizer step, where a listener's failure would leave that step
+half done.
+
 >>> class Printed(Iteration):
 ...     def advance(self, flags): print("update from", flags)
 >>> it = Printed(); it.join("opt_d", "Adam"); it.join("opt_g", "Adam")
 >>> it.stepped("opt_d", True)  # opt_g has not stepped yet: no update
 >>> it.stepped("opt_g", False)
 update from [True, False]
+>>> it.listen(lambda flags: print("iteration ended:", flags))
+>>> it.stepped("opt_d", False); it.stepped("opt_g", False); it.notify()
+update from [False, False]
+iteration ended: {'opt_d': False, 'opt_g': False}
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from unimp.errors import UnsupportedError
@@ -36,6 +48,8 @@ class Iteration:
         self.members: list[Any] = []  # the backend's optimizer wrappers, in the order they joined
         self.names: dict[Any, str] = {}  # member -> what messages call it (its optimizer's class)
         self.found: dict[Any, Any] = {}  # member -> its flag (None: not checked)
+        self.listeners: list[Callable[[dict[Any, Any]], None] | None] = []  # None: a copy's (not listened to)
+        self._ended: list[dict[Any, Any]] = []  # the flags of updates the listeners were not told of yet
 
     def advance(self, flags: list[Any]) -> None:
         """Advance the scale once from ``flags`` (each stepped member's, None left out; may be empty)."""
@@ -79,9 +93,28 @@ class Iteration:
         """The scale advanced once from the flags of the members stepped since the last update (none: nothing)."""
         if not self.found:
             return
-        flags = [f for f in self.found.values() if f is not None]
+        found = dict(self.found)
         self.found.clear()
-        self.advance(flags)
+        self.advance([f for f in found.values() if f is not None])
+        if any(self.listeners):
+            self._ended.append(found)
+
+    def listen(self, listener: Callable[[dict[Any, Any]], None]) -> None:
+        """Call ``listener(found)`` once per update, from :meth:`notify` (``found``: each member stepped since the
+        last update -> its flag, None where it was not checked)."""
+        self.listeners.append(listener)
+
+    def unlisten(self, listener: Callable[[dict[Any, Any]], None]) -> None:
+        self.listeners = [f for f in self.listeners if f is not listener]
+
+    def notify(self) -> None:
+        """Tell the listeners of the updates since the last call, in order (an update is told once: a listener
+        that raises is not called for it again)."""
+        while self._ended:
+            found = self._ended.pop(0)
+            for listener in list(self.listeners):
+                if listener is not None:
+                    listener(found)
 
     def reset(self) -> None:
         """A loaded loss-scale state replaces the iteration's flags."""

@@ -107,7 +107,7 @@ class Watch:
         stats = tuple(LayerStats.from_counts(*layer) for layer in layers)
         origin = first_nonfinite([Event(*e) for e in events], backward_order)
         notes = list(notes)
-        if skipped and origin is None:
+        if skipped and origin is None and not notes:  # a backend's note says why (another optimizer skipped)
             notes.append("no checked tensor was non-finite: the non-finite value is in a gradient the watch does "
                          "not see (a parameter outside the model, a gradient reduced across devices)")
         record = StepRecord(step, bool(skipped), scale, bool(sampled), stats, origin, tuple(notes))

@@ -1,5 +1,8 @@
 """Small real models shared by the tests."""
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -38,3 +41,18 @@ class ConvNet(nn.Module):
 def mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.LayerNorm(32), nn.Linear(32, 8))
+
+
+def train_steps(model: nn.Module, optimizer: Any, data: list, loss_fn: Callable[..., torch.Tensor], amp: Any = None,
+                after: Callable[[], None] = lambda: None) -> None:
+    """Training steps on ``(x, y)`` batches: ``zero_grad``, the backward of ``loss_fn(model(x), y)``
+    (``amp.backward`` when ``amp`` is given), the optimizer's step, then ``after()`` (e.g. an EMA's update)."""
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        if amp is not None:
+            amp.backward(loss)
+        else:
+            loss.backward()
+        optimizer.step()
+        after()

@@ -7,13 +7,18 @@
 - an optimizer unimp does not wrap, refused at its first step (never a scaled or lost update);
 - Lightning manual optimization with two optimizers, against Lightning's own mixed precision;
 - a frozen teacher beside a trained student, a policy model beside its frozen reference (TRL
-  style), an EMA of the fp32 masters (``torch.optim.swa_utils.AveragedModel``).
+  style), an EMA of the fp32 masters (``torch.optim.swa_utils.AveragedModel``, built after or before
+  ``apply``, against an fp32 run's EMA);
+- ``amp.watch()`` over several optimizers (DCGAN's two Amps sharing one scale, one Amp's body and head
+  optimizers with ``amp.update()``): one record per iteration, as a GradScaler run side by side.
 """
 
 import copy
+from typing import Any
 
 import pytest
 import torch
+from models import train_steps
 from torch import nn
 
 import unimp
@@ -60,15 +65,48 @@ def params_of(*nets: nn.Module) -> list[torch.Tensor]:
 SCALE = {"initial": 2.0 ** 13, "growth_interval": 1}
 
 
-def dcgan_native(data, scale=SCALE):
+class _Amplified(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by 1e9 in its dtype (float16: inf past 65504)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1e9
+
+
+class Overflow:
+    """A backward overflow planted in the discriminator: at iteration ``at``, the first forward of layer ``path``
+    (on the real batch) returns its output through :class:`_Amplified`, so the gradient reaching the layer's
+    own backward overflows float16: D's gradients are not finite, G's (from later forwards) are. (A forward
+    overflow would reach BCELoss as NaN, which refuses it.) ``next()`` starts an iteration."""
+
+    def __init__(self, net_d: nn.Module, at: int, path: str = "2") -> None:
+        self.at, self.iteration, self.calls = at, -1, 0
+        net_d.get_submodule(path).register_forward_hook(self)  # before any watch's hooks: they see its output
+
+    def next(self) -> None:
+        self.iteration, self.calls = self.iteration + 1, 0
+
+    def __call__(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+        self.calls += 1
+        return _Amplified.apply(out) if self.iteration == self.at and self.calls == 1 else None
+
+
+def dcgan_native(data, scale=SCALE, overflow_at=None):
     """dcgan/main.py's loop with torch.autocast("cpu", float16) and one GradScaler (torch's AMP recipe)."""
     net_d, net_g = dcgan()
+    planted = Overflow(net_d, overflow_at) if overflow_at is not None else None
     net_d, net_g = (n.to(memory_format=torch.channels_last) for n in (net_d, net_g))  # as the preset's layout
     opt_d, opt_g = adam(net_d), adam(net_g)
     criterion = nn.BCELoss()
     scaler = torch.amp.GradScaler("cpu", init_scale=scale["initial"], growth_interval=scale["growth_interval"])
     trace = []
     for real, noise in data:
+        if planted is not None:
+            planted.next()
         real = real.to(memory_format=torch.channels_last)
         net_d.zero_grad()
         with torch.autocast("cpu", torch.float16):
@@ -103,16 +141,22 @@ def _moved(before: list[torch.Tensor], net: nn.Module) -> bool:
     return any(not torch.equal(a, b) for a, b in zip(before, weights(net), strict=True))
 
 
-def dcgan_unimp(data, scale=SCALE, preset="mixed_fp16"):
-    """The same loop under unimp: each net its own Amp, one loss scale shared (share_scale_with)."""
+def dcgan_unimp(data, scale=SCALE, preset="mixed_fp16", overflow_at=None, watches=None, **watch):
+    """The same loop under unimp: each net its own Amp, one loss scale shared (share_scale_with). ``watches``: a
+    list that gets ``amp_d.watch(**watch)`` and ``amp_g.watch(**watch)``."""
     net_d, net_g = dcgan()
+    planted = Overflow(net_d, overflow_at) if overflow_at is not None else None
     opt_d, opt_g = adam(net_d), adam(net_g)
     policy = {"extends": preset, "loss_scale": scale}
     amp_d = unimp.apply(policy, net_d, opt_d)
     amp_g = unimp.apply(policy, net_g, opt_g, share_scale_with=amp_d)
+    if watches is not None:
+        watches += [amp_d.watch(**watch), amp_g.watch(**watch)]
     criterion = nn.BCELoss()
     trace = []
     for real, noise in data:
+        if planted is not None:
+            planted.next()
         net_d.zero_grad()
         output = net_d(real).view(-1).float()  # the loss in float32, as autocast runs BCELoss
         amp_d.backward(criterion(output, torch.ones_like(output)))
@@ -142,6 +186,41 @@ def test_dcgan_two_optimizers_one_scale_matches_gradscaler_bitwise():
     stepped = {(d, g) for _, d, g in native_trace}
     assert {(True, True), (False, False), (False, True)} <= stepped, native_trace  # one optimizer skips alone
     assert all(torch.equal(a, b) for a, b in zip(ours, native, strict=True))
+
+
+def expected_records(scales: list[float], every: int) -> list[tuple[int, float, bool, bool]]:
+    """What a watch must record, from a native GradScaler's scale after each iteration: ``(step, scale the
+    iteration's losses were scaled by, skipped, sampled)`` for each iteration sampled (every ``every``-th from
+    the first) or skipped (the scale backed off)."""
+    before = [SCALE["initial"], *scales[:-1]]
+    return [(i, used, after < used, i % every == 0) for i, (used, after) in enumerate(zip(before, scales, strict=True))
+            if i % every == 0 or after < used]
+
+
+def test_dcgan_watch_records_one_step_per_iteration_of_the_shared_scale():
+    """amp.watch() on both DCGAN Amps (netD's optimizer steps first, netG's last and updates the shared scale):
+    one record per iteration, sampled by iteration count (every=2) or skipped, none lost or doubled; each
+    record's step, scale and skipped as torch.amp.GradScaler's run side by side (the same planted overflow:
+    skipped = the native scale backed off); the planted iteration located at the planted layer of netD in the
+    backward, and netG's record of it says netD's optimizer skipped (netG's stepped)."""
+    data, at = batches(8), 5
+    _, native = dcgan_native(data, overflow_at=at)
+    watches = []
+    _, ours = dcgan_unimp(data, overflow_at=at, watches=watches, every=2, localize=True)
+    assert ours == native  # the scale and each optimizer's step or skip, iteration by iteration
+    assert native[at][1:] == (False, True)  # the planted overflow: D skipped, G stepped (both natively)
+    expected = expected_records([scale for scale, _, _ in native], every=2)
+    assert len(expected) > len(data) // 2  # some unsampled iterations were skipped
+    for watch in watches:
+        assert [(r["step"], r["scale"], r["skipped"], r["sampled"]) for r in watch.records] == expected
+    planted_d, planted_g = ({r["step"]: r for r in w.records}[at] for w in watches)
+    # the amplified gradient enters layer 2's own backward: its weight gradient is the first non-finite value
+    assert planted_d["first_nonfinite"] == {"path": "2", "direction": "backward", "tensor": "grad_param",
+                                           "exact": True}
+    assert planted_g["first_nonfinite"] is None  # netG's layers saw no non-finite value ...
+    assert "another optimizer sharing the loss scale had non-finite gradients (Adam of 0.weight)" in \
+        planted_g["notes"][0]  # ... and its record names the optimizer that skipped
+    assert all(r["layers"] for w in watches for r in w.records if r["sampled"])
 
 
 def critic_loss(out: torch.Tensor) -> torch.Tensor:
@@ -279,6 +358,65 @@ def rel_errors(updates: list[torch.Tensor], reference: list[torch.Tensor]) -> li
 # longest reduction (the hidden width), plus one rounding of the stored low-precision weights and one of the output
 def update_tolerance(preset: str) -> float:
     return (HIDDEN + 2) * unit_roundoff(preset)
+
+
+def test_watch_one_model_two_optimizers_head_first_body_every_second_iteration_then_amp_update():
+    """One Amp, ``amp.optimizers`` = [body, head]: the head steps first every iteration, the body every second
+    one, ``amp.update()`` ends each iteration (GradScaler's ``step(head); step(body); update()``). The watch
+    records each iteration once (sampled every 3 or skipped) with the step, scale and skip of a native
+    autocast + GradScaler run side by side; the planted overflow in the body's backward (an even iteration,
+    not sampled) is located at the planted layer, from either optimizer's flags."""
+    data, at = mlp_batches(8), 4
+
+    def run(native: bool) -> tuple[list[float], Any]:
+        model = body_and_head()
+        overflow = Overflow(model, at, path="2")
+        body, head = two_sgds(model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=SCALE["initial"], growth_interval=1)
+        amp = None if native else unimp.apply({"extends": "mixed_fp16", "loss_scale": SCALE}, model, [body, head])
+        watch = None if native else amp.watch(every=3, localize=True)
+        scales = []
+        for i, (x, y) in enumerate(data):
+            overflow.next()
+            model.zero_grad()
+            if native:
+                with torch.autocast("cpu", torch.float16):
+                    loss = loss_fn(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(head)
+                if i % 2 == 0:
+                    scaler.step(body)
+                scaler.update()
+                scales.append(scaler.get_scale())
+            else:
+                amp.backward(loss_fn(model(x), y))
+                amp.optimizers[1].step()
+                if i % 2 == 0:
+                    amp.optimizers[0].step()
+                amp.update()
+                scales.append(amp.scale)
+        if amp is not None:
+            amp.remove()
+        return scales, watch
+
+    native, _ = run(True)
+    ours, watch = run(False)
+    assert ours == native
+    expected = expected_records(native, every=3)
+    assert (at, native[at - 1], True, False) in expected  # the planted iteration: skipped natively, not sampled
+    assert [(r["step"], r["scale"], r["skipped"], r["sampled"]) for r in watch.records] == expected
+    planted = {r["step"]: r for r in watch.records}[at]
+    assert planted["first_nonfinite"] == {"path": "2", "direction": "backward", "tensor": "grad_param",
+                                          "exact": True}
+    model = body_and_head()
+    amp = unimp.apply("mixed_fp16", model, two_sgds(model))
+    amp.backward(loss_fn(model(data[0][0]), data[0][1]))
+    amp.optimizers[1].step()
+    with pytest.raises(UnsupportedError, match=r"1 of the 2 optimizers .*mid-iteration.*after amp.update\(\)"):
+        amp.watch()  # its first record would miss the head's part of the iteration
+    amp.update()
+    assert amp.watch(every=1) is not None  # between iterations
+    amp.remove()
 
 
 @pytest.mark.parametrize("preset", ["mixed_fp16", "fp16_master", "pure_bf16"])
@@ -659,6 +797,95 @@ def test_ema_plain_averaged_model_averages_the_fp32_masters():
     x = mlp_batches(1)[0][0]
     assert ema(x).dtype == model(x).dtype  # the copy runs under the policy too
     amp.remove()
+
+
+EMA_LR = 0.02  # small steps (a few 1e-3 of the weights over the run): where rounded weights would show
+
+
+def ema_displacement(ema: nn.Module, start: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.detach().double() - w.double() for p, w in zip(ema.parameters(), start, strict=True)]
+
+
+@pytest.mark.parametrize("average", ["multi_avg_fn", "avg_fn"])
+@pytest.mark.parametrize("preset", ["fp16_master", "pure_bf16"])
+def test_ema_built_before_apply_averages_the_fp32_masters_like_fp32(preset, average):
+    """The common order: ``ema = AveragedModel(model)`` first, then ``unimp.apply(preset, model, opt)``, then
+    ``ema.update_parameters(model)`` each step. Against a plain fp32 run with the same AveragedModel: the EMA's
+    move from the initial weights equals the fp32 EMA's within the dtype's update bound (as every update
+    does), where an EMA of the low-precision copies is off by their rounding (checked beside it), and
+    torch's foreach EMA (multi_avg_fn) mixing the fp32 copy with them raised a dtype error."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
+
+    def averaged(net: nn.Module) -> AveragedModel:
+        return (AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.9)) if average == "multi_avg_fn"
+                else AveragedModel(net, avg_fn=get_ema_avg_fn(0.9)))
+
+    data = mlp_batches(4)
+    reference = body_and_head()
+    start = params_of(reference)
+    ema_ref = averaged(reference)
+    train_steps(reference, torch.optim.SGD(reference.parameters(), lr=EMA_LR), data, loss_fn,
+                after=lambda: ema_ref.update_parameters(reference))
+
+    model = body_and_head()
+    ema = averaged(model)  # before apply
+    amp = unimp.apply(preset, model, torch.optim.SGD(model.parameters(), lr=EMA_LR))
+    rounded_shadow = body_and_head()  # an fp32 model given the low-precision copies: the EMA of what they hold
+    rounded = averaged(rounded_shadow)
+
+    @torch.no_grad()
+    def update_both() -> None:
+        ema.update_parameters(model)
+        for r, (_, low, _) in zip(rounded_shadow.parameters(), amp.master_weights, strict=True):
+            r.copy_(low)
+        rounded.update_parameters(rounded_shadow)
+
+    train_steps(model, amp.optimizer, data, loss_fn, amp, after=update_both)
+    assert all(p.dtype == torch.float32 for p in ema.parameters())
+    expected = ema_displacement(ema_ref, start)
+    errors = rel_errors(ema_displacement(ema, start), expected)
+    assert max(errors) < update_tolerance(preset), errors
+    rounding = rel_errors(ema_displacement(rounded, start), expected)
+    assert max(rounding) > update_tolerance(preset), rounding  # the same check fails the EMA of the copies
+    amp.remove()
+
+
+FRESH_PROCESS_EMA = """
+import sys, torch, unimp
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))  # before unimp_torch is even imported
+assert "unimp_torch" not in sys.modules
+amp = unimp.apply("fp16_master", model, torch.optim.SGD(model.parameters(), lr=0.1))
+shadow = AveragedModel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)),
+                       multi_avg_fn=get_ema_multi_avg_fn(0.9))  # torch's own EMA, given the masters
+for _ in range(3):
+    amp.optimizer.zero_grad()
+    amp.backward(model(torch.randn(4, 8)).float().square().mean())
+    amp.optimizer.step()
+    ema.update_parameters(model)
+    with amp.masters_in_model():
+        shadow.update_parameters(model)
+print(all(torch.equal(a, b) for a, b in zip(ema.parameters(), shadow.parameters(), strict=True)))
+"""
+
+
+def test_ema_built_before_the_torch_backend_is_imported_averages_the_fp32_masters():
+    """``import unimp`` imports no framework backend: an AveragedModel built before the first ``unimp.apply``
+    (in a fresh process, before ``unimp_torch`` is imported) is found at that apply, and its EMA is bit for bit
+    torch's EMA of the masters (``update_parameters`` inside ``amp.masters_in_model()``, the documented way)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "backends" / "torch"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-B", "-W", "ignore", "-c", FRESH_PROCESS_EMA], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"
 
 
 def test_several_optimizers_bad_input_names_the_optimizer_and_the_fix():

@@ -198,6 +198,7 @@ class TorchAmp(Amp):
         every iteration: otherwise the update runs by itself after the last of them stepped."""
         self._check_live("amp.update()")
         self.iteration.update()
+        self.iteration.notify()
 
     def ddp(self, **kwargs: Any) -> nn.Module:
         """``DistributedDataParallel(amp.model, **kwargs)`` under the policy; sets and returns ``amp.model``.

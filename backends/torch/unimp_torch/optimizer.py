@@ -77,8 +77,6 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._stepped = False  # the inner step of the step in progress ran (its post-hook was called)
         self._skipped_now: bool | None = None
         self._losses_spent = 0  # scaler.losses when the last step was done: equal = no loss scaled since
-        # unimp_torch.watch: called at the end of each step with whether it was skipped (reads the flag on the host)
-        self.after_step: Callable[[bool], None] | None = None
 
     # delegate what LR schedulers and users read
     @property
@@ -241,8 +239,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             for _, low, master in self.masters:
                 master.grad = None if low.grad is None else low.grad.to(master.dtype)
             out = self._inner_step(None, False, ())
-            if self.after_step is not None:
-                self.after_step(False)
+            self.iteration.notify()
             return out
         found = self.unscale_()
         assert found is not None  # scaler.checks: unscale_() returns found_inf
@@ -264,8 +261,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             out, skipped_now = self._inner_step(found, skip, ()), False
         if skipped_now and self.on_skip is not None:
             self.on_skip()
-        if self.after_step is not None:
-            self.after_step(bool(found.item()) if skipped_now is None and skip else bool(skipped_now))
+        self.iteration.notify()  # the iteration's end, when this step made the scale's update (amp.watch())
         return out
 
     def _inner_step(self, found: torch.Tensor | None, skip: bool, fresh: Sequence[torch.Tensor]) -> Any:

@@ -9,9 +9,16 @@ device (no host read, no Python side effect that ``torch.compile`` would break t
 check, one float32 sum (non-finite iff some value is), and on sampled steps the amax and the class
 counts in the layer's compute dtype (the Plan's; a tensor already narrower: its own) against
 :func:`unimp.spi.dtypes.limits`, counted on the bit patterns. The
-host reads them once at the end of a step that is sampled or skipped (``amp.optimizer.step()`` reads
-the skip flag on the host then: free on CPU, one sync on CUDA with a fused optimizer, as a non-fused
-one always does).
+host reads them once at the end of a step that is sampled or skipped (the skip flag is read on the host
+at each step's end: free on CPU, one sync on CUDA with a fused optimizer, as a non-fused one always does).
+
+A step is a training iteration: the update of the loss scale the Amp's optimizers share
+(:mod:`unimp.loss_scale.iteration`), which a watch listens to. With several optimizers (``amp.optimizers``,
+or another Amp's joined by ``share_scale_with=``: a GAN's ``netD`` and ``netG``) one record covers the
+forwards and backwards of the whole iteration, whichever optimizer steps first, and a step is skipped
+when some optimizer sharing the scale skipped (the scale backed off, as ``torch.amp.GradScaler.update()``
+after ``found_inf`` in any of them). A watch on each of two Amps sharing one scale sees its own model's
+layers; a record of an iteration this Amp's own optimizers stepped says which other one skipped.
 
 The backward: in eager, a tensor hook on each layer's output (the gradient arriving there) and, with
 ``localize``, on a view of each input the layer takes (the gradient its backward produced for it).
@@ -340,11 +347,18 @@ class TorchWatch(_NotCopied):
         self.losses.append(loss.detach())
         self.scale_used = self.amp.scaler.scale.detach().clone()
 
-    def step_end(self, skipped: bool) -> None:
-        """After ``amp.optimizer.step()``: record the step if it was sampled or skipped, then arm the next."""
+    def step_end(self, found: dict[AmpOptimizer, torch.Tensor | None]) -> None:
+        """The iteration ended (the shared loss scale's update, from the flags in ``found``: each optimizer
+        stepped since the last update -> its found_inf): record it if it was sampled or skipped, then arm the
+        next."""
         try:
-            if self.sampling or skipped:
-                self._record(skipped)
+            flags = {m: f for m, f in found.items() if f is not None} if self.amp.scaler.spec.skip_nonfinite else {}
+            values = list(flags.values())
+            read = ([] if not values else [bool(values[0] > 0)] if len(values) == 1
+                    else torch.stack(values).reshape(-1).gt(0).tolist())  # one host read
+            bad = dict(zip(flags, read, strict=True))
+            if self.sampling or any(bad.values()):
+                self._record(any(bad.values()), self._skipped_elsewhere(bad))
         finally:
             self._reset()
             self.step = self.amp.scaler.steps
@@ -400,7 +414,18 @@ class TorchWatch(_NotCopied):
                     codes[slot] = round(row[_CODE] / row[_OCCURRED])
         return positions, flags, amax, counts, codes
 
-    def _record(self, skipped: bool) -> None:
+    def _skipped_elsewhere(self, bad: dict[AmpOptimizer, bool]) -> list[str]:
+        """A note when only optimizers of other Amps sharing the scale skipped (this model's stepped)."""
+        own = set(map(id, self.amp.optimizers))
+        if not any(bad.values()) or any(b for m, b in bad.items() if id(m) in own):
+            return []
+        others = [f"{type(m.optimizer).__name__} of {next(iter(m.names.values()), '?')}"
+                  for m, b in bad.items() if b and id(m) not in own]
+        return [f"this model's optimizers stepped; the iteration is skipped because another optimizer sharing "
+                f"the loss scale had non-finite gradients ({', '.join(others)}): watch that model's Amp to "
+                f"locate them"]
+
+    def _record(self, skipped: bool, notes: list[str] = ()) -> None:
         scale = float(self.scale_used.item()) if self.scale_used is not None else None
         positions, flags, amax, counts, codes = self._read() if self.checking else ({}, [], [], [], [])
         events = [(self.paths[slot // 6], PLACES[slot % 6], pos,
@@ -414,13 +439,13 @@ class TorchWatch(_NotCopied):
             self.backward_order = list(dict.fromkeys(p for _, p in arrivals))
         layers = self._stats(positions, amax, counts, codes) if self.sampling else []
         self.session.add(self.step, skipped=skipped, scale=scale, sampled=self.sampling, layers=layers,
-                         events=events, backward_order=self.backward_order)
+                         events=events, backward_order=self.backward_order, notes=notes)
 
     def _loss_and_params(self) -> list[tuple[str, str, None, bool]]:
-        """A skipped step: the scaled loss and every parameter gradient it left, checked in one host read."""
-        opt = self.amp.optimizer
-        names = opt.names
-        grads = [(names.get(id(p), ""), p.grad) for p in opt.master_params() if p.grad is not None]
+        """A skipped step: the scaled loss and every parameter gradient it left (of every optimizer of the Amp),
+        checked in one host read."""
+        grads = [(opt.names.get(id(p), ""), p.grad) for opt in self.amp.optimizers for p in opt.master_params()
+                 if p.grad is not None]
         tensors = [g._values() if g.is_sparse else getattr(g, "_local_tensor", g) for _, g in grads]
         scale = self.scale_used if self.scale_used is not None else torch.ones(())
         sums = [(loss.float().sum() * scale.to(loss.device)).reshape(()) for loss in self.losses]
@@ -459,8 +484,9 @@ class TorchWatch(_NotCopied):
         self.disarm()
         if self.amp._watching is self:
             self.amp._watching = None
-        if isinstance(self.amp.optimizer, AmpOptimizer) and isinstance(self.amp.optimizer.after_step, _StepEnd):
-            self.amp.optimizer.after_step = None
+        for listener in self.amp.iteration.listeners:
+            if isinstance(listener, _StepEnd) and listener.watch is self:
+                self.amp.iteration.unlisten(listener)
 
 
 # a probe row: the check sum, amax, _at_least's six counts, numel, how many taps wrote it, dtype code x that
@@ -587,13 +613,14 @@ def _finite(x: float) -> bool:
 
 
 class _StepEnd(_NotCopied):
-    """``amp.optimizer.after_step``: the watch's end of a step (copies of the optimizer are not watched)."""
+    """The watch's end of a step, listening to the Amp's :class:`~unimp_torch.iteration.Iteration` (the shared
+    loss scale's update; copies of the Amp are not watched)."""
 
     def __init__(self, watch: TorchWatch) -> None:
         self.watch = watch
 
-    def __call__(self, skipped: bool) -> None:
-        self.watch.step_end(skipped)
+    def __call__(self, found: dict[AmpOptimizer, torch.Tensor | None]) -> None:
+        self.watch.step_end(found)
 
 
 def start(amp: Any, session: Any) -> TorchWatch:
@@ -602,13 +629,18 @@ def start(amp: Any, session: Any) -> TorchWatch:
     if not isinstance(amp.optimizer, AmpOptimizer):
         raise UnsupportedError("amp.watch(): a watch counts training steps through amp.optimizer.step(); apply the "
                                "policy with the optimizer: amp = unimp.apply(policy, model, optimizer)")
+    if amp.iteration.pending:  # its first record would miss what ran before: refused, nothing installed
+        raise UnsupportedError(f"amp.watch(): {len(amp.iteration.pending)} of the {len(amp.iteration.members)} "
+                               f"optimizers sharing the loss scale stepped since its last update (mid-iteration); "
+                               f"start the watch between iterations: after the iteration's last optimizer step, "
+                               f"or after amp.update()")
     if amp.distributed is not None and amp.distributed.get("engine") == "fsdp2":
         raise UnsupportedError("amp.watch(): not available on an FSDP2-sharded model yet (its parameters and "
                                "gradients are shards); watch a data-parallel (amp.ddp()) or single-device run")
     watch = TorchWatch(amp, session)
     session.bind(watch.step, watch.close)
     amp._watching = watch
-    amp.optimizer.after_step = _StepEnd(watch)
+    amp.iteration.listen(_StepEnd(watch))
     try:
         watch.arm()
     except BaseException:

@@ -12,27 +12,48 @@ How: torch's public global hook on module registration
 ``AveragedModel.__init__`` assign ``self.module = deepcopy(model)``; for the copy of an applied
 model (its forward runs the policy), it gives that one ``AveragedModel`` an instance
 ``update_parameters`` (:class:`FromMasters`): the only per-object way in, since
-``update_parameters`` reads ``model.parameters()`` itself. No torch class is patched. An ``AveragedModel`` built
-before ``unimp.apply`` is not seen: build it after.
+``update_parameters`` reads ``model.parameters()`` itself. No torch class is patched.
+
+An ``AveragedModel`` built *before* ``unimp.apply`` (``ema = AveragedModel(model)``, then the policy applied
+to ``model``) holds a plain fp32 copy, and its ``update_parameters(model)`` would mix that copy's fp32 with
+the model's low-precision copies (torch's foreach EMA refuses it with a dtype error; a per-parameter
+``avg_fn`` averages the rounded weights). ``apply`` finds it: every ``AveragedModel`` built since the hook is
+on is remembered (weakly), and those built before it, once, by one walk of the garbage collector's objects
+at the first ``apply`` of a policy with masters (tens of milliseconds in a process of ~400k objects);
+each whose copy has this model's class and parameter names and shapes gets the same ``update_parameters``.
+Given the applied model it averages the masters; given any other model, it is the class's own.
+
+timm's EMAs (``timm.utils.ModelEmaV3`` of timm's ``train.py``, ``ModelEmaV2``) average ``model.state_dict()``,
+which holds the fp32 masters while applied: one built before ``apply`` (an fp32 copy) already averages them.
+One built after ``apply`` copies the model's low-precision copies and would keep the EMA in float16 or
+bfloat16 (rounded every update, or stochastically rounded); the same hook sees it assign the copy as
+``self.module`` and gives the copy fp32 parameters holding the masters in those slots (found by the
+applied model whose parameters the fresh copy equals bit for bit): the EMA is then kept in float32. timm is
+not imported: the wrapper is known by its class's module and name.
 
 >>> import torch, unimp
 >>> from torch.optim.swa_utils import AveragedModel
-
-from ..forward import PolicyForward
 >>> m = torch.nn.Linear(2, 2)
 >>> amp = unimp.apply("pure_bf16", m, torch.optim.SGD(m.parameters(), lr=0.1))
 >>> ema = AveragedModel(m); ema.update_parameters(m)
 >>> ema.module.weight.dtype, torch.equal(ema.module.weight, amp.master_weights[0][2])
 (torch.float32, True)
 >>> _ = amp.remove()
+>>> before = AveragedModel(m)  # built before apply
+>>> amp = unimp.apply("pure_bf16", m, torch.optim.SGD(m.parameters(), lr=0.1))
+>>> before.update_parameters(m); torch.equal(before.module.weight, amp.master_weights[0][2])
+True
+>>> _ = amp.remove()
 """
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 from torch.optim.swa_utils import AveragedModel
@@ -41,6 +62,7 @@ from ..forward import PolicyForward
 
 _amps: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()  # module -> weakref to its Amp
 _hook: list[Any] = []
+_averaged: weakref.WeakSet[AveragedModel] = weakref.WeakSet()  # every AveragedModel seen (built or found)
 
 
 def _amp_of(model: nn.Module) -> Any:
@@ -55,14 +77,56 @@ def track(amp: Any) -> Callable[[], None]:
         return lambda: None
     if not _hook:
         _hook.append(register_module_module_registration_hook(_registered))
+        # those built before the hook was on: once per process (type() only: no attribute of a foreign object read)
+        _averaged.update(o for o in gc.get_objects() if issubclass(type(o), AveragedModel))
     _amps[amp.module] = weakref.ref(amp)
+    shape = _shape(amp.module)
+    for averaged in list(_averaged):  # built before apply: a copy of this model's architecture
+        copy = averaged.__dict__.get("_modules", {}).get("module")
+        if copy is not None and type(copy) is type(amp.module) and _shape(copy) == shape:
+            _from_masters(averaged)
     return lambda: _amps.pop(amp.module, None)
 
 
+def _shape(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+TIMM_EMAS = frozenset({"ModelEmaV2", "ModelEmaV3"})  # timm.utils.model_ema's, averaging model.state_dict()
+
+
 def _registered(parent: nn.Module, name: str, value: Any) -> None:
-    if name == "module" and isinstance(parent, AveragedModel) and isinstance(value.__dict__.get("forward"),
-                                                                               PolicyForward):
-        parent.__dict__["update_parameters"] = FromMasters(parent)  # a copy of a model with a policy applied
+    if name != "module":
+        return
+    if isinstance(parent, AveragedModel):
+        _averaged.add(parent)
+        if isinstance(value.__dict__.get("forward"), PolicyForward):  # a copy of a model with a policy applied
+            _from_masters(parent)
+    elif (type(parent).__name__ in TIMM_EMAS and type(parent).__module__.startswith("timm.")
+          and isinstance(value.__dict__.get("forward"), PolicyForward)):
+        amp = _copied_from(value)
+        if amp is not None:
+            _full_precision_slots(value, amp, masters=True)
+
+
+def _copied_from(copy: nn.Module) -> Any:
+    """The live Amp with masters whose model ``copy`` was just copied from: the same class, every parameter
+    equal bit for bit (None if there is none)."""
+    params = list(copy.parameters())
+    for module, ref in list(_amps.items()):
+        amp = ref()
+        if amp is None or not amp.params.swapped or type(module) is not type(copy):
+            continue
+        theirs = list(module.parameters())
+        if len(theirs) == len(params) and all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+                                              for a, b in zip(theirs, params, strict=True)):
+            return amp
+    return None
+
+
+def _from_masters(averaged: AveragedModel) -> None:
+    if not isinstance(averaged.__dict__.get("update_parameters"), FromMasters):
+        averaged.__dict__["update_parameters"] = FromMasters(averaged)
 
 
 class FromMasters:
@@ -85,9 +149,13 @@ class FromMasters:
         with amp.masters_in_model():
             return update(self.averaged, model)
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled with its AveragedModel (torch.save(ema)): no weakref
+        return FromMasters, (self.averaged,)
 
-def _full_precision_slots(copy: nn.Module, amp: Any) -> None:
-    """The copy's parameters in the slots of ``amp``'s low-precision copies get the fp32 dtype (ties kept)."""
+
+def _full_precision_slots(copy: nn.Module, amp: Any, masters: bool = False) -> None:
+    """The copy's parameters in the slots of ``amp``'s low-precision copies get the fp32 dtype (ties kept):
+    their own values widened, or (``masters``) the masters' values."""
     paths = {id(m): p for p, m in amp.module.named_modules(remove_duplicate=False)}
     made: dict[int, nn.Parameter] = {}
     for module, name, original, _ in amp.params.swapped:
@@ -96,5 +164,6 @@ def _full_precision_slots(copy: nn.Module, amp: Any) -> None:
         if p is None or p.dtype == original.dtype:
             continue
         if id(original) not in made:
-            made[id(original)] = nn.Parameter(p.detach().to(original.dtype), requires_grad=p.requires_grad)
+            value = original.detach().clone() if masters else p.detach().to(original.dtype)
+            made[id(original)] = nn.Parameter(value.to(p.device), requires_grad=p.requires_grad)
         owner._parameters[name] = made[id(original)]
