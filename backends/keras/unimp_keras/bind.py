@@ -191,14 +191,22 @@ def patch_save(layer: Any, binding: Binding) -> None:
     binding.instance_methods.append((layer, own, "save_own_variables"))
 
 
+# TensorFlow's tensor operators do not promote (``bfloat16 + float32`` raises); JAX's and torch's do, as Keras'
+# own mixed policies rely on there
+PROMOTES = keras.backend.backend() != "tensorflow"
+
+
 def patch_stream(layer: Any, parent: Any, binding: Binding) -> None:
-    """Hand ``layer``'s float results back in the dtype its subclassed container runs in.
+    """Hand ``layer``'s float results back in the dtype its subclassed container runs in, where the
+    container's own ops would not get that dtype by promotion.
 
     The container follows its inputs (``FollowInputs``), and its own ops — the residual
-    ``x + attention(norm(x))`` of a transformer block — see one dtype: TensorFlow does not promote
-    ``bfloat16 + float32``. The layer itself still computes in its own dtype; only its result is cast
-    (to the container's input dtype, e.g. float32 when the residual stream is float32, as torch's
-    promotion keeps it; float16 when the stream is float16, as Keras' own mixed policies keep it).
+    ``x + attention(norm(x))`` of a transformer block — see one dtype. On TensorFlow, which does not
+    promote ``bfloat16 + float32``, every float result is cast to the container's input dtype. On JAX
+    and torch a result narrower than the stream stays as its layer computed it (``gelu(gate(x)) * up(x)``
+    runs in bfloat16, as under Keras' own policy; the residual add promotes to the float32 stream), and
+    only one promotion would not bring back to the stream is cast (a float32 fallback layer in a float16
+    stream returns float16, as Keras' own mixed policies keep the stream).
     """
     name = call_name(layer)  # a float8 layer runs quantized_call
     own = layer.__dict__.get(name)
@@ -207,7 +215,7 @@ def patch_stream(layer: Any, parent: Any, binding: Binding) -> None:
     def call(*args: Any, **kwargs: Any) -> Any:
         out = call.inner(*args, **kwargs)  # type: ignore[attr-defined]
         stream = parent.dtype_policy.compute_dtype
-        return keras.tree.map_structure(lambda t: _cast_float(t, stream), out)
+        return keras.tree.map_structure(lambda t: _to_stream(t, stream), out)
 
     call.inner = original  # type: ignore[attr-defined]  # the report looks at the result before the cast
     object.__setattr__(layer, name, call)
@@ -224,6 +232,15 @@ def patch_output(model: Any, dtype: str, binding: Binding) -> None:
 
     object.__setattr__(model, "call", call)
     binding.call_patched = True
+
+
+def _to_stream(t: Any, stream: str) -> Any:
+    """``t`` as the stream's ops should see it: cast unless promotion against ``stream`` gives ``stream``."""
+    if PROMOTES and (keras.ops.is_tensor(t) or keras.backend.is_keras_tensor(t)):
+        name = keras.backend.standardize_dtype(t.dtype)
+        if name != stream and dtypes.widest((name, stream)) == stream:
+            return t
+    return _cast_float(t, stream)
 
 
 def _cast_float(t: Any, dtype: str) -> Any:
