@@ -7,7 +7,8 @@ import warnings
 import pytest
 
 import unimp
-from unimp.plan import LayerInfo, compile_ops, resolved_loss_scale
+from unimp.plan import LayerInfo, compile_ops
+from unimp.plan.request import asked_loss_scale
 from unimp.policy.ops import class_names, kind_of_names, native_table
 
 INDEX = (LayerInfo("embed", "embedding", ("Embedding",), (("num_embeddings", 32), ("embedding_dim", 16))),
@@ -49,7 +50,7 @@ def test_loss_scale_is_resolved_in_the_plan():
     pol = unimp.load({"extends": "fp32", "compute_dtype": "auto"})
     assert pol.loss_scale.mode == "none"
     assert plan_for(pol, "float16").loss_scale.mode == "dynamic"
-    assert plan_for(pol, "float32").loss_scale == pol.loss_scale == resolved_loss_scale(pol, "float32")
+    assert plan_for(pol, "float32").loss_scale == pol.loss_scale == asked_loss_scale(pol, "float32")
     assert plan_for(pol, "float16").to_dict()["loss_scale"]["mode"] == "dynamic"
 
 

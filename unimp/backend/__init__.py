@@ -21,7 +21,7 @@ from unimp.backend.applied import is_applied, release, remember
 from unimp.backend.transaction import Snapshot
 from unimp.errors import StateError, UnimpWarning, UnsupportedError
 from unimp.loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
-from unimp.plan import Plan
+from unimp.plan import Plan, PlanRequest
 from unimp.policy import LossScaleSpec, Policy
 from unimp.report import Report
 from unimp.watch import Watch
@@ -77,8 +77,8 @@ class Backend(abc.ABC):
         return self.plan(Plan.request(policy, self.name), model)
 
     @abc.abstractmethod
-    def plan(self, request: Plan, model: Any = None) -> Plan:
-        """What this backend will do with ``request`` (:meth:`Plan.request`: the policy as asked):
+    def plan(self, request: PlanRequest, model: Any = None) -> Plan:
+        """What this backend will do with ``request`` (:class:`PlanRequest`: the policy as asked):
         ``request.compile(control=..., native=..., ...)`` with what it can control (``model``: the model
         it will bind, when known, for device/hardware context and the per-layer index)."""
 
@@ -307,7 +307,7 @@ class Amp(abc.ABC):
     def _loss_scale_run(self) -> LossScaleSpec:
         """The loss-scale knobs this backend really runs: the Plan's resolved spec, with the fallbacks
         its notes name (a backend that falls back overrides this)."""
-        return self.plan.loss_scale_run
+        return self.plan.loss_scale
 
     def _apply_state(self, new: LossScaleState) -> None:
         """``set_loss_scale_state(new)`` all or nothing: on failure the previous state is put back."""

@@ -388,7 +388,7 @@ def _wrap_layers(amp: TorchAmp, model: nn.Module, plan: Plan, device: str) -> No
     for path, module in model.named_modules():
         names, k = type_names(module), kind(module)
         decision = plan.decide(path, k, names)
-        if decision.override is not None and plan.overrides[decision.override].compute_dtype is not None:
+        if decision.sets_compute:
             composite = any(True for _ in module.children()) and decision.compute_dtype != "float32"
             amp._undo.append(wrap(module, Rule(decision.compute_dtype, composite), device))
             amp.wrapped.append(path or "<model>")
