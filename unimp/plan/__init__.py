@@ -157,6 +157,10 @@ class PlanRequest:
         return self.policy.output_cast
 
     @property
+    def master_weights(self) -> MasterWeights:
+        return self.policy.master_weights
+
+    @property
     def uses_master_weights(self) -> bool:
         """fp32 masters are kept for some low-precision parameter."""
         return self.policy.uses_master_weights
