@@ -125,4 +125,6 @@ def test_the_plan_has_one_loss_scale_the_spec_that_runs():
     assert plan.loss_scale.scale_dtype == "float32" and pol.loss_scale.scale_dtype == "float64"
     assert plan.to_dict()["loss_scale"]["scale_dtype"] == "float64"
     assert any("scale_dtype" in n for n in plan.notes)
-    assert not any(hasattr(plan, n) for n in ("loss_scale_run", "as_run", "loss_scale_at"))
+    assert not any(hasattr(plan, n) for n in ("as_run", "loss_scale_at"))
+    with pytest.warns(DeprecationWarning, match="plan.loss_scale is the loss-scale spec that runs"):
+        assert plan.loss_scale_run == plan.loss_scale  # the old name, for code that read it

@@ -17,7 +17,8 @@ By job:
   ``unimp.backends``), :class:`Amp` (the handle ``apply`` returns), :class:`Snapshot` (what ``apply``
   may change, restored when it fails);
 - the compiled contract: :class:`Plan` (``Backend.plan`` receives the request ``Plan.request(policy,
-  backend)``, typed ``Plan.Request``: the overrides resolved by the core, and returns ``request.compile(...)``), :class:`LayerInfo` (one layer of the model index), :class:`LossScaleSpec`,
+  backend)``, typed ``Plan.Request``: the overrides resolved by the core, and returns
+  ``request.compile(...)``), :class:`LayerInfo` (one layer of the model index), :class:`LossScaleSpec`,
   :class:`Fp8Support` (what a backend can run in FP8) and :class:`Fp8Decision` (one layer's FP8 verdict);
 - the loss-scale rule, written once: :class:`LossScale` (on Python numbers), :func:`step` over the
   array-ops protocol :class:`ArrayOps` with its state :class:`Arrays` (on device), :class:`LossScaleState`;

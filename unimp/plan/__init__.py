@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -287,6 +288,13 @@ class Plan:
     @property
     def low_precision_params(self) -> bool:
         return is_low(self.param_dtype)
+
+    @property
+    def loss_scale_run(self) -> LossScaleSpec:
+        """Deprecated: :attr:`loss_scale` is the spec that runs."""
+        warnings.warn("Plan.loss_scale_run is deprecated: plan.loss_scale is the loss-scale spec that runs",
+                      DeprecationWarning, stacklevel=2)
+        return self.loss_scale
 
     def decide_fp8(self, path: str, kind: str | None, type_names: Iterable[str] = (),
                    dims: Mapping[str, int] | None = None) -> Fp8Decision:
