@@ -19,7 +19,7 @@ from typing import Any
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import keras_hub_gpu as K  # noqa: E402
+import keras_hub_gpu as K
 
 
 def _peak() -> float | None:
@@ -31,6 +31,7 @@ def _peak() -> float | None:
 
 def analyse(name: str, smoke: bool, out: str | None) -> dict[str, Any]:
     import jax
+
     import unimp
 
     marks: dict[str, float | None] = {"start": _peak()}
@@ -73,7 +74,8 @@ def main() -> None:
         return
     result = {}
     for name in (n for n in K.VARIANTS if "A/A" not in n):
-        cmd = [sys.executable, __file__, "--one", name, *(["--smoke"] if smoke else []), *(["--out", out] if out else [])]
+        cmd = [sys.executable, __file__, "--one", name, *(["--smoke"] if smoke else []),
+               *(["--out", out] if out else [])]
         p = subprocess.run(cmd, capture_output=True, text=True)
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
         result[name] = json.loads(line[-1][7:]) if line else {"error": p.stderr[-2000:]}

@@ -152,6 +152,21 @@ def test_backends_read_layer_decisions_from_the_plan():
     assert not bad, "\n".join(bad)
 
 
+def test_backends_read_no_override_list():
+    """The core resolves the overrides (``request.decide``, ``request.override_dtypes``, ``plan.decide``):
+    no backend module reads an override list (``plan.overrides``, ``request.overrides``, ...)."""
+    import ast
+
+    from imports import BACKEND_DIRS
+
+    bad = [f"{p.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}"
+           for d in BACKEND_DIRS for p in sorted(d.rglob("*.py"))
+           for node in ast.walk(ast.parse(p.read_text(), str(p)))
+           if isinstance(node, ast.Attribute) and node.attr == "overrides"
+           and not (isinstance(node.value, ast.Name) and node.value.id == "torch")]  # torch.overrides: a module
+    assert not bad, "backends read an override list (ask the request or the Plan):\n" + "\n".join(bad)
+
+
 def _policy_reads(path) -> list[str]:
     """Every read of a Policy in one backend module: ``x.policy``, ``policy.<knob>`` (also ``pol``,
     ``policies``) and the name ``Policy`` itself (a backend gets a Plan, never a Policy)."""

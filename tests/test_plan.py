@@ -7,7 +7,8 @@ import warnings
 import pytest
 
 import unimp
-from unimp.plan import LayerInfo, compile_ops, resolved_loss_scale
+from unimp.plan import LayerInfo, Plan, compile_ops
+from unimp.plan.request import asked_loss_scale
 from unimp.policy.ops import class_names, kind_of_names, native_table
 
 INDEX = (LayerInfo("embed", "embedding", ("Embedding",), (("num_embeddings", 32), ("embedding_dim", 16))),
@@ -49,7 +50,7 @@ def test_loss_scale_is_resolved_in_the_plan():
     pol = unimp.load({"extends": "fp32", "compute_dtype": "auto"})
     assert pol.loss_scale.mode == "none"
     assert plan_for(pol, "float16").loss_scale.mode == "dynamic"
-    assert plan_for(pol, "float32").loss_scale == pol.loss_scale == resolved_loss_scale(pol, "float32")
+    assert plan_for(pol, "float32").loss_scale == pol.loss_scale == asked_loss_scale(pol, "float32")
     assert plan_for(pol, "float16").to_dict()["loss_scale"]["mode"] == "dynamic"
 
 
@@ -90,3 +91,40 @@ def test_class_walk_and_native_table():
     assert class_names(MyDense, stop=(Dense,)) == ("MyDense",)
     with pytest.raises(ValueError, match="'linaer' \\(did you mean 'linear'\\?\\)"):
         native_table("demo", {"linaer": ["Dense"]})
+
+
+def test_the_request_resolves_the_overrides_for_every_backend():
+    """What a backend asks of the request, answered by the core: ``auto`` overrides follow the resolved compute
+    dtype, the explicit ones keep theirs, each named as its setting; one layer's answer says which override set it."""
+    pol = unimp.load({"extends": "mixed_bf16", "compute_dtype": "auto",
+                      "overrides": [{"types": ["Linear"], "compute_dtype": "auto"},
+                                    {"modules": ["head"], "compute_dtype": "float32", "param_dtype": "float32"},
+                                    {"modules": ["embed"], "param_dtype": "bfloat16"}]})
+    request = Plan.request(pol, "demo")
+    assert request.compute_dtype == "auto" and request.at("float16").compute_dtype == "float16"
+    at = request.at("float16")
+    assert [(r.setting, r.dtype, r.follows_compute) for r in at.override_dtypes] == [
+        ("overrides[0].compute_dtype", "float16", True), ("overrides[1].compute_dtype", "float32", False),
+        ("overrides[1].param_dtype", "float32", False), ("overrides[2].param_dtype", "bfloat16", False)]
+    assert at.compute_requests() == (("compute_dtype", "float16"), ("overrides[1].compute_dtype", "float32"))
+    assert at.low_dtypes == ("float16",) and at.mixes_compute
+    assert not Plan.request(unimp.load("mixed_bf16"), "demo").mixes_compute
+    fc, embed = at.decide("fc1", "linear", ("Linear",)), at.decide("embed", "embedding", ("Embedding",))
+    assert (fc.compute_dtype, fc.override, fc.sets_compute) == ("float16", 0, True)
+    assert (embed.param_dtype, embed.override, embed.sets_compute) == ("bfloat16", 2, False)
+    plan = at.compile(control={}, native={}, index=INDEX)
+    assert plan.compute_dtype == "float16" and plan.decide("fc1", "linear", ("Linear",)) == fc
+    assert not hasattr(plan, "overrides") and not hasattr(request, "overrides")
+
+
+def test_the_plan_has_one_loss_scale_the_spec_that_runs():
+    """``plan.loss_scale`` is what the backend runs: the knobs it cannot honour replaced (noted), ``auto``
+    resolved; the report (``to_dict``) keeps the spec as asked, its fallbacks in the notes."""
+    pol = unimp.load({"extends": "mixed_fp16", "loss_scale": {"scale_dtype": "float64"}, "on_unsupported": "fallback"})
+    plan = plan_for(pol, loss_scale_unsupported={"scale_dtype": ("float32", "the demo holds float32 scales")})
+    assert plan.loss_scale.scale_dtype == "float32" and pol.loss_scale.scale_dtype == "float64"
+    assert plan.to_dict()["loss_scale"]["scale_dtype"] == "float64"
+    assert any("scale_dtype" in n for n in plan.notes)
+    assert not any(hasattr(plan, n) for n in ("as_run", "loss_scale_at"))
+    with pytest.warns(DeprecationWarning, match="plan.loss_scale is the loss-scale spec that runs"):
+        assert plan.loss_scale_run == plan.loss_scale  # the old name, for code that read it

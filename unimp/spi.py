@@ -16,7 +16,8 @@ By job:
 - the plug-in: :class:`Backend` (subclass it, implement ``accepts`` / ``plan`` / ``apply``; entry point
   ``unimp.backends``), :class:`Amp` (the handle ``apply`` returns), :class:`Snapshot` (what ``apply``
   may change, restored when it fails);
-- the compiled contract: :class:`Plan` (``Backend.plan`` receives ``Plan.request(policy)`` and returns
+- the compiled contract: :class:`Plan` (``Backend.plan`` receives the request ``Plan.request(policy,
+  backend)``, typed ``Plan.Request``: the overrides resolved by the core, and returns
   ``request.compile(...)``), :class:`LayerInfo` (one layer of the model index), :class:`LossScaleSpec`,
   :class:`Fp8Support` (what a backend can run in FP8) and :class:`Fp8Decision` (one layer's FP8 verdict);
 - the loss-scale rule, written once: :class:`LossScale` (on Python numbers), :func:`step` over the

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from unimp.backend.transaction import Snapshot
-from unimp.plan import Plan
+from unimp.plan import Plan, PlanRequest
 from unimp.policy import Policy
 
 if TYPE_CHECKING:
@@ -69,8 +69,8 @@ class Backend(abc.ABC):
         return self.plan(Plan.request(policy, self.name), model)
 
     @abc.abstractmethod
-    def plan(self, request: Plan, model: Any = None) -> Plan:
-        """What this backend will do with ``request`` (:meth:`Plan.request`: the policy as asked):
+    def plan(self, request: PlanRequest, model: Any = None) -> Plan:
+        """What this backend will do with ``request`` (:class:`PlanRequest`: the policy as asked):
         ``request.compile(control=..., native=..., ...)`` with what it can control (``model``: the model
         it will bind, when known, for device/hardware context and the per-layer index)."""
 

@@ -223,7 +223,7 @@ class Amp(abc.ABC):
     def _loss_scale_run(self) -> LossScaleSpec:
         """The loss-scale knobs this backend really runs: the Plan's resolved spec, with the fallbacks
         its notes name (a backend that falls back overrides this)."""
-        return self.plan.loss_scale_run
+        return self.plan.loss_scale
 
     def _apply_state(self, new: LossScaleState) -> None:
         """``set_loss_scale_state(new)`` all or nothing: on failure the previous state is put back."""

@@ -22,6 +22,7 @@ from unimp.conformance.select import CHECK_POLICIES
 from unimp.conformance.select import reason as tag_reason
 from unimp.errors import StateError, UnsupportedError
 from unimp.loss_scale import STATE_KEYS, LossScale, LossScaleState
+from unimp.plan import Plan
 from unimp.policy import Policy
 from unimp.policy.loading import load
 
@@ -393,7 +394,9 @@ def check_loss_scale_follows_plan(kit: Kit, policy: Policy) -> None:
     on a GPU without fast bf16), so the first scale and a poisoned step follow the dynamic rule."""
     pol = policy.replace(compute_dtype="auto", loss_scale={"mode": "none"})
     model = kit.build_probe(probe_weights(0))
-    plan = dataclasses.replace(kit.compile(pol, model), compute_dtype="float16")
+    plan = kit.compile(pol, model)
+    fp16 = Plan.request(pol, plan.backend).at("float16").loss_scale  # what the core resolves auto -> float16 to
+    plan = dataclasses.replace(plan, compute_dtype="float16", loss_scale=fp16)
     if plan.loss_scale.mode != "dynamic":
         raise _fail(kit, pol, "Plan.loss_scale of auto resolved to float16", "dynamic", plan.loss_scale.mode)
     amp = kit.apply_plan(plan, model, kit.make_optimizer(model))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unimp.conformance.probe import ProbeBatch
-from unimp.plan import Plan
+from unimp.plan import Plan, PlanRequest
 from unimp.policy import Policy
 
 
@@ -46,8 +46,8 @@ class Kit(abc.ABC):
         cls = backends().get(self.backend)
         return frozenset(cls.tags) if cls is not None else TAGS
 
-    def supports(self, request: Plan) -> str | None:
-        """Why the policy of ``request`` (:meth:`unimp.plan.Plan.request`) cannot run here (the check then
+    def supports(self, request: PlanRequest) -> str | None:
+        """Why the policy of ``request`` (:class:`unimp.plan.PlanRequest`) cannot run here (the check then
         expects a clear UnsupportedError); None when it can."""
         return None
 

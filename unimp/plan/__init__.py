@@ -1,12 +1,13 @@
 """A policy compiled for one backend: the whole contract between the core and a backend.
 
-Backends build a Plan with :func:`compile_ops` from what they can control (control level and native
-names per canonical op) and, when a model is given, its index (:class:`LayerInfo` per layer: path,
-kind, class names, tiling dims). The Plan then carries, as typed fields, every decision a backend
-acts on: the resolved compute dtype and why, the per-op table, the per-layer decision table
-(overrides resolved once, ambiguous matches reported), the resolved loss-scale spec and the layout
-findings with their action. Backends read the Plan, never the policy's raw knobs; it prints as the
-table ``unimp explain`` shows.
+A backend receives a :class:`PlanRequest` (:mod:`unimp.plan.request`: the policy as asked, its
+overrides resolved by the core) and builds the Plan with ``request.compile(...)`` (:func:`compile_ops`)
+from what it can control (control level and native names per canonical op) and, when a model is
+given, its index (:class:`LayerInfo` per layer: path, kind, class names, tiling dims). The Plan then
+carries, as typed, resolved fields, every decision a backend acts on: the compute dtype and why, the
+per-op table, the per-layer decision table (overrides resolved once, ambiguous matches reported), the
+loss-scale spec that runs, the settings, FP8 and the layout findings with their action. Backends
+read the Plan, never the policy; it prints as the table ``unimp explain`` shows.
 
 >>> import unimp
 >>> plan = compile_ops("demo", unimp.load("mixed_bf16"), control={"matmul": "op"}, native={},
@@ -21,17 +22,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from unimp.dtypes import is_low
 from unimp.errors import UnsupportedError
 from unimp.loss_scale import loss_scale_as_run, loss_scale_fallbacks
 from unimp.plan.fp8 import Fp8Decision, Fp8Plan, Fp8Support, asks_fp8, decide_fp8, plan_fp8, requests_fp8
 from unimp.plan.layout import LayoutFindings
-from unimp.policy import Distributed, LayerDecision, LossScaleSpec, MasterWeights, Override, Policy
+from unimp.plan.request import DtypeRequest, asked_loss_scale, override_dtypes, requested_dtype
+from unimp.policy import LayerDecision, LossScaleSpec, MasterWeights, Policy
 from unimp.policy.ops import CANONICAL_OPS
 from unimp.report import format_table
+
+__all__ = ["CONTROL_LEVELS", "DtypeRequest", "LayerInfo", "LayerRow", "OpDecision", "Plan", "PlanRequest",
+           "compile_layers", "compile_layout", "compile_ops", "describe_loss_scale", "requested_dtype"]
 
 CONTROL_LEVELS = ("op", "layer", "fixed")
 
@@ -83,73 +90,50 @@ class LayerRow:
     ambiguous: tuple[int, ...] = ()  # every matching override, when they disagree (the first wins)
 
 
-def resolved_loss_scale(policy: Policy, compute_dtype: str) -> LossScaleSpec:
-    """The loss-scale knobs to run: the policy's, except that ``auto`` resolved to float16 turns a
-    ``none`` mode into dynamic scaling (fp16 without scaling underflows)."""
-    spec = policy.loss_scale
-    if policy.compute_dtype == "auto" and compute_dtype == "float16" and spec.mode == "none":
-        return dataclasses.replace(spec, mode="dynamic", skip_nonfinite=True)
-    return spec
-
-
 @dataclass(frozen=True)
-class Plan:
-    """What one backend will do with one policy: the only thing a backend reads.
+class PlanRequest:
+    """The request: the policy as asked of ``backend``, before the backend says what it can do.
 
-    ``details``: the backend's own frozen dataclass of what it decided at compile time (e.g. the
-    torch backend's autocast dtype and op moves), read back by attribute, never by string key.
-
-    A backend never reads the :class:`Policy` (``plan.policy`` is for the core and the user): every knob
-    it acts on is a field or a view here (``param_dtype``, ``output_cast``, ``master_weights``,
-    ``reduce_dtype``, ``channels_last``, ``loss_scale_run``, ``decide()``, ``decide_fp8()``, ...). Its
-    ``Backend.plan`` receives the *request* (:meth:`request`: the policy as asked, ``compute_dtype``
-    maybe ``"auto"``) and returns ``request.compile(...)`` with what it can control.
+    ``Backend.plan`` receives it (``Plan.request(policy, backend)``) and returns ``request.compile(...)``.
+    ``compute_dtype`` is the policy's, maybe ``auto``, until the backend resolves it on its device and
+    goes on with ``request.at(dtype)``, whose queries then answer at that dtype. The core resolves the
+    overrides, once, for every backend: what one layer asks (:meth:`decide`), every dtype an override
+    asks (:attr:`override_dtypes`, ``auto`` already the compute dtype) and the aggregates
+    (:meth:`compute_requests`, :attr:`low_dtypes`, :attr:`mixes_compute`). ``policy`` is the core's: a
+    backend reads these queries, never the policy or its override list.
 
     >>> import unimp
-    >>> req = Plan.request(unimp.load("mixed_fp16"), "demo")
-    >>> req.compute_dtype, req.param_dtype, req.output_cast, req.uses_master_weights, req.reduce_dtype
-    ('float16', 'float32', None, False, 'float32')
-    >>> plan = req.compile(control={"matmul": "op"}, native={})
-    >>> plan.op("matmul").dtype, plan.loss_scale_run.mode
-    ('float16', 'dynamic')
+    >>> req = Plan.request(unimp.load({"extends": "mixed_bf16", "compute_dtype": "auto",
+    ...                                "overrides": [{"types": ["Linear"], "compute_dtype": "auto"},
+    ...                                              {"modules": ["head"], "compute_dtype": "float32"}]}), "demo")
+    >>> req.compute_dtype, req.at("float16").low_dtypes, req.at("float16").mixes_compute
+    ('auto', ('float16',), True)
+    >>> req.at("float16").compute_requests()
+    (('compute_dtype', 'float16'), ('overrides[1].compute_dtype', 'float32'))
+    >>> d = req.at("float16").decide("fc", "linear", ("Linear",))
+    >>> d.compute_dtype, d.override, d.sets_compute
+    ('float16', 0, True)
     """
 
     backend: str
     policy: Policy
     compute_dtype: str
-    compute_reason: str
-    ops: tuple[OpDecision, ...]
-    notes: tuple[str, ...] = ()
-    details: Any = None
-    param_fallback: str | None = None  # dtype low-precision params really hold, when the backend cannot lower them
-    override_fallbacks: Mapping[int, str] = field(default_factory=dict)  # override index -> dtype that runs
-    layers: tuple[LayerRow, ...] = ()  # the per-layer decision table (when compiled with a model index)
-    layout: LayoutFindings = field(default=LayoutFindings(0, "ignore"))
-    fp8: Fp8Plan | None = None  # the [fp8] part (unimp.plan.fp8); None = built without FP8 support declared
-    as_run: LossScaleSpec | None = None  # the loss-scale knobs the backend really runs (None: loss_scale)
 
-    # ------------------------------------------------------------- the request, and compiling it
     @classmethod
-    def request(cls, policy: Policy, backend: str) -> Plan:
-        """The policy as asked, before ``backend`` says what it can do (``compute_dtype`` may be ``auto``):
-        what ``Backend.plan`` receives. Every op is requested at its category's dtype."""
-        ops = tuple(OpDecision(op, policy.ops.category(op), requested_dtype(policy, op, policy.compute_dtype),
-                               "op") for op in CANONICAL_OPS)
-        return cls(backend, policy, policy.compute_dtype, "as the policy says", ops)
+    def of(cls, policy: Policy, backend: str) -> PlanRequest:
+        return cls(backend, policy, policy.compute_dtype)
+
+    def at(self, compute_dtype: str) -> PlanRequest:
+        """This request with its compute dtype resolved (what the backend's device runs)."""
+        return dataclasses.replace(self, compute_dtype=compute_dtype)
 
     def compile(self, **kwargs: Any) -> Plan:
-        """The Plan of this request on its backend: :func:`compile_ops` with what the backend can control."""
+        """The Plan of this request on its backend: :func:`unimp.plan.compile_ops` with what the backend
+        can control (``compute_dtype`` defaults to this request's)."""
+        kwargs.setdefault("compute_dtype", self.compute_dtype)
         return compile_ops(self.backend, self.policy, **kwargs)
 
-    # ------------------------------------------------------------- what the policy asks, as backends read it
-    @property
-    def name(self) -> str:
-        return self.policy.name
-
-    @property
-    def fingerprint(self) -> str:
-        return self.policy.fingerprint
-
+    # ------------------------------------------------------------- the settings, as asked
     @property
     def where(self) -> str:
         """``policy 'name' (source)``: how messages name the policy."""
@@ -183,43 +167,134 @@ class Plan:
         return self.policy.uses_master_weights
 
     @property
-    def distributed(self) -> Distributed:
-        return self.policy.distributed
-
-    @property
     def reduce_dtype(self) -> str:
         return self.policy.distributed.reduce_dtype
-
-    @property
-    def channels_last(self) -> bool:
-        return self.policy.layout.channels_last
-
-    @property
-    def overrides(self) -> tuple[Override, ...]:
-        return self.policy.overrides
 
     @property
     def fp8_requested(self) -> bool:
         """The policy asks FP8 somewhere (the table or an override)."""
         return requests_fp8(self.policy)
 
+    @property
+    def loss_scale(self) -> LossScaleSpec:
+        """The loss-scale spec asked at this compute dtype (:func:`asked_loss_scale`); the Plan's
+        ``loss_scale`` is what runs (this, with the knobs the backend cannot honour replaced)."""
+        return asked_loss_scale(self.policy, self.compute_dtype)
+
+    # ------------------------------------------------------------- ops and layers, resolved
+    @property
+    def ops(self) -> tuple[OpDecision, ...]:
+        """Every canonical op as requested: its category and the dtype asked at this compute dtype."""
+        return tuple(OpDecision(op, self.policy.ops.category(op), self.requested(op), "op") for op in CANONICAL_OPS)
+
+    def op(self, name: str) -> OpDecision:
+        for d in self.ops:
+            if d.op == name:
+                return d
+        raise KeyError(name)
+
     def requested(self, op: str, compute_dtype: str | None = None) -> str | None:
-        """The dtype the policy asks for ``op`` (None = follow inputs), at ``compute_dtype`` (default: this Plan's)."""
+        """The dtype asked for ``op`` (None = follow inputs), at ``compute_dtype`` (default: this request's)."""
         return requested_dtype(self.policy, op, compute_dtype or self.compute_dtype)
 
-    def loss_scale_at(self, compute_dtype: str) -> LossScaleSpec:
-        """The loss-scale knobs for a resolved ``compute_dtype`` (``auto`` resolved to float16 scales)."""
-        return resolved_loss_scale(self.policy, compute_dtype)
+    def decide(self, path: str, kind: str | None, type_names: Iterable[str] = ()) -> LayerDecision:
+        """What one layer asks at this (resolved) compute dtype: its compute and param dtypes and the
+        override that set them (the first that matches). The Plan answers the same from its table."""
+        return self.policy.decide(path, kind, tuple(type_names), self.compute_dtype)
+
+    def param_dtype_of(self, path: str, kind: str | None, type_names: Iterable[str] = ()) -> str:
+        """The param dtype of one layer (independent of the compute dtype: usable before it is resolved)."""
+        return self.policy.param_dtype_of(path, kind, type_names)
+
+    @property
+    def override_dtypes(self) -> tuple[DtypeRequest, ...]:
+        """Every dtype an override asks, in override order (compute before param), ``auto`` resolved to
+        this request's compute dtype (:func:`unimp.plan.request.override_dtypes`)."""
+        return override_dtypes(self.policy, self.compute_dtype)
+
+    def compute_requests(self) -> tuple[tuple[str, str], ...]:
+        """``(setting, dtype)`` of every compute dtype asked explicitly: ``compute_dtype`` first, then each
+        override naming one (an ``auto`` override asks the compute dtype: nothing more)."""
+        return (("compute_dtype", self.compute_dtype), *((r.setting, r.dtype) for r in self.override_dtypes
+                                                         if r.key == "compute_dtype" and not r.follows_compute))
+
+    @property
+    def low_dtypes(self) -> tuple[str, ...]:
+        """The low-precision dtypes some layer computes in (the compute dtype and the overrides'), sorted."""
+        return tuple(sorted({d for _, d in self.compute_requests() if is_low(d)}))
+
+    @property
+    def mixes_compute(self) -> bool:
+        """Some override computes in another dtype than the compute dtype (the ops after it meet mixed inputs)."""
+        return any(d != self.compute_dtype for _, d in self.compute_requests()[1:])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one backend will do with one policy: the only thing a backend reads.
+
+    Every field is resolved: the compute dtype (never ``auto``) and why, the per-op table, the
+    per-layer decision table (overrides resolved once by the core: :meth:`decide`), ``loss_scale``
+    (the spec that runs: ``auto`` resolved, the knobs the backend cannot honour replaced, named in the
+    notes), the settings backends act on (``param_dtype``, ``output_cast``, ``master_weights``,
+    ``reduce_dtype``, ``channels_last``, ...), the FP8 part and the layout findings. ``details``: the
+    backend's own frozen dataclass of what it decided at compile time (e.g. the torch backend's
+    autocast dtype and op moves), read back by attribute, never by string key.
+
+    ``Backend.plan`` receives the *request* (:class:`PlanRequest`, ``Plan.request(policy, backend)``:
+    the policy as asked, ``compute_dtype`` maybe ``"auto"``) and returns ``request.compile(...)`` with
+    what it can control. ``policy`` is the core's (reports, ``amp.policy``): a backend never reads it.
+
+    >>> import unimp
+    >>> req = Plan.request(unimp.load("mixed_fp16"), "demo")
+    >>> req.compute_dtype, req.param_dtype, req.output_cast, req.uses_master_weights, req.reduce_dtype
+    ('float16', 'float32', None, False, 'float32')
+    >>> plan = req.compile(control={"matmul": "op"}, native={})
+    >>> plan.op("matmul").dtype, plan.loss_scale.mode
+    ('float16', 'dynamic')
+    """
+
+    Request: ClassVar[type[PlanRequest]] = PlanRequest  # for annotations: ``request: Plan.Request``
+
+    backend: str
+    policy: Policy  # the core's: backends read the fields below
+    compute_dtype: str
+    compute_reason: str
+    ops: tuple[OpDecision, ...]
+    loss_scale: LossScaleSpec  # the spec that runs
+    name: str
+    fingerprint: str
+    where: str  # ``policy 'name' (source)``: how messages name the policy
+    on_unsupported: str
+    param_dtype: str  # the dtype parameters are asked in (layers may override it: decide())
+    output_cast: str | None  # the dtype floating outputs are cast to; None: left as the last op ran
+    master_weights: MasterWeights
+    uses_master_weights: bool  # fp32 masters are kept for some low-precision parameter
+    reduce_dtype: str
+    channels_last: bool
+    notes: tuple[str, ...] = ()
+    details: Any = None
+    param_fallback: str | None = None  # dtype low-precision params really hold, when the backend cannot lower them
+    override_fallbacks: Mapping[int, str] = field(default_factory=dict)  # override index -> dtype that runs
+    layers: tuple[LayerRow, ...] = ()  # the per-layer decision table (when compiled with a model index)
+    layout: LayoutFindings = field(default=LayoutFindings(0, "ignore"))
+    fp8: Fp8Plan | None = None  # the [fp8] part (unimp.plan.fp8); None = built without FP8 support declared
+
+    @staticmethod
+    def request(policy: Policy, backend: str) -> PlanRequest:
+        """The policy as asked, before ``backend`` says what it can do: what ``Backend.plan`` receives."""
+        return PlanRequest.of(policy, backend)
+
+    @property
+    def low_precision_params(self) -> bool:
+        return is_low(self.param_dtype)
 
     @property
     def loss_scale_run(self) -> LossScaleSpec:
-        """The loss-scale knobs the backend runs: :attr:`loss_scale` with what it cannot honour replaced
-        (``compile(loss_scale_unsupported=...)``)."""
-        return self.as_run or self.loss_scale
-
-    def param_dtype_of(self, path: str, kind: str | None, type_names: Iterable[str] = ()) -> str:
-        """The param dtype of one layer (independent of the compute dtype, so usable on a request)."""
-        return self.policy.param_dtype_of(path, kind, type_names)
+        """Deprecated: :attr:`loss_scale` is the spec that runs."""
+        warnings.warn("Plan.loss_scale_run is deprecated: plan.loss_scale is the loss-scale spec that runs",
+                      DeprecationWarning, stacklevel=2)
+        return self.loss_scale
 
     def decide_fp8(self, path: str, kind: str | None, type_names: Iterable[str] = (),
                    dims: Mapping[str, int] | None = None) -> Fp8Decision:
@@ -236,14 +311,10 @@ class Plan:
                 return d
         raise KeyError(name)
 
-    @property
-    def loss_scale(self) -> LossScaleSpec:
-        """The resolved loss-scale spec every backend runs (see :func:`resolved_loss_scale`)."""
-        return resolved_loss_scale(self.policy, self.compute_dtype)
-
     def decide(self, path: str, kind: str | None, type_names: tuple[str, ...] = ()) -> LayerDecision:
-        """The decision for one layer: the table's row when the Plan indexed it, else the policy's
-        decision with the Plan's resolved compute dtype (for layers a backend meets at run time)."""
+        """What one layer asks (the core's one per-layer query): its compute and param dtypes, resolved,
+        and the override that set them. The table's row when the Plan indexed it, else the policy's
+        decision at the Plan's compute dtype (for layers a backend meets at run time)."""
         names = tuple(type_names)
         row = self._rows.get(path)
         if row is not None and row.kind == kind and (not names or row.type_names == names):
@@ -273,6 +344,12 @@ class Plan:
                      for r in self.layers if r.ambiguous)
 
     @property
+    def _asked_loss_scale(self) -> LossScaleSpec:
+        """The spec as asked, ``auto`` resolved: what the report shows (what differs in :attr:`loss_scale`
+        is in the notes)."""
+        return asked_loss_scale(self.policy, self.compute_dtype)
+
+    @property
     def fallbacks(self) -> tuple[OpDecision, ...]:
         return tuple(d for d in self.ops if not d.honoured)
 
@@ -286,7 +363,7 @@ class Plan:
             "param_fallback": self.param_fallback,
             "override_fallbacks": {str(k): v for k, v in self.override_fallbacks.items()},
             "fp8": self.fp8.to_dict() if self.fp8 is not None else None,
-            "loss_scale": _plain(vars(self.loss_scale)),
+            "loss_scale": _plain(vars(self._asked_loss_scale)),
             "layers": [{"path": r.path, "kind": r.kind, "compute_dtype": r.decision.compute_dtype,
                         "param_dtype": r.decision.param_dtype, "override": r.decision.override,
                         "ambiguous": list(r.ambiguous)} for r in self.layers],
@@ -295,10 +372,11 @@ class Plan:
         }
 
     def __str__(self) -> str:
+        asked = self._asked_loss_scale
         head = (f"Plan: policy {self.policy.name!r} ({self.policy.fingerprint}) on backend {self.backend}\n"
                 f"compute dtype: {self.compute_dtype} ({self.compute_reason})\n"
-                f"loss scale: {describe_loss_scale(self.loss_scale)}"
-                f"{'' if self.loss_scale == self.policy.loss_scale else ' (auto resolved to float16 needs it)'}\n")
+                f"loss scale: {describe_loss_scale(asked)}"
+                f"{'' if asked == self.policy.loss_scale else ' (auto resolved to float16 needs it)'}\n")
         rows = []
         for d in self.ops:
             native = ", ".join(d.native[:4]) + (" ..." if len(d.native) > 4 else "")
@@ -343,11 +421,6 @@ def describe_loss_scale(s: LossScaleSpec) -> str:
             f"factors in {s.factor_arithmetic}){skip}")
 
 
-def requested_dtype(policy: Policy, op: str, compute_dtype: str) -> str | None:
-    """The dtype the policy asks for ``op`` (None = follow inputs / promote)."""
-    return {"lower": compute_dtype, "float32": "float32"}.get(policy.ops.category(op))
-
-
 def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
                 native: Mapping[str, tuple[str, ...]], compute_dtype: str | None = None,
                 compute_reason: str = "as the policy says",
@@ -370,15 +443,14 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
     overrides, loss scaling), refused with the ops' problems or noted as fallbacks; ``fix``: the
     first half of the error's fix line. ``loss_scale_unsupported``: ``{knob: (what runs instead, why)}``
     for the loss-scale knobs the backend cannot honour (:func:`loss_scale_fallbacks`): refused, or noted
-    and run as :attr:`Plan.loss_scale_run`.
+    and run as :attr:`Plan.loss_scale`.
     """
     low = compute_dtype or policy.compute_dtype
-    as_run, scale_notes = None, []
+    where = f"policy {policy.name!r} ({policy.source})"
+    loss_scale, scale_notes = asked_loss_scale(policy, low), []
     if loss_scale_unsupported:  # refused first: the rule the training step runs
-        spec = resolved_loss_scale(policy, low)
-        scale_notes = loss_scale_fallbacks(spec, loss_scale_unsupported, f"policy {policy.name!r} ({policy.source})",
-                                           policy.on_unsupported)
-        as_run = loss_scale_as_run(spec, loss_scale_unsupported)
+        scale_notes = loss_scale_fallbacks(loss_scale, loss_scale_unsupported, where, policy.on_unsupported)
+        loss_scale = loss_scale_as_run(loss_scale, loss_scale_unsupported)
     fixed = fixed or {}
     decisions, unmet = [], []
     for op in CANONICAL_OPS:
@@ -399,14 +471,16 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
         decisions.append(OpDecision(op, policy.ops.category(op), actual, "fixed", nat, False, why))
     if (unmet or problems) and policy.on_unsupported == "error":
         raise UnsupportedError(
-            f"policy {policy.name!r} ({policy.source}) cannot be honoured by backend {backend}:\n  "
+            f"{where} cannot be honoured by backend {backend}:\n  "
             + "\n  ".join([*unmet, *problems])
             + f"\nfix: {fix}, or set on_unsupported = \"fallback\" to run these as reported in the Plan")
     notes = (*notes, *(f"fallback: {p}" for p in problems), *scale_notes)
     rows = compile_layers(policy, low, index or ())
-    return Plan(backend, policy, low, compute_reason, tuple(decisions), tuple(notes), details,
-                param_fallback, dict(override_fallbacks or {}), rows, compile_layout(policy, index or ()),
-                plan_fp8(policy, backend, fp8), as_run)
+    return Plan(backend, policy, low, compute_reason, tuple(decisions), loss_scale, policy.name, policy.fingerprint,
+                where, policy.on_unsupported, policy.param_dtype, policy.output_cast, policy.master_weights,
+                policy.uses_master_weights, policy.distributed.reduce_dtype, policy.layout.channels_last,
+                tuple(notes), details, param_fallback, dict(override_fallbacks or {}), rows,
+                compile_layout(policy, index or ()), plan_fp8(policy, backend, fp8))
 
 
 def compile_layers(policy: Policy, compute_dtype: str, index: Iterable[LayerInfo]) -> tuple[LayerRow, ...]:

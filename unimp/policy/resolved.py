@@ -22,12 +22,14 @@ from unimp.policy.tables import Distributed, Fp8Spec, Layout, LossScaleSpec, Mas
 
 @dataclass(frozen=True)
 class LayerDecision:
-    """What the policy asks of one layer: compute dtype (None = follow inputs) and param dtype."""
+    """What the policy asks of one layer: compute dtype (None = follow inputs) and param dtype; ``override``:
+    the override that decided it, ``sets_compute``: that override sets the compute dtype (not only params)."""
 
     category: str
     compute_dtype: str | None
     param_dtype: str
     override: int | None = None
+    sets_compute: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,8 @@ class Policy:
             c = o.compute_dtype
             if c == "auto":
                 c = low
-            decision = LayerDecision("override", c or dtype, o.param_dtype or param, override=i)
+            decision = LayerDecision("override", c or dtype, o.param_dtype or param, override=i,
+                                     sets_compute=o.compute_dtype is not None)
         if decision.compute_dtype == "auto":
             raise ValueError(f"Policy.decide({path!r}): compute_dtype 'auto' is not resolved; pass the Plan's "
                              f"compute dtype (plan.decide(path, kind, type_names) does)")

@@ -33,7 +33,7 @@ class IpexBackend(TorchBackend):
             return False
         return all(t.device.type == "cpu" for t in (*model.parameters(), *model.buffers()))
 
-    def plan(self, request: Plan, model: Any = None, *, engine: str = "auto") -> Plan:
+    def plan(self, request: Plan.Request, model: Any = None, *, engine: str = "auto") -> Plan:
         from .engine import find_engine
         from .plan import compile_plan
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from unimp.spi import Plan, dtypes, hardware
+from unimp.spi import Plan, hardware
 from unimp_torch.extension import kind, type_names
 
 # the layer types IPEX 2.8 casts to bf16 under ipex.optimize(dtype=torch.bfloat16): exact types,
@@ -65,8 +65,7 @@ def _layer_conflicts(plan: Plan, model: nn.Module | None) -> list[str]:
         if type(m) not in BF16_LAYERS or not any(True for _ in m.parameters(recurse=False)):
             continue
         d, name = plan.decide(path, kind(m), type_names(m)), path or "<model>"
-        sets_compute = d.override is not None and plan.overrides[d.override].compute_dtype is not None
-        if d.param_dtype != "bfloat16" or d.compute_dtype not in (None, "bfloat16") or sets_compute:
+        if d.param_dtype != "bfloat16" or d.compute_dtype not in (None, "bfloat16") or d.sets_compute:
             out.append(f"{name} ({type(m).__name__}): policy asks params {d.param_dtype}, compute "
                        f"{d.compute_dtype or 'inputs'}; IPEX would make it bf16")
     return out
@@ -75,8 +74,7 @@ def _layer_conflicts(plan: Plan, model: nn.Module | None) -> list[str]:
 def choose(plan: Plan, model: nn.Module | None, cpu: hardware.CpuFacts, version: str | None = None) -> IpexSettings:
     """The IPEX mode (of IPEX ``version``) for the CPU ``plan`` (its resolved compute dtype, loss scale and
     per-layer decisions) on ``model`` (None: not known yet) and ``cpu``."""
-    autocast = dtypes.is_low(plan.compute_dtype) or any(dtypes.is_low(o.compute_dtype) or o.compute_dtype == "auto"
-                                                        for o in plan.overrides)
+    autocast = plan.details.autocast is not None  # the compute dtype or an override's is low (unimp-torch's Plan)
     fp32 = "float32 weights; " + ("prepacking off: IPEX 2.8 fp32-prepacked convolutions abort in backward under "
                                   "bf16 autocast" if autocast else "oneDNN weight prepacking on")
     ls, why = plan.loss_scale, None

@@ -35,14 +35,14 @@ FP8_MISSING = ("unimp-ipex drives ipex.optimize on CPU, which trains in bfloat16
                "FP8 GPU")
 
 
-def resolve_compute(request: Plan, cpu: hardware.CpuFacts) -> tuple[str, str]:
+def resolve_compute(request: Plan.Request, cpu: hardware.CpuFacts) -> tuple[str, str]:
     """``compute_dtype`` on this CPU (``auto`` resolved, with the reason); warns or refuses slow dtypes."""
     if request.compute_dtype == "auto":
         return resolve_auto(cpu)
     emulated = check(cpu, request.compute_dtype, "compute_dtype")
-    for i, o in enumerate(request.overrides):
-        if dtypes.is_low(o.compute_dtype):
-            check(cpu, o.compute_dtype, f"overrides[{i}].compute_dtype")
+    for setting, dtype in request.compute_requests()[1:]:  # the overrides'
+        if dtypes.is_low(dtype):
+            check(cpu, dtype, setting)
     if emulated:
         return request.compute_dtype, f"as the policy says (emulated on this CPU, slower than float32: " \
                                       f"{cpu.describe()})"
@@ -59,13 +59,13 @@ class IpexDetails(TorchDetails):
     ipex: IpexSettings | None = None
 
 
-def compile_plan(request: Plan, model: Any, engine: Engine, cpu: hardware.CpuFacts) -> Plan:
+def compile_plan(request: Plan.Request, model: Any, engine: Engine, cpu: hardware.CpuFacts) -> Plan:
     """The Plan of backend ``ipex`` for ``request`` (``model`` decides IPEX's mode when given): torch's
     plan of the request at the compute dtype resolved on ``cpu``, run by ``engine``."""
     compute, reason = resolve_compute(request, cpu)
     with warnings.catch_warnings():  # the emulation warning came from `check` above, on these facts
         warnings.filterwarnings("ignore", message="unimp: .* emulates ")
-        base = torch_plan(dataclasses.replace(request, compute_dtype=compute), model, "cpu", fp8_missing=FP8_MISSING)
+        base = torch_plan(request.at(compute), model, "cpu", fp8_missing=FP8_MISSING)
     base = dataclasses.replace(base, compute_reason=reason, notes=(f"cpu: {cpu.describe()}", *base.notes),
                                details=IpexDetails(**vars(base.details), cpu=cpu.record()))
     return on_engine(base, model, engine, cpu)

@@ -21,10 +21,9 @@ class IpexKit(TorchKit):
         super().__init__("cpu")
         self.engine = engine
 
-    def supports(self, request: Plan) -> str | None:
+    def supports(self, request: Plan.Request) -> str | None:
         cpu = hardware.cpu()
-        wants = {request.compute_dtype, *(o.compute_dtype for o in request.overrides)}
-        if "float16" in wants and not cpu.native_fp16:
+        if any(d == "float16" for _, d in request.compute_requests()) and not cpu.native_fp16:
             return f"float16 on a CPU without AVX512-FP16/AMX-FP16 ({cpu.describe()})"
         return None
 

@@ -32,7 +32,7 @@ class JaxAmp(Amp):
         super().__init__(plan, model, None)
         self.findings = list(plan.layout.act("jax", stacklevel=5))  # "error": raised before any change
         self.inner_tx = tx
-        self.tx = amp_tx(tx, plan.loss_scale_run, plan.uses_master_weights)  # the Plan's loss scale, as it runs
+        self.tx = amp_tx(tx, plan.loss_scale, plan.uses_master_weights)  # the Plan's loss scale, as it runs
         self.layers: dict[str, LayerPlan] = {}
         self.fp8_decisions: list[Any] = []  # unimp.spi.Fp8Decision per layer FP8 was asked of
         self._watching: Any = None  # unimp_jax.watch.JaxWatch while amp.watch() runs

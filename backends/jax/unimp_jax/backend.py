@@ -31,7 +31,7 @@ class JaxBackend(Backend):
     def accepts(self, model: Any) -> bool:
         return is_nnx(model) or is_linen(model)
 
-    def plan(self, request: Plan, model: Any = None) -> Plan:
+    def plan(self, request: Plan.Request, model: Any = None) -> Plan:
         return compile_plan(request, model)
 
     def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
@@ -83,7 +83,7 @@ def wrap(tx: Any, policy: Any) -> Any:
     from .optimizer import amp_tx
 
     plan = JaxBackend().compile(load(policy))
-    return amp_tx(tx, plan.loss_scale_run, plan.uses_master_weights)
+    return amp_tx(tx, plan.loss_scale, plan.uses_master_weights)
 
 
 def _only(options: dict[str, Any], allowed: tuple[str, ...], what: str) -> None:

@@ -69,7 +69,7 @@ def fp8_support(platform: str) -> Fp8Support:
                       gradient_formats=("e5m2", "e4m3"), notes=notes)
 
 
-def compile_plan(request: Plan, model: Any = None) -> Plan:
+def compile_plan(request: Plan.Request, model: Any = None) -> Plan:
     """The Plan on the device of ``model``'s arrays (else JAX's default device), indexed when ``model``
     is an nnx Module. Loss-scale knobs this device cannot reproduce are refused or run as noted."""
     from .hardware import platform_of, resolve
@@ -83,14 +83,15 @@ def compile_plan(request: Plan, model: Any = None) -> Plan:
         tree = nnx.state(model)
     platform, capability = platform_of(tree)
     dtype, reason, warning = resolve(request.compute_dtype, platform, capability)
-    spec = request.loss_scale_at(dtype)
+    request = request.at(dtype)
+    spec = request.loss_scale
     knobs = unsupported(spec)
     run = LossScale(spec).as_run(knobs)
     control = {op: "layer" for op in (*LAYER_OPS, *FUNCTION_OPS)}
     native = {op: NATIVE_OPS.get(op, ()) + (("unimp_jax.Op",) if op in FUNCTION_OPS else ())
               for op in ops.CANONICAL_OPS}
     notes = (*NOTES, *((warning,) if warning else ()), *((subnormal_note(run),) if stops_below_tiny(run) else ()))
-    return request.compile(control=control, native=native, compute_dtype=dtype, compute_reason=reason,
+    return request.compile(control=control, native=native, compute_reason=reason,
                            fixed={op: (None, PROMOTION) for op in ("elementwise", "concat")}, notes=notes,
                            details=JaxDetails(platform, request.uses_master_weights, warning),
                            index=model_index(model) if is_nnx(model) else None,

@@ -279,7 +279,7 @@ class JaxWatch:
 
     def _read(self, numerics: Any) -> None:
         sampled, finite = (bool(v) for v in jax.device_get((numerics["sampled"], numerics["finite"])))
-        skipped = not finite and self.amp.plan.loss_scale_run.skip_nonfinite
+        skipped = not finite and self.amp.plan.loss_scale.skip_nonfinite
         if not (sampled or skipped):
             return
         n = jax.device_get(numerics)

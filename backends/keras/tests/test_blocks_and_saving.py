@@ -173,3 +173,19 @@ def test_an_override_asking_float16_attention_is_declared_on_jax_cpu():
     rows = {r.path: r for r in amp.report(TOKENS[:2]).rows}
     assert rows["block0.attn"].compute_dtype == "float32" and rows["block0.fc1"].compute_dtype == "bfloat16"
     amp.remove()
+
+
+@pytest.mark.skipif(not _jax_cpu(), reason="XLA:CPU's float16 attention: Keras on JAX without a GPU")
+def test_a_float16_override_is_refused_only_on_the_attention_layers_it_decides():
+    """The core resolves overrides once, first match wins: a float16 override behind a float32 one on every
+    attention layer decides none of them, so XLA's float16 attention asks nothing of it; put first, it decides
+    them and is refused (``on_unsupported = "error"``) naming the layers."""
+    float32 = {"types": ["attention"], "compute_dtype": "float32"}
+    float16 = {"types": ["attention"], "compute_dtype": "float16"}
+    backend = unimp.get_backend("keras")
+    shadowed = backend.compile(unimp.load({"extends": "mixed_bf16", "overrides": [float32, float16]}), lm())
+    assert shadowed.override_fallbacks == {}
+    assert {r.decision.compute_dtype for r in shadowed.layers if r.kind == "attention"} == {"float32"}
+    with pytest.raises(unimp.UnsupportedError, match=r"overrides\[0\]\.compute_dtype = 'float16' on attention "
+                                                      r"layers block0\.attn, block1\.attn"):
+        backend.compile(unimp.load({"extends": "mixed_bf16", "overrides": [float16, float32]}), lm())

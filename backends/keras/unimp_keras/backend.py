@@ -46,7 +46,7 @@ class KerasBackend(Backend):
         check_not_keras2(model)
         return False
 
-    def plan(self, request: Plan, model: Any = None) -> Plan:
+    def plan(self, request: Plan.Request, model: Any = None) -> Plan:
         from .index import model_index
 
         return compile_plan(request, model_index(model) if model is not None else None)

@@ -254,7 +254,7 @@ def wrap_optimizer(plan: Plan, optimizer: Any, binding: Binding, native: bool | 
     """The loss-scaling (and master-weight) wrapper for ``optimizer``; ``None`` stays ``None``."""
     if optimizer is None:
         return None
-    spec = plan.loss_scale_run  # the Plan compiled under on_unsupported: its fallbacks run, named in its notes
+    spec = plan.loss_scale  # the spec that runs: the Plan's fallbacks (on_unsupported) applied, named in its notes
     masters = {id(s.low): s.original for s in binding.swaps if s.low.trainable and plan.master_weights.enabled}
     binding.master_ids = set(masters)
     distributed = False
@@ -262,9 +262,9 @@ def wrap_optimizer(plan: Plan, optimizer: Any, binding: Binding, native: bool | 
         from .tf_distribute import is_distributed
 
         distributed = is_distributed(getattr(optimizer, "_distribution_strategy", None))
-    use_keras = keras_rule(plan.loss_scale) and not binding.swaps and not distributed if native is None else native
+    use_keras = keras_rule(spec) and not binding.swaps and not distributed if native is None else native
     if use_keras:
-        if not keras_rule(plan.loss_scale) or binding.swaps:
+        if not keras_rule(spec) or binding.swaps:
             raise UnsupportedError("unimp (keras): native_loss_scale=True needs the policy's loss_scale "
                                    "to be Keras' fixed rule (dynamic, x2 / x0.5, hysteresis 1, min 0, max inf, "
                                    "growth_requires_finite false) and no low-precision params; fix: drop "

@@ -127,11 +127,9 @@ def resolve_compute_auto() -> tuple[str, str]:
                                  where=f"this GPU (compute capability {cc[0]}.{cc[1]})")
 
 
-def warn_emulated(request: Plan, compute: str) -> str | None:
+def warn_emulated(request: Plan.Request) -> str | None:
     """Warn (at the user's call) for low-precision compute a CPU-only machine emulates; the message or None."""
-    wanted = [("compute_dtype", compute)] + [(f"overrides[{i}].compute_dtype", o.compute_dtype)
-                                             for i, o in enumerate(request.overrides)]
-    slow = [(k, d) for k, d in wanted if dtypes.is_low(d) and hardware.cpu().emulated(d)]
+    slow = [(k, d) for k, d in request.compute_requests() if dtypes.is_low(d) and hardware.cpu().emulated(d)]
     if not slow or gpu_capability() is not None:
         return None
     return hardware.warn_emulated(slow[0][1], slow[0][0], _kernels())
@@ -240,12 +238,12 @@ def keras_ops() -> Any:
     return keras.ops
 
 
-def device_fixed(request: Plan, compute: str, index: Iterable[LayerInfo] | None) -> dict[str, tuple[str, str]]:
+def device_fixed(request: Plan.Request, index: Iterable[LayerInfo] | None) -> dict[str, tuple[str, str]]:
     """Ops this Keras backend's device cannot run in the dtype the policy asks: ``{op: ("float32", why)}``.
 
     On JAX without a GPU: ``attention`` in float16 (:func:`xla_f16_attention_error`), declared when the
     model has an attention layer (or no model is given)."""
-    if request.requested("attention", compute) != "float16":
+    if request.requested("attention") != "float16":
         return {}
     if index is not None and not any(calls_dot_product_attention(info) for info in index):
         return {}
@@ -273,19 +271,21 @@ def device_f16_attention_error() -> str | None:
     return xla_f16_attention_error()
 
 
-def device_override_fallbacks(request: Plan, compute: str,
+def device_override_fallbacks(request: Plan.Request,
                               index: list[LayerInfo] | None) -> tuple[list[str], dict[int, str]]:
     """Overrides that ask float16 of attention layers this device cannot run so (:func:`device_fixed`'s op,
     set per layer): ``(problems, {override index: "float32"})``; the binding runs those attention layers in
-    float32 (the override's other layers as it says)."""
+    float32 (the override's other layers as it says). Without a model, every override asking float16."""
     problems: list[str] = []
     fallbacks: dict[int, str] = {}
     error = None
-    for i, o in enumerate(request.overrides):
-        if (compute if o.compute_dtype == "auto" else o.compute_dtype) != "float16":
+    decided = [(info.path, request.decide(info.path, info.kind, info.type_names))
+               for info in index or () if calls_dot_product_attention(info)]
+    for r in request.override_dtypes:
+        if r.key != "compute_dtype" or r.dtype != "float16":
             continue
-        hits = [info.path for info in index or () if calls_dot_product_attention(info)
-                and o.matches(info.path, (*info.type_names, info.kind))]
+        i = r.override
+        hits = [path for path, d in decided if d.override == i and d.sets_compute]
         if index is not None and not hits:
             continue
         error = error or device_f16_attention_error()
@@ -328,24 +328,25 @@ class KerasDetails:
     distributed: str  # how tf.distribute runs under the policy
 
 
-def compile_plan(request: Plan, index: Iterable[LayerInfo] | None = None) -> Plan:
+def compile_plan(request: Plan.Request, index: Iterable[LayerInfo] | None = None) -> Plan:
     """The Plan of ``request`` on Keras 3, this process' Keras backend (``index``: the model's layers, when known)."""
     keras_backend()
     compute, reason = request.compute_dtype, "as the policy says"
     if compute == "auto":
         compute, reason = resolve_compute_auto()
-    elif warn_emulated(request, compute):
+        request = request.at(compute)
+    elif warn_emulated(request):
         reason += f" (emulated on this CPU, slower than float32: {hardware.cpu().describe()})"
-    want = request.requested("loss", compute)
+    want = request.requested("loss")
     # a loss in no op list follows its inputs: float32 only when the model's outputs are cast to float32
     # ("unchanged" outputs may be low; the Keras loss computes in float32 whatever it gets)
     follows_f32 = want is None and request.output_cast == "float32"
     fixed = {"loss": (None, LOSS_WHY + "; it takes the float32 model output, so it follows its inputs")
              if follows_f32 else ("float32", LOSS_WHY)}
     index = list(index) if index is not None else None
-    device = device_fixed(request, compute, index)
+    device = device_fixed(request, index)
     fixed.update(device)
-    problems, override_fallbacks = device_override_fallbacks(request, compute, index)
+    problems, override_fallbacks = device_override_fallbacks(request, index)
     control = {op: "layer" for op in ops.CANONICAL_OPS if op not in fixed}
     native = {op: (*NATIVE_OPS.get(op, ()), *EXTRA_NATIVE.get(op, ())) for op in ops.CANONICAL_OPS}
     notes = list(NOTES)
@@ -354,10 +355,12 @@ def compile_plan(request: Plan, index: Iterable[LayerInfo] | None = None) -> Pla
         notes.append("low-precision params: Keras fixes a variable's dtype at creation, so layers holding "
                      f"{param} params get {param} copies while applied; the original float32 variables are "
                      "the masters the optimizer wrapper updates")
-    spec = request.loss_scale_at(compute)
-    details = KerasDetails(loss_scaler(spec, request.uses_master_weights), distributed_note(request.reduce_dtype))
-    return request.compile(control=control, native=native, compute_dtype=compute, compute_reason=reason,
+    spec = request.loss_scale
+    knobs = unsupported(spec)  # the spec that runs, as the Plan will hold it: the wrapper is chosen for it
+    details = KerasDetails(loss_scaler(LossScale(spec).as_run(knobs), request.uses_master_weights),
+                           distributed_note(request.reduce_dtype))
+    return request.compile(control=control, native=native, compute_reason=reason,
                            fixed=fixed, notes=(*notes, details.loss_scaler, details.distributed), details=details,
-                           index=index, fp8=fp8_support(), loss_scale_unsupported=unsupported(spec),
+                           index=index, fp8=fp8_support(), loss_scale_unsupported=knobs,
                            problems=problems, override_fallbacks=override_fallbacks,
                            fix=ATTENTION_FIX if device or problems else "change the policy's op lists")

@@ -11,7 +11,7 @@ subnormals) and torch (plain casts keep subnormals). JAX has float64 only under
 float32). What a Keras backend cannot hold is declared in the Plan, never run silently wrong
 (:func:`unimp_keras.plan.unsupported`: ``scale_dtype = "float64"`` everywhere; on XLA subnormal
 scales, non-float32 factors without x64, ``at_min = "error"`` inside a compiled step), and
-:func:`next_state` refuses such a spec (``on_unsupported = "fallback"`` runs ``plan.loss_scale_run``).
+:func:`next_state` refuses such a spec (``on_unsupported = "fallback"`` runs ``plan.loss_scale``, the spec that runs).
 
 >>> import keras, unimp
 >>> spec = unimp.load({"loss_scale": {"initial": 8.0, "growth_interval": 1}}).loss_scale
@@ -133,7 +133,7 @@ class KerasOps:
 
 
 def device_spec(spec: LossScaleSpec) -> LossScaleSpec:
-    """The knobs that really run (``spec`` with the fallbacks :func:`unsupported` names: ``plan.loss_scale_run``)."""
+    """The knobs that really run (``spec`` with the fallbacks :func:`unsupported` names: ``plan.loss_scale``)."""
     return LossScale(spec).as_run(unsupported(spec))
 
 

@@ -45,7 +45,7 @@ class KerasKit(Kit):
 
         return f"keras-{keras.backend.backend()}"
 
-    def supports(self, request: Plan) -> str | None:
+    def supports(self, request: Plan.Request) -> str | None:
         # every probe layer has float16 and bfloat16 kernels on each Keras backend's CPU; the one op a device
         # cannot run (float16 attention on JAX's CPU, which the probe has none of) is the Plan's to declare
         # (unimp_keras.plan.device_fixed): a fallback or an UnsupportedError, never a kit skip

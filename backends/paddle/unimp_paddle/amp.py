@@ -66,9 +66,9 @@ class PaddleAmp(Amp):
         self._wrapped = self._wrap_forwards(model)
         params = [p for p in model.parameters() if not p.stop_gradient]
         place = params[0].place if params else None
-        self.scaler = DeviceLossScale(plan.loss_scale_run, place)
+        self.scaler = DeviceLossScale(plan.loss_scale, place)
         self.iteration = PaddleIteration(self.scaler)
-        self._scaling = plan.loss_scale_run.mode != "none"
+        self._scaling = plan.loss_scale.mode != "none"
         # one optimizer checks every trainable parameter (as before); several, each its own parameters
         self.optimizers = [AmpOptimizer(opt, self.scaler, params if len(inners) == 1 else own, self.iteration)
                            for opt, own in zip(inners, owned, strict=True)]

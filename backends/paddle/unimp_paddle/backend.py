@@ -31,7 +31,7 @@ class PaddleBackend(Backend):
 
         return isinstance(model, paddle.nn.Layer) or is_program(model)
 
-    def plan(self, request: Plan, model: Any = None) -> Plan:
+    def plan(self, request: Plan.Request, model: Any = None) -> Plan:
         return compile_plan(request, model)
 
     def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:

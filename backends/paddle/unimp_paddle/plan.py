@@ -73,7 +73,7 @@ def model_place(model: Any) -> str:
     return default_place()
 
 
-def compile_plan(request: Plan, model: Any = None) -> Plan:
+def compile_plan(request: Plan.Request, model: Any = None) -> Plan:
     """The Plan of ``request`` for ``model``: a legacy-IR Program (static) or a Layer (dygraph, on its place)."""
     if model is not None and is_program(model):
         return compile_static(request)
@@ -82,7 +82,7 @@ def compile_plan(request: Plan, model: Any = None) -> Plan:
     return compile_dygraph(request, model_place(model), model_index(model))
 
 
-def _compile(request: Plan, low: str, reason: str, active: bool, why: str,
+def _compile(request: Plan.Request, low: str, reason: str, active: bool, why: str,
              fixed_extra: dict[str, tuple[str | None, str]], problems: list[str],
              details: PaddleDetails, notes: tuple[str, ...], param_fallback: str | None = None,
              override_fallbacks: Mapping[int, str] | None = None,
@@ -115,7 +115,7 @@ def amp_support(place: str, dtype: str) -> tuple[bool, str]:
                       f"Paddle reports no {dtype} AMP on this GPU; it runs float32")
 
 
-def compile_dygraph(request: Plan, place: str, index: Iterable[LayerInfo] | None = None) -> Plan:
+def compile_dygraph(request: Plan.Request, place: str, index: Iterable[LayerInfo] | None = None) -> Plan:
     """The Plan for a ``paddle.nn.Layer`` on ``place`` (``"cpu"`` or ``"gpu"``; ``index``: its layers)."""
     low, reason = request.compute_dtype, "as the policy says"
     if low == "auto":
@@ -134,22 +134,19 @@ def compile_dygraph(request: Plan, place: str, index: Iterable[LayerInfo] | None
     if not active and o2:
         problems.append(f"param_dtype = {request.param_dtype!r} (O2): {why}; params stay float32")
         param_fallback = "float32"
-    for i, o in enumerate(request.overrides):
-        for key in ("compute_dtype", "param_dtype"):
-            value = low if getattr(o, key) == "auto" else getattr(o, key)
-            if not dtypes.is_low(value):
-                continue
-            ok, reason = amp_support(place, value)
-            if key == "param_dtype" and ok and active and not o2:
-                ok, reason = False, ("unimp-paddle lowers params only at O2 (policy param_dtype low, "
-                                     "paddle.amp.decorate)")
-            if not ok or not active:
-                reason = reason if not ok else "unimp-paddle enables AMP only when compute_dtype is low"
-                problems.append(f"overrides[{i}].{key} = {value!r}: {reason}; the matched layers run float32")
-                if key == "compute_dtype":
-                    override_fallbacks[i] = "float32"
-                else:
-                    param_fallback = "float32"
+    for r in request.at(low).override_dtypes:
+        if not dtypes.is_low(r.dtype):
+            continue
+        ok, reason = amp_support(place, r.dtype)
+        if r.key == "param_dtype" and ok and active and not o2:
+            ok, reason = False, "unimp-paddle lowers params only at O2 (policy param_dtype low, paddle.amp.decorate)"
+        if not ok or not active:
+            reason = reason if not ok else "unimp-paddle enables AMP only when compute_dtype is low"
+            problems.append(f"{r.setting} = {r.dtype!r}: {reason}; the matched layers run float32")
+            if r.key == "compute_dtype":
+                override_fallbacks[r.override] = "float32"
+            else:
+                param_fallback = "float32"
     details = PaddleDetails("dygraph", place, active, low, request.param_dtype if active else "float32",
                             "O2" if o2 else "O1", {"white": tuple(sorted(lists.white)),
                                                    "black": tuple(sorted(lists.black)),
@@ -160,7 +157,7 @@ def compile_dygraph(request: Plan, place: str, index: Iterable[LayerInfo] | None
                     param_fallback, override_fallbacks, index)
 
 
-def compile_static(request: Plan) -> Plan:
+def compile_static(request: Plan.Request) -> Plan:
     """The Plan for a legacy-IR ``paddle.static.Program`` (bf16 rewrite, runs on CPU)."""
     low, reason = request.compute_dtype, "as the policy says"
     facts = hardware.cpu()
@@ -185,14 +182,14 @@ def compile_static(request: Plan) -> Plan:
         problems.append(f"param_dtype = {request.param_dtype!r}: unimp-paddle's static path keeps float32 "
                         f"params (pure bf16 Programs are not supported yet); params stay float32")
         param_fallback = "float32"
-    scaling = request.loss_scale_at(low).mode
+    request = request.at(low)
+    scaling = request.loss_scale.mode
     if scaling != "none":
         problems.append(f"loss_scale.mode = {scaling!r}: unimp-paddle does not insert loss "
                         f"scaling into static Programs (bf16 does not need it); no scaling is applied")
-    problems += [f"overrides[{i}].{key} = {value!r}: static overrides (by parameter name) can only keep ops "
-                 f"float32; the matched layers run float32" for i, o in enumerate(request.overrides)
-                 for key, value in (("compute_dtype", o.compute_dtype), ("param_dtype", o.param_dtype))
-                 if dtypes.is_low(value) or (key == "compute_dtype" and value == "auto")]
+    problems += [f"{r.setting} = {'auto' if r.follows_compute else r.dtype!r}: static overrides (by parameter "
+                 f"name) can only keep ops float32; the matched layers run float32" for r in request.override_dtypes
+                 if dtypes.is_low(r.dtype) or (r.key == "compute_dtype" and r.follows_compute)]
     lists = compile_lists(request)
     details = PaddleDetails("static", "cpu", active, low, "float32",
                             lists={"bf16": tuple(sorted(lists.white)), "fp32": tuple(sorted(lists.black)),

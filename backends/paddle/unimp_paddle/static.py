@@ -19,7 +19,6 @@ Needs the legacy IR (``FLAGS_enable_pir_api=0`` before paddle is imported); unde
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from typing import Any
 
 from unimp.spi import Amp, LossScale, LossScaleState, Plan, Report, UnsupportedError
@@ -77,13 +76,11 @@ class PaddleStaticAmp(Amp):
         """Vars kept float32 by name: float32 overrides (by parameter-name prefix) and rank>2 ops."""
         block = program.global_block()
         out: dict[str, str] = {}
-        for i, o in enumerate(self.plan.overrides):
-            if o.compute_dtype != "float32":
-                continue
-            for p in program.all_parameters():
-                prefix = p.name.split(".")[0]
-                if any(fnmatch.fnmatchcase(prefix, g) for g in o.modules) or canonical_of(prefix) in o.types:
-                    out[p.name] = f"overrides[{i}]"
+        for p in program.all_parameters():
+            prefix = p.name.split(".")[0]  # the layer's name: the override's globs and types match it
+            d = self.plan.decide(prefix, canonical_of(prefix))
+            if d.sets_compute and d.compute_dtype == "float32":
+                out[p.name] = f"overrides[{d.override}]"
         problems = []
         for op in block.ops:
             if op.type == "matmul_v2" and op.type in white and self._training:

@@ -54,7 +54,7 @@ class PaddleKit(Kit):
 
     backend = "paddle"
 
-    def supports(self, request: Plan) -> str | None:
+    def supports(self, request: Plan.Request) -> str | None:
         """On CPU every request has an expressible fallback (see :meth:`apply`); on a GPU a policy
         Paddle cannot run as written is unsupported (its UnsupportedError is then checked)."""
         if default_place(load=True) == "cpu":

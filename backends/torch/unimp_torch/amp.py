@@ -390,8 +390,7 @@ def _wrap_layers(amp: TorchAmp, model: nn.Module, plan: Plan, device: str) -> No
     for path, module in model.named_modules():
         names, k = type_names(module), kind(module)
         decision = plan.decide(path, k, names)
-        if decision.override is not None and plan.overrides[decision.override].compute_dtype is not None \
-                and decision.compute_dtype is not None:  # the override's own dtype (or the Plan's, for auto)
+        if decision.sets_compute and decision.compute_dtype is not None:  # the override's (or, for auto, the Plan's)
             composite = any(True for _ in module.children()) and decision.compute_dtype != "float32"
             amp._undo.append(wrap(module, Rule(decision.compute_dtype, composite), device))
             amp.wrapped.append(path or "<model>")

@@ -31,7 +31,7 @@ class TorchBackend(Backend):
 
         return isinstance(model, torch.nn.Module)
 
-    def plan(self, request: Plan, model: Any = None) -> Plan:
+    def plan(self, request: Plan.Request, model: Any = None) -> Plan:
         from .plan import compile_plan
 
         return compile_plan(request, model)

@@ -85,7 +85,7 @@ class TorchDetails:
     eager_mechanism: str | None  # autocast_kernels | function_mode | None
 
 
-def compile_plan(request: Plan, model: Any = None, device: str | None = None,
+def compile_plan(request: Plan.Request, model: Any = None, device: str | None = None,
                  index: Iterable[LayerInfo] | None = None, fp8_missing: str | None = None) -> Plan:
     """The torch Plan of ``request`` (:meth:`Plan.request`, what ``TorchBackend.plan`` receives) on ``device``
     (``cpu`` | ``cuda``; default: ``model``'s); ``index``: the model's modules (default: ``model``'s);
@@ -99,14 +99,14 @@ def compile_plan(request: Plan, model: Any = None, device: str | None = None,
 
         index = model_index(model)
     compute, reason = resolve_compute(request.compute_dtype, device)
-    for i, o in enumerate(request.overrides):
-        if o.compute_dtype not in (None, "auto"):
-            check_dtype(o.compute_dtype, device, f"overrides[{i}].compute_dtype")
+    request = request.at(compute)
+    for setting, dtype in request.compute_requests()[1:]:  # the overrides' (the compute dtype is checked)
+        check_dtype(dtype, device, setting)
     # the low dtypes the forward meets: the compute dtype and the overrides' (their outputs reach later ops);
     # a float32 compute dtype with lowered layers runs autocast to float32 (lower ops cast to it)
-    lows = {d for d in (compute, *(o.compute_dtype for o in request.overrides)) if dtypes.is_low(d)}
+    lows = set(request.low_dtypes)
     autocast = compute if dtypes.is_low(compute) else "float32" if lows else None
-    mixing = any(o.compute_dtype not in (None, "auto", compute) for o in request.overrides)
+    mixing = request.mixes_compute
     control, native, op_moves, notes = {}, {}, {}, []
     own = autocast is not None and is_torch_own(request, device)
     for op in ops.CANONICAL_OPS:
@@ -142,5 +142,5 @@ def compile_plan(request: Plan, model: Any = None, device: str | None = None,
         from .fp8 import support
 
         fp8 = support(device)
-    return request.compile(control=control, native=native, compute_dtype=compute, compute_reason=reason,
+    return request.compile(control=control, native=native, compute_reason=reason,
                            notes=tuple(notes), details=details, fp8=fp8, index=index)

@@ -16,9 +16,8 @@ from . import nn
 class NumpyKit(Kit):
     backend = "numpy"
 
-    def supports(self, request: Plan) -> str | None:
-        dtypes = {request.compute_dtype, request.param_dtype, *(o.compute_dtype for o in request.overrides)}
-        if "bfloat16" in dtypes:
+    def supports(self, request: Plan.Request) -> str | None:
+        if "bfloat16" in {request.param_dtype, *(d for _, d in request.compute_requests())}:
             return "numpy has no bfloat16 dtype"
         if request.low_precision_params:
             return "the numpy backend keeps params in float32"
