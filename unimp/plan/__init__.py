@@ -254,7 +254,7 @@ class Plan:
     ('float16', 'dynamic')
     """
 
-    Request: ClassVar[type[PlanRequest]] = PlanRequest  # for annotations: ``request: Plan.Request``
+    Request = PlanRequest  # for annotations: ``request: Plan.Request`` (a type alias)
 
     backend: str
     policy: Policy  # the core's: backends read the fields below

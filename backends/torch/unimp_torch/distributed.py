@@ -173,9 +173,9 @@ def mixed_precision_policy(policy: Any, param_dtype: str | None = None, *, root:
                                 cast_forward_inputs=False)
 
 
-def _request(policy: Any) -> Plan:
-    """What the user's ``policy`` (a Plan, or anything :func:`unimp.load` takes) asks of torch."""
-    return policy if isinstance(policy, Plan) else Plan.request(load(policy), "torch")
+def _request(policy: Any) -> Plan.Request:
+    """What the user's ``policy`` (a Plan's request, or anything :func:`unimp.load` takes) asks of torch."""
+    return policy if isinstance(policy, Plan.Request) else Plan.request(load(policy), "torch")
 
 
 Units = type | tuple[type, ...] | str | Iterable[str] | Callable[[str, nn.Module], bool] | None

@@ -55,7 +55,7 @@ import itertools
 import math
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -425,7 +425,7 @@ class TorchWatch(_NotCopied):
                 f"the loss scale had non-finite gradients ({', '.join(others)}): watch that model's Amp to "
                 f"locate them"]
 
-    def _record(self, skipped: bool, notes: list[str] = ()) -> None:
+    def _record(self, skipped: bool, notes: Sequence[str] = ()) -> None:
         scale = float(self.scale_used.item()) if self.scale_used is not None else None
         positions, flags, amax, counts, codes = self._read() if self.checking else ({}, [], [], [], [])
         events = [(self.paths[slot // 6], PLACES[slot % 6], pos,

@@ -63,8 +63,8 @@ class UnimpTrainer(transformers.Trainer):
         targs = kwargs.get("args") or (args[1] if len(args) > 1 else None)
         if targs is not None and (targs.fp16 or targs.bf16):
             raise ValueError("UnimpTrainer: TrainingArguments(fp16=True / bf16=True) would run the Trainer's own "
-                             "autocast on top of the unimp policy; fix: leave fp16/bf16 off (the policy "
-                             f"{Plan.request(self.unimp_policy, 'torch').name!r} decides the dtypes and the loss "
+                             "autocast on top of the unimp policy; fix: leave fp16/bf16 off (the "
+                             f"{Plan.request(self.unimp_policy, 'torch').where} decides the dtypes and the loss "
                              "scaling)")
         super().__init__(*args, **kwargs)
         self.add_callback(_SkipReporter(self))
