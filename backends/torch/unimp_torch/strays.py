@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from unimp.spi import UnsupportedError
+from unimp.spi import UnsupportedError, strays
 
 from .optimizer import AmpOptimizer
 
@@ -82,22 +82,13 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for amp in list(_amps):
         problem = _problem(amp, optimizer)
         if problem is not None:
-            raise UnsupportedError(problem)
+            raise problem
     _checked[optimizer] = generation
 
 
-def _consequence(amp: Any) -> str:
-    """What stepping ``amp``'s parameters without unimp does (it scales the loss or keeps masters)."""
-    if amp.scaler.spec.mode != "none":
-        return (f"after amp.backward(loss) its update would be the scaled gradient's (loss scale "
-                f"{amp.scaler.scale.item():g} times too large), never skipped on overflow; after a plain "
-                f"loss.backward() the policy's loss scaling would not run at all")
-    return ("its update would be lost: the model holds low-precision copies of fp32 master weights, "
-            "and every wrapped step copies the masters over them")
-
-
-def _problem(amp: Any, optimizer: torch.optim.Optimizer) -> str | None:
-    if amp._removed or (amp.scaler.spec.mode == "none" and not amp.params.home):  # nothing goes wrong
+def _problem(amp: Any, optimizer: torch.optim.Optimizer) -> UnsupportedError | None:
+    scaled = amp.scaler.spec.mode != "none"
+    if amp._removed or not strays.at_risk(scaled, bool(amp.params.home)):  # nothing goes wrong
         return None
     names = {id(p): n for n, p in amp.module.named_parameters()}
     names |= {id(orig): n + " (its fp32 original)" for n, p in amp.module.named_parameters()
@@ -105,18 +96,11 @@ def _problem(amp: Any, optimizer: torch.optim.Optimizer) -> str | None:
     hit = next((names[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in names), None)
     if hit is None:
         return None
-    return (f"{type(optimizer).__name__}.step(): this optimizer steps '{hit}' of a {type(amp.module).__name__} "
-            f"under the unimp policy '{amp.plan.name}' but unimp does not wrap it: {_consequence(amp)}. Fix: pass it "
-            f"to unimp.apply(policy, model, [optimizer, ...]) with the others, or wrap it after apply with "
-            f"opt = amp.add_optimizer(opt) and step what that returns (after amp.backward(loss))")
+    return strays.unwrapped(f"{type(optimizer).__name__}.step()", hit, type(amp.module).__name__, amp.plan.name,
+                            amp.scaler.scale.item() if scaled else None)
 
 
 def _refuse_direct(optimizer: torch.optim.Optimizer, owner: Any) -> None:
-    amp_needs = owner.scaler.spec.mode != "none" or owner.masters
-    if not amp_needs:
-        return
-    raise UnsupportedError(
-        f"{type(optimizer).__name__}.step(): this optimizer was passed to unimp.apply, which wraps it; step the "
-        f"wrapper (amp.optimizer, or amp.optimizers[i] with several): stepping it directly would apply "
-        + ("the scaled gradients" if owner.scaler.spec.mode != "none" else "updates the fp32 masters never get")
-        + " without unimp's unscale, skip and master copy")
+    scaled = owner.scaler.spec.mode != "none"
+    if strays.at_risk(scaled, bool(owner.masters)):
+        raise strays.direct(f"{type(optimizer).__name__}.step()", scaled)
