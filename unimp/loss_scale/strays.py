@@ -9,7 +9,7 @@ nothing is scaled and there are no masters (``mixed_bf16``), any optimizer steps
 
 >>> at_risk(scaled=False, masters=False), at_risk(scaled=True, masters=False)
 (False, True)
->>> print(unwrapped("SGD.step()", "layer.weight", "Linear", "mixed_fp16", loss_scale=65536.0))  # doctest: +ELLIPSIS
+>>> print(unwrapped("SGD.step()", "layer.weight", "Linear", "mixed_fp16", True, 65536.0))  # doctest: +ELLIPSIS
 SGD.step(): this optimizer steps 'layer.weight' of a Linear under the unimp policy 'mixed_fp16' but ...
 """
 
@@ -23,24 +23,30 @@ def at_risk(scaled: bool, masters: bool) -> bool:
     return scaled or masters
 
 
-def _consequence(loss_scale: float | None) -> str:
-    if loss_scale is not None:
-        return (f"after amp.backward(loss) its update would be the scaled gradient's (loss scale "
-                f"{loss_scale:g} times too large), never skipped on overflow; after a plain "
-                f"loss.backward() the policy's loss scaling would not run at all")
+#: the fix where an Amp holds several optimizers (torch, Paddle)
+ADD = ("pass it to unimp.apply(policy, model, [optimizer, ...]) with the others, or wrap it after apply with "
+       "opt = amp.add_optimizer(opt) and step what that returns (after amp.backward(loss))")
+
+
+def _consequence(scaled: bool, loss_scale: float | None, scaling: str, plain: str) -> str:
+    if scaled:
+        times = f"loss scale {loss_scale:g} times" if loss_scale is not None else "the loss scale times"
+        return (f"after {scaling} its update would be the scaled gradient's ({times} too large), never skipped "
+                f"on overflow; after {plain} the policy's loss scaling would not run at all")
     return ("its update would be lost: the model holds low-precision copies of fp32 master weights, "
             "and every wrapped step copies the masters over them")
 
 
-def unwrapped(verb: str, param: str, model: str, policy: str, loss_scale: float | None) -> UnsupportedError:
+def unwrapped(verb: str, param: str, model: str, policy: str, scaled: bool, loss_scale: float | None = None, *,
+              fix: str = ADD, scaling: str = "amp.backward(loss)",
+              plain: str = "a plain loss.backward()") -> UnsupportedError:
     """The refusal of an unwrapped optimizer's ``verb`` (``"SGD.step()"``) that would step ``param`` of a
-    ``model`` (its class name) under ``policy``; ``loss_scale``: the current scale where the loss is scaled,
-    None where the harm is the masters."""
+    ``model`` (its class name) under ``policy``; ``scaled``: the loss is scaled (``loss_scale``: the current
+    scale, where it can be read), else the harm is the masters. ``fix``, ``scaling`` (how the backend's user
+    scales a loss) and ``plain`` (a backward without it) are in the backend's words."""
     return UnsupportedError(
         f"{verb}: this optimizer steps '{param}' of a {model} under the unimp policy '{policy}' but unimp "
-        f"does not wrap it: {_consequence(loss_scale)}. Fix: pass it to unimp.apply(policy, model, "
-        f"[optimizer, ...]) with the others, or wrap it after apply with opt = amp.add_optimizer(opt) and "
-        f"step what that returns (after amp.backward(loss))")
+        f"does not wrap it: {_consequence(scaled, loss_scale, scaling, plain)}. Fix: {fix}")
 
 
 def direct(verb: str, scaled: bool) -> UnsupportedError:

@@ -130,4 +130,4 @@ def _problem(amp: Any, optimizer: Any) -> UnsupportedError | None:
     if hit is None:
         return None
     return strays.unwrapped(f"{type(optimizer).__name__}.step()", hit, type(amp._layer).__name__, amp.plan.name,
-                            amp.scale if scaled else None)
+                            scaled, amp.scale if scaled else None)

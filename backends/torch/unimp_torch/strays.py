@@ -97,7 +97,7 @@ def _problem(amp: Any, optimizer: torch.optim.Optimizer) -> UnsupportedError | N
     if hit is None:
         return None
     return strays.unwrapped(f"{type(optimizer).__name__}.step()", hit, type(amp.module).__name__, amp.plan.name,
-                            amp.scaler.scale.item() if scaled else None)
+                            scaled, amp.scaler.scale.item() if scaled else None)
 
 
 def _refuse_direct(optimizer: torch.optim.Optimizer, owner: Any) -> None:
