@@ -20,12 +20,12 @@ first step after the last Amp was dropped with its model) puts Keras' functions 
 unimp's runs here; a lock is held only to swap the functions.
 
 >>> import keras, numpy as np, unimp
->>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="fc")])
+>>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="fc")], name="net")
 >>> amp = unimp.apply("mixed_fp16", m, keras.optimizers.SGD(0.1))
 >>> stray = keras.optimizers.SGD(0.1)
 >>> stray.apply([np.ones((2, 2), "float32"), np.ones(2, "float32")], m.trainable_variables)  # doctest: +ELLIPSIS
 Traceback (most recent call last):
-unimp.errors.UnsupportedError: SGD.apply(): this optimizer steps 'sequential/fc/kernel' of a Sequential under ...
+unimp.errors.UnsupportedError: SGD.apply(): this optimizer steps 'net/fc/kernel' of a Sequential under the unimp ...
 >>> _ = amp.remove()
 """
 
