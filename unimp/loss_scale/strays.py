@@ -1,7 +1,9 @@
 """Optimizers that step an applied model's parameters around unimp: when that goes wrong, and the refusal.
 
 Written once for every backend that detects such a step (torch: a global ``torch.optim`` step pre-hook,
-``unimp_torch.strays``; Paddle: the dygraph optimizers' update funnel, ``unimp_paddle.strays``). An
+``unimp_torch.strays``; Paddle: the dygraph optimizers' update funnel, ``unimp_paddle.strays``; Keras:
+``BaseOptimizer.apply`` / ``stateless_apply``, ``unimp_keras.strays``): the decision (:func:`at_risk`), the
+refusals (:func:`unwrapped`, :func:`direct`) and the bookkeeping of what is guarded (:class:`Guard`). An
 optimizer unimp does not wrap, stepping parameters of a model whose loss unimp scales, applies the
 *scaled* gradient (the loss scale times the update, never skipped on overflow); where the policy keeps
 fp32 master weights, its update of the low-precision copies is overwritten by the next wrapped step. Where
@@ -14,6 +16,11 @@ SGD.step(): this optimizer steps 'layer.weight' of a Linear under the unimp poli
 """
 
 from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 from unimp.errors import UnsupportedError
 
@@ -56,3 +63,86 @@ def direct(verb: str, scaled: bool) -> UnsupportedError:
         f"or amp.optimizers[i] with several): stepping it directly would apply "
         + ("the scaled gradients" if scaled else "updates the fp32 masters never get")
         + " without unimp's unscale, skip and master copy")
+
+
+class Guard:
+    """A backend's applied Amps, the optimizers they wrap and those already checked, all held weakly.
+
+    ``install`` / ``uninstall`` put the backend's interception in place and take it out (torch: a global
+    step hook kept for the process, no ``uninstall``; Paddle, Keras: a framework function wrapped only while
+    some Amp is applied). :meth:`check` runs a backend's test over the live Amps once per optimizer and
+    generation (a new ``apply`` or ``remove`` starts one): per step a dictionary lookup. An Amp counts while
+    ``amp.applied()`` (not removed, nor rolled back with a failed ``unimp.apply``). A lock is held only
+    to install or uninstall, never across user code, and no finalizer runs here.
+
+    >>> class Amp:
+    ...     def applied(self): return True
+    >>> class Optimizer: pass
+    >>> g, amp, opt = Guard(), Amp(), Optimizer()
+    >>> g.watch(amp)
+    >>> g.check(opt, lambda amp: None), g.checked[opt] == g.generation
+    (None, True)
+    """
+
+    def __init__(self, install: Callable[[], None] | None = None, uninstall: Callable[[], None] | None = None) -> None:
+        self.amps: weakref.WeakSet[Any] = weakref.WeakSet()
+        # inner optimizer -> weak references to its wrapper (which holds the inner one) and Amp
+        self.wrapped: weakref.WeakKeyDictionary[Any, tuple[weakref.ref, weakref.ref]] = weakref.WeakKeyDictionary()
+        self.checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # -> generation
+        self.generation = 0
+        self._install, self._uninstall = install, uninstall
+        self._installed = False
+        self._lock = threading.Lock()  # held only to install or uninstall
+
+    def watch(self, amp: Any) -> None:
+        """Guard ``amp``'s model (the interception installed first where it is not)."""
+        with self._lock:
+            if not self._installed and self._install is not None:
+                self._install()
+                self._installed = True
+        self.amps.add(amp)
+        self.generation += 1
+
+    def wrap(self, inner: Any, wrapper: Any, amp: Any) -> None:
+        """``wrapper`` (``amp``'s) steps ``inner``: ``inner``'s steps come from it."""
+        self.wrapped[inner] = (weakref.ref(wrapper), weakref.ref(amp))
+
+    def owner(self, inner: Any) -> Any:
+        """The wrapper of ``inner`` while its Amp is applied, or None."""
+        refs = self.wrapped.get(inner)
+        if refs is None:
+            return None
+        wrapper, amp = refs[0](), refs[1]()
+        return wrapper if wrapper is not None and amp is not None and amp.applied() else None
+
+    def unwatch(self, amp: Any, wrappers: list[tuple[Any, Any]]) -> None:
+        """``amp`` was removed: its ``(inner, wrapper)`` pairs are plain again; the last Amp uninstalls."""
+        for inner, wrapper in wrappers:
+            refs = self.wrapped.get(inner)
+            if refs is not None and refs[0]() is wrapper:
+                del self.wrapped[inner]
+        self.amps.discard(amp)
+        self.generation += 1
+        self._uninstall_if_idle()
+
+    def check(self, optimizer: Any, problem: Callable[[Any], UnsupportedError | None], cache: bool = True) -> None:
+        """Raise ``problem(amp)`` for the first live Amp it is not None for (``optimizer`` not checked since the
+        last apply/remove); ``cache``: remember that ``optimizer`` passed."""
+        generation = self.generation
+        if self.checked.get(optimizer) == generation:
+            return
+        amps = [amp for amp in list(self.amps) if amp.applied()]
+        for amp in amps:
+            found = problem(amp)
+            if found is not None:
+                raise found
+        if not self.amps:  # the last Amp was dropped with its model, without remove(), and collected
+            self._uninstall_if_idle()
+        if cache:
+            self.checked[optimizer] = generation
+
+    def _uninstall_if_idle(self) -> None:
+        with self._lock:
+            if not self.amps and self._installed and self._uninstall is not None:
+                self._uninstall()
+                self._installed = False

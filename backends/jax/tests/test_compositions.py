@@ -37,8 +37,10 @@ class BodyAndHead(nn.Module):
 
 def two_optimizers():
     """A slow SGD for the body, a fast Adam for the head: optax's one transformation for both."""
-    return optax.multi_transform({"body": optax.sgd(0.05), "head": optax.adam(1e-2)},
-                                 lambda params: {k: jax.tree_util.tree_map(lambda _: k, v) for k, v in params.items()})
+    def labels(params):  # each top-level module's name for all its leaves
+        return {k: jax.tree_util.tree_map(lambda _, k=k: k, v) for k, v in params.items()}
+
+    return optax.multi_transform({"body": optax.sgd(0.05), "head": optax.adam(1e-2)}, labels)
 
 
 def batches(n, poison=()):

@@ -31,55 +31,40 @@ unimp.errors.UnsupportedError: SGD.apply(): this optimizer steps 'net/fc/kernel'
 
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Any
 
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 from unimp.spi import UnsupportedError, strays
 
-_amps: weakref.WeakSet[Any] = weakref.WeakSet()  # live KerasAmps
-# inner optimizer -> weakref to its unimp wrapper (which holds the inner one)
-_wrapped: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
-_checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # -> generation
-_state: dict[str, Any] = {"generation": 0, "installed": False}
 _original = {name: BaseOptimizer.__dict__[name] for name in ("apply", "stateless_apply")}  # Keras' own
 #: Keras keeps one optimizer per model (each its own loss scale, as Keras' mixed_float16 does)
 FIX = ("apply the policy to the (sub-)model this optimizer trains, with it: amp_d = unimp.apply(policy, "
        "discriminator, d_optimizer), and step amp_d.optimizer (its scale_loss, then apply_gradients) in train_step; "
        "one Amp per sub-model, each optimizer its own loss scale")
-_install = threading.Lock()  # held only to swap the functions in or out (no user code, no finalizer under it)
+
+
+def _install() -> None:
+    BaseOptimizer.apply, BaseOptimizer.stateless_apply = _apply, _stateless_apply
+
+
+def _uninstall() -> None:
+    BaseOptimizer.apply, BaseOptimizer.stateless_apply = _original["apply"], _original["stateless_apply"]
+
+
+_guard = strays.Guard(_install, _uninstall)  # live KerasAmps, their wrappers' inner optimizers, checked ones
 
 
 def watch(amp: Any) -> None:
     """Guard ``amp``'s model from unwrapped optimizers (Keras' apply wrapped while any Amp is applied)."""
     if amp.optimizer is not None:
-        _wrapped[amp.optimizer.inner_optimizer] = weakref.ref(amp.optimizer)
-    with _install:
-        if not _state["installed"]:
-            BaseOptimizer.apply, BaseOptimizer.stateless_apply = _apply, _stateless_apply
-            _state["installed"] = True
-        _amps.add(amp)
-        _state["generation"] += 1
+        _guard.wrap(amp.optimizer.inner_optimizer, amp.optimizer, amp)
+    _guard.watch(amp)
 
 
 def unwatch(amp: Any) -> None:
     """``amp`` was removed: its model and optimizer are plain again; the last one puts Keras' functions back."""
-    if amp.optimizer is not None:
-        ref = _wrapped.get(amp.optimizer.inner_optimizer)
-        if ref is not None and ref() is amp.optimizer:
-            del _wrapped[amp.optimizer.inner_optimizer]
-    _amps.discard(amp)
-    _state["generation"] += 1
-    _uninstall_if_idle()
-
-
-def _uninstall_if_idle() -> None:
-    with _install:
-        if not _amps and _state["installed"]:
-            BaseOptimizer.apply, BaseOptimizer.stateless_apply = _original["apply"], _original["stateless_apply"]
-            _state["installed"] = False
+    _guard.unwatch(amp, [(amp.optimizer.inner_optimizer, amp.optimizer)] if amp.optimizer is not None else [])
 
 
 def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
@@ -96,34 +81,24 @@ def _stateless_apply(self: Any, optimizer_variables: Any, grads: Any, trainable_
 
 def check(optimizer: Any, verb: str, variables: Any) -> None:
     """Refuse ``optimizer``'s step when it steps an applied model's variables around unimp."""
-    ref = _wrapped.get(optimizer)
-    owner = ref() if ref is not None else None
+    owner = _guard.owner(optimizer)
     if owner is not None:
         if not owner.in_step:
             scaled = owner.spec.mode != "none"
             if strays.at_risk(scaled, bool(getattr(owner, "_masters", None))):
                 raise strays.direct(f"{type(optimizer).__name__}.{verb}", scaled)
         return
-    generation = _state["generation"]
-    if _checked.get(optimizer) == generation:
-        return
     if variables is None:
         variables = optimizer._trainable_variables if optimizer.built else []
-    amps = list(_amps)
-    for amp in amps:
-        problem = _problem(amp, optimizer, f"{type(optimizer).__name__}.{verb}", list(variables))
-        if problem is not None:
-            raise problem
-    if not amps:  # the last Amp was dropped with its model, without remove(), and collected
-        _uninstall_if_idle()
-    if optimizer.built:  # its variables are fixed from now on
-        _checked[optimizer] = generation
+    name = f"{type(optimizer).__name__}.{verb}"
+    # a built optimizer's variables are fixed: checked once per apply/remove
+    _guard.check(optimizer, lambda amp: _problem(amp, name, list(variables)), cache=optimizer.built)
 
 
-def _problem(amp: Any, optimizer: Any, verb: str, variables: list) -> UnsupportedError | None:
+def _problem(amp: Any, verb: str, variables: list) -> UnsupportedError | None:
     scaled = amp.plan.loss_scale.mode != "none"
     masters = dict(getattr(amp.optimizer, "_masters", None) or {})
-    if amp._removed or not strays.at_risk(scaled, bool(masters)):
+    if not strays.at_risk(scaled, bool(masters)):
         return None
     names = {id(v): getattr(v, "path", v.name) for v in amp.model.trainable_variables}
     names |= {id(m): names[i] + " (its fp32 master)" for i, m in masters.items() if i in names}

@@ -219,7 +219,8 @@ def test_gradscaler_on_an_applied_layer_refused_plain_optimizer_kept_under_mixed
             loss.backward()
             opt.step()
             opt.clear_grad()
-    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(ours.parameters(), native.parameters(), strict=True))
+    assert all(np.array_equal(a.numpy(), b.numpy())
+               for a, b in zip(ours.parameters(), native.parameters(), strict=True))
     amp.remove()
 
 

@@ -81,7 +81,7 @@ class PaddleAmp(Amp):
 
         for opt in self.optimizers:
             opt.masters = self.masters
-            strays.wrapped(opt)
+            strays.wrapped(self, opt)
         strays.watch(self)
 
     @property
@@ -230,7 +230,7 @@ class PaddleAmp(Amp):
         self.optimizers.append(wrapped)
         if self.optimizer is None:
             self.optimizer = wrapped
-        strays.wrapped(wrapped)
+        strays.wrapped(self, wrapped)
         strays.watch(self)  # its optimizers changed: checked again
         return wrapped
 
@@ -294,7 +294,8 @@ class PaddleAmp(Amp):
         return trace.observe(self._layer, *inputs, **kw_inputs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PaddleAmp:
-        """The copy (:meth:`unimp.Amp.__deepcopy__`) guards its own layer and optimizers (:mod:`unimp_paddle.strays`)."""
+        """The copy (:meth:`unimp.Amp.__deepcopy__`) guards its own layer and optimizers
+        (:mod:`unimp_paddle.strays`)."""
         new = super().__deepcopy__(memo)
         new._guard()
         return new

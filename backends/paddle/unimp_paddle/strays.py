@@ -14,7 +14,8 @@ Paddle has no global optimizer step hook: while some Amp is applied, the base cl
 wrapped by :func:`_guarded`, which costs a dictionary lookup per step: an optimizer is checked against the
 applied layers at its first step, again only after an ``apply`` or ``remove``. The last ``remove()`` puts
 Paddle's own function back (so does the first step after the last Amp was dropped and collected). No
-finalizer of unimp's runs here; a lock is held only to swap the function, never across user code. ``LBFGS`` steps its parameters itself and is not seen.
+finalizer of unimp's runs here; a lock is held only to swap the function, never across user code.
+``LBFGS`` steps its parameters itself and is not seen.
 
 >>> import paddle, unimp
 >>> m = paddle.nn.Linear(2, 2)
@@ -29,19 +30,28 @@ unimp.errors.UnsupportedError: SGD.step(): this optimizer steps 'weight' of a Li
 
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Any
 
 from unimp.spi import UnsupportedError, strays
 
-_amps: weakref.WeakSet[Any] = weakref.WeakSet()  # live PaddleAmps
-# inner optimizer -> weakref to its AmpOptimizer (which holds the inner one: a strong value would keep both alive)
-_wrapped: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
-_checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # -> generation
-_state: dict[str, Any] = {"generation": 0, "installed": False}
 _original: list[Any] = []  # Optimizer's own _create_optimization_pass, kept at the first install
-_install = threading.Lock()  # held only to swap the funnel in or out (no user code, no finalizer under it)
+
+
+def _install() -> None:
+    import paddle
+
+    if not _original:
+        _original.append(paddle.optimizer.Optimizer.__dict__["_create_optimization_pass"])
+    paddle.optimizer.Optimizer._create_optimization_pass = _guarded
+
+
+def _uninstall() -> None:
+    import paddle
+
+    paddle.optimizer.Optimizer._create_optimization_pass = _original[0]
+
+
+_guard = strays.Guard(_install, _uninstall)  # live PaddleAmps, their wrappers' inner optimizers, checked ones
 
 
 def params_of(optimizer: Any) -> list[Any]:
@@ -52,42 +62,17 @@ def params_of(optimizer: Any) -> list[Any]:
 
 def watch(amp: Any) -> None:
     """Guard ``amp``'s layer from unwrapped optimizers (the funnel wrapped while any Amp is applied)."""
-    import paddle
-
-    with _install:
-        if not _original:
-            _original.append(paddle.optimizer.Optimizer.__dict__["_create_optimization_pass"])
-        if not _state["installed"]:
-            paddle.optimizer.Optimizer._create_optimization_pass = _guarded
-            _state["installed"] = True
-        _amps.add(amp)
-        _state["generation"] += 1
+    _guard.watch(amp)
 
 
-def wrapped(optimizer: Any) -> None:
-    """``optimizer`` (an AmpOptimizer) wraps ``optimizer.inner``: its inner steps come from it."""
-    _wrapped[optimizer.inner] = weakref.ref(optimizer)
+def wrapped(amp: Any, optimizer: Any) -> None:
+    """``optimizer`` (an AmpOptimizer of ``amp``) wraps ``optimizer.inner``: its inner steps come from it."""
+    _guard.wrap(optimizer.inner, optimizer, amp)
 
 
 def unwatch(amp: Any) -> None:
     """``amp`` was removed: its layer and optimizers are plain again; the last one puts the funnel back."""
-    for opt in getattr(amp, "optimizers", []):
-        ref = _wrapped.get(opt.inner)
-        if ref is not None and ref() is opt:
-            del _wrapped[opt.inner]
-    _amps.discard(amp)
-    _state["generation"] += 1
-    _uninstall_if_idle()
-
-
-def _uninstall_if_idle() -> None:
-    """No Amp left (removed, or dropped and collected): Paddle's own funnel back."""
-    import paddle
-
-    with _install:
-        if not _amps and _state["installed"]:
-            paddle.optimizer.Optimizer._create_optimization_pass = _original[0]
-            _state["installed"] = False
+    _guard.unwatch(amp, [(opt.inner, opt) for opt in getattr(amp, "optimizers", [])])
 
 
 def _guarded(self: Any, parameters_and_grads: Any, param_group_idx: int = 0) -> Any:
@@ -98,32 +83,20 @@ def _guarded(self: Any, parameters_and_grads: Any, param_group_idx: int = 0) -> 
 
 def check(optimizer: Any) -> None:
     """Refuse ``optimizer``'s update when it steps an applied layer's parameters around unimp."""
-    ref = _wrapped.get(optimizer)
-    owner = ref() if ref is not None else None
+    owner = _guard.owner(optimizer)
     if owner is not None:
         if not owner.in_step and strays.at_risk(owner.scaled, owner.masters):
             raise strays.direct(f"{type(optimizer).__name__}.step()", owner.scaled)
         return
-    generation = _state["generation"]
-    if _checked.get(optimizer) == generation:
-        return
     import paddle
 
-    if not paddle.in_dynamic_mode():  # a static Program being built: unimp_paddle.static's own path
-        return
-    amps = list(_amps)
-    for amp in amps:
-        problem = _problem(amp, optimizer)
-        if problem is not None:
-            raise problem
-    if not amps:  # the last Amp was dropped without remove() and collected
-        _uninstall_if_idle()
-    _checked[optimizer] = generation
+    if paddle.in_dynamic_mode():  # else a static Program being built: unimp_paddle.static's own path
+        _guard.check(optimizer, lambda amp: _problem(amp, optimizer))
 
 
 def _problem(amp: Any, optimizer: Any) -> UnsupportedError | None:
     scaled = amp.scaler.spec.mode != "none"
-    if amp._removed or not strays.at_risk(scaled, amp.masters):  # nothing goes wrong
+    if not strays.at_risk(scaled, amp.masters):  # nothing goes wrong
         return None
     names = {id(p): n for n, p in amp._layer.named_parameters()}
     hit = next((names[id(p)] for p in params_of(optimizer) if id(p) in names), None)

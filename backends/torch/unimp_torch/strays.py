@@ -27,7 +27,6 @@ unimp.errors.UnsupportedError: SGD.step(): this optimizer steps 'weight' of a Li
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -37,58 +36,43 @@ from unimp.spi import UnsupportedError, strays
 
 from .optimizer import AmpOptimizer
 
-_amps: weakref.WeakSet[Any] = weakref.WeakSet()  # live TorchAmps
-# inner optimizer -> weakref to its AmpOptimizer (which holds the inner one: a strong value would keep both alive)
-_wrapped: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weakref.WeakKeyDictionary()
-_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()  # -> generation
-_state = {"generation": 0, "handle": None}
+
+def _install() -> None:
+    register_optimizer_step_pre_hook(_pre_step)  # kept for the process: per step a dictionary lookup
+
+
+_guard = strays.Guard(_install)  # live TorchAmps, the inner optimizers of their wrappers, checked optimizers
 
 
 def watch(amp: Any) -> None:
     """Guard ``amp``'s model from unwrapped optimizers (the hook registered once per process)."""
-    if _state["handle"] is None:
-        _state["handle"] = register_optimizer_step_pre_hook(_pre_step)
-    _amps.add(amp)
-    _state["generation"] += 1
+    _guard.watch(amp)
 
 
-def wrapped(optimizer: Any) -> None:
-    """``optimizer`` (an AmpOptimizer) wraps ``optimizer.optimizer``: its inner steps come from it."""
-    _wrapped[optimizer.optimizer] = weakref.ref(optimizer)
+def wrapped(amp: Any, optimizer: Any) -> None:
+    """``optimizer`` (an AmpOptimizer of ``amp``) wraps ``optimizer.optimizer``: its inner steps come from it."""
+    _guard.wrap(optimizer.optimizer, optimizer, amp)
 
 
 def unwatch(amp: Any) -> None:
     """``amp`` was removed: its model and optimizers are plain again."""
-    _amps.discard(amp)
-    for opt in getattr(amp, "optimizers", []):
-        ref = _wrapped.get(opt.optimizer)
-        if ref is not None and ref() is opt:
-            del _wrapped[opt.optimizer]
-    _state["generation"] += 1
+    _guard.unwatch(amp, [(opt.optimizer, opt) for opt in getattr(amp, "optimizers", [])])
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if isinstance(optimizer, AmpOptimizer):
         return
-    ref = _wrapped.get(optimizer)
-    owner = ref() if ref is not None else None
+    owner = _guard.owner(optimizer)
     if owner is not None:
         if not owner.in_step:
             _refuse_direct(optimizer, owner)
         return
-    generation = _state["generation"]
-    if _checked.get(optimizer) == generation:
-        return
-    for amp in list(_amps):
-        problem = _problem(amp, optimizer)
-        if problem is not None:
-            raise problem
-    _checked[optimizer] = generation
+    _guard.check(optimizer, lambda amp: _problem(amp, optimizer))
 
 
 def _problem(amp: Any, optimizer: torch.optim.Optimizer) -> UnsupportedError | None:
     scaled = amp.scaler.spec.mode != "none"
-    if amp._removed or not strays.at_risk(scaled, bool(amp.params.home)):  # nothing goes wrong
+    if not strays.at_risk(scaled, bool(amp.params.home)):  # nothing goes wrong
         return None
     names = {id(p): n for n, p in amp.module.named_parameters()}
     names |= {id(orig): n + " (its fp32 original)" for n, p in amp.module.named_parameters()
