@@ -108,12 +108,18 @@ class Guard:
         self.wrapped[inner] = (weakref.ref(wrapper), weakref.ref(amp))
 
     def owner(self, inner: Any) -> Any:
-        """The wrapper of ``inner`` while its Amp is applied, or None."""
+        """The wrapper of ``inner`` (per step: one dictionary lookup), or None."""
         refs = self.wrapped.get(inner)
-        if refs is None:
+        return refs[0]() if refs is not None else None
+
+    def stepped_around(self, inner: Any) -> Any:
+        """``inner``'s wrapper where ``inner`` steps outside it (``wrapper.in_step`` false) while its Amp is
+        applied: the step to refuse; else None."""
+        refs = self.wrapped.get(inner)
+        wrapper, amp = (refs[0](), refs[1]()) if refs is not None else (None, None)
+        if wrapper is None or amp is None or wrapper.in_step or not amp.applied():
             return None
-        wrapper, amp = refs[0](), refs[1]()
-        return wrapper if wrapper is not None and amp is not None and amp.applied() else None
+        return wrapper
 
     def unwatch(self, amp: Any, wrappers: list[tuple[Any, Any]]) -> None:
         """``amp`` was removed: its ``(inner, wrapper)`` pairs are plain again; the last Amp uninstalls."""

@@ -81,12 +81,11 @@ def _stateless_apply(self: Any, optimizer_variables: Any, grads: Any, trainable_
 
 def check(optimizer: Any, verb: str, variables: Any) -> None:
     """Refuse ``optimizer``'s step when it steps an applied model's variables around unimp."""
-    owner = _guard.owner(optimizer)
-    if owner is not None:
-        if not owner.in_step:
-            scaled = owner.spec.mode != "none"
-            if strays.at_risk(scaled, bool(getattr(owner, "_masters", None))):
-                raise strays.direct(f"{type(optimizer).__name__}.{verb}", scaled)
+    if _guard.owner(optimizer) is not None:  # passed to unimp.apply: refused only when stepped around its wrapper
+        owner = _guard.stepped_around(optimizer)
+        scaled = owner is not None and owner.spec.mode != "none"
+        if owner is not None and strays.at_risk(scaled, bool(getattr(owner, "_masters", None))):
+            raise strays.direct(f"{type(optimizer).__name__}.{verb}", scaled)
         return
     if variables is None:
         variables = optimizer._trainable_variables if optimizer.built else []

@@ -83,9 +83,9 @@ def _guarded(self: Any, parameters_and_grads: Any, param_group_idx: int = 0) -> 
 
 def check(optimizer: Any) -> None:
     """Refuse ``optimizer``'s update when it steps an applied layer's parameters around unimp."""
-    owner = _guard.owner(optimizer)
-    if owner is not None:
-        if not owner.in_step and strays.at_risk(owner.scaled, owner.masters):
+    if _guard.owner(optimizer) is not None:  # passed to unimp.apply: refused only when stepped around its wrapper
+        owner = _guard.stepped_around(optimizer)
+        if owner is not None and strays.at_risk(owner.scaled, owner.masters):
             raise strays.direct(f"{type(optimizer).__name__}.step()", owner.scaled)
         return
     import paddle

@@ -62,9 +62,9 @@ def unwatch(amp: Any) -> None:
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if isinstance(optimizer, AmpOptimizer):
         return
-    owner = _guard.owner(optimizer)
-    if owner is not None:
-        if not owner.in_step:
+    if _guard.owner(optimizer) is not None:  # passed to unimp.apply: refused only when stepped around its wrapper
+        owner = _guard.stepped_around(optimizer)
+        if owner is not None:
             _refuse_direct(optimizer, owner)
         return
     _guard.check(optimizer, lambda amp: _problem(amp, optimizer))
