@@ -89,9 +89,9 @@ def check(optimizer: Any, verb: str, variables: Any) -> None:
         return
     if variables is None:
         variables = optimizer._trainable_variables if optimizer.built else []
-    name = f"{type(optimizer).__name__}.{verb}"
     # a built optimizer's variables are fixed: checked once per apply/remove
-    _guard.check(optimizer, lambda amp: _problem(amp, name, list(variables)), cache=optimizer.built)
+    _guard.check(optimizer, lambda amp: _problem(amp, f"{type(optimizer).__name__}.{verb}", list(variables)),
+                 cache=optimizer.built)
 
 
 def _problem(amp: Any, verb: str, variables: list) -> UnsupportedError | None:
