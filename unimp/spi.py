@@ -1,4 +1,4 @@
-"""The plug-in surface: every core name a backend package may import (25 names).
+"""The plug-in surface: every core name a backend package may import (27 names).
 
 A backend (``unimp_torch``, ``unimp_jax``, ... or a new one) imports the core from this module only
 (its conformance kit also from :mod:`unimp.conformance.kit`), never from ``unimp.plan``,
@@ -28,6 +28,7 @@ By job:
 - three vocabularies, each a module: ``ops`` (the canonical ops, ``native_table``, the class -> op walk
   ``kind_of``), ``dtypes`` (dtype names, float32/int32 facts, ``f32``) and ``hardware`` (the CPU facts,
   the ``auto`` resolvers, ``warn_emulated``);
+- ``strays``: when an optimizer unimp does not wrap steps an applied model wrongly, and its refusal;
 - ``files``: the one writer of every file unimp writes (``write_file``: whole or not at all).
 """
 
@@ -38,7 +39,7 @@ from unimp.backend import Amp, Backend
 from unimp.backend.registry import apply
 from unimp.backend.transaction import Snapshot
 from unimp.errors import StateError, UnimpWarning, UnsupportedError
-from unimp.loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState
+from unimp.loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState, strays
 from unimp.loss_scale.iteration import Iteration
 from unimp.loss_scale.rule import ArrayOps, Arrays, step
 from unimp.plan import LayerInfo, Plan
@@ -58,6 +59,6 @@ __all__ = [
     "LossScaleAtMinimumError", "Report", "ReportRow", "StateError", "UnimpWarning", "UnsupportedError",
     # for kits and integrations
     "apply", "load",
-    # vocabularies (modules), the file writer
-    "dtypes", "files", "hardware", "ops",
+    # vocabularies (modules), the file writer; optimizers stepping an applied model around unimp (module)
+    "dtypes", "files", "hardware", "ops", "strays",
 ]

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar, Self
 
-from unimp.backend.applied import is_applied, release, remember
+from unimp.backend.applied import any_applied, is_applied, release, remember
 from unimp.errors import StateError, UnimpWarning, UnsupportedError
 from unimp.loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
 from unimp.plan import Plan
@@ -163,6 +163,11 @@ class Amp(abc.ABC):
         if getattr(self, "_removed", False):
             raise StateError(f"{verb}: this Amp was removed (amp.remove() restored the model); apply the policy "
                              f"again to use it: amp = unimp.apply(policy, model, optimizer)")
+
+    def applied(self) -> bool:
+        """Whether this Amp is in force: not removed, and its model still marked applied (an ``unimp.apply``
+        rolled back after the backend's part returned is not)."""
+        return not getattr(self, "_removed", False) and any_applied(getattr(self, "_applied_ids", [id(self.model)]))
 
     @property
     def scale(self) -> float:

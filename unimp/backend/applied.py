@@ -128,6 +128,11 @@ def release(ids: list[int]) -> None:
         _applied.pop(i, None)
 
 
+def any_applied(ids: list[int]) -> bool:
+    """Whether some object of ``ids`` (an Amp's marks) is still marked applied."""
+    return any(_held(_applied.get(i)) is not None for i in ids)
+
+
 def is_applied(model: Any) -> bool:
     """Whether ``model`` has a policy applied that was not removed."""
     return _held(_applied.get(id(model))) is model

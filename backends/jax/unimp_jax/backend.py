@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, ClassVar
 
-from unimp.spi import Amp, Backend, Plan, Snapshot, UnimpWarning, load, ops
+from unimp.spi import Amp, Backend, Plan, Snapshot, UnimpWarning, UnsupportedError, load, ops
 
 from .layers import is_linen, is_nnx
 from .ops import NATIVE_OPS
@@ -49,6 +49,14 @@ class JaxBackend(Backend):
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
         if not self.accepts(model):
             raise TypeError(f"unimp-jax: model is {type(model)!r}; fix: pass a {self.model_types}")
+        if isinstance(optimizer, list | tuple) and not hasattr(optimizer, "update"):  # optax txs are NamedTuples
+            raise UnsupportedError(
+                f"unimp-jax: {len(optimizer)} optax transformations for one model: optax cannot tell which "
+                f"parameters each steps; fix: combine them into one, labelled by parameter, "
+                f"optax.multi_transform({{'body': tx_a, 'head': tx_b}}, labels) (one loss scale and one finiteness "
+                f"check for both, as jmp's DynamicLossScale around it); separate models (a GAN's generator and "
+                f"discriminator) get one Amp each: unimp.apply(policy, generator, g_tx) and unimp.apply(policy, "
+                f"discriminator, d_tx)")
         if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
             raise TypeError(
                 f"unimp-jax: optimizer is {type(optimizer).__name__}; fix: pass an optax "

@@ -183,3 +183,66 @@ def test_keras_list_of_optimizers_refused_naming_one_amp_per_model():
     with pytest.raises(UnsupportedError, match=r"several optimizers.*unimp.apply\(policy, discriminator, d_opt"):
         unimp.apply("mixed_fp16", disc, [adam(), adam()])
     assert all(layer.dtype_policy.name == "float32" for layer in disc.layers)
+
+
+def fit(gan, batches):
+    if keras.backend.backend() == "jax":
+        jax_fit(gan, batches)
+    else:
+        gan.fit(batches, batch_size=4, epochs=1, shuffle=False, verbose=0)
+
+
+@pytest.mark.parametrize(("preset", "stray"), [("keras_mixed_float16", "passed_to_apply"),
+                                               ("keras_mixed_float16", "new"), ("pure_bf16", "new")])
+def test_keras_dcgan_plain_optimizer_on_an_applied_model_refused_at_its_first_step(preset, stray):
+    """Issue 32, keras.io's DCGAN with the discriminator under unimp: a train_step stepping the discriminator with
+    a plain optimizer (the one passed to unimp.apply instead of amp_d.optimizer, or another one) is refused at its
+    first apply (TensorFlow, torch: under fit; JAX: traced in jit), naming the fix, before any weight or slot
+    changes: the policy's loss scaling would not run (or a scaled gradient would be applied), or under pure_bf16
+    its update of the bf16 copies would be overwritten from the fp32 masters. The wrapper then trains."""
+    keras.utils.set_random_seed(0)
+    disc, gen = discriminator(), generator()
+    d_opt = adam()
+    amp_d = unimp.apply(preset, disc, d_opt)
+    plain = d_opt if stray == "passed_to_apply" else adam()
+    gan = GAN(disc, gen)
+    gan.compile(plain, adam(), keras.losses.BinaryCrossentropy())
+    before = weights(disc, gen)
+    match = (r"Adam.(stateless_)?apply\(\): this optimizer was passed to unimp.apply.*step the wrapper"
+             if stray == "passed_to_apply" else
+             r"Adam.(stateless_)?apply\(\): this optimizer steps 'discriminator/.*' of a Sequential under the unimp "
+             + (r"policy 'pure_bf16'.*would be lost" if preset == "pure_bf16" else
+                r"policy 'keras_mixed_float16'.*loss scaling would not run") + r".*amp_d = unimp.apply")
+    with pytest.raises(UnsupportedError, match=match):
+        fit(gan, data(1))
+    assert all(np.array_equal(a, b) for a, b in zip(before, weights(disc, gen), strict=True))
+    assert all(not np.any(keras.ops.convert_to_numpy(v)) for v in plain.variables[2:])  # no slot moved
+    gan.compile(amp_d.optimizer, adam(), keras.losses.BinaryCrossentropy())
+    fit(gan, data(1))
+    assert any(not np.array_equal(a, b) for a, b in zip(before, weights(disc), strict=True))
+    amp_d.remove()
+
+
+def test_keras_dcgan_plain_optimizers_kept_without_scaling_or_masters_match_native_bitwise():
+    """Where nothing is scaled and there are no masters (keras_mixed_float16 with loss scaling off: Keras'
+    mixed_float16 without a LossScaleOptimizer), the DCGAN's plain optimizers step both applied sub-models exactly
+    as under Keras' own dtype policy; the guard on Keras' optimizers is gone after the last remove()."""
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    own = BaseOptimizer.__dict__["apply"], BaseOptimizer.__dict__["stateless_apply"]
+    keras.utils.set_random_seed(0)
+    disc, gen = discriminator(), generator()
+    native_d, native_g = discriminator("mixed_float16"), generator("mixed_float16")
+    native_d.set_weights(disc.get_weights())
+    native_g.set_weights(gen.get_weights())
+    policy = {"extends": "keras_mixed_float16", "loss_scale": {"mode": "none"}}
+    amps = [unimp.apply(policy, disc), unimp.apply(policy, gen)]
+    assert BaseOptimizer.__dict__["apply"] is not own[0]
+    for d, g in ((disc, gen), (native_d, native_g)):
+        gan = GAN(d, g)
+        gan.compile(adam(), adam(), keras.losses.BinaryCrossentropy())
+        fit(gan, data(3))
+    assert all(np.array_equal(a, b) for a, b in zip(weights(disc, gen), weights(native_d, native_g), strict=True))
+    for amp in amps:
+        amp.remove()
+    assert (BaseOptimizer.__dict__["apply"], BaseOptimizer.__dict__["stateless_apply"]) == own

@@ -111,6 +111,9 @@ class KerasAmp(Amp):
         return out
 
     def _restore(self) -> None:
+        from . import strays
+
+        strays.unwatch(self)
         undo(self.model, self.inner_optimizer, self.optimizer, self._binding,
              masters_on=bool(getattr(self.optimizer, "_masters", None)))
 

@@ -102,7 +102,11 @@ class KerasBackend(Backend):
             binding.compiled_optimizer = optimizer
             model.optimizer = wrapper
         reset_compiled_functions(model)
-        return KerasAmp(plan, model, wrapper, optimizer, binding)
+        from . import strays
+
+        amp = KerasAmp(plan, model, wrapper, optimizer, binding)
+        strays.watch(amp)  # optimizers stepping this model around unimp are refused (unimp_keras.strays)
+        return amp
 
     def scope(self, plan: Plan) -> Any:
         """``unimp.scope(policy)``: build new Keras models under the compiled ``plan`` (see :mod:`.building`)."""

@@ -138,6 +138,27 @@ class SavesAsKeras(keras.optimizers.LossScaleOptimizer):
                          name=name)
         self._saved_factor = saved_factor  # Keras clears the inner factor; remove() puts it back
         self.spec = spec
+        self.in_step = False  # inside apply: the inner optimizer's step is this wrapper's (unimp_keras.strays)
+
+    def apply(self, grads: list, trainable_variables: list | None = None) -> None:
+        """Keras' ``LossScaleOptimizer.apply``, its inner optimizer's step marked as this wrapper's."""
+        self.in_step = True
+        try:
+            return super().apply(grads, trainable_variables)
+        finally:
+            self.in_step = False
+
+    def stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list) -> tuple[list, list]:
+        """:meth:`_stateless_apply`, its inner optimizer's step marked as this wrapper's (traced under ``jit``)."""
+        self.in_step = True
+        try:
+            return self._stateless_apply(optimizer_variables, grads, trainable_variables)
+        finally:
+            self.in_step = False
+
+    def _stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list) -> tuple[list, list]:
+        """The wrapper's stateless step (Keras' by default; :class:`AmpOptimizer` runs unimp's rule)."""
+        return super().stateless_apply(optimizer_variables, grads, trainable_variables)
 
     @tracking.no_automatic_dependency_tracking
     def _make_exact_state(self) -> None:
@@ -298,7 +319,7 @@ class AmpOptimizer(SavesAsKeras):
         self._update(finite)
 
     # ------------------------------------------------------------------ JAX: inside jit
-    def stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list) -> tuple[list, list]:
+    def _stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list) -> tuple[list, list]:
         """One step as pure values (Keras' JAX trainer, or a user's jitted step): ``(new trainable
         values, new optimizer values)`` in :attr:`variables`' order. A skipped step returns the old
         values (a select, traceable); the loss-scale state follows the rule either way."""
@@ -423,10 +444,10 @@ class KerasAmpOptimizer(SavesAsKeras):
             return loss * ops.cast(self._pending.scale, loss.dtype)
         return super().scale_loss(loss)
 
-    def stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list) -> tuple[list, list]:
+    def _stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list) -> tuple[list, list]:
         """Keras' own stateless step (JAX), plus the step / skip counters."""
         finite = self.check_finite(grads)
-        new_tvs, new_vars = super().stateless_apply(optimizer_variables, grads, trainable_variables)
+        new_tvs, new_vars = super()._stateless_apply(optimizer_variables, grads, trainable_variables)
         at = {id(v): i for i, v in enumerate(self.variables)}
         new_vars = list(new_vars)
         i, j = at[id(self._steps)], at[id(self._skipped)]

@@ -137,3 +137,170 @@ def test_optimizer_stepped_twice_before_the_update_is_refused_naming_amp_update(
     amp.update()  # GradScaler.update(): the iteration ends with the body alone stepped
     assert amp.state_dict()["steps"] == 1
     amp.remove()
+
+
+def params_and_velocity(model, momentum):
+    return [p.numpy() for p in model.parameters()], {k: v.numpy() for k, v in momentum.state_dict().items()
+                                                     if hasattr(v, "numpy")}
+
+
+@pytest.mark.parametrize("built", ["before_apply", "after_apply"])
+@pytest.mark.parametrize("verb", ["step", "minimize", "apply_gradients"])
+def test_unwrapped_optimizer_refused_at_its_first_step(built, verb):
+    """Issue 32, fine-tuning a body and a head with an optimizer each: the head's optimizer, not passed to unimp,
+    stepped after amp.backward(loss) (it would apply the scaled gradient) is refused at its first step by
+    step(), minimize() or apply_gradients(), naming the fix, before its parameters or accumulators change; so is
+    the body's optimizer stepped around its wrapper. amp.add_optimizer(head) then trains bit for bit as one
+    paddle.amp.GradScaler stepping both optimizers."""
+    model = body_and_head()
+    opt_body, opt_head = two_optimizers(model) if built == "before_apply" else (two_optimizers(model)[0], None)
+    amp = unimp.apply(POLICY, model, opt_body)
+    if opt_head is None:
+        opt_head = paddle.optimizer.Momentum(0.3, momentum=0.9, parameters=model[2].parameters())
+    x, y = batches(1)[0]
+    loss = loss_of(model, x, y, 0, ())
+    amp.backward(loss)
+    before = params_and_velocity(model, opt_head)
+    stepping = {"step": lambda: opt_head.step(), "minimize": lambda: opt_head.minimize(loss),
+                "apply_gradients": lambda: opt_head.apply_gradients(
+                    [(p, p.grad) for p in model[2].parameters()])}[verb]
+    with pytest.raises(UnsupportedError, match=r"Momentum.step\(\): this optimizer steps '2.weight' of a Sequential "
+                                               r"under the unimp policy.*loss scale 65536 times too large.*"
+                                               r"unimp.apply\(policy, model, \[optimizer, ...\]\).*amp.add_optimizer"):
+        stepping()
+    after = params_and_velocity(model, opt_head)
+    assert all(np.array_equal(a, b) for a, b in zip(before[0], after[0], strict=True)) and before[1] == after[1] == {}
+    with pytest.raises(UnsupportedError, match=r"passed to unimp.apply.*step the wrapper"):
+        opt_body.step()
+    assert all(np.array_equal(a, b) for a, b in zip(before[0], [p.numpy() for p in model.parameters()], strict=True))
+    opt_body.clear_grad(), opt_head.clear_grad()
+    head = amp.add_optimizer(opt_head)
+    assert amp.optimizers[-1] is head and head.inner is opt_head
+    for i, (x, y) in enumerate(batches(5)):
+        amp.backward(loss_of(model, x, y, i, ()))
+        for o in amp.optimizers:
+            o.step()
+            o.clear_grad()
+    native, native_scales, _ = run(True)
+    assert all(np.array_equal(a, b) for a, b in zip([p.numpy() for p in model.parameters()], native, strict=True))
+    assert (amp.scale, amp.state_dict()["steps"]) == (native_scales[-1], 5)
+    amp.remove()
+    opt_head.step()  # a plain model again: plain optimizers step it
+
+
+def test_gradscaler_on_an_applied_layer_refused_plain_optimizer_kept_under_mixed_bf16():
+    """A paddle.amp.GradScaler user's scaler.step(opt) on a layer whose loss unimp scales is refused (scaled
+    twice); under mixed_bf16 (no scaling, no masters) a plain optimizer trains the layer exactly as under
+    native paddle.amp.auto_cast, and adding a second optimizer to the Amp is refused on a shared parameter."""
+    model = body_and_head()
+    amp = unimp.apply(POLICY, model)
+    opt = paddle.optimizer.SGD(0.1, parameters=model.parameters())
+    scaler = gradscaler()
+    x, y = batches(1)[0]
+    with paddle.amp.auto_cast(dtype="float16"):
+        scaled = scaler.scale(loss_of(model, x, y, 0, ()))
+    scaled.backward()
+    before = [p.numpy() for p in model.parameters()]
+    with pytest.raises(UnsupportedError, match=r"SGD.step\(\).*amp.add_optimizer"):
+        scaler.step(opt)
+    assert all(np.array_equal(a, b) for a, b in zip(before, [p.numpy() for p in model.parameters()], strict=True))
+    amp.add_optimizer(paddle.optimizer.SGD(0.1, parameters=model[0].parameters()))
+    with pytest.raises(ValueError, match=r"amp.add_optimizer: parameter .* is in optimizer\[0\] and optimizer\[1\]"):
+        amp.add_optimizer(paddle.optimizer.SGD(0.1, parameters=model.parameters()))
+    amp.remove()
+
+    ours, native = body_and_head(), body_and_head()
+    amp = unimp.apply({"extends": "mixed_bf16", "on_unsupported": "fallback"}, ours)
+    for model, cast in ((ours, False), (native, True)):
+        opt = paddle.optimizer.Momentum(0.1, momentum=0.9, parameters=model.parameters())
+        for i, (x, y) in enumerate(batches(3)):
+            with paddle.amp.auto_cast(enable=cast, dtype="bfloat16"):
+                loss = loss_of(amp.model if model is ours else model, x, y, i, ())
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+    assert all(np.array_equal(a.numpy(), b.numpy())
+               for a, b in zip(ours.parameters(), native.parameters(), strict=True))
+    amp.remove()
+
+
+def test_two_optimizers_resume_mid_run_bitwise():
+    """Body and head with an Adam each, a scale that grows: saving after 3 of 6 iterations (layer, both
+    optimizers, amp) and resuming into a fresh layer gives bit for bit the run that never stopped."""
+    policy = {**POLICY, "loss_scale": {"initial": 2.0 ** 20, "growth_interval": 2}}
+    data = batches(6)
+
+    def start():
+        model = body_and_head()
+        return model, unimp.apply(policy, model, [paddle.optimizer.Adam(1e-2, parameters=model[0].parameters()),
+                                                  paddle.optimizer.Adam(3e-2, parameters=model[2].parameters())])
+
+    def train(model, amp, part):
+        for x, y in part:
+            amp.backward(paddle.nn.functional.cross_entropy(amp.model(x), y))
+            for o in amp.optimizers:
+                o.step()
+                o.clear_grad()
+
+    with paddle.utils.unique_name.guard():  # each run: the same parameter and accumulator names (state keys)
+        model, amp = start()
+        train(model, amp, data)
+    straight, straight_state = [p.numpy() for p in model.parameters()], amp.state_dict()
+    amp.remove()
+    with paddle.utils.unique_name.guard():
+        model, amp = start()
+        train(model, amp, data[:3])
+    saved = {"model": {k: v.numpy() for k, v in model.state_dict().items()},
+             "optimizers": [{k: v.numpy() if hasattr(v, "numpy") else v for k, v in o.state_dict().items()}
+                            for o in amp.optimizers], "amp": amp.state_dict()}
+    amp.remove()
+    with paddle.utils.unique_name.guard():
+        model, amp = start()
+        model.set_state_dict({k: paddle.to_tensor(v) for k, v in saved["model"].items()})
+        for o, s in zip(amp.optimizers, saved["optimizers"], strict=True):
+            o.set_state_dict({k: paddle.to_tensor(v) if isinstance(v, np.ndarray) else v for k, v in s.items()})
+        amp.load_state_dict(saved["amp"])
+        train(model, amp, data[3:])
+    assert all(np.array_equal(a, p.numpy()) for a, p in zip(straight, model.parameters(), strict=True))
+    assert amp.state_dict() == straight_state and straight_state["scale"] == 2.0 ** 23
+    amp.remove()
+
+
+def test_guard_on_optimizers_undone_by_the_last_remove():
+    """The dygraph optimizers' update funnel is wrapped only while some Amp is applied: the last remove() (or
+    the first step after the last Amp was dropped with its model) puts Paddle's own function back, exactly."""
+    import gc
+
+    own = paddle.optimizer.Optimizer.__dict__["_create_optimization_pass"]
+    a, b = body_and_head(), body_and_head()
+    amp_a, amp_b = unimp.apply(POLICY, a), unimp.apply(POLICY, b)
+    assert paddle.optimizer.Optimizer.__dict__["_create_optimization_pass"] is not own
+    amp_a.remove()
+    assert paddle.optimizer.Optimizer.__dict__["_create_optimization_pass"] is not own  # b is still applied
+    amp_b.remove()
+    assert paddle.optimizer.Optimizer.__dict__["_create_optimization_pass"] is own
+    unimp.apply(POLICY, body_and_head())  # dropped with its model, without remove()
+    gc.collect()
+    opt = paddle.optimizer.SGD(0.1, parameters=a.parameters())
+    loss_of(a, *batches(1)[0], 0, ()).backward()
+    opt.step()
+    assert paddle.optimizer.Optimizer.__dict__["_create_optimization_pass"] is own
+
+
+@pytest.mark.skipif(not paddle.device.is_compiled_with_cuda() or paddle.device.cuda.device_count() == 0,
+                    reason="no CUDA Paddle here (paddlepaddle CPU wheel): O2 decorate (masters) runs only on CUDA")
+def test_cuda_unwrapped_optimizer_refused_under_master_weights():
+    """pure_bf16 (O2, fp32 masters in the wrapped optimizer, no scaling): the head's plain optimizer would step
+    the bf16 copies that the masters overwrite: refused; amp.add_optimizer(head) gives it masters, as
+    paddle.amp.decorate(optimizers=...) does."""
+    paddle.device.set_device("gpu")
+    model = body_and_head()
+    opt_body, opt_head = two_optimizers(model)
+    amp = unimp.apply("pure_bf16", model, opt_body)
+    x, y = batches(1)[0]
+    amp.backward(paddle.nn.functional.cross_entropy(amp.model(x), y))
+    with pytest.raises(UnsupportedError, match=r"its update would be lost.*amp.add_optimizer"):
+        opt_head.step()
+    assert amp.add_optimizer(opt_head).inner._multi_precision
+    amp.remove()
+    paddle.device.set_device("cpu")

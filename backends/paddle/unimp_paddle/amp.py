@@ -41,7 +41,7 @@ class PaddleAmp(Amp):
                 where = f"optimizer[{i}]" if len(inners) > 1 else "optimizer"
                 raise TypeError(f"unimp.apply: {where} must be a paddle.optimizer.Optimizer (with step()), "
                                 f"got {type(opt).__name__}")
-        owned = _owned_params(model, inners)
+        owned = _owned_params(model, inners, "unimp.apply")
         optimizer = inners[0] if inners else None
         if not plan.layers:  # compiled without the model: index it once
             plan = plan.with_index(model_index(model))
@@ -73,7 +73,22 @@ class PaddleAmp(Amp):
         self.optimizers = [AmpOptimizer(opt, self.scaler, params if len(inners) == 1 else own, self.iteration)
                            for opt, own in zip(inners, owned, strict=True)]
         self.optimizer = self.optimizers[0] if self.optimizers else None
+        self._guard()
 
+    def _guard(self) -> None:
+        """Refuse optimizers that step this layer around unimp (:mod:`unimp_paddle.strays`)."""
+        from . import strays
+
+        for opt in self.optimizers:
+            opt.masters = self.masters
+            strays.wrapped(self, opt)
+        strays.watch(self)
+
+    @property
+    def masters(self) -> bool:
+        """Whether the optimizers keep fp32 masters of low-precision parameters (O2 ``decorate`` with
+        ``master_weight``, on a device where the policy runs)."""
+        return self.active and self.level == "O2" and self.plan.master_weights.enabled
     # ------------------------------------------------------------------ setup
     def _check_layout(self, model: Any) -> None:
         self.findings += self.plan.layout.act("paddle", stacklevel=5)
@@ -175,6 +190,50 @@ class PaddleAmp(Amp):
         """
         return data_parallel(self, **kwargs)
 
+    def add_optimizer(self, optimizer: Any) -> AmpOptimizer:
+        """Wrap one more optimizer of this layer; returns the wrapper to step (``amp.optimizers[-1]``).
+
+        It shares the Amp's loss scale with the others (one update once all of them stepped, as one
+        ``paddle.amp.GradScaler`` steps several optimizers) and is unscaled and checked on its own parameters.
+        Under O2 with master weights it keeps fp32 masters, as ``paddle.amp.decorate(optimizers=...)`` sets.
+
+        >>> import paddle, unimp
+        >>> m = paddle.nn.Sequential(paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 2))
+        >>> amp = unimp.apply({"extends": "paddle_o1", "on_unsupported": "fallback"}, m,
+        ...                   paddle.optimizer.SGD(0.1, parameters=m[0].parameters()))
+        >>> head = amp.add_optimizer(paddle.optimizer.SGD(0.1, parameters=m[1].parameters()))
+        >>> amp.optimizers[-1] is head, len(amp.optimizers)
+        (True, 2)
+        >>> _ = amp.remove()
+        """
+        from paddle.amp.auto_cast import _set_multi_precision
+
+        from . import strays
+
+        self._check_live("amp.add_optimizer()")
+        if isinstance(optimizer, AmpOptimizer) or any(optimizer is o.inner for o in self.optimizers):
+            raise ValueError("amp.add_optimizer(optimizer): this optimizer is already wrapped by unimp (it is in "
+                             "amp.optimizers); step that wrapper")
+        if not hasattr(optimizer, "step"):
+            raise TypeError(f"amp.add_optimizer(optimizer): optimizer must be a paddle.optimizer.Optimizer (with "
+                            f"step()), got {type(optimizer).__name__}")
+        if self._dp is not None:
+            raise ValueError("amp.add_optimizer(optimizer): amp.data_parallel() already set up the optimizers' "
+                             "gradient reduction; add every optimizer first, then call amp.data_parallel()")
+        owned = _owned_params(self._layer, [o.inner for o in self.optimizers] + [optimizer], "amp.add_optimizer")
+        if self.masters:
+            _set_multi_precision(optimizer, True)
+        for opt, own in zip(self.optimizers, owned, strict=False):
+            opt.own(own)  # one optimizer checked every trainable parameter: now each its own
+        wrapped = AmpOptimizer(optimizer, self.scaler, owned[-1], self.iteration)
+        wrapped.masters = self.masters
+        self.optimizers.append(wrapped)
+        if self.optimizer is None:
+            self.optimizer = wrapped
+        strays.wrapped(self, wrapped)
+        strays.watch(self)  # its optimizers changed: checked again
+        return wrapped
+
     def update(self) -> None:
         """End the iteration: the loss scale updated from the optimizers that stepped since the last update
         (``paddle.amp.GradScaler.update()``). Needed only when not every optimizer steps every iteration:
@@ -234,8 +293,19 @@ class PaddleAmp(Amp):
         """Run one forward of the layer with hooks; per layer path its kind and dtypes (:func:`trace.observe`)."""
         return trace.observe(self._layer, *inputs, **kw_inputs)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> PaddleAmp:
+        """The copy (:meth:`unimp.Amp.__deepcopy__`) guards its own layer and optimizers
+        (:mod:`unimp_paddle.strays`)."""
+        new = super().__deepcopy__(memo)
+        new._guard()
+        return new
+
     def _restore(self) -> None:
         import paddle
+
+        from . import strays
+
+        strays.unwatch(self)
 
         if self._dp is not None:
             self._dp.grad_need_sync = True
@@ -254,21 +324,22 @@ class PaddleAmp(Amp):
                 state[k].set_value(paddle.to_tensor(value, dtype=dtype))
 
 
-def _owned_params(model: Any, optimizers: list[Any]) -> list[list[Any]]:
+def _owned_params(model: Any, optimizers: list[Any], verb: str) -> list[list[Any]]:
     """Each optimizer's trainable parameters (its ``_param_groups`` or ``_parameter_list``); a parameter of
-    two optimizers, or not of ``model``, is refused naming the optimizer."""
+    two optimizers, or not of ``model``, is refused naming the optimizer (its index in ``amp.optimizers``)."""
+    from .strays import params_of
+
     own = {id(p) for p in model.parameters()}
     seen: dict[int, int] = {}
     out = []
     for i, opt in enumerate(optimizers):
-        groups = getattr(opt, "_param_groups", None) or getattr(opt, "_parameter_list", None) or []
-        params = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+        params = params_of(opt)
         for p in params:
             if id(p) not in own:
-                raise ValueError(f"unimp.apply: optimizer[{i}] holds a parameter ({p.name}) that is not one of this "
+                raise ValueError(f"{verb}: optimizer[{i}] holds a parameter ({p.name}) that is not one of this "
                                  f"model's; build each optimizer over this model's parameters")
             if seen.setdefault(id(p), i) != i:
-                raise ValueError(f"unimp.apply: parameter {p.name} is in optimizer[{seen[id(p)]}] and optimizer[{i}]; "
+                raise ValueError(f"{verb}: parameter {p.name} is in optimizer[{seen[id(p)]}] and optimizer[{i}]; "
                                  f"each parameter belongs to one optimizer (its gradient is unscaled once per step)")
         out.append([p for p in params if not p.stop_gradient])
     return out

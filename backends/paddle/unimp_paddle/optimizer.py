@@ -42,6 +42,8 @@ class AmpOptimizer:
         self._nranks = 1
         self._reduce: Any = None  # GradReducer when unimp all-reduces the grads itself
         self._warned = False
+        self.masters = False  # the inner optimizer keeps fp32 masters of O2's low parameters (set by the Amp)
+        self.in_step = False  # inside step(): the inner optimizer's update is this wrapper's (unimp_paddle.strays)
         # unimp_paddle.watch: called at the end of each step with whether it was skipped
         self.after_step: Callable[[bool], None] | None = None
 
@@ -53,6 +55,15 @@ class AmpOptimizer:
     def inner(self) -> Any:
         """The user's Paddle optimizer."""
         return self._inner
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the loss (so this optimizer's gradients) is scaled."""
+        return self._scaled
+
+    def own(self, params: list[Any]) -> None:
+        """Unscale and check ``params`` only (its own, once another optimizer shares the scale)."""
+        self._params = tuple(params)
 
     def found_inf(self) -> Any:
         """Unscale grads in place (if scaled) and return a bool tensor [1]: any grad non-finite."""
@@ -90,7 +101,11 @@ class AmpOptimizer:
             finite = not bool(found.item())
         skip = self._scaler.spec.skip_nonfinite and not finite
         if not skip:
-            self._inner.step()
+            self.in_step = True
+            try:
+                self._inner.step()
+            finally:
+                self.in_step = False
         self._iteration.stepped(self, finite)
         if self.after_step is not None:
             self.after_step(skip)

@@ -186,7 +186,7 @@ class TorchAmp(Amp):
             self.optimizers.append(wrapped)
             if self.optimizer is None:
                 self.optimizer = wrapped
-            strays.wrapped(wrapped)
+            strays.wrapped(self, wrapped)
         except BaseException:
             self.iteration.leave(wrapped)
             raise
@@ -305,7 +305,7 @@ class TorchAmp(Amp):
         new = super().__deepcopy__(memo)
         strays.watch(new)
         for opt in new.optimizers:
-            strays.wrapped(opt)
+            strays.wrapped(new, opt)
         return new
 
     def _restore(self) -> None:

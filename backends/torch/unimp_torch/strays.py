@@ -27,78 +27,52 @@ unimp.errors.UnsupportedError: SGD.step(): this optimizer steps 'weight' of a Li
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from unimp.spi import UnsupportedError
+from unimp.spi import UnsupportedError, strays
 
 from .optimizer import AmpOptimizer
 
-_amps: weakref.WeakSet[Any] = weakref.WeakSet()  # live TorchAmps
-# inner optimizer -> weakref to its AmpOptimizer (which holds the inner one: a strong value would keep both alive)
-_wrapped: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weakref.WeakKeyDictionary()
-_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()  # -> generation
-_state: dict[str, Any] = {"generation": 0, "handle": None}
+
+def _install() -> None:
+    register_optimizer_step_pre_hook(_pre_step)  # kept for the process: per step a dictionary lookup
+
+
+_guard = strays.Guard(_install)  # live TorchAmps, the inner optimizers of their wrappers, checked optimizers
 
 
 def watch(amp: Any) -> None:
     """Guard ``amp``'s model from unwrapped optimizers (the hook registered once per process)."""
-    if _state["handle"] is None:
-        _state["handle"] = register_optimizer_step_pre_hook(_pre_step)
-    _amps.add(amp)
-    _state["generation"] += 1
+    _guard.watch(amp)
 
 
-def wrapped(optimizer: Any) -> None:
-    """``optimizer`` (an AmpOptimizer) wraps ``optimizer.optimizer``: its inner steps come from it."""
-    _wrapped[optimizer.optimizer] = weakref.ref(optimizer)
+def wrapped(amp: Any, optimizer: Any) -> None:
+    """``optimizer`` (an AmpOptimizer of ``amp``) wraps ``optimizer.optimizer``: its inner steps come from it."""
+    _guard.wrap(optimizer.optimizer, optimizer, amp)
 
 
 def unwatch(amp: Any) -> None:
     """``amp`` was removed: its model and optimizers are plain again."""
-    _amps.discard(amp)
-    for opt in getattr(amp, "optimizers", []):
-        inner = opt.optimizer
-        ref = _wrapped.get(inner)
-        if ref is not None and ref() is opt:
-            del _wrapped[inner]
-    _state["generation"] += 1
+    _guard.unwatch(amp, [(opt.optimizer, opt) for opt in getattr(amp, "optimizers", [])])
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if isinstance(optimizer, AmpOptimizer):
         return
-    ref = _wrapped.get(optimizer)
-    owner = ref() if ref is not None else None
-    if owner is not None:
-        if not owner.in_step:
+    if _guard.owner(optimizer) is not None:  # passed to unimp.apply: refused only when stepped around its wrapper
+        owner = _guard.stepped_around(optimizer)
+        if owner is not None:
             _refuse_direct(optimizer, owner)
         return
-    generation = _state["generation"]
-    if _checked.get(optimizer) == generation:
-        return
-    for amp in list(_amps):
-        problem = _problem(amp, optimizer)
-        if problem is not None:
-            raise UnsupportedError(problem)
-    _checked[optimizer] = generation
+    _guard.check(optimizer, lambda amp: _problem(amp, optimizer))
 
 
-def _consequence(amp: Any) -> str:
-    """What stepping ``amp``'s parameters without unimp does (it scales the loss or keeps masters)."""
-    if amp.scaler.spec.mode != "none":
-        return (f"after amp.backward(loss) its update would be the scaled gradient's (loss scale "
-                f"{amp.scaler.scale.item():g} times too large), never skipped on overflow; after a plain "
-                f"loss.backward() the policy's loss scaling would not run at all")
-    return ("its update would be lost: the model holds low-precision copies of fp32 master weights, "
-            "and every wrapped step copies the masters over them")
-
-
-def _problem(amp: Any, optimizer: torch.optim.Optimizer) -> str | None:
-    if amp._removed or (amp.scaler.spec.mode == "none" and not amp.params.home):  # nothing goes wrong
+def _problem(amp: Any, optimizer: torch.optim.Optimizer) -> UnsupportedError | None:
+    scaled = amp.scaler.spec.mode != "none"
+    if not strays.at_risk(scaled, bool(amp.params.home)):  # nothing goes wrong
         return None
     names = {id(p): n for n, p in amp.module.named_parameters()}
     names |= {id(orig): n + " (its fp32 original)" for n, p in amp.module.named_parameters()
@@ -106,18 +80,11 @@ def _problem(amp: Any, optimizer: torch.optim.Optimizer) -> str | None:
     hit = next((names[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in names), None)
     if hit is None:
         return None
-    return (f"{type(optimizer).__name__}.step(): this optimizer steps '{hit}' of a {type(amp.module).__name__} "
-            f"under the unimp policy '{amp.plan.name}' but unimp does not wrap it: {_consequence(amp)}. Fix: pass it "
-            f"to unimp.apply(policy, model, [optimizer, ...]) with the others, or wrap it after apply with "
-            f"opt = amp.add_optimizer(opt) and step what that returns (after amp.backward(loss))")
+    return strays.unwrapped(f"{type(optimizer).__name__}.step()", hit, type(amp.module).__name__, amp.plan.name,
+                            scaled, amp.scaler.scale.item() if scaled else None)
 
 
 def _refuse_direct(optimizer: torch.optim.Optimizer, owner: Any) -> None:
-    amp_needs = owner.scaler.spec.mode != "none" or owner.masters
-    if not amp_needs:
-        return
-    raise UnsupportedError(
-        f"{type(optimizer).__name__}.step(): this optimizer was passed to unimp.apply, which wraps it; step the "
-        f"wrapper (amp.optimizer, or amp.optimizers[i] with several): stepping it directly would apply "
-        + ("the scaled gradients" if owner.scaler.spec.mode != "none" else "updates the fp32 masters never get")
-        + " without unimp's unscale, skip and master copy")
+    scaled = owner.scaler.spec.mode != "none"
+    if strays.at_risk(scaled, bool(owner.masters)):
+        raise strays.direct(f"{type(optimizer).__name__}.step()", scaled)

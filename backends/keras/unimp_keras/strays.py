@@ -1,0 +1,116 @@
+"""Keras optimizers that step an applied model's variables around unimp, refused at their first step.
+
+Where unimp scales a Keras model's loss (its wrapper's ``scale_loss``), a plain Keras optimizer applying
+gradients to that model's variables either applies the scaled gradient (after ``amp.scale_loss(loss)``)
+or runs without the policy's loss scaling at all (its own ``scale_loss`` is the identity); where the
+policy keeps fp32 masters (``param_dtype = "bfloat16"``: the layers hold bf16 copies), its update of the
+copies is overwritten by the wrapper's next step. The optimizer passed to ``unimp.apply`` and then
+stepped itself (a DCGAN ``train_step`` still holding ``d_optimizer`` instead of ``amp_d.optimizer``)
+bypasses unimp's unscale and skip the same way. All are refused with an
+:class:`unimp.errors.UnsupportedError` naming the fix, before anything changes
+(:mod:`unimp.loss_scale.strays` decides, as for torch and Paddle); under ``mixed_bf16`` (no scaling, no
+masters) any optimizer is let through.
+
+Keras has no optimizer hooks: while some Amp is applied, Keras' ``BaseOptimizer.apply`` (what
+``apply_gradients`` runs, on every backend, eagerly or traced in a ``tf.function``) and
+``stateless_apply`` (JAX, inside ``jit``: checked when traced) are wrapped; an optimizer is checked
+against the applied models at its first step (again only after an ``apply`` or ``remove``), which
+costs a dictionary lookup per eager step and nothing per compiled one. The last ``remove()`` (or the
+first step after the last Amp was dropped with its model) puts Keras' functions back. No finalizer of
+unimp's runs here; a lock is held only to swap the functions.
+
+>>> import keras, numpy as np, unimp
+>>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="fc")], name="net")
+>>> amp = unimp.apply("mixed_fp16", m, keras.optimizers.SGD(0.1))
+>>> stray = keras.optimizers.SGD(0.1)
+>>> stray.apply([np.ones((2, 2), "float32"), np.ones(2, "float32")], m.trainable_variables)  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+unimp.errors.UnsupportedError: SGD.apply(): this optimizer steps 'net/fc/kernel' of a Sequential under the unimp ...
+>>> _ = amp.remove()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+from unimp.spi import UnsupportedError, strays
+
+_original = {name: BaseOptimizer.__dict__[name] for name in ("apply", "stateless_apply")}  # Keras' own
+#: Keras keeps one optimizer per model (each its own loss scale, as Keras' mixed_float16 does)
+FIX = ("apply the policy to the (sub-)model this optimizer trains, with it: amp_d = unimp.apply(policy, "
+       "discriminator, d_optimizer), and step amp_d.optimizer (its scale_loss, then apply_gradients) in train_step; "
+       "one Amp per sub-model, each optimizer its own loss scale")
+
+
+def _install() -> None:
+    BaseOptimizer.apply, BaseOptimizer.stateless_apply = _apply, _stateless_apply
+
+
+def _uninstall() -> None:
+    BaseOptimizer.apply, BaseOptimizer.stateless_apply = _original["apply"], _original["stateless_apply"]
+
+
+_guard = strays.Guard(_install, _uninstall)  # live KerasAmps, their wrappers' inner optimizers, checked ones
+
+
+def watch(amp: Any) -> None:
+    """Guard ``amp``'s model from unwrapped optimizers (Keras' apply wrapped while any Amp is applied)."""
+    if amp.optimizer is not None:
+        _guard.wrap(amp.optimizer.inner_optimizer, amp.optimizer, amp)
+    _guard.watch(amp)
+
+
+def unwatch(amp: Any) -> None:
+    """``amp`` was removed: its model and optimizer are plain again; the last one puts Keras' functions back."""
+    _guard.unwatch(amp, [(amp.optimizer.inner_optimizer, amp.optimizer)] if amp.optimizer is not None else [])
+
+
+def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+    """``BaseOptimizer.apply`` after :func:`check`."""
+    check(self, "apply()", trainable_variables)
+    return _original["apply"](self, grads, trainable_variables)
+
+
+def _stateless_apply(self: Any, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
+    """``BaseOptimizer.stateless_apply`` after :func:`check` (its variables: the ones it was built over)."""
+    check(self, "stateless_apply()", None)
+    return _original["stateless_apply"](self, optimizer_variables, grads, trainable_variables)
+
+
+def check(optimizer: Any, verb: str, variables: Any) -> None:
+    """Refuse ``optimizer``'s step when it steps an applied model's variables around unimp."""
+    if _guard.owner(optimizer) is not None:  # passed to unimp.apply: refused only when stepped around its wrapper
+        owner = _guard.stepped_around(optimizer)
+        scaled = owner is not None and owner.spec.mode != "none"
+        if owner is not None and strays.at_risk(scaled, bool(getattr(owner, "_masters", None))):
+            raise strays.direct(f"{type(optimizer).__name__}.{verb}", scaled)
+        return
+    if variables is None:
+        variables = optimizer._trainable_variables if optimizer.built else []
+    # a built optimizer's variables are fixed: checked once per apply/remove
+    _guard.check(optimizer, lambda amp: _problem(amp, f"{type(optimizer).__name__}.{verb}", list(variables)),
+                 cache=optimizer.built)
+
+
+def _problem(amp: Any, verb: str, variables: list) -> UnsupportedError | None:
+    scaled = amp.plan.loss_scale.mode != "none"
+    masters = dict(getattr(amp.optimizer, "_masters", None) or {})
+    if not strays.at_risk(scaled, bool(masters)):
+        return None
+    names = {id(v): getattr(v, "path", v.name) for v in amp.model.trainable_variables}
+    names |= {id(m): names[i] + " (its fp32 master)" for i, m in masters.items() if i in names}
+    hit = next((names[id(v)] for v in variables if id(v) in names), None)
+    if hit is None:
+        return None
+    return strays.unwrapped(verb, hit, type(amp.model).__name__, amp.plan.name, scaled, _scale(amp) if scaled else None,
+                            fix=FIX, scaling="amp.scale_loss(loss)", plain="gradients of the unscaled loss")
+
+
+def _scale(amp: Any) -> float | None:
+    """The current loss scale, where it can be read (not while a ``tf.function`` or ``jit`` traces)."""
+    try:
+        return amp.scale
+    except Exception:
+        return None
