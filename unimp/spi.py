@@ -17,7 +17,7 @@ By job:
   ``unimp.backends``), :class:`Amp` (the handle ``apply`` returns), :class:`Snapshot` (what ``apply``
   may change, restored when it fails);
 - the compiled contract: :class:`Plan` (``Backend.plan`` receives the request ``Plan.request(policy,
-  backend)``, typed ``Plan.Request``: the overrides resolved by the core, and returns
+  backend)``, a :class:`PlanRequest`: the overrides resolved by the core, and returns
   ``request.compile(...)``), :class:`LayerInfo` (one layer of the model index), :class:`LossScaleSpec`,
   :class:`Fp8Support` (what a backend can run in FP8) and :class:`Fp8Decision` (one layer's FP8 verdict);
 - the loss-scale rule, written once: :class:`LossScale` (on Python numbers), :func:`step` over the
@@ -42,7 +42,7 @@ from unimp.errors import StateError, UnimpWarning, UnsupportedError
 from unimp.loss_scale import LossScale, LossScaleAtMinimumError, LossScaleState, strays
 from unimp.loss_scale.iteration import Iteration
 from unimp.loss_scale.rule import ArrayOps, Arrays, step
-from unimp.plan import LayerInfo, Plan
+from unimp.plan import LayerInfo, Plan, PlanRequest
 from unimp.plan.fp8 import Fp8Decision, Fp8Support
 from unimp.policy import LossScaleSpec, ops
 from unimp.policy.loading import load
@@ -52,7 +52,7 @@ __all__ = [
     # the plug-in
     "Amp", "Backend", "Snapshot",
     # the compiled contract
-    "Fp8Decision", "Fp8Support", "LayerInfo", "LossScaleSpec", "Plan",
+    "Fp8Decision", "Fp8Support", "LayerInfo", "LossScaleSpec", "Plan", "PlanRequest",
     # the loss-scale rule and its array-ops protocol; one update per iteration over several optimizers
     "ArrayOps", "Arrays", "Iteration", "LossScale", "LossScaleState", "step",
     # the output, errors, warnings

@@ -87,7 +87,8 @@ class Guard:
     def __init__(self, install: Callable[[], None] | None = None, uninstall: Callable[[], None] | None = None) -> None:
         self.amps: weakref.WeakSet[Any] = weakref.WeakSet()
         # inner optimizer -> weak references to its wrapper (which holds the inner one) and Amp
-        self.wrapped: weakref.WeakKeyDictionary[Any, tuple[weakref.ref, weakref.ref]] = weakref.WeakKeyDictionary()
+        Refs = tuple[weakref.ref[Any], weakref.ref[Any]]
+        self.wrapped: weakref.WeakKeyDictionary[Any, Refs] = weakref.WeakKeyDictionary()
         self.checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # -> generation
         self.generation = 0
         self._install, self._uninstall = install, uninstall

@@ -25,7 +25,7 @@ import functools
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from unimp.dtypes import is_low
 from unimp.errors import UnsupportedError
@@ -254,7 +254,7 @@ class Plan:
     ('float16', 'dynamic')
     """
 
-    Request = PlanRequest  # for annotations: ``request: Plan.Request`` (a type alias)
+    Request = PlanRequest  # the request's type, also as ``Plan.Request``
 
     backend: str
     policy: Policy  # the core's: backends read the fields below

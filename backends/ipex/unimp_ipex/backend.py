@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from unimp.spi import Plan, hardware
+from unimp.spi import Plan, PlanRequest, hardware
 from unimp_torch.extension import TorchBackend
 
 
@@ -33,7 +33,7 @@ class IpexBackend(TorchBackend):
             return False
         return all(t.device.type == "cpu" for t in (*model.parameters(), *model.buffers()))
 
-    def plan(self, request: Plan.Request, model: Any = None, *, engine: str = "auto") -> Plan:
+    def plan(self, request: PlanRequest, model: Any = None, *, engine: str = "auto") -> Plan:
         from .engine import find_engine
         from .plan import compile_plan
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from unimp.spi import Plan, dtypes, hardware
+from unimp.spi import Plan, PlanRequest, dtypes, hardware
 from unimp_torch.extension import TorchDetails
 from unimp_torch.extension import compile_plan as torch_plan
 
@@ -35,7 +35,7 @@ FP8_MISSING = ("unimp-ipex drives ipex.optimize on CPU, which trains in bfloat16
                "FP8 GPU")
 
 
-def resolve_compute(request: Plan.Request, cpu: hardware.CpuFacts) -> tuple[str, str]:
+def resolve_compute(request: PlanRequest, cpu: hardware.CpuFacts) -> tuple[str, str]:
     """``compute_dtype`` on this CPU (``auto`` resolved, with the reason); warns or refuses slow dtypes."""
     if request.compute_dtype == "auto":
         return resolve_auto(cpu)
@@ -59,7 +59,7 @@ class IpexDetails(TorchDetails):
     ipex: IpexSettings | None = None
 
 
-def compile_plan(request: Plan.Request, model: Any, engine: Engine, cpu: hardware.CpuFacts) -> Plan:
+def compile_plan(request: PlanRequest, model: Any, engine: Engine, cpu: hardware.CpuFacts) -> Plan:
     """The Plan of backend ``ipex`` for ``request`` (``model`` decides IPEX's mode when given): torch's
     plan of the request at the compute dtype resolved on ``cpu``, run by ``engine``."""
     compute, reason = resolve_compute(request, cpu)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unimp.spi import Plan, hardware
+from unimp.spi import Plan, PlanRequest, hardware
 from unimp_torch.extension import TorchKit
 
 
@@ -21,7 +21,7 @@ class IpexKit(TorchKit):
         super().__init__("cpu")
         self.engine = engine
 
-    def supports(self, request: Plan.Request) -> str | None:
+    def supports(self, request: PlanRequest) -> str | None:
         cpu = hardware.cpu()
         if any(d == "float16" for _, d in request.compute_requests()) and not cpu.native_fp16:
             return f"float16 on a CPU without AVX512-FP16/AMX-FP16 ({cpu.describe()})"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, ClassVar
 
-from unimp.spi import Amp, Backend, Plan, Snapshot, UnimpWarning, UnsupportedError, load, ops
+from unimp.spi import Amp, Backend, Plan, PlanRequest, Snapshot, UnimpWarning, UnsupportedError, load, ops
 
 from .layers import is_linen, is_nnx
 from .ops import NATIVE_OPS
@@ -31,7 +31,7 @@ class JaxBackend(Backend):
     def accepts(self, model: Any) -> bool:
         return is_nnx(model) or is_linen(model)
 
-    def plan(self, request: Plan.Request, model: Any = None) -> Plan:
+    def plan(self, request: PlanRequest, model: Any = None) -> Plan:
         return compile_plan(request, model)
 
     def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from unimp.spi import Fp8Support, LossScale, Plan, ops
+from unimp.spi import Fp8Support, LossScale, Plan, PlanRequest, ops
 
 from .layers import is_nnx
 from .ops import NATIVE_OPS
@@ -69,7 +69,7 @@ def fp8_support(platform: str) -> Fp8Support:
                       gradient_formats=("e5m2", "e4m3"), notes=notes)
 
 
-def compile_plan(request: Plan.Request, model: Any = None) -> Plan:
+def compile_plan(request: PlanRequest, model: Any = None) -> Plan:
     """The Plan on the device of ``model``'s arrays (else JAX's default device), indexed when ``model``
     is an nnx Module. Loss-scale knobs this device cannot reproduce are refused or run as noted."""
     from .hardware import platform_of, resolve

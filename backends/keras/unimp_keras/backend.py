@@ -14,7 +14,7 @@ import contextlib
 import sys
 from typing import Any, ClassVar
 
-from unimp.spi import Amp, Backend, Plan, Snapshot, ops
+from unimp.spi import Amp, Backend, Plan, PlanRequest, Snapshot, ops
 
 from .ops import NATIVE_OPS
 from .plan import KERAS_BACKENDS, check_keras_backend, check_not_keras2, compile_plan, keras_backend
@@ -46,7 +46,7 @@ class KerasBackend(Backend):
         check_not_keras2(model)
         return False
 
-    def plan(self, request: Plan.Request, model: Any = None) -> Plan:
+    def plan(self, request: PlanRequest, model: Any = None) -> Plan:
         from .index import model_index
 
         return compile_plan(request, model_index(model) if model is not None else None)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from unimp.spi import LayerInfo, LossScale, LossScaleSpec, Plan, UnsupportedError, dtypes, hardware, ops
+from unimp.spi import LayerInfo, LossScale, LossScaleSpec, Plan, PlanRequest, UnsupportedError, dtypes, hardware, ops
 
 from .fp8 import support as fp8_support
 from .ops import NATIVE_OPS
@@ -127,7 +127,7 @@ def resolve_compute_auto() -> tuple[str, str]:
                                  where=f"this GPU (compute capability {cc[0]}.{cc[1]})")
 
 
-def warn_emulated(request: Plan.Request) -> str | None:
+def warn_emulated(request: PlanRequest) -> str | None:
     """Warn (at the user's call) for low-precision compute a CPU-only machine emulates; the message or None."""
     slow = [(k, d) for k, d in request.compute_requests() if dtypes.is_low(d) and hardware.cpu().emulated(d)]
     if not slow or gpu_capability() is not None:
@@ -238,7 +238,7 @@ def keras_ops() -> Any:
     return keras.ops
 
 
-def device_fixed(request: Plan.Request, index: Iterable[LayerInfo] | None) -> dict[str, tuple[str, str]]:
+def device_fixed(request: PlanRequest, index: Iterable[LayerInfo] | None) -> dict[str, tuple[str, str]]:
     """Ops this Keras backend's device cannot run in the dtype the policy asks: ``{op: ("float32", why)}``.
 
     On JAX without a GPU: ``attention`` in float16 (:func:`xla_f16_attention_error`), declared when the
@@ -271,7 +271,7 @@ def device_f16_attention_error() -> str | None:
     return xla_f16_attention_error()
 
 
-def device_override_fallbacks(request: Plan.Request,
+def device_override_fallbacks(request: PlanRequest,
                               index: list[LayerInfo] | None) -> tuple[list[str], dict[int, str]]:
     """Overrides that ask float16 of attention layers this device cannot run so (:func:`device_fixed`'s op,
     set per layer): ``(problems, {override index: "float32"})``; the binding runs those attention layers in
@@ -328,7 +328,7 @@ class KerasDetails:
     distributed: str  # how tf.distribute runs under the policy
 
 
-def compile_plan(request: Plan.Request, index: Iterable[LayerInfo] | None = None) -> Plan:
+def compile_plan(request: PlanRequest, index: Iterable[LayerInfo] | None = None) -> Plan:
     """The Plan of ``request`` on Keras 3, this process' Keras backend (``index``: the model's layers, when known)."""
     keras_backend()
     compute, reason = request.compute_dtype, "as the policy says"

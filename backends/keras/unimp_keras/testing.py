@@ -17,7 +17,7 @@ from keras import ops
 
 from unimp.conformance.kit import Kit, Observation
 from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, PROBE, TIME, VOCAB, ProbeBatch
-from unimp.spi import Plan
+from unimp.spi import PlanRequest
 
 from .index import walk
 from .steps import custom_step
@@ -45,7 +45,7 @@ class KerasKit(Kit):
 
         return f"keras-{keras.backend.backend()}"
 
-    def supports(self, request: Plan.Request) -> str | None:
+    def supports(self, request: PlanRequest) -> str | None:
         # every probe layer has float16 and bfloat16 kernels on each Keras backend's CPU; the one op a device
         # cannot run (float16 attention on JAX's CPU, which the probe has none of) is the Plan's to declare
         # (unimp_keras.plan.device_fixed): a fallback or an UnsupportedError, never a kit skip

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from unimp.spi import Amp, Backend, Plan, Snapshot, ops
+from unimp.spi import Amp, Backend, Plan, PlanRequest, Snapshot, ops
 
 from .ops import NATIVE_OPS
 from .plan import compile_plan, is_program
@@ -31,7 +31,7 @@ class PaddleBackend(Backend):
 
         return isinstance(model, paddle.nn.Layer) or is_program(model)
 
-    def plan(self, request: Plan.Request, model: Any = None) -> Plan:
+    def plan(self, request: PlanRequest, model: Any = None) -> Plan:
         return compile_plan(request, model)
 
     def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:

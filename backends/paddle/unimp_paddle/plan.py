@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from unimp.spi import Fp8Support, LayerInfo, Plan, dtypes, hardware
+from unimp.spi import Fp8Support, LayerInfo, Plan, PlanRequest, dtypes, hardware
 
 from .index import model_index
 from .ops import compile_lists, layer_types, op_types
@@ -73,7 +73,7 @@ def model_place(model: Any) -> str:
     return default_place()
 
 
-def compile_plan(request: Plan.Request, model: Any = None) -> Plan:
+def compile_plan(request: PlanRequest, model: Any = None) -> Plan:
     """The Plan of ``request`` for ``model``: a legacy-IR Program (static) or a Layer (dygraph, on its place)."""
     if model is not None and is_program(model):
         return compile_static(request)
@@ -82,7 +82,7 @@ def compile_plan(request: Plan.Request, model: Any = None) -> Plan:
     return compile_dygraph(request, model_place(model), model_index(model))
 
 
-def _compile(request: Plan.Request, low: str, reason: str, active: bool, why: str,
+def _compile(request: PlanRequest, low: str, reason: str, active: bool, why: str,
              fixed_extra: dict[str, tuple[str | None, str]], problems: list[str],
              details: PaddleDetails, notes: tuple[str, ...], param_fallback: str | None = None,
              override_fallbacks: Mapping[int, str] | None = None,
@@ -115,7 +115,7 @@ def amp_support(place: str, dtype: str) -> tuple[bool, str]:
                       f"Paddle reports no {dtype} AMP on this GPU; it runs float32")
 
 
-def compile_dygraph(request: Plan.Request, place: str, index: Iterable[LayerInfo] | None = None) -> Plan:
+def compile_dygraph(request: PlanRequest, place: str, index: Iterable[LayerInfo] | None = None) -> Plan:
     """The Plan for a ``paddle.nn.Layer`` on ``place`` (``"cpu"`` or ``"gpu"``; ``index``: its layers)."""
     low, reason = request.compute_dtype, "as the policy says"
     if low == "auto":
@@ -157,7 +157,7 @@ def compile_dygraph(request: Plan.Request, place: str, index: Iterable[LayerInfo
                     param_fallback, override_fallbacks, index)
 
 
-def compile_static(request: Plan.Request) -> Plan:
+def compile_static(request: PlanRequest) -> Plan:
     """The Plan for a legacy-IR ``paddle.static.Program`` (bf16 rewrite, runs on CPU)."""
     low, reason = request.compute_dtype, "as the policy says"
     facts = hardware.cpu()

@@ -23,7 +23,7 @@ import numpy as np
 
 from unimp.conformance.kit import Kit, Observation
 from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, ProbeBatch
-from unimp.spi import Plan, UnsupportedError, dtypes
+from unimp.spi import Plan, PlanRequest, UnsupportedError, dtypes
 
 from .plan import compile_dygraph, default_place
 
@@ -54,7 +54,7 @@ class PaddleKit(Kit):
 
     backend = "paddle"
 
-    def supports(self, request: Plan.Request) -> str | None:
+    def supports(self, request: PlanRequest) -> str | None:
         """On CPU every request has an expressible fallback (see :meth:`apply`); on a GPU a policy
         Paddle cannot run as written is unsupported (its UnsupportedError is then checked)."""
         if default_place(load=True) == "cpu":

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from unimp.spi import Plan, ops
+from unimp.spi import PlanRequest, ops
 
 from .ops import NATIVE_OPS
 
@@ -180,7 +180,7 @@ def moves(op: str, wanted: str, device: str, torch_own: bool = False, other_low:
     return tuple(n for n in names if n in differ or n in promoting)
 
 
-def is_torch_own(request: Plan.Request, device: str) -> bool:
+def is_torch_own(request: PlanRequest, device: str) -> bool:
     """Whether the op lists of ``request`` are torch's own autocast lists on ``device``: every canonical
     op's primary op already runs as they ask (``torch_autocast_cuda`` on cuda, ``torch_autocast_cpu`` on
     cpu), or asks float32 for an op torch's lists gained later (:data:`LATER_KERNELS`: ``rms_norm`` on

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from unimp.spi import Amp, Backend, Plan, Snapshot, UnsupportedError, ops
+from unimp.spi import Amp, Backend, Plan, PlanRequest, Snapshot, UnsupportedError, ops
 
 from .ops import NATIVE_OPS
 
@@ -31,7 +31,7 @@ class TorchBackend(Backend):
 
         return isinstance(model, torch.nn.Module)
 
-    def plan(self, request: Plan.Request, model: Any = None) -> Plan:
+    def plan(self, request: PlanRequest, model: Any = None) -> Plan:
         from .plan import compile_plan
 
         return compile_plan(request, model)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from unimp.spi import Plan, UnimpWarning, UnsupportedError, load
+from unimp.spi import Plan, PlanRequest, UnimpWarning, UnsupportedError, load
 
 from .layers import DTYPES, NAMES, kind, output_cast, type_names
 
@@ -173,9 +173,9 @@ def mixed_precision_policy(policy: Any, param_dtype: str | None = None, *, root:
                                 cast_forward_inputs=False)
 
 
-def _request(policy: Any) -> Plan.Request:
+def _request(policy: Any) -> PlanRequest:
     """What the user's ``policy`` (a Plan's request, or anything :func:`unimp.load` takes) asks of torch."""
-    return policy if isinstance(policy, Plan.Request) else Plan.request(load(policy), "torch")
+    return policy if isinstance(policy, PlanRequest) else Plan.request(load(policy), "torch")
 
 
 Units = type | tuple[type, ...] | str | Iterable[str] | Callable[[str, nn.Module], bool] | None

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unimp.spi import Plan, dtypes, ops
+from unimp.spi import Plan, PlanRequest, dtypes, ops
 
 from .kinds import extra_kind
 from .ops import NATIVE_OPS
@@ -34,8 +34,8 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 NAMES = {v: dtypes.dtype_name(v) for v in DTYPES.values()}
 
 
-def output_cast(plan: Plan) -> torch.dtype | None:
-    """The torch dtype the model's outputs are cast to under ``plan``; None for ``output_dtype =
+def output_cast(plan: Plan | PlanRequest) -> torch.dtype | None:
+    """The torch dtype the model's outputs are cast to under ``plan`` (or a request); None for ``output_dtype =
     "unchanged"`` (as ``torch.autocast`` leaves them)."""
     return DTYPES[plan.output_cast] if plan.output_cast else None
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from unimp.spi import Fp8Support, LayerInfo, Plan, UnsupportedError, dtypes, hardware, ops
+from unimp.spi import Fp8Support, LayerInfo, Plan, PlanRequest, UnsupportedError, dtypes, hardware, ops
 
 from .autocast import ALSO_MOVED, aten_names, function_names, is_torch_own, kernel_table, moves, native_category, same
 
@@ -85,7 +85,7 @@ class TorchDetails:
     eager_mechanism: str | None  # autocast_kernels | function_mode | None
 
 
-def compile_plan(request: Plan.Request, model: Any = None, device: str | None = None,
+def compile_plan(request: PlanRequest, model: Any = None, device: str | None = None,
                  index: Iterable[LayerInfo] | None = None, fp8_missing: str | None = None) -> Plan:
     """The torch Plan of ``request`` (:meth:`Plan.request`, what ``TorchBackend.plan`` receives) on ``device``
     (``cpu`` | ``cuda``; default: ``model``'s); ``index``: the model's modules (default: ``model``'s);

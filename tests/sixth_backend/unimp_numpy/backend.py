@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any, ClassVar
 
-from unimp.spi import Amp, Backend, Plan
+from unimp.spi import Amp, Backend, Plan, PlanRequest
 
 from .index import NATIVE
 from .plan import compile_plan
@@ -29,7 +29,7 @@ class NumpyBackend(Backend):
         nn = sys.modules.get(self.framework)
         return nn is not None and isinstance(model, nn.Model)
 
-    def plan(self, request: Plan.Request, model: Any = None) -> Plan:
+    def plan(self, request: PlanRequest, model: Any = None) -> Plan:
         return compile_plan(request, self.native_ops, model)
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from unimp.spi import Plan, UnsupportedError, hardware
+from unimp.spi import Plan, PlanRequest, UnsupportedError, hardware
 
 from .index import model_index
 
 
-def compile_plan(request: Plan.Request, native: Mapping[str, tuple[str, ...]], model: Any = None) -> Plan:
+def compile_plan(request: PlanRequest, native: Mapping[str, tuple[str, ...]], model: Any = None) -> Plan:
     """The Plan: float16 or float32 compute per layer (numpy has no bfloat16), params kept in float32."""
     if request.compute_dtype == "auto":
         compute, reason = hardware.resolve_cpu_auto("numpy", bf16=False, fp16=False,

@@ -8,7 +8,7 @@ import numpy as np
 
 from unimp.conformance.kit import Kit, Observation
 from unimp.conformance.probe import ProbeBatch
-from unimp.spi import Plan
+from unimp.spi import PlanRequest
 
 from . import nn
 
@@ -16,7 +16,7 @@ from . import nn
 class NumpyKit(Kit):
     backend = "numpy"
 
-    def supports(self, request: Plan.Request) -> str | None:
+    def supports(self, request: PlanRequest) -> str | None:
         if "bfloat16" in {request.param_dtype, *(d for _, d in request.compute_requests())}:
             return "numpy has no bfloat16 dtype"
         if request.low_precision_params:
