@@ -1,12 +1,13 @@
 """Where a Keras-on-JAX variant's peak device memory is reached (bench/keras_hub_gpu.py's variants, issue 31).
 
-    KERAS_BACKEND=jax python bench/keras_mem_probe.py [--smoke] [--out DIR]
+    KERAS_BACKEND=jax python bench/keras_mem_probe.py [--smoke] [--static] [--out DIR]
 
 Each variant alone in a fresh subprocess: the device's ``peak_bytes_in_use`` after the model is built, after
 ``unimp.apply`` (unimp's variant), after ``compile``, and after each of the first steps; then XLA's static
 accounting of the jitted train step (``memory_analysis()``: temp, argument, output, alias bytes) and the state's
 leaves. A peak reached before the first step is not the step's; a step whose temp bytes equal the twin's costs
-the same. ``--out DIR``: the JSON and each variant's StableHLO.
+the same. ``--static``: no step runs (the optimizer is built, the step compiled, not run): XLA's accounting
+alone, which a CPU gives for the full-size model too. ``--out DIR``: the JSON and each variant's StableHLO.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _peak() -> float | None:
     return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
 
 
-def analyse(name: str, smoke: bool, out: str | None) -> dict[str, Any]:
+def analyse(name: str, smoke: bool, out: str | None, static: bool = False) -> dict[str, Any]:
     import jax
 
     import unimp
@@ -47,7 +48,10 @@ def analyse(name: str, smoke: bool, out: str | None) -> dict[str, Any]:
     x, y = K.data(smoke)
     model = K.build(name, smoke)
     marks["compiled"] = _peak()
-    for i in range(4):
+    if static:  # what a first step builds, without running it
+        model._symbolic_build(data_batch=(x, y, None))
+        model.optimizer.build(model.trainable_variables)
+    for i in range(0 if static else 4):
         K.step(model, x, y)
         marks[f"step {i + 1}"] = _peak()
     state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True, optimizer_variables=True,
@@ -66,15 +70,16 @@ def analyse(name: str, smoke: bool, out: str | None) -> dict[str, Any]:
 
 
 def main() -> None:
-    smoke = "--smoke" in sys.argv
+    smoke, static = "--smoke" in sys.argv, "--static" in sys.argv
     out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None
     if "--one" in sys.argv:
         K.register_backend()
-        print("RESULT " + json.dumps(analyse(sys.argv[sys.argv.index("--one") + 1], smoke, out)), flush=True)
+        print("RESULT " + json.dumps(analyse(sys.argv[sys.argv.index("--one") + 1], smoke, out, static)), flush=True)
         return
     result = {}
     for name in (n for n in K.VARIANTS if "A/A" not in n):
         cmd = [sys.executable, __file__, "--one", name, *(["--smoke"] if smoke else []),
+               *(["--static"] if static else []),
                *(["--out", out] if out else [])]
         p = subprocess.run(cmd, capture_output=True, text=True)
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
