@@ -124,12 +124,18 @@ def test_first_optimizer_inf_backs_off_once_and_skips_only_that_optimizer():
         unimp.apply(POLICY, other, [paddle.optimizer.SGD(0.1, parameters=other.parameters()) for _ in range(2)])
 
 
-def test_optimizer_stepped_twice_before_the_update_is_refused_naming_amp_update():
+def half_stepped(policy, k):
+    """An Amp over [body, head] mid-iteration: one backward, then only ``amp.optimizers[k]`` stepped."""
     model = body_and_head()
-    amp = unimp.apply(POLICY, model, two_optimizers(model))
+    amp = unimp.apply(policy, model, two_optimizers(model))
     x, y = batches(1)[0]
     amp.backward(loss_of(model, x, y, 0, ()))
-    amp.optimizers[0].step()
+    amp.optimizers[k].step()
+    return amp
+
+
+def test_optimizer_stepped_twice_before_the_update_is_refused_naming_amp_update():
+    amp = half_stepped(POLICY, 0)
     with pytest.raises(UnsupportedError, match=r"already stepped.*amp.update\(\)"):
         amp.optimizers[0].step()
     with pytest.raises(UnsupportedError, match="1 of the 2 optimizers"):
@@ -401,11 +407,7 @@ def test_watch_body_every_second_iteration_head_every_one_amp_update_and_mid_ite
     assert [(r["step"], r["scale"], r["skipped"], r["sampled"]) for r in watch.records] == expected
     assert {r["step"]: r for r in watch.records}[at]["first_nonfinite"] == {
         "path": "2", "direction": "backward", "tensor": "grad_param", "exact": True}  # localize: every step's hooks
-    model = body_and_head()
-    amp = unimp.apply(WATCHED, model, two_optimizers(model))
-    x, y = batches(1)[0]
-    amp.backward(loss_of(model, x, y, 0, ()))
-    amp.optimizers[1].step()
+    amp = half_stepped(WATCHED, 1)
     with pytest.raises(UnsupportedError, match=r"1 of the 2 optimizers .*mid-iteration.*after amp.update\(\)"):
         amp.watch()  # its first record would miss the head's part of the iteration
     assert not any(amp.iteration.listeners) and amp._watching is None  # nothing installed
