@@ -124,12 +124,18 @@ def test_first_optimizer_inf_backs_off_once_and_skips_only_that_optimizer():
         unimp.apply(POLICY, other, [paddle.optimizer.SGD(0.1, parameters=other.parameters()) for _ in range(2)])
 
 
-def test_optimizer_stepped_twice_before_the_update_is_refused_naming_amp_update():
+def half_stepped(policy, k):
+    """An Amp over [body, head] mid-iteration: one backward, then only ``amp.optimizers[k]`` stepped."""
     model = body_and_head()
-    amp = unimp.apply(POLICY, model, two_optimizers(model))
+    amp = unimp.apply(policy, model, two_optimizers(model))
     x, y = batches(1)[0]
     amp.backward(loss_of(model, x, y, 0, ()))
-    amp.optimizers[0].step()
+    amp.optimizers[k].step()
+    return amp
+
+
+def test_optimizer_stepped_twice_before_the_update_is_refused_naming_amp_update():
+    amp = half_stepped(POLICY, 0)
     with pytest.raises(UnsupportedError, match=r"already stepped.*amp.update\(\)"):
         amp.optimizers[0].step()
     with pytest.raises(UnsupportedError, match="1 of the 2 optimizers"):
@@ -304,3 +310,107 @@ def test_cuda_unwrapped_optimizer_refused_under_master_weights():
     assert amp.add_optimizer(opt_head).inner._multi_precision
     amp.remove()
     paddle.device.set_device("cpu")
+
+
+# ---------------------------------------------------------------- amp.watch(): one record per iteration
+WATCHED = {"extends": "mixed_fp16", "on_unsupported": "fallback", "loss_scale": {"initial": 8192.0,
+                                                                                 "growth_interval": 1}}
+
+
+def expected_records(scales, every):
+    """What a watch must record, from a native GradScaler's scale after each iteration: ``(step, scale the
+    iteration's loss was scaled by, skipped, sampled)`` for each iteration sampled (every ``every``-th from the
+    first) or skipped (the scale backed off)."""
+    before = [WATCHED["loss_scale"]["initial"], *scales[:-1]]
+    return [(i, used, after < used, i % every == 0) for i, (used, after) in enumerate(zip(before, scales, strict=True))
+            if i % every == 0 or after < used]
+
+
+def watched_run(native, order, steps_body, planted, at, n=8, every=3, localize=False, added=False):
+    """Train ``n`` iterations, stepping the optimizers in ``order`` (indices into [body, head]; the body only on
+    iterations where ``steps_body(i)``), then ``scaler.update()`` / ``amp.update()``; at iteration ``at`` the
+    gradient of layer ``planted``'s weight is infinite. ``added``: the Amp is applied with the first stepped
+    optimizer, the other joins by ``amp.add_optimizer`` (else both in ``order``'s order: ``amp.optimizer``
+    steps first). Returns the scale after each iteration, the parameters and the watch."""
+    model = body_and_head()
+    opts = two_optimizers(model)
+    scaler = gradscaler(WATCHED["loss_scale"]["initial"]) if native else None
+    if native:
+        scaler._incr_every_n_steps = WATCHED["loss_scale"]["growth_interval"]
+    amp, wrapped = None, {}
+    if not native:
+        amp = unimp.apply(WATCHED, model, opts[order[0]] if added else [opts[k] for k in order])
+        if added:
+            amp.add_optimizer(opts[order[1]])
+        wrapped = {id(o.inner): o for o in amp.optimizers}
+    watch = None if native else amp.watch(every=every, localize=localize)
+    scales = []
+    for i, (x, y) in enumerate(batches(n)):
+        layer = model[int(planted)]
+        hook = layer.weight.register_hook(lambda g: g * INF) if i == at else None
+        stepping = [k for k in order if k == 1 or steps_body(i)]
+        if native:
+            with paddle.amp.auto_cast(dtype="float16"):
+                scaled = scaler.scale(loss_of(model, x, y, i, ()))
+            scaled.backward()
+            for k in stepping:
+                scaler.step(opts[k])
+            scaler.update()
+            scales.append(float(scaler._scale))
+        else:
+            amp.backward(loss_of(model, x, y, i, ()))
+            for k in stepping:
+                wrapped[id(opts[k])].step()
+            amp.update()  # ends the iteration where the body did not step (a no-op after both stepped)
+            scales.append(amp.scale)
+        if hook is not None:
+            hook.remove()
+        for o in opts:
+            o.clear_grad()
+    params = [p.numpy() for p in model.parameters()]
+    if amp is not None:
+        amp.remove()
+    return scales, params, watch
+
+
+@pytest.mark.parametrize("first", ["body", "head"])
+def test_watch_two_optimizers_one_record_per_iteration_whichever_steps_first(first):
+    """amp.watch(every=3) on mixed_fp16 with two optimizers, both stepping every iteration, ``first`` first
+    (body first: unimp.apply(policy, model, [body, head]); head first: applied with the head, the body joined by
+    amp.add_optimizer), the planted overflow in the last one's weight gradient at an unsampled iteration.
+    One record per iteration sampled or skipped, none lost or doubled, with the step, scale and skip of a
+    paddle.amp.GradScaler run side by side (same parameters bit for bit); the planted layer located."""
+    order = [0, 1] if first == "body" else [1, 0]
+    planted, at = ("2", 4) if first == "body" else ("0", 4)  # the last stepped (GradScaler.update reads its flag)
+    native, native_params, _ = watched_run(True, order, lambda i: True, planted, at)
+    ours, params, watch = watched_run(False, order, lambda i: True, planted, at, added=first == "head")
+    assert ours == native and all(np.array_equal(a, b) for a, b in zip(params, native_params, strict=True))
+    expected = expected_records(native, every=3)
+    assert (at, native[at - 1], True, False) in expected  # the planted iteration: skipped natively, not sampled
+    assert [(r["step"], r["scale"], r["skipped"], r["sampled"]) for r in watch.records] == expected
+    # no hook ran on the unsampled iteration: located from the gradients it left (not exact)
+    assert {r["step"]: r for r in watch.records}[at]["first_nonfinite"] == {
+        "path": planted, "direction": "backward", "tensor": "grad_param", "exact": False}
+
+
+def test_watch_body_every_second_iteration_head_every_one_amp_update_and_mid_iteration_refused():
+    """The head steps every iteration, the body (first) every second one, amp.update() ends each iteration
+    (GradScaler's ``step(body); step(head); update()``): one record per iteration with GradScaler's step, scale
+    and skip, the planted overflow (the head's weight gradient, an iteration the body skips) located; a watch
+    started after one optimizer stepped is refused naming amp.update(), and starts after it."""
+    at = 5
+    native, native_params, _ = watched_run(True, [0, 1], lambda i: i % 2 == 0, "2", at, localize=True)
+    ours, params, watch = watched_run(False, [0, 1], lambda i: i % 2 == 0, "2", at, localize=True)
+    assert ours == native and all(np.array_equal(a, b) for a, b in zip(params, native_params, strict=True))
+    expected = expected_records(native, every=3)
+    assert (at, native[at - 1], True, False) in expected
+    assert [(r["step"], r["scale"], r["skipped"], r["sampled"]) for r in watch.records] == expected
+    assert {r["step"]: r for r in watch.records}[at]["first_nonfinite"] == {
+        "path": "2", "direction": "backward", "tensor": "grad_param", "exact": True}  # localize: every step's hooks
+    amp = half_stepped(WATCHED, 1)
+    with pytest.raises(UnsupportedError, match=r"1 of the 2 optimizers .*mid-iteration.*after amp.update\(\)"):
+        amp.watch()  # its first record would miss the head's part of the iteration
+    assert not any(amp.iteration.listeners) and amp._watching is None  # nothing installed
+    amp.update()
+    assert amp.watch(every=1) is not None  # between iterations
+    amp.remove()

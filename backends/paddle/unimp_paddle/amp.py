@@ -240,6 +240,7 @@ class PaddleAmp(Amp):
         otherwise the update runs by itself after the last of them stepped (:mod:`unimp.loss_scale.iteration`)."""
         self._check_live("amp.update()")
         self.iteration.update()
+        self.iteration.notify()  # the iteration's end (amp.watch())
 
     def state_dict(self) -> dict[str, Any]:
         """The loss-scale state (:meth:`unimp.Amp.state_dict`), between iterations (refused mid-iteration)."""

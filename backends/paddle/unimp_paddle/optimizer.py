@@ -15,7 +15,6 @@ ranks (all_reduce max) before the rule runs, so all ranks skip the same steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from .iteration import PaddleIteration
@@ -44,8 +43,6 @@ class AmpOptimizer:
         self._warned = False
         self.masters = False  # the inner optimizer keeps fp32 masters of O2's low parameters (set by the Amp)
         self.in_step = False  # inside step(): the inner optimizer's update is this wrapper's (unimp_paddle.strays)
-        # unimp_paddle.watch: called at the end of each step with whether it was skipped
-        self.after_step: Callable[[bool], None] | None = None
 
     def distribute(self, group: Any, nranks: int, reduce: Any = None) -> None:
         """Called by ``amp.data_parallel()``: agree found-inf over ``group``; ``reduce`` the grads."""
@@ -107,8 +104,7 @@ class AmpOptimizer:
             finally:
                 self.in_step = False
         self._iteration.stepped(self, finite)
-        if self.after_step is not None:
-            self.after_step(skip)
+        self._iteration.notify()  # the iteration's end, when this step made the scale's update (amp.watch())
         return skip
 
     def _warn_if_distributed(self) -> None:

@@ -14,6 +14,12 @@ output gradient are also measured: the largest finite magnitude and the class co
 narrower: its own) against :func:`unimp.spi.dtypes.limits`. The host reads them once, at the end of a
 step that is sampled or skipped (``amp.optimizer.step()`` reads the skip flag anyway).
 
+A step is a training iteration: the update of the loss scale the Amp's optimizers share
+(:mod:`unimp.loss_scale.iteration`), which a watch listens to (:mod:`unimp.watch.iteration`). With several
+optimizers (``unimp.apply(policy, model, [opt_a, opt_b])``, ``amp.add_optimizer(opt)``) one record covers
+the forwards and backwards of the whole iteration, whichever optimizer steps first, and a step is skipped
+when some optimizer skipped (the scale backed off); a watch started mid-iteration is refused.
+
 The hooks are installed only for the steps that use them (sampled steps, every step with ``localize``):
 an unwatched step runs no hook at all. A no-grad forward (evaluation, ``amp.report(x)``) is not measured.
 Static-graph Programs (:class:`unimp_paddle.static.PaddleStaticAmp`) have no per-layer hook: refused.
@@ -40,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from unimp.spi import UnsupportedError, dtypes
+from unimp.watch.iteration import listen, refuse_mid_iteration, unlisten
 
 from .index import layer_kind
 
@@ -220,9 +227,12 @@ class PaddleWatch:
         self.losses.append(loss.detach())
         self.scale_used = self.amp.scaler.state().scale if self.amp._scaling else 1.0
 
-    def step_end(self, skipped: bool) -> None:
-        """After ``amp.optimizer.step()``: record the step if it was sampled or skipped, then arm the next."""
+    def step_end(self, found: dict[Any, bool | None]) -> None:
+        """The iteration ended (the shared loss scale's update, from ``found``: each optimizer stepped since the
+        last update -> whether its gradients were all finite): record it if it was sampled or skipped (some
+        optimizer skipped), then arm the next."""
         try:
+            skipped = self.amp.scaler.spec.skip_nonfinite and not all(f for f in found.values() if f is not None)
             if self.sampling or skipped:
                 self._record(skipped)
         finally:
@@ -282,10 +292,12 @@ class PaddleWatch:
                          events=events, backward_order=self.backward_order)
 
     def _loss_and_params(self) -> list[tuple[str, str, float | None, bool]]:
-        """A skipped step: the scaled loss and every parameter gradient it left, checked in one host read."""
+        """A skipped step: the scaled loss and every parameter gradient it left (of every optimizer of the Amp),
+        checked in one host read."""
         import paddle
 
-        grads = [(self.names.get(id(p), ""), p.grad) for p in self.amp.optimizer._params if p.grad is not None]
+        grads = [(self.names.get(id(p), ""), p.grad) for opt in self.amp.optimizers for p in opt._params
+                 if p.grad is not None]
         scale = self.scale_used if self.scale_used is not None else 1.0
         sums = [(paddle.sum(loss, dtype="float32") * scale).reshape([]) for loss in self.losses]
         sums += [paddle.sum(g.detach(), dtype="float32").reshape([]) for _, g in grads]
@@ -307,8 +319,7 @@ class PaddleWatch:
         self._reset()
         if self.amp._watching is self:
             self.amp._watching = None
-        if isinstance(self.amp.optimizer.after_step, _StepEnd):
-            self.amp.optimizer.after_step = None
+        unlisten(self.amp.iteration, self)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         return None  # a copy of the Amp is not watched
@@ -355,29 +366,17 @@ def _finite(x: float) -> bool:
     return x - x == 0.0  # False for inf and NaN
 
 
-class _StepEnd:
-    """``amp.optimizer.after_step``: the watch's end of a step (a copy of the optimizer is not watched)."""
-
-    def __init__(self, watch: PaddleWatch) -> None:
-        self.watch = watch
-
-    def __call__(self, skipped: bool) -> None:
-        self.watch.step_end(skipped)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> None:
-        return None
-
-
 def start(amp: Any, session: Any) -> PaddleWatch:
     """``amp.watch(...)``: bind ``session`` (the core's :class:`unimp.watch.Watch`) to the :class:`PaddleAmp`
     ``amp``; returns the device side."""
     if amp.optimizer is None:
         raise UnsupportedError("amp.watch(): a watch counts training steps through amp.optimizer.step(); apply the "
                                "policy with the optimizer: amp = unimp.apply(policy, model, optimizer)")
+    refuse_mid_iteration(amp.iteration)  # its first record would miss what ran before: nothing installed
     watch = PaddleWatch(amp, session)
     session.bind(watch.step, watch.close)
     amp._watching = watch
-    amp.optimizer.after_step = _StepEnd(watch)
+    listen(amp.iteration, watch)
     try:
         watch.arm()
     except BaseException:

@@ -63,6 +63,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from unimp.spi import UnimpWarning, UnsupportedError, dtypes
+from unimp.watch.iteration import listen, refuse_mid_iteration, unlisten
 
 from .layers import kind, type_names
 from .optimizer import AmpOptimizer
@@ -484,9 +485,7 @@ class TorchWatch(_NotCopied):
         self.disarm()
         if self.amp._watching is self:
             self.amp._watching = None
-        for listener in self.amp.iteration.listeners:
-            if isinstance(listener, _StepEnd) and listener.watch is self:
-                self.amp.iteration.unlisten(listener)
+        unlisten(self.amp.iteration, self)
 
 
 # a probe row: the check sum, amax, _at_least's six counts, numel, how many taps wrote it, dtype code x that
@@ -612,35 +611,20 @@ def _finite(x: float) -> bool:
     return x - x == 0.0  # False for inf and NaN
 
 
-class _StepEnd(_NotCopied):
-    """The watch's end of a step, listening to the Amp's :class:`~unimp_torch.iteration.Iteration` (the shared
-    loss scale's update; copies of the Amp are not watched)."""
-
-    def __init__(self, watch: TorchWatch) -> None:
-        self.watch = watch
-
-    def __call__(self, found: dict[AmpOptimizer, torch.Tensor | None]) -> None:
-        self.watch.step_end(found)
-
-
 def start(amp: Any, session: Any) -> TorchWatch:
     """``amp.watch(...)``: bind ``session`` (the core's :class:`unimp.watch.Watch`) to the :class:`TorchAmp`
     ``amp``; returns the device side."""
     if not isinstance(amp.optimizer, AmpOptimizer):
         raise UnsupportedError("amp.watch(): a watch counts training steps through amp.optimizer.step(); apply the "
                                "policy with the optimizer: amp = unimp.apply(policy, model, optimizer)")
-    if amp.iteration.pending:  # its first record would miss what ran before: refused, nothing installed
-        raise UnsupportedError(f"amp.watch(): {len(amp.iteration.pending)} of the {len(amp.iteration.members)} "
-                               f"optimizers sharing the loss scale stepped since its last update (mid-iteration); "
-                               f"start the watch between iterations: after the iteration's last optimizer step, "
-                               f"or after amp.update()")
+    refuse_mid_iteration(amp.iteration)  # its first record would miss what ran before: nothing installed
     if amp.distributed is not None and amp.distributed.get("engine") == "fsdp2":
         raise UnsupportedError("amp.watch(): not available on an FSDP2-sharded model yet (its parameters and "
                                "gradients are shards); watch a data-parallel (amp.ddp()) or single-device run")
     watch = TorchWatch(amp, session)
     session.bind(watch.step, watch.close)
     amp._watching = watch
-    amp.iteration.listen(_StepEnd(watch))
+    listen(amp.iteration, watch)
     try:
         watch.arm()
     except BaseException:
