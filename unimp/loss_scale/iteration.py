@@ -127,3 +127,23 @@ class Iteration:
                 f"{verb}: {len(self.pending)} of the {len(self.members)} optimizers sharing the loss scale stepped "
                 f"since its last update and the others have not; save after every optimizer of the iteration "
                 f"stepped (or after amp.update())")
+
+    # ------------------------------------------------------------------ a watch's steps are iterations
+    def refuse_watch(self) -> None:
+        """Refuse ``amp.watch()`` mid-iteration (call it before anything is installed: the watch's first record
+        would miss what ran before; :mod:`unimp.watch.iteration`)."""
+        from unimp.watch.iteration import refuse_mid_iteration
+
+        refuse_mid_iteration(self)
+
+    def watch(self, watch: Any) -> None:
+        """``watch.step_end(found)`` at the end of each iteration (:mod:`unimp.watch.iteration`)."""
+        from unimp.watch.iteration import listen
+
+        listen(self, watch)
+
+    def unwatch(self, watch: Any) -> None:
+        """``watch`` no longer ends steps (``watch.close()``)."""
+        from unimp.watch.iteration import unlisten
+
+        unlisten(self, watch)

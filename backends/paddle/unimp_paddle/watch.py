@@ -46,7 +46,6 @@ from typing import Any
 import numpy as np
 
 from unimp.spi import UnsupportedError, dtypes
-from unimp.watch.iteration import listen, refuse_mid_iteration, unlisten
 
 from .index import layer_kind
 
@@ -319,7 +318,7 @@ class PaddleWatch:
         self._reset()
         if self.amp._watching is self:
             self.amp._watching = None
-        unlisten(self.amp.iteration, self)
+        self.amp.iteration.unwatch(self)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         return None  # a copy of the Amp is not watched
@@ -372,11 +371,11 @@ def start(amp: Any, session: Any) -> PaddleWatch:
     if amp.optimizer is None:
         raise UnsupportedError("amp.watch(): a watch counts training steps through amp.optimizer.step(); apply the "
                                "policy with the optimizer: amp = unimp.apply(policy, model, optimizer)")
-    refuse_mid_iteration(amp.iteration)  # its first record would miss what ran before: nothing installed
+    amp.iteration.refuse_watch()  # its first record would miss what ran before: nothing installed
     watch = PaddleWatch(amp, session)
     session.bind(watch.step, watch.close)
     amp._watching = watch
-    listen(amp.iteration, watch)
+    amp.iteration.watch(watch)
     try:
         watch.arm()
     except BaseException:

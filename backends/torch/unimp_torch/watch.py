@@ -63,7 +63,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from unimp.spi import UnimpWarning, UnsupportedError, dtypes
-from unimp.watch.iteration import listen, refuse_mid_iteration, unlisten
 
 from .layers import kind, type_names
 from .optimizer import AmpOptimizer
@@ -485,7 +484,7 @@ class TorchWatch(_NotCopied):
         self.disarm()
         if self.amp._watching is self:
             self.amp._watching = None
-        unlisten(self.amp.iteration, self)
+        self.amp.iteration.unwatch(self)
 
 
 # a probe row: the check sum, amax, _at_least's six counts, numel, how many taps wrote it, dtype code x that
@@ -617,14 +616,14 @@ def start(amp: Any, session: Any) -> TorchWatch:
     if not isinstance(amp.optimizer, AmpOptimizer):
         raise UnsupportedError("amp.watch(): a watch counts training steps through amp.optimizer.step(); apply the "
                                "policy with the optimizer: amp = unimp.apply(policy, model, optimizer)")
-    refuse_mid_iteration(amp.iteration)  # its first record would miss what ran before: nothing installed
+    amp.iteration.refuse_watch()  # its first record would miss what ran before: nothing installed
     if amp.distributed is not None and amp.distributed.get("engine") == "fsdp2":
         raise UnsupportedError("amp.watch(): not available on an FSDP2-sharded model yet (its parameters and "
                                "gradients are shards); watch a data-parallel (amp.ddp()) or single-device run")
     watch = TorchWatch(amp, session)
     session.bind(watch.step, watch.close)
     amp._watching = watch
-    listen(amp.iteration, watch)
+    amp.iteration.watch(watch)
     try:
         watch.arm()
     except BaseException:
