@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import threading
 import warnings
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 
 import unimp
 from unimp.backend import applied
+from unimp.conformance.stress import together
 
 
 @pytest.fixture(autouse=True)
@@ -33,25 +33,6 @@ def _racing():
         torch.set_num_threads(threads)
 
 
-def _together(*calls):
-    """Run each call in its own thread, released together; each one's result or exception."""
-    barrier, out = threading.Barrier(len(calls)), [None] * len(calls)
-
-    def run(k, call):
-        barrier.wait()
-        try:
-            out[k] = call()
-        except BaseException as e:
-            out[k] = e
-
-    threads = [threading.Thread(target=run, args=(k, c)) for k, c in enumerate(calls)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
-
-
 def test_racing_applies_to_one_model_one_wins_the_other_gets_a_located_error():
     """Two threads applying to one model: exactly one Amp, the other AlreadyAppliedError naming the model and
     the fix, in 100 of 100 races; remove() then leaves the model as it was and free to apply again."""
@@ -59,7 +40,7 @@ def test_racing_applies_to_one_model_one_wins_the_other_gets_a_located_error():
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
         params = list(model.parameters())
         apply = functools.partial(unimp.apply, "mixed_bf16", model)
-        out = _together(apply, apply)
+        out = together(apply, apply)
         amps = [o for o in out if isinstance(o, unimp.Amp)]
         errors = [o for o in out if isinstance(o, unimp.AlreadyAppliedError)]
         assert len(amps) == 1 and len(errors) == 1, out
@@ -76,7 +57,7 @@ def test_racing_removes_of_one_amp_restore_once():
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         amp = unimp.apply("pure_bf16", model, opt)
-        out = _together(amp.remove, amp.remove)
+        out = together(amp.remove, amp.remove)
         assert sum(o is model for o in out) >= 1, out
         assert all(o is model or (isinstance(o, unimp.StateError) and "another thread is removing" in str(o))
                    for o in out), out
@@ -122,6 +103,6 @@ def test_two_models_trained_in_two_threads_equal_the_runs_one_after_the_other(pr
     without that cache."""
     for trial in range(100):
         alone = [_train(preset, 2 * trial), _train(preset, 2 * trial + 1)]
-        together = _together(*(functools.partial(_train, preset, seed) for seed in (2 * trial, 2 * trial + 1)))
-        for a, b in zip(alone, together, strict=True):
+        both = together(*(functools.partial(_train, preset, seed) for seed in (2 * trial, 2 * trial + 1)))
+        for a, b in zip(alone, both, strict=True):
             assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True)), f"trial {trial}"
