@@ -256,7 +256,8 @@ def together(*calls: Callable[[], Any]) -> list[Any]:
     >>> together(lambda: 1, lambda: 1 / 0)[0], type(together(lambda: 1 / 0)[0]).__name__
     (1, 'ZeroDivisionError')
     """
-    barrier, out = threading.Barrier(len(calls)), [None] * len(calls)
+    barrier = threading.Barrier(len(calls))
+    out: list[Any] = [None] * len(calls)
 
     def run(k: int, call: Callable[[], Any]) -> None:
         barrier.wait()
