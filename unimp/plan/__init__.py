@@ -430,7 +430,7 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
                 override_fallbacks: Mapping[int, str] | None = None,
                 fp8: Fp8Support | None = None, problems: Sequence[str] = (),
                 fix: str = "change the policy's op lists",
-                loss_scale_unsupported: Mapping[str, tuple[str, str]] | None = None) -> Plan:
+                loss_scale_unsupported: Mapping[str, tuple[object, str]] | None = None) -> Plan:
     """Build a Plan, applying the policy's ``on_unsupported`` to what the backend cannot honour.
 
     ``control[op]`` is ``op`` or ``layer`` for ops the backend controls (missing = ``fixed``);

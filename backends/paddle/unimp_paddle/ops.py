@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from unimp.spi import Plan
+from unimp.spi import Plan, PlanRequest
 from unimp.spi import ops as core
 
 # Paddle's names per canonical op (lower case: op types as in paddle.amp's white/black lists; capitalised:
@@ -95,7 +95,7 @@ class OpLists:
         return OpLists(frozenset(white), frozenset(black), frozenset(gray))
 
 
-def compile_lists(plan: Plan) -> OpLists:
+def compile_lists(plan: Plan | PlanRequest) -> OpLists:
     """White/black/gray Paddle op types for the canonical op lists the Plan (or request) asks."""
     white: set[str] = set()
     black: set[str] = set()
