@@ -9,17 +9,9 @@ per-op table, the per-layer decision table (overrides resolved once, ambiguous m
 loss-scale spec that runs, the settings, FP8 and the layout findings with their action. Backends
 read the Plan, never the policy; it prints as the table ``unimp explain`` shows.
 
->>> import unimp
->>> plan = compile_ops("demo", unimp.load("mixed_bf16"), control={"matmul": "op"}, native={},
-...                    index=[LayerInfo("fc", "linear", ("Dense",), (("units", 12),))])
->>> plan.op("matmul").dtype, plan.op("softmax").control
-('bfloat16', 'fixed')
->>> plan.decide("fc", "linear").compute_dtype, plan.layout.findings
-('bfloat16', ('fc: units=12 is not a multiple of 8',))
-
-The classes live in named modules: :mod:`unimp.plan.contract` (the request and the Plan),
-:mod:`unimp.plan.tables` (their rows), :mod:`unimp.plan.request`, :mod:`unimp.plan.fp8` and
-:mod:`unimp.plan.layout`; this package re-exports them.
+The classes live in named modules, which this package re-exports: :mod:`unimp.plan.contract` (the
+request and the Plan, with the example), :mod:`unimp.plan.tables` (their rows), :mod:`unimp.plan.request`,
+:mod:`unimp.plan.fp8` and :mod:`unimp.plan.layout`.
 """
 
 from __future__ import annotations

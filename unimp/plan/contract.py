@@ -334,12 +334,13 @@ class Plan:
 
 
 def _details(d: Any) -> Any:
-    if dataclasses.is_dataclass(d) and not isinstance(d, type):
-        return {f.name: _plain(getattr(d, f.name)) for f in dataclasses.fields(d)}
     return _plain(d) if d is not None else {}
 
 
 def _plain(v: Any) -> Any:
+    """``v`` as JSON data: a dataclass (a backend's details, or one of their fields) as a dict of its fields."""
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
     if isinstance(v, Mapping):
         return {str(k): _plain(x) for k, x in v.items()}
     if isinstance(v, list | tuple | set | frozenset):

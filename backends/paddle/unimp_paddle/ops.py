@@ -76,6 +76,11 @@ class OpLists:
     black: frozenset[str]
     gray: frozenset[str]
 
+    @classmethod
+    def none(cls) -> OpLists:
+        """No op types listed (a Plan compiled before its lists)."""
+        return cls(frozenset(), frozenset(), frozenset())
+
     def exact(self, default_white: Iterable[str], default_black: Iterable[str]) -> tuple[set[str], set[str]]:
         """Paddle's full lists: its defaults for non-canonical ops, the policy for canonical ones."""
         white = (set(default_white) - ALL_CANONICAL_TYPES) | set(self.white)
