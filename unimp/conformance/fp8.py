@@ -81,9 +81,7 @@ def expected_fp8(kit: Kit, policy: Policy) -> dict[str, str | None]:
             continue
         shape = dict(layer.params)["weight"]
         dims = {"in_features": shape[-2], "out_features": shape[-1]}
-        # the Plan is frozen (read-only members), unimp.plan.fp8.Planned declares settable ones: goes with the
-        # typed Plan (unimp/plan/ is being rewritten)
-        d = decide_fp8(plan, layer.path, layer.kind, (), dims)  # type: ignore[arg-type]
+        d = decide_fp8(plan, layer.path, layer.kind, (), dims)
         out[layer.path] = d.recipe if d.fp8 else None
     return out
 

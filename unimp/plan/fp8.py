@@ -16,6 +16,7 @@ the recipe and the reason. Backends call these; none re-derives the rules.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -119,11 +120,10 @@ def plan_fp8(policy: Policy, backend: str, support: Fp8Support | None) -> Fp8Pla
     spec = policy.fp8
     support = support or Fp8Support(missing=f"backend {backend} has no FP8 training path")
     requested = requests_fp8(policy)
-    base = dict(recipe=spec.recipe, forward_format=spec.forward_format, gradient_format=spec.gradient_format,
-                amax_history=spec.amax_history, dims_multiple=spec.dims_multiple)
-    ops = tuple(o for o in spec.ops if o in support.ops)
+    asked = Fp8Plan(requested, False, spec.recipe, tuple(o for o in spec.ops if o in support.ops), support.ops,
+                    spec.forward_format, spec.gradient_format, spec.amax_history, spec.dims_multiple)
     if not requested:
-        return Fp8Plan(False, False, ops=ops, capable=support.ops, **base)
+        return asked
     fatal: list[str] = []
     if support.missing or not support.recipes:
         fatal.append(support.missing or f"backend {backend} runs no FP8 recipe")
@@ -145,19 +145,25 @@ def plan_fp8(policy: Policy, backend: str, support: Fp8Support | None) -> Fp8Pla
             + "\nfix: change the [fp8] table (or the overrides' fp8), or set on_unsupported = \"fallback\" "
               "to run these layers in the compute dtype, as reported in the Plan")
     if fatal:
-        return Fp8Plan(True, False, ops=(), capable=support.ops, fallback="; ".join(fatal), **base)
+        return dataclasses.replace(asked, ops=(), fallback="; ".join(fatal))
     notes = (*(f"fallback: {m} (runs in the compute dtype)" for m in minor), *support.notes)
-    return Fp8Plan(True, True, ops=ops, capable=support.ops, native=support.recipes[spec.recipe],
-                   notes=tuple(notes), **base)
+    return dataclasses.replace(asked, active=True, native=support.recipes[spec.recipe], notes=tuple(notes))
 
 
 class Planned(Protocol):
-    """What :func:`decide_fp8` reads of a :class:`unimp.plan.Plan` (typed here: the Plan holds an Fp8Plan)."""
+    """What :func:`decide_fp8` reads of a :class:`unimp.plan.Plan` (typed here: the Plan holds an Fp8Plan).
 
-    backend: str
-    policy: Policy
-    compute_dtype: str
-    fp8: Fp8Plan | None
+    Read-only members: a frozen Plan (or any object with these attributes) satisfies it.
+    """
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def policy(self) -> Policy: ...
+    @property
+    def compute_dtype(self) -> str: ...
+    @property
+    def fp8(self) -> Fp8Plan | None: ...
 
 
 def _parts(source: Planned | Policy, compute_dtype: str | None) -> tuple[Policy, Fp8Plan, str]:

@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unimp.spi import Plan, PlanRequest, dtypes, hardware
-from unimp_torch.extension import TorchDetails
+from unimp_torch.extension import TorchDetails, model_index
 from unimp_torch.extension import compile_plan as torch_plan
 
 from .engine import Engine
 from .hardware import check, resolve_auto
-from .index import model_index
 from .modes import IpexSettings, choose
 
 FP8_MISSING = ("unimp-ipex drives ipex.optimize on CPU, which trains in bfloat16/float16 only (IPEX's FP8, "

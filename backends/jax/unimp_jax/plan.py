@@ -54,8 +54,9 @@ class JaxDetails:
 
 def fp8_support(platform: str) -> Fp8Support:
     """What this backend runs in FP8 on ``platform``."""
-    notes = ("Flax Linear/Dense layers chosen by the Plan get a scaled FP8 dot_general for their call; "
-             "XLA lowers FP8 dots to cuBLASLt FP8 GEMMs on Hopper+ GPUs",)
+    notes: tuple[str, ...] = (
+        "Flax Linear/Dense layers chosen by the Plan get a scaled FP8 dot_general for their call; "
+        "XLA lowers FP8 dots to cuBLASLt FP8 GEMMs on Hopper+ GPUs",)
     if platform != "gpu":
         notes += (f"XLA:{platform.upper()} has no FP8 units: the FP8 dots are emulated (numerics as on the "
                   f"GPU, slower than the compute dtype)",)

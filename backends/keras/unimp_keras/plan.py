@@ -142,7 +142,7 @@ def loss_scaler(spec: LossScaleSpec, masters: bool) -> str:
     return f"loss scaling: unimp LossScaleOptimizer ({spec.mode}, the core reference rule)"
 
 
-def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
+def unsupported(spec: LossScaleSpec) -> dict[str, tuple[object, str]]:
     """Loss-scale knobs this Keras backend cannot honour: ``{knob: (what runs instead, why)}``.
 
     Everywhere: a float64 scale (Keras' optimizer variable is float32). On JAX (XLA): what a float32
@@ -150,7 +150,7 @@ def unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
     """
     if spec.mode != "dynamic":
         return {}
-    out = {}
+    out: dict[str, tuple[object, str]] = {}
     if spec.scale_dtype == "float64":
         out["scale_dtype"] = ("float32", "the Keras optimizer holds the scale in a float32 variable; fix: "
                               "scale_dtype = 'float32'")
@@ -182,10 +182,10 @@ def xla_flushes_subnormals() -> bool:
         return float(jax.jit(lambda x: x * np.float32(0.5))(tiny)) == 0.0
 
 
-def xla_unsupported(spec: LossScaleSpec) -> dict[str, tuple[str, str]]:
+def xla_unsupported(spec: LossScaleSpec) -> dict[str, tuple[object, str]]:
     """The knobs Keras on JAX cannot hold: subnormal float32 scales where XLA flushes them, factors not
     exact in float32 without ``jax_enable_x64``, a raise (``at_min = "error"``) inside a jitted step."""
-    out = {}
+    out: dict[str, tuple[object, str]] = {}
     flush = xla_flushes_subnormals()
     fix_x64 = "jax.config.update('jax_enable_x64', True)"
     if flush and spec.subnormal == "keep" and spec.min < dtypes.FLT_TINY:

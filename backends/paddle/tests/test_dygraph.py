@@ -49,6 +49,19 @@ def test_paddle_is_given_the_compiled_lists(kit, name):
     amp.remove()
 
 
+def test_the_op_lists_are_compiled_once_into_the_plans_details(kit):
+    """The Plan's details hold Paddle's lists (typed: white/black/gray op types), compiled with the Plan; the
+    Amp runs those, never recomputing them from the Plan's ops at apply time."""
+    policy = _fallback("mixed_bf16").replace(overrides=[])
+    model = kit.build_probe(probe_weights())
+    amp = unimp.apply(policy, model, kit.make_optimizer(model))
+    lists = amp.plan.details.lists
+    assert _expected_types(policy, "lower") <= lists.white and _expected_types(policy, "float32") <= lists.black
+    assert (_expected_types(policy, "promote") | _expected_types(policy, "inputs")) <= lists.gray | lists.black
+    assert amp.lists is lists
+    amp.remove()
+
+
 def test_overrides_and_linear_get_their_own_guard(kit):
     """Paddle's Linear runs matmul_v2: a policy with linear != matmul needs a per-layer auto_cast."""
     policy = _fallback(unimp.conformance.CUSTOM_MOVED_OPS).replace(

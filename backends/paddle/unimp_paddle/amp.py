@@ -21,7 +21,7 @@ from . import trace
 from .distributed import data_parallel, refuse_data_parallel
 from .index import channels_last_findings, layer_kind, model_index
 from .iteration import PaddleIteration
-from .ops import OpLists, compile_lists
+from .ops import OpLists
 from .optimizer import AmpOptimizer
 from .scaler import DeviceLossScale
 
@@ -54,7 +54,7 @@ class PaddleAmp(Amp):
         self.active: bool = d.amp_active
         self.level: str = d.level
         self.amp_dtype: str = d.amp_dtype
-        self.lists: OpLists = compile_lists(plan)
+        self.lists: OpLists = d.lists
         self._check_layout(model)
         self._saved = {k: (v.dtype, v.numpy().copy()) for k, v in model.state_dict().items()}
         self._guards = self._layer_guards(model)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from unimp.spi import Plan
+from unimp.spi import Plan, PlanRequest
 from unimp.spi import ops as core
 
 # Paddle's names per canonical op (lower case: op types as in paddle.amp's white/black lists; capitalised:
@@ -76,6 +76,11 @@ class OpLists:
     black: frozenset[str]
     gray: frozenset[str]
 
+    @classmethod
+    def none(cls) -> OpLists:
+        """No op types listed (a Plan compiled before its lists)."""
+        return cls(frozenset(), frozenset(), frozenset())
+
     def exact(self, default_white: Iterable[str], default_black: Iterable[str]) -> tuple[set[str], set[str]]:
         """Paddle's full lists: its defaults for non-canonical ops, the policy for canonical ones."""
         white = (set(default_white) - ALL_CANONICAL_TYPES) | set(self.white)
@@ -95,7 +100,7 @@ class OpLists:
         return OpLists(frozenset(white), frozenset(black), frozenset(gray))
 
 
-def compile_lists(plan: Plan) -> OpLists:
+def compile_lists(plan: Plan | PlanRequest) -> OpLists:
     """White/black/gray Paddle op types for the canonical op lists the Plan (or request) asks."""
     white: set[str] = set()
     black: set[str] = set()

@@ -24,7 +24,7 @@ from typing import Any
 from unimp.spi import Fp8Support, LayerInfo, Plan, PlanRequest, dtypes, hardware
 
 from .index import model_index
-from .ops import compile_lists, layer_types, op_types
+from .ops import OpLists, compile_lists, layer_types, op_types
 
 FIX = ("change the policy (e.g. compute_dtype/param_dtype = \"float32\" on CPU, or use a CUDA place)")
 FP8_MISSING = ("unimp-paddle has no FP8 training path: paddle.amp (auto_cast/decorate) runs float16/bfloat16 "
@@ -50,7 +50,7 @@ class PaddleDetails:
     amp_dtype: str
     param_dtype: str
     level: str | None = None  # dygraph: O1 | O2
-    lists: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # Paddle's op-type lists
+    lists: OpLists = field(default_factory=OpLists.none)  # Paddle's op-type lists, compiled once from the Plan's ops
     cpu: Mapping[str, Any] | None = None  # static: the CPU facts it decided by
     loss_scaling: str | None = None  # static: "none" (bf16 Programs are not scaled)
 
@@ -148,9 +148,7 @@ def compile_dygraph(request: PlanRequest, place: str, index: Iterable[LayerInfo]
             else:
                 param_fallback = "float32"
     details = PaddleDetails("dygraph", place, active, low, request.param_dtype if active else "float32",
-                            "O2" if o2 else "O1", {"white": tuple(sorted(lists.white)),
-                                                   "black": tuple(sorted(lists.black)),
-                                                   "gray": tuple(sorted(lists.gray))})
+                            "O2" if o2 else "O1", lists)
     notes = ("Paddle has no 'follow inputs' list: ops in neither list (promote and follow-inputs) are "
              "Paddle's gray ops, which run in the promoted dtype of their inputs",)
     return _compile(request, low, reason, active, why, {}, problems, details, notes,
@@ -190,9 +188,7 @@ def compile_static(request: PlanRequest) -> Plan:
     problems += [f"{r.setting} = {'auto' if r.follows_compute else r.dtype!r}: static overrides (by parameter "
                  f"name) can only keep ops float32; the matched layers run float32" for r in request.override_dtypes
                  if dtypes.is_low(r.dtype) or (r.key == "compute_dtype" and r.follows_compute)]
-    lists = compile_lists(request)
-    details = PaddleDetails("static", "cpu", active, low, "float32",
-                            lists={"bf16": tuple(sorted(lists.white)), "fp32": tuple(sorted(lists.black)),
-                                   "gray": tuple(sorted(lists.gray))}, cpu=facts.record(), loss_scaling="none")
+    details = PaddleDetails("static", "cpu", active, low, "float32", lists=compile_lists(request),
+                            cpu=facts.record(), loss_scaling="none")
     notes = ("static gray ops run float32 if any producer is float32, else bfloat16 if any is bfloat16",)
     return _compile(request, low, reason, active, why, fixed_extra, problems, details, notes, param_fallback)

@@ -24,7 +24,7 @@ from typing import Any
 from unimp.spi import Amp, LossScale, LossScaleState, Plan, Report, UnsupportedError
 
 from . import trace
-from .ops import canonical_of, compile_lists, op_types
+from .ops import canonical_of, op_types
 from .optimizer import StaticAmpOptimizer
 
 RANK2_ONLY = {"matmul_v2": "X", "layer_norm": "X"}  # bf16 CPU kernels that mis-read rank > 2 inputs
@@ -59,7 +59,7 @@ class PaddleStaticAmp(Amp):
     def _amp_lists(self, program: Any) -> Any:
         from paddle.static.amp.bf16 import AutoMixedPrecisionListsBF16
 
-        lists = compile_lists(self.plan)
+        lists = self.plan.details.lists
         fixed = {t for d in self.plan.ops if d.control == "fixed" and d.dtype == "float32"
                  for t in op_types(d.op)}
         white = set(lists.white) - fixed
