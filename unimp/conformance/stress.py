@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import faulthandler
+import functools
 import gc
 import random
 import signal
@@ -32,8 +33,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from unimp.backend import applied
-from unimp.errors import UnsupportedError
+from unimp.backend import Amp, applied
+from unimp.errors import AlreadyAppliedError, UnsupportedError
 from unimp.policy.loading import preset_names
 
 _OWN = (f"{Path(__file__).parents[1]}", "unimp_")  # the core's files, and every backend package's
@@ -272,3 +273,25 @@ def together(*calls: Callable[[], Any]) -> list[Any]:
     for t in threads:
         t.join()
     return out
+
+
+def race_applies(build: Callable[[], Any], apply: Callable[[Any], Any], state: Callable[[Any], Any],
+                 races: int = 100) -> None:
+    """Two threads applying to one fresh ``build()`` model (an evaluation thread beside the trainer), ``races``
+    times, the interpreter switching threads every microsecond: exactly one Amp, the other
+    ``AlreadyAppliedError`` naming the fix, and after ``remove()`` the model's ``state(model)`` as before."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads really race
+    try:
+        for k in range(races):
+            model = build()
+            before = state(model)
+            out = together(*[functools.partial(apply, model)] * 2)
+            amps = [o for o in out if isinstance(o, Amp)]
+            errors = [o for o in out if isinstance(o, AlreadyAppliedError)]
+            assert len(amps) == 1 and len(errors) == 1, (k, out)
+            assert "already has a unimp policy applied; call amp.remove()" in str(errors[0]), errors[0]
+            amps[0].remove()
+            assert state(model) == before, k
+    finally:
+        sys.setswitchinterval(interval)

@@ -3,14 +3,11 @@ each trial's Amp without ``amp.remove()``, collected whenever the garbage collec
 
 from __future__ import annotations
 
-import functools
-import sys
-
 import keras
 import numpy as np
 
 import unimp
-from unimp.conformance.stress import dead_marks, sweep_every_preset, together
+from unimp.conformance.stress import dead_marks, race_applies, sweep_every_preset
 
 
 def trial(preset: str) -> tuple:
@@ -34,28 +31,7 @@ def test_racing_applies_to_one_model_one_wins_the_other_gets_a_located_error():
     """Two threads applying to one Keras model (an evaluation thread beside the trainer): exactly one Amp, the
     other AlreadyAppliedError naming the model and the fix, in 100 of 100 races; remove() leaves the model as
     it was."""
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # the threads really race
-    try:
-        for _ in range(100):
-            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8)])
-            before = _state(model)
-            out = together(*[functools.partial(unimp.apply, "mixed_bf16", model)] * 2)
-            amps = [o for o in out if isinstance(o, unimp.Amp)]
-            errors = [o for o in out if isinstance(o, unimp.AlreadyAppliedError)]
-            assert len(amps) == 1 and len(errors) == 1, out
-            assert "already has a unimp policy applied; call amp.remove()" in str(errors[0])
-            amps[0].remove()
-            assert _equal(before, model)
-    finally:
-        sys.setswitchinterval(interval)
-
-
-def _state(model):
-    return [(v.path, v.dtype, v.numpy().copy()) for v in model.weights], model.layers[0].dtype_policy.name
-
-
-def _equal(before, model):
-    (weights, policy), (now, now_policy) = before, _state(model)
-    return policy == now_policy and len(now) == len(weights) and all(
-        a[:2] == b[:2] and np.array_equal(a[2], b[2]) for a, b in zip(now, weights, strict=True))
+    race_applies(lambda: keras.Sequential([keras.Input((8,)), keras.layers.Dense(8)]),
+                 lambda m: unimp.apply("mixed_bf16", m),
+                 lambda m: ([(v.path, str(v.dtype), v.numpy().tobytes()) for v in m.weights],
+                            m.layers[0].dtype_policy.name))
