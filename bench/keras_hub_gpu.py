@@ -184,6 +184,8 @@ def hlo_stats(folder: str) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     ms, rr, mem = result["ms"], result["round_ratio"], result["memory"]
+    if not ms:  # --memory-only
+        return "\n".join(f"| {n} | peak {mem.get(n, {}).get('peak_gib')} GiB |" for n in VARIANTS)
     base = ms[VARIANTS[0]]
     lines = ["| variant | step ms (median) | / keras mixed_bfloat16 | per-round ratio (median) | peak GiB |",
              "|---|---:|---:|---:|---:|"]
@@ -206,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--block", type=int, default=None, help="steps per variant per round")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    ap.add_argument("--memory-only", action="store_true", help="only the peak-memory subprocesses (no timing)")
     ap.add_argument("--hlo", action="store_true", help="dump and summarise each variant's optimised HLO")
     ap.add_argument("--peak", default=None, help=argparse.SUPPRESS)  # one variant's peak (subprocess)
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -227,8 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {"jax": jax.__version__, "keras": keras.__version__, "keras_hub": keras_hub.__version__,
                               "device": getattr(dev, "device_kind", str(dev)), "config": config(args.smoke),
                               "rounds": rounds, "block": block}
-    result.update(time_all(args.smoke, warmup, rounds, block))
-    print({k: round(v, 2) for k, v in result["ms"].items()}, flush=True)
+    # the peaks first, each variant alone in a subprocess while this process holds no model (on an 80 GB card the
+    # four timed models beside a peak subprocess run it out of memory)
     mem: dict[str, Any] = {}
     if not args.no_memory:
         env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
@@ -243,6 +246,11 @@ def main(argv: list[str] | None = None) -> None:
             mem[n] = json.loads(line[-1][5:]) if line else {"peak_gib": None, "error": res.stderr[-2000:]}
             print(" ", n, {k: v for k, v in mem[n].items() if k != "error"}, flush=True)
     result["memory"] = mem
+    if args.memory_only:
+        result["ms"], result["round_ratio"] = {}, {}
+    else:
+        result.update(time_all(args.smoke, warmup, rounds, block))
+        print({k: round(v, 2) for k, v in result["ms"].items()}, flush=True)
     print(table(result))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
