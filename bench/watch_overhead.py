@@ -71,11 +71,18 @@ def main() -> None:
     ap.add_argument("--localize", action="store_true", help="also a build watched with localize=True")
     ap.add_argument("--wall", action="store_true", help="wall time instead of the process's CPU time")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (wall time between synchronizations)")
+    ap.add_argument("--eager-counting", choices=("default", "at-once"), default="default",
+                    help="at-once: the eager counting off the CPU without torch.compile (the comparison for the "
+                         "compiled counting kernel CUDA uses by default)")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--eager-only", action="store_true")
     mode.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
     warnings.simplefilter("ignore")  # alignment findings of the tiny config
+    if args.eager_counting == "at-once":
+        import unimp_torch.watch
+
+        unimp_torch.watch._COUNTED_FUSED = frozenset()
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     if not gpu:

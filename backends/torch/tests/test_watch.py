@@ -280,10 +280,14 @@ def _capture(model):
     return got
 
 
-@pytest.mark.parametrize("counting", ["per bound (CPU)", "at once (accelerators)", "at once, in chunks"])
+@pytest.mark.parametrize("counting", ["per bound (CPU)", "at once (accelerators)", "at once, in chunks",
+                                      "compiled (CUDA)"])
 def test_sampled_statistics_match_plain_torch_on_the_same_tensors(counting, monkeypatch):
-    if counting.startswith("at once"):  # the GPU's eager counting, run here on the CPU
+    if counting.startswith("at once"):  # the GPU's eager counting without a compiler, run here on the CPU
         monkeypatch.setattr(unimp_torch.watch, "_COUNTED_PER_BOUND", frozenset())
+    if counting.startswith("compiled"):  # CUDA's eager counting: one torch.compile'd kernel, here inductor's CPU one
+        monkeypatch.setattr(unimp_torch.watch, "_COUNTED_FUSED", frozenset({"cpu"}))
+        monkeypatch.setattr(unimp_torch.watch, "_FUSED", [])
     if counting.endswith("chunks"):  # a tensor larger than a chunk: counted chunk by chunk
         monkeypatch.setattr(unimp_torch.watch, "_CHUNK", 1000)
     model = gpt2()
@@ -314,6 +318,8 @@ def test_sampled_statistics_match_plain_torch_on_the_same_tensors(counting, monk
     assert 0 < fc["overflow"] < 1 and fc["nonfinite"] == fc["overflow"]  # the plant: some values past 65504
     ln2 = {(s["path"], s["tensor"]): s for s in watch.records[0]["layers"]}["transformer.h.0.ln_2", "output"]
     assert ln2["numel"] == IDS.numel() * 32
+    if counting.startswith("compiled"):
+        assert unimp_torch.watch._FUSED[0] is not None  # it ran compiled, not its eager fallback
     amp.remove()
 
 

@@ -529,6 +529,15 @@ def _amax_and_counts(t: torch.Tensor, how: tuple) -> tuple[torch.Tensor, torch.T
     as ``how`` (:meth:`TorchWatch._how`) says. Traced, a 16-bit tensor is counted as float32 (inductor's
     CPU code for 16-bit integers is not vectorised; a widening cast keeps every class)."""
     own, wide, scale_to, _ = how
+    if (t.device.type in _COUNTED_FUSED and not torch.compiler.is_compiling()
+            and not torch._C._len_torch_function_stack()):  # a function mode (unimp's trace) would be traced in
+        fused = _fused()
+        if fused is not None:  # one compiled kernel or two: the eager cost off the CPU is launches, not bytes
+            try:  # flat, no view, no grad: one graph per dtype whatever the tensor's shape, pass and layout
+                with torch.no_grad():
+                    return fused(t.flatten().detach(), _against(wide, torch.int32, t.device), scale_to)
+            except Exception as e:  # noqa: BLE001 - no working compiler here (triton missing, ...): said once
+                _no_fused(e)
     x = t.detach().abs()
     if scale_to is not None or own is None or (torch.compiler.is_compiling() and x.itemsize < 4):
         x, bounds = x.float(), wide
@@ -598,6 +607,39 @@ def _at_least_at_once(x: torch.Tensor, bounds: tuple[int, ...]) -> torch.Tensor:
     if bits.shape[0] <= _CHUNK:
         return (bits >= against).sum(0)
     return torch.stack([(part >= against).sum(0) for part in bits.split(_CHUNK)]).sum(0)
+
+
+# device types whose eager counts run compiled (_counted_in_float32 through torch.compile: amax and the seven
+# counts in one fused reduction, where the eager ops launch about ten kernels per tensor)
+_COUNTED_FUSED = frozenset({"cuda"})
+_FUSED: list[Any] = []  # the compiled counting, made on first use; [None] once it proved unavailable
+
+
+def _counted_in_float32(t: torch.Tensor, against: torch.Tensor, scale_to: float | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_amax_and_counts` as one traceable function: ``t`` widened to float32 (a widening cast keeps every
+    class), scaled to ``scale_to`` by its amax if given, counted against ``against`` (float32 patterns of the
+    bounds, and 0 for the numel)."""
+    x = t.detach().float().abs()
+    amax = x.nan_to_num(0.0, 0.0, 0.0).amax()
+    if scale_to is not None:
+        x = x * torch.where(amax > 0, scale_to / amax, 1.0)
+    bits = x.view(torch.int32) & 0x7FFFFFFF
+    return amax, torch.stack([(bits >= against[i]).sum() for i in range(against.numel())])
+
+
+def _fused() -> Any:
+    """The compiled :func:`_counted_in_float32` (dynamic shapes: one graph per dtype, not per shape), or None."""
+    if not _FUSED:
+        _FUSED.append(torch.compile(_counted_in_float32, dynamic=True, fullgraph=True))
+    return _FUSED[0]
+
+
+def _no_fused(error: BaseException) -> None:
+    _FUSED[:] = [None]
+    warnings.warn(f"amp.watch(): torch.compile could not build the watch's counting kernel here "
+                  f"({type(error).__name__}: {str(error)[:200]}); sampled steps count with eager kernels "
+                  f"(correct, slower)", UnimpWarning, stacklevel=2)
 
 
 @functools.cache
