@@ -536,7 +536,7 @@ def _amax_and_counts(t: torch.Tensor, how: tuple) -> tuple[torch.Tensor, torch.T
             try:  # flat, no view, no grad: one graph per dtype whatever the tensor's shape, pass and layout
                 with torch.no_grad():
                     return fused(t.flatten().detach(), _against(wide, torch.int32, t.device), scale_to)
-            except Exception as e:  # noqa: BLE001 - no working compiler here (triton missing, ...): said once
+            except Exception as e:
                 _no_fused(e)
     x = t.detach().abs()
     if scale_to is not None or own is None or (torch.compiler.is_compiling() and x.itemsize < 4):
