@@ -16,8 +16,9 @@ the core's :class:`unimp.watch.Watch` the record's plain tuples.
   measured tensors in execution order; then the state is reset and the next step armed.
 
 A backend supplies (the methods raising :class:`NotImplementedError` here): :meth:`~EagerWatch._install` (a
-layer's hooks: handles with ``remove()``), :meth:`~EagerWatch._pre` (its forward pre-hook),
-:meth:`~EagerWatch._outputs`, :meth:`~EagerWatch._floating`, :meth:`~EagerWatch._grad_enabled`,
+layer's hooks, :meth:`~EagerWatch._pre` and :meth:`~EagerWatch._post`: handles with ``remove()``),
+:meth:`~EagerWatch._inputs`, :meth:`~EagerWatch._outputs`, :meth:`~EagerWatch._tap_input` (a gradient hook on a
+layer's input, with ``localize``), :meth:`~EagerWatch._floating`, :meth:`~EagerWatch._grad_enabled`,
 :meth:`~EagerWatch._tap_output` (a gradient hook on a layer's output), :meth:`~EagerWatch._sum` (a float32 sum),
 :meth:`~EagerWatch._count` (amax and :data:`unimp.watch.records.AT_LEAST` counts of a tensor),
 :meth:`~EagerWatch._host` (the host read of a list of device values), :meth:`~EagerWatch._width`,
@@ -27,7 +28,8 @@ layer's hooks: handles with ``remove()``), :meth:`~EagerWatch._pre` (its forward
 **A traced path** (taps that run inside a compiled or traced step, where no Python side effect is kept) is the
 backend's, through these hooks: :meth:`~EagerWatch._check` and :meth:`~EagerWatch._measure` (write a device buffer
 and a device clock's position instead of the host lists while tracing), :meth:`~EagerWatch._tap_output` (return a
-tensor to put in the output's place, whose backward measures the gradient), :meth:`~EagerWatch._read_traced`
+tensor to put in the output's place, whose backward measures the gradient; :meth:`~EagerWatch._tap_input` for an
+input), :meth:`~EagerWatch._read_traced`
 (fold the buffers into the step's host read: positions, sums and measured tensors; a position ``None``: the core
 mirrors the forward's), :meth:`~EagerWatch._clear_buffers` (zero them for the next step) and
 :meth:`~EagerWatch._arming` (e.g. set :attr:`~EagerWatch.compiled` when the model runs compiled). The scheduling,
@@ -228,6 +230,23 @@ class EagerWatch(NotCopied):
     def _measure_fp8(self, slot: int, t: Any) -> None:
         """An FP8 layer's tensor at ``slot`` (:data:`FP8_IN`, :data:`FP8_GRAD_OUT`) on a sampled step; none here."""
 
+    def _pre(self, base: int, layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A layer's forward pre-hook (with its keyword arguments): its inputs checked; with ``localize``, each
+        one it takes replaced by :meth:`_tap_input`'s."""
+        if not self.checking or not self._grad_enabled():  # a no-grad forward (evaluation, amp.report(x))
+            return None
+        leaves, rebuild = self._inputs(args, kwargs)
+        floating = self._floating(leaves)
+        if not floating:
+            return None
+        self._check(base + IN, floating)
+        if self.sampling:
+            self._measure_fp8(base + FP8_IN, floating[0])
+        if not self.localize:
+            return None
+        tapped = [self._tap_input(base, t) for t in leaves]
+        return None if all(a is b for a, b in zip(tapped, leaves, strict=True)) else rebuild(tapped)
+
     def _post(self, base: int, layer: Any, args: Any, output: Any) -> Any:
         """A layer's forward hook: its output checked (its main tensor measured on a sampled step) and the
         gradient arriving there hooked (:meth:`_tap_output`)."""
@@ -391,9 +410,14 @@ class EagerWatch(NotCopied):
         :class:`Hook`; returns their handles (each with ``remove()``)."""
         raise NotImplementedError
 
-    def _pre(self, base: int, layer: Any, args: Any, kwargs: Any) -> Any:
-        """A layer's forward pre-hook: its inputs checked at ``base + IN`` (with ``localize``, each one the layer
-        takes replaced by a view whose gradient hook calls :meth:`_grad_input`)."""
+    def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+        """A layer's inputs as a list of leaves and how to rebuild ``(args, kwargs)`` from them."""
+        raise NotImplementedError
+
+    def _tap_input(self, base: int, t: Any) -> Any:
+        """With ``localize``: ``t``, one of a layer's input leaves, itself (no gradient to see), or a tensor only the
+        layer uses in its place, whose gradient (the one the layer's backward produced) reaches :meth:`_grad_input`
+        (eager: a view with a gradient hook)."""
         raise NotImplementedError
 
     def _outputs(self, output: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:

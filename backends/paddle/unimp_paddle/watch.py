@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from unimp.spi import UnsupportedError, dtypes
-from unimp.watch.eager import IN, EagerWatch, Hook
+from unimp.watch.eager import EagerWatch, Hook
 
 from .index import layer_kind
 
@@ -72,27 +72,18 @@ class PaddleWatch(EagerWatch):
                 layer.register_forward_post_hook(Hook(self._post, base))]
 
     # ------------------------------------------------------------------ per hook, on the device
-    def _pre(self, base: int, layer: Any, args: tuple, kwargs: dict) -> Any:
+    def _inputs(self, args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
         import paddle
 
-        if not self.checking or not paddle.is_grad_enabled():  # a no-grad forward (evaluation, amp.report(x))
-            return None
-        floating = self._floating(_leaves((args, kwargs)))
-        if not floating:
-            return None
-        self._check(base + IN, floating)
-        if not self.localize:
-            return None
-        # each input tensor the layer takes, as a view only it uses: the gradient its backward produces for it
-        hook = functools.partial(self._grad_input, base)
+        return _leaves((args, kwargs)), lambda new: paddle.utils.pack_sequence_as((args, kwargs), new)
 
-        def tap(t: Any) -> Any:
-            if isinstance(t, paddle.Tensor) and t.is_floating_point() and not t.stop_gradient:
-                t = t.view(t.shape)
-                t.register_hook(hook)
-            return t
+    def _tap_input(self, base: int, t: Any) -> Any:
+        import paddle
 
-        return tuple(tap(a) for a in args), {k: tap(v) for k, v in kwargs.items()}
+        if isinstance(t, paddle.Tensor) and t.is_floating_point() and not t.stop_gradient:
+            t = t.view(t.shape)
+            t.register_hook(functools.partial(self._grad_input, base))
+        return t
 
     def _outputs(self, output: Any) -> tuple[list[Any], Any]:
         return _leaves(output), list  # the output is never replaced (_tap_output hooks it)

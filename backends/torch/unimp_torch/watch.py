@@ -63,7 +63,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from unimp.spi import UnimpWarning, UnsupportedError, dtypes
-from unimp.watch.eager import CODES, FP8_GRAD_OUT, FP8_IN, GRAD_IN, GRAD_OUT, IN, EagerWatch, Hook, Stats, fold
+from unimp.watch.eager import CODES, FP8_GRAD_OUT, GRAD_IN, GRAD_OUT, EagerWatch, Hook, Stats, fold
 
 from .layers import kind, type_names
 from .optimizer import AmpOptimizer
@@ -193,32 +193,20 @@ class TorchWatch(EagerWatch):
         return own, self.bounds[torch.float32, target], dtypes.limits(target).max if scaled else None, \
             CODES.index(target)
 
-    def _pre(self, base: int, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if not self.checking or not torch.is_grad_enabled():  # a no-grad forward (evaluation, amp.report(x))
-            return None
-        leaves, spec = (list(args), None) if not kwargs else tree_flatten((args, kwargs))
-        floating = self._floating(leaves)
-        if not floating:
-            return None
-        self._check(base + IN, floating)
-        if self.sampling:
-            self._measure_fp8(base + FP8_IN, floating[0])
-        if not self.localize:
-            return None
-        # each input the layer takes, as a tensor only it uses: the gradient its backward produces for it
-        compiling, changed = torch.compiler.is_compiling(), False
-        hook = functools.partial(self._grad_input, base)
-        for i, t in enumerate(leaves):
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
-                if compiling:
-                    leaves[i] = _Tap.apply(t, self.probe, (base + GRAD_IN, None, None))
-                else:
-                    leaves[i] = t.view_as(t)
-                    leaves[i].register_hook(hook)
-                changed = True
-        if not changed:
-            return None
-        return (tuple(leaves), kwargs) if spec is None else tree_unflatten(leaves, spec)
+    def _inputs(self, args: tuple, kwargs: dict) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+        if not kwargs:
+            return list(args), lambda new: (tuple(new), kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        return leaves, lambda new: tree_unflatten(new, spec)
+
+    def _tap_input(self, base: int, t: Any) -> Any:
+        if not (isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()):
+            return t
+        if torch.compiler.is_compiling():
+            return _Tap.apply(t, self.probe, (base + GRAD_IN, None, None))
+        t = t.view_as(t)
+        t.register_hook(functools.partial(self._grad_input, base))
+        return t
 
     def _outputs(self, output: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
         if isinstance(output, torch.Tensor):
