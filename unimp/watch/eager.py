@@ -11,7 +11,7 @@ the core's :class:`unimp.watch.Watch` the record's plain tuples.
   position (the order the hooks ran in: the layers' returns, the gradients' arrival); a tensor already checked or
   measured this step is not again (a container returning its last child's output).
 - **The step's end** (:meth:`~EagerWatch.step_end`, from :mod:`unimp.watch.iteration`): the skip flags read once;
-  a step sampled or skipped is read (one host read of the sums, one of the amaxes, one of the counts) and recorded:
+  a step sampled or skipped is read (one host read of the sums and amaxes, one of the counts) and recorded:
   its events (with the loss and the parameter gradients on a skipped step), its gradient-arrival order, its
   measured tensors in execution order; then the state is reset and the next step armed.
 
@@ -27,13 +27,12 @@ layer's input, with ``localize``), :meth:`~EagerWatch._floating`, :meth:`~EagerW
 
 **A traced path** (taps that run inside a compiled or traced step, where no Python side effect is kept) is the
 backend's, through these hooks: :meth:`~EagerWatch._check` and :meth:`~EagerWatch._measure` (write a device buffer
-and a device clock's position instead of the host lists while tracing), :meth:`~EagerWatch._tap_output` (return a
-tensor to put in the output's place, whose backward measures the gradient; :meth:`~EagerWatch._tap_input` for an
-input), :meth:`~EagerWatch._read_traced`
-(fold the buffers into the step's host read: positions, sums and measured tensors; a position ``None``: the core
-mirrors the forward's), :meth:`~EagerWatch._clear_buffers` (zero them for the next step) and
-:meth:`~EagerWatch._arming` (e.g. set :attr:`~EagerWatch.compiled` when the model runs compiled). The scheduling,
-the record's assembly and the order stay these.
+and a device clock's position instead of the host lists while tracing), :meth:`~EagerWatch._tap_output` and
+:meth:`~EagerWatch._tap_input` (return a tensor to put in the output's or input's place, whose backward measures
+the gradient), :meth:`~EagerWatch._read_traced` (fold the buffers into the step's host read: positions, sums and
+measured tensors; a position ``None``: the core mirrors the forward's), :meth:`~EagerWatch._clear_buffers` (zero
+them for the next step) and :meth:`~EagerWatch._arming` (e.g. set :attr:`~EagerWatch.compiled` when the model runs
+compiled). The scheduling, the record's assembly and the order stay these.
 
 A backend's tensors here are plain lists of floats (sums and reads on the host):
 
@@ -63,6 +62,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
 
+from unimp.errors import UnsupportedError
 from unimp.spi import dtypes
 from unimp.watch.session import Watch
 
@@ -159,9 +159,13 @@ class EagerWatch(NotCopied):
         self.step = self._steps()  # the index of the next step
 
     @classmethod
-    def begin(cls, amp: Any, session: Watch) -> Self:
-        """``amp.watch(...)``: bind ``session`` to ``amp`` (refused mid-iteration, before anything is installed),
-        arm the first step; returns the device side (``amp._watching``)."""
+    def begin(cls, amp: Any, session: Watch, *, counted: bool = True) -> Self:
+        """``amp.watch(...)``: bind ``session`` to ``amp`` (refused mid-iteration, or where ``amp``'s steps are not
+        ``counted``: no optimizer of the Amp; before anything is installed), arm the first step; returns the
+        device side (``amp._watching``)."""
+        if not counted:
+            raise UnsupportedError("amp.watch(): a watch counts training steps through amp.optimizer.step(); apply "
+                                   "the policy with the optimizer: amp = unimp.apply(policy, model, optimizer)")
         amp.iteration.refuse_watch()  # its first record would miss what ran before: nothing installed
         watch = cls(amp, session)  # type: ignore[call-arg]  # a backend's __init__ takes (amp, session)
         session.bind(watch.step, watch.close)
@@ -463,7 +467,7 @@ class EagerWatch(NotCopied):
         raise NotImplementedError
 
     def _scaled_loss(self, loss: Any) -> Any:
-        """The float32 sum of ``loss`` times :attr:`scale_used`, 0-d, on the device of the other sums."""
+        """The float32 sum of ``loss`` times :attr:`scale_used` (set with it by :meth:`loss`), 0-d."""
         raise NotImplementedError
 
     def _scale_now(self) -> Any:

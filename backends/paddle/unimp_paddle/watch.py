@@ -1,6 +1,7 @@
 """``amp.watch()`` for Paddle dygraph: per-layer numerics on sampled steps, and where a skipped step's first
 non-finite value appeared. The records, their order and the writers are the core's (:class:`unimp.watch.Watch`,
-handed to :meth:`PaddleAmp._start_watch`); this module measures, as unimp_torch's watch does in eager.
+handed to :meth:`PaddleAmp._start_watch`), the hooks' scheduling, the step's host state and the record's
+assembly the core's :class:`unimp.watch.eager.EagerWatch`; this module measures (Paddle's hooks and device ops).
 
 Hooks on the report's layers (every sublayer of the model; the model itself aside: its output is the
 loss or its last layer's): a forward pre-hook (``Layer.register_forward_pre_hook``, the layer's inputs),
@@ -135,8 +136,7 @@ class PaddleWatch(EagerWatch):
     def _scaled_loss(self, loss: Any) -> Any:
         import paddle
 
-        scale = self.scale_used if self.scale_used is not None else 1.0
-        return (paddle.sum(loss, dtype="float32") * scale).reshape([])
+        return (paddle.sum(loss, dtype="float32") * self.scale_used).reshape([])
 
 
 @functools.cache
@@ -179,10 +179,7 @@ def _amax_and_counts(t: Any, target: str) -> tuple[Any, Any]:
 def start(amp: Any, session: Any) -> PaddleWatch:
     """``amp.watch(...)``: bind ``session`` (the core's :class:`unimp.watch.Watch`) to the :class:`PaddleAmp`
     ``amp``; returns the device side."""
-    if amp.optimizer is None:
-        raise UnsupportedError("amp.watch(): a watch counts training steps through amp.optimizer.step(); apply the "
-                               "policy with the optimizer: amp = unimp.apply(policy, model, optimizer)")
-    return PaddleWatch.begin(amp, session)
+    return PaddleWatch.begin(amp, session, counted=amp.optimizer is not None)
 
 
 def visualdl(logdir: Any) -> Any:

@@ -1,6 +1,8 @@
 """``amp.watch()`` for torch: per-layer numerics on sampled steps, and where a skipped step's first
 non-finite value appeared. The records, their order and the writers are the core's (:class:`unimp.watch.Watch`,
-handed to :meth:`TorchAmp._start_watch`); this module measures.
+handed to :meth:`TorchAmp._start_watch`); the hooks' scheduling, the step's host state and the record's
+assembly are the core's :class:`unimp.watch.eager.EagerWatch`; this module measures (torch's hooks and device
+ops, and the traced path).
 
 Hooks on the report's layers (:func:`unimp_torch.trace.is_layer`; the model itself aside, whose output is
 its last layer's or its loss, checked as the step's loss): a forward
@@ -162,7 +164,7 @@ class TorchWatch(EagerWatch):
             return super()._check(slot, tensors, measured)
         for t in tensors:
             if t is not measured:
-                self.flags[slot].add_(t.detach().sum(dtype=torch.float32))
+                self.flags[slot].add_(self._sum(t))
         self.seq[slot] = torch.where(self.seq[slot] < 0, self.clock, self.seq[slot])
         self.clock.add_(1)
         return None
@@ -266,8 +268,7 @@ class TorchWatch(EagerWatch):
         return [(name, g._values() if g.is_sparse else getattr(g, "_local_tensor", g)) for name, g in grads]
 
     def _scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        total = loss.float().sum()
-        return (total if self.scale_used is None else total * self.scale_used.to(loss.device)).reshape(())
+        return (loss.float().sum() * self.scale_used.to(loss.device)).reshape(())
 
     def _clear_buffers(self) -> None:
         if self.checking:
@@ -430,13 +431,10 @@ def _against(bounds: tuple[int, ...], itype: torch.dtype, device: torch.device) 
 def start(amp: Any, session: Any) -> TorchWatch:
     """``amp.watch(...)``: bind ``session`` (the core's :class:`unimp.watch.Watch`) to the :class:`TorchAmp`
     ``amp``; returns the device side."""
-    if not isinstance(amp.optimizer, AmpOptimizer):
-        raise UnsupportedError("amp.watch(): a watch counts training steps through amp.optimizer.step(); apply the "
-                               "policy with the optimizer: amp = unimp.apply(policy, model, optimizer)")
     if amp.distributed is not None and amp.distributed.get("engine") == "fsdp2":
         raise UnsupportedError("amp.watch(): not available on an FSDP2-sharded model yet (its parameters and "
                                "gradients are shards); watch a data-parallel (amp.ddp()) or single-device run")
-    return TorchWatch.begin(amp, session)
+    return TorchWatch.begin(amp, session, counted=isinstance(amp.optimizer, AmpOptimizer))
 
 
 def tensorboard(logdir: Any) -> Any:
