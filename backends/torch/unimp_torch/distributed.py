@@ -44,7 +44,8 @@ from torch import nn
 
 from unimp.spi import Plan, PlanRequest, UnimpWarning, UnsupportedError, load
 
-from .layers import DTYPES, NAMES, kind, output_cast, type_names
+from .casts import DTYPES, NAMES, output_cast
+from .kinds import kind, type_names
 
 ORDER_FIX = ("amp = unimp.apply(policy, model, optimizer); model = amp.ddp(**ddp_kwargs) "
              "(unimp first, then DDP, so DDP reduces the parameters the policy gives the model)")
