@@ -5,10 +5,8 @@ With no op moves this is exactly ``with torch.autocast(device, dtype, cache_enab
 ``output_dtype = "unchanged"``: the outputs as autocast leaves them);
 a float32 compute dtype whose overrides lower layers runs under autocast to float32,
 so the ops after those layers take their inputs as the Plan says.
-With moves, the ops run the policy's way (:class:`unimp_torch.op_overrides.OpRules`):
-in eager through unimp's Autocast kernels when no moved op has a C++ Autocast kernel on the device
-(every other call costs nothing), else through a ``PolicyMode``; under ``torch.compile``
-always through a ``PolicyMode`` (traced into the graph; the kernels stay inactive).
+With moves, the ops run the policy's way by the mechanism :class:`unimp_torch.op_overrides.OpRules`
+picks (eager: unimp's Autocast kernels, or a ``TorchFunctionMode``; compiled: the mode, traced).
 The forward is a :class:`PolicyForward` object on the instance (not a closure):
 ``copy.deepcopy(model)`` gives a copy that runs its own weights under the policy (holding the
 kernels it needs itself), ``pickle``/``torch.save(model)`` work, and ``torch.compile`` traces it
@@ -296,9 +294,8 @@ def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, t
     torch's single-op modules whose op the kernels move to float32); returns the undo. ``output``: the
     dtype floating outputs are cast to (None: not cast, as autocast leaves them). ``params``:
     the dtype that parameters stored lower are cast up to for the forward (a float32 compute dtype)."""
-    had_own = "forward" in model.__dict__
-    inner = model.__dict__.get("forward")
-    forward = PolicyForward(model, inner, device, autocast, table, output, channels_last, params)
+    forward = PolicyForward(model, model.__dict__.get("forward"), device, autocast, table, output, channels_last,
+                            params)
     undos: list[Callable[[], None]] = []
 
     def undo_and_release() -> None:
@@ -307,12 +304,12 @@ def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, t
         forward.close()
 
     try:
-        undos.append(install_forward(model, forward, inner, had_own))
+        undos.append(install_forward(model, forward))
         if autocast is not None or params is not None:  # every other entry point under the same rules
             for name in entry_points(model):
                 undos.append(_install_method(model, PolicyMethod(forward, name)))
         for module, single in forward.ops.single_op_forwards(model) if forward.ops is not None else ():
-            undos.append(install_forward(module, single, None, False))
+            undos.append(install_forward(module, single))
     except BaseException:  # half-way: the forwards installed so far and the kernels' hold released
         undo_and_release()
         raise

@@ -80,14 +80,12 @@ class LayerForward:
 
 def wrap(module: nn.Module, rule: Rule, device: str) -> Callable[[], None]:
     """Make ``module`` compute as ``rule`` says; returns the function that undoes it."""
-    had_own = "forward" in module.__dict__
-    inner = module.__dict__.get("forward")
-    return install_forward(module, LayerForward(module, inner, rule, device), inner, had_own)
+    return install_forward(module, LayerForward(module, module.__dict__.get("forward"), rule, device))
 
 
-def install_forward(module: nn.Module, forward: Callable, inner: Callable | None,
-                    had_own: bool) -> Callable[[], None]:
+def install_forward(module: nn.Module, forward: Callable) -> Callable[[], None]:
     """Put ``forward`` on the instance; the returned undo restores exactly what was there before."""
+    had_own, inner = "forward" in module.__dict__, module.__dict__.get("forward")
     with contextlib.suppress(TypeError, ValueError):  # HF Trainer reads it (remove_unused_columns)
         forward.__signature__ = inspect.signature(module.forward)  # type: ignore[attr-defined]
     module.forward = forward
