@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Self
 
 from unimp.backend.applied import any_applied, is_applied, release, remember
+from unimp.dtypes import FLT_MAX
 from unimp.errors import StateError, UnimpWarning, UnsupportedError
 from unimp.loss_scale import STATE_KEYS, LossScaleState, check_state, policy_problems
 from unimp.plan import Plan
@@ -219,6 +220,26 @@ class Amp(abc.ABC):
                           f"{fp!r:.60}, this Amp uses {self.policy.fingerprint} ({self.policy.name}); its "
                           f"loss-scale state is taken", UnimpWarning, stacklevel=2)
         self._apply_state(LossScaleState.from_dict(state))
+
+    @staticmethod
+    def fp8_state_problems(current: Mapping[str, list[float]], plain: Any) -> list[str]:
+        """Why ``plain`` (a saved state_dict's ``fp8``) cannot load as the FP8 scaling state ``current``
+        (``{"layer.path.name": [floats]}``, as this Amp's ``state_dict()`` writes it); each names the key.
+
+        >>> Amp.fp8_state_problems({"fc.input_scale": [1.0]}, {"fc.input_scale": [-1.0]})
+        ['fp8.fc.input_scale: expected 1 finite non-negative numbers, got [-1.0]']
+        """
+        if not isinstance(plain, Mapping):
+            return [f"fp8: expected a mapping from amp.state_dict(), got {type(plain).__name__}"]
+        problems = [f"fp8.{k}: {'missing' if k in current else 'unknown'} (this Amp's FP8 layers hold "
+                    f"{len(current)} state arrays; save and load with the same model and policy)"
+                    for k in sorted(set(current) ^ set(plain))]
+        for k in sorted(set(current) & set(plain)):
+            v = plain[k]
+            if not (isinstance(v, list | tuple) and len(v) == len(current[k]) and all(
+                    isinstance(x, int | float) and not isinstance(x, bool) and 0 <= x <= FLT_MAX for x in v)):
+                problems.append(f"fp8.{k}: expected {len(current[k])} finite non-negative numbers, got {str(v)[:60]}")
+        return problems
 
     def _policy_problems(self, st: LossScaleState) -> list[str]:
         """What in a well-formed state this Amp's rule cannot hold or never produces

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unimp.conformance.probe import ProbeBatch
+from unimp.dtypes import dtype_name
 from unimp.plan import Plan, PlanRequest
 from unimp.policy import Policy
 
@@ -95,15 +96,21 @@ class Kit(abc.ABC):
 
     @abc.abstractmethod
     def observe(self, amp: Any, batch: ProbeBatch) -> dict[str, Observation]:
-        """Per probe layer path, what ran in one real forward under ``amp``."""
+        """Per probe layer path, what ran in one real forward under ``amp`` (:meth:`observations` of its report)."""
+
+    @staticmethod
+    def observations(report: Any) -> dict[str, Observation]:
+        """Per row of an ``amp.report(...)``: what ran, as an :class:`Observation`."""
+        return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype, r.fp8) for r in report.rows}
 
     @abc.abstractmethod
     def output(self, amp: Any, batch: ProbeBatch) -> Any:
         """The model's output for ``batch`` under ``amp`` as a framework tensor/array."""
 
-    @abc.abstractmethod
     def dtype_name(self, value: Any) -> str:
-        """The dtype of a framework tensor/array as unimp's string (``"bfloat16"``)."""
+        """The dtype of a framework tensor/array as unimp's string (``"bfloat16"``; by default from the text of
+        ``value.dtype``: :func:`unimp.dtypes.dtype_name`)."""
+        return dtype_name(value.dtype)
 
     @abc.abstractmethod
     def step(self, amp: Any, batch: ProbeBatch, poison: bool = False) -> float:

@@ -121,9 +121,10 @@ class JaxAmp(Amp):
         self._check_live("amp.load_state_dict()")
         new = None
         if isinstance(state, Mapping) and "fp8" in state:
-            new, problems = fp8.from_plain(self.fp8_state(), state["fp8"], "fp8")
+            problems = self.fp8_state_problems(fp8.to_plain(self.fp8_state()), state["fp8"])
             if problems:
                 raise StateError("amp.load_state_dict(): " + "; ".join(problems))
+            new = fp8.from_plain(self.fp8_state(), state["fp8"])
         super().load_state_dict(state, strict=strict)
         if new is not None:
             self.set_fp8_state(new)

@@ -33,9 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-
-def _is_float(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+from .layers import is_float, is_nnx
 
 
 def axis_size(axis_name: Any) -> int:
@@ -90,7 +88,7 @@ def reduce_gradients(grads: Any, axis_name: Any, reduce_dtype: str, out_dtype: s
     rd = jnp.dtype(reduce_dtype)
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
     leaves = [g for _, g in with_paths]
-    idx = [i for i, (p, g) in enumerate(with_paths) if _is_float(g) and not (skip is not None and skip(p))]
+    idx = [i for i, (p, g) in enumerate(with_paths) if is_float(g) and not (skip is not None and skip(p))]
     low = [leaves[i].astype(rd) for i in idx]
     if n != 1:
         low = [g / jnp.asarray(n, rd) for g in low]
@@ -116,7 +114,7 @@ def max_over(x: Any, axis_name: Any) -> Any:
 def mean_over(x: Any, axis_name: Any) -> Any:
     """A floating scalar (the loss) averaged over ``axis_name`` in float32, in its own dtype."""
 
-    if not _is_float(x):
+    if not is_float(x):
         return x
     return jax.lax.pmean(to_varying(x.astype(jnp.float32), axis_name), axis_name).astype(x.dtype)
 
@@ -173,8 +171,6 @@ def data_parallel(amp: Any, step_fn: Callable[..., Any], mesh: Any = None, axis_
                     f"leading axis divisible by the {n} devices on {axis_name!r}; fix: pad or trim the batch, "
                     f"or pass per-step constants through a closure")
         return jax.device_put(batch, split)
-
-    from .layers import is_nnx
 
     if is_nnx(amp.model):
         from flax import nnx

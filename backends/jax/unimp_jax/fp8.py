@@ -45,6 +45,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import fp8_ops
 
+from .layers import is_float
+
 OWG = fp8_ops.OVERWRITE_WITH_GRADIENT  # '_overwrite_with_gradient': Flax's collection for this state
 NNX_ATTR = "unimp_fp8"
 SCALES = ("input_scale", "kernel_scale", "output_grad_scale")
@@ -86,9 +88,7 @@ def is_state_path(path: Any) -> bool:
 def map_gradients(fn: Any, grads: Any) -> Any:
     """``fn`` over the floating gradient leaves that are not FP8 state (those pass through)."""
     def one(path: Any, g: Any) -> Any:
-        if is_state_path(path) or not (hasattr(g, "dtype") and jnp.issubdtype(g.dtype, jnp.floating)):
-            return g
-        return fn(g)
+        return g if is_state_path(path) or not is_float(g) else fn(g)
 
     return jax.tree_util.tree_map_with_path(one, grads)
 
@@ -374,29 +374,11 @@ def to_plain(tree: Any) -> dict[str, list[float]]:
     return out
 
 
-def from_plain(tree: Any, plain: Mapping[str, Any], where: str) -> tuple[Any, list[str]]:
-    """``tree`` with the values of ``plain`` (what :func:`to_plain` made); problems name each key."""
+def from_plain(tree: Any, plain: Mapping[str, Any]) -> Any:
+    """``tree`` with the values of ``plain`` (what :func:`to_plain` made, checked by
+    :meth:`unimp.spi.Amp.fp8_state_problems`)."""
     import numpy as np
 
-    current = to_plain(tree)
-    problems = []
-    if not isinstance(plain, Mapping):
-        return tree, [f"{where}: expected a mapping from amp.state_dict(), got {type(plain).__name__}"]
-    for key in sorted(set(current) ^ set(plain)):
-        side = "missing" if key in current else "unknown"
-        problems.append(f"{where}.{key}: {side} (this Amp's FP8 layers hold {len(current)} state arrays; "
-                        f"save and load with the same model and policy)")
-    for key in sorted(set(current) & set(plain)):
-        v = plain[key]
-        ok = isinstance(v, list | tuple) and len(v) == len(current[key]) and all(
-            isinstance(x, int | float) and not isinstance(x, bool) and np.isfinite(x) and x >= 0 for x in v)
-        if not ok:
-            problems.append(f"{where}.{key}: expected {len(current[key])} finite non-negative numbers, got "
-                            f"{str(v)[:60]}")
-    if problems:
-        return tree, problems
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    new = []
-    for (_, x), key in zip(leaves, current, strict=True):
-        new.append(jnp.asarray(np.asarray(plain[key], np.float32).reshape(x.shape)))
-    return jax.tree_util.tree_unflatten(treedef, new), []
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(np.asarray(plain[key], np.float32).reshape(x.shape))
+                                                  for x, key in zip(leaves, to_plain(tree), strict=True)])

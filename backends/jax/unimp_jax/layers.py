@@ -66,6 +66,17 @@ def dtype_name(x: Any) -> str | None:
     return jnp.dtype(dt).name
 
 
+def is_float(x: Any) -> bool:
+    """Whether ``x`` is a floating array (what a policy casts)."""
+    return dtype_name(x) is not None
+
+
+def cast_float(x: Any, dtype: str) -> Any:
+    """``x`` as ``dtype`` when it is a floating array of another dtype, else ``x``."""
+    name = dtype_name(x)
+    return x.astype(dtype) if name and name != dtype else x
+
+
 def first_float_dtype(tree: Any) -> str | None:
     import jax
 
@@ -83,9 +94,7 @@ def cast_floats(tree: Any, dtype: str | None) -> Any:
 
     if dtype is None:
         return tree
-    return jax.tree_util.tree_map(
-        lambda x: x.astype(dtype) if dtype_name(x) and dtype_name(x) != dtype else x, tree,
-        is_leaf=lambda x: isinstance(x, jnp.ndarray))
+    return jax.tree_util.tree_map(lambda x: cast_float(x, dtype), tree, is_leaf=lambda x: isinstance(x, jnp.ndarray))
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ from unimp.spi import LossScaleState, Plan, Report
 from . import fp8, trace
 from .amp import JaxAmp
 from .index import linen_info, model_index, own_params
-from .layers import SCAN_CARRY, LayerPlan, cast_floats, dtype_name, run_layer, scan_carry_error
+from .layers import SCAN_CARRY, LayerPlan, cast_float, cast_floats, dtype_name, run_layer, scan_carry_error
 from .optimizer import find_state
 
 
@@ -91,11 +91,8 @@ def keep_carry(args: tuple, out: Any) -> Any:
     if tu.tree_structure(carry) != tu.tree_structure(carry_in):
         return out
 
-    def cast(new: Any, old: Any) -> Any:
-        want, got = dtype_name(old), dtype_name(new)
-        return new.astype(want) if want and got and want != got else new
-
-    return tu.tree_map(cast, carry, carry_in), ys
+    return tu.tree_map(lambda new, old: cast_float(new, want) if (want := dtype_name(old)) else new,
+                       carry, carry_in), ys
 
 
 class LinenAmp(JaxAmp):
@@ -127,7 +124,7 @@ class LinenAmp(JaxAmp):
             path = ".".join(str(getattr(k, "key", k)) for k in key_path[:-1])
             lp = self.layers.get(path)
             dtype = lp.decision.param_dtype if lp else self.plan.decide(path, None).param_dtype
-            return x.astype(dtype) if dtype_name(x) and dtype_name(x) != dtype else x
+            return cast_float(x, dtype)
 
         return jax.tree_util.tree_map_with_path(cast, params)
 

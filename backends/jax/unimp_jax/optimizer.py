@@ -29,6 +29,7 @@ from flax import nnx
 from unimp.spi import LossScaleSpec
 
 from . import fp8
+from .layers import is_float
 from .scaler import DeviceLossScale, initial_tree, update_tree
 
 
@@ -45,13 +46,9 @@ class AmpOptState(NamedTuple):
 _WRAPPED: weakref.WeakKeyDictionary[Any, dict[tuple[Any, bool], weakref.ref]] = weakref.WeakKeyDictionary()
 
 
-def _is_float(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
 def all_finite(tree: Any) -> Any:
     """One bool scalar: every floating leaf of ``tree`` is finite (jit-able, no host sync)."""
-    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree) if _is_float(x)]
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree) if is_float(x)]
     return jnp.stack(flags).all() if flags else jnp.asarray(True)
 
 
@@ -87,7 +84,7 @@ def _build(tx: Any, spec: LossScaleSpec, masters: bool) -> Any:
     def init(params: Any) -> AmpOptState:
         params = fp8.split(params)[0]
         # a copy even where a param is float32 already (norms): donating both must not donate one buffer twice
-        master = jax.tree_util.tree_map(lambda p: jnp.array(p, f32, copy=True) if _is_float(p) else p,
+        master = jax.tree_util.tree_map(lambda p: jnp.array(p, f32, copy=True) if is_float(p) else p,
                                         params) if masters else None
         return AmpOptState(tx.init(master if masters else params), initial_tree(spec), master)
 
@@ -111,17 +108,17 @@ def _build(tx: Any, spec: LossScaleSpec, masters: bool) -> Any:
         finite = all_finite(grads) if checks else jnp.asarray(True)
         if masters:
             base = state.master
-            g = jax.tree_util.tree_map(lambda x: x.astype(f32) if _is_float(x) else x, grads)
+            g = jax.tree_util.tree_map(lambda x: x.astype(f32) if is_float(x) else x, grads)
         else:
             base = params
             g = grads if params is None else jax.tree_util.tree_map(
-                lambda x, p: x.astype(p.dtype) if _is_float(x) and _is_float(p) else x, grads, params)
+                lambda x, p: x.astype(p.dtype) if is_float(x) and is_float(p) else x, grads, params)
         u, inner = tx.update(g, state.inner, base, **extra)
         master = state.master
         if masters:
             master = optax.apply_updates(base, u)
             u = jax.tree_util.tree_map(
-                lambda m, p: m.astype(p.dtype).astype(f32) - p.astype(f32) if _is_float(p) else m,
+                lambda m, p: m.astype(p.dtype).astype(f32) - p.astype(f32) if is_float(p) else m,
                 master, params)
         loss_scale = update_tree(spec, state.loss_scale, finite)
         apply = jnp.asarray(True)
@@ -131,7 +128,7 @@ def _build(tx: Any, spec: LossScaleSpec, masters: bool) -> Any:
             if masters:
                 master = _select(apply, master, state.master)
             u = jax.tree_util.tree_map(
-                lambda x: jnp.where(apply, x, jnp.asarray(-0.0, x.dtype)) if _is_float(x) else x, u)
+                lambda x: jnp.where(apply, x, jnp.asarray(-0.0, x.dtype)) if is_float(x) else x, u)
         return u, AmpOptState(inner, loss_scale, master), apply
 
     update.unimp_init = init  # type: ignore[attr-defined]  # what wrap() rebuilds the transformation from
@@ -169,7 +166,7 @@ def apply_updates(params: Any, updates: Any, opt_state: Any) -> Any:
     state = find_state(opt_state)
     if state.master is None:
         return optax.apply_updates(params, updates)
-    return jax.tree_util.tree_map(lambda m, p: m.astype(p.dtype) if _is_float(p) else p,
+    return jax.tree_util.tree_map(lambda m, p: m.astype(p.dtype) if is_float(p) else p,
                                   state.master, params)
 
 

@@ -105,12 +105,8 @@ class JaxKit(Kit):
     def make_sgd(self, model: Any, lr: float = 0.1) -> Any:
         return self._txs.setdefault(("sgd", lr), optax.sgd(lr))
 
-    def dtype_name(self, value: Any) -> str:
-        return jnp.dtype(value.dtype).name
-
     def observe(self, amp: Any, batch: ProbeBatch) -> dict[str, Observation]:
-        report = amp.report(jnp.asarray(batch.tokens))
-        return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype, r.fp8) for r in report.rows}
+        return self.observations(amp.report(jnp.asarray(batch.tokens)))
 
 
 class NnxKit(JaxKit):

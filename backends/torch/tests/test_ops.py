@@ -45,7 +45,7 @@ def test_torch_autocast_cpu_preset_is_plain_autocast():
     plan = compile_plan(Plan.request(unimp.load("torch_autocast_cpu"), "torch"), device="cpu")
     assert plan.details.op_moves == {}
     amp, seen = run("torch_autocast_cpu")
-    assert amp.wrapped == [] and amp.model.forward.mode is None  # no PolicyMode: plain autocast
+    assert amp.wrapped == [] and amp.model.forward.ops is None  # no PolicyMode: plain autocast
     assert seen["softmax"] == BF16 and seen["matmul"] == BF16  # torch's native CPU behaviour
     amp.remove()
 
@@ -199,8 +199,8 @@ def test_torchs_single_op_modules_apply_their_ops_rule_at_the_module_boundary(mo
     for i in (1, 3):
         model[i].register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(str(i), (a[0].dtype, o.dtype)))
     calls = []
-    real = op_overrides._cast_inputs
-    monkeypatch.setattr(op_overrides, "_cast_inputs", lambda *a: calls.append(a[0]) or real(*a))
+    real = op_overrides.cast_inputs
+    monkeypatch.setattr(op_overrides, "cast_inputs", lambda *a: calls.append(a[0]) or real(*a))
     out = amp.model(x)
     assert calls == []  # neither module entered unimp's kernels
     assert seen == {"1": (BF16, F32), "3": (BF16, F32)}  # low inputs (after a Linear), float32 ops

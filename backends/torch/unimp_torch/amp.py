@@ -28,13 +28,15 @@ from torch import nn
 
 from unimp.spi import Amp, Fp8Decision, LossScaleState, Plan, Report, ReportRow
 
+from .casts import DTYPES, output_cast
 from .forward import PolicyForward, patch_forward
 from .fp8 import Fp8Binding
 from .index import model_index
 from .integrations.ema import track as track_ema
 from .integrations.save_pretrained import save_full_precision
 from .iteration import Iteration
-from .layers import DTYPES, Rule, kind, output_cast, type_names, wrap
+from .kinds import kind, type_names
+from .layers import Rule, wrap
 from .layout import has_conv2d, restore_layout, to_channels_last
 from .optimizer import AfterInnerStep, AmpOptimizer
 from .params import ParamState, cast_params

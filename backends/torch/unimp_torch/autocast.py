@@ -90,19 +90,9 @@ def overloads(name: str) -> tuple[str, ...]:
         if "out" in ov.split("_") or ov.endswith("out"):
             continue
         q = name if ov == "default" else f"{name}.{ov}"
-        if _registered(f"aten::{q}"):
+        if _has(f"aten::{q}", "CPU") is not None:  # a dispatcher op
             found.append(q)
     return tuple(found)
-
-
-def _registered(qualified: str) -> bool:
-    import torch
-
-    try:
-        torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CPU")
-    except RuntimeError:  # a TorchScript-only overload (aten::tanh.int) is not a dispatcher op
-        return False
-    return True
 
 
 @functools.cache
@@ -113,13 +103,14 @@ def has_kernel(name: str, device: str) -> bool:
     return any(_has(f"aten::{q}", key) for q in overloads(name))
 
 
-def _has(qualified: str, key: str) -> bool:
+def _has(qualified: str, key: str) -> bool | None:
+    """Whether the dispatcher op ``qualified`` has a kernel for ``key``; None: not a dispatcher op."""
     import torch
 
     try:
         return torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key)
     except RuntimeError:  # a TorchScript-only overload (e.g. aten::tanh.int) is not a dispatcher op
-        return False
+        return None
 
 
 def canonical_of(name: str) -> str | None:

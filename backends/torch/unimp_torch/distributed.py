@@ -44,7 +44,8 @@ from torch import nn
 
 from unimp.spi import Plan, PlanRequest, UnimpWarning, UnsupportedError, load
 
-from .layers import DTYPES, NAMES, kind, output_cast, type_names
+from .casts import DTYPES, NAMES, output_cast
+from .kinds import kind, type_names
 
 ORDER_FIX = ("amp = unimp.apply(policy, model, optimizer); model = amp.ddp(**ddp_kwargs) "
              "(unimp first, then DDP, so DDP reduces the parameters the policy gives the model)")
@@ -307,17 +308,9 @@ def check_fsdp(model: nn.Module, plan: Plan) -> None:
 
 
 def attach_fsdp(amp: Any, model: nn.Module) -> None:
-    meshes: list[Any] = []
-    for p in model.parameters():
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is not None and all(mesh is not m for m in meshes):
-            meshes.append(mesh)
-    groups: list[Any] = []
-    for mesh in meshes:
-        for dim in range(mesh.ndim):
-            g = mesh.get_group(dim)
-            if all(g is not h for h in groups):
-                groups.append(g)
+    """The found-inf flag agreed over every process group of the sharded parameters' meshes (each once)."""
+    meshes = {id(m): m for p in model.parameters() if (m := getattr(p, "device_mesh", None)) is not None}
+    groups = list({id(g): g for mesh in meshes.values() for g in map(mesh.get_group, range(mesh.ndim))}.values())
     amp.distributed = {
         "engine": "fsdp2", "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "reduce_dtype": amp.plan.reduce_dtype,

@@ -33,8 +33,8 @@ from importlib import import_module
 from typing import Any
 
 SURFACE = {
-    "TorchBackend": "backend", "compile_plan": "plan", "TorchAmp": "amp", "bind": "amp", "kind": "layers",
-    "type_names": "layers", "NAMES": "layers", "model_index": "index", "TorchDetails": "plan",
+    "TorchBackend": "backend", "compile_plan": "plan", "TorchAmp": "amp", "bind": "amp", "kind": "kinds",
+    "type_names": "kinds", "NAMES": "casts", "model_index": "index", "TorchDetails": "plan",
     "check_inputs": "validate", "TorchKit": "testing", "AmpOptimizer": "optimizer", "DeviceLossScale": "scaler",
 }
 

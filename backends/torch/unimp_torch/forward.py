@@ -1,14 +1,12 @@
 """The model's forward under the compiled plan: autocast, unimp's op rules, layout, output dtype.
 
 With no op moves this is exactly ``with torch.autocast(device, dtype, cache_enabled=False): model(x)``
-(no weight-cast cache: :func:`autocast_to` says why) plus the policy's output cast (none for
+(no weight-cast cache: :func:`unimp_torch.casts.autocast_to` says why) plus the policy's output cast (none for
 ``output_dtype = "unchanged"``: the outputs as autocast leaves them);
-a float32 compute dtype whose overrides lower layers runs under autocast to float32 (:func:`autocast_to`),
+a float32 compute dtype whose overrides lower layers runs under autocast to float32,
 so the ops after those layers take their inputs as the Plan says.
-With moves, the ops run the policy's way (:mod:`unimp_torch.op_overrides`):
-in eager through unimp's Autocast kernels when no moved op has a C++ Autocast kernel on the device
-(every other call costs nothing), else through :class:`PolicyMode`; under ``torch.compile``
-always through :class:`PolicyMode` (traced into the graph; the kernels stay inactive).
+With moves, the ops run the policy's way by the mechanism :class:`unimp_torch.op_overrides.OpRules`
+picks (eager: unimp's Autocast kernels, or a ``TorchFunctionMode``; compiled: the mode, traced).
 The forward is a :class:`PolicyForward` object on the instance (not a closure):
 ``copy.deepcopy(model)`` gives a copy that runs its own weights under the policy (holding the
 kernels it needs itself), ``pickle``/``torch.save(model)`` work, and ``torch.compile`` traces it
@@ -35,11 +33,9 @@ torch.bfloat16
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -47,74 +43,16 @@ import torch
 import torch.utils.checkpoint as _ckpt
 from torch import nn
 
-from .autocast import kernel_table
-from .layers import install_forward, params_as
-from .op_overrides import EagerPolicyMode, PolicyMode, SingleOpForward, acquire, active, release, single_op
+from .casts import autocast_to, cast_output, params_as
+from .layers import install_forward
+from .op_overrides import OpRules
 from .trace import input_spec
-
-
-def cast_output(out: Any, dtype: torch.dtype | None) -> Any:
-    """Floating tensors in ``out`` (nested tuples/lists/dicts, HF ``ModelOutput``) cast to ``dtype``;
-    a container is rebuilt only when something in it changed (``out`` itself otherwise). ``None``: ``out``."""
-    if dtype is None:
-        return out
-    if isinstance(out, torch.Tensor):
-        return out.to(dtype) if out.dtype != dtype and out.is_floating_point() else out
-    if isinstance(out, list | tuple):
-        items = [cast_output(o, dtype) for o in out]
-        if all(a is b for a, b in zip(items, out)):
-            return out
-        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
-    if isinstance(out, dict):
-        changed = {k: c for k, v in out.items() if (c := cast_output(v, dtype)) is not v}
-        if not changed:
-            return out
-        if dataclasses.is_dataclass(out):  # HF ModelOutput (made by this forward): its fields set in place
-            for k, v in changed.items():
-                out[k] = v
-            return out
-        return type(out)({**out, **changed})
-    return out
 
 
 def _nhwc(x: Any) -> Any:
     if isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point():
         return x.contiguous(memory_format=torch.channels_last)
     return x
-
-
-class _Float32Autocast:
-    """``torch.autocast(device, dtype=torch.float32)``, which torch's Python wrapper refuses on CPU; its C++
-    kernels run it (lower ops cast their inputs to float32) and ``torch.compile`` traces it."""
-
-    __slots__ = ("device", "previous")
-
-    def __init__(self, device: str) -> None:
-        self.device = device
-
-    def __enter__(self) -> None:
-        self.previous = torch.is_autocast_enabled(self.device), torch.get_autocast_dtype(self.device)
-        torch.set_autocast_enabled(self.device, True)
-        torch.set_autocast_dtype(self.device, torch.float32)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_autocast_enabled(self.device, self.previous[0])
-        torch.set_autocast_dtype(self.device, self.previous[1])
-
-
-def autocast_to(device: str, dtype: torch.dtype, cache: bool = False) -> Any:
-    """``torch.autocast(device, dtype=dtype, cache_enabled=cache)``, float32 included (``cache`` False by default).
-
-    Without torch's weight-cast cache: that cache is one map for the whole process (autocast's other
-    state is per thread), emptied whenever any thread leaves its outermost autocast. A weight used twice
-    in one forward (a module called twice, shared layers) gets one cast, or two when another thread's
-    exit emptied the map in between, and its gradient is summed in the low dtype or in float32
-    accordingly: with the cache, a thread's results depend on the others' timing. Without it every use
-    casts the weight itself (forward values are the same; such a weight's gradients are summed in
-    float32, as a second cast gives them in native autocast too), in every thread alike.
-    """
-    return _Float32Autocast(device) if dtype == torch.float32 else torch.autocast(device, dtype=dtype,
-                                                                                  cache_enabled=cache)
 
 
 _local = threading.local()  # .forward: the PolicyForward whose rules are active in this thread
@@ -185,23 +123,22 @@ _checkpoint_under_rules = _CheckpointUnderRules()  # stateless: one object serve
 
 
 class _Rules:
-    """The eager op rules of ``forward`` (kernels' table or the eager mode), marked as this thread's."""
+    """The eager op rules of ``forward`` (:meth:`OpRules.eager`), marked as this thread's."""
 
     __slots__ = ("forward", "inner", "previous")
 
     def __init__(self, forward: PolicyForward) -> None:
+        assert forward.ops is not None, "eager rules: a PolicyForward with op moves"
         self.forward = forward
-        self.inner = active(forward.kernels) if forward.kernels is not None else forward.eager_mode
+        self.inner = forward.ops.eager()
 
     def __enter__(self) -> None:
         self.previous = getattr(_local, "forward", None)
         _local.forward = self.forward
-        assert self.inner is not None, "a PolicyForward with eager rules has kernels or an eager mode"
         self.inner.__enter__()
 
     def __exit__(self, *exc: object) -> None:
         try:
-            assert self.inner is not None
             self.inner.__exit__(*exc)
         finally:
             _local.forward = self.previous
@@ -218,10 +155,7 @@ class PolicyForward:
         self.inner = inner  # the instance forward that was there before, else None (the class's)
         self.device = device
         self.autocast = autocast
-        self.mode = PolicyMode(table, device) if table and autocast is not None else None  # traced
-        # eager: aten name -> category for unimp's Autocast kernels, else the mode's eager variant
-        self.kernels = kernel_table(dict(table), device) if self.mode is not None else None
-        self.eager_mode = EagerPolicyMode(table, device) if self.mode is not None and self.kernels is None else None
+        self.ops = OpRules(table, device) if table and autocast is not None else None  # the op moves
         self.output = output  # None: outputs not cast (output_dtype = "unchanged")
         self.channels_last = channels_last
         # parameters stored below a float32 compute dtype (param_dtype float16) are cast up to it for the
@@ -229,18 +163,11 @@ class PolicyForward:
         self.params = params
         self.observer: Any = None  # observe.Observer until the first eager forward has run
         self.compiled_inputs: Any = None  # trace.input_spec of the last compiled call (report() after compile)
-        self._hold: weakref.finalize | None = None
-        self._acquire()
-
-    def _acquire(self) -> None:
-        """Hold the kernels this forward needs (each copy its own hold: released when it is collected)."""
-        if self.kernels:
-            self._hold = weakref.finalize(self, release, acquire(self.kernels, self.device))
 
     def close(self) -> None:
         """Release the kernels now (the undo of :func:`patch_forward`)."""
-        if self._hold is not None:
-            self._hold()
+        if self.ops is not None:
+            self.ops.close()
 
     def rules(self) -> _Rules:
         """unimp's eager op rules of this forward (inside autocast), marked as this thread's."""
@@ -250,13 +177,13 @@ class PolicyForward:
     def region(self, cache: bool = False) -> Iterator[None]:
         """Code around the model (a loss on its outputs) under the policy as its forward runs: autocast and
         the eager op rules, as ``torch.autocast`` covers a whole step (Lightning's ``forward_context``).
-        No cast cache in the region by default (:func:`autocast_to`; and none may be: an optimizer stepping inside
+        No cast cache in the region by default (``casts.autocast_to``; and none may be: an optimizer stepping inside
         it under manual optimization would leave a cached low-precision copy of a weight stale)."""
         if self.autocast is None:
             yield
             return
         with autocast_to(self.device, self.autocast, cache):
-            if self.mode is None:
+            if self.ops is None:
                 yield
                 return
             with self.rules(), _checkpoint_under_rules:
@@ -277,12 +204,12 @@ class PolicyForward:
         if self.autocast is None:
             return inner(*args, **kwargs)
         with autocast_to(self.device, self.autocast):
-            if self.mode is None:
+            if self.ops is None:
                 return inner(*args, **kwargs)
             if not compiling:
                 with self.rules(), _checkpoint_under_rules:
                     return inner(*args, **kwargs)
-            with self.mode:
+            with self.ops.mode:
                 return inner(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -296,12 +223,8 @@ class PolicyForward:
             return observer.run(self.module, lambda: cast_output(self._run(False, args, kwargs), self.output))
         return cast_output(self._run(compiling, args, kwargs), self.output)
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "observer": None, "_hold": None, "compiled_inputs": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._acquire()  # a copy or an unpickled model (maybe in another process) holds its own kernels
+    def __getstate__(self) -> dict[str, Any]:  # a copy or an unpickled model holds its own kernels (OpRules)
+        return {**self.__dict__, "observer": None, "compiled_inputs": None}
 
 
 class PolicyMethod:
@@ -371,9 +294,8 @@ def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, t
     torch's single-op modules whose op the kernels move to float32); returns the undo. ``output``: the
     dtype floating outputs are cast to (None: not cast, as autocast leaves them). ``params``:
     the dtype that parameters stored lower are cast up to for the forward (a float32 compute dtype)."""
-    had_own = "forward" in model.__dict__
-    inner = model.__dict__.get("forward")
-    forward = PolicyForward(model, inner, device, autocast, table, output, channels_last, params)
+    forward = PolicyForward(model, model.__dict__.get("forward"), device, autocast, table, output, channels_last,
+                            params)
     undos: list[Callable[[], None]] = []
 
     def undo_and_release() -> None:
@@ -382,15 +304,12 @@ def patch_forward(model: nn.Module, device: str, autocast: torch.dtype | None, t
         forward.close()
 
     try:
-        undos.append(install_forward(model, forward, inner, had_own))
+        undos.append(install_forward(model, forward))
         if autocast is not None or params is not None:  # every other entry point under the same rules
             for name in entry_points(model):
                 undos.append(_install_method(model, PolicyMethod(forward, name)))
-        kernels = forward.kernels or {}
-        for module in model.modules() if kernels else ():
-            op = single_op(module) if module is not model else None
-            if op is not None and kernels.get(op) == "float32":
-                undos.append(install_forward(module, SingleOpForward(module, op, device), None, False))
+        for module, single in forward.ops.single_op_forwards(model) if forward.ops is not None else ():
+            undos.append(install_forward(module, single))
     except BaseException:  # half-way: the forwards installed so far and the kernels' hold released
         undo_and_release()
         raise

@@ -33,7 +33,8 @@ from torch import nn
 
 from unimp.spi import Fp8Decision, Fp8Support, Plan, UnsupportedError, dtypes
 
-from .layers import DTYPES, type_names
+from .casts import DTYPES
+from .kinds import type_names
 
 RECIPES = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise_gw_hp": "rowwise_with_gw_hp"}
 TORCHAO = "torchao>=0.18,<0.19"  # what `pip install 'unimp-torch[fp8]'` installs

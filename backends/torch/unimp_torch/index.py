@@ -11,7 +11,7 @@ from torch import nn
 
 from unimp.spi import LayerInfo
 
-from .layers import kind, type_names
+from .kinds import kind, type_names
 from .layout import dims
 
 

@@ -1,6 +1,6 @@
-"""Layer kinds of modules torch does not define: well-known third-party classes and structure.
+"""The canonical kind of a module: torch's own layers by the op vocabulary, third-party ones here.
 
-torch's own layers get their kind from the op vocabulary (``Linear`` -> ``linear``). Model
+torch's own layers get their kind from the op vocabulary (``Linear`` -> ``linear``, :func:`kind`). Model
 libraries define their own: HF ``LlamaRMSNorm`` is an RMS norm, GPT-2's ``Conv1D`` is a linear
 (``x @ W + b``), ``T5LayerNorm`` is an RMS norm despite its name. Those are listed here by
 qualified class name; beyond the list, a leaf module is recognised by what it is where that is
@@ -22,6 +22,10 @@ True
 from __future__ import annotations
 
 from torch import nn
+
+from unimp.spi import ops
+
+from .ops import NATIVE_OPS
 
 _HF = "transformers.models"
 _RMS_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
@@ -45,6 +49,17 @@ REGISTRY: dict[str, str] = {
     "timm.layers.norm.RmsNorm": "rms_norm",
     "timm.layers.norm.RmsNorm2d": "rms_norm",
 }
+
+
+def type_names(module: nn.Module) -> tuple[str, ...]:
+    """Class names of ``module`` and its bases up to ``nn.Module`` (for kinds and overrides)."""
+    return ops.class_names(type(module), stop=(nn.Module,))
+
+
+def kind(module: nn.Module) -> str | None:
+    """The canonical op of a layer (``Linear`` -> ``linear``; subclasses count as their base;
+    third-party leaf layers such as HF ``LlamaRMSNorm`` through :func:`extra_kind`)."""
+    return ops.kind_of_names(type_names(module), NATIVE_OPS) or extra_kind(module)
 
 
 def qualified(cls: type) -> str:

@@ -2,7 +2,7 @@
 
 A module gets a wrapper only when it must: an override that sets its compute dtype (ops a
 policy moves are handled per call by :mod:`unimp_torch.op_overrides`). Every other module runs
-untouched.
+untouched. The casts are :mod:`unimp_torch.casts`'.
 
 >>> import torch
 >>> layer = torch.nn.Linear(4, 4)
@@ -18,37 +18,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from unimp.spi import Plan, PlanRequest, dtypes, ops
-
-from .kinds import extra_kind
-from .ops import NATIVE_OPS
-
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-NAMES = {v: dtypes.dtype_name(v) for v in DTYPES.values()}
-
-
-def output_cast(plan: Plan | PlanRequest) -> torch.dtype | None:
-    """The torch dtype the model's outputs are cast to under ``plan`` (or a request); None for ``output_dtype =
-    "unchanged"`` (as ``torch.autocast`` leaves them)."""
-    return DTYPES[plan.output_cast] if plan.output_cast else None
-
-
-def type_names(module: nn.Module) -> tuple[str, ...]:
-    """Class names of ``module`` and its bases up to ``nn.Module`` (for kinds and overrides)."""
-    return ops.class_names(type(module), stop=(nn.Module,))
-
-
-def kind(module: nn.Module) -> str | None:
-    """The canonical op of a layer (``Linear`` -> ``linear``; subclasses count as their base;
-    third-party leaf layers such as HF ``LlamaRMSNorm`` through :mod:`unimp_torch.kinds`)."""
-    return ops.kind_of_names(type_names(module), NATIVE_OPS) or extra_kind(module)
+from .casts import DTYPES, autocast_to, cast, first_float, params_as, widest
+from .kinds import kind
 
 
 @dataclass(frozen=True)
@@ -59,51 +37,13 @@ class Rule:
     composite: bool = False  # a module with children and a low dtype: autocast to it, children decide
 
 
-def _floating(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
-
-
-def _first_float(args: tuple, kwargs: dict) -> Any:
-    for a in (*args, *kwargs.values()):
-        if _floating(a):
-            return a.dtype
-    return None
-
-
-def _cast(x: Any, dtype: torch.dtype) -> Any:
-    if _floating(x) and x.dtype != dtype:
-        return x.to(dtype)
-    if isinstance(x, list | tuple) and x and any(_floating(t) for t in x):
-        return type(x)(_cast(t, dtype) for t in x)
-    return x
-
-
-@contextlib.contextmanager
-def params_as(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
-    """Run ``module`` with its floating params cast to ``dtype`` (differentiably; restored after)."""
-    swapped = [(m, n, p) for m in module.modules() for n, p in m._parameters.items()
-               if p is not None and _floating(p) and p.dtype != dtype]
-    cast: dict[int, torch.Tensor] = {}  # a tied parameter is cast once (one gradient, summed in float32)
-    for m, n, p in swapped:
-        m._parameters[n] = cast[id(p)] if id(p) in cast else cast.setdefault(id(p), p.to(dtype))
-    try:
-        yield
-    finally:
-        for m, n, p in swapped:
-            m._parameters[n] = p
-
-
 def _target(rule: Rule, module: nn.Module, args: tuple, kwargs: dict) -> torch.dtype | None:
     if rule.dtype in DTYPES:
         return DTYPES[rule.dtype]
-    first = _first_float(args, kwargs)
+    first = first_float((*args, *kwargs.values()))
     if rule.dtype == "inputs" or first is None:
         return first
-    out = first  # promote: widest of the float inputs and the params
-    for t in (*args, *kwargs.values(), *module.parameters()):
-        if _floating(t):
-            out = torch.promote_types(out, t.dtype)
-    return out
+    return widest((*args, *kwargs.values(), *module.parameters()))  # promote: the inputs' and the params'
 
 
 class LayerForward:
@@ -123,13 +63,13 @@ class LayerForward:
         module, rule = self.module, self.rule
         inner = self.inner if self.inner is not None else functools.partial(type(module).forward, module)
         if rule.composite:
-            with torch.autocast(self.device, dtype=DTYPES[rule.dtype], cache_enabled=False):  # forward.autocast_to
+            with autocast_to(self.device, DTYPES[rule.dtype]):
                 return inner(*args, **kwargs)
         dtype = _target(rule, module, args, kwargs)
         if dtype is None:
             return inner(*args, **kwargs)
-        args = tuple(_cast(a, dtype) for a in args)
-        kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+        args = tuple(cast(a, dtype) for a in args)
+        kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
         with torch.autocast(self.device, enabled=False):
             if not self.cast_params:
                 return inner(*args, **kwargs)
@@ -139,14 +79,12 @@ class LayerForward:
 
 def wrap(module: nn.Module, rule: Rule, device: str) -> Callable[[], None]:
     """Make ``module`` compute as ``rule`` says; returns the function that undoes it."""
-    had_own = "forward" in module.__dict__
-    inner = module.__dict__.get("forward")
-    return install_forward(module, LayerForward(module, inner, rule, device), inner, had_own)
+    return install_forward(module, LayerForward(module, module.__dict__.get("forward"), rule, device))
 
 
-def install_forward(module: nn.Module, forward: Callable, inner: Callable | None,
-                    had_own: bool) -> Callable[[], None]:
+def install_forward(module: nn.Module, forward: Callable) -> Callable[[], None]:
     """Put ``forward`` on the instance; the returned undo restores exactly what was there before."""
+    had_own, inner = "forward" in module.__dict__, module.__dict__.get("forward")
     with contextlib.suppress(TypeError, ValueError):  # HF Trainer reads it (remove_unused_columns)
         forward.__signature__ = inspect.signature(module.forward)  # type: ignore[attr-defined]
     module.forward = forward

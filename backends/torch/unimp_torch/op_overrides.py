@@ -5,7 +5,7 @@ Plan (torch function name -> category) says which ops unimp runs differently. A 
 its floating inputs cast (``float32``; ``lower`` = the autocast dtype; ``promote`` = the widest
 input; ``inputs`` = as they are) and runs with autocast off for that call, exactly what torch's own
 C++ Autocast kernels do (an in-place variant, ``exp_``, writes its result back into its input).
-The forward (:mod:`unimp_torch.forward`) picks the mechanism per Plan:
+:class:`OpRules` picks the mechanism per Plan (for the forward, :mod:`unimp_torch.forward`):
 
 * **Autocast kernels** (eager, when no moved op has a C++ Autocast kernel on the device: every
   preset): unimp registers a small kernel on ``AutocastCPU``/``AutocastCUDA`` through
@@ -29,15 +29,15 @@ its inner calls (``softmax``, ``bmm``) follow the policy as they would at the at
 torch functions written in Python wrap one C op, which the mode sees as that op.
 
 >>> import torch
+>>> rules = OpRules({"softmax": "float32"}, "cpu")  # holds unimp's kernel for aten softmax
+>>> with torch.autocast("cpu", dtype=torch.bfloat16), rules.eager():
+...     torch.randn(2, 4, dtype=torch.bfloat16).softmax(-1).dtype
+torch.float32
+>>> rules.close()
 >>> mode = PolicyMode({"softmax": "float32"}, "cpu")
 >>> with torch.autocast("cpu", dtype=torch.bfloat16), mode:
 ...     torch.randn(2, 4, dtype=torch.bfloat16).softmax(-1).dtype
 torch.float32
->>> handle = acquire({"softmax": "float32"}, "cpu")
->>> with torch.autocast("cpu", dtype=torch.bfloat16), active({"softmax": "float32"}):
-...     torch.randn(2, 4, dtype=torch.bfloat16).softmax(-1).dtype
-torch.float32
->>> release(handle)
 """
 
 from __future__ import annotations
@@ -46,63 +46,15 @@ import collections
 import itertools
 import threading
 import types
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .autocast import AUTOCAST_KEYS, overloads
-
-
-def _eligible(x: Any, device: str) -> bool:
-    return (isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type == device
-            and x.dtype != torch.float64)
-
-
-def _widest(args: tuple, kwargs: dict, device: str) -> torch.dtype | None:
-    out = None
-    for a in (*args, *kwargs.values()):
-        for t in (a if isinstance(a, list | tuple) else (a,)):
-            if _eligible(t, device):
-                out = t.dtype if out is None else torch.promote_types(out, t.dtype)
-    return out
-
-
-# ``Tensor.to(dtype)`` parses five overloads per call; the one-dtype methods do not
-_CASTS = {torch.float32: torch.Tensor.float, torch.bfloat16: torch.Tensor.bfloat16, torch.float16: torch.Tensor.half}
-_F64 = torch.float64
-_SEQUENCES = (list, tuple)
-
-
-def _cast(x: Any, dtype: torch.dtype, device: str) -> Any:
-    """``x`` (or each tensor of a list/tuple) cast to ``dtype`` when eligible; ``x`` itself when
-    nothing changes. Called on every argument of every moved op, so the cheap checks come first
-    (the dtype's own flags before ``x.device``, which builds an object)."""
-    if isinstance(x, torch.Tensor):
-        have = x.dtype
-        if have is dtype or have is _F64 or not have.is_floating_point or x.device.type != device:
-            return x
-        return _CASTS[dtype](x)
-    if isinstance(x, _SEQUENCES) and any(isinstance(t, torch.Tensor) for t in x):
-        return type(x)([_cast(t, dtype, device) for t in x])
-    return x
-
-
-def _cast_inputs(category: str, args: tuple, kwargs: dict, device: str) -> tuple[tuple, dict]:
-    """The call's floating inputs as ``category`` says: ``float32``, ``lower`` (the autocast dtype),
-    ``promote`` (the widest input); ``inputs`` leaves them as they are."""
-    if category == "float32":
-        dtype = torch.float32
-    elif category == "lower":
-        dtype = torch.get_autocast_dtype(device)
-    else:
-        dtype = _widest(args, kwargs, device) if category == "promote" else None
-    if dtype is None:
-        return args, kwargs
-    args = tuple([_cast(a, dtype, device) for a in args])  # out= is written to, never cast
-    return args, ({k: v if k == "out" else _cast(v, dtype, device) for k, v in kwargs.items()} if kwargs else kwargs)
-
+from .autocast import AUTOCAST_KEYS, kernel_table, overloads
+from .casts import cast, cast_inputs
 
 # torch functions written in Python whose inner calls include ops a policy decides on (the rest
 # are thin wrappers of one C op, which the mode sees as that op)
@@ -162,9 +114,9 @@ class PolicyMode(TorchFunctionMode):
             if torch.compiler.is_compiling():
                 return _call(func, args, kwargs)
             return func(*args, **kwargs)  # eager fast path: most calls end here
-        cast, kwargs = _cast_inputs(category, args, kwargs, self.device)
+        cast_args, kwargs = cast_inputs(category, args, kwargs, self.device)
         with torch.autocast(self.device, enabled=False):
-            out = _call(func, cast, kwargs)
+            out = _call(func, cast_args, kwargs)
         if name[-1] == "_" and name[:2] != "__" and out.dtype != args[0].dtype:  # in place, on a cast copy of self
             return args[0].copy_(out)
         return out
@@ -201,6 +153,51 @@ class EagerPolicyMode(PolicyMode):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.passes = {}
+
+
+class OpRules:
+    """The op moves of one forward (torch function name -> category) on ``device``, by the mechanism
+    that carries them: :attr:`mode` (a :class:`PolicyMode`) under ``torch.compile``; in eager
+    :meth:`eager`: unimp's Autocast kernels (``kernels``: aten name -> category, held while this object
+    lives; :func:`autocast.kernel_table`) or, when they cannot carry the moves, an :class:`EagerPolicyMode`.
+    Copies and pickles hold their own kernels."""
+
+    def __init__(self, table: Mapping[str, str], device: str) -> None:
+        self.device = device
+        self.mode = PolicyMode(table, device)  # traced
+        self.kernels = kernel_table(dict(table), device)
+        self.eager_mode = EagerPolicyMode(table, device) if self.kernels is None else None
+        self._hold: weakref.finalize | None = None
+        self._acquire()
+
+    def _acquire(self) -> None:
+        if self.kernels:
+            self._hold = weakref.finalize(self, release, acquire(self.kernels, self.device))
+
+    def close(self) -> None:
+        """Release the kernels now."""
+        if self._hold is not None:
+            self._hold()
+
+    def eager(self) -> Any:
+        """The eager rules as a context manager: the kernels' table made active, or the eager mode."""
+        return active(self.kernels) if self.kernels is not None else self.eager_mode
+
+    def single_op_forwards(self, model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, SingleOpForward]]:
+        """A :class:`SingleOpForward` for each of torch's single-op modules in ``model`` (not ``model``
+        itself) whose op the kernels move to float32."""
+        kernels = self.kernels or {}
+        for module in model.modules() if kernels else ():
+            op = single_op(module) if module is not model else None
+            if op is not None and kernels.get(op) == "float32":
+                yield module, SingleOpForward(module, op, self.device)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_hold": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._acquire()
 
 
 # ---------------------------------------------------------------- unimp's Autocast kernels (eager)
@@ -246,7 +243,7 @@ def _kernel(op: Any, name: str, device: str) -> Any:
         if table:
             category = table.get(name)
             if category is not None:
-                args, kwargs = _cast_inputs(category, args, kwargs, device)
+                args, kwargs = cast_inputs(category, args, kwargs, device)
         with exclude(keys):  # autocast off for this call, as torch's kernels do
             return call(*args, **kwargs)
 
@@ -292,7 +289,7 @@ class SingleOpForward:
                         break
                 else:
                     with torch._C._ExcludeDispatchKeyGuard(self.keys):
-                        return forward(module, _cast(input, torch.float32, self.device))
+                        return forward(module, cast(input, torch.float32, self.device))
         return forward(module, input)
 
 

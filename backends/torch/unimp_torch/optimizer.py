@@ -39,6 +39,11 @@ from .scaler import DeviceLossScale
 from .validate import check_optimizer_state
 
 
+def _inner(name: str) -> Any:
+    """An attribute of the wrapped optimizer, read and set through the wrapper."""
+    return property(lambda self: getattr(self.optimizer, name), lambda self, v: setattr(self.optimizer, name, v))
+
+
 class AmpOptimizer(torch.optim.Optimizer):
     """Wraps the user's optimizer; construct through :func:`unimp.apply`.
 
@@ -78,30 +83,10 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._skipped_now: bool | None = None
         self._losses_spent = 0  # scaler.losses when the last step was done: equal = no loss scaled since
 
-    # delegate what LR schedulers and users read
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
+    # what LR schedulers and users read and set: the inner optimizer's
+    param_groups = _inner("param_groups")
+    state = _inner("state")
+    defaults = _inner("defaults")
 
     @property
     def found_inf(self) -> torch.Tensor | None:

@@ -36,7 +36,8 @@ from torch.utils._pytree import tree_map
 
 from unimp.spi import Plan, UnsupportedError
 
-from .layers import DTYPES, kind, type_names
+from .casts import DTYPES
+from .kinds import kind, type_names
 
 
 @dataclass

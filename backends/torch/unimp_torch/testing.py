@@ -17,7 +17,6 @@ from torch import nn
 
 from unimp.conformance.kit import Kit, Observation
 from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, VOCAB, ProbeBatch
-from unimp.spi import dtypes
 
 
 class ChannelsLastConv1d(nn.Conv1d):
@@ -84,15 +83,11 @@ class TorchKit(Kit):
         return torch.from_numpy(batch.tokens.astype(np.int64)).to(self.device)
 
     def observe(self, amp: Any, batch: ProbeBatch) -> dict[str, Observation]:
-        rows = amp.report(self._tokens(batch)).rows
-        return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype, r.fp8) for r in rows}
+        return self.observations(amp.report(self._tokens(batch)))
 
     def output(self, amp: Any, batch: ProbeBatch) -> torch.Tensor:
         with torch.no_grad():
             return amp.model(self._tokens(batch))
-
-    def dtype_name(self, value: Any) -> str:
-        return dtypes.dtype_name(value.dtype)
 
     def step(self, amp: Any, batch: ProbeBatch, poison: bool = False) -> float:
         logp = amp.model(self._tokens(batch))

@@ -30,8 +30,8 @@ from torch.utils._pytree import tree_map
 
 from unimp.spi import dtypes
 
-from .kinds import report_kind
-from .layers import NAMES, kind, type_names
+from .casts import NAMES
+from .kinds import kind, report_kind, type_names
 from .ops import NATIVE_OPS
 
 # torch functions that move, view, describe or create data: not where a module computes

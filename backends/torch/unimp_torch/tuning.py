@@ -23,11 +23,12 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves  # tuples/lists, dicts, HF ModelOutputs (registered by transformers)
 
 from unimp.spi import dtypes
 
@@ -205,24 +206,14 @@ class _Recorder:
 
     def __enter__(self) -> list[list[torch.Tensor]]:
         def seen(module: nn.Module, args: Any, output: Any) -> None:
-            self.outputs.append([_kept(t) for t in _floating(output)])
+            self.outputs.append([_kept(t) for t in tree_leaves(output)
+                                 if isinstance(t, torch.Tensor) and t.is_floating_point()])
 
         self.handle = self.model.register_forward_hook(seen)
         return self.outputs
 
     def __exit__(self, *exc: Any) -> None:
         self.handle.remove()
-
-
-def _floating(value: Any) -> list[torch.Tensor]:
-    """The floating tensors of a forward's output (a tensor, tuples/lists, dicts and HF ``ModelOutput``s of them)."""
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _floating(v)]
-    if isinstance(value, list | tuple):
-        return [t for v in value for t in _floating(v)]
-    return []
 
 
 def _kept(t: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from unimp.spi import UnimpWarning, UnsupportedError, dtypes
 from unimp.watch.eager import CODES, FP8_GRAD_OUT, GRAD_IN, GRAD_OUT, EagerWatch, Hook, Stats, fold
 
-from .layers import kind, type_names
+from .kinds import kind, type_names
 from .optimizer import AmpOptimizer
 from .trace import is_layer
 
