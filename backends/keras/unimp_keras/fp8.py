@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from unimp.spi import Fp8Decision, Fp8Support, Plan, UnsupportedError
+from unimp.spi import Amp, Fp8Decision, Fp8Support, Plan, UnsupportedError
 
 KERAS_RECIPE = "delayed"
 # Keras' variable names -> the names every unimp backend uses in state_dict()["fp8"] (Flax's)
@@ -155,18 +155,7 @@ def state(entries: list[Fp8Layer]) -> dict[str, list[float]]:
 
 def check(entries: list[Fp8Layer], plain: Any) -> list[str]:
     """Problems of ``plain`` as this Amp's FP8 state (each names the key and the fix)."""
-    current = state(entries)
-    if not isinstance(plain, Mapping):
-        return [f"fp8: expected a mapping from amp.state_dict(), got {type(plain).__name__}"]
-    problems = [f"fp8.{k}: {'missing' if k in current else 'unknown'} (this Amp's FP8 layers hold "
-                f"{len(current)} state arrays; save and load with the same model and policy)"
-                for k in sorted(set(current) ^ set(plain))]
-    for k in sorted(set(current) & set(plain)):
-        v = plain[k]
-        if not (isinstance(v, list | tuple) and len(v) == len(current[k]) and all(
-                isinstance(x, int | float) and not isinstance(x, bool) and np.isfinite(x) and x >= 0 for x in v)):
-            problems.append(f"fp8.{k}: expected {len(current[k])} finite non-negative numbers, got {str(v)[:60]}")
-    return problems
+    return Amp.fp8_state_problems(state(entries), plain)
 
 
 def load(entries: list[Fp8Layer], plain: Mapping[str, Any]) -> None:
