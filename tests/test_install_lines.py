@@ -36,6 +36,9 @@ SAMPLE = [
     "`pip install k`",                                                                      # 22
     "",                                                                                     # 23
     "A bare pip install l outside code.",                                                   # 24
+    "",                                                                                     # 25
+    "A mark quoted, `<!-- install-check: skip (why) -->`, marks nothing:",                  # 26
+    "`pip install m`",                                                                      # 27
 ]
 
 
@@ -52,6 +55,7 @@ def test_reads_code_blocks_inline_code_chains_and_skip_marks(tmp_path):
         (2, ("b", "c"), None),  # an inline span across lines
         (16, ("j",), "no index there"),  # a mark at the end of the line before
         (22, ("k",), "?"),
+        (27, ("m",), None),
     ]
     assert problems == [
         "t.md:21: install-check mark without a reason: write <!-- install-check: skip (why) -->",

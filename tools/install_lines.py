@@ -76,35 +76,50 @@ class Snippet:
     text: str
 
 
-def snippets(lines: Sequence[str]) -> Iterator[Snippet]:
-    """The shell text of a markdown file: code block lines (continuations joined) and inline code spans."""
+def split(lines: Sequence[str]) -> tuple[list[tuple[int, list[tuple[int, str]]]], list[tuple[int, str]]]:
+    """A markdown file's code blocks ``(first line, [(line, text)])`` (fenced; indented after a blank line or a
+    mark) and its prose lines (1-based; a block leaves an empty line, ending the paragraph before it)."""
+    blocks: list[tuple[int, list[tuple[int, str]]]] = []
     prose: list[tuple[int, str]] = []
     i, n = 0, len(lines)
     while i < n:
         line = lines[i]
         fence = FENCE.match(line)
         indented = (line.startswith(("    ", "\t")) and line.strip() and
-                    (i == 0 or not lines[i - 1].strip() or MARK.search(lines[i - 1])))
-        if fence or indented:
-            start = i + 1  # 1-based
-            if fence:
-                close = re.compile(r"^ {0,3}" + re.escape(fence.group(1)[0]) + "{" + str(len(fence.group(1))) + ",}\\s*$")
-                i += 1
-                body: list[tuple[int, str]] = []
-                while i < n and not close.match(lines[i]):
-                    body.append((i + 1, lines[i]))
-                    i += 1
-                i += 1
-            else:
-                body = []
-                while i < n and (lines[i].startswith(("    ", "\t")) or not lines[i].strip()):
-                    body.append((i + 1, lines[i]))
-                    i += 1
-            yield from _logical_lines(body, anchor=start)
-            prose.append((start, ""))
+                    (i == 0 or not lines[i - 1].strip() or mark(lines[i - 1])))
+        if not (fence or indented):
+            prose.append((i + 1, line))
+            i += 1
             continue
-        prose.append((i + 1, line))
-        i += 1
+        start, body = i + 1, []
+        if fence:
+            char, length = re.escape(fence.group(1)[0]), len(fence.group(1))
+            close = re.compile(rf"^ {{0,3}}{char}{{{length},}}\s*$")
+            i += 1
+            while i < n and not close.match(lines[i]):
+                body.append((i + 1, lines[i]))
+                i += 1
+            i += 1
+        else:
+            while i < n and (lines[i].startswith(("    ", "\t")) or not lines[i].strip()):
+                body.append((i + 1, lines[i]))
+                i += 1
+        blocks.append((start, body))
+        prose.append((start, ""))
+    return blocks, prose
+
+
+def mark(line: str) -> re.Match[str] | None:
+    """The skip mark on a prose line (not one quoted in `inline code`)."""
+    m = MARK.search(line)
+    return m if m and line.count("`", 0, m.start()) % 2 == 0 else None
+
+
+def snippets(lines: Sequence[str]) -> Iterator[Snippet]:
+    """The shell text of a markdown file: code block lines (continuations joined) and inline code spans."""
+    blocks, prose = split(lines)
+    for start, body in blocks:
+        yield from _logical_lines(body, anchor=start)
     yield from _code_spans(prose)
 
 
@@ -163,8 +178,9 @@ def commands(path: pathlib.Path, root: pathlib.Path = ROOT) -> tuple[list[Comman
     name = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
     marks = {}
     problems = []
-    for number, line in enumerate(lines, start=1):
-        m = MARK.search(line)
+    _, prose = split(lines)
+    for number, line in prose:
+        m = mark(line)
         if m:
             reason = (m.group("reason") or "").strip()
             if not reason:
@@ -189,8 +205,8 @@ def commands(path: pathlib.Path, root: pathlib.Path = ROOT) -> tuple[list[Comman
         problems.append(f"{name}:{number - 1}: install-check mark covers no pip install on the next line "
                         "(the line after the mark: a code block's opening or the prose line with the command)")
     written = {c.line for c in found}
-    for number, line in enumerate(lines, start=1):
-        if PIP_INSTALL.search(line) and number not in written and not MARK.search(line):
+    for number, line in prose:
+        if PIP_INSTALL.search(line) and number not in written and not mark(line):
             problems.append(f"{name}:{number}: a pip install the check cannot read: write it in a code block "
                             "or `inline code`, starting on one line")
     return found, problems
@@ -201,11 +217,14 @@ def doc_files(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
 
 
 def pip_error(output: str) -> str:
-    """The part of pip's output that says why: its ERROR lines and what led to them, without noise."""
+    """The part of pip's output that says why: from its first ``ERROR:`` (else its first ``error:``, a build that
+    failed) on, else its last lines; without warnings about folders that lack a project."""
     lines = [line for line in output.splitlines() if line.strip() and not NOISE.search(line)]
-    first_error = next((i for i, line in enumerate(lines) if line.startswith("ERROR")), len(lines) - 1)
-    tail = lines[max(0, first_error - 8):][:24]
-    text = "\n".join(tail)
+    first = next((i for i, line in enumerate(lines) if line.startswith("ERROR:")), None)
+    if first is None:
+        first = next((i for i, line in enumerate(lines) if line.lstrip().startswith("error:")),
+                     max(0, len(lines) - 12))
+    text = "\n".join(lines[first:first + 30])
     if UNREACHABLE.search(output):
         text = "the package index is unreachable (check `pip config list`):\n" + text
     return text
@@ -275,7 +294,7 @@ def check(files: Sequence[pathlib.Path], root: pathlib.Path = ROOT, *, workers: 
                 copies.put(checkout)
 
         with concurrent.futures.ThreadPoolExecutor(copies.qsize()) as pool:
-            for (args, where), (error, seconds) in zip(distinct.items(), pool.map(run, distinct)):
+            for where, (error, seconds) in zip(distinct.values(), pool.map(run, distinct)):
                 if log:
                     log(f"{'ok  ' if error is None else 'FAIL'} {seconds:5.1f} s  {where[0].text}  "
                         f"({', '.join(f'{c.file}:{c.line}' for c in where)})")
