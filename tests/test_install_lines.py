@@ -39,6 +39,10 @@ SAMPLE = [
     "",                                                                                     # 25
     "A mark quoted, `<!-- install-check: skip (why) -->`, marks nothing:",                  # 26
     "`pip install m`",                                                                      # 27
+    "",                                                                                     # 28
+    "Fetch `pip download n",                                                                # 29
+    "-d w` here, then <!-- install-check: skip (no index) -->",                             # 30
+    "`pip install w/n.whl` there.",                                                         # 31
 ]
 
 
@@ -56,13 +60,13 @@ def test_reads_code_blocks_inline_code_chains_and_skip_marks(tmp_path):
         (16, ("j",), "no index there"),  # a mark at the end of the line before
         (22, ("k",), "?"),
         (27, ("m",), None),
+        (31, ("w/n.whl",), "no index"),
     ]
     assert problems == [
         "t.md:21: install-check mark without a reason: write <!-- install-check: skip (why) -->",
+        "t.md:24: a pip install the check cannot read: write it in a code block or `inline code`",
         "t.md:18: install-check mark covers no pip install on the next line (the line after the mark: a code "
         "block's opening or the prose line with the command)",
-        "t.md:24: a pip install the check cannot read: write it in a code block or `inline code`, starting on "
-        "one line",
     ]
 
 

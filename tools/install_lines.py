@@ -43,6 +43,7 @@ DOCS = ("README.md", "backends/*/README.md", "docs/*.md", "bench/*.md")
 MARK = re.compile(r"<!--\s*install-check:\s*skip\b\s*(?:\((?P<reason>[^)]*)\))?\s*-->")
 PIP_INSTALL = re.compile(r"\bpip[\d.]*\s+install\b")
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)  # CommonMark: closed by a run of the same length
 SHELL_OPERATORS = {"&&", "||", ";", "|", "&", "(", ")", ";;", ">", "<", ">>", "2>", "&>"}
 # what pip says when it cannot reach an index (requests/urllib3 wording)
 UNREACHABLE = re.compile(r"NewConnectionError|Network is unreachable|Temporary failure in name resolution|"
@@ -86,7 +87,7 @@ def split(lines: Sequence[str]) -> tuple[list[tuple[int, list[tuple[int, str]]]]
         line = lines[i]
         fence = FENCE.match(line)
         indented = (line.startswith(("    ", "\t")) and line.strip() and
-                    (i == 0 or not lines[i - 1].strip() or mark(lines[i - 1])))
+                    (i == 0 or not lines[i - 1].strip() or MARK.search(lines[i - 1])))
         if not (fence or indented):
             prose.append((i + 1, line))
             i += 1
@@ -107,12 +108,6 @@ def split(lines: Sequence[str]) -> tuple[list[tuple[int, list[tuple[int, str]]]]
         blocks.append((start, body))
         prose.append((start, ""))
     return blocks, prose
-
-
-def mark(line: str) -> re.Match[str] | None:
-    """The skip mark on a prose line (not one quoted in `inline code`)."""
-    m = MARK.search(line)
-    return m if m and line.count("`", 0, m.start()) % 2 == 0 else None
 
 
 def snippets(lines: Sequence[str]) -> Iterator[Snippet]:
@@ -138,19 +133,42 @@ def _logical_lines(body: list[tuple[int, str]], anchor: int) -> Iterator[Snippet
         yield Snippet(first, anchor, text)
 
 
-def _code_spans(prose: list[tuple[int, str]]) -> Iterator[Snippet]:
-    """Inline code spans (CommonMark: a run of backticks closed by a run of the same length), within a paragraph."""
-    paragraph: list[tuple[int, str]] = []
+@dataclasses.dataclass(frozen=True)
+class Paragraph:
+    """Prose lines up to a blank line or a block: their line numbers, their text joined, its inline code spans."""
+
+    numbers: list[int]
+    text: str
+    spans: list[re.Match[str]]
+
+    def line(self, position: int) -> int:
+        return self.numbers[self.text.count("\n", 0, position)]
+
+    def outside_code(self, pattern: re.Pattern[str]) -> Iterator[re.Match[str]]:
+        """Matches of ``pattern`` not inside a code span (a mark quoted in `inline code` is no mark)."""
+        for m in pattern.finditer(self.text):
+            if not any(span.start() <= m.start() < span.end() for span in self.spans):
+                yield m
+
+
+def paragraphs(prose: list[tuple[int, str]]) -> Iterator[Paragraph]:
+    lines: list[tuple[int, str]] = []
     for number, line in [*prose, (0, "")]:
         if line.strip():
-            paragraph.append((number, line))
+            lines.append((number, line))
             continue
-        if paragraph:
-            text = "\n".join(text for _, text in paragraph)
-            for m in re.finditer(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", text, re.S):
-                line = paragraph[text.count("\n", 0, m.start())][0]
-                yield Snippet(line, line, m.group(2).replace("\n", " ").strip())
-        paragraph = []
+        if lines:
+            text = "\n".join(text for _, text in lines)
+            yield Paragraph([n for n, _ in lines], text, list(CODE_SPAN.finditer(text)))
+        lines = []
+
+
+def _code_spans(prose: list[tuple[int, str]]) -> Iterator[Snippet]:
+    """Inline code spans, each starting where its backticks open."""
+    for paragraph in paragraphs(prose):
+        for m in paragraph.spans:
+            line = paragraph.line(m.start())
+            yield Snippet(line, line, m.group(2).replace("\n", " ").strip())
 
 
 def pip_installs(text: str) -> list[tuple[str, ...]]:
@@ -179,14 +197,17 @@ def commands(path: pathlib.Path, root: pathlib.Path = ROOT) -> tuple[list[Comman
     marks = {}
     problems = []
     _, prose = split(lines)
-    for number, line in prose:
-        m = mark(line)
-        if m:
+    for paragraph in paragraphs(prose):
+        for m in paragraph.outside_code(MARK):
+            number = paragraph.line(m.start())
             reason = (m.group("reason") or "").strip()
             if not reason:
                 problems.append(f"{name}:{number}: install-check mark without a reason: write "
                                 "<!-- install-check: skip (why) -->")
             marks[number + 1] = reason or "?"
+        for m in paragraph.outside_code(PIP_INSTALL):
+            problems.append(f"{name}:{paragraph.line(m.start())}: a pip install the check cannot read: write it "
+                            "in a code block or `inline code`")
     found: list[Command] = []
     used: set[int] = set()
     for snippet in snippets(lines):
@@ -204,11 +225,6 @@ def commands(path: pathlib.Path, root: pathlib.Path = ROOT) -> tuple[list[Comman
     for number in sorted(set(marks) - used):
         problems.append(f"{name}:{number - 1}: install-check mark covers no pip install on the next line "
                         "(the line after the mark: a code block's opening or the prose line with the command)")
-    written = {c.line for c in found}
-    for number, line in prose:
-        if PIP_INSTALL.search(line) and number not in written and not mark(line):
-            problems.append(f"{name}:{number}: a pip install the check cannot read: write it in a code block "
-                            "or `inline code`, starting on one line")
     return found, problems
 
 
