@@ -51,7 +51,7 @@ UNREACHABLE = re.compile(r"NewConnectionError|Network is unreachable|Temporary f
 # pip's warnings that say nothing about the command (a find-links/index folder without that project)
 NOISE = re.compile(r"is ignored: it is neither a file nor a directory")
 TIMEOUT_S = 300
-WORKERS = 3  # pip mostly waits on the index: three at a time take a third of the time on two cores
+WORKERS = 3  # pip waits on the index and on its build subprocesses: three at a time keep two cores busy
 
 
 @dataclasses.dataclass(frozen=True)
