@@ -40,6 +40,7 @@ class KerasAmp(Amp):
         self.findings = list(binding.findings)
         self.data_formats = dict(binding.formats)  # conv/pooling data_format by layer path
         self._state = LossScale(plan.loss_scale).initial_state()  # used without an optimizer
+        self._watching: Any = None  # unimp_keras.watch.KerasWatch while amp.watch() runs
 
     # ------------------------------------------------------------------ training verbs
     def scale_loss(self, loss: Any) -> Any:
@@ -63,11 +64,20 @@ class KerasAmp(Amp):
         else:
             self.optimizer.set_loss_scale_state(state)
 
+    # ------------------------------------------------------------------ watch
+    def _start_watch(self, watch: Any) -> None:
+        """``amp.watch(...)`` (the core's): numerics from Keras' compiled train_step (:mod:`unimp_keras.watch`)."""
+        from .watch import start
+
+        start(self, watch)
+
     # ------------------------------------------------------------------ report
     def report(self, x: Any = None) -> Report:
         """What ran in one real forward on ``x`` (default: zeros shaped like the model's inputs)."""
         if self._removed:
             raise RuntimeError("amp.report(): this Amp was removed; apply the policy again to report")
+        if self._watching is not None:
+            self._watching.flush()  # the last step's record (JAX reads it a step late)
         seen, out = observe(self.model, self._binding.units, _sample(self.model) if x is None else x)
         fp8 = self.plan.fp8  # None: no layer runs FP8
         ran = {e.path: fp8.recipe for e in self._binding.fp8} if fp8 is not None else {}

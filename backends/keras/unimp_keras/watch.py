@@ -1,0 +1,431 @@
+"""``amp.watch()`` for Keras 3 (TensorFlow, JAX, torch): per-layer numerics measured inside Keras' own
+compiled ``train_step`` (``fit``, ``train_on_batch``), and where a skipped step's first non-finite value
+appeared. The records, their order and the writers are the core's (:class:`unimp.watch.Watch`); what a traced
+step taps and how its measurements fold is :mod:`unimp.watch.traced`; this module taps.
+
+While watched, the model builds two train functions from its ``train_step`` (``make_train_function``, at
+instance level): one exactly as Keras builds it, and one traced with the taps in it. Each training step runs
+one of them, chosen on the host before the step: the tapped one on sampled steps (every step with
+``localize``), the plain one on every other step: an unsampled step runs nothing of the watch but reading
+three of the loss scaler's scalars (the step, the skip counter, the scale), returned beside the logs and
+removed from them. The first sampled step traces (compiles) the tapped function once.
+
+The taps are in each report layer's ``call`` (instance level; inside the stream cast of
+:func:`unimp_keras.bind.patch_stream`): the layer's output (and, with ``localize``, its first input) is
+measured in the forward, and an identity in the gradient's path measures the gradient arriving at it (and
+the gradient its backward produced for its input): ``tf.custom_gradient`` on TensorFlow, ``jax.custom_vjp``
+on JAX, a tensor hook on torch. A measurement is the largest finite magnitude and the class counts of
+:data:`unimp.watch.records.AT_LEAST` in the layer's compute dtype (a tensor already narrower: its own),
+counted by comparisons in float32 (:func:`unimp.watch.traced.thresholds`). It leaves the step through a
+buffer of Keras variables on TensorFlow (assigned in the graph), ``jax.debug.callback`` on JAX, a list on
+torch; the host reads it after the step. The taps change no value: a watched step's weights are bitwise
+those of an unwatched one.
+
+A skipped step that was sampled names the layer and pass of its first non-finite value; one that was not
+is recorded with a note (``localize=True`` taps every step, so that every skipped step is located).
+
+>>> import keras, numpy as np, unimp
+>>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="fc1"), keras.layers.Dense(1, name="fc2")])
+>>> amp = unimp.apply("mixed_bf16", model, keras.optimizers.SGD(0.1))
+>>> model.compile(optimizer=amp.optimizer, loss="mse")
+>>> watch = amp.watch(every=2)
+>>> _ = model.fit(np.ones((24, 4), "float32"), np.zeros((24, 1), "float32"), batch_size=8, verbose=0)
+>>> [r["step"] for r in watch.records], [(s["path"], s["tensor"]) for s in watch.records[0]["layers"]][:2]
+([0, 2], [('fc1', 'output'), ('fc2', 'output')])
+>>> _ = amp.remove()
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from unimp.spi import UnsupportedError
+from unimp.watch.traced import Taps, thresholds
+
+from .bind import _decide, reset_compiled_functions
+from .index import is_graph
+from .trace import call_name
+
+INFO = "unimp_watch"  # the key of the scaler's scalars in a step's logs (removed before Keras sees them)
+NOT_LOCATED = ("this skipped step was not sampled, and the watch taps sampled steps only: amp.watch(localize=True) "
+               "taps every step, so that a skipped step names the layer and pass of its first non-finite value")
+
+
+def _is_float(t: Any) -> bool:
+    return (ops.is_tensor(t) and keras.backend.is_float_dtype(keras.backend.standardize_dtype(t.dtype))
+            and 0 not in tuple(d for d in t.shape if d is not None))
+
+
+def measure(x: Any, target: str) -> tuple[Any, Any]:
+    """The largest finite magnitude of ``x`` (float32) and its :data:`~unimp.watch.records.AT_LEAST` counts in
+    ``target`` (int32, 7), in ``keras.ops`` (traced or eager, on any Keras backend)."""
+    compare = "float64" if keras.backend.standardize_dtype(x.dtype) == "float64" else "float32"
+    a = ops.abs(ops.cast(x, compare))
+    nan = ops.sum(ops.cast(ops.isnan(a), "int32"))
+    amax = ops.cast(ops.max(ops.where(ops.isfinite(a), a, ops.zeros((), compare))), "float32")
+    counts = [ops.sum(ops.cast(ops.greater(a, 0.0), "int32")) + nan]
+    counts += [ops.sum(ops.cast(ops.greater_equal(a, t), "int32")) + nan for t in thresholds(target, compare)]
+    return amax, ops.stack([*counts, nan, ops.cast(ops.size(a), "int32")])
+
+
+# ---------------------------------------------------------------------- how a measurement leaves the step
+class _Store:
+    """Where the taps' measurements go on one Keras backend, and what the host reads back after a step."""
+
+    def __init__(self, taps: Taps, size: int) -> None:
+        self.taps = taps
+        self.pending: list[tuple[int, Any, Any]] = []
+
+    def checked(self, index: int, x: Any, target: str, then: Any) -> Any:
+        """``then`` (unchanged), once ``x`` is measured into tap ``index``."""
+        self.pending.append((index, *measure(x, target)))
+        return then
+
+    def forward(self, index: int, x: Any, target: str) -> Any:
+        """``x`` (unchanged), measured into tap ``index``."""
+        return self.checked(index, x, target, x)
+
+    def backward(self, index: int, x: Any, target: str) -> Any:
+        """``x`` (unchanged), its gradient measured into tap ``index``."""
+        raise NotImplementedError
+
+    def collect(self) -> None:
+        """Hand the step's measurements to the taps (after the step)."""
+        pending, self.pending = self.pending, []
+        for index, amax, counts in pending:
+            self.taps.put(index, float(np.asarray(amax)), np.asarray(counts).tolist())
+
+
+class _TorchStore(_Store):
+    def checked(self, index: int, x: Any, target: str, then: Any) -> Any:
+        import torch
+
+        with torch.no_grad():
+            return super().checked(index, x.detach(), target, then)
+
+    def backward(self, index: int, x: Any, target: str) -> Any:
+        if x.requires_grad:
+            x.register_hook(lambda grad: self.checked(index, grad, target, None))
+        return x
+
+
+class _JaxStore(_Store):
+    def checked(self, index: int, x: Any, target: str, then: Any) -> Any:
+        import jax
+
+        jax.debug.callback(functools.partial(self._put, index), *measure(x, target))
+        return then
+
+    def _put(self, index: int, amax: Any, counts: Any) -> None:
+        self.pending.append((index, amax, counts))
+
+    def backward(self, index: int, x: Any, target: str) -> Any:
+        return _jax_tap_fn()(x, (self, index, target))
+
+    def collect(self) -> None:
+        import jax
+
+        jax.effects_barrier()  # the step's callbacks have run
+        super().collect()
+
+
+@functools.cache
+def _jax_tap_fn() -> Callable[..., Any]:
+    import jax
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+    def tap(x: Any, spec: tuple) -> Any:
+        return x
+
+    def fwd(x: Any, spec: tuple) -> tuple[Any, None]:
+        return x, None
+
+    def bwd(spec: tuple, _: None, grad: Any) -> tuple[Any]:
+        store, index, target = spec
+        return (store.checked(index, grad, target, grad),)
+
+    tap.defvjp(fwd, bwd)
+    return tap
+
+
+class _TfStore(_Store):
+    """Keras variables the graph assigns the measurements to (a ``tf.function`` compiled by XLA runs no host
+    code): per tap the largest amax and the summed counts; the host reads and zeroes them after the step."""
+
+    def __init__(self, taps: Taps, size: int) -> None:
+        import tensorflow as tf
+
+        super().__init__(taps, size)
+        self.amax = tf.Variable(np.zeros(size, np.float32), trainable=False, name="unimp_watch_amax")
+        self.counts = tf.Variable(np.zeros((size, 7), np.int32), trainable=False, name="unimp_watch_counts")
+
+    def _write(self, index: int, x: Any, target: str) -> list[Any]:
+        import tensorflow as tf
+
+        amax, counts = measure(x, target)
+        return [self.amax.scatter_max(tf.IndexedSlices(amax[None], [index])),
+                self.counts.scatter_add(tf.IndexedSlices(counts[None], [index]))]
+
+    def checked(self, index: int, x: Any, target: str, then: Any) -> Any:
+        import tensorflow as tf
+
+        with tf.control_dependencies(self._write(index, x, target)):
+            return tf.identity(then)
+
+    def backward(self, index: int, x: Any, target: str) -> Any:
+        import tensorflow as tf
+
+        @tf.custom_gradient
+        def tap(x: Any) -> Any:
+            return tf.identity(x), lambda g: self.checked(index, g, target, g)
+
+        return tap(x)
+
+    def collect(self) -> None:
+        amax, counts = self.amax.numpy(), self.counts.numpy()
+        for index in np.flatnonzero(counts[:, -1]):
+            self.taps.put(int(index), float(amax[index]), counts[index].tolist())
+        self.amax.assign(np.zeros_like(amax))
+        self.counts.assign(np.zeros_like(counts))
+
+
+STORES = {"tensorflow": _TfStore, "jax": _JaxStore, "torch": _TorchStore}
+
+
+# ---------------------------------------------------------------------- the watch
+class KerasWatch:
+    """The Keras side of one :class:`unimp.watch.Watch` on one :class:`~unimp_keras.amp.KerasAmp`."""
+
+    def __init__(self, amp: Any, session: Any) -> None:
+        self.amp, self.session, self.model = amp, session, amp.model
+        self.localize = session.localize
+        self.backend = keras.backend.backend()
+        opt = amp.optimizer
+        self.units = [(u.path, u.layer, _decide(amp.plan, u)[0]) for u in amp._binding.units
+                      if not (u.container and is_graph(u.layer))]
+        self.taps = Taps()
+        self.store = STORES[self.backend](self.taps, 4 * len(self.units))
+        self.tapping = False  # while the tapped train_step runs (TensorFlow, JAX: while it is traced)
+        self.step = int(opt._steps.value)  # the index of the next step
+        self.skipped = int(opt._skipped.value)
+        self.pending: Any = None  # JAX: an unsampled step's scalars, read at the next step (done by then)
+        self.train_step = self.model.train_step  # Keras' (or the model's own)
+        self._undo: list[Callable[[], None]] = []
+        self._install()
+
+    # ------------------------------------------------------------------ install
+    def _install(self) -> None:
+        for path, layer, compute in self.units:
+            self._patch_call(path, layer, compute)
+        model = self.model
+        own_make, own_step = model.__dict__.get("make_train_function"), model.__dict__.get("train_step")
+        make = model.make_train_function
+        object.__setattr__(model, "make_train_function", functools.partial(self._make_train_function, make))
+
+        def undo() -> None:
+            for name, own in (("make_train_function", own_make), ("train_step", own_step)):
+                if own is None:
+                    model.__dict__.pop(name, None)
+                else:
+                    object.__setattr__(model, name, own)
+            reset_compiled_functions(model)
+
+        self._undo.append(undo)
+        self._patch_check_finite()
+        reset_compiled_functions(model)  # traced again: through the dispatcher
+
+    def _patch_check_finite(self) -> None:
+        """The optimizer's finiteness check, in a tapped step, also checks each parameter gradient (a
+        ``grad_param`` of the innermost report layer holding the variable)."""
+        opt, model = self.amp.optimizer, self.model
+        owner = {id(w): path for path, layer, _ in sorted(self.units, key=lambda u: len(u[1].trainable_weights),
+                                                          reverse=True) for w in layer.trainable_weights}
+        own, original = opt.__dict__.get("check_finite"), opt.check_finite
+
+        def check_finite(grads: list) -> Any:
+            finite = original(grads)
+            variables = model.trainable_variables
+            if not self.tapping or len(variables) != len(grads):
+                return finite
+            for v, g in zip(variables, grads, strict=True):
+                path = owner.get(id(v))
+                if path is None or g is None:
+                    continue
+                g = g.values if type(g).__name__ == "IndexedSlices" else g
+                target = keras.backend.standardize_dtype(g.dtype)
+                finite = self.store.checked(self.taps.tap(path, "grad_param", target), g, target, finite)
+            return finite
+
+        object.__setattr__(opt, "check_finite", check_finite)
+
+        def undo() -> None:
+            if own is None:
+                opt.__dict__.pop("check_finite", None)
+            else:
+                object.__setattr__(opt, "check_finite", own)
+
+        self._undo.append(undo)
+
+    def _patch_call(self, path: str, layer: Any, compute: str | None) -> None:
+        """The taps around ``layer``'s own call (inside a stream cast's, whose ``inner`` it is then)."""
+        name = call_name(layer)
+        current = getattr(layer, name)
+        holder, attr = (current, "inner") if getattr(current, "inner", None) is not None else (layer, name)
+        original = getattr(holder, attr)
+        own = holder.__dict__.get(attr) if holder is layer else original
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not self.tapping:
+                return original(*args, **kwargs)
+            return self._layer_call(path, compute, original, args, kwargs)
+
+        object.__setattr__(holder, attr, call)
+
+        def undo() -> None:
+            if own is None:
+                holder.__dict__.pop(attr, None)
+            else:
+                object.__setattr__(holder, attr, own)
+
+        self._undo.append(undo)
+
+    # ------------------------------------------------------------------ in the tapped step
+    @staticmethod
+    def _target(x: Any, compute: str | None) -> str:
+        own = keras.backend.standardize_dtype(x.dtype)
+        return compute if compute in ("float16", "bfloat16") and own not in ("float16", "bfloat16") else own
+
+    def _layer_call(self, path: str, compute: str | None, original: Any, args: tuple, kwargs: dict) -> Any:
+        if self.localize:
+            leaves = keras.tree.flatten((args, kwargs))
+            first = next((i for i, t in enumerate(leaves) if _is_float(t)), None)
+            if first is not None:
+                x, target = leaves[first], self._target(leaves[first], compute)
+                x = self.store.forward(self.taps.tap(path, "input", target), x, target)
+                leaves[first] = self.store.backward(self.taps.tap(path, "grad_input", target), x, target)
+                args, kwargs = keras.tree.pack_sequence_as((args, kwargs), leaves)
+        out = original(*args, **kwargs)
+        leaves = keras.tree.flatten(out)
+        first = next((i for i, t in enumerate(leaves) if _is_float(t)), None)
+        if first is None:
+            return out
+        main, target = leaves[first], self._target(leaves[first], compute)
+        main = self.store.forward(self.taps.tap(path, "output", target), main, target)
+        leaves[first] = self.store.backward(self.taps.tap(path, "grad_output", target), main, target)
+        return leaves[0] if not isinstance(out, list | tuple | dict) else keras.tree.pack_sequence_as(out, leaves)
+
+    def _variables(self) -> tuple[Any, Any, Any]:
+        opt = self.model.optimizer
+        if opt is not self.amp.optimizer:
+            raise UnsupportedError(f"amp.watch(): model {self.model.name!r} is compiled with "
+                                   f"{type(opt).__name__}, not the Amp's optimizer; compile it with "
+                                   f"model.compile(optimizer=amp.optimizer, ...) so that the watch sees its steps")
+        return opt._steps, opt._skipped, opt.dynamic_scale
+
+    def _step(self, tapped: bool, *args: Any) -> Any:
+        """Keras' ``train_step`` (tapped or not), its logs with the scaler's scalars under :data:`INFO`."""
+        steps, skipped, scale = self._variables()
+        if tapped:
+            self.taps.tracing()
+        self.tapping = tapped
+        try:
+            if self.backend == "jax":  # train_step(state, data): the optimizer's variables are state[2]
+                state = args[0]
+                at = {id(v): i for i, v in enumerate(self.model.optimizer.variables)}
+                before = state[2]
+                logs, state = self.train_step(*args)
+                info = {"steps": before[at[id(steps)]], "scale": before[at[id(scale)]],
+                        "skipped": state[2][at[id(skipped)]]}
+                return {**logs, INFO: info}, state
+            info = {"steps": ops.copy(steps.value), "scale": ops.copy(scale.value)}
+            logs = self.train_step(*args)
+            info["skipped"] = ops.copy(skipped.value)
+            return {**logs, INFO: info}
+        finally:
+            self.tapping = False
+
+    # ------------------------------------------------------------------ the train function
+    def _make_train_function(self, make: Callable[..., Any], force: bool = False) -> Any:
+        model = self.model
+        if model.train_function is not None and not force:
+            return model.train_function
+        if model.steps_per_execution > 1:
+            raise UnsupportedError(f"amp.watch(): model {model.name!r} is compiled with steps_per_execution="
+                                   f"{model.steps_per_execution}; the watch samples single steps: compile with "
+                                   f"steps_per_execution=1 while watching")
+        if self.backend == "torch" and model.jit_compile:
+            raise UnsupportedError("amp.watch(): Keras on torch with jit_compile=True (torch.compile) is not watched "
+                                   "yet; compile the model with jit_compile=False while watching")
+        plain, tapped = functools.partial(self._step, False), functools.partial(self._step, True)
+        built = []
+        for step in (plain, tapped):
+            object.__setattr__(model, "train_step", step)  # TensorFlow and JAX take it when they build
+            make(force=True)
+            built.append(model.train_function)
+        model.train_function = functools.partial(self._run, *built, plain, tapped)
+        return model.train_function
+
+    def _run(self, plain_fn: Any, tapped_fn: Any, plain: Any, tapped: Any, *args: Any) -> Any:
+        """One training step: the tapped function on a sampled step (every step with ``localize``)."""
+        if self.pending is not None:
+            self._read(*self.pending)
+        sampled = self.session.sampled(self.step)
+        tap = sampled or (self.localize and not self.session.closed)
+        object.__setattr__(self.model, "train_step", tapped if tap else plain)  # torch takes it at each call
+        out = (tapped_fn if tap else plain_fn)(*args)
+        logs = out[0] if self.backend == "jax" else out
+        info = logs.pop(INFO)
+        self.step += 1
+        if self.backend == "jax" and not tap:
+            self.pending = (info, False, False)
+        else:
+            self._read(info, sampled, tap)
+        return out
+
+    def _read(self, info: dict[str, Any], sampled: bool, tapped: bool) -> None:
+        self.pending = None
+        step, scale, count = (np.asarray(info[k]).item() for k in ("steps", "scale", "skipped"))
+        skipped = count > self.skipped
+        self.skipped, self.step = int(count), int(step) + 1
+        if tapped:
+            self.store.collect()
+        layers, events = self.taps.take(measured=sampled) if tapped else ([], [])
+        if (sampled or skipped) and not self.session.closed:
+            notes = [NOT_LOCATED] if skipped and not tapped else []
+            self.session.add(int(step), skipped=skipped, scale=float(scale), sampled=sampled, layers=layers,
+                             events=events, notes=notes)
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self._read(*self.pending)
+
+    def close(self) -> None:
+        """Undo: the dispatcher and the taps removed, the train functions built again on the next ``fit``."""
+        try:
+            self.flush()
+        finally:
+            for undo in reversed(self._undo):
+                undo()
+            self._undo.clear()
+            if self.amp._watching is self:
+                self.amp._watching = None
+
+
+def start(amp: Any, session: Any) -> KerasWatch:
+    """``amp.watch(...)``: bind ``session`` (the core's :class:`unimp.watch.Watch`) to the Keras Amp ``amp``."""
+    if amp.optimizer is None:
+        raise UnsupportedError("amp.watch(): a watch counts training steps through the Amp's optimizer; apply the "
+                               "policy with one: amp = unimp.apply(policy, model, keras.optimizers.Adam(...))")
+    if keras.backend.backend() == "jax" and keras.config.is_nnx_enabled():
+        raise UnsupportedError("amp.watch(): Keras on JAX with NNX enabled builds train_step from the model's "
+                               "class; watch with keras.config.set_nnx_enabled(False)")
+    watch = KerasWatch(amp, session)
+    session.bind(watch.step, watch.close)
+    amp._watching = watch
+    return watch
