@@ -76,8 +76,6 @@ class KerasAmp(Amp):
         """What ran in one real forward on ``x`` (default: zeros shaped like the model's inputs)."""
         if self._removed:
             raise RuntimeError("amp.report(): this Amp was removed; apply the policy again to report")
-        if self._watching is not None:
-            self._watching.flush()  # the last step's record (JAX reads it a step late)
         seen, out = observe(self.model, self._binding.units, _sample(self.model) if x is None else x)
         fp8 = self.plan.fp8  # None: no layer runs FP8
         ran = {e.path: fp8.recipe for e in self._binding.fp8} if fp8 is not None else {}

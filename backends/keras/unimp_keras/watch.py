@@ -210,11 +210,10 @@ class KerasWatch:
         self.units = [(u.path, u.layer, _decide(amp.plan, u)[0]) for u in amp._binding.units
                       if not (u.container and is_graph(u.layer))]
         self.taps = Taps()
-        self.store = STORES[self.backend](self.taps, 4 * len(self.units))
+        self.store = STORES[self.backend](self.taps, 5 * len(self.units))  # input, output and 3 gradients
         self.tapping = False  # while the tapped train_step runs (TensorFlow, JAX: while it is traced)
         self.step = int(opt._steps.value)  # the index of the next step
         self.skipped = int(opt._skipped.value)
-        self.pending: Any = None  # JAX: an unsampled step's scalars, read at the next step (done by then)
         self.train_step = self.model.train_step  # Keras' (or the model's own)
         self._undo: list[Callable[[], None]] = []
         self._install()
@@ -373,8 +372,6 @@ class KerasWatch:
 
     def _run(self, plain_fn: Any, tapped_fn: Any, plain: Any, tapped: Any, *args: Any) -> Any:
         """One training step: the tapped function on a sampled step (every step with ``localize``)."""
-        if self.pending is not None:
-            self._read(*self.pending)
         sampled = self.session.sampled(self.step)
         tap = sampled or (self.localize and not self.session.closed)
         object.__setattr__(self.model, "train_step", tapped if tap else plain)  # torch takes it at each call
@@ -382,14 +379,10 @@ class KerasWatch:
         logs = out[0] if self.backend == "jax" else out
         info = logs.pop(INFO)
         self.step += 1
-        if self.backend == "jax" and not tap:
-            self.pending = (info, False, False)
-        else:
-            self._read(info, sampled, tap)
+        self._read(info, sampled, tap)
         return out
 
     def _read(self, info: dict[str, Any], sampled: bool, tapped: bool) -> None:
-        self.pending = None
         step, scale, count = (np.asarray(info[k]).item() for k in ("steps", "scale", "skipped"))
         skipped = count > self.skipped
         self.skipped, self.step = int(count), int(step) + 1
@@ -401,20 +394,13 @@ class KerasWatch:
             self.session.add(int(step), skipped=skipped, scale=float(scale), sampled=sampled, layers=layers,
                              events=events, notes=notes)
 
-    def flush(self) -> None:
-        if self.pending is not None:
-            self._read(*self.pending)
-
     def close(self) -> None:
         """Undo: the dispatcher and the taps removed, the train functions built again on the next ``fit``."""
-        try:
-            self.flush()
-        finally:
-            for undo in reversed(self._undo):
-                undo()
-            self._undo.clear()
-            if self.amp._watching is self:
-                self.amp._watching = None
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        if self.amp._watching is self:
+            self.amp._watching = None
 
 
 def start(amp: Any, session: Any) -> KerasWatch:
