@@ -3,12 +3,13 @@ compiled ``train_step`` (``fit``, ``train_on_batch``), and where a skipped step'
 appeared. The records, their order and the writers are the core's (:class:`unimp.watch.Watch`); what a traced
 step taps and how its measurements fold is :mod:`unimp.watch.traced`; this module taps.
 
-While watched, the model builds two train functions from its ``train_step`` (``make_train_function``, at
-instance level): one exactly as Keras builds it, and one traced with the taps in it. Each training step runs
-one of them, chosen on the host before the step: the tapped one on sampled steps (every step with
-``localize``), the plain one on every other step: an unsampled step runs nothing of the watch but reading
-three of the loss scaler's scalars (the step, the skip counter, the scale), returned beside the logs and
-removed from them. The first sampled step traces (compiles) the tapped function once.
+While watched, the model builds three train functions from its ``train_step`` (``make_train_function``, at
+instance level; each traced, compiled, on the first step that runs it): one as Keras builds it, one with
+taps that only check finiteness (a float32 sum per tensor) and one with taps that measure. Each training
+step runs one of them, chosen on the host before the step: the measuring one on sampled steps, the checking
+one on the others with ``localize``, else the plain one: an unsampled step runs nothing of the watch but
+reading three of the loss scaler's scalars (the step, the skip counter, the scale), returned beside the
+logs and removed from them.
 
 The taps are in each report layer's ``call`` (instance level; inside the stream cast of
 :func:`unimp_keras.bind.patch_stream`): the layer's output (and, with ``localize``, its first input) is
@@ -52,6 +53,7 @@ from .bind import _decide, reset_compiled_functions
 from .index import is_graph
 from .trace import call_name
 
+PLAIN, CHECKED, MEASURED = MODES = range(3)  # a step's train function: untapped, finiteness only, measured
 INFO = "unimp_watch"  # the key of the scaler's scalars in a step's logs (removed before Keras sees them)
 NOT_LOCATED = ("this skipped step was not sampled, and the watch taps sampled steps only: amp.watch(localize=True) "
                "taps every step, so that a skipped step names the layer and pass of its first non-finite value")
@@ -74,6 +76,15 @@ def measure(x: Any, target: str) -> tuple[Any, Any]:
     return amax, ops.stack([*counts, nan, ops.cast(ops.size(a), "int32")])
 
 
+def check(x: Any) -> tuple[Any, Any]:
+    """Whether ``x`` is finite, as :func:`measure`'s counts (its non-finite count 1 or 0; numel 1: checked): one
+    float32 sum (non-finite iff some value is), for a tapped step that is not sampled (``localize``)."""
+    total = ops.sum(ops.cast(x, "float32"))
+    bad = ops.cast(ops.logical_not(ops.isfinite(total)), "int32")
+    zero = ops.zeros((), "int32")
+    return ops.zeros((), "float32"), ops.stack([zero, zero, zero, zero, bad, zero, ops.ones((), "int32")])
+
+
 # ---------------------------------------------------------------------- how a measurement leaves the step
 class _Store:
     """Where the taps' measurements go on one Keras backend, and what the host reads back after a step."""
@@ -81,10 +92,14 @@ class _Store:
     def __init__(self, taps: Taps, size: int) -> None:
         self.taps = taps
         self.pending: list[tuple[int, Any, Any]] = []
+        self.full = True  # measure (a sampled step), else only check (localize), as the step is traced
+
+    def measured(self, x: Any, target: str) -> tuple[Any, Any]:
+        return measure(x, target) if self.full else check(x)
 
     def checked(self, index: int, x: Any, target: str, then: Any) -> Any:
         """``then`` (unchanged), once ``x`` is measured into tap ``index``."""
-        self.pending.append((index, *measure(x, target)))
+        self.pending.append((index, *self.measured(x, target)))
         return then
 
     def forward(self, index: int, x: Any, target: str) -> Any:
@@ -119,7 +134,7 @@ class _JaxStore(_Store):
     def checked(self, index: int, x: Any, target: str, then: Any) -> Any:
         import jax
 
-        jax.debug.callback(functools.partial(self._put, index), *measure(x, target))
+        jax.debug.callback(functools.partial(self._put, index), *self.measured(x, target))
         return then
 
     def _put(self, index: int, amax: Any, counts: Any) -> None:
@@ -168,7 +183,7 @@ class _TfStore(_Store):
     def _write(self, index: int, x: Any, target: str) -> list[Any]:
         import tensorflow as tf
 
-        amax, counts = measure(x, target)
+        amax, counts = self.measured(x, target)
         return [self.amax.scatter_max(tf.IndexedSlices(amax[None], [index])),
                 self.counts.scatter_add(tf.IndexedSlices(counts[None], [index]))]
 
@@ -211,7 +226,7 @@ class KerasWatch:
                       if not (u.container and is_graph(u.layer))]
         self.taps = Taps()
         self.store = STORES[self.backend](self.taps, 5 * len(self.units))  # input, output and 3 gradients
-        self.tapping = False  # while the tapped train_step runs (TensorFlow, JAX: while it is traced)
+        self.tapping = False  # while a tapped train_step runs (TensorFlow, JAX: while it is traced)
         self.step = int(opt._steps.value)  # the index of the next step
         self.skipped = int(opt._skipped.value)
         self.train_step = self.model.train_step  # Keras' (or the model's own)
@@ -327,12 +342,12 @@ class KerasWatch:
                                    f"model.compile(optimizer=amp.optimizer, ...) so that the watch sees its steps")
         return opt._steps, opt._skipped, opt.dynamic_scale
 
-    def _step(self, tapped: bool, *args: Any) -> Any:
-        """Keras' ``train_step`` (tapped or not), its logs with the scaler's scalars under :data:`INFO`."""
+    def _step(self, mode: int, *args: Any) -> Any:
+        """Keras' ``train_step`` (:data:`MODES`), its logs with the scaler's scalars under :data:`INFO`."""
         steps, skipped, scale = self._variables()
-        if tapped:
+        if mode:
             self.taps.tracing()
-        self.tapping = tapped
+        self.tapping, self.store.full = bool(mode), mode == MEASURED
         try:
             if self.backend == "jax":  # train_step(state, data): the optimizer's variables are state[2]
                 state = args[0]
@@ -361,25 +376,26 @@ class KerasWatch:
         if self.backend == "torch" and model.jit_compile:
             raise UnsupportedError("amp.watch(): Keras on torch with jit_compile=True (torch.compile) is not watched "
                                    "yet; compile the model with jit_compile=False while watching")
-        plain, tapped = functools.partial(self._step, False), functools.partial(self._step, True)
         built = []
-        for step in (plain, tapped):
+        for mode in range(len(MODES)):  # each traced on its first step
+            step = functools.partial(self._step, mode)
             object.__setattr__(model, "train_step", step)  # TensorFlow and JAX take it when they build
             make(force=True)
-            built.append(model.train_function)
-        model.train_function = functools.partial(self._run, *built, plain, tapped)
+            built.append((model.train_function, step))
+        model.train_function = functools.partial(self._run, built)
         return model.train_function
 
-    def _run(self, plain_fn: Any, tapped_fn: Any, plain: Any, tapped: Any, *args: Any) -> Any:
-        """One training step: the tapped function on a sampled step (every step with ``localize``)."""
+    def _run(self, built: list[tuple[Any, Any]], *args: Any) -> Any:
+        """One training step: measured when sampled, checked on the others with ``localize``, else plain."""
         sampled = self.session.sampled(self.step)
-        tap = sampled or (self.localize and not self.session.closed)
-        object.__setattr__(self.model, "train_step", tapped if tap else plain)  # torch takes it at each call
-        out = (tapped_fn if tap else plain_fn)(*args)
+        mode = MEASURED if sampled else CHECKED if self.localize and not self.session.closed else PLAIN
+        function, step = built[mode]
+        object.__setattr__(self.model, "train_step", step)  # torch takes it at each call
+        out = function(*args)
         logs = out[0] if self.backend == "jax" else out
         info = logs.pop(INFO)
         self.step += 1
-        self._read(info, sampled, tap)
+        self._read(info, sampled, bool(mode))
         return out
 
     def _read(self, info: dict[str, Any], sampled: bool, tapped: bool) -> None:

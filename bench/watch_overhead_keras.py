@@ -1,0 +1,124 @@
+"""What ``amp.watch(every=100)`` costs a Keras 3 training step on CPU, per Keras backend: a small functional
+transformer (keras.layers) trained with ``train_on_batch`` (the train function ``fit`` runs: jitted on JAX,
+``tf.function`` on TensorFlow, eager on torch).
+
+    KERAS_BACKEND=tensorflow|jax|torch python bench/watch_overhead_keras.py [--steps 300] [--every 100] [--localize]
+
+The method of ``bench/watch_overhead.py`` (torch): in one process, builds from the same weights: ``plain``
+(unimp.apply, no watch), ``plain2`` (a second unwatched build: the A/A control, i.e. the noise), ``watched``
+(``amp.watch(every=100)``) and, with ``--localize``, ``localize`` (every step tapped). Each training step of
+each build is timed alone, the builds taking turns step by step in a rotating order; per build the median
+step, and for a watched build the medians of its sampled steps and of the others, combined as what a run of
+``every`` steps costs: ``(sampled + (every - 1) x other) / every``, over ``plain``'s median with the A/A
+ratio beside it. Time: the process's CPU time, one thread (``--wall``: wall time). The watch starts before
+the warm-up, so the tapped train function is compiled there (its first sampled step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import warnings
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+
+import keras
+import numpy as np
+from _turns import cost, measure
+
+import unimp
+
+
+def one_thread() -> None:
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    elif backend == "torch":
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def transformer(vocab: int, d: int, layers: int, heads: int, seq: int) -> keras.Model:
+    """Token and position embeddings, post-LN blocks (MultiHeadAttention, a GELU MLP), a vocabulary head."""
+    ids = keras.Input((seq,), dtype="int32")
+    x = keras.layers.Embedding(vocab, d, name="wte")(ids)
+    x = x + keras.layers.Embedding(seq, d, name="wpe")(keras.ops.arange(seq)[None])
+    for i in range(layers):
+        a = keras.layers.MultiHeadAttention(heads, d // heads, name=f"h{i}_attn")(x, x, use_causal_mask=True)
+        x = keras.layers.LayerNormalization(name=f"h{i}_ln1")(x + a)
+        m = keras.layers.Dense(4 * d, activation="gelu", name=f"h{i}_fc")(x)
+        x = keras.layers.LayerNormalization(name=f"h{i}_ln2")(x + keras.layers.Dense(d, name=f"h{i}_proj")(m))
+    return keras.Model(ids, keras.layers.Dense(vocab, name="head")(x))
+
+
+def variant(weights: list, args: argparse.Namespace, ids: np.ndarray, **watch: object):
+    model = transformer(512, args.d, args.layers, 4, args.seq)
+    model.set_weights(weights)
+    amp = unimp.apply(args.policy, model, keras.optimizers.AdamW(1e-4))
+    model.compile(optimizer=amp.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if watch:
+        amp.watch(**watch)
+
+    def step() -> None:
+        model.train_on_batch(ids, ids)
+
+    step.amp = amp  # type: ignore[attr-defined]
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=300, help="timed steps per build")
+    ap.add_argument("--every", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--policy", default="mixed_bf16")
+    ap.add_argument("--localize", action="store_true", help="also a build watched with localize=True")
+    ap.add_argument("--wall", action="store_true", help="wall time instead of the process's CPU time")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")  # alignment findings
+    one_thread()
+    keras.utils.set_random_seed(0)
+    weights = transformer(512, args.d, args.layers, 4, args.seq).get_weights()
+    ids = np.random.default_rng(0).integers(0, 512, (args.batch, args.seq)).astype("int32")
+    clock = time.perf_counter if args.wall else time.process_time
+    print(f"Keras {keras.__version__} on {keras.backend.backend()}: transformer d={args.d} layers={args.layers} "
+          f"batch={args.batch}x{args.seq}, {args.policy}, 1 thread; {args.steps} steps per build, taking turns "
+          f"({'wall' if args.wall else 'CPU'} ms per step)")
+    steps = {"plain": variant(weights, args, ids), "plain2": variant(weights, args, ids),
+             "watched": variant(weights, args, ids, every=args.every)}
+    if args.localize:
+        steps["localize"] = variant(weights, args, ids, every=args.every, localize=True)
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step()
+    times = measure(steps, args.steps, clock)
+    watched = [w for w in ("watched", "localize") if w in steps]
+    row = {}
+    for name, step in steps.items():
+        watch = getattr(step.amp, "_watch", None)
+        sampled = {i for i in range(args.steps) if watch is not None and (args.warmup + i) % args.every == 0}
+        if watch is not None:
+            assert {r["step"] - args.warmup for r in watch.records if r["sampled"] and r["step"] >= args.warmup} \
+                == sampled
+        row[name] = cost(times[name], sampled, args.every)
+    plain, plain2 = row["plain"][0], row["plain2"][0]
+    print("| backend | plain | plain2 | A/A plain2/plain | " + " | ".join(
+        f"{w}: per step (sampled, other) | {w}/plain" for w in watched) + " |")
+    print("|---|---|---|---|" + "---|---|" * len(watched))
+    cells = " | ".join(f"{row[w][0]:.3f} ({row[w][1]:.2f}, {row[w][2]:.3f}) | {row[w][0] / plain:.3f}" for w in watched)
+    print(f"| {keras.backend.backend()} | {plain:.3f} | {plain2:.3f} | {plain2 / plain:.3f} | {cells} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
