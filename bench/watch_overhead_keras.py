@@ -27,7 +27,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_
 
 import keras
 import numpy as np
-from _turns import cost, measure
+from _turns import arguments, header, line, measure
 
 import unimp
 
@@ -74,17 +74,8 @@ def variant(weights: list, args: argparse.Namespace, ids: np.ndarray, **watch: o
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=300, help="timed steps per build")
-    ap.add_argument("--every", type=int, default=100)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=64)
+    ap = arguments()
     ap.add_argument("--policy", default="mixed_bf16")
-    ap.add_argument("--localize", action="store_true", help="also a build watched with localize=True")
-    ap.add_argument("--wall", action="store_true", help="wall time instead of the process's CPU time")
     args = ap.parse_args()
     warnings.simplefilter("ignore")  # alignment findings
     one_thread()
@@ -103,22 +94,15 @@ def main() -> None:
         for _ in range(args.warmup):
             step()
     times = measure(steps, args.steps, clock)
-    watched = [w for w in ("watched", "localize") if w in steps]
-    row = {}
+    sampled = {}
     for name, step in steps.items():
         watch = getattr(step.amp, "_watch", None)
-        sampled = {i for i in range(args.steps) if watch is not None and (args.warmup + i) % args.every == 0}
-        if watch is not None:
+        if watch is not None:  # its first sampled step was the first warm-up step
+            sampled[name] = {i for i in range(args.steps) if (args.warmup + i) % args.every == 0}
             assert {r["step"] - args.warmup for r in watch.records if r["sampled"] and r["step"] >= args.warmup} \
-                == sampled
-        row[name] = cost(times[name], sampled, args.every)
-    plain, plain2 = row["plain"][0], row["plain2"][0]
-    print("| backend | plain | plain2 | A/A plain2/plain | " + " | ".join(
-        f"{w}: per step (sampled, other) | {w}/plain" for w in watched) + " |")
-    print("|---|---|---|---|" + "---|---|" * len(watched))
-    cells = " | ".join(f"{row[w][0]:.3f} ({row[w][1]:.2f}, {row[w][2]:.3f}) | {row[w][0] / plain:.3f}" for w in watched)
-    print(f"| {keras.backend.backend()} | {plain:.3f} | {plain2:.3f} | {plain2 / plain:.3f} | {cells} |", flush=True)
-
+                == sampled[name]
+    print(header("backend", [w for w in steps if w in sampled]))
+    print(line(keras.backend.backend(), times, sampled, args.every), flush=True)
 
 if __name__ == "__main__":
     main()
