@@ -45,11 +45,24 @@ def one_thread() -> None:
         torch.set_num_threads(1)
 
 
+class Positions(keras.layers.Layer):
+    """A learned position embedding added to the token embeddings."""
+
+    def __init__(self, seq: int, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.seq = seq
+
+    def build(self, shape: tuple) -> None:
+        self.table = self.add_weight(shape=(self.seq, shape[-1]), initializer="random_normal", name="table")
+
+    def call(self, x: object) -> object:
+        return x + keras.ops.cast(self.table, x.dtype)[None]
+
+
 def transformer(vocab: int, d: int, layers: int, heads: int, seq: int) -> keras.Model:
     """Token and position embeddings, post-LN blocks (MultiHeadAttention, a GELU MLP), a vocabulary head."""
     ids = keras.Input((seq,), dtype="int32")
-    x = keras.layers.Embedding(vocab, d, name="wte")(ids)
-    x = x + keras.layers.Embedding(seq, d, name="wpe")(keras.ops.arange(seq)[None])
+    x = Positions(seq, name="wpe")(keras.layers.Embedding(vocab, d, name="wte")(ids))
     for i in range(layers):
         a = keras.layers.MultiHeadAttention(heads, d // heads, name=f"h{i}_attn")(x, x, use_causal_mask=True)
         x = keras.layers.LayerNormalization(name=f"h{i}_ln1")(x + a)
