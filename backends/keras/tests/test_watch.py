@@ -5,6 +5,7 @@ classified with NumPy's own ``finfo``; a planted overflow whose layer and pass t
 of the same training run without a watch.
 """
 
+import copy
 import warnings
 
 import keras
@@ -190,8 +191,8 @@ def test_close_and_remove_restore_the_model(tmp_path):
     model.fit(x, y, batch_size=8, verbose=0)
     watch.close()
     assert len(watch.records) == 2
-    model.fit(x, y, batch_size=8, verbose=0)  # closed: nothing more recorded
-    assert len(watch.records) == 2
+    logs = model.fit(x, y, batch_size=8, verbose=0).history  # closed: nothing more recorded
+    assert len(watch.records) == 2 and set(logs) == {"loss"}
     for layer in model._flatten_layers():
         own = {k for k in vars(layer) if k not in ("train_function", "_jax_state", "_jax_state_synced")}
         assert {k: vars(layer)[k] for k in own if k in ("call", "make_train_function", "train_step")} == \
@@ -204,9 +205,22 @@ def test_close_and_remove_restore_the_model(tmp_path):
     assert all(np.array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))
                for a, b in zip(loaded.weights, model.weights, strict=True))
     watch = amp.watch(every=1)
+    with pytest.raises(UnsupportedError, match="watch.close"):
+        copy.deepcopy(amp)
     amp.remove()  # closes the running watch
     assert watch.closed and "make_train_function" not in vars(model)
     assert model.get_layer("fc1").dtype_policy.name == "float32"
+
+
+def test_a_watch_closed_during_fit_lets_it_finish():
+    model = mlp()
+    amp, watch = applied("mixed_bf16", model, every=1)
+    stop = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: batch == 1 and watch.close())
+    x, y = data(32)
+    history = model.fit(x, y, batch_size=8, verbose=0, callbacks=[stop]).history
+    assert [r["step"] for r in watch.records] == [0, 1] and set(history) == {"loss"}
+    assert amp.loss_scale_state().steps == 4
+    amp.remove()
 
 
 def test_refused_setups_name_the_fix():

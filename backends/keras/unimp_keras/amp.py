@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from unimp.spi import Amp, Fp8Decision, LossScale, LossScaleState, Plan, Report, ReportRow, StateError
+from unimp.spi import Amp, Fp8Decision, LossScale, LossScaleState, Plan, Report, ReportRow, StateError, UnsupportedError
 
 from . import fp8
 from .bind import Binding, undo
@@ -70,6 +70,12 @@ class KerasAmp(Amp):
         from .watch import start
 
         start(self, watch)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KerasAmp:
+        if self._watching is not None:  # its taps are instance methods of the model: a copy would carry them
+            raise UnsupportedError("copy.deepcopy(amp) while amp.watch() runs on this Keras model: stop the watch "
+                                   "first (watch.close() or amp.unwatch()), copy, then watch the copy")
+        return super().__deepcopy__(memo)
 
     # ------------------------------------------------------------------ report
     def report(self, x: Any = None) -> Report:

@@ -8,8 +8,8 @@ instance level; each traced, compiled, on the first step that runs it): one as K
 taps that only check finiteness (a float32 sum per tensor) and one with taps that measure. Each training
 step runs one of them, chosen on the host before the step: the measuring one on sampled steps, the checking
 one on the others with ``localize``, else the plain one: an unsampled step runs nothing of the watch but
-reading three of the loss scaler's scalars (the step, the skip counter, the scale), returned beside the
-logs and removed from them.
+returning three of the loss scaler's scalars (the step, the skip counter, the scale) beside the logs
+(removed from them before Keras sees them), of which the host reads the skip counter.
 
 The taps are in each report layer's ``call`` (instance level; inside the stream cast of
 :func:`unimp_keras.bind.patch_stream`): the layer's output (and, with ``localize``, its first input) is
@@ -64,16 +64,69 @@ def _is_float(t: Any) -> bool:
             and 0 not in tuple(d for d in t.shape if d is not None))
 
 
-def measure(x: Any, target: str) -> tuple[Any, Any]:
+@functools.cache
+def _bounds(target: str, compare: str) -> tuple[int, ...]:
+    """The bit patterns of ``compare``'s magnitudes (monotonic in the value) from which a value counts in each
+    class of :data:`~unimp.watch.records.AT_LEAST` in ``target``: the smallest above zero, the thresholds of
+    :func:`unimp.watch.traced.thresholds`, +inf, the first NaN."""
+    itype = np.int64 if compare == "float64" else np.int32
+    patterns = [int(np.asarray(t, compare).view(itype)) for t in thresholds(target, compare)]
+    return (1, *patterns, patterns[-1] + 1)
+
+
+class Primitives:
+    """The few array operations :func:`measure` is written in: ``keras.ops`` (TensorFlow and JAX, where they are
+    traced and fused); :class:`TorchPrimitives` for Keras' eager torch, whose ``keras.ops`` wrappers cost an
+    extra pass per elementwise op."""
+
+    def bits(self, x: Any, compare: str, itype: str) -> Any:
+        """The bit patterns of ``x``'s magnitudes in ``compare`` (the sign bit off: a NaN may keep it)."""
+        return ops.bitwise_and(ops.view(ops.cast(x, compare), itype), np.iinfo(itype).max)
+
+    def amax(self, bits: Any, below: int, compare: str) -> Any:
+        """The largest magnitude whose pattern is below ``below`` (+inf: the largest finite), float32."""
+        finite = ops.where(ops.less(bits, below), ops.view(bits, compare), ops.zeros((), compare))
+        return ops.cast(ops.max(finite), "float32")
+
+    def at_least(self, bits: Any, bound: int) -> Any:
+        """How many patterns are ``>= bound``: ``(pattern - (bound - 1))`` clamped to [0, 1], summed (int32)."""
+        return ops.sum(ops.clip(bits - (bound - 1), 0, 1))
+
+    def stack(self, counts: list[Any], size: Any) -> Any:
+        return ops.stack([*(ops.cast(c, "int32") for c in counts), ops.cast(ops.size(size), "int32")])
+
+
+class TorchPrimitives(Primitives):
+    def bits(self, x: Any, compare: str, itype: str) -> Any:
+        import torch
+
+        return x.to(getattr(torch, compare)).view(getattr(torch, itype)) & np.iinfo(itype).max
+
+    def amax(self, bits: Any, below: int, compare: str) -> Any:
+        import torch
+
+        return torch.where(bits < below, bits.view(getattr(torch, compare)), 0.0).max().float()
+
+    def at_least(self, bits: Any, bound: int) -> Any:
+        import torch
+
+        return (bits - (bound - 1)).clamp_(0, 1).sum(dtype=torch.int32)
+
+    def stack(self, counts: list[Any], size: Any) -> Any:
+        import torch
+
+        return torch.stack([*counts, torch.tensor(size.numel(), dtype=torch.int32, device=size.device)])
+
+
+def measure(x: Any, target: str, prims: Primitives = Primitives()) -> tuple[Any, Any]:  # noqa: B008 (stateless)
     """The largest finite magnitude of ``x`` (float32) and its :data:`~unimp.watch.records.AT_LEAST` counts in
-    ``target`` (int32, 7), in ``keras.ops`` (traced or eager, on any Keras backend)."""
+    ``target`` (int32, 7), traced or eager on any Keras backend: counted on the bit patterns of the magnitudes
+    in float32 (float64 for a float64 tensor), in integer passes (no denormal flushing: TensorFlow's CPU
+    kernels treat subnormal operands of a float comparison as zero)."""
     compare = "float64" if keras.backend.standardize_dtype(x.dtype) == "float64" else "float32"
-    a = ops.abs(ops.cast(x, compare))
-    nan = ops.sum(ops.cast(ops.isnan(a), "int32"))
-    amax = ops.cast(ops.max(ops.where(ops.isfinite(a), a, ops.zeros((), compare))), "float32")
-    counts = [ops.sum(ops.cast(ops.greater(a, 0.0), "int32")) + nan]
-    counts += [ops.sum(ops.cast(ops.greater_equal(a, t), "int32")) + nan for t in thresholds(target, compare)]
-    return amax, ops.stack([*counts, nan, ops.cast(ops.size(a), "int32")])
+    itype = "int64" if compare == "float64" else "int32"
+    bits, bounds = prims.bits(x, compare, itype), _bounds(target, compare)
+    return prims.amax(bits, bounds[-2], compare), prims.stack([prims.at_least(bits, b) for b in bounds], bits)
 
 
 def check(x: Any) -> tuple[Any, Any]:
@@ -94,11 +147,13 @@ class _Store:
         self.pending: list[tuple[int, Any, Any]] = []
         self.full = True  # measure (a sampled step), else only check (localize), as the step is traced
 
-    def measured(self, x: Any, target: str) -> tuple[Any, Any]:
-        return measure(x, target) if self.full else check(x)
+    def measured(self, x: Any, target: str | None) -> tuple[Any, Any]:
+        """:func:`measure` on a sampled step, else :func:`check` (and always for ``target=None``)."""
+        return measure(x, target) if self.full and target is not None else check(x)
 
-    def checked(self, index: int, x: Any, target: str, then: Any) -> Any:
-        """``then`` (unchanged), once ``x`` is measured into tap ``index``."""
+    def checked(self, index: int, x: Any, target: str | None, then: Any) -> Any:
+        """``then`` (unchanged), once ``x`` is measured (``target``: in that dtype; None: checked) into tap
+        ``index``."""
         self.pending.append((index, *self.measured(x, target)))
         return then
 
@@ -118,7 +173,12 @@ class _Store:
 
 
 class _TorchStore(_Store):
-    def checked(self, index: int, x: Any, target: str, then: Any) -> Any:
+    PRIMS = TorchPrimitives()
+
+    def measured(self, x: Any, target: str | None) -> tuple[Any, Any]:
+        return measure(x, target, self.PRIMS) if self.full and target is not None else check(x)
+
+    def checked(self, index: int, x: Any, target: str | None, then: Any) -> Any:
         import torch
 
         with torch.no_grad():
@@ -131,7 +191,7 @@ class _TorchStore(_Store):
 
 
 class _JaxStore(_Store):
-    def checked(self, index: int, x: Any, target: str, then: Any) -> Any:
+    def checked(self, index: int, x: Any, target: str | None, then: Any) -> Any:
         import jax
 
         jax.debug.callback(functools.partial(self._put, index), *self.measured(x, target))
@@ -180,14 +240,14 @@ class _TfStore(_Store):
         self.amax = tf.Variable(np.zeros(size, np.float32), trainable=False, name="unimp_watch_amax")
         self.counts = tf.Variable(np.zeros((size, 7), np.int32), trainable=False, name="unimp_watch_counts")
 
-    def _write(self, index: int, x: Any, target: str) -> list[Any]:
+    def _write(self, index: int, x: Any, target: str | None) -> list[Any]:
         import tensorflow as tf
 
         amax, counts = self.measured(x, target)
         return [self.amax.scatter_max(tf.IndexedSlices(amax[None], [index])),
                 self.counts.scatter_add(tf.IndexedSlices(counts[None], [index]))]
 
-    def checked(self, index: int, x: Any, target: str, then: Any) -> Any:
+    def checked(self, index: int, x: Any, target: str | None, then: Any) -> Any:
         import tensorflow as tf
 
         with tf.control_dependencies(self._write(index, x, target)):
@@ -272,8 +332,8 @@ class KerasWatch:
                 if path is None or g is None:
                     continue
                 g = g.values if type(g).__name__ == "IndexedSlices" else g
-                target = keras.backend.standardize_dtype(g.dtype)
-                finite = self.store.checked(self.taps.tap(path, "grad_param", target), g, target, finite)
+                tap = self.taps.tap(path, "grad_param", keras.backend.standardize_dtype(g.dtype))
+                finite = self.store.checked(tap, g, None, finite)  # an event only: its finiteness
             return finite
 
         object.__setattr__(opt, "check_finite", check_finite)
@@ -399,24 +459,39 @@ class KerasWatch:
         return out
 
     def _read(self, info: dict[str, Any], sampled: bool, tapped: bool) -> None:
-        step, scale, count = (np.asarray(info[k]).item() for k in ("steps", "scale", "skipped"))
-        skipped = count > self.skipped
-        self.skipped, self.step = int(count), int(step) + 1
+        """Record the step, if it was sampled or skipped (an unsampled one costs the host one scalar)."""
+        count = int(ops.convert_to_numpy(info["skipped"]))
+        skipped, self.skipped = count > self.skipped, count
         if tapped:
             self.store.collect()
         layers, events = self.taps.take(measured=sampled) if tapped else ([], [])
-        if (sampled or skipped) and not self.session.closed:
-            notes = [NOT_LOCATED] if skipped and not tapped else []
-            self.session.add(int(step), skipped=skipped, scale=float(scale), sampled=sampled, layers=layers,
-                             events=events, notes=notes)
+        if not (sampled or skipped) or self.session.closed:
+            return
+        step, scale = (ops.convert_to_numpy(info[k]).item() for k in ("steps", "scale"))
+        self.step = int(step) + 1  # the scaler's count (the host's own counts the steps it dispatched)
+        notes = [NOT_LOCATED] if skipped and not tapped else []
+        self.session.add(int(step), skipped=skipped, scale=float(scale), sampled=sampled, layers=layers,
+                         events=events, notes=notes)
 
     def close(self) -> None:
-        """Undo: the dispatcher and the taps removed, the train functions built again on the next ``fit``."""
+        """Undo: the taps and the dispatcher removed. A ``fit`` running on (the watch closed from a callback, or
+        by a full disk under its file) finishes on the plain train function; the next ``compile`` builds Keras'
+        own again."""
+        running = self.model.train_function
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
+        if isinstance(running, functools.partial) and running.func == self._run:
+            self.model.train_function = functools.partial(_closed, running.args[0][PLAIN][0])
         if self.amp._watching is self:
             self.amp._watching = None
+
+
+def _closed(plain: Any, *args: Any) -> Any:
+    """The plain train function of a closed watch: Keras' step, the scaler's scalars dropped from its logs."""
+    out = plain(*args)
+    (out[0] if keras.backend.backend() == "jax" else out).pop(INFO, None)
+    return out
 
 
 def start(amp: Any, session: Any) -> KerasWatch:
