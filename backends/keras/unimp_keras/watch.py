@@ -93,7 +93,16 @@ class Primitives:
         return ops.sum(ops.clip(bits - (bound - 1), 0, 1))
 
     def stack(self, counts: list[Any], size: Any) -> Any:
-        return ops.stack([*(ops.cast(c, "int32") for c in counts), ops.cast(ops.size(size), "int32")])
+        """``counts`` and the numel of ``size`` (None: 1, a check), int32."""
+        n = ops.ones((), "int32") if size is None else ops.cast(ops.size(size), "int32")
+        return ops.stack([*(ops.cast(c, "int32") for c in counts), n])
+
+    def nonfinite_sum(self, x: Any) -> Any:
+        """1 (int32) when the float32 sum of ``x`` is not finite (some value is not), else 0."""
+        return ops.cast(ops.logical_not(ops.isfinite(ops.sum(ops.cast(x, "float32")))), "int32")
+
+    def zero(self) -> Any:
+        return ops.zeros((), "float32")
 
 
 class TorchPrimitives(Primitives):
@@ -115,7 +124,18 @@ class TorchPrimitives(Primitives):
     def stack(self, counts: list[Any], size: Any) -> Any:
         import torch
 
-        return torch.stack([*counts, torch.tensor(size.numel(), dtype=torch.int32, device=size.device)])
+        n = 1 if size is None else size.numel()
+        return torch.stack([*counts, torch.tensor(n, dtype=torch.int32, device=counts[0].device)])
+
+    def nonfinite_sum(self, x: Any) -> Any:
+        import torch
+
+        return (~torch.isfinite(x.sum(dtype=torch.float32))).to(torch.int32)
+
+    def zero(self) -> Any:
+        import torch
+
+        return torch.zeros(())
 
 
 def measure(x: Any, target: str, prims: Primitives = Primitives()) -> tuple[Any, Any]:  # noqa: B008 (stateless)
@@ -129,13 +149,12 @@ def measure(x: Any, target: str, prims: Primitives = Primitives()) -> tuple[Any,
     return prims.amax(bits, bounds[-2], compare), prims.stack([prims.at_least(bits, b) for b in bounds], bits)
 
 
-def check(x: Any) -> tuple[Any, Any]:
+def check(x: Any, prims: Primitives = Primitives()) -> tuple[Any, Any]:  # noqa: B008 (stateless)
     """Whether ``x`` is finite, as :func:`measure`'s counts (its non-finite count 1 or 0; numel 1: checked): one
     float32 sum (non-finite iff some value is), for a tapped step that is not sampled (``localize``)."""
-    total = ops.sum(ops.cast(x, "float32"))
-    bad = ops.cast(ops.logical_not(ops.isfinite(total)), "int32")
-    zero = ops.zeros((), "int32")
-    return ops.zeros((), "float32"), ops.stack([zero, zero, zero, zero, bad, zero, ops.ones((), "int32")])
+    bad = prims.nonfinite_sum(x)
+    zero = bad * 0
+    return prims.zero(), prims.stack([zero, zero, zero, zero, bad, zero], None)
 
 
 # ---------------------------------------------------------------------- how a measurement leaves the step
@@ -176,7 +195,7 @@ class _TorchStore(_Store):
     PRIMS = TorchPrimitives()
 
     def measured(self, x: Any, target: str | None) -> tuple[Any, Any]:
-        return measure(x, target, self.PRIMS) if self.full and target is not None else check(x)
+        return measure(x, target, self.PRIMS) if self.full and target is not None else check(x, self.PRIMS)
 
     def checked(self, index: int, x: Any, target: str | None, then: Any) -> Any:
         import torch
@@ -502,6 +521,12 @@ def start(amp: Any, session: Any) -> KerasWatch:
     if keras.backend.backend() == "jax" and keras.config.is_nnx_enabled():
         raise UnsupportedError("amp.watch(): Keras on JAX with NNX enabled builds train_step from the model's "
                                "class; watch with keras.config.set_nnx_enabled(False)")
+    if keras.backend.backend() == "tensorflow":
+        from .tf_distribute import is_distributed
+
+        if is_distributed(getattr(amp.model, "_distribute_strategy", None)):
+            raise UnsupportedError("amp.watch(): not available under a tf.distribute strategy yet (its taps write "
+                                   "variables of one replica); watch a single-device run of the model")
     watch = KerasWatch(amp, session)
     session.bind(watch.step, watch.close)
     amp._watching = watch
