@@ -43,7 +43,7 @@ def _at_or_above(value: float, compare: str, strict: bool) -> float:
         return math.nextafter(value, math.inf) if strict else value
     if value > FLOAT32_MAX:
         return math.inf
-    got = struct.unpack("<f", struct.pack("<f", value))[0]  # rounded to nearest
+    got: float = struct.unpack("<f", struct.pack("<f", value))[0]  # rounded to nearest
     if got < value or (strict and got == value):
         bits = struct.unpack("<I", struct.pack("<f", got))[0] + 1
         got = struct.unpack("<f", struct.pack("<I", bits))[0]
