@@ -66,3 +66,26 @@ def line(first: str, times: dict[str, list[float]], sampled: dict[str, set[int]]
     cells = " | ".join(f"{row[w][0]:.3f} ({row[w][1]:.2f}, {row[w][2]:.3f}) | {row[w][0] / plain:.3f}"
                        for w in row if w not in ("plain", "plain2"))
     return (f"| {first} " if first else "") + f"| {plain:.3f} | {plain2:.3f} | {plain2 / plain:.3f} | {cells} |"
+
+
+def run_builds(variant: Callable[..., Callable[[], None]], args: argparse.Namespace,
+               clock: Callable[[], float] = time.process_time) -> tuple[dict[str, list[float]], dict[str, set[int]]]:
+    """The builds of a watch-overhead bench from ``variant(**watch)`` (a step whose ``.amp`` is its Amp): ``plain``,
+    ``plain2`` (the A/A control), ``watched`` (``every``) and, with ``--localize``, ``localize``; each warmed up
+    (``args.warmup`` steps; the watch's first sampled step is the first of them), then timed by :func:`measure`.
+    Returns the times and, per watched build, the indexes of its sampled timed steps (checked on its records)."""
+    steps = {"plain": variant(), "plain2": variant(), "watched": variant(every=args.every)}
+    if args.localize:
+        steps["localize"] = variant(every=args.every, localize=True)
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step()
+    times = measure(steps, args.steps, clock)
+    sampled = {}
+    for name, step in steps.items():
+        watch = getattr(step.amp, "_watch", None)  # type: ignore[attr-defined]
+        if watch is not None:
+            sampled[name] = {i for i in range(args.steps) if (args.warmup + i) % args.every == 0}
+            assert {r["step"] - args.warmup for r in watch.records if r["sampled"] and r["step"] >= args.warmup} \
+                == sampled[name]
+    return times, sampled

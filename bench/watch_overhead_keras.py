@@ -17,6 +17,7 @@ the warm-up, so the tapped train function is compiled there (its first sampled s
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 import warnings
@@ -27,7 +28,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_
 
 import keras
 import numpy as np
-from _turns import arguments, header, line, measure
+from _turns import arguments, header, line, run_builds
 
 import unimp
 
@@ -99,22 +100,8 @@ def main() -> None:
     print(f"Keras {keras.__version__} on {keras.backend.backend()}: transformer d={args.d} layers={args.layers} "
           f"batch={args.batch}x{args.seq}, {args.policy}, 1 thread; {args.steps} steps per build, taking turns "
           f"({'wall' if args.wall else 'CPU'} ms per step)")
-    steps = {"plain": variant(weights, args, ids), "plain2": variant(weights, args, ids),
-             "watched": variant(weights, args, ids, every=args.every)}
-    if args.localize:
-        steps["localize"] = variant(weights, args, ids, every=args.every, localize=True)
-    for step in steps.values():
-        for _ in range(args.warmup):
-            step()
-    times = measure(steps, args.steps, clock)
-    sampled = {}
-    for name, step in steps.items():
-        watch = getattr(step.amp, "_watch", None)
-        if watch is not None:  # its first sampled step was the first warm-up step
-            sampled[name] = {i for i in range(args.steps) if (args.warmup + i) % args.every == 0}
-            assert {r["step"] - args.warmup for r in watch.records if r["sampled"] and r["step"] >= args.warmup} \
-                == sampled[name]
-    print(header("backend", [w for w in steps if w in sampled]))
+    times, sampled = run_builds(functools.partial(variant, weights, args, ids), args, clock)
+    print(header("backend", list(sampled)))
     print(line(keras.backend.backend(), times, sampled, args.every), flush=True)
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ as Paddle runs it on CPU (its reported fallback: float32 kernels, dynamic loss s
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import time
 import warnings
@@ -28,7 +29,7 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 import numpy as np
 import paddle
 import paddle.nn.functional as F
-from _turns import arguments, header, line, measure
+from _turns import arguments, header, line, run_builds
 from paddle import nn
 
 import unimp
@@ -97,21 +98,8 @@ def main() -> None:
           f"fallback: float32), paddle {paddle.__version__}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; "
           f"{args.steps} steps per build, taking turns ({'wall' if args.wall else 'CPU'} ms per step)")
     # the watch starts before the warm-up: its sampled steps are warm-up step 0, then every ``every``-th
-    steps = {"plain": variant(base, policy, ids), "plain2": variant(base, policy, ids),
-             "watched": variant(base, policy, ids, every=args.every)}
-    if args.localize:
-        steps["localize"] = variant(base, policy, ids, every=args.every, localize=True)
-    for step in steps.values():
-        for _ in range(args.warmup):
-            step()
-    times = measure(steps, args.steps, clock)
-    sampled = {}
-    for name, step in steps.items():
-        watch = getattr(step.amp, "_watch", None)
-        if watch is not None:
-            sampled[name] = {i for i in range(args.steps) if (args.warmup + i) % args.every == 0}
-            assert {r["step"] - args.warmup for r in watch.records if r["step"] >= args.warmup} == sampled[name]
-    print(header("", [w for w in steps if w in sampled]))
+    times, sampled = run_builds(functools.partial(variant, base, policy, ids), args, clock)
+    print(header("", list(sampled)))
     print(line("", times, sampled, args.every), flush=True)
 
 if __name__ == "__main__":
