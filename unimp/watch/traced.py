@@ -64,6 +64,16 @@ def thresholds(target: str, compare: str = "float32") -> tuple[float, float, flo
             math.inf)
 
 
+def measured_in(own: str, compute: str | None) -> str:
+    """The dtype a tensor of dtype ``own`` is measured in: its layer's compute dtype (``compute``) where that is
+    a 16-bit float and the tensor is wider (a float32 output of a layer that computed in float16), else its own.
+
+    >>> measured_in("float32", "float16"), measured_in("bfloat16", "float16"), measured_in("float32", None)
+    ('float16', 'bfloat16', 'float32')
+    """
+    return compute if compute in ("float16", "bfloat16") and own not in ("float16", "bfloat16") else own
+
+
 @dataclass
 class Tap:
     """One tapped tensor of the step: a layer's ``tensor`` (:data:`TENSORS`), measured in ``dtype``."""

@@ -47,7 +47,7 @@ import numpy as np
 from keras import ops
 
 from unimp.spi import UnsupportedError
-from unimp.watch.traced import Taps, thresholds
+from unimp.watch.traced import Taps, measured_in, thresholds
 
 from .bind import _decide, reset_compiled_functions
 from .index import is_graph
@@ -391,8 +391,7 @@ class KerasWatch:
     # ------------------------------------------------------------------ in the tapped step
     @staticmethod
     def _target(x: Any, compute: str | None) -> str:
-        own = keras.backend.standardize_dtype(x.dtype)
-        return compute if compute in ("float16", "bfloat16") and own not in ("float16", "bfloat16") else own
+        return measured_in(keras.backend.standardize_dtype(x.dtype), compute)
 
     def _layer_call(self, path: str, compute: str | None, original: Any, args: tuple, kwargs: dict) -> Any:
         if self.localize:
