@@ -21,7 +21,6 @@ graph there too).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 import warnings
@@ -29,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 import transformers
-from _turns import cost, measure
+from _turns import arguments, header, line, measure
 
 import unimp
 
@@ -60,16 +59,8 @@ def variant(base: torch.nn.Module, policy: str, batch: dict, compiled: bool, **w
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=1000, help="timed steps per build")
-    ap.add_argument("--every", type=int, default=100)
-    ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=64)
+    ap = arguments(steps=1000, warmup=None)
     ap.add_argument("--policy", default="mixed_bf16")
-    ap.add_argument("--localize", action="store_true", help="also a build watched with localize=True")
-    ap.add_argument("--wall", action="store_true", help="wall time instead of the process's CPU time")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (wall time between synchronizations)")
     ap.add_argument("--eager-counting", choices=("default", "at-once"), default="default",
                     help="at-once: the eager counting off the CPU without torch.compile (the comparison for the "
@@ -98,9 +89,7 @@ def main() -> None:
           f"{torch.__version__}, {where}; {args.steps} steps per build, taking turns "
           f"({'wall' if wall else 'CPU'} ms per step)")
     watched = ["watched", *(["localize"] if args.localize else [])]
-    print("| mode | plain | plain2 | A/A plain2/plain | " + " | ".join(
-        f"{w}: per step (sampled, other) | {w}/plain" for w in watched) + " |")
-    print("|---|---|---|---|" + "---|---|" * len(watched))
+    print(header("mode", watched))
     modes = [m for m in ("eager", "compiled") if not (m == "eager" and args.compile_only)
              and not (m == "compiled" and args.eager_only)]
     for m in modes:
@@ -114,17 +103,10 @@ def main() -> None:
             for _ in range(args.every):
                 step()
         times = measure(steps, args.steps, clock, sync)
-        row = {}
-        for name, step in steps.items():
-            watch = getattr(step.amp, "_watch", None)
-            first = args.every  # the watch's first sampled step was the first warm-up step
-            sampled = {i for i in range(args.steps) if watch is not None and (first + i) % args.every == 0}
-            row[name] = cost(times[name], sampled, args.every)
-        plain, plain2 = row["plain"][0], row["plain2"][0]
-        cells = " | ".join(f"{row[w][0]:.3f} ({row[w][1]:.2f}, {row[w][2]:.3f}) | {row[w][0] / plain:.3f}"
-                           for w in watched)
-        print(f"| {m} | {plain:.3f} | {plain2:.3f} | {plain2 / plain:.3f} | {cells} |", flush=True)
-
+        first = args.every  # the watch's first sampled step was the first warm-up step
+        sampled = {name: {i for i in range(args.steps) if (first + i) % args.every == 0}
+                   for name, step in steps.items() if getattr(step.amp, "_watch", None) is not None}
+        print(line(m, times, sampled, args.every), flush=True)
 
 if __name__ == "__main__":
     main()

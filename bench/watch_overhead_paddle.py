@@ -15,8 +15,8 @@ as Paddle runs it on CPU (its reported fallback: float32 kernels, dynamic loss s
 
 from __future__ import annotations
 
-import argparse
 import copy
+import functools
 import os
 import time
 import warnings
@@ -29,7 +29,7 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 import numpy as np
 import paddle
 import paddle.nn.functional as F
-from _turns import cost, measure
+from _turns import arguments, header, line, run_builds
 from paddle import nn
 
 import unimp
@@ -85,16 +85,7 @@ def variant(base: GPT, policy: dict, ids: paddle.Tensor, **watch: object) -> Cal
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=300, help="timed steps per build")
-    ap.add_argument("--every", type=int, default=100)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--localize", action="store_true", help="also a build watched with localize=True")
-    ap.add_argument("--wall", action="store_true", help="wall time instead of the process's CPU time")
+    ap = arguments()
     args = ap.parse_args()
     warnings.simplefilter("ignore")  # Paddle's auto_cast-on-CPU warning, alignment findings
     paddle.set_device("cpu")
@@ -107,29 +98,9 @@ def main() -> None:
           f"fallback: float32), paddle {paddle.__version__}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; "
           f"{args.steps} steps per build, taking turns ({'wall' if args.wall else 'CPU'} ms per step)")
     # the watch starts before the warm-up: its sampled steps are warm-up step 0, then every ``every``-th
-    steps = {"plain": variant(base, policy, ids), "plain2": variant(base, policy, ids),
-             "watched": variant(base, policy, ids, every=args.every)}
-    if args.localize:
-        steps["localize"] = variant(base, policy, ids, every=args.every, localize=True)
-    for step in steps.values():
-        for _ in range(args.warmup):
-            step()
-    times = measure(steps, args.steps, clock)
-    watched = [w for w in ("watched", "localize") if w in steps]
-    row = {}
-    for name, step in steps.items():
-        watch = getattr(step.amp, "_watch", None)
-        sampled = {i for i in range(args.steps) if watch is not None and (args.warmup + i) % args.every == 0}
-        if watch is not None:
-            assert {r["step"] - args.warmup for r in watch.records if r["step"] >= args.warmup} == sampled
-        row[name] = cost(times[name], sampled, args.every)
-    plain, plain2 = row["plain"][0], row["plain2"][0]
-    print("| plain | plain2 | A/A plain2/plain | " + " | ".join(
-        f"{w}: per step (sampled, other) | {w}/plain" for w in watched) + " |")
-    print("|---|---|---|" + "---|---|" * len(watched))
-    cells = " | ".join(f"{row[w][0]:.3f} ({row[w][1]:.2f}, {row[w][2]:.3f}) | {row[w][0] / plain:.3f}" for w in watched)
-    print(f"| {plain:.3f} | {plain2:.3f} | {plain2 / plain:.3f} | {cells} |", flush=True)
-
+    times, sampled = run_builds(functools.partial(variant, base, policy, ids), args, clock)
+    print(header("", list(sampled)))
+    print(line("", times, sampled, args.every), flush=True)
 
 if __name__ == "__main__":
     main()

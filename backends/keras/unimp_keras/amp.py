@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from unimp.spi import Amp, Fp8Decision, LossScale, LossScaleState, Plan, Report, ReportRow, StateError
+from unimp.spi import Amp, Fp8Decision, LossScale, LossScaleState, Plan, Report, ReportRow, StateError, UnsupportedError
 
 from . import fp8
 from .bind import Binding, undo
@@ -40,6 +40,7 @@ class KerasAmp(Amp):
         self.findings = list(binding.findings)
         self.data_formats = dict(binding.formats)  # conv/pooling data_format by layer path
         self._state = LossScale(plan.loss_scale).initial_state()  # used without an optimizer
+        self._watching: Any = None  # unimp_keras.watch.KerasWatch while amp.watch() runs
 
     # ------------------------------------------------------------------ training verbs
     def scale_loss(self, loss: Any) -> Any:
@@ -62,6 +63,19 @@ class KerasAmp(Amp):
             self._state = state
         else:
             self.optimizer.set_loss_scale_state(state)
+
+    # ------------------------------------------------------------------ watch
+    def _start_watch(self, watch: Any) -> None:
+        """``amp.watch(...)`` (the core's): numerics from Keras' compiled train_step (:mod:`unimp_keras.watch`)."""
+        from .watch import start
+
+        start(self, watch)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KerasAmp:
+        if self._watching is not None:  # its taps are instance methods of the model: a copy would carry them
+            raise UnsupportedError("copy.deepcopy(amp) while amp.watch() runs on this Keras model: stop the watch "
+                                   "first (watch.close() or amp.unwatch()), copy, then watch the copy")
+        return super().__deepcopy__(memo)
 
     # ------------------------------------------------------------------ report
     def report(self, x: Any = None) -> Report:
