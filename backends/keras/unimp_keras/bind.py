@@ -130,6 +130,7 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
     binding.formats = data_formats(units)
     binding.findings += layout_findings(binding.formats, plan.channels_last)
     plans: list[tuple[Unit, Any, str | None]] = []
+    kept: set[int] = set()
     for u in units:
         if u.container:  # a composite (attention) follows its op's rule; other containers their inputs
             compute = _decide(plan, u)[0] if u.kind is not None else None
@@ -137,7 +138,8 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
                                                                                         u.layer.variable_dtype)
             plans.append((u, kp, None))
             continue
-        if pinned(plan, u):  # its author's dtype, as Keras' own policies keep it
+        if pinned(plan, u):  # its author's dtype and result, as Keras' own policies keep them
+            kept.add(id(u.layer))
             continue
         compute, param, category = _decide(plan, u)
         if not u.has_params:
@@ -162,7 +164,7 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
             binding.fp8.append(fp8.quantize(plan, u, binding.policies))
             fp8.guard_eager(u, binding.instance_methods)
     for u in units:
-        if u.parent is not None and not is_graph(u.parent):
+        if u.parent is not None and not is_graph(u.parent) and id(u.layer) not in kept:
             patch_stream(u.layer, u.parent, binding)
     retrack(model, [(s.original, s.low) for s in binding.swaps])
     for layer in {id(s.layer): s.layer for s in binding.swaps}.values():
