@@ -70,7 +70,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--keras-only-initial", type=float, default=None,
+                    help="train Keras' own side only, with LossScaleOptimizer(initial_scale=...) (the control: "
+                         "mixed_fp16's initial 2**16 vs Keras' 2**15)")
     args = ap.parse_args()
+    if args.keras_only_initial is not None:
+        for seed in range(args.seeds):
+            native, ref = build("mixed_float16", seed), build("float32", seed)
+            native.set_weights(ref.get_weights())
+            opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=args.keras_only_initial)
+            print(f"seed {seed}: keras initial_scale={args.keras_only_initial:g} {fit(native, opt, args.steps):.4f}",
+                  flush=True)
+        return
     rows = []
     for seed in range(args.seeds):
         ref = build("float32", seed)

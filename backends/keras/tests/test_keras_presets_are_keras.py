@@ -122,6 +122,8 @@ def train(model, optimizer, name, mode):
 
 
 def skip_reason(name, mode):
+    if name == "mobilenet_v2" and mode == "eager":
+        return "MobileNetV2: compared with the default compile (its dtypes and output there; eagerly ~30 s more)"
     if mode == "xla" and BACKEND != "tensorflow":
         return f"{BACKEND}: the default compile is the jitted one (JAX: jit; torch: Keras runs no torch.compile)"
     if mode == "xla" and name != "gemma":
@@ -147,7 +149,7 @@ def test_a_keras_named_preset_is_keras_bit_for_bit(preset, name, mode):
     model, apply = unimp_model(name, preset)
     model.set_weights(native.get_weights())
     amp = apply(model, keras.optimizers.Adam(1e-3))
-    if mode == "eager":  # dtypes and outputs: once per model
+    if mode == "eager" or (mode == "compiled" and name == "mobilenet_v2"):  # dtypes and outputs: once per model
         mine, out = output_dtypes(model, x)
         theirs, expected = output_dtypes(native, x)
         assert mine == theirs
