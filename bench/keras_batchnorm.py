@@ -2,8 +2,8 @@
 
 keras.applications MobileNetV2 (``weights=None``, 32x32 input, alpha 0.35, 4 classes), batch 4, a fixed
 synthetic learnable dataset (4 class templates + noise, the same for every run), Adam(1e-3), ``compile`` +
-``fit`` (Keras' default ``jit_compile="auto"``), per seed: the same initial weights for both sides; the final loss is the mean training loss of the last
-epoch (the last 50 of the 200 steps).
+``fit`` (Keras' default ``jit_compile="auto"``), per seed the same initial weights for both sides; the final
+loss is the mean training loss of the last epoch (the last 50 of the 200 steps).
 unimp = ``unimp.apply("mixed_fp16", model, Adam)``; Keras = the model built under
 ``keras.config.set_dtype_policy("mixed_float16")`` + ``keras.optimizers.LossScaleOptimizer(Adam)``. It prints
 the per-seed final losses, the medians, and each side's BatchNorm /
@@ -22,6 +22,7 @@ import keras
 import numpy as np
 
 import unimp
+from unimp_keras.testing import built_under
 
 N, CLASSES, SIZE, BATCH = 200, 4, 32, 4
 
@@ -35,14 +36,8 @@ def data() -> tuple[np.ndarray, np.ndarray]:
 
 
 def build(policy: str, seed: int) -> keras.Model:
-    old = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(policy)
-    try:
-        keras.utils.set_random_seed(seed)
-        return keras.applications.MobileNetV2(input_shape=(SIZE, SIZE, 3), alpha=0.35, weights=None,
-                                              classes=CLASSES)
-    finally:
-        keras.config.set_dtype_policy(old)
+    return built_under(policy, lambda: keras.applications.MobileNetV2(
+        input_shape=(SIZE, SIZE, 3), alpha=0.35, weights=None, classes=CLASSES), seed=seed)
 
 
 def fit(model: keras.Model, optimizer: keras.optimizers.Optimizer, steps: int) -> float:
@@ -78,9 +73,9 @@ def main() -> None:
         for seed in range(args.seeds):
             native, ref = build("mixed_float16", seed), build("float32", seed)
             native.set_weights(ref.get_weights())
-            opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=args.keras_only_initial)
-            print(f"seed {seed}: keras initial_scale={args.keras_only_initial:g} {fit(native, opt, args.steps):.4f}",
-                  flush=True)
+            initial = args.keras_only_initial
+            opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=initial)
+            print(f"seed {seed}: keras initial_scale={initial:g} {fit(native, opt, args.steps):.4f}", flush=True)
         return
     rows = []
     for seed in range(args.seeds):

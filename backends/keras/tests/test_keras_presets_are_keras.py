@@ -3,10 +3,10 @@
 ``keras_mixed_float16`` against what a Keras user writes: ``keras.config.set_dtype_policy("mixed_float16")``
 before building, ``keras.optimizers.LossScaleOptimizer`` around the optimizer, ``compile`` + ``fit``. On
 keras_hub GPT-2, BERT and Gemma (tiny configs, random init) and keras.applications MobileNetV2
-(``weights=None``, its first blocks): every layer's output dtype, the model's output and 20 ``fit`` steps (losses, weights, loss
-scale), eagerly (``run_eagerly=True``), with Keras' default compile (``jit_compile="auto"``: XLA-jitted on JAX,
-a ``tf.function`` on TensorFlow's CPU, no ``torch.compile`` on torch) and, on TensorFlow, ``jit_compile=True``
-(Gemma: XLA's compile of each model costs ~10-20 s there).
+(``weights=None``, its first blocks): every layer's output dtype, the model's output and 20 ``fit`` steps
+(losses, weights, loss scale), eagerly (``run_eagerly=True``), with Keras' default compile
+(``jit_compile="auto"``: XLA-jitted on JAX, a ``tf.function`` on TensorFlow's CPU, no ``torch.compile`` on
+torch) and, on TensorFlow, ``jit_compile=True`` (Gemma: XLA's compile of each model costs ~10-20 s there).
 
 Where it is not compared, it says why: GPT-2 / BERT on JAX's CPU (Keras' own float16 attention does not compile
 in XLA there; the Plan refuses it: test_blocks_and_saving.py); keras_hub Gemma built in float32 on TensorFlow
@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import unimp
+from unimp_keras.testing import built_under, output_dtypes
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -66,15 +67,7 @@ MODELS = {
 def build(name, policy):
     """The model as its user builds it under Keras' global ``policy`` (seeded: the same weights every time)."""
     factory, x, _ = MODELS[name]
-    old = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(policy)
-    try:
-        keras.utils.set_random_seed(0)
-        model = factory()
-        model(x)
-    finally:
-        keras.config.set_dtype_policy(old)
-    return model
+    return built_under(policy, factory, x)
 
 
 def unimp_model(name, preset):
@@ -82,36 +75,15 @@ def unimp_model(name, preset):
     if name == "gemma" and BACKEND == "tensorflow":
         factory, x, _ = MODELS[name]
         with unimp.scope(preset) as s:
-            keras.utils.set_random_seed(0)
-            model = factory()
-            model(x)
+            model = built_under(keras.config.dtype_policy(), factory, x)  # the scope's global policy
         return model, s.apply
     return build(name, "float32"), lambda model, opt: unimp.apply(preset, model, opt)
 
 
-def output_dtypes(model, x):
-    """Each layer's output dtype in one call, recorded by wrapping its ``call`` here (not by unimp)."""
-    seen, saved = [], []
-    for layer in model._flatten_layers(include_self=False):
-        own, inner = layer.__dict__.get("call"), layer.call
-
-        def record(*a, _layer=layer, _call=inner, **k):
-            out = _call(*a, **k)
-            leaves = [t for t in keras.tree.flatten(out) if hasattr(t, "dtype")]
-            seen.append((type(_layer).__name__, keras.backend.standardize_dtype(leaves[0].dtype) if leaves else None))
-            return out
-
-        object.__setattr__(layer, "call", record)
-        saved.append((layer, own))
-    try:
-        out = model(x)
-    finally:
-        for layer, own in saved:
-            if own is None:
-                del layer.__dict__["call"]
-            else:
-                object.__setattr__(layer, "call", own)
-    return seen, [keras.ops.convert_to_numpy(t) for t in keras.tree.flatten(out)]
+def layer_dtypes(model, x):
+    """Each layer's class and output dtype in one call (recorded outside unimp), and the outputs."""
+    seen, out = output_dtypes(model, model._flatten_layers(include_self=False), x)
+    return [(type(la).__name__, d) for la, d in seen], [keras.ops.convert_to_numpy(t) for t in keras.tree.flatten(out)]
 
 
 def train(model, optimizer, name, mode):
@@ -150,8 +122,8 @@ def test_a_keras_named_preset_is_keras_bit_for_bit(preset, name, mode):
     model.set_weights(native.get_weights())
     amp = apply(model, keras.optimizers.Adam(1e-3))
     if mode == "eager" or (mode == "compiled" and name == "mobilenet_v2"):  # dtypes and outputs: once per model
-        mine, out = output_dtypes(model, x)
-        theirs, expected = output_dtypes(native, x)
+        mine, out = layer_dtypes(model, x)
+        theirs, expected = layer_dtypes(native, x)
         assert mine == theirs
         assert all(same(a, b) for a, b in zip(out, expected, strict=True))
     lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
