@@ -16,6 +16,7 @@ from keras_env import GRAPH_OPS, walk
 from tolerance import reference_tolerance
 
 import unimp
+from unimp_keras.testing import built_under, output_dtypes
 
 STEPS = 10
 RNG = np.random.default_rng(0)
@@ -80,14 +81,7 @@ def numpy(x):
 
 def build(name, policy="float32"):
     factory, x, _ = DATA[name]
-    keras.config.set_dtype_policy(policy)
-    try:
-        keras.utils.set_random_seed(0)
-        model = factory()
-        model(x)
-    finally:
-        keras.config.set_dtype_policy("float32")
-    return model
+    return built_under(policy, factory, x)
 
 
 def fit(model, optimizer, name, callbacks=()):
@@ -113,29 +107,10 @@ def native_losses(name, policy, initial_scale):
 
 def observed_outputs(model, units, x):
     """Output dtype of each unit layer, recorded by wrapping its call here (not by unimp)."""
-    seen, saved = {}, []
-    for u in units:
-        if u.container:
-            continue
-        own = u.layer.__dict__.get("call")
-        inner = u.layer.call
-
-        def rec(*a, _p=u.path, _c=inner, **k):
-            out = _c(*a, **k)
-            leaves = [t for t in keras.tree.flatten(out) if hasattr(t, "dtype")]
-            seen.setdefault(_p, keras.backend.standardize_dtype(leaves[0].dtype) if leaves else None)
-            return out
-
-        object.__setattr__(u.layer, "call", rec)
-        saved.append((u.layer, own))
-    try:
-        model(x)
-    finally:
-        for layer, own in saved:
-            if own is None:
-                del layer.__dict__["call"]
-            else:
-                object.__setattr__(layer, "call", own)
+    paths = {id(u.layer): u.path for u in units if not u.container}
+    seen = {}
+    for layer, dtype in output_dtypes(model, [u.layer for u in units if not u.container], x)[0]:
+        seen.setdefault(paths[id(layer)], dtype)
     return seen
 
 

@@ -94,6 +94,34 @@ def _decide(plan: Plan, unit: Unit) -> tuple[str | None, str, str]:
     return compute, d.param_dtype, d.category
 
 
+def keeps_activation_dtype(plan: Plan, unit: Unit, compute: str) -> bool:
+    """Whether ``unit`` is a batch_norm the policy runs in float32: Keras' ``BatchNormalization`` then
+    computes its statistics and normalisation in float32 over float32 variables whatever arrives, and
+    returns the dtype it computed for (``FollowInputs``: the incoming activation's), as the op is defined
+    (``unimp.policy.ops``: the output keeps the activation dtype, as torch autocast, Paddle and Keras' own
+    ``mixed_float16`` give it)."""
+    return (unit.kind == "batch_norm" and compute == "float32"
+            and plan.decide(unit.path, unit.kind, unit.type_names).override is None)
+
+
+def pinned(plan: Plan, unit: Unit) -> bool:
+    """Whether ``unit`` is a sublayer of a subclassed layer that its author gave a dtype of its own
+    (``keras.layers.Softmax(dtype="float32")`` in keras_hub's Gemma / Llama attention), which no override names.
+
+    Keras' global dtype policy reaches the layers built with ``dtype=None`` (Keras' global policy object) and
+    the sublayers a container builds with ``dtype=self.dtype_policy`` (its own object); a sublayer holding
+    another policy object was built with an explicit dtype, and Keras' own ``mixed_float16`` keeps it, so
+    unimp does too. (A layer of a functional model is not judged so: a loaded ``.keras`` file gives each
+    its own policy object.)"""
+    parent = unit.parent
+    if parent is None or is_graph(parent):
+        return False
+    own = unit.layer._dtype_policy
+    if own is parent._dtype_policy or own is keras.config.dtype_policy():
+        return False
+    return plan.decide(unit.path, unit.kind, unit.type_names).override is None
+
+
 def apply_layers(plan: Plan, model: Any) -> Binding:
     """Findings first (they may refuse), then dtype policies and low-precision params."""
     units = walk(model)
@@ -102,6 +130,7 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
     binding.formats = data_formats(units)
     binding.findings += layout_findings(binding.formats, plan.channels_last)
     plans: list[tuple[Unit, Any, str | None]] = []
+    kept: set[int] = set()
     for u in units:
         if u.container:  # a composite (attention) follows its op's rule; other containers their inputs
             compute = _decide(plan, u)[0] if u.kind is not None else None
@@ -109,10 +138,13 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
                                                                                         u.layer.variable_dtype)
             plans.append((u, kp, None))
             continue
+        if pinned(plan, u):  # its author's dtype and result, as Keras' own policies keep them
+            kept.add(id(u.layer))
+            continue
         compute, param, category = _decide(plan, u)
         if not u.has_params:
             param = "float32" if compute is None else compute
-        if compute is None:
+        if compute is None or keeps_activation_dtype(plan, u, compute):
             kp = FollowInputs(param, promote=category == "promote" and u.has_params)  # paramless: widest input
         else:
             kp = keras_policy(compute, param)  # may refuse before anything changed
@@ -132,7 +164,7 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
             binding.fp8.append(fp8.quantize(plan, u, binding.policies))
             fp8.guard_eager(u, binding.instance_methods)
     for u in units:
-        if u.parent is not None and not is_graph(u.parent):
+        if u.parent is not None and not is_graph(u.parent) and id(u.layer) not in kept:
             patch_stream(u.layer, u.parent, binding)
     retrack(model, [(s.original, s.low) for s in binding.swaps])
     for layer in {id(s.layer): s.layer for s in binding.swaps}.values():

@@ -23,6 +23,57 @@ from .index import walk
 from .steps import custom_step
 
 
+def built_under(policy: str, factory: Any, x: Any = None, seed: int = 0) -> Any:
+    """``factory()`` built as a Keras user builds it under ``keras.config.set_dtype_policy(policy)``: seeded (the
+    same initial weights every call), called once on ``x`` when given; Keras' global policy put back after.
+
+    >>> built_under("mixed_float16", lambda: keras.layers.Dense(2)).compute_dtype
+    'float16'
+    """
+    old = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        keras.utils.set_random_seed(seed)
+        model = factory()
+        if x is not None:
+            model(x)
+        return model
+    finally:
+        keras.config.set_dtype_policy(old)
+
+
+def output_dtypes(model: Any, layers: Any, x: Any) -> tuple[list[tuple[Any, str | None]], Any]:
+    """``model(x)`` with each of ``layers``' output dtype recorded (by wrapping its ``call`` on the instance for
+    this one call, not through unimp): ``([(layer, dtype of its first tensor result), ...] in call order, out)``.
+
+    >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, dtype="mixed_float16", name="fc")])
+    >>> [(layer.name, d) for layer, d in output_dtypes(m, m.layers, np.ones((1, 2)))[0]]
+    [('fc', 'float16')]
+    """
+    seen: list[tuple[Any, str | None]] = []
+    saved = []
+    for layer in layers:
+        own, inner = layer.__dict__.get("call"), layer.call
+
+        def record(*a: Any, _layer: Any = layer, _call: Any = inner, **k: Any) -> Any:
+            out = _call(*a, **k)
+            leaves = [t for t in keras.tree.flatten(out) if hasattr(t, "dtype")]
+            seen.append((_layer, keras.backend.standardize_dtype(leaves[0].dtype) if leaves else None))
+            return out
+
+        object.__setattr__(layer, "call", record)
+        saved.append((layer, own))
+    try:
+        out = model(x)
+    finally:
+        for layer, own in saved:
+            if own is None:
+                del layer.__dict__["call"]
+            else:
+                object.__setattr__(layer, "call", own)
+    return seen, out
+
+
 def nll(logp: Any, targets: Any) -> Any:
     """Mean negative log-likelihood of integer targets, in float32."""
     index = ops.expand_dims(ops.cast(targets, "int32"), -1)
