@@ -94,7 +94,10 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 # what a backend package may import of the core: the plug-in surface, and (for its conformance kit) the
 # kit and probe modules; a doctest may also `import unimp`, as the user it shows does
-PLUGIN_MODULES = frozenset({"unimp.spi", "unimp.conformance.kit", "unimp.conformance.probe"})
+# unimp.spi; the conformance kit's bases; the watch's bases (a backend's watch.py subclasses EagerWatch or uses
+# the traced taps)
+PLUGIN_MODULES = frozenset({"unimp.spi", "unimp.conformance.kit", "unimp.conformance.probe", "unimp.watch.eager",
+                            "unimp.watch.traced"})
 DOCTEST_MODULES = PLUGIN_MODULES | {"unimp"}
 
 

@@ -1,4 +1,4 @@
-"""The plug-in surface: every core name a backend package may import (27 names).
+"""The plug-in surface: every core name a backend package may import (28 names).
 
 A backend (``unimp_torch``, ``unimp_jax``, ... or a new one) imports the core from this module only
 (its conformance kit also from :mod:`unimp.conformance.kit`), never from ``unimp.plan``,
