@@ -15,7 +15,8 @@ def test_every_backend_package_is_seen():
 def test_backends_import_the_core_only_through_the_plugin_surface():
     bad = [v for d in BACKEND_DIRS for v in boundary_violations(d)]
     assert not bad, ("backends use core modules other than unimp.spi (and unimp.conformance.kit / .probe for the "
-                     "kit, unimp.watch.eager / .traced for the watch; doctests may also import unimp): add the name to unimp/spi.py or read it from the Plan:\n"
+                     "kit, unimp.watch.eager / .traced for the watch; doctests may also import unimp): add the "
+                     "name to unimp/spi.py or read it from the Plan:\n"
                      + "\n".join(bad))
 
 
