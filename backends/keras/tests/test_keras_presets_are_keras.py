@@ -127,10 +127,6 @@ def test_a_keras_named_preset_is_keras_bit_for_bit(preset, name, mode):
         assert mine == theirs
         assert all(same(a, b) for a, b in zip(out, expected, strict=True))
     lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
-    if BACKEND == "torch" and name != "mobilenet_v2":
-        pytest.xfail("open (issue #35): on Keras' torch backend the keras_hub backbones' dtypes and outputs are "
-                     "Keras' bit for bit, their training parts from Keras' after 1-18 steps, with Keras' own "
-                     "LossScaleOptimizer too")
     losses, expected_losses = train(model, amp.optimizer, name, mode), train(native, lso, name, mode)
     assert losses == expected_losses
     assert amp.scale == float(keras.ops.convert_to_numpy(lso.dynamic_scale))

@@ -72,7 +72,14 @@ class KerasBackend(Backend):
         if unknown:
             raise TypeError(f"unimp.apply (keras): unknown option(s) {unknown}; valid: {list(OPTIONS)}")
         from .amp import KerasAmp
-        from .bind import apply_layers, check_inputs, patch_output, reset_compiled_functions, wrap_optimizer
+        from .bind import (
+            apply_layers,
+            check_inputs,
+            patch_output,
+            patch_scope,
+            reset_compiled_functions,
+            wrap_optimizer,
+        )
 
         check_inputs(model, optimizer)
         if not plan.layers:  # compiled without the model: index it once
@@ -96,6 +103,7 @@ class KerasBackend(Backend):
 
                 undo(model, optimizer, wrapper, binding, masters_on=False)
                 raise
+        patch_scope(model, binding)  # layers that do not autocast read their variables as under Keras' policy
         if plan.output_cast is not None:  # "unchanged": the last layer's compute dtype, as Keras gives it
             patch_output(model, plan.output_cast, binding)
         if wrapper is not None and getattr(model, "optimizer", None) is optimizer:

@@ -39,7 +39,6 @@ class Binding:
     units: list[Unit]
     policies: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # id -> (layer, original)
     swaps: list[Swap] = field(default_factory=list)
-    call_patched: bool = False
     instance_methods: list[tuple[Any, Any, str]] = field(default_factory=list)  # (layer, own method|None, name)
     master_ids: set[int] = field(default_factory=set)  # low copies whose original is a trained master
     compiled_optimizer: Any = None
@@ -254,8 +253,32 @@ def patch_stream(layer: Any, parent: Any, binding: Binding) -> None:
     binding.instance_methods.append((layer, own, name))
 
 
+def patch_scope(model: Any, binding: Binding) -> None:
+    """Run ``model``'s layers inside an autocast scope where Keras would: a model built under a mixed policy
+    opens one in its ``__call__``, so a layer with ``autocast = False`` (``Embedding``) reads its variables in
+    their own dtype, instead of opening a scope of its own because no outer one is there (Keras' rule for a layer
+    called alone). Only when the call came through a ``__call__`` (a Keras call context is open): JAX's ``fit``
+    runs the model's ``call`` by ``stateless_call``, where Keras opens no scope either. Each layer still opens
+    the scope of its own compute dtype."""
+    from keras.src.backend import AutocastScope
+    from keras.src.backend.common import global_state
+
+    own = model.__dict__.get("call")
+    original = model.call
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if global_state.get_global_attribute("current_call_ctx") is None:
+            return original(*args, **kwargs)
+        with AutocastScope(None):
+            return original(*args, **kwargs)
+
+    object.__setattr__(model, "call", call)
+    binding.instance_methods.append((model, own, "call"))
+
+
 def patch_output(model: Any, dtype: str, binding: Binding) -> None:
     """Cast the model's float outputs to ``dtype`` (an instance-level ``call``)."""
+    own = model.__dict__.get("call")
     original = model.call
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -263,7 +286,7 @@ def patch_output(model: Any, dtype: str, binding: Binding) -> None:
         return keras.tree.map_structure(lambda t: _cast_float(t, dtype), out)
 
     object.__setattr__(model, "call", call)
-    binding.call_patched = True
+    binding.instance_methods.append((model, own, "call"))
 
 
 def _to_stream(t: Any, stream: str) -> Any:
@@ -321,8 +344,6 @@ def undo(model: Any, optimizer: Any, wrapper: Any, binding: Binding, masters_on:
             from .tf_distribute import unhook_inner
 
             unhook_inner(optimizer)
-    if binding.call_patched:
-        del model.__dict__["call"]
     for layer, own, name in reversed(binding.instance_methods):
         if own is None:
             del layer.__dict__[name]
