@@ -37,10 +37,7 @@ class PaddleAmp(Amp):
         refuse_data_parallel(model)
         inners = list(optimizer) if isinstance(optimizer, list | tuple) else [] if optimizer is None else [optimizer]
         for i, opt in enumerate(inners):
-            if not hasattr(opt, "step"):
-                where = f"optimizer[{i}]" if len(inners) > 1 else "optimizer"
-                raise TypeError(f"unimp.apply: {where} must be a paddle.optimizer.Optimizer (with step()), "
-                                f"got {type(opt).__name__}")
+            _check_optimizer(opt, f"unimp.apply: optimizer[{i}]" if len(inners) > 1 else "unimp.apply: optimizer")
         owned = _owned_params(model, inners, "unimp.apply")
         optimizer = inners[0] if inners else None
         if not plan.layers:  # compiled without the model: index it once
@@ -111,13 +108,9 @@ class PaddleAmp(Amp):
         for path, layer in model.named_sublayers():
             kind = layer_kind(layer)
             d = self.plan.decide(path, kind, (type(layer).__name__,))
-            op_level = kind is not None and kind != "linear"
-            if d.override is None and op_level:
+            if d.override is None and kind != "linear":  # op-level lists decide (or it follows its inputs)
                 continue
-            if kind is None and d.override is None:
-                continue
-            target = kind if kind != "linear" else "matmul"
-            moved = self.lists.moved(target, d.compute_dtype)
+            moved = self.lists.moved(kind if kind != "linear" else "matmul", d.compute_dtype)
             if d.override is None and moved == self.lists:
                 continue
             out[id(layer)] = self._auto_cast_args(moved, d.compute_dtype)  # an override's own dtype
@@ -132,10 +125,7 @@ class PaddleAmp(Amp):
         args = {"level": "O2", "dtype": self.amp_dtype, "master_weight": self.plan.master_weights.enabled,
                 "excluded_layers": keep or None}
         self.native["decorate"] = {**args, "excluded_layers": [type(k).__name__ for k in keep]}
-        if optimizer is None:
-            paddle.amp.decorate(models=model, **args)
-        else:
-            paddle.amp.decorate(models=model, optimizers=optimizer, **args)
+        paddle.amp.decorate(models=model, optimizers=optimizer, **args)
 
     def _wrap_forwards(self, model: Any) -> list[tuple[Any, Any]]:
         wrapped = []
@@ -208,15 +198,11 @@ class PaddleAmp(Amp):
         """
         from paddle.amp.auto_cast import _set_multi_precision
 
-        from . import strays
-
         self._check_live("amp.add_optimizer()")
         if isinstance(optimizer, AmpOptimizer) or any(optimizer is o.inner for o in self.optimizers):
             raise ValueError("amp.add_optimizer(optimizer): this optimizer is already wrapped by unimp (it is in "
                              "amp.optimizers); step that wrapper")
-        if not hasattr(optimizer, "step"):
-            raise TypeError(f"amp.add_optimizer(optimizer): optimizer must be a paddle.optimizer.Optimizer (with "
-                            f"step()), got {type(optimizer).__name__}")
+        _check_optimizer(optimizer, "amp.add_optimizer(optimizer): optimizer")
         if self._dp is not None:
             raise ValueError("amp.add_optimizer(optimizer): amp.data_parallel() already set up the optimizers' "
                              "gradient reduction; add every optimizer first, then call amp.data_parallel()")
@@ -226,12 +212,10 @@ class PaddleAmp(Amp):
         for opt, own in zip(self.optimizers, owned, strict=False):
             opt.own(own)  # one optimizer checked every trainable parameter: now each its own
         wrapped = AmpOptimizer(optimizer, self.scaler, owned[-1], self.iteration)
-        wrapped.masters = self.masters
         self.optimizers.append(wrapped)
         if self.optimizer is None:
             self.optimizer = wrapped
-        strays.wrapped(self, wrapped)
-        strays.watch(self)  # its optimizers changed: checked again
+        self._guard()  # its optimizers changed: checked again
         return wrapped
 
     def update(self) -> None:
@@ -259,9 +243,9 @@ class PaddleAmp(Amp):
 
     def _start_watch(self, watch: Any) -> None:
         """``amp.watch(...)`` (the core's): measure for ``watch`` with dygraph hooks (:mod:`unimp_paddle.watch`)."""
-        from .watch import start
+        from .watch import PaddleWatch
 
-        start(self, watch)
+        PaddleWatch.begin(self, watch, counted=self.optimizer is not None)
 
     def _tensorboard_writer(self, logdir: Any) -> Any:
         """``amp.watch(tensorboard=logdir)``: records into VisualDL, Paddle's TensorBoard (needs ``visualdl``)."""
@@ -307,7 +291,6 @@ class PaddleAmp(Amp):
         from . import strays
 
         strays.unwatch(self)
-
         if self._dp is not None:
             self._dp.grad_need_sync = True
             self.model = self._layer  # remove() returns the user's layer, not the DataParallel
@@ -323,6 +306,11 @@ class PaddleAmp(Amp):
         with paddle.no_grad():
             for k, (dtype, value) in self._saved.items():
                 state[k].set_value(paddle.to_tensor(value, dtype=dtype))
+
+
+def _check_optimizer(optimizer: Any, where: str) -> None:
+    if not hasattr(optimizer, "step"):
+        raise TypeError(f"{where} must be a paddle.optimizer.Optimizer (with step()), got {type(optimizer).__name__}")
 
 
 def _owned_params(model: Any, optimizers: list[Any], verb: str) -> list[list[Any]]:

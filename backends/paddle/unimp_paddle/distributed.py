@@ -1,28 +1,19 @@
 """``paddle.DataParallel`` under one unimp policy: order, gradient all-reduce dtype, agreed skips.
 
-Paddle requires ``paddle.amp.decorate`` *before* ``paddle.DataParallel`` (decorate refuses a
-DataParallel: "first use paddle.amp.decorate() ... and then call paddle.DataParallel"). unimp's
-``apply`` is the decorate step, so the order is::
-
-    amp = unimp.apply(policy, layer, optimizer)     # auto_cast lists, O2 decorate, scaler
-    model = amp.data_parallel()                     # paddle.DataParallel(layer), told to amp
-
+Paddle requires ``paddle.amp.decorate`` (which ``unimp.apply`` performs) *before* ``paddle.DataParallel``, so
+the order is ``amp = unimp.apply(policy, layer, optimizer)``, then ``model = amp.data_parallel()``;
 ``unimp.apply`` on a ``paddle.DataParallel`` is refused with that fix (:func:`refuse_data_parallel`).
+``amp.data_parallel()`` adds:
 
-What ``amp.data_parallel()`` adds to ``paddle.DataParallel``:
-
-- **Agreed non-finite decision.** ``amp.optimizer.step()`` all-reduces the found-inf flag (max)
-  over the DataParallel group before the loss-scale rule runs, so every rank skips the same step
-  and keeps identical scales (:func:`agree_found_inf`; no collective at world size 1).
-- **Gradient all-reduce in ``distributed.reduce_dtype`` (``plan.reduce_dtype``).** When every gradient already has
-  that dtype, Paddle's own reducer (fused buckets, overlapped with backward) does the all-reduce.
-  Otherwise Paddle's reducer is switched off (``grad_need_sync = False``, what ``no_sync()`` does)
-  and ``amp.optimizer.step()`` reduces all gradients in one flat buffer cast to ``reduce_dtype``
-  (averaged, like Paddle's reducer), then casts back (:class:`GradReducer`).
-- **float16 on CPU** (gloo, paddlepaddle 3.3.1): ``all_reduce`` of a float16 tensor returns inf
-  for any input (measured: 1.5 + 1.5 -> inf), so ``reduce_dtype = "float16"`` on a CPU place is
-  an ``UnsupportedError`` (``on_unsupported = "error"``) or reduced in float32 with a
-  ``fallback:`` note in ``amp.plan.notes`` and the Report. bfloat16 and float32 are exact.
+- **Agreed non-finite decision.** ``amp.optimizer.step()`` all-reduces the found-inf flag (max) over the group
+  before the loss-scale rule runs, so every rank skips the same step (:func:`agree_found_inf`).
+- **Gradient all-reduce in ``distributed.reduce_dtype``.** When every gradient already has that dtype, Paddle's
+  own reducer does it. Otherwise Paddle's reducer is switched off (``grad_need_sync = False``) and
+  ``amp.optimizer.step()`` reduces all gradients in one flat buffer cast to ``reduce_dtype`` (averaged, like
+  Paddle's reducer), then casts back (:func:`reduce_grads`).
+- **float16 on CPU** (gloo): ``all_reduce`` of a float16 tensor returns inf for any input, so
+  ``reduce_dtype = "float16"`` on a CPU place is an ``UnsupportedError`` (``on_unsupported = "error"``) or
+  reduced in float32 with a ``fallback:`` note in ``amp.plan.notes``. bfloat16 and float32 are exact.
 
 >>> import paddle, unimp
 >>> amp = unimp.apply({"extends": "fp32"}, paddle.nn.Linear(4, 4))
@@ -36,6 +27,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from unimp.spi import UnsupportedError, dtypes
@@ -82,34 +74,21 @@ def agree_found_inf(found_inf: Any, group: Any, nranks: int | None = None) -> An
     return flag.astype("bool")
 
 
-class GradReducer:
-    """Averages gradients across ``group`` in ``dtype``: one flat buffer, one all_reduce."""
+def reduce_grads(dtype: str, group: Any, nranks: int, params: tuple[Any, ...]) -> None:
+    """Average the gradients of ``params`` across ``group`` in ``dtype``: one flat buffer, one all_reduce."""
+    import paddle
+    import paddle.distributed as dist
 
-    def __init__(self, dtype: str, group: Any, nranks: int) -> None:
-        self.dtype = dtype
-        self.group = group
-        self.nranks = nranks
-
-    def __call__(self, params: tuple[Any, ...]) -> None:
-        import paddle
-        import paddle.distributed as dist
-
-        if self.nranks <= 1:
-            return
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return
-        with paddle.no_grad():
-            flat = paddle.concat([g.astype(self.dtype).reshape([-1]) for g in grads])
-            flat = flat * paddle.to_tensor(1.0 / self.nranks, dtype=self.dtype)  # mean, as Paddle's reducer
-            dist.all_reduce(flat, group=self.group)
-            parts = paddle.split(flat, [int(g.size) for g in grads])
-            for g, part in zip(grads, parts, strict=True):
-                g.set_value(part.reshape(g.shape).astype(g.dtype))
-
-
-def grad_dtypes(params: tuple[Any, ...]) -> set[str]:
-    return {dtypes.dtype_name(p.dtype) for p in params}
+    grads = [p.grad for p in params if p.grad is not None]
+    if nranks <= 1 or not grads:
+        return
+    with paddle.no_grad():
+        flat = paddle.concat([g.astype(dtype).reshape([-1]) for g in grads])
+        flat = flat * paddle.to_tensor(1.0 / nranks, dtype=dtype)  # mean, as Paddle's reducer
+        dist.all_reduce(flat, group=group)
+        parts = paddle.split(flat, [int(g.size) for g in grads])
+        for g, part in zip(grads, parts, strict=True):
+            g.set_value(part.reshape(g.shape).astype(g.dtype))
 
 
 def data_parallel(amp: Any, **kwargs: Any) -> Any:
@@ -138,7 +117,7 @@ def data_parallel(amp: Any, **kwargs: Any) -> Any:
     params = tuple(p for o in amp.optimizers for p in o._params) if amp.optimizers else tuple(
         p for p in layer.parameters() if not p.stop_gradient)
     # no optimizer: nobody calls step(), so Paddle's reducer must do it (in the grads' dtype)
-    native = grad_dtypes(params) <= {reduce} or amp.optimizer is None
+    native = {dtypes.dtype_name(p.dtype) for p in params} <= {reduce} or amp.optimizer is None
     if not native:
         dp.grad_need_sync = False  # Paddle's reducer off; amp.optimizer.step() reduces in `reduce`
     amp.native["data_parallel"] = {
@@ -146,7 +125,7 @@ def data_parallel(amp: Any, **kwargs: Any) -> Any:
         "all_reduce": "paddle reducer" if native else "unimp (amp.optimizer.step, flat buffer)",
         "found_inf": "all_reduce max over the group"}
     for opt in amp.optimizers:  # each reduces (and agrees found-inf over) its own parameters
-        opt.distribute(group, nranks, None if native else GradReducer(reduce, group, nranks))
+        opt.distribute(group, nranks, None if native else functools.partial(reduce_grads, reduce, group, nranks))
     amp._dp = dp
     amp._layer = layer
     amp.model = dp

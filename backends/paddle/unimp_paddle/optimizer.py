@@ -1,16 +1,12 @@
 """The optimizer wrappers: :class:`AmpOptimizer` (dygraph: unscale, finiteness check, skip, scale update) and
 :class:`StaticAmpOptimizer` (its static-graph variant: ``minimize`` on the rewritten Program).
 
-``amp.optimizer.step()`` unscales the gradients and checks them in one fused Paddle kernel
-(``_C_ops.check_finite_and_unscale_``, what ``GradScaler`` runs), reads the flag once (the one
-host sync Paddle's own ``GradScaler.step`` also makes), skips the inner step on non-finite
-gradients (nothing of the params, masters or optimizer state changes) and advances
-:class:`~unimp_paddle.scaler.DeviceLossScale`. With no scaling and no skipping there is no check
-and no sync at all. Everything else is delegated.
-
-Under ``amp.data_parallel()`` (:mod:`unimp_paddle.distributed`) ``step()`` first all-reduces the
-gradients in ``reduce_dtype`` when Paddle's reducer cannot, and agrees the found-inf flag across
-ranks (all_reduce max) before the rule runs, so all ranks skip the same steps.
+``amp.optimizer.step()`` unscales and checks the gradients in one fused Paddle kernel
+(``_C_ops.check_finite_and_unscale_``, what ``GradScaler`` runs), reads the flag once (the one host sync
+Paddle's ``GradScaler.step`` also makes), skips the inner step on non-finite gradients and advances
+:class:`~unimp_paddle.scaler.DeviceLossScale`; with no scaling and no skipping there is no check and no sync.
+Under ``amp.data_parallel()`` it first reduces the gradients where Paddle's reducer cannot and agrees the
+found-inf flag across ranks (:mod:`unimp_paddle.distributed`).
 """
 
 from __future__ import annotations
@@ -39,7 +35,7 @@ class AmpOptimizer:
         self._ones: Any = None
         self._group: Any = None
         self._nranks = 1
-        self._reduce: Any = None  # GradReducer when unimp all-reduces the grads itself
+        self._reduce: Any = None  # distributed.reduce_grads when unimp all-reduces the grads itself
         self._warned = False
         self.masters = False  # the inner optimizer keeps fp32 masters of O2's low parameters (set by the Amp)
         self.in_step = False  # inside step(): the inner optimizer's update is this wrapper's (unimp_paddle.strays)
@@ -69,12 +65,9 @@ class AmpOptimizer:
         grads = [g for g in (p.grad for p in self._params) if g is not None]
         if not grads or not (self._scaled or self._check):
             return paddle.zeros([1], dtype="bool")
-        if self._scaled:
-            scale = self._scaler.scale
-        else:
-            if self._ones is None:
-                self._ones = paddle.ones([1], dtype="float32")
-            scale = self._ones
+        if not self._scaled and self._ones is None:
+            self._ones = paddle.ones([1], dtype="float32")
+        scale = self._scaler.scale if self._scaled else self._ones
         # Paddle's fused kernel (what GradScaler uses): grads /= scale in place, any non-finite -> flag
         _, found_inf = paddle._C_ops.check_finite_and_unscale_(grads, scale)
         return found_inf

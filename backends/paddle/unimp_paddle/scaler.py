@@ -1,14 +1,10 @@
 """Loss scaling for the dygraph path: the scale as a float32 Paddle tensor, and the rule.
 
-The scale holder (:class:`DeviceLossScale`) is what ``amp.optimizer.step()`` uses. Deciding whether to call a
-Paddle optimizer's ``step()`` needs the found-inf flag on the host (Paddle's own dygraph
-``GradScaler.step`` does ``if self._found_inf:``, and dygraph Adam ignores ``found_inf``), so the
-step syncs once anyway; after that sync the core's rule (:func:`unimp.loss_scale.rule.step`) runs on
-Python numbers (its :class:`unimp.loss_scale.rule.PyOps` adapter, through :class:`unimp.loss_scale.
-LossScale`, ~5 us) and the scale tensor is rewritten only when the scale changes. No tensor op per
-step, every knob honoured (``scale_dtype = "float64"`` included: the canonical scale is a Python
-float; the tensor that multiplies the loss is its float32 rounding), and reading ``amp.scale`` /
-``state_dict()`` needs no device sync.
+Deciding whether to call a Paddle optimizer's ``step()`` needs the found-inf flag on the host (as Paddle's own
+``GradScaler.step`` does), so the step syncs once anyway; after that the core's rule (:class:`unimp.loss_scale.
+LossScale`) runs on Python numbers and the scale tensor is rewritten only when the scale changes: no tensor op
+per step, every knob honoured (``scale_dtype = "float64"``: the canonical scale is a Python float, the tensor
+that multiplies the loss its float32 rounding), and reading ``amp.scale`` / ``state_dict()`` needs no sync.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """Paddle optimizers that step an applied model's parameters around unimp, refused at their first step.
 
-A dygraph ``paddle.optimizer`` optimizer unimp does not wrap, stepping parameters of a layer under a
-policy that scales the loss, would apply the *scaled* gradient; under O2 with master weights
-(``fp16_master`` on a GPU) its update of the low-precision parameters is overwritten by the wrapped
-optimizer's masters. Both are refused with an :class:`unimp.errors.UnsupportedError` naming the fix,
-before anything changes; so is the optimizer passed to ``unimp.apply`` stepped around its wrapper. Where
-nothing is scaled and there are no masters (``mixed_bf16``) any optimizer is let through
+A dygraph optimizer unimp does not wrap, stepping parameters of a layer under a policy that scales the loss,
+would apply the *scaled* gradient; under O2 with master weights its update of the low-precision parameters is
+overwritten by the wrapped optimizer's masters. Both are refused with an :class:`unimp.errors.UnsupportedError`
+naming the fix, before anything changes; so is the optimizer passed to ``unimp.apply`` stepped around its
+wrapper. Where nothing is scaled and there are no masters any optimizer is let through
 (:mod:`unimp.loss_scale.strays` decides, as for torch).
 
-Paddle has no global optimizer step hook: while some Amp is applied, the base class's update funnel
-``paddle.optimizer.Optimizer._create_optimization_pass`` (what ``step()``, every subclass's ``step()``,
-``minimize()`` and ``apply_gradients()`` run in dygraph, before any parameter or accumulator changes) is
-wrapped by :func:`_guarded`, which costs a dictionary lookup per step: an optimizer is checked against the
-applied layers at its first step, again only after an ``apply`` or ``remove``. The last ``remove()`` puts
-Paddle's own function back (so does the first step after the last Amp was dropped and collected). No
-finalizer of unimp's runs here; a lock is held only to swap the function, never across user code.
+Paddle has no global optimizer step hook: while some Amp is applied, the update funnel of every dygraph
+``step()``, ``minimize()`` and ``apply_gradients()``, ``paddle.optimizer.Optimizer._create_optimization_pass``,
+is wrapped by :func:`_guarded` (a dictionary lookup per step); the last ``remove()`` puts Paddle's own back.
 ``LBFGS`` steps its parameters itself and is not seen.
 
 >>> import paddle, unimp

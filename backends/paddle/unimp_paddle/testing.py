@@ -1,13 +1,9 @@
 """The Paddle conformance kit (dygraph path): the shared probe as a ``paddle.nn.Layer``.
 
-On CPU Paddle's dygraph AMP does nothing. A policy Paddle can run as written (``fp32``, the
-trajectory rules) is applied unchanged. A policy it cannot (anything low precision, with the
-presets' ``on_unsupported = "error"``) raises a clear ``UnsupportedError`` from ``unimp.apply`` --
-``backends/paddle/tests/test_dygraph.py`` checks that -- so the kit declares what it does instead:
-it applies the policy with ``on_unsupported = "fallback"`` (:meth:`PaddleKit.apply`), and the checks
-expect exactly the Plan's reported fallbacks (ops: ``OpDecision.dtype``; params:
-``Plan.param_fallback``; overrides: ``Plan.override_fallbacks``), all ``float32`` on CPU. On a GPU
-the kit applies every policy unchanged.
+On CPU Paddle's dygraph AMP does nothing: a policy Paddle cannot run as written (anything low precision,
+with the presets' ``on_unsupported = "error"``) is applied with ``on_unsupported = "fallback"``
+(:meth:`PaddleKit.apply`), and the checks expect exactly the Plan's reported fallbacks (all ``float32`` on
+CPU). On a GPU the kit applies every policy unchanged.
 
 >>> from unimp.conformance.probe import probe_weights
 >>> kit = PaddleKit()
@@ -112,9 +108,6 @@ class PaddleKit(Kit):
     def output(self, amp: Any, batch: ProbeBatch) -> Any:
         return amp.model(self._tokens(batch))
 
-    def dtype_name(self, value: Any) -> str:
-        return dtypes.dtype_name(value.dtype)
-
     def step(self, amp: Any, batch: ProbeBatch, poison: bool = False) -> float:
         import paddle
 
@@ -134,27 +127,22 @@ class PaddleKit(Kit):
         for k, v in amp.optimizer.inner.state_dict().items():
             if hasattr(v, "numpy"):
                 out[f"opt/{k}"] = v.numpy().copy()
-        for k, v in getattr(amp.optimizer.inner, "_master_weights", {}).items():
+        for k, v in _masters(amp).items():
             out[f"master/{k}"] = v.numpy().copy()
         return out
 
     def master_pairs(self, amp: Any) -> list[tuple[str, Any, Any]]:
-        masters = getattr(amp.optimizer.inner, "_master_weights", {}) or {}
-        out = []
-        for name, p in amp.model.named_parameters():
-            if p.name in masters:
-                out.append((name, p.astype("float32").numpy(), masters[p.name].numpy()))
-        return out
+        masters = _masters(amp)
+        return [(name, p.astype("float32").numpy(), masters[p.name].numpy())
+                for name, p in amp.model.named_parameters() if p.name in masters]
 
     def export_weights(self, amp: Any) -> dict[str, Any]:
         """Current probe weights as float32 numpy in the probe layout (Linear ``(in, out)`` as Paddle
         stores it; Conv1D ``(out, in, width)`` back to ``(width, in, out)``), from the fp32 masters
         where Paddle keeps them (O2)."""
-        masters = getattr(amp.optimizer.inner, "_master_weights", {}) or {}
-        out = {}
-        for name, p in amp.model.named_parameters():
-            value = masters.get(p.name, p)
-            out[name] = np.asarray(value.astype("float32").numpy(), np.float32)
+        masters = _masters(amp)
+        out = {name: np.asarray(masters.get(p.name, p).astype("float32").numpy(), np.float32)
+               for name, p in amp.model.named_parameters()}
         out["conv.weight"] = np.ascontiguousarray(np.transpose(out["conv.weight"], (2, 1, 0)))
         return out
 
@@ -163,3 +151,8 @@ class PaddleKit(Kit):
 
     def forward_fingerprint(self, model: Any, batch: ProbeBatch) -> Any:
         return model(self._tokens(batch)).numpy()
+
+
+def _masters(amp: Any) -> dict[str, Any]:
+    """The fp32 masters Paddle's optimizer keeps (O2), by parameter name."""
+    return getattr(amp.optimizer.inner, "_master_weights", {}) or {}

@@ -1,29 +1,20 @@
 """``amp.watch()`` for Paddle dygraph: per-layer numerics on sampled steps, and where a skipped step's first
-non-finite value appeared. The records, their order and the writers are the core's (:class:`unimp.watch.Watch`,
-handed to :meth:`PaddleAmp._start_watch`), the hooks' scheduling, the step's host state and the record's
-assembly the core's :class:`unimp.watch.eager.EagerWatch`; this module measures (Paddle's hooks and device ops).
+non-finite value appeared. The records, their order and the writers are the core's (:class:`unimp.watch.Watch`),
+the hooks' scheduling, the step's host state and the record's assembly :class:`unimp.watch.eager.EagerWatch`'s;
+this module measures (Paddle's hooks and device ops).
 
-Hooks on the report's layers (every sublayer of the model; the model itself aside: its output is the
-loss or its last layer's): a forward pre-hook (``Layer.register_forward_pre_hook``, the layer's inputs),
-a forward post-hook (its output) and, on the output, a gradient hook (``Tensor.register_hook``: the
-gradient arriving there); with ``localize``, each input the layer takes is replaced by a view only it
-uses, whose gradient hook sees the gradient the layer's backward produced for it. Positions are the order
-the hooks run in (forward: the layers' returns; backward: the gradients' arrival). A check is one float32
-sum per tensor (non-finite iff a value is), kept on the device; on sampled steps the layer's output and
-output gradient are also measured: the largest finite magnitude and the class counts of
-:data:`unimp.watch.records.AT_LEAST` in the layer's compute dtype (the Plan's; a tensor already
-narrower: its own) against :func:`unimp.spi.dtypes.limits`. The host reads them once, at the end of a
-step that is sampled or skipped (``amp.optimizer.step()`` reads the skip flag anyway).
+Hooks on every sublayer of the model (the model itself aside: its output is the loss or its last layer's): a
+forward pre-hook (the layer's inputs), a forward post-hook (its output) and, on the output, a gradient hook
+(``Tensor.register_hook``); with ``localize``, each input is replaced by a view only the layer uses, whose
+gradient hook sees the gradient the layer's backward produced for it. A check is one float32 sum per tensor,
+kept on the device; on sampled steps the output and output gradient are also measured: the largest finite
+magnitude and the counts of :data:`unimp.watch.records.AT_LEAST` in the layer's compute dtype (a tensor already
+narrower: its own). The host reads them once, at the end of a step that is sampled or skipped.
 
 A step is a training iteration: the update of the loss scale the Amp's optimizers share
-(:mod:`unimp.loss_scale.iteration`), which a watch listens to (:mod:`unimp.watch.iteration`). With several
-optimizers (``unimp.apply(policy, model, [opt_a, opt_b])``, ``amp.add_optimizer(opt)``) one record covers
-the forwards and backwards of the whole iteration, whichever optimizer steps first, and a step is skipped
-when some optimizer skipped (the scale backed off); a watch started mid-iteration is refused.
-
-The hooks are installed only for the steps that use them (sampled steps, every step with ``localize``):
-an unwatched step runs no hook at all. A no-grad forward (evaluation, ``amp.report(x)``) is not measured.
-Static-graph Programs (:class:`unimp_paddle.static.PaddleStaticAmp`) have no per-layer hook: refused.
+(:mod:`unimp.loss_scale.iteration`); with several optimizers one record covers the whole iteration, a step is
+skipped when some optimizer skipped, and a watch started mid-iteration is refused. An unwatched step runs no
+hook; a no-grad forward is not measured. Static-graph Programs have no per-layer hook: refused.
 
 >>> import paddle, unimp
 >>> model = paddle.nn.Sequential(paddle.nn.Linear(4, 4), paddle.nn.ReLU(), paddle.nn.Linear(4, 1))
@@ -43,10 +34,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import numpy as np
-
 from unimp.spi import UnsupportedError, dtypes
 from unimp.watch.eager import EagerWatch, Hook
+from unimp.watch.traced import thresholds
 
 from .index import layer_kind
 
@@ -109,7 +99,18 @@ class PaddleWatch(EagerWatch):
         return paddle.sum(t.detach(), dtype="float32").reshape([])
 
     def _count(self, t: Any, target: str, scaled: bool) -> tuple[Any, Any]:
-        return _amax_and_counts(t, target)
+        """The largest finite magnitude of ``t`` (float32) and the counts :data:`AT_LEAST` (int64, 7), on the device."""
+        import paddle
+
+        wide = "float64" if t.dtype == paddle.float64 else "float32"
+        with paddle.no_grad(), paddle.amp.auto_cast(enable=False):  # the watch's arithmetic, not the policy's
+            x = t.detach().abs().astype(wide)
+            nan = paddle.sum(paddle.isnan(x), dtype="int64")
+            amax = paddle.nan_to_num(x, 0.0, 0.0, 0.0).max().astype("float32")
+            # a NaN compares false: it counts in every class up to and including "not finite", as its bit pattern does
+            counts = [paddle.sum(x >= b, dtype="int64") + nan for b in _bounds(wide, target)]
+            counts += [nan, paddle.full([], x.size, dtype="int64")]
+            return amax, paddle.stack(counts)
 
     def _host(self, values: list[Any]) -> list[Any]:
         import paddle
@@ -141,45 +142,9 @@ class PaddleWatch(EagerWatch):
 
 @functools.cache
 def _bounds(wide: str, target: str) -> tuple[float, ...]:
-    """The magnitudes, in the dtype ``wide`` the counts compare in (float32 or float64: every value of a
-    narrower tensor is exact there), from which a cast to ``target`` changes class: the smallest above zero,
-    above ``underflow_at``, at or above ``normal_from``, at or above ``overflow_at``, and +inf
-    (:class:`unimp.spi.dtypes.Limits`); counting ``|x| >= bound`` for each gives :data:`AT_LEAST` but NaN."""
-    lim = dtypes.limits(target)
-    kind = np.dtype(wide).type
-
-    def at_least(value: float, strict: bool = False) -> float:
-        """The smallest ``wide`` value >= ``value`` (``strict``: > ``value``)."""
-        with np.errstate(over="ignore"):  # a bound past ``wide``'s max is +inf there
-            v = kind(value)
-        if float(v) < value or (strict and float(v) == value):
-            v = np.nextafter(v, kind(np.inf))
-        return float(v)
-
-    return (at_least(0.0, strict=True), at_least(lim.underflow_at, strict=True), at_least(lim.normal_from),
-            at_least(lim.overflow_at), float("inf"))
-
-
-def _amax_and_counts(t: Any, target: str) -> tuple[Any, Any]:
-    """The largest finite magnitude of ``t`` (float32) and the counts :data:`AT_LEAST` (int64, 7: how many
-    magnitudes reach each class boundary of ``target``, how many are NaN, numel), on the device."""
-    import paddle
-
-    wide = "float64" if t.dtype == paddle.float64 else "float32"
-    with paddle.no_grad(), paddle.amp.auto_cast(enable=False):  # the watch's arithmetic, not the policy's
-        x = t.detach().abs().astype(wide)
-        nan = paddle.sum(paddle.isnan(x), dtype="int64")
-        amax = paddle.nan_to_num(x, 0.0, 0.0, 0.0).max().astype("float32")
-        # a NaN compares false: it counts in every class up to and including "not finite", as its bit pattern does
-        counts = [paddle.sum(x >= b, dtype="int64") + nan for b in _bounds(wide, target)]
-        counts += [nan, paddle.full([], x.size, dtype="int64")]
-        return amax, paddle.stack(counts)
-
-
-def start(amp: Any, session: Any) -> PaddleWatch:
-    """``amp.watch(...)``: bind ``session`` (the core's :class:`unimp.watch.Watch`) to the :class:`PaddleAmp`
-    ``amp``; returns the device side."""
-    return PaddleWatch.begin(amp, session, counted=amp.optimizer is not None)
+    """The magnitudes in ``wide`` (float32 or float64) from which a cast to ``target`` changes class: the smallest
+    above zero, then :func:`unimp.watch.traced.thresholds`; ``|x| >= bound`` counts :data:`AT_LEAST` but NaN."""
+    return (dtypes.limits(wide).min_subnormal, *thresholds(target, wide))
 
 
 def visualdl(logdir: Any) -> Any:
