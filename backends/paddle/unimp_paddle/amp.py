@@ -52,7 +52,9 @@ class PaddleAmp(Amp):
         self.level: str = d.level
         self.amp_dtype: str = d.amp_dtype
         self.lists: OpLists = d.lists
-        self._check_layout(model)
+        self.findings += self.plan.layout.act("paddle", stacklevel=4)
+        if self.plan.channels_last:
+            self.findings += channels_last_findings(model)
         self._saved = {k: (v.dtype, v.numpy().copy()) for k, v in model.state_dict().items()}
         self._guards = self._layer_guards(model)
         self.native: dict[str, Any] = {"auto_cast": self._auto_cast_args(self.lists), "decorate": None,
@@ -78,20 +80,13 @@ class PaddleAmp(Amp):
 
         for opt in self.optimizers:
             opt.masters = self.masters
-            strays.wrapped(self, opt)
         strays.watch(self)
 
     @property
     def masters(self) -> bool:
-        """Whether the optimizers keep fp32 masters of low-precision parameters (O2 ``decorate`` with
-        ``master_weight``, on a device where the policy runs)."""
+        """Whether the optimizers keep fp32 masters of low-precision parameters (O2 ``decorate``, ``master_weight``)."""
         return self.active and self.level == "O2" and self.plan.master_weights.enabled
     # ------------------------------------------------------------------ setup
-    def _check_layout(self, model: Any) -> None:
-        self.findings += self.plan.layout.act("paddle", stacklevel=5)
-        if self.plan.channels_last:
-            self.findings += channels_last_findings(model)
-
     def _auto_cast_args(self, lists: OpLists, low: str | None = None) -> dict[str, Any]:
         from paddle.amp import amp_lists
 

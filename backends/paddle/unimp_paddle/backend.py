@@ -35,9 +35,8 @@ class PaddleBackend(Backend):
         return compile_plan(request, model)
 
     def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
-        """A dygraph Layer: every sublayer's attributes (forwards, hooks) and the optimizer's; when
-        the Plan runs O2 (``decorate`` casts parameters in place), every parameter's and buffer's
-        dtype and value too (copied: the only case that needs a copy)."""
+        """A dygraph Layer: every sublayer's attributes (forwards, hooks) and the optimizer's; when the Plan runs
+        O2 (``decorate`` casts parameters in place), every parameter's and buffer's dtype and value (copied) too."""
         if is_program(model):
             return Snapshot([model, optimizer])
         layers = [model, *model.sublayers()]

@@ -72,14 +72,9 @@ ALL_CANONICAL_TYPES: frozenset[str] = frozenset().union(*(op_types(o) for o in N
 class OpLists:
     """Native op types by what the policy asks: white (low), black (float32), gray (inputs/promote)."""
 
-    white: frozenset[str]
-    black: frozenset[str]
-    gray: frozenset[str]
-
-    @classmethod
-    def none(cls) -> OpLists:
-        """No op types listed (a Plan compiled before its lists)."""
-        return cls(frozenset(), frozenset(), frozenset())
+    white: frozenset[str] = frozenset()  # OpLists(): none listed (a Plan compiled before its lists)
+    black: frozenset[str] = frozenset()
+    gray: frozenset[str] = frozenset()
 
     def exact(self, default_white: Iterable[str], default_black: Iterable[str]) -> tuple[set[str], set[str]]:
         """Paddle's full lists: its defaults for non-canonical ops, the policy for canonical ones."""

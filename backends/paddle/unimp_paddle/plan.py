@@ -50,7 +50,7 @@ class PaddleDetails:
     amp_dtype: str
     param_dtype: str
     level: str | None = None  # dygraph: O1 | O2
-    lists: OpLists = field(default_factory=OpLists.none)  # Paddle's op-type lists, compiled once from the Plan's ops
+    lists: OpLists = field(default_factory=OpLists)  # Paddle's op-type lists, compiled once from the Plan's ops
     cpu: Mapping[str, Any] | None = None  # static: the CPU facts it decided by
     loss_scaling: str | None = None  # static: "none" (bf16 Programs are not scaled)
 
@@ -83,10 +83,9 @@ def compile_plan(request: PlanRequest, model: Any = None) -> Plan:
 
 
 def _compile(request: PlanRequest, low: str, reason: str, active: bool, why: str,
-             fixed_extra: dict[str, tuple[str | None, str]], problems: list[str],
-             details: PaddleDetails, notes: tuple[str, ...], param_fallback: str | None = None,
-             override_fallbacks: Mapping[int, str] | None = None,
-             index: Iterable[LayerInfo] | None = None) -> Plan:
+             fixed_extra: dict[str, tuple[str | None, str]], problems: list[str], details: PaddleDetails,
+             notes: tuple[str, ...], param_fallback: str | None = None,
+             override_fallbacks: Mapping[int, str] | None = None, index: Iterable[LayerInfo] | None = None) -> Plan:
     fixed = dict(fixed_extra)
     control = {}
     for d in request.ops:

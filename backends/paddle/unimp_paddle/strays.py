@@ -56,13 +56,11 @@ def params_of(optimizer: Any) -> list[Any]:
 
 
 def watch(amp: Any) -> None:
-    """Guard ``amp``'s layer from unwrapped optimizers (the funnel wrapped while any Amp is applied)."""
+    """Guard ``amp``'s layer from unwrapped optimizers (the funnel wrapped while any Amp is applied); each of
+    ``amp.optimizers`` (AmpOptimizers) wraps its ``inner``: the inner one's steps come from it."""
+    for opt in amp.optimizers:
+        _guard.wrap(opt.inner, opt, amp)
     _guard.watch(amp)
-
-
-def wrapped(amp: Any, optimizer: Any) -> None:
-    """``optimizer`` (an AmpOptimizer of ``amp``) wraps ``optimizer.inner``: its inner steps come from it."""
-    _guard.wrap(optimizer.inner, optimizer, amp)
 
 
 def unwatch(amp: Any) -> None:

@@ -48,8 +48,7 @@ def _leaves(x: Any) -> list[Any]:
 
 
 class PaddleWatch(EagerWatch):
-    """The device side of one :class:`unimp.watch.Watch` on one :class:`PaddleAmp`: Paddle's hooks and device
-    ops for :class:`unimp.watch.eager.EagerWatch`."""
+    """The device side of one :class:`unimp.watch.Watch` on one :class:`PaddleAmp`: Paddle's hooks and ops."""
 
     def __init__(self, amp: Any, session: Any) -> None:
         model = amp._layer
