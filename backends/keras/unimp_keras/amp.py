@@ -105,7 +105,7 @@ class KerasAmp(Amp):
         self._check_live("amp.load_state_dict()")
         plain = state.get("fp8") if isinstance(state, Mapping) else None
         if plain is not None:
-            problems = fp8.check(self._binding.fp8, plain)
+            problems = self.fp8_state_problems(fp8.state(self._binding.fp8), plain)
             if problems:
                 raise StateError("amp.load_state_dict(): " + "; ".join(problems))
         super().load_state_dict(state, strict=strict)

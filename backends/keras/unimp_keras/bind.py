@@ -29,7 +29,7 @@ from .layout import data_formats, layout_findings
 from .optimizer import AmpOptimizer, KerasAmpOptimizer, SavesAsKeras
 from .params import Swap, retrack, swap_params
 from .plan import keras_rule
-from .trace import call_name
+from .trace import call_name, restore, set_method
 
 
 @dataclass
@@ -161,7 +161,8 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
         binding.fp8_decisions.append(decision)
         if decision.fp8:
             binding.fp8.append(fp8.quantize(plan, u, binding.policies))
-            fp8.guard_eager(u, binding.instance_methods)
+            if keras.backend.backend() == "tensorflow":  # the eager-gradient limit is TensorFlow's
+                set_method(u.layer, "quantized_call", fp8.guard_eager(u), binding.instance_methods)
     for u in units:
         if u.parent is not None and not is_graph(u.parent) and id(u.layer) not in kept:
             patch_stream(u.layer, u.parent, binding)
@@ -175,7 +176,7 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
 def patch_compile_config(model: Any, binding: Binding) -> None:
     """``model.save`` names Keras' own optimizer for a unimp wrapper the model was compiled with
     (see :class:`~unimp_keras.optimizer.SavesAsKeras`): the file loads without unimp."""
-    own, original = model.__dict__.get("get_compile_config"), model.get_compile_config
+    original = model.get_compile_config
 
     def get_compile_config() -> Any:
         config = original()
@@ -184,8 +185,7 @@ def patch_compile_config(model: Any, binding: Binding) -> None:
             config["optimizer"] = optimizer.keras_config()
         return config
 
-    object.__setattr__(model, "get_compile_config", get_compile_config)
-    binding.instance_methods.append((model, own, "get_compile_config"))
+    set_method(model, "get_compile_config", get_compile_config, binding.instance_methods)
 
 
 class _SaveStore:
@@ -202,24 +202,20 @@ class _SaveStore:
 
 
 def patch_save(layer: Any, binding: Binding) -> None:
-    """``model.save`` writes float32 weights for a layer holding low-precision copies.
-
-    The saved value is the trained master where the optimizer keeps one, else the low copy in the
-    original dtype — what ``remove()`` leaves in the model.
-    """
+    """``model.save`` writes float32 weights for a layer holding low-precision copies: the trained master where
+    the optimizer keeps one, else the low copy in the original dtype (what ``remove()`` leaves in the model)."""
     def original_value(s: Any) -> Any:
         if id(s.low) in binding.master_ids:
             return s.original
         return keras.ops.convert_to_numpy(keras.ops.cast(s.low.value, s.original.dtype))
 
     originals = {id(s.low): (lambda s=s: original_value(s)) for s in binding.swaps if s.layer is layer}
-    own, save = layer.__dict__.get("save_own_variables"), layer.save_own_variables
+    save = layer.save_own_variables
 
     def save_own_variables(store: Any) -> None:
         save(_SaveStore(store, originals))
 
-    object.__setattr__(layer, "save_own_variables", save_own_variables)
-    binding.instance_methods.append((layer, own, "save_own_variables"))
+    set_method(layer, "save_own_variables", save_own_variables, binding.instance_methods)
 
 
 # TensorFlow's tensor operators do not promote (``bfloat16 + float32`` raises); JAX's and torch's do, as Keras'
@@ -228,29 +224,20 @@ PROMOTES = keras.backend.backend() != "tensorflow"
 
 
 def patch_stream(layer: Any, parent: Any, binding: Binding) -> None:
-    """Hand ``layer``'s float results back in the dtype its subclassed container runs in, where the
-    container's own ops would not get that dtype by promotion.
-
-    The container follows its inputs (``FollowInputs``), and its own ops — the residual
-    ``x + attention(norm(x))`` of a transformer block — see one dtype. On TensorFlow, which does not
-    promote ``bfloat16 + float32``, every float result is cast to the container's input dtype. On JAX
-    and torch a result narrower than the stream stays as its layer computed it (``gelu(gate(x)) * up(x)``
-    runs in bfloat16, as under Keras' own policy; the residual add promotes to the float32 stream), and
-    only one promotion would not bring back to the stream is cast (a float32 fallback layer in a float16
-    stream returns float16, as Keras' own mixed policies keep the stream).
-    """
+    """Hand ``layer``'s float results back in the dtype its subclassed container (``FollowInputs``) runs in, where
+    the container's own ops (the residual ``x + attention(norm(x))``) would not get that dtype by promotion: on
+    TensorFlow, which does not promote ``bfloat16 + float32``, every float result; on JAX and torch only one
+    promotion would not bring back to the stream (a float32 fallback layer in a float16 stream), as Keras' own
+    mixed policies keep the stream."""
     name = call_name(layer)  # a float8 layer runs quantized_call
-    own = layer.__dict__.get(name)
-    original = getattr(layer, name)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         out = call.inner(*args, **kwargs)  # type: ignore[attr-defined]
         stream = parent.dtype_policy.compute_dtype
         return keras.tree.map_structure(lambda t: _to_stream(t, stream), out)
 
-    call.inner = original  # type: ignore[attr-defined]  # the report looks at the result before the cast
-    object.__setattr__(layer, name, call)
-    binding.instance_methods.append((layer, own, name))
+    call.inner = getattr(layer, name)  # type: ignore[attr-defined]  # the report looks at the result before the cast
+    set_method(layer, name, call, binding.instance_methods)
 
 
 def patch_scope(model: Any, binding: Binding) -> None:
@@ -263,7 +250,6 @@ def patch_scope(model: Any, binding: Binding) -> None:
     from keras.src.backend import AutocastScope
     from keras.src.backend.common import global_state
 
-    own = model.__dict__.get("call")
     original = model.call
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -272,21 +258,18 @@ def patch_scope(model: Any, binding: Binding) -> None:
         with AutocastScope(None):
             return original(*args, **kwargs)
 
-    object.__setattr__(model, "call", call)
-    binding.instance_methods.append((model, own, "call"))
+    set_method(model, "call", call, binding.instance_methods)
 
 
 def patch_output(model: Any, dtype: str, binding: Binding) -> None:
     """Cast the model's float outputs to ``dtype`` (an instance-level ``call``)."""
-    own = model.__dict__.get("call")
     original = model.call
 
     def call(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
         return keras.tree.map_structure(lambda t: _cast_float(t, dtype), out)
 
-    object.__setattr__(model, "call", call)
-    binding.instance_methods.append((model, own, "call"))
+    set_method(model, "call", call, binding.instance_methods)
 
 
 def _to_stream(t: Any, stream: str) -> Any:
@@ -345,10 +328,7 @@ def undo(model: Any, optimizer: Any, wrapper: Any, binding: Binding, masters_on:
 
             unhook_inner(optimizer)
     for layer, own, name in reversed(binding.instance_methods):
-        if own is None:
-            del layer.__dict__[name]
-        else:
-            object.__setattr__(layer, name, own)
+        restore(layer, own, name)
     fp8.undo(binding.fp8)
     for s in reversed(binding.swaps):
         s.undo(write_back=not (masters_on and s.low.trainable))

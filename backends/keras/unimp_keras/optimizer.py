@@ -1,22 +1,13 @@
 """Optimizer wrappers: loss scaling (the core rule, every knob) and float32 master weights.
 
-:class:`AmpOptimizer` subclasses Keras' own ``LossScaleOptimizer`` (so ``compile`` never
-wraps it a second time) but runs unimp's rule (:mod:`unimp_keras.scaler`) over float32 /
-int32 Keras variables, on every Keras backend, with the structure of Keras' class: a stateful
-``apply`` (TensorFlow, torch, JAX outside ``jit``; ``tf.cond`` in a TensorFlow graph, a host branch
-eagerly) and a traceable ``stateless_apply`` (what Keras' JAX trainer calls inside ``jit``: the
-skip is a select of the old values, so a skipped step keeps every bit).
-:class:`KerasAmpOptimizer` *is* Keras' rule, used where the policy asks
-for exactly that rule; it only adds the step/skip counters of the canonical state. A skipped
-step calls nothing on the inner optimizer: variables, slots and ``iterations`` keep their bits.
+:class:`AmpOptimizer` subclasses Keras' ``LossScaleOptimizer`` (so ``compile`` never wraps it again) but runs
+unimp's rule (:mod:`unimp_keras.scaler`) on every Keras backend: a stateful ``apply`` (``tf.cond`` in a
+TensorFlow graph, a host branch eagerly) and a traceable ``stateless_apply`` (Keras' JAX trainer, inside
+``jit``: a skipped step selects the old values). :class:`KerasAmpOptimizer` *is* Keras' rule, plus the
+step/skip counters. A skipped step calls nothing on the inner optimizer: every bit is kept.
 
-Saved in a ``.keras`` file (``compile(optimizer=amp.optimizer)``, ``fit``, ``model.save``) both
-write what Keras' own classes would (:class:`SavesAsKeras`): the model's compile config names
-``keras.optimizers.LossScaleOptimizer`` (dynamic scaling) or the inner optimizer itself (no or a
-static scale, as Keras' ``mixed_bfloat16`` compiles), with the variables in that class's layout,
-so ``keras.models.load_model(path)`` loads the file with or without unimp. unimp's exact state
-(hysteresis, skipped/step counters) rides along under ``optimizer/unimp_state``, which only an
-applied model reads back (``load_weights``).
+A saved ``.keras`` file holds what Keras' own classes would (:class:`SavesAsKeras`), so ``keras.models.load_model``
+reads it with or without unimp; unimp's exact state rides along under ``optimizer/unimp_state``.
 
 >>> import keras, unimp
 >>> opt = AmpOptimizer(keras.optimizers.SGD(0.1), unimp.load("mixed_fp16").loss_scale)
@@ -40,7 +31,7 @@ from keras.src.utils import tracking
 
 from unimp.spi import LossScale, LossScaleSpec, LossScaleState, StateError, dtypes
 
-from .scaler import COUNTER, DeviceLossScale, all_finite, held, next_state
+from .scaler import COUNTER, DeviceLossScale, all_finite, held, next_state, to_state
 
 ONLY_FIRST = "only_first_replica"
 
@@ -50,8 +41,8 @@ def _is_tf() -> bool:
 
 
 def _unscale(grads: list, scale: Any, variables: list | None = None) -> list:
-    """``grads / scale``; a Keras float8 scaling variable's "gradient" (its new value, the variable's
-    ``overwrite_with_gradient``) is left as it is."""
+    """``grads / scale``; a Keras float8 scaling variable's "gradient" (``overwrite_with_gradient``: its new value)
+    is left as it is."""
     if scale is None:
         return list(grads)
     out = []
@@ -76,8 +67,7 @@ def _dense32(g: Any) -> Any:
 
 
 def _cond(pred: Any, fn: Any) -> None:
-    """Run ``fn`` when ``pred``: ``tf.cond`` in a TensorFlow graph, a host branch eagerly (torch, JAX
-    outside ``jit``; inside ``jit`` Keras' JAX trainer calls :meth:`AmpOptimizer.stateless_apply`)."""
+    """Run ``fn`` when ``pred``: ``tf.cond`` in a TensorFlow graph, a host branch eagerly."""
     if _is_tf():
         import tensorflow as tf
 
@@ -96,10 +86,8 @@ def _cond(pred: Any, fn: Any) -> None:
 
 
 class ExactState(KerasSaveable):
-    """unimp's loss-scale state as a child of the optimizer in a saved file (``optimizer/unimp_state``).
-
-    Keras' own classes have no such child, so a loader without unimp never reads it.
-    """
+    """unimp's loss-scale state as a child of the optimizer in a saved file (``optimizer/unimp_state``), which
+    a loader without unimp never reads."""
 
     FIELDS = ("scale", "growth_tracker", "hysteresis_left", "skipped", "steps")
 
@@ -117,20 +105,14 @@ class ExactState(KerasSaveable):
 
     def load_own_variables(self, store: Any) -> None:
         if len(store.keys()) == len(self.FIELDS):
-            values = [np.asarray(store[str(i)]) for i in range(len(self.FIELDS))]
-            self._optimizer().set_loss_scale_state(LossScaleState(float(values[0]), *(int(v) for v in values[1:])))
+            values = DeviceLossScale(*(np.asarray(store[str(i)]) for i in range(len(self.FIELDS))))
+            self._optimizer().set_loss_scale_state(to_state(values))
 
 
 class SavesAsKeras(keras.optimizers.LossScaleOptimizer):
-    """What both of unimp's wrappers share: the canonical ``skipped`` / ``steps`` counters (int64
-    optimizer variables), and what a saved file holds for them: the Keras object that runs their rule.
-
-    ``keras_config()`` is that object's serialized config: ``keras.optimizers.LossScaleOptimizer``
-    (initial scale and growth interval from the policy) for dynamic scaling, else the inner
-    optimizer (with ``loss_scale_factor`` for a static scale). ``save_own_variables`` writes
-    that class's variables in its order, ``load_own_variables`` reads them back (or unimp's own
-    layout), so the file loads the same with or without unimp.
-    """
+    """What both wrappers share: the ``skipped`` / ``steps`` counters, and what a saved file holds: the Keras
+    object that runs their rule (``keras_config()``: ``LossScaleOptimizer`` for dynamic scaling, else the inner
+    optimizer, with ``loss_scale_factor`` for a static scale), its variables in that class's order."""
 
     def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, initial_scale: float, name: str) -> None:
         saved_factor = inner_optimizer.loss_scale_factor
@@ -142,17 +124,16 @@ class SavesAsKeras(keras.optimizers.LossScaleOptimizer):
 
     def apply(self, grads: list, trainable_variables: list | None = None) -> None:
         """Keras' ``LossScaleOptimizer.apply``, its inner optimizer's step marked as this wrapper's."""
-        self.in_step = True
-        try:
-            return super().apply(grads, trainable_variables)
-        finally:
-            self.in_step = False
+        return self._marked(super().apply, grads, trainable_variables)
 
     def stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list) -> tuple[list, list]:
         """:meth:`_stateless_apply`, its inner optimizer's step marked as this wrapper's (traced under ``jit``)."""
+        return self._marked(self._stateless_apply, optimizer_variables, grads, trainable_variables)
+
+    def _marked(self, fn: Callable[..., Any], *args: Any) -> Any:
         self.in_step = True
         try:
-            return self._stateless_apply(optimizer_variables, grads, trainable_variables)
+            return fn(*args)
         finally:
             self.in_step = False
 
@@ -206,12 +187,8 @@ class SavesAsKeras(keras.optimizers.LossScaleOptimizer):
 
 
 class AmpOptimizer(SavesAsKeras):
-    """Loss scaling by unimp's reference rule; optionally float32 masters for low-precision params.
-
-    ``masters`` maps ``id(model variable)`` to its float32 master: the inner optimizer updates
-    the master and the model variable becomes ``cast(master)`` after every applied step. On JAX the
-    masters are optimizer variables too (:attr:`variables`), so ``stateless_apply`` carries them.
-    """
+    """Loss scaling by unimp's reference rule; ``masters``: ``id(model variable)`` -> its float32 master, which the
+    inner optimizer updates (the variable becomes ``cast(master)``; on JAX masters are optimizer variables too)."""
 
     def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, masters: dict[int, Any] | None = None,
                  name: str | None = None, reduce_dtype: str = "float32") -> None:
@@ -251,8 +228,7 @@ class AmpOptimizer(SavesAsKeras):
                                self._skipped.value, self._steps.value)
 
     def loss_scale_state(self) -> LossScaleState:
-        s = [np.asarray(ops.convert_to_numpy(v)) for v in self._state()]  # a mirrored variable: its primary copy
-        return LossScaleState(float(s[0]), int(s[1]), int(s[2]), int(s[3]), int(s[4]))
+        return to_state(self._state())  # a mirrored variable: its primary copy
 
     def set_loss_scale_state(self, state: LossScaleState) -> None:
         problems = LossScale(self.spec).problems(state)  # the rule as it runs here (a float32 scale)
@@ -372,13 +348,6 @@ class AmpOptimizer(SavesAsKeras):
         from .tf_distribute import tf_apply
 
         tf_apply(self, grads, trainable_variables)
-
-    def _stateful_handle_finite_grads(self, grads: list, trainable_variables: list | None) -> None:
-        self._apply_inner(list(grads), trainable_variables)  # not reached: _common_apply is unimp's
-        self._update(ops.convert_to_tensor(True))
-
-    def _stateful_handle_non_finite_grads(self) -> None:
-        self._update(ops.convert_to_tensor(False))
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()

@@ -1,17 +1,9 @@
 """The core loss-scale rule (:func:`unimp.loss_scale.rule.step`) on Keras tensors: :class:`KerasOps`
-(``keras.ops``) over :class:`DeviceLossScale`, on every Keras backend.
-
-Pure functions of tensors, so one step traces into a ``tf.function``, a jitted JAX step or runs
-eagerly on torch. The scale is held in a float32 Keras variable and computed in float64 on the
-float32 grid (products rounded once, as the reference's ``f32(scale * factor)``; subnormals rounded
-as IEEE float32 rounds them) where the Keras backend has float64: TensorFlow (reading and writing
-the scale through its bits, :mod:`unimp_keras.tf_scale`, because its CPU kernels flush float32
-subnormals) and torch (plain casts keep subnormals). JAX has float64 only under
-``jax_enable_x64``; without it the rule multiplies in float32 (one rounding, the factor exact in
-float32). What a Keras backend cannot hold is declared in the Plan, never run silently wrong
-(:func:`unimp_keras.plan.unsupported`: ``scale_dtype = "float64"`` everywhere; on XLA subnormal
-scales, non-float32 factors without x64, ``at_min = "error"`` inside a compiled step), and
-:func:`next_state` refuses such a spec (``on_unsupported = "fallback"`` runs ``plan.loss_scale``, the spec that runs).
+(``keras.ops``) over :class:`DeviceLossScale`, pure functions that trace (``tf.function``, ``jax.jit``) or run
+eagerly (torch). The scale is held in a float32 variable and computed in float64 on the float32 grid where the
+Keras backend has float64 (TensorFlow through its bits, :mod:`unimp_keras.tf_scale`; torch; JAX under
+``jax_enable_x64``, else in float32). What a Keras backend cannot hold is declared in the Plan
+(:func:`unimp_keras.plan.unsupported`), and :func:`next_state` refuses such a spec.
 
 >>> import keras, unimp
 >>> spec = unimp.load({"loss_scale": {"initial": 8.0, "growth_interval": 1}}).loss_scale
@@ -71,18 +63,18 @@ def held(value: float) -> Any:
 def decode(scale: Any) -> Any:
     """The held float32 scale in :func:`wide`, subnormals included."""
     if keras.backend.backend() == "tensorflow":
-        from .tf_scale import decode as tf_decode
+        from . import tf_scale
 
-        return tf_decode(scale)
+        return tf_scale.decode(scale)
     return ops.cast(scale, wide())
 
 
 def encode(x: Any) -> Any:
     """A :func:`wide` value on the float32 grid as the held float32."""
     if keras.backend.backend() == "tensorflow":
-        from .tf_scale import encode as tf_encode
+        from . import tf_scale
 
-        return tf_encode(x)
+        return tf_scale.encode(x)
     return ops.cast(x, "float32")
 
 

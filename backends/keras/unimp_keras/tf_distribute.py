@@ -1,16 +1,11 @@
 """tf.distribute (Keras' TensorFlow backend only): gradient all-reduce in the Plan's ``reduce_dtype``, XLA refusal.
 
-Keras 3 on TensorFlow sums gradients across replicas inside the optimizer
-(``TFOptimizer._all_reduce_sum_gradients``, called from ``_backend_update_step``) in the
-gradients' own dtype, with no hook for the reduction dtype, and Keras' ``LossScaleOptimizer``
-decides finiteness from replica 0's *local* gradients (a non-finite gradient on another replica
-is applied and poisons every replica). unimp's optimizer wrapper therefore does the reduction
-itself, in the replica context: each replica casts its (scaled) gradients to ``reduce_dtype``,
-they are summed with ``ReplicaContext.all_reduce`` and cast back; finiteness is checked on the
-reduced gradients and the replicas' flags are combined (logical AND) in one ``merge_call``, so
-every replica skips or steps together and the loss-scale update runs once, in the cross-replica
-context, on mirrored variables. The inner optimizer's own all-reduce is turned into the identity
-while it is wrapped (it receives gradients that are already reduced).
+Keras 3 on TensorFlow sums gradients inside the optimizer in their own dtype, with no hook for the reduction
+dtype, and Keras' ``LossScaleOptimizer`` decides finiteness from replica 0's local gradients. unimp's wrapper
+reduces itself, in the replica context (cast to ``reduce_dtype``, ``ReplicaContext.all_reduce``, cast back),
+checks finiteness on the reduced gradients and combines the replicas' flags in one ``merge_call``: every replica
+steps or skips together, the loss-scale update runs once on mirrored variables. The inner optimizer's own
+all-reduce is the identity while it is wrapped.
 
 >>> import tensorflow as tf
 >>> is_distributed(tf.distribute.get_strategy())
@@ -59,20 +54,9 @@ def strategy_of(model: Any, optimizer: Any) -> Any:
     return ms or os_
 
 
-def in_xla_context() -> bool:
-    """Whether the code being traced is inside an XLA-compiled (``jit_compile=True``) function."""
-    from tensorflow.python.ops import control_flow_util
-
-    return (not tf.executing_eagerly()
-            and control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
-
-
 def all_reduce(ctx: Any, grads: list, reduce_dtype: str, out_dtypes: list) -> list:
-    """Sum ``grads`` over replicas in ``reduce_dtype``; ``out_dtypes[i]`` is grad i's dtype after.
-
-    ``None`` gradients stay ``None``; ``IndexedSlices`` are densified (as Keras' own TF
-    all-reduce does for a non-sparse reduction).
-    """
+    """Sum ``grads`` over replicas in ``reduce_dtype``; ``out_dtypes[i]`` is grad i's dtype after (``None`` stays
+    ``None``; ``IndexedSlices`` are densified, as Keras' own TF all-reduce does)."""
     idx = [i for i, g in enumerate(grads) if g is not None]
     if not idx:
         return list(grads)
@@ -103,7 +87,10 @@ def unhook_inner(inner: Any) -> None:
 
 
 def refuse_xla() -> None:
-    if in_xla_context():
+    """:data:`XLA_MESSAGE` inside an XLA-compiled (``jit_compile=True``) function."""
+    from tensorflow.python.ops import control_flow_util
+
+    if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
         raise UnsupportedError(XLA_MESSAGE)
 
 

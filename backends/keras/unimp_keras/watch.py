@@ -51,7 +51,7 @@ from unimp.watch.traced import Taps, measured_in, thresholds
 
 from .bind import _decide, reset_compiled_functions
 from .index import is_graph
-from .trace import call_name
+from .trace import call_name, restore, set_method
 
 PLAIN, CHECKED, MEASURED = MODES = range(3)  # a step's train function: untapped, finiteness only, measured
 INFO = "unimp_watch"  # the key of the scaler's scalars in a step's logs (removed before Keras sees them)
@@ -309,7 +309,7 @@ class KerasWatch:
         self.step = int(opt._steps.value)  # the index of the next step
         self.skipped = int(opt._skipped.value)
         self.train_step = self.model.train_step  # Keras' (or the model's own)
-        self._undo: list[Callable[[], None]] = []
+        self._undo: list[tuple[Any, Any, str]] = []  # instance methods set: (object, its own before, name)
         self._install()
 
     # ------------------------------------------------------------------ install
@@ -317,19 +317,9 @@ class KerasWatch:
         for path, layer, compute in self.units:
             self._patch_call(path, layer, compute)
         model = self.model
-        own_make, own_step = model.__dict__.get("make_train_function"), model.__dict__.get("train_step")
-        make = model.make_train_function
-        object.__setattr__(model, "make_train_function", functools.partial(self._make_train_function, make))
-
-        def undo() -> None:
-            for name, own in (("make_train_function", own_make), ("train_step", own_step)):
-                if own is None:
-                    model.__dict__.pop(name, None)
-                else:
-                    object.__setattr__(model, name, own)
-            reset_compiled_functions(model)
-
-        self._undo.append(undo)
+        self._undo.append((model, model.__dict__.get("train_step"), "train_step"))  # set by each train function
+        make = functools.partial(self._make_train_function, model.make_train_function)
+        set_method(model, "make_train_function", make, self._undo)
         self._patch_check_finite()
         reset_compiled_functions(model)  # traced again: through the dispatcher
 
@@ -339,7 +329,7 @@ class KerasWatch:
         opt, model = self.amp.optimizer, self.model
         owner = {id(w): path for path, layer, _ in sorted(self.units, key=lambda u: len(u[1].trainable_weights),
                                                           reverse=True) for w in layer.trainable_weights}
-        own, original = opt.__dict__.get("check_finite"), opt.check_finite
+        original = opt.check_finite
 
         def check_finite(grads: list) -> Any:
             finite = original(grads)
@@ -355,15 +345,7 @@ class KerasWatch:
                 finite = self.store.checked(tap, g, None, finite)  # an event only: its finiteness
             return finite
 
-        object.__setattr__(opt, "check_finite", check_finite)
-
-        def undo() -> None:
-            if own is None:
-                opt.__dict__.pop("check_finite", None)
-            else:
-                object.__setattr__(opt, "check_finite", own)
-
-        self._undo.append(undo)
+        set_method(opt, "check_finite", check_finite, self._undo)
 
     def _patch_call(self, path: str, layer: Any, compute: str | None) -> None:
         """The taps around ``layer``'s own call (inside a stream cast's, whose ``inner`` it is then)."""
@@ -371,22 +353,13 @@ class KerasWatch:
         current = getattr(layer, name)
         holder, attr = (current, "inner") if getattr(current, "inner", None) is not None else (layer, name)
         original = getattr(holder, attr)
-        own = holder.__dict__.get(attr) if holder is layer else original
 
         def call(*args: Any, **kwargs: Any) -> Any:
             if not self.tapping:
                 return original(*args, **kwargs)
             return self._layer_call(path, compute, original, args, kwargs)
 
-        object.__setattr__(holder, attr, call)
-
-        def undo() -> None:
-            if own is None:
-                holder.__dict__.pop(attr, None)
-            else:
-                object.__setattr__(holder, attr, own)
-
-        self._undo.append(undo)
+        set_method(holder, attr, call, self._undo)
 
     # ------------------------------------------------------------------ in the tapped step
     @staticmethod
@@ -496,9 +469,10 @@ class KerasWatch:
         by a full disk under its file) finishes on the plain train function; the next ``compile`` builds Keras'
         own again."""
         running = self.model.train_function
-        for undo in reversed(self._undo):
-            undo()
+        for obj, own, name in reversed(self._undo):
+            restore(obj, own, name)
         self._undo.clear()
+        reset_compiled_functions(self.model)
         if isinstance(running, functools.partial) and running.func == self._run:
             self.model.train_function = functools.partial(_closed, running.args[0][PLAIN][0])
         if self.amp._watching is self:
