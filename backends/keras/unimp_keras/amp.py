@@ -1,12 +1,6 @@
-"""The Amp handle for Keras models: both training styles, report, state, remove.
-
-``amp.model.compile(optimizer=amp.optimizer, ...)`` + ``fit`` works, and so does a custom loop::
-
-    with tf.GradientTape() as tape:
-        loss = loss_fn(y, amp.model(x, training=True))
-        scaled = amp.scale_loss(loss)
-    grads = tape.gradient(scaled, amp.model.trainable_variables)
-    amp.apply_gradients(zip(grads, amp.model.trainable_variables))   # unscale, skip or step
+"""The Amp handle for Keras models: ``compile(optimizer=amp.optimizer)`` + ``fit``, or a custom loop
+(``amp.scale_loss(loss)``, then ``amp.apply_gradients(zip(grads, variables))``: unscale, skip or step);
+report, state, remove.
 
 >>> import keras, numpy as np, unimp
 >>> m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="fc")])

@@ -71,17 +71,10 @@ class KerasBackend(Backend):
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise TypeError(f"unimp.apply (keras): unknown option(s) {unknown}; valid: {list(OPTIONS)}")
+        from . import bind, strays
         from .amp import KerasAmp
-        from .bind import (
-            apply_layers,
-            check_inputs,
-            patch_output,
-            patch_scope,
-            reset_compiled_functions,
-            wrap_optimizer,
-        )
 
-        check_inputs(model, optimizer)
+        bind.check_inputs(model, optimizer)
         if not plan.layers:  # compiled without the model: index it once
             from .index import model_index
 
@@ -92,26 +85,22 @@ class KerasBackend(Backend):
 
             strategy = strategy_of(model, optimizer)  # tf.distribute: variables unimp creates are mirrored
         with strategy.scope() if strategy is not None else contextlib.nullcontext():
-            binding = apply_layers(plan, model)
+            binding = bind.apply_layers(plan, model)
             wrapper = None
             try:
-                wrapper = wrap_optimizer(plan, optimizer, binding, options.get("native_loss_scale"))
+                wrapper = bind.wrap_optimizer(plan, optimizer, binding, options.get("native_loss_scale"))
                 if wrapper is not None and strategy is not None:
                     wrapper.build(model.trainable_variables)  # mirrored state before strategy.run
             except Exception:
-                from .bind import undo
-
-                undo(model, optimizer, wrapper, binding, masters_on=False)
+                bind.undo(model, optimizer, wrapper, binding, masters_on=False)
                 raise
-        patch_scope(model, binding)  # layers that do not autocast read their variables as under Keras' policy
+        bind.patch_scope(model, binding)  # layers that do not autocast read their variables as under Keras' policy
         if plan.output_cast is not None:  # "unchanged": the last layer's compute dtype, as Keras gives it
-            patch_output(model, plan.output_cast, binding)
+            bind.patch_output(model, plan.output_cast, binding)
         if wrapper is not None and getattr(model, "optimizer", None) is optimizer:
             binding.compiled_optimizer = optimizer
             model.optimizer = wrapper
-        reset_compiled_functions(model)
-        from . import strays
-
+        bind.reset_compiled_functions(model)
         amp = KerasAmp(plan, model, wrapper, optimizer, binding)
         strays.watch(amp)  # optimizers stepping this model around unimp are refused (unimp_keras.strays)
         return amp

@@ -1,8 +1,5 @@
-"""Bind a compiled Plan to an existing Keras model (+ optimizer), remembering how to undo it.
-
-Everything that changes the user's objects lives here, each change paired with its undo:
-per-layer dtype policies, low-precision parameter copies, the output cast on ``model.call``,
-the optimizer wrapper (and ``model.optimizer`` when the model was compiled with it).
+"""Bind a compiled Plan to an existing Keras model (+ optimizer), each change paired with its undo: dtype
+policies, low-precision parameter copies, instance methods (output cast, ...), the optimizer wrapper.
 
 >>> import keras, unimp
 >>> m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="fc")])
@@ -94,24 +91,18 @@ def _decide(plan: Plan, unit: Unit) -> tuple[str | None, str, str]:
 
 
 def keeps_activation_dtype(plan: Plan, unit: Unit, compute: str) -> bool:
-    """Whether ``unit`` is a batch_norm the policy runs in float32: Keras' ``BatchNormalization`` then
-    computes its statistics and normalisation in float32 over float32 variables whatever arrives, and
-    returns the dtype it computed for (``FollowInputs``: the incoming activation's), as the op is defined
-    (``unimp.policy.ops``: the output keeps the activation dtype, as torch autocast, Paddle and Keras' own
-    ``mixed_float16`` give it)."""
+    """Whether ``unit`` is a batch_norm the policy runs in float32: Keras' ``BatchNormalization`` computes in
+    float32 whatever arrives and returns the incoming activation's dtype (``FollowInputs``), as the op is defined
+    (as torch autocast, Paddle and Keras' own ``mixed_float16`` give it)."""
     return (unit.kind == "batch_norm" and compute == "float32"
             and plan.decide(unit.path, unit.kind, unit.type_names).override is None)
 
 
 def pinned(plan: Plan, unit: Unit) -> bool:
-    """Whether ``unit`` is a sublayer of a subclassed layer that its author gave a dtype of its own
-    (``keras.layers.Softmax(dtype="float32")`` in keras_hub's Gemma / Llama attention), which no override names.
-
-    Keras' global dtype policy reaches the layers built with ``dtype=None`` (Keras' global policy object) and
-    the sublayers a container builds with ``dtype=self.dtype_policy`` (its own object); a sublayer holding
-    another policy object was built with an explicit dtype, and Keras' own ``mixed_float16`` keeps it, so
-    unimp does too. (A layer of a functional model is not judged so: a loaded ``.keras`` file gives each
-    its own policy object.)"""
+    """Whether ``unit`` is a sublayer of a subclassed layer that its author gave a dtype of its own (keras_hub's
+    ``Softmax(dtype="float32")``), which no override names: it holds neither Keras' global policy object nor its
+    container's, and Keras' own ``mixed_float16`` keeps it. (Not judged in a functional model: a loaded
+    ``.keras`` file gives each layer its own policy object.)"""
     parent = unit.parent
     if parent is None or is_graph(parent):
         return False
@@ -241,12 +232,9 @@ def patch_stream(layer: Any, parent: Any, binding: Binding) -> None:
 
 
 def patch_scope(model: Any, binding: Binding) -> None:
-    """Run ``model``'s layers inside an autocast scope where Keras would: a model built under a mixed policy
-    opens one in its ``__call__``, so a layer with ``autocast = False`` (``Embedding``) reads its variables in
-    their own dtype, instead of opening a scope of its own because no outer one is there (Keras' rule for a layer
-    called alone). Only when the call came through a ``__call__`` (a Keras call context is open): JAX's ``fit``
-    runs the model's ``call`` by ``stateless_call``, where Keras opens no scope either. Each layer still opens
-    the scope of its own compute dtype."""
+    """Run ``model``'s layers inside an autocast scope where Keras would (a model built under a mixed policy opens
+    one in its ``__call__``), so a layer with ``autocast = False`` (``Embedding``) reads its variables in their own
+    dtype; only within a ``__call__`` (JAX's ``fit`` runs ``stateless_call``, where Keras opens none either)."""
     from keras.src.backend import AutocastScope
     from keras.src.backend.common import global_state
 

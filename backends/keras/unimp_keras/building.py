@@ -1,10 +1,6 @@
-"""Build a Keras model from scratch under a policy: ``with unimp.scope(policy) as s:``.
-
-Inside the scope Keras' global dtype policy is the Plan's (``mixed_bfloat16`` for bf16 compute
-over float32 params, ``bfloat16`` for pure bf16) and ``image_data_format`` follows
-``layout.channels_last``, so new layers create their variables in the right dtype and layout.
-The per-layer rules (float32 list, follow-inputs, overrides) and loss scaling then come from
-``s.apply(model, optimizer)`` (as ``unimp.apply``, with the scope's Plan); leaving the scope restores Keras' globals.
+"""Build a Keras model from scratch under a policy: ``with unimp.scope(policy) as s:`` sets Keras' global dtype
+policy to the Plan's (``mixed_bfloat16``, ``bfloat16``, ...) and ``image_data_format`` per ``layout.channels_last``;
+``s.apply(model, optimizer)`` then binds the per-layer rules and loss scaling; leaving restores Keras' globals.
 
 >>> import keras, unimp
 >>> with unimp.scope("mixed_bf16") as s:

@@ -219,8 +219,10 @@ class AmpOptimizer(SavesAsKeras):
     def variables(self) -> list:
         """Keras' layout (own variables, then the inner optimizer's); on JAX the float32 masters sit
         between them: Keras' JAX trainer hands ``stateless_apply`` exactly these values."""
-        masters = list(self._masters.values()) if keras.backend.backend() == "jax" else []
-        return [*self._variables, *masters, *self.inner_optimizer.variables]
+        return [*self._variables, *self._jax_masters(), *self.inner_optimizer.variables]
+
+    def _jax_masters(self) -> list:
+        return list(self._masters.values()) if keras.backend.backend() == "jax" else []
 
     # ------------------------------------------------------------------ state
     def _state(self) -> DeviceLossScale:
@@ -281,18 +283,21 @@ class AmpOptimizer(SavesAsKeras):
             self._skipped.assign(new.skipped)
         self._steps.assign(new.steps)
 
+    def _finish(self, finite: Any) -> None:
+        """The state after a step: the rule's update on ``finite``, or (None: nothing checked) one more step."""
+        if finite is None:
+            self._count(self._steps)
+        else:
+            self._update(finite)
+
     def _common_apply(self, grads: list, trainable_variables: list | None = None) -> None:
         grads = list(grads)
-        if not self._checking():
-            self._apply_inner(grads, trainable_variables)
-            self._count(self._steps)
-            return
-        finite = self.check_finite(grads)
+        finite = self.check_finite(grads) if self._checking() else None
         if self.spec.skip_nonfinite:
             _cond(finite, lambda: self._apply_inner(grads, trainable_variables))
         else:
             self._apply_inner(grads, trainable_variables)
-        self._update(finite)
+        self._finish(finite)
 
     # ------------------------------------------------------------------ JAX: inside jit
     def _stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list) -> tuple[list, list]:
@@ -303,8 +308,7 @@ class AmpOptimizer(SavesAsKeras):
             raise ValueError("unimp AmpOptimizer.stateless_apply: build it first "
                              "(optimizer.build(model.trainable_variables))")
 
-        own, masters = list(self._variables), list(self._masters.values()) if keras.backend.backend() == "jax" \
-            else []
+        own, masters = list(self._variables), self._jax_masters()
         if len(masters) != len(self._masters):
             raise NotImplementedError("unimp AmpOptimizer.stateless_apply with float32 master weights runs on "
                                       "Keras' JAX backend; on TensorFlow and torch call optimizer.apply(grads, vars)")
@@ -314,7 +318,7 @@ class AmpOptimizer(SavesAsKeras):
         tvs = list(self._trainable_variables)
         grads, trainable_variables = list(grads), list(trainable_variables)
         with keras.StatelessScope(state_mapping=list(zip(self.variables, values))) as scope:
-            finite = self.check_finite(grads) if self._checking() else ops.convert_to_tensor(True)
+            finite = self.check_finite(grads) if self._checking() else None
             scale = None if self.spec.mode == "none" else self.dynamic_scale.value
             slot = {id(m): i for i, m in enumerate(masters)}
             where = [slot.get(id(self._masters[id(v)])) if id(v) in self._masters else None for v in tvs]
@@ -322,20 +326,14 @@ class AmpOptimizer(SavesAsKeras):
             gs = [g if g is None or w is None else ops.cast(g, "float32") for g, w in zip(grads, where, strict=True)]
             new_targets, new_inner = self.inner_optimizer.stateless_apply(inner_v, _unscale(gs, scale, tvs),
                                                                           targets)
-            if self._checking():
-                self._update(finite)
-            else:
-                self._count(self._steps)
+            self._finish(finite)
         new_own = [scope.get_current_value(v) for v in own]
         new_own = [o if n is None else n for o, n in zip(own_v, new_own, strict=True)]
         new_masters = list(master_v)
-        new_tvs = []
-        for i, (w, t) in enumerate(zip(where, new_targets, strict=True)):
-            if w is None:
-                new_tvs.append(t)
-            else:
+        for w, t in zip(where, new_targets, strict=True):
+            if w is not None:
                 new_masters[w] = t
-                new_tvs.append(ops.cast(t, tvs[i].dtype))
+        new_tvs = [t if w is None else ops.cast(t, v.dtype) for w, t, v in zip(where, new_targets, tvs, strict=True)]
         if self.spec.skip_nonfinite:
             keep = lambda new, old: [ops.where(finite, a, b) for a, b in zip(new, old, strict=True)]
             new_tvs = keep(new_tvs, trainable_variables)

@@ -1,8 +1,5 @@
-"""The request (the policy as asked) -> the Keras Plan: per canonical op the layer classes that carry it.
-
-Keras decides dtypes per layer, so every op with a Keras layer class is ``layer``-controlled;
-``loss`` is ``fixed`` (Keras losses compute in float32). ``auto`` (and a low-precision dtype on a
-CPU without native units) asks the Keras backend (TensorFlow, JAX, torch) for GPUs; the CPU facts are
+"""The request (the policy as asked) -> the Keras Plan: every op with a Keras layer class is ``layer``-controlled,
+``loss`` is ``fixed`` (Keras losses compute in float32); GPUs are the Keras backend's to find, the CPU facts
 ``unimp.hardware``'s.
 
 >>> import unimp
@@ -143,11 +140,8 @@ def loss_scaler(spec: LossScaleSpec, masters: bool) -> str:
 
 
 def unsupported(spec: LossScaleSpec) -> dict[str, tuple[object, str]]:
-    """Loss-scale knobs this Keras backend cannot honour: ``{knob: (what runs instead, why)}``.
-
-    Everywhere: a float64 scale (Keras' optimizer variable is float32). On JAX (XLA): what a float32
-    scale computed by XLA cannot hold bit for bit (:func:`xla_unsupported`).
-    """
+    """Loss-scale knobs this Keras backend cannot honour, ``{knob: (what runs instead, why)}``: a float64 scale
+    (Keras' optimizer variable is float32); on JAX what XLA cannot hold bit for bit (:func:`xla_unsupported`)."""
     if spec.mode != "dynamic":
         return {}
     out: dict[str, tuple[object, str]] = {}
@@ -163,12 +157,6 @@ def _keras_backend_name() -> str:
     import keras
 
     return keras.backend.backend()
-
-
-def _jax_x64() -> bool:
-    import jax
-
-    return bool(jax.config.jax_enable_x64)
 
 
 def xla_flushes_subnormals() -> bool:
@@ -194,7 +182,9 @@ def xla_unsupported(spec: LossScaleSpec) -> dict[str, tuple[object, str]]:
     if flush and spec.initial < dtypes.FLT_TINY:
         out["initial"] = (dtypes.FLT_TINY, "this XLA device reads a float32 scale below 2^-126 as 0; fix: "
                           "initial >= 2^-126")
-    if not _jax_x64():
+    import jax
+
+    if not jax.config.jax_enable_x64:
         out.update(LossScale(spec).float32_limits(flushes=flush, who="Keras on JAX (without jax_enable_x64)",
                                                   fix=fix_x64))
     if spec.at_min == "error":
@@ -218,24 +208,19 @@ def xla_f16_attention_error() -> str | None:
     float16, else None (measured once: XLA:CPU has no F16 x F16 -> F32 dot_general; Dense, EinsumDense,
     the convolutions, einsum, matmul, the RNNs and the normalisations compile in float16 there)."""
     import jax
+    import keras
     import numpy as np
 
     q = np.ones((1, 2, 1, 4), np.float16)  # (batch, time, heads, head dim)
     try:
         with jax.ensure_compile_time_eval():
-            jax.block_until_ready(jax.jit(lambda q: keras_ops().dot_product_attention(q, q, q))(q))
+            jax.block_until_ready(jax.jit(lambda q: keras.ops.dot_product_attention(q, q, q))(q))
     except Exception as e:  # XLA refuses at compile time (ValueError in jax 0.10)
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "not supported" not in text:
             raise
         return text
     return None
-
-
-def keras_ops() -> Any:
-    import keras
-
-    return keras.ops
 
 
 def device_fixed(request: PlanRequest, index: Iterable[LayerInfo] | None) -> dict[str, tuple[str, str]]:

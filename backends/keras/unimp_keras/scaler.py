@@ -20,15 +20,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from unimp.spi import (
-    Arrays,
-    LossScale,
-    LossScaleAtMinimumError,
-    LossScaleSpec,
-    LossScaleState,
-    dtypes,
-    step,
-)
+from unimp.spi import Arrays, LossScale, LossScaleAtMinimumError, LossScaleSpec, LossScaleState, dtypes, step
 
 from .plan import unsupported
 

@@ -21,6 +21,7 @@ from unimp.spi import PlanRequest
 
 from .index import walk
 from .steps import custom_step
+from .trace import restore, set_method
 
 
 def built_under(policy: str, factory: Any, x: Any = None, seed: int = 0) -> Any:
@@ -51,9 +52,9 @@ def output_dtypes(model: Any, layers: Any, x: Any) -> tuple[list[tuple[Any, str 
     [('fc', 'float16')]
     """
     seen: list[tuple[Any, str | None]] = []
-    saved = []
+    saved: list[tuple[Any, Any, str]] = []
     for layer in layers:
-        own, inner = layer.__dict__.get("call"), layer.call
+        inner = layer.call
 
         def record(*a: Any, _layer: Any = layer, _call: Any = inner, **k: Any) -> Any:
             out = _call(*a, **k)
@@ -61,16 +62,12 @@ def output_dtypes(model: Any, layers: Any, x: Any) -> tuple[list[tuple[Any, str 
             seen.append((_layer, keras.backend.standardize_dtype(leaves[0].dtype) if leaves else None))
             return out
 
-        object.__setattr__(layer, "call", record)
-        saved.append((layer, own))
+        set_method(layer, "call", record, saved)
     try:
         out = model(x)
     finally:
-        for layer, own in saved:
-            if own is None:
-                del layer.__dict__["call"]
-            else:
-                object.__setattr__(layer, "call", own)
+        for layer, own, name in reversed(saved):
+            restore(layer, own, name)
     return seen, out
 
 
@@ -92,8 +89,6 @@ class KerasKit(Kit):
     @property
     def label(self) -> str:
         """``keras-<Keras backend>``: one conformance column per Keras backend (``.obs/keras-jax.json``)."""
-        import keras
-
         return f"keras-{keras.backend.backend()}"
 
     def supports(self, request: PlanRequest) -> str | None:

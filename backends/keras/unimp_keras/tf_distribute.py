@@ -114,8 +114,7 @@ def distributed_apply(opt: Any, grads: list, trainable_variables: list | None) -
     out = [tf.float32 if id(v) in opt._masters else g.dtype if g is not None else None
            for g, v in zip(grads, tvs, strict=True)]
     reduced = all_reduce(ctx, grads, opt.reduce_dtype, out)
-    checking = opt.spec.mode != "none" or opt.spec.skip_nonfinite
-    finite = opt.check_finite(reduced) if checking else tf.constant(True)
+    finite = opt.check_finite(reduced) if opt._checking() else tf.constant(True)
     ctx.merge_call(_cross_replica_step, args=(opt, reduced, finite, tvs))
 
 
@@ -137,10 +136,7 @@ def _cross_replica_step(distribution: Any, opt: Any, reduced: list, finite: Any,
         tf.cond(agreed, step, lambda: None)
     else:
         step()
-    if opt.spec.mode == "none" and not opt.spec.skip_nonfinite:
-        opt._count(opt._steps)
-    else:
-        opt._update(agreed)
+    opt._finish(agreed if opt._checking() else None)
 
 
 def _assign_cast(var: Any, master: Any) -> Any:

@@ -1,11 +1,6 @@
-"""Observe one real forward: per layer, the dtype it computed in, its variables' and its output's.
-
-Every layer that computes is observed: units, and subclassed containers (their own ops run
-between their sublayers' calls); a Sequential/functional model only joins its layers. Each
-observed layer's ``call`` is wrapped for the duration of one eager forward. The compute
-dtype is the widest float input the layer's ``call`` received after Keras' input casting; for
-layers that cast by themselves (``autocast = False``: Embedding, normalisations) it is the dtype
-they produce.
+"""Observe one real eager forward: per layer (units, and subclassed containers) the dtype it computed in (the
+widest float input after Keras' casting; for a layer with ``autocast = False``: the dtype it produces), its
+variables' and its output's.
 
 >>> import keras, numpy as np
 >>> from unimp_keras.index import walk
