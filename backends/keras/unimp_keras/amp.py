@@ -19,7 +19,7 @@ import numpy as np
 
 from unimp.spi import Amp, Fp8Decision, LossScale, LossScaleState, Plan, Report, ReportRow, StateError, UnsupportedError
 
-from . import fp8
+from . import fp8, strays
 from .bind import Binding, undo
 from .trace import observe
 
@@ -119,8 +119,6 @@ class KerasAmp(Amp):
         return out
 
     def _restore(self) -> None:
-        from . import strays
-
         strays.unwatch(self)
         undo(self.model, self.inner_optimizer, self.optimizer, self._binding,
              masters_on=bool(getattr(self.optimizer, "_masters", None)))

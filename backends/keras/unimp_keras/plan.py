@@ -203,10 +203,12 @@ ATTENTION_FIX = ("on JAX's CPU move \"attention\" from [ops].lower to [ops].floa
 
 
 @functools.cache
-def xla_f16_attention_error() -> str | None:
-    """XLA's message where the default JAX device cannot compile ``keras.ops.dot_product_attention`` in
+def device_f16_attention_error() -> str | None:
+    """XLA's message where Keras on JAX without a GPU cannot compile ``keras.ops.dot_product_attention`` in
     float16, else None (measured once: XLA:CPU has no F16 x F16 -> F32 dot_general; Dense, EinsumDense,
     the convolutions, einsum, matmul, the RNNs and the normalisations compile in float16 there)."""
+    if _keras_backend_name() != "jax" or gpu_capability() is not None:
+        return None
     import jax
     import keras
     import numpy as np
@@ -224,10 +226,8 @@ def xla_f16_attention_error() -> str | None:
 
 
 def device_fixed(request: PlanRequest, index: Iterable[LayerInfo] | None) -> dict[str, tuple[str, str]]:
-    """Ops this Keras backend's device cannot run in the dtype the policy asks: ``{op: ("float32", why)}``.
-
-    On JAX without a GPU: ``attention`` in float16 (:func:`xla_f16_attention_error`), declared when the
-    model has an attention layer (or no model is given)."""
+    """Ops this Keras backend's device cannot run in the dtype the policy asks, ``{op: ("float32", why)}``: float16
+    ``attention`` (:func:`device_f16_attention_error`), when the model has such a layer (or none is given)."""
     if request.requested("attention") != "float16":
         return {}
     if index is not None and not any(calls_dot_product_attention(info) for info in index):
@@ -236,31 +236,20 @@ def device_fixed(request: PlanRequest, index: Iterable[LayerInfo] | None) -> dic
     return {} if error is None else {"attention": ("float32", ATTENTION_XLA_F16.format(error=error))}
 
 
-# Keras' own attention classes whose call runs keras.ops.dot_product_attention (Keras 3.15: MultiHeadAttention's
-# _compute_attention for 4-D inputs without dropout or returned scores; GroupedQueryAttention), and their
-# subclasses (keras_hub's CachedMultiHeadAttention: GPT-2, BERT). Measured under jax.jit on XLA:CPU in float16:
-# those fail, keras_hub's own einsum attention (CachedGemmaAttention) compiles.
+# Keras' attention classes whose call runs keras.ops.dot_product_attention, and their subclasses (keras_hub's
+# CachedMultiHeadAttention); keras_hub's own einsum attention (CachedGemmaAttention) compiles in float16 on XLA:CPU.
 DOT_PRODUCT_ATTENTION = frozenset({"MultiHeadAttention", "GroupedQueryAttention"})
 
 
 def calls_dot_product_attention(info: LayerInfo) -> bool:
-    """Whether the layer is (a subclass of) one of Keras' attention classes that call
-    ``keras.ops.dot_product_attention``."""
+    """Whether the layer is (a subclass of) one of :data:`DOT_PRODUCT_ATTENTION`."""
     return info.kind == "attention" and bool(DOT_PRODUCT_ATTENTION & set(info.type_names))
-
-
-def device_f16_attention_error() -> str | None:
-    """XLA's refusal of float16 attention on this process' device (Keras on JAX without a GPU), else None."""
-    if _keras_backend_name() != "jax" or gpu_capability() is not None:
-        return None
-    return xla_f16_attention_error()
 
 
 def device_override_fallbacks(request: PlanRequest,
                               index: list[LayerInfo] | None) -> tuple[list[str], dict[int, str]]:
-    """Overrides that ask float16 of attention layers this device cannot run so (:func:`device_fixed`'s op,
-    set per layer): ``(problems, {override index: "float32"})``; the binding runs those attention layers in
-    float32 (the override's other layers as it says). Without a model, every override asking float16."""
+    """Overrides asking float16 of attention layers this device cannot run so (:func:`device_fixed`'s op, per
+    layer): ``(problems, {override index: "float32"})`` (without a model: every override asking float16)."""
     problems: list[str] = []
     fallbacks: dict[int, str] = {}
     error = None
@@ -285,8 +274,7 @@ def device_override_fallbacks(request: PlanRequest,
 
 
 def distributed_note(rd: str) -> str:
-    """How tf.distribute runs with gradients reduced in ``rd`` (the Keras 3 facts this backend works around);
-    on the JAX and torch backends of Keras, that unimp does not distribute."""
+    """How data parallelism runs with gradients reduced in ``rd``, on this Keras backend."""
     name = _keras_backend_name()
     if name == "jax":
         return ("data parallel: Keras' own keras.distribution (DataParallel) lays out the variables and batches; "

@@ -1,11 +1,6 @@
-"""One custom training step on each Keras backend, the way that backend differentiates
-(what the conformance kit and the tests drive; the README shows the same three loops):
-
-- TensorFlow: ``tf.GradientTape`` -> ``amp.apply_gradients`` (in a ``tf.function`` where Keras float8
-  layers run: their gradient does not run eagerly);
-- JAX: ``model.stateless_call`` + ``jax.grad`` -> ``optimizer.stateless_apply``, jitted, the new values
-  assigned back (as Keras' JAX trainer does);
-- torch: ``loss.backward()`` -> ``amp.apply_gradients``.
+"""One custom training step on each Keras backend, the way it differentiates (what the conformance kit and the
+tests drive): TensorFlow ``tf.GradientTape`` (in a ``tf.function`` for Keras float8 layers), torch ``backward``,
+then ``amp.apply_gradients``; JAX jitted ``model.stateless_call`` + ``jax.grad`` -> ``stateless_apply``.
 
 >>> import keras, numpy as np, unimp
 >>> m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="fc")])
@@ -51,10 +46,8 @@ def custom_step(amp: Any, loss_fn: Loss, x: Any, y: Any, poison: bool = False) -
 
 
 def optimizer_step(opt: Any, variables: list, loss_fn: Callable[[], Any]) -> Callable[[bool], None]:
-    """``step(poison)``: one scaled step of ``opt`` (a loss-scaling optimizer: unimp's or Keras' own) on bare
-    ``variables``, ``loss_fn()`` reading them, each Keras backend's way (TensorFlow: a ``tf.function``
-    GradientTape step; JAX: jitted ``jax.grad`` + ``stateless_apply``; torch: ``backward``); ``poison``
-    multiplies the loss by inf. What the loss-scale tests drive without a model.
+    """``step(poison)``: one scaled step of ``opt`` (unimp's or Keras' loss-scaling optimizer) on bare ``variables``
+    (``loss_fn()`` reads them), each Keras backend's way (TensorFlow: in a ``tf.function``).
 
     >>> import keras, numpy as np
     >>> w = keras.Variable(np.ones(2, np.float32))

@@ -17,7 +17,6 @@ from keras import ops
 
 from unimp.conformance.kit import Kit, Observation
 from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, PROBE, TIME, VOCAB, ProbeBatch
-from unimp.spi import PlanRequest
 
 from .index import walk
 from .steps import custom_step
@@ -91,12 +90,6 @@ class KerasKit(Kit):
         """``keras-<Keras backend>``: one conformance column per Keras backend (``.obs/keras-jax.json``)."""
         return f"keras-{keras.backend.backend()}"
 
-    def supports(self, request: PlanRequest) -> str | None:
-        # every probe layer has float16 and bfloat16 kernels on each Keras backend's CPU; the one op a device
-        # cannot run (float16 attention on JAX's CPU, which the probe has none of) is the Plan's to declare
-        # (unimp_keras.plan.device_fixed): a fallback or an UnsupportedError, never a kit skip
-        return None
-
     def build_probe(self, weights: dict[str, Any]) -> Any:
         ly = keras.layers
         inp = keras.Input((TIME,), dtype="int32")
@@ -121,8 +114,7 @@ class KerasKit(Kit):
         return keras.optimizers.SGD(lr)
 
     def observe(self, amp: Any, batch: ProbeBatch) -> dict[str, Observation]:
-        rep = amp.report(batch.tokens)
-        return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype, r.fp8) for r in rep.rows if r.path}
+        return {path: o for path, o in self.observations(amp.report(batch.tokens)).items() if path}
 
     def output(self, amp: Any, batch: ProbeBatch) -> Any:
         return amp.model(batch.tokens, training=False)

@@ -39,14 +39,12 @@ def is_distributed(strategy: Any) -> bool:
 
 def strategy_of(model: Any, optimizer: Any) -> Any:
     """The strategy ``model`` / ``optimizer`` were created under; a clear error if they disagree."""
-    ms = getattr(model, "_distribute_strategy", None)
-    os_ = getattr(optimizer, "_distribution_strategy", None) if optimizer is not None else None
-    ms = ms if is_distributed(ms) else None
-    os_ = os_ if is_distributed(os_) else None
+    ms, os_ = (s if is_distributed(s) else None for s in (getattr(model, "_distribute_strategy", None),
+                                                           getattr(optimizer, "_distribution_strategy", None)))
     if optimizer is not None and ms is not os_:
         where = ("the model under a tf.distribute strategy's scope but not the optimizer" if ms is not None
-                 else "the optimizer under a tf.distribute strategy's scope but not the model"
-                 if ms is None and os_ is not None else "the model and optimizer under different strategies")
+                 else "the optimizer under a tf.distribute strategy's scope but not the model" if os_ is not None
+                 else "the model and optimizer under different strategies")
         raise ValueError(f"unimp (keras): {where}; Keras needs both created inside the same "
                          "strategy.scope() (its optimizer variables must be mirrored like the model's). fix: "
                          "with strategy.scope(): model = ...; optimizer = keras.optimizers.Adam(...); "
