@@ -1,6 +1,5 @@
 """The Amp handle for Keras models: ``compile(optimizer=amp.optimizer)`` + ``fit``, or a custom loop
-(``amp.scale_loss(loss)``, then ``amp.apply_gradients(zip(grads, variables))``: unscale, skip or step);
-report, state, remove.
+(``amp.scale_loss``, ``amp.apply_gradients``); report, state, remove.
 
 >>> import keras, numpy as np, unimp
 >>> m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="fc")])
@@ -94,8 +93,7 @@ class KerasAmp(Amp):
         return out
 
     def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
-        """As :meth:`unimp.backend.Amp.load_state_dict`; ``fp8`` (when present) is checked first and
-        assigned to the scaling weights exactly. Without ``fp8`` they stay as they are."""
+        """As :meth:`unimp.backend.Amp.load_state_dict`; ``fp8`` (when present) checked first, then assigned exactly."""
         self._check_live("amp.load_state_dict()")
         plain = state.get("fp8") if isinstance(state, Mapping) else None
         if plain is not None:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import keras
+from keras.src.backend import AutocastScope
+from keras.src.backend.common import global_state
 
 from unimp.spi import Plan, UnsupportedError, dtypes
 
@@ -91,9 +93,8 @@ def _decide(plan: Plan, unit: Unit) -> tuple[str | None, str, str]:
 
 
 def keeps_activation_dtype(plan: Plan, unit: Unit, compute: str) -> bool:
-    """Whether ``unit`` is a batch_norm the policy runs in float32: Keras' ``BatchNormalization`` computes in
-    float32 whatever arrives and returns the incoming activation's dtype (``FollowInputs``), as the op is defined
-    (as torch autocast, Paddle and Keras' own ``mixed_float16`` give it)."""
+    """Whether ``unit`` is a batch_norm the policy runs in float32: Keras' computes in float32 whatever arrives, and
+    it returns the incoming activation's dtype (``FollowInputs``), as torch autocast and ``mixed_float16`` do."""
     return (unit.kind == "batch_norm" and compute == "float32"
             and plan.decide(unit.path, unit.kind, unit.type_names).override is None)
 
@@ -165,8 +166,7 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
 
 
 def patch_compile_config(model: Any, binding: Binding) -> None:
-    """``model.save`` names Keras' own optimizer for a unimp wrapper the model was compiled with
-    (see :class:`~unimp_keras.optimizer.SavesAsKeras`): the file loads without unimp."""
+    """``model.save`` names Keras' own optimizer for a unimp wrapper (:class:`~unimp_keras.optimizer.SavesAsKeras`)."""
     original = model.get_compile_config
 
     def get_compile_config() -> Any:
@@ -235,9 +235,6 @@ def patch_scope(model: Any, binding: Binding) -> None:
     """Run ``model``'s layers inside an autocast scope where Keras would (a model built under a mixed policy opens
     one in its ``__call__``), so a layer with ``autocast = False`` (``Embedding``) reads its variables in their own
     dtype; only within a ``__call__`` (JAX's ``fit`` runs ``stateless_call``, where Keras opens none either)."""
-    from keras.src.backend import AutocastScope
-    from keras.src.backend.common import global_state
-
     original = model.call
 
     def call(*args: Any, **kwargs: Any) -> Any:

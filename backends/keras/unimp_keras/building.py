@@ -1,6 +1,5 @@
-"""Build a Keras model from scratch under a policy: ``with unimp.scope(policy) as s:`` sets Keras' global dtype
-policy to the Plan's (``mixed_bfloat16``, ``bfloat16``, ...) and ``image_data_format`` per ``layout.channels_last``;
-``s.apply(model, optimizer)`` then binds the per-layer rules and loss scaling; leaving restores Keras' globals.
+"""Build a Keras model under a policy: ``with unimp.scope(policy) as s:`` sets Keras' global dtype policy and
+``image_data_format`` per the Plan, ``s.apply(model, optimizer)`` binds the rest; leaving restores Keras' globals.
 
 >>> import keras, unimp
 >>> with unimp.scope("mixed_bf16") as s:
@@ -19,6 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import keras
+
 from unimp.spi import Plan, apply, dtypes
 
 
@@ -32,8 +33,7 @@ class Scope:
     backend: Any  # the KerasBackend that binds it
 
     def apply(self, model: Any, optimizer: Any = None, **options: Any) -> Any:
-        """``unimp.apply(policy, model, optimizer)`` for the model built in this scope: binds the scope's
-        Plan, all or nothing (a failure puts the model and optimizer back)."""
+        """``unimp.apply(policy, model, optimizer)`` with the scope's Plan, all or nothing."""
         return apply(self.plan, model, optimizer, **options)
 
 
@@ -47,8 +47,6 @@ def global_policy_name(plan: Plan) -> str:
 @contextmanager
 def scope(plan: Plan, backend: Any) -> Iterator[Scope]:
     """Keras' global dtype policy and data format set per ``plan`` while building a model."""
-    import keras
-
     name = global_policy_name(plan)
     fmt = "channels_last" if plan.channels_last else keras.config.image_data_format()
     old_policy, old_fmt = keras.config.dtype_policy(), keras.config.image_data_format()

@@ -1,7 +1,6 @@
-"""Keras dtype policies for unimp's layer decisions: a fixed decision is a plain Keras ``DTypePolicy``
-(``mixed_bfloat16``: bf16 compute over float32 variables); a layer that follows its inputs gets
-:class:`FollowInputs`, computing in the dtype of the activation that arrives (promote: the widest of it and the
-variables). While applied, ``model.save`` writes each layer's original policy, so the file loads without unimp.
+"""Keras dtype policies for unimp's layer decisions: a fixed one is a Keras ``DTypePolicy`` (``mixed_bfloat16``); a
+layer following its inputs gets :class:`FollowInputs` (the arriving activation's dtype; promote: the widest of it
+and the variables). ``model.save`` writes each layer's original policy: the file loads without unimp.
 
 >>> keras_policy("bfloat16", "float32").name
 'mixed_bfloat16'
@@ -13,6 +12,7 @@ variables). While applied, ``model.save`` writes each layer's original policy, s
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import keras
@@ -31,8 +31,6 @@ class Applied(keras.DTypePolicy):
 
     def for_layer(self, original: Any) -> Applied:
         """A copy of this policy for one layer, saving as that layer's ``original`` policy."""
-        import copy
-
         mine = copy.copy(self)
         mine.saved = original.get_config() if type(original) is keras.DTypePolicy else None
         return mine

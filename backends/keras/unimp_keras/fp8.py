@@ -1,11 +1,9 @@
 """FP8 training through Keras' own float8 layers (``layer.quantize("float8")``), on the Dense layers the Plan chooses.
 
-Keras' one recipe is delayed scaling from an amax history (e4m3 inputs and kernel, e5m2 output gradient,
-``QuantizedFloat8DTypePolicy``): the Plan maps ``recipe = "delayed"`` to it and refuses the others. Its scaling
-state is six float32 model weights per layer (``inputs_scale``, ``inputs_amax_history``, ...), which
-``amp.state_dict()["fp8"]`` carries under unimp's names (``fc1.input_scale``, ...). Keras' float8 gradient does
-not run eagerly on TensorFlow (an eager ``GradientTape`` is a clear ``UnsupportedError``). ``remove()`` deletes
-the scaling weights and restores the layer exactly.
+Keras' one recipe, delayed scaling from an amax history, is the Plan's ``recipe = "delayed"``; its scaling state
+(six float32 model weights per layer) is ``amp.state_dict()["fp8"]`` under unimp's names (``fc1.input_scale``).
+Keras' float8 gradient does not run eagerly on TensorFlow (a clear ``UnsupportedError``); ``remove()`` restores
+the layer exactly.
 
 >>> import keras, unimp
 >>> m = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, name="fc")])
@@ -98,8 +96,7 @@ def guard_eager(u: Any) -> Any:
 
 
 def quantize(plan: Plan, u: Any, originals: dict[int, tuple[Any, Any]]) -> Fp8Layer:
-    """``layer.quantize("float8")`` under the Plan's amax history (the layer's dtype policy is remembered
-    in ``originals``, as the binding keeps every policy it changes)."""
+    """``layer.quantize("float8")`` under the Plan's amax history (its dtype policy remembered in ``originals``)."""
     from keras.dtype_policies import QuantizedFloat8DTypePolicy
 
     assert plan.fp8 is not None  # a layer the Plan's fp8 table chose
@@ -115,8 +112,7 @@ def quantize(plan: Plan, u: Any, originals: dict[int, tuple[Any, Any]]) -> Fp8La
 
 
 def undo(entries: list[Fp8Layer]) -> None:
-    """Delete the scaling weights and the quantized state: the layer as it was (its policy restored
-    with the binding's)."""
+    """Delete the scaling weights and the quantized state (the policy is restored with the binding's)."""
     for e in reversed(entries):
         for name in NAMES:
             if name in e.layer.__dict__:

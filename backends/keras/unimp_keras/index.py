@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import keras
+from keras.src.models.functional import Functional
 
 from unimp.spi import LayerInfo, ops
 
@@ -115,8 +116,6 @@ def model_index(model: Any) -> tuple[LayerInfo, ...]:
 def is_graph(layer: Any) -> bool:
     """Whether ``layer`` is a Sequential/functional model, whose sublayers are joined by layers only (a subclassed
     container may join them with raw ops, ``x + residual``)."""
-    from keras.src.models.functional import Functional
-
     return isinstance(layer, (Functional, keras.Sequential))
 
 

@@ -6,8 +6,7 @@ TensorFlow graph, a host branch eagerly) and a traceable ``stateless_apply`` (Ke
 ``jit``: a skipped step selects the old values). :class:`KerasAmpOptimizer` *is* Keras' rule, plus the
 step/skip counters. A skipped step calls nothing on the inner optimizer: every bit is kept.
 
-A saved ``.keras`` file holds what Keras' own classes would (:class:`SavesAsKeras`), so ``keras.models.load_model``
-reads it with or without unimp; unimp's exact state rides along under ``optimizer/unimp_state``.
+A saved ``.keras`` file holds what Keras' own classes would (:class:`SavesAsKeras`), plus unimp's exact state.
 
 >>> import keras, unimp
 >>> opt = AmpOptimizer(keras.optimizers.SGD(0.1), unimp.load("mixed_fp16").loss_scale)
@@ -41,20 +40,16 @@ def _is_tf() -> bool:
 
 
 def _unscale(grads: list, scale: Any, variables: list | None = None) -> list:
-    """``grads / scale``; a Keras float8 scaling variable's "gradient" (``overwrite_with_gradient``: its new value)
-    is left as it is."""
-    if scale is None:
-        return list(grads)
-    out = []
-    keep = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables] if variables else []
-    for i, g in enumerate(grads):
-        if g is None or (i < len(keep) and keep[i]):
-            out.append(g)
-        elif type(g).__name__ == "IndexedSlices":  # TensorFlow's sparse gradients (Embedding)
-            out.append(type(g)(g.values / ops.cast(scale, g.values.dtype), g.indices, g.dense_shape))
-        else:
-            out.append(g / ops.cast(scale, g.dtype))
-    return out
+    """``grads / scale``, except a Keras float8 scaling variable's new value (``overwrite_with_gradient``)."""
+    keep = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables or ()]
+    return [g if scale is None or g is None or (i < len(keep) and keep[i]) else _divided(g, scale)
+            for i, g in enumerate(grads)]
+
+
+def _divided(g: Any, scale: Any) -> Any:
+    if type(g).__name__ == "IndexedSlices":  # TensorFlow's sparse gradients (Embedding)
+        return type(g)(g.values / ops.cast(scale, g.values.dtype), g.indices, g.dense_shape)
+    return g / ops.cast(scale, g.dtype)
 
 
 def _dense32(g: Any) -> Any:
@@ -205,8 +200,7 @@ class AmpOptimizer(SavesAsKeras):
     @tracking.no_automatic_dependency_tracking
     def _make_state(self) -> None:
         init = LossScale(self.spec).initial_state()
-        # Under tf.distribute these are mirrored variables, written only in the cross-replica context
-        # (one update, every replica's copy set to the same value).
+        # under tf.distribute: mirrored, written once in the cross-replica context
         self.dynamic_scale = self.add_variable((), lambda shape, dtype: held(init.scale), "float32",
                                                aggregation=ONLY_FIRST, name="unimp_scale")
         self.step_counter = self.add_variable((), "zeros", COUNTER, aggregation=ONLY_FIRST,
@@ -217,8 +211,7 @@ class AmpOptimizer(SavesAsKeras):
 
     @property
     def variables(self) -> list:
-        """Keras' layout (own variables, then the inner optimizer's); on JAX the float32 masters sit
-        between them: Keras' JAX trainer hands ``stateless_apply`` exactly these values."""
+        """Keras' layout (own variables, then the inner optimizer's), on JAX the float32 masters between them."""
         return [*self._variables, *self._jax_masters(), *self.inner_optimizer.variables]
 
     def _jax_masters(self) -> list:
@@ -301,9 +294,8 @@ class AmpOptimizer(SavesAsKeras):
 
     # ------------------------------------------------------------------ JAX: inside jit
     def _stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list) -> tuple[list, list]:
-        """One step as pure values (Keras' JAX trainer, or a user's jitted step): ``(new trainable
-        values, new optimizer values)`` in :attr:`variables`' order. A skipped step returns the old
-        values (a select, traceable); the loss-scale state follows the rule either way."""
+        """One step as pure values: ``(new trainable values, new optimizer values)`` in :attr:`variables`' order; a
+        skipped step returns the old values (a select), the loss-scale state follows the rule."""
         if not self.built:
             raise ValueError("unimp AmpOptimizer.stateless_apply: build it first "
                              "(optimizer.build(model.trainable_variables))")

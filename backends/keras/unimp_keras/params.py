@@ -1,6 +1,5 @@
-"""Low-precision parameters on an existing Keras layer: Keras fixes a variable's dtype at creation, so a layer
-holding bf16 params gets bf16 copies swapped in, its float32 originals becoming the masters the optimizer
-wrapper updates; :meth:`Swap.undo` puts the originals back.
+"""Low-precision parameters on an existing Keras layer: bf16 copies swapped in (Keras fixes a variable's dtype at
+creation), the float32 originals the optimizer's masters; :meth:`Swap.undo` puts the originals back.
 
 >>> import keras
 >>> d = keras.layers.Dense(2); d.build((None, 3))
@@ -65,8 +64,7 @@ def retrack(model: Any, pairs: list[tuple[Any, Any]]) -> None:
 
 
 def _same_path(var: Any, value: Any, dtype: str) -> Any:
-    """A new variable at ``var``'s path (``model/layer/kernel``): Keras keys a torch model's parameters by
-    path, so copies made outside the layer's scope (path ``kernel``) would replace each other there."""
+    """A new variable at ``var``'s path (``model/layer/kernel``: Keras keys a torch model's parameters by path)."""
     with contextlib.ExitStack() as scopes:
         for part in var.path.split("/")[:-1]:
             scopes.enter_context(keras.name_scope(part))

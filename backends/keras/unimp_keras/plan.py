@@ -32,8 +32,7 @@ def keras_backend() -> str:
 
 
 def check_keras_backend(keras: Any) -> None:
-    """A clear :class:`UnsupportedError` for a Keras unimp cannot run: Keras 2, or a Keras 3 backend
-    other than tensorflow / jax / torch (numpy, openvino: they do not train)."""
+    """A clear :class:`UnsupportedError` for Keras 2, or a Keras 3 backend that does not train (numpy, openvino)."""
     version = getattr(keras, "__version__", "0")
     if int(version.split(".")[0]) < 3:
         raise UnsupportedError(f"unimp-keras: Keras {version} is Keras 2; unimp runs Keras 3 models; fix: "
@@ -80,14 +79,12 @@ def keras_rule(spec: LossScaleSpec) -> bool:
 
 
 def keras_subnormal() -> str:
-    """What Keras' LossScaleOptimizer does with a subnormal scale here: its float32 multiply flushes it on
-    TensorFlow's CPU kernels and XLA (JAX), keeps it on torch (IEEE)."""
+    """What Keras' LossScaleOptimizer does with a subnormal scale here: kept on torch, flushed by TF's CPU and XLA."""
     return "keep" if _keras_backend_name() == "torch" else "flush"
 
 
 def gpu_capability() -> tuple[int, int] | None:
-    """The compute capability of the first GPU the Keras backend runs on, or None without one (GPU detection
-    is the Keras backend's own: ``tf.config``, ``jax.devices()``, ``torch.cuda``)."""
+    """The compute capability of the Keras backend's first GPU (as that backend detects it), or None."""
     name = _keras_backend_name()
     if name == "tensorflow":
         import tensorflow as tf
@@ -160,8 +157,7 @@ def _keras_backend_name() -> str:
 
 
 def xla_flushes_subnormals() -> bool:
-    """Whether XLA on the default JAX device flushes a float32 subnormal result to 0 (measured:
-    XLA:CPU does, and reads subnormal inputs as 0)."""
+    """Whether XLA on the default JAX device flushes a float32 subnormal result to 0 (measured: XLA:CPU does)."""
     import jax
     import numpy as np
 
@@ -171,8 +167,7 @@ def xla_flushes_subnormals() -> bool:
 
 
 def xla_unsupported(spec: LossScaleSpec) -> dict[str, tuple[object, str]]:
-    """The knobs Keras on JAX cannot hold: subnormal float32 scales where XLA flushes them, factors not
-    exact in float32 without ``jax_enable_x64``, a raise (``at_min = "error"``) inside a jitted step."""
+    """The knobs Keras on JAX cannot hold: flushed subnormal scales, inexact float32 factors, a raise inside jit."""
     out: dict[str, tuple[object, str]] = {}
     flush = xla_flushes_subnormals()
     fix_x64 = "jax.config.update('jax_enable_x64', True)"

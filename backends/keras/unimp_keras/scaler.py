@@ -1,9 +1,7 @@
 """The core loss-scale rule (:func:`unimp.loss_scale.rule.step`) on Keras tensors: :class:`KerasOps`
-(``keras.ops``) over :class:`DeviceLossScale`, pure functions that trace (``tf.function``, ``jax.jit``) or run
-eagerly (torch). The scale is held in a float32 variable and computed in float64 on the float32 grid where the
-Keras backend has float64 (TensorFlow through its bits, :mod:`unimp_keras.tf_scale`; torch; JAX under
-``jax_enable_x64``, else in float32). What a Keras backend cannot hold is declared in the Plan
-(:func:`unimp_keras.plan.unsupported`), and :func:`next_state` refuses such a spec.
+(``keras.ops``) over :class:`DeviceLossScale`, traceable: the float32 scale computed in float64 on the float32 grid
+where the Keras backend has float64 (JAX: under ``jax_enable_x64``); what a Keras backend cannot hold is declared
+in the Plan (:func:`unimp_keras.plan.unsupported`) and refused by :func:`next_state`.
 
 >>> import keras, unimp
 >>> spec = unimp.load({"loss_scale": {"initial": 8.0, "growth_interval": 1}}).loss_scale
@@ -88,8 +86,7 @@ def _on_grid(p: Any) -> Any:
 
 
 class KerasOps:
-    """:class:`unimp.loss_scale.rule.ArrayOps` over Keras tensors (``keras.ops``): the scale in
-    :func:`wide` (float64 on the float32 grid, or float32 where the Keras backend has no float64)."""
+    """:class:`unimp.loss_scale.rule.ArrayOps` over Keras tensors (``keras.ops``), the scale in :func:`wide`."""
 
     def __init__(self) -> None:
         self.dtype = wide()
@@ -122,8 +119,7 @@ def device_spec(spec: LossScaleSpec) -> LossScaleSpec:
 
 
 def runnable(spec: LossScaleSpec) -> LossScaleSpec:
-    """``spec`` itself when every knob is honoured here, else :class:`UnsupportedError` naming each:
-    the rule never runs a knob :func:`unsupported` declared."""
+    """``spec`` itself when every knob is honoured here, else :class:`UnsupportedError` naming each."""
     LossScale(spec).fallbacks(unsupported(spec), "unimp_keras loss scale", "error")
     return spec
 
@@ -146,9 +142,8 @@ AT_MIN = ("unimp: loss scale already at its minimum ({min:g}) and gradients are 
 
 
 def next_state(spec: LossScaleSpec, st: DeviceLossScale, finite: Any) -> DeviceLossScale:
-    """The state after one step whose gradients were (not) all finite (``finite``: scalar bool):
-    the core's rule on tensors, no host sync; ``at_min = "error"`` hit is a ``tf.debugging.Assert`` on
-    TensorFlow and a :class:`LossScaleAtMinimumError` on torch (XLA declares it: no raise in a jitted step)."""
+    """The state after one step whose gradients were (not) all ``finite``, no host sync; an ``at_min = "error"`` hit
+    is a ``tf.debugging.Assert`` on TensorFlow, a :class:`LossScaleAtMinimumError` on torch."""
     new, error = transition(spec, st, finite)
     if error is not None:
         message = AT_MIN.format(min=spec.min)

@@ -1,14 +1,10 @@
 """Keras optimizers that step an applied model's variables around unimp, refused at their first step.
 
-A plain Keras optimizer stepping a model whose loss unimp scales applies the scaled gradient (or runs
-without the policy's scaling); where the policy keeps fp32 masters its update is overwritten by the wrapper's
-next step; the optimizer passed to ``unimp.apply`` and then stepped itself bypasses unimp's unscale and skip.
-All are refused with an :class:`unimp.errors.UnsupportedError` naming the fix (:mod:`unimp.loss_scale.strays`
-decides, as for torch and Paddle); under ``mixed_bf16`` (no scaling, no masters) any optimizer is let through.
-
-Keras has no optimizer hooks: while some Amp is applied, ``BaseOptimizer.apply`` and ``stateless_apply`` (JAX,
-checked when traced) are wrapped; an optimizer is checked at its first step (again after an ``apply`` or
-``remove``). The last ``remove()`` puts Keras' functions back.
+A plain Keras optimizer (or the one passed to ``unimp.apply``, stepped itself) would apply scaled gradients, skip
+no step, or have its update overwritten by the fp32 masters: refused with an :class:`unimp.errors.UnsupportedError`
+naming the fix, as :mod:`unimp.loss_scale.strays` decides (under ``mixed_bf16`` any optimizer is let through).
+While some Amp is applied, Keras' ``BaseOptimizer.apply`` and ``stateless_apply`` are wrapped (the last
+``remove()`` puts them back); an optimizer is checked at its first step, again after an ``apply`` or ``remove``.
 
 >>> import keras, numpy as np, unimp
 >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="fc")], name="net")

@@ -80,8 +80,7 @@ _PROBE_PARAM = {"embeddings": "weight", "kernel": "weight", "gamma": "weight", "
 
 
 class KerasKit(Kit):
-    """Hooks for :mod:`unimp.conformance` on Keras 3, this process' Keras backend (TensorFlow, JAX or torch;
-    CPU runs fp32, bf16 and fp16)."""
+    """Hooks for :mod:`unimp.conformance` on Keras 3, this process' Keras backend."""
 
     backend = "keras"
 

@@ -1,11 +1,8 @@
 """tf.distribute (Keras' TensorFlow backend only): gradient all-reduce in the Plan's ``reduce_dtype``, XLA refusal.
 
-Keras 3 on TensorFlow sums gradients inside the optimizer in their own dtype, with no hook for the reduction
-dtype, and Keras' ``LossScaleOptimizer`` decides finiteness from replica 0's local gradients. unimp's wrapper
-reduces itself, in the replica context (cast to ``reduce_dtype``, ``ReplicaContext.all_reduce``, cast back),
-checks finiteness on the reduced gradients and combines the replicas' flags in one ``merge_call``: every replica
-steps or skips together, the loss-scale update runs once on mirrored variables. The inner optimizer's own
-all-reduce is the identity while it is wrapped.
+Keras sums gradients in their own dtype (no hook) and its ``LossScaleOptimizer`` takes replica 0's finiteness, so
+unimp's wrapper reduces in ``reduce_dtype`` itself (the inner optimizer's all-reduce is then the identity) and
+agrees on finiteness in one ``merge_call``: all replicas step or skip together, the state updated once.
 
 >>> import tensorflow as tf
 >>> is_distributed(tf.distribute.get_strategy())
@@ -93,8 +90,7 @@ def refuse_xla() -> None:
 
 
 def tf_apply(opt: Any, grads: list, trainable_variables: list | None = None) -> None:
-    """:class:`unimp_keras.optimizer.AmpOptimizer`'s ``apply`` on Keras' TensorFlow backend: its own
-    step without a strategy, the agreed step (:func:`distributed_apply`) under one."""
+    """``AmpOptimizer.apply`` on TensorFlow: its own step, or under a strategy :func:`distributed_apply`."""
     if tf.distribute.in_cross_replica_context():
         raise ValueError("unimp AmpOptimizer.apply() must be called in a replica context "
                          "(inside strategy.run(...)), as Keras optimizers require")

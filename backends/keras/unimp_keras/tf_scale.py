@@ -26,8 +26,7 @@ def decode(scale: tf.Tensor) -> tf.Tensor:
 
 
 def encode(x: tf.Tensor) -> tf.Tensor:
-    """A float64 value on the float32 grid as float32, subnormals built from their bits (a cast
-    would flush them to 0)."""
+    """A float64 value on the float32 grid as float32, subnormals built from their bits (a cast flushes them)."""
     sub = x < dtypes.FLT_TINY
     bits = tf.cast(tf.where(sub, x, tf.zeros_like(x)) * _TWO_149, tf.int32)
     tiny = tf.fill(tf.shape(x), tf.constant(dtypes.FLT_TINY, x.dtype))
