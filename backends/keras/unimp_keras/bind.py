@@ -100,10 +100,9 @@ def keeps_activation_dtype(plan: Plan, unit: Unit, compute: str) -> bool:
 
 
 def pinned(plan: Plan, unit: Unit) -> bool:
-    """Whether ``unit`` is a sublayer of a subclassed layer that its author gave a dtype of its own (keras_hub's
-    ``Softmax(dtype="float32")``), which no override names: it holds neither Keras' global policy object nor its
-    container's, and Keras' own ``mixed_float16`` keeps it. (Not judged in a functional model: a loaded
-    ``.keras`` file gives each layer its own policy object.)"""
+    """Whether ``unit`` is a sublayer of a subclassed layer given a dtype of its own (keras_hub's ``Softmax(dtype=
+    "float32")``: neither Keras' global policy object nor its container's), which no override names: Keras' own
+    ``mixed_float16`` keeps it (a functional model's layers are not judged: a loaded file gives each its own)."""
     parent = unit.parent
     if parent is None or is_graph(parent):
         return False
@@ -215,11 +214,9 @@ PROMOTES = keras.backend.backend() != "tensorflow"
 
 
 def patch_stream(layer: Any, parent: Any, binding: Binding) -> None:
-    """Hand ``layer``'s float results back in the dtype its subclassed container (``FollowInputs``) runs in, where
-    the container's own ops (the residual ``x + attention(norm(x))``) would not get that dtype by promotion: on
-    TensorFlow, which does not promote ``bfloat16 + float32``, every float result; on JAX and torch only one
-    promotion would not bring back to the stream (a float32 fallback layer in a float16 stream), as Keras' own
-    mixed policies keep the stream."""
+    """Hand ``layer``'s float results back in its subclassed container's dtype where the container's own ops (the
+    residual ``x + attention(norm(x))``) would not get it by promotion: on TensorFlow every float result, on JAX and
+    torch one promotion would not bring back (float32 in a float16 stream), as Keras' mixed policies keep it."""
     name = call_name(layer)  # a float8 layer runs quantized_call
 
     def call(*args: Any, **kwargs: Any) -> Any:

@@ -199,9 +199,8 @@ ATTENTION_FIX = ("on JAX's CPU move \"attention\" from [ops].lower to [ops].floa
 
 @functools.cache
 def device_f16_attention_error() -> str | None:
-    """XLA's message where Keras on JAX without a GPU cannot compile ``keras.ops.dot_product_attention`` in
-    float16, else None (measured once: XLA:CPU has no F16 x F16 -> F32 dot_general; Dense, EinsumDense,
-    the convolutions, einsum, matmul, the RNNs and the normalisations compile in float16 there)."""
+    """XLA's message where Keras on JAX without a GPU cannot compile ``keras.ops.dot_product_attention`` in float16
+    (measured once: XLA:CPU has no F16 x F16 -> F32 dot_general; the other Keras layers compile), else None."""
     if _keras_backend_name() != "jax" or gpu_capability() is not None:
         return None
     import jax
