@@ -48,8 +48,7 @@ class KerasBackend(Backend):
         return compile_plan(request, model_index(model) if model is not None else None)
 
     def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
-        """Every layer (attributes, dtype policy, instance methods, variable tracker) and the optimizer's attributes
-        (variables held by identity: apply never assigns to the user's)."""
+        """Every layer (attributes, dtype policy, instance methods, tracker) and the optimizer (variables: by id)."""
         import keras
 
         layers = [model, *model._flatten_layers(include_self=False, recursive=True)] \

@@ -93,8 +93,7 @@ def _decide(plan: Plan, unit: Unit) -> tuple[str | None, str, str]:
 
 
 def keeps_activation_dtype(plan: Plan, unit: Unit, compute: str) -> bool:
-    """Whether ``unit`` is a batch_norm the policy runs in float32: Keras' computes in float32 whatever arrives, and
-    it returns the incoming activation's dtype (``FollowInputs``), as torch autocast and ``mixed_float16`` do."""
+    """Whether ``unit`` is a batch_norm run in float32, returning the incoming activation's dtype (``FollowInputs``)."""
     return (unit.kind == "batch_norm" and compute == "float32"
             and plan.decide(unit.path, unit.kind, unit.type_names).override is None)
 
@@ -229,9 +228,8 @@ def patch_stream(layer: Any, parent: Any, binding: Binding) -> None:
 
 
 def patch_scope(model: Any, binding: Binding) -> None:
-    """Run ``model``'s layers inside an autocast scope where Keras would (a model built under a mixed policy opens
-    one in its ``__call__``), so a layer with ``autocast = False`` (``Embedding``) reads its variables in their own
-    dtype; only within a ``__call__`` (JAX's ``fit`` runs ``stateless_call``, where Keras opens none either)."""
+    """Run ``model``'s layers in an autocast scope where Keras would (within a ``__call__``, not JAX's
+    ``stateless_call``), so a layer with ``autocast = False`` (``Embedding``) reads its variables in their own dtype."""
     original = model.call
 
     def call(*args: Any, **kwargs: Any) -> Any:

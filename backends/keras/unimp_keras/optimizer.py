@@ -105,9 +105,8 @@ class ExactState(KerasSaveable):
 
 
 class SavesAsKeras(keras.optimizers.LossScaleOptimizer):
-    """What both wrappers share: the ``skipped`` / ``steps`` counters, and what a saved file holds: the Keras
-    object that runs their rule (``keras_config()``: ``LossScaleOptimizer`` for dynamic scaling, else the inner
-    optimizer, with ``loss_scale_factor`` for a static scale), its variables in that class's order."""
+    """What both wrappers share: the ``skipped`` / ``steps`` counters, and a saved file holding the Keras object
+    that runs their rule (:meth:`keras_config`) with its variables in that class's order."""
 
     def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, initial_scale: float, name: str) -> None:
         saved_factor = inner_optimizer.loss_scale_factor
@@ -150,6 +149,8 @@ class SavesAsKeras(keras.optimizers.LossScaleOptimizer):
         var.assign(var + ops.cast(var < dtypes.INT32_MAX, var.dtype))
 
     def keras_config(self) -> dict[str, Any]:
+        """``LossScaleOptimizer``'s config for dynamic scaling, else the inner optimizer's (a static scale: with
+        ``loss_scale_factor``)."""
         inner = serialization_lib.serialize_keras_object(self.inner_optimizer)
         if self.spec.mode != "dynamic":
             if self.spec.mode == "static":

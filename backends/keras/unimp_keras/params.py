@@ -48,9 +48,8 @@ def _replace(layer: Any, attrs: tuple[str, ...], store: str, old: Any, new: Any)
 
 
 def retrack(model: Any, pairs: list[tuple[Any, Any]]) -> None:
-    """Keras' torch backend: point the model's ``_torch_params`` dicts at ``new``'s tensor for each ``(old, new)``
-    variable pair, so ``model.parameters()`` and ``zero_grad()`` (Keras' torch ``train_step``) see the variables
-    that run (else their gradients would add up over the steps). No-op on the other Keras backends."""
+    """Keras' torch backend: the model's ``_torch_params`` pointed at ``new``'s tensor for each ``(old, new)`` pair,
+    so ``parameters()`` and ``zero_grad()`` see the variables that run (else gradients add up over the steps)."""
     if keras.backend.backend() != "torch" or not pairs:
         return
     import torch

@@ -142,8 +142,8 @@ AT_MIN = ("unimp: loss scale already at its minimum ({min:g}) and gradients are 
 
 
 def next_state(spec: LossScaleSpec, st: DeviceLossScale, finite: Any) -> DeviceLossScale:
-    """The state after one step whose gradients were (not) all ``finite``, no host sync; an ``at_min = "error"`` hit
-    is a ``tf.debugging.Assert`` on TensorFlow, a :class:`LossScaleAtMinimumError` on torch."""
+    """The state after one step whose gradients were (not) all ``finite``; an ``at_min = "error"`` hit raises
+    (:class:`LossScaleAtMinimumError`; on TensorFlow a ``tf.debugging.Assert``)."""
     new, error = transition(spec, st, finite)
     if error is not None:
         message = AT_MIN.format(min=spec.min)
