@@ -1,8 +1,7 @@
 """unimp-keras: unimp policies on Keras 3 models, on every Keras backend (TensorFlow, JAX, torch).
 
-``unimp.apply(policy, model, optimizer)`` sets per-layer Keras dtype policies on an existing model
-and wraps the optimizer for loss scaling; :func:`scope` builds a new model under a policy.
-Importing this package imports no framework.
+``unimp.apply(policy, model, optimizer)`` binds a policy to an existing model, :func:`scope` builds a new model
+under one. Importing this package imports no framework.
 
 >>> import unimp_keras
 >>> unimp_keras.KerasBackend.name

@@ -1,12 +1,5 @@
-"""The Amp handle for Keras models: both training styles, report, state, remove.
-
-``amp.model.compile(optimizer=amp.optimizer, ...)`` + ``fit`` works, and so does a custom loop::
-
-    with tf.GradientTape() as tape:
-        loss = loss_fn(y, amp.model(x, training=True))
-        scaled = amp.scale_loss(loss)
-    grads = tape.gradient(scaled, amp.model.trainable_variables)
-    amp.apply_gradients(zip(grads, amp.model.trainable_variables))   # unscale, skip or step
+"""The Amp handle for Keras models: ``compile(optimizer=amp.optimizer)`` + ``fit``, or a custom loop
+(``amp.scale_loss``, ``amp.apply_gradients``); report, state, remove.
 
 >>> import keras, numpy as np, unimp
 >>> m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="fc")])
@@ -25,7 +18,7 @@ import numpy as np
 
 from unimp.spi import Amp, Fp8Decision, LossScale, LossScaleState, Plan, Report, ReportRow, StateError, UnsupportedError
 
-from . import fp8
+from . import fp8, strays
 from .bind import Binding, undo
 from .trace import observe
 
@@ -100,12 +93,11 @@ class KerasAmp(Amp):
         return out
 
     def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
-        """As :meth:`unimp.backend.Amp.load_state_dict`; ``fp8`` (when present) is checked first and
-        assigned to the scaling weights exactly. Without ``fp8`` they stay as they are."""
+        """As :meth:`unimp.backend.Amp.load_state_dict`; ``fp8`` (when present) checked first, then assigned exactly."""
         self._check_live("amp.load_state_dict()")
         plain = state.get("fp8") if isinstance(state, Mapping) else None
         if plain is not None:
-            problems = fp8.check(self._binding.fp8, plain)
+            problems = self.fp8_state_problems(fp8.state(self._binding.fp8), plain)
             if problems:
                 raise StateError("amp.load_state_dict(): " + "; ".join(problems))
         super().load_state_dict(state, strict=strict)
@@ -125,8 +117,6 @@ class KerasAmp(Amp):
         return out
 
     def _restore(self) -> None:
-        from . import strays
-
         strays.unwatch(self)
         undo(self.model, self.inner_optimizer, self.optimizer, self._binding,
              masters_on=bool(getattr(self.optimizer, "_masters", None)))

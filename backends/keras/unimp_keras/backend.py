@@ -1,7 +1,5 @@
-"""The unimp plug-in for Keras 3 models on any Keras backend: TensorFlow, JAX or torch
-(entry point ``unimp.backends: keras``).
-
-This module imports no framework: unimp only looks at it once ``keras`` is imported.
+"""The unimp plug-in for Keras 3 models on TensorFlow, JAX or torch (entry point ``unimp.backends: keras``); this
+module imports no framework (unimp looks at it once ``keras`` is imported).
 
 >>> import unimp
 >>> KerasBackend().compile(unimp.load("mixed_bf16")).op("conv").dtype
@@ -23,8 +21,7 @@ OPTIONS = ("native_loss_scale",)
 
 
 class KerasBackend(Backend):
-    """Keras 3 models (Sequential, functional, subclassed) and Keras optimizers, on the TensorFlow, JAX or
-    torch backend of Keras (``KERAS_BACKEND``)."""
+    """Keras 3 models and optimizers, on the TensorFlow, JAX or torch backend of Keras (``KERAS_BACKEND``)."""
 
     name: ClassVar[str] = "keras"
     framework: ClassVar[str] = "keras"
@@ -37,8 +34,7 @@ class KerasBackend(Backend):
     priority: ClassVar[int] = 20
 
     def accepts(self, model: Any) -> bool:
-        """Any Keras 3 ``keras.Model`` under a Keras backend unimp runs on; a Keras model it cannot run
-        (another Keras backend, tf_keras / Keras 2) is a clear error naming the fix, not a silent no."""
+        """Any Keras 3 ``keras.Model``; one unimp cannot run (another Keras backend, tf_keras) is a clear error."""
         keras = sys.modules.get("keras")
         if keras is not None and isinstance(model, getattr(keras, "Model", ())):
             check_keras_backend(keras)
@@ -52,9 +48,7 @@ class KerasBackend(Backend):
         return compile_plan(request, model_index(model) if model is not None else None)
 
     def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
-        """Every layer (attributes, dtype policy, instance methods, variable tracker) and the
-        optimizer's attributes. Variables are held by identity in those attributes: apply gives
-        layers new low-precision variables and never assigns to the user's (no copy is taken)."""
+        """Every layer (attributes, dtype policy, instance methods, tracker) and the optimizer (variables: by id)."""
         import keras
 
         layers = [model, *model._flatten_layers(include_self=False, recursive=True)] \
@@ -63,28 +57,18 @@ class KerasBackend(Backend):
         return Snapshot([*layers, *trackers, optimizer])
 
     def apply(self, plan: Plan, model: Any, optimizer: Any = None, **options: Any) -> Amp:
-        """Set per-layer dtype policies on ``model`` and wrap ``optimizer`` for loss scaling.
-
-        ``native_loss_scale``: ``None`` (default) uses Keras' own LossScaleOptimizer exactly when
-        the policy's rule is Keras' rule; ``False`` always uses unimp's; ``True`` insists on Keras'.
-        """
+        """Set per-layer dtype policies on ``model`` and wrap ``optimizer`` for loss scaling. ``native_loss_scale``:
+        ``None`` uses Keras' own LossScaleOptimizer exactly when the policy's rule is Keras', ``False`` never,
+        ``True`` always."""
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise TypeError(f"unimp.apply (keras): unknown option(s) {unknown}; valid: {list(OPTIONS)}")
+        from . import bind, strays
         from .amp import KerasAmp
-        from .bind import (
-            apply_layers,
-            check_inputs,
-            patch_output,
-            patch_scope,
-            reset_compiled_functions,
-            wrap_optimizer,
-        )
+        from .index import model_index
 
-        check_inputs(model, optimizer)
+        bind.check_inputs(model, optimizer)
         if not plan.layers:  # compiled without the model: index it once
-            from .index import model_index
-
             plan = plan.with_index(model_index(model))
         strategy = None
         if keras_backend() == "tensorflow":
@@ -92,26 +76,22 @@ class KerasBackend(Backend):
 
             strategy = strategy_of(model, optimizer)  # tf.distribute: variables unimp creates are mirrored
         with strategy.scope() if strategy is not None else contextlib.nullcontext():
-            binding = apply_layers(plan, model)
+            binding = bind.apply_layers(plan, model)
             wrapper = None
             try:
-                wrapper = wrap_optimizer(plan, optimizer, binding, options.get("native_loss_scale"))
+                wrapper = bind.wrap_optimizer(plan, optimizer, binding, options.get("native_loss_scale"))
                 if wrapper is not None and strategy is not None:
                     wrapper.build(model.trainable_variables)  # mirrored state before strategy.run
             except Exception:
-                from .bind import undo
-
-                undo(model, optimizer, wrapper, binding, masters_on=False)
+                bind.undo(model, optimizer, wrapper, binding, masters_on=False)
                 raise
-        patch_scope(model, binding)  # layers that do not autocast read their variables as under Keras' policy
+        bind.patch_scope(model, binding)  # layers that do not autocast read their variables as under Keras' policy
         if plan.output_cast is not None:  # "unchanged": the last layer's compute dtype, as Keras gives it
-            patch_output(model, plan.output_cast, binding)
+            bind.patch_output(model, plan.output_cast, binding)
         if wrapper is not None and getattr(model, "optimizer", None) is optimizer:
             binding.compiled_optimizer = optimizer
             model.optimizer = wrapper
-        reset_compiled_functions(model)
-        from . import strays
-
+        bind.reset_compiled_functions(model)
         amp = KerasAmp(plan, model, wrapper, optimizer, binding)
         strays.watch(amp)  # optimizers stepping this model around unimp are refused (unimp_keras.strays)
         return amp

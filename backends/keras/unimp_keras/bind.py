@@ -1,8 +1,5 @@
-"""Bind a compiled Plan to an existing Keras model (+ optimizer), remembering how to undo it.
-
-Everything that changes the user's objects lives here, each change paired with its undo:
-per-layer dtype policies, low-precision parameter copies, the output cast on ``model.call``,
-the optimizer wrapper (and ``model.optimizer`` when the model was compiled with it).
+"""Bind a compiled Plan to an existing Keras model (+ optimizer), each change paired with its undo: dtype
+policies, low-precision parameter copies, instance methods (output cast, ...), the optimizer wrapper.
 
 >>> import keras, unimp
 >>> m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="fc")])
@@ -19,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import keras
+from keras.src.backend import AutocastScope
+from keras.src.backend.common import global_state
 
 from unimp.spi import Plan, UnsupportedError, dtypes
 
@@ -29,7 +28,7 @@ from .layout import data_formats, layout_findings
 from .optimizer import AmpOptimizer, KerasAmpOptimizer, SavesAsKeras
 from .params import Swap, retrack, swap_params
 from .plan import keras_rule
-from .trace import call_name
+from .trace import call_name, restore, set_method
 
 
 @dataclass
@@ -94,24 +93,15 @@ def _decide(plan: Plan, unit: Unit) -> tuple[str | None, str, str]:
 
 
 def keeps_activation_dtype(plan: Plan, unit: Unit, compute: str) -> bool:
-    """Whether ``unit`` is a batch_norm the policy runs in float32: Keras' ``BatchNormalization`` then
-    computes its statistics and normalisation in float32 over float32 variables whatever arrives, and
-    returns the dtype it computed for (``FollowInputs``: the incoming activation's), as the op is defined
-    (``unimp.policy.ops``: the output keeps the activation dtype, as torch autocast, Paddle and Keras' own
-    ``mixed_float16`` give it)."""
+    """Whether ``unit`` is a batch_norm run in float32, returning the incoming activation's dtype (``FollowInputs``)."""
     return (unit.kind == "batch_norm" and compute == "float32"
             and plan.decide(unit.path, unit.kind, unit.type_names).override is None)
 
 
 def pinned(plan: Plan, unit: Unit) -> bool:
-    """Whether ``unit`` is a sublayer of a subclassed layer that its author gave a dtype of its own
-    (``keras.layers.Softmax(dtype="float32")`` in keras_hub's Gemma / Llama attention), which no override names.
-
-    Keras' global dtype policy reaches the layers built with ``dtype=None`` (Keras' global policy object) and
-    the sublayers a container builds with ``dtype=self.dtype_policy`` (its own object); a sublayer holding
-    another policy object was built with an explicit dtype, and Keras' own ``mixed_float16`` keeps it, so
-    unimp does too. (A layer of a functional model is not judged so: a loaded ``.keras`` file gives each
-    its own policy object.)"""
+    """Whether ``unit`` is a sublayer of a subclassed layer given a dtype of its own (keras_hub's ``Softmax(dtype=
+    "float32")``: neither Keras' global policy object nor its container's), which no override names: Keras' own
+    ``mixed_float16`` keeps it (a functional model's layers are not judged: a loaded file gives each its own)."""
     parent = unit.parent
     if parent is None or is_graph(parent):
         return False
@@ -161,7 +151,8 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
         binding.fp8_decisions.append(decision)
         if decision.fp8:
             binding.fp8.append(fp8.quantize(plan, u, binding.policies))
-            fp8.guard_eager(u, binding.instance_methods)
+            if keras.backend.backend() == "tensorflow":  # the eager-gradient limit is TensorFlow's
+                set_method(u.layer, "quantized_call", fp8.guard_eager(u), binding.instance_methods)
     for u in units:
         if u.parent is not None and not is_graph(u.parent) and id(u.layer) not in kept:
             patch_stream(u.layer, u.parent, binding)
@@ -173,9 +164,8 @@ def apply_layers(plan: Plan, model: Any) -> Binding:
 
 
 def patch_compile_config(model: Any, binding: Binding) -> None:
-    """``model.save`` names Keras' own optimizer for a unimp wrapper the model was compiled with
-    (see :class:`~unimp_keras.optimizer.SavesAsKeras`): the file loads without unimp."""
-    own, original = model.__dict__.get("get_compile_config"), model.get_compile_config
+    """``model.save`` names Keras' own optimizer for a unimp wrapper (:class:`~unimp_keras.optimizer.SavesAsKeras`)."""
+    original = model.get_compile_config
 
     def get_compile_config() -> Any:
         config = original()
@@ -184,8 +174,7 @@ def patch_compile_config(model: Any, binding: Binding) -> None:
             config["optimizer"] = optimizer.keras_config()
         return config
 
-    object.__setattr__(model, "get_compile_config", get_compile_config)
-    binding.instance_methods.append((model, own, "get_compile_config"))
+    set_method(model, "get_compile_config", get_compile_config, binding.instance_methods)
 
 
 class _SaveStore:
@@ -202,24 +191,20 @@ class _SaveStore:
 
 
 def patch_save(layer: Any, binding: Binding) -> None:
-    """``model.save`` writes float32 weights for a layer holding low-precision copies.
-
-    The saved value is the trained master where the optimizer keeps one, else the low copy in the
-    original dtype — what ``remove()`` leaves in the model.
-    """
+    """``model.save`` writes float32 weights for a layer holding low-precision copies: the trained master where
+    the optimizer keeps one, else the low copy in the original dtype (what ``remove()`` leaves in the model)."""
     def original_value(s: Any) -> Any:
         if id(s.low) in binding.master_ids:
             return s.original
         return keras.ops.convert_to_numpy(keras.ops.cast(s.low.value, s.original.dtype))
 
     originals = {id(s.low): (lambda s=s: original_value(s)) for s in binding.swaps if s.layer is layer}
-    own, save = layer.__dict__.get("save_own_variables"), layer.save_own_variables
+    save = layer.save_own_variables
 
     def save_own_variables(store: Any) -> None:
         save(_SaveStore(store, originals))
 
-    object.__setattr__(layer, "save_own_variables", save_own_variables)
-    binding.instance_methods.append((layer, own, "save_own_variables"))
+    set_method(layer, "save_own_variables", save_own_variables, binding.instance_methods)
 
 
 # TensorFlow's tensor operators do not promote (``bfloat16 + float32`` raises); JAX's and torch's do, as Keras'
@@ -228,42 +213,23 @@ PROMOTES = keras.backend.backend() != "tensorflow"
 
 
 def patch_stream(layer: Any, parent: Any, binding: Binding) -> None:
-    """Hand ``layer``'s float results back in the dtype its subclassed container runs in, where the
-    container's own ops would not get that dtype by promotion.
-
-    The container follows its inputs (``FollowInputs``), and its own ops — the residual
-    ``x + attention(norm(x))`` of a transformer block — see one dtype. On TensorFlow, which does not
-    promote ``bfloat16 + float32``, every float result is cast to the container's input dtype. On JAX
-    and torch a result narrower than the stream stays as its layer computed it (``gelu(gate(x)) * up(x)``
-    runs in bfloat16, as under Keras' own policy; the residual add promotes to the float32 stream), and
-    only one promotion would not bring back to the stream is cast (a float32 fallback layer in a float16
-    stream returns float16, as Keras' own mixed policies keep the stream).
-    """
+    """Hand ``layer``'s float results back in its subclassed container's dtype where the container's own ops (the
+    residual ``x + attention(norm(x))``) would not get it by promotion: on TensorFlow every float result, on JAX and
+    torch one promotion would not bring back (float32 in a float16 stream), as Keras' mixed policies keep it."""
     name = call_name(layer)  # a float8 layer runs quantized_call
-    own = layer.__dict__.get(name)
-    original = getattr(layer, name)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         out = call.inner(*args, **kwargs)  # type: ignore[attr-defined]
         stream = parent.dtype_policy.compute_dtype
         return keras.tree.map_structure(lambda t: _to_stream(t, stream), out)
 
-    call.inner = original  # type: ignore[attr-defined]  # the report looks at the result before the cast
-    object.__setattr__(layer, name, call)
-    binding.instance_methods.append((layer, own, name))
+    call.inner = getattr(layer, name)  # type: ignore[attr-defined]  # the report looks at the result before the cast
+    set_method(layer, name, call, binding.instance_methods)
 
 
 def patch_scope(model: Any, binding: Binding) -> None:
-    """Run ``model``'s layers inside an autocast scope where Keras would: a model built under a mixed policy
-    opens one in its ``__call__``, so a layer with ``autocast = False`` (``Embedding``) reads its variables in
-    their own dtype, instead of opening a scope of its own because no outer one is there (Keras' rule for a layer
-    called alone). Only when the call came through a ``__call__`` (a Keras call context is open): JAX's ``fit``
-    runs the model's ``call`` by ``stateless_call``, where Keras opens no scope either. Each layer still opens
-    the scope of its own compute dtype."""
-    from keras.src.backend import AutocastScope
-    from keras.src.backend.common import global_state
-
-    own = model.__dict__.get("call")
+    """Run ``model``'s layers in an autocast scope where Keras would (within a ``__call__``, not JAX's
+    ``stateless_call``), so a layer with ``autocast = False`` (``Embedding``) reads its variables in their own dtype."""
     original = model.call
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -272,21 +238,18 @@ def patch_scope(model: Any, binding: Binding) -> None:
         with AutocastScope(None):
             return original(*args, **kwargs)
 
-    object.__setattr__(model, "call", call)
-    binding.instance_methods.append((model, own, "call"))
+    set_method(model, "call", call, binding.instance_methods)
 
 
 def patch_output(model: Any, dtype: str, binding: Binding) -> None:
     """Cast the model's float outputs to ``dtype`` (an instance-level ``call``)."""
-    own = model.__dict__.get("call")
     original = model.call
 
     def call(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
         return keras.tree.map_structure(lambda t: _cast_float(t, dtype), out)
 
-    object.__setattr__(model, "call", call)
-    binding.instance_methods.append((model, own, "call"))
+    set_method(model, "call", call, binding.instance_methods)
 
 
 def _to_stream(t: Any, stream: str) -> Any:
@@ -345,10 +308,7 @@ def undo(model: Any, optimizer: Any, wrapper: Any, binding: Binding, masters_on:
 
             unhook_inner(optimizer)
     for layer, own, name in reversed(binding.instance_methods):
-        if own is None:
-            del layer.__dict__[name]
-        else:
-            object.__setattr__(layer, name, own)
+        restore(layer, own, name)
     fp8.undo(binding.fp8)
     for s in reversed(binding.swaps):
         s.undo(write_back=not (masters_on and s.low.trainable))

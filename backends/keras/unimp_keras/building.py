@@ -1,10 +1,5 @@
-"""Build a Keras model from scratch under a policy: ``with unimp.scope(policy) as s:``.
-
-Inside the scope Keras' global dtype policy is the Plan's (``mixed_bfloat16`` for bf16 compute
-over float32 params, ``bfloat16`` for pure bf16) and ``image_data_format`` follows
-``layout.channels_last``, so new layers create their variables in the right dtype and layout.
-The per-layer rules (float32 list, follow-inputs, overrides) and loss scaling then come from
-``s.apply(model, optimizer)`` (as ``unimp.apply``, with the scope's Plan); leaving the scope restores Keras' globals.
+"""Build a Keras model under a policy: ``with unimp.scope(policy) as s:`` sets Keras' global dtype policy and
+``image_data_format`` per the Plan, ``s.apply(model, optimizer)`` binds the rest; leaving restores Keras' globals.
 
 >>> import keras, unimp
 >>> with unimp.scope("mixed_bf16") as s:
@@ -23,6 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import keras
+
 from unimp.spi import Plan, apply, dtypes
 
 
@@ -36,8 +33,7 @@ class Scope:
     backend: Any  # the KerasBackend that binds it
 
     def apply(self, model: Any, optimizer: Any = None, **options: Any) -> Any:
-        """``unimp.apply(policy, model, optimizer)`` for the model built in this scope: binds the scope's
-        Plan, all or nothing (a failure puts the model and optimizer back)."""
+        """``unimp.apply(policy, model, optimizer)`` with the scope's Plan, all or nothing."""
         return apply(self.plan, model, optimizer, **options)
 
 
@@ -51,8 +47,6 @@ def global_policy_name(plan: Plan) -> str:
 @contextmanager
 def scope(plan: Plan, backend: Any) -> Iterator[Scope]:
     """Keras' global dtype policy and data format set per ``plan`` while building a model."""
-    import keras
-
     name = global_policy_name(plan)
     fmt = "channels_last" if plan.channels_last else keras.config.image_data_format()
     old_policy, old_fmt = keras.config.dtype_policy(), keras.config.image_data_format()

@@ -1,14 +1,6 @@
-"""Keras dtype policies for unimp's layer decisions.
-
-A fixed decision (``lower``, ``float32``, an override) is a plain Keras ``DTypePolicy``
-(``mixed_bfloat16`` = bf16 compute over float32 variables). A layer that follows its inputs
-(``inputs`` / ``promote``) gets :class:`FollowInputs`, which computes in the dtype of the
-activation that actually arrives (promote: the widest of it and the variables), so the rule
-holds in Sequential, functional and subclassed models alike.
-
-Saving while applied (``model.save("m.keras")``) writes each layer's *original* Keras policy as a
-plain ``keras.DTypePolicy``: the file is a standard Keras model that ``keras.models.load_model``
-reads without unimp (apply the policy again after loading).
+"""Keras dtype policies for unimp's layer decisions: a fixed one is a Keras ``DTypePolicy`` (``mixed_bfloat16``); a
+layer following its inputs gets :class:`FollowInputs` (the arriving activation's dtype; promote: the widest of it
+and the variables). ``model.save`` writes each layer's original policy: the file loads without unimp.
 
 >>> keras_policy("bfloat16", "float32").name
 'mixed_bfloat16'
@@ -20,6 +12,7 @@ reads without unimp (apply the policy again after loading).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import keras
@@ -38,8 +31,6 @@ class Applied(keras.DTypePolicy):
 
     def for_layer(self, original: Any) -> Applied:
         """A copy of this policy for one layer, saving as that layer's ``original`` policy."""
-        import copy
-
         mine = copy.copy(self)
         mine.saved = original.get_config() if type(original) is keras.DTypePolicy else None
         return mine
@@ -55,11 +46,8 @@ def keras_policy(compute: str, param: str) -> Applied:
 
 
 class Explicit(Applied):
-    """Any compute dtype over any variable dtype (Keras' names only cover ``mixed_<low>`` over fp32).
-
-    Keras' ``AutocastScope`` casts float variables to the compute dtype in both directions, so
-    float32 compute over bfloat16 variables runs as asked.
-    """
+    """Any compute dtype over any variable dtype (Keras' names only cover ``mixed_<low>`` over fp32); Keras'
+    ``AutocastScope`` casts float variables to the compute dtype in both directions."""
 
     def __init__(self, compute: str, variable: str) -> None:
         super().__init__(variable)
@@ -98,11 +86,8 @@ class FollowInputs(Applied):
 
 
 def _save_as_keras_policy() -> None:
-    """Serialize unimp's policies under Keras' public name ``keras.DTypePolicy`` (their config is one).
-
-    Keras writes a class's public API name when it has one and otherwise its module, which a
-    loader without unimp could not import; unimp's classes have no public name of their own.
-    """
+    """Serialize unimp's policies under Keras' public name ``keras.DTypePolicy`` (their config is one), not their
+    module, which a loader without unimp could not import."""
     from keras.src import api_export
 
     for cls in (Applied, Explicit, FollowInputs):

@@ -1,20 +1,9 @@
-"""FP8 training through Keras' own float8 layers, on the Dense layers the Plan chooses.
+"""FP8 training through Keras' own float8 layers (``layer.quantize("float8")``), on the Dense layers the Plan chooses.
 
-Keras 3 trains a ``Dense`` in float8 after ``layer.quantize("float8")``: e4m3 quantize-dequantize
-of the inputs and kernel, e5m2 of the output gradient, scales from an amax history (delayed
-scaling, Keras' ``QuantizedFloat8DTypePolicy``). That is the one recipe Keras has, so the Plan maps
-``recipe = "delayed"`` (with ``amax_history``) to it and refuses the others (or falls back, per
-``on_unsupported``), naming Keras' recipe. It runs on TensorFlow CPU (quantize-dequantize in the
-compute dtype around the matmul).
-
-The scaling state is what Keras keeps: six float32 **model weights** per FP8 layer
-(``inputs_scale``, ``inputs_amax_history``, ``kernel_scale``, ``kernel_amax_history``,
-``outputs_grad_scale``, ``outputs_grad_amax_history``; saved with ``model.save_weights`` and
-updated by the optimizer from their "gradients", Keras' ``overwrite_with_gradient``). Keras' float8
-gradient does not run eagerly on TensorFlow: train with ``model.fit`` or a ``tf.function`` step (an
-eager ``GradientTape`` over a float8 layer is a clear ``UnsupportedError`` saying so). ``amp.state_dict()``
-also carries them under ``fp8`` with the names every unimp backend uses (``fc1.input_scale``, ...),
-so the state round-trips through it. ``remove()`` deletes them and restores the layer exactly.
+Keras' one recipe, delayed scaling from an amax history, is the Plan's ``recipe = "delayed"``; its scaling state
+(six float32 model weights per layer) is ``amp.state_dict()["fp8"]`` under unimp's names (``fc1.input_scale``).
+Keras' float8 gradient does not run eagerly on TensorFlow (a clear ``UnsupportedError``); ``remove()`` restores
+the layer exactly.
 
 >>> import keras, unimp
 >>> m = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, name="fc")])
@@ -33,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from unimp.spi import Amp, Fp8Decision, Fp8Support, Plan, UnsupportedError
+from unimp.spi import Fp8Decision, Fp8Support, Plan, UnsupportedError
 
 KERAS_RECIPE = "delayed"
 # Keras' variable names -> the names every unimp backend uses in state_dict()["fp8"] (Flax's)
@@ -90,31 +79,24 @@ EAGER = ("unimp (keras): layer {path!r} trains in Keras float8, whose custom gra
          "model.fit / model.train_on_batch (not run_eagerly), or wrap your training step in tf.function")
 
 
-def guard_eager(u: Any, methods: list[tuple[Any, Any, str]]) -> None:
-    """A clear :class:`UnsupportedError` instead of Keras' internal one when a float8 layer is
-    differentiated eagerly (an instance ``quantized_call``, undone with the binding's methods)."""
-    import keras
-
-    if keras.backend.backend() != "tensorflow":
-        return  # the eager-gradient limit is TensorFlow's
+def guard_eager(u: Any) -> Any:
+    """TensorFlow: the float8 layer's ``quantized_call`` raising a clear :class:`UnsupportedError` instead of
+    Keras' internal error when it is differentiated eagerly."""
     import tensorflow as tf
     from tensorflow.python.eager import record
 
-    layer = u.layer
-    own, original = layer.__dict__.get("quantized_call"), layer.quantized_call
+    original = u.layer.quantized_call
 
     def quantized_call(*args: Any, **kwargs: Any) -> Any:
         if tf.executing_eagerly() and record.could_possibly_record():
             raise UnsupportedError(EAGER.format(path=u.path))
         return original(*args, **kwargs)
 
-    object.__setattr__(layer, "quantized_call", quantized_call)
-    methods.append((layer, own, "quantized_call"))
+    return quantized_call
 
 
 def quantize(plan: Plan, u: Any, originals: dict[int, tuple[Any, Any]]) -> Fp8Layer:
-    """``layer.quantize("float8")`` under the Plan's amax history (the layer's dtype policy is remembered
-    in ``originals``, as the binding keeps every policy it changes)."""
+    """``layer.quantize("float8")`` under the Plan's amax history (its dtype policy remembered in ``originals``)."""
     from keras.dtype_policies import QuantizedFloat8DTypePolicy
 
     assert plan.fp8 is not None  # a layer the Plan's fp8 table chose
@@ -130,8 +112,7 @@ def quantize(plan: Plan, u: Any, originals: dict[int, tuple[Any, Any]]) -> Fp8La
 
 
 def undo(entries: list[Fp8Layer]) -> None:
-    """Delete the scaling weights and the quantized state: the layer as it was (its policy restored
-    with the binding's)."""
+    """Delete the scaling weights and the quantized state (the policy is restored with the binding's)."""
     for e in reversed(entries):
         for name in NAMES:
             if name in e.layer.__dict__:
@@ -151,11 +132,6 @@ def state(entries: list[Fp8Layer]) -> dict[str, list[float]]:
             v = np.asarray(getattr(e.layer, keras_name).numpy(), np.float32).ravel()
             out[f"{e.path}.{name}"] = [float(x) for x in v]
     return out
-
-
-def check(entries: list[Fp8Layer], plain: Any) -> list[str]:
-    """Problems of ``plain`` as this Amp's FP8 state (each names the key and the fix)."""
-    return Amp.fp8_state_problems(state(entries), plain)
 
 
 def load(entries: list[Fp8Layer], plain: Mapping[str, Any]) -> None:

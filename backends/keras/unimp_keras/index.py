@@ -1,12 +1,7 @@
-"""Walk a Keras model: every layer the policy decides, with its dotted path and canonical kind.
-
-Paths are layer names joined by ``.`` (``block1.dense``), so policy globs (``block*.dense``)
-read the same as torch module paths. A layer whose class maps to a canonical op (``Dense`` ->
-``linear``) is one *unit*: its sublayers (e.g. the projections inside ``MultiHeadAttention``)
-get the unit's dtype. Other containers are walked into; a *composite* container whose class name
-says which op its own code runs (``COMPOSITE_KINDS``: keras_hub's ``CachedGemmaAttention``,
-``LlamaAttention``, ... compute their attention matmuls with raw ops) carries that kind, so it
-follows the policy's rule for it while its sublayers are decided one by one.
+"""Walk a Keras model: every layer the policy decides, with its dotted path (``block1.dense``: policy globs
+read as for torch) and canonical kind. A layer whose class maps to a canonical op is one *unit* (its sublayers
+get its dtype); other containers are walked into, a *composite* one (``COMPOSITE_KINDS``: keras_hub's
+``CachedGemmaAttention``) carrying the op its own code runs.
 
 >>> import keras
 >>> m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="fc"),
@@ -20,6 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import keras
+from keras.src.models.functional import Functional
 
 from unimp.spi import LayerInfo, ops
 
@@ -50,15 +48,11 @@ class Unit:
 
 def type_names(layer: Any) -> tuple[str, ...]:
     """The layer's class and its Keras base classes, most specific first (``Dense`` subclasses match)."""
-    import keras
-
     return ops.class_names(type(layer), stop=(keras.layers.Layer, keras.Model))
 
 
 def kind_of_layer(layer: Any) -> str | None:
     """The canonical op a Keras layer performs (``None``: no canonical kind, follows its inputs)."""
-    import keras
-
     if isinstance(layer, keras.layers.Activation):
         fn = getattr(layer.activation, "__name__", "")
         return ACTIVATION_KINDS.get(fn, "activation")
@@ -80,8 +74,6 @@ def composite_kind(names: tuple[str, ...]) -> str | None:
 
 def sublayers(layer: Any) -> list[Any]:
     """Direct sublayers, without Keras InputLayers."""
-    import keras
-
     return [s for s in layer._flatten_layers(include_self=False, recursive=False)
             if not isinstance(s, keras.layers.InputLayer)]
 
@@ -122,14 +114,8 @@ def model_index(model: Any) -> tuple[LayerInfo, ...]:
 
 
 def is_graph(layer: Any) -> bool:
-    """Whether ``layer`` is a Sequential/functional model: its sublayers are joined by layers only.
-
-    Any other container (a subclassed layer or model) may join its sublayers' results with raw
-    TensorFlow ops (``x + residual``), which do not promote mixed dtypes.
-    """
-    import keras
-    from keras.src.models.functional import Functional
-
+    """Whether ``layer`` is a Sequential/functional model, whose sublayers are joined by layers only (a subclassed
+    container may join them with raw ops, ``x + residual``)."""
     return isinstance(layer, (Functional, keras.Sequential))
 
 

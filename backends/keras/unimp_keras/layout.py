@@ -19,8 +19,7 @@ def data_formats(units: Iterable[Unit]) -> dict[str, str]:
 
 
 def layout_findings(formats: dict[str, str], channels_last: bool) -> list[str]:
-    """Layers whose data format differs from the Plan's ``channels_last`` (existing models are not
-    rewritten: their input layout would change)."""
+    """Layers whose data format differs from the Plan's ``channels_last`` (an existing model is not rewritten)."""
     if not channels_last:
         return []
     return [f"{path}: data_format='{fmt}', the policy asks channels_last; rebuild this layer with "

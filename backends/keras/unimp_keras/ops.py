@@ -1,7 +1,5 @@
-"""The native names of Keras 3 / TensorFlow for each canonical op: Keras layer classes (what the backend
-controls: ``KerasBackend.native_ops``) and, for reference, the TF graph ops grappler's AMP lists name.
-
-Source: the layer classes of keras.layers; tensorflow/core/grappler/optimizers/auto_mixed_precision_lists.h.
+"""The native names of each canonical op: Keras layer classes (``KerasBackend.native_ops``) and, for reference, the
+TF graph ops of grappler's AMP lists (tensorflow/core/grappler/optimizers/auto_mixed_precision_lists.h).
 
 >>> NATIVE_OPS["linear"]
 ('Dense',)

@@ -1,22 +1,12 @@
 """Optimizer wrappers: loss scaling (the core rule, every knob) and float32 master weights.
 
-:class:`AmpOptimizer` subclasses Keras' own ``LossScaleOptimizer`` (so ``compile`` never
-wraps it a second time) but runs unimp's rule (:mod:`unimp_keras.scaler`) over float32 /
-int32 Keras variables, on every Keras backend, with the structure of Keras' class: a stateful
-``apply`` (TensorFlow, torch, JAX outside ``jit``; ``tf.cond`` in a TensorFlow graph, a host branch
-eagerly) and a traceable ``stateless_apply`` (what Keras' JAX trainer calls inside ``jit``: the
-skip is a select of the old values, so a skipped step keeps every bit).
-:class:`KerasAmpOptimizer` *is* Keras' rule, used where the policy asks
-for exactly that rule; it only adds the step/skip counters of the canonical state. A skipped
-step calls nothing on the inner optimizer: variables, slots and ``iterations`` keep their bits.
+:class:`AmpOptimizer` subclasses Keras' ``LossScaleOptimizer`` (so ``compile`` never wraps it again) but runs
+unimp's rule (:mod:`unimp_keras.scaler`) on every Keras backend: a stateful ``apply`` (``tf.cond`` in a
+TensorFlow graph, a host branch eagerly) and a traceable ``stateless_apply`` (Keras' JAX trainer, inside
+``jit``: a skipped step selects the old values). :class:`KerasAmpOptimizer` *is* Keras' rule, plus the
+step/skip counters. A skipped step calls nothing on the inner optimizer: every bit is kept.
 
-Saved in a ``.keras`` file (``compile(optimizer=amp.optimizer)``, ``fit``, ``model.save``) both
-write what Keras' own classes would (:class:`SavesAsKeras`): the model's compile config names
-``keras.optimizers.LossScaleOptimizer`` (dynamic scaling) or the inner optimizer itself (no or a
-static scale, as Keras' ``mixed_bfloat16`` compiles), with the variables in that class's layout,
-so ``keras.models.load_model(path)`` loads the file with or without unimp. unimp's exact state
-(hysteresis, skipped/step counters) rides along under ``optimizer/unimp_state``, which only an
-applied model reads back (``load_weights``).
+A saved ``.keras`` file holds what Keras' own classes would (:class:`SavesAsKeras`), plus unimp's exact state.
 
 >>> import keras, unimp
 >>> opt = AmpOptimizer(keras.optimizers.SGD(0.1), unimp.load("mixed_fp16").loss_scale)
@@ -40,7 +30,7 @@ from keras.src.utils import tracking
 
 from unimp.spi import LossScale, LossScaleSpec, LossScaleState, StateError, dtypes
 
-from .scaler import COUNTER, DeviceLossScale, all_finite, held, next_state
+from .scaler import COUNTER, DeviceLossScale, all_finite, held, next_state, to_state
 
 ONLY_FIRST = "only_first_replica"
 
@@ -50,20 +40,16 @@ def _is_tf() -> bool:
 
 
 def _unscale(grads: list, scale: Any, variables: list | None = None) -> list:
-    """``grads / scale``; a Keras float8 scaling variable's "gradient" (its new value, the variable's
-    ``overwrite_with_gradient``) is left as it is."""
-    if scale is None:
-        return list(grads)
-    out = []
-    keep = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables] if variables else []
-    for i, g in enumerate(grads):
-        if g is None or (i < len(keep) and keep[i]):
-            out.append(g)
-        elif type(g).__name__ == "IndexedSlices":  # TensorFlow's sparse gradients (Embedding)
-            out.append(type(g)(g.values / ops.cast(scale, g.values.dtype), g.indices, g.dense_shape))
-        else:
-            out.append(g / ops.cast(scale, g.dtype))
-    return out
+    """``grads / scale``, except a Keras float8 scaling variable's new value (``overwrite_with_gradient``)."""
+    keep = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables or ()]
+    return [g if scale is None or g is None or (i < len(keep) and keep[i]) else _divided(g, scale)
+            for i, g in enumerate(grads)]
+
+
+def _divided(g: Any, scale: Any) -> Any:
+    if type(g).__name__ == "IndexedSlices":  # TensorFlow's sparse gradients (Embedding)
+        return type(g)(g.values / ops.cast(scale, g.values.dtype), g.indices, g.dense_shape)
+    return g / ops.cast(scale, g.dtype)
 
 
 def _dense32(g: Any) -> Any:
@@ -76,8 +62,7 @@ def _dense32(g: Any) -> Any:
 
 
 def _cond(pred: Any, fn: Any) -> None:
-    """Run ``fn`` when ``pred``: ``tf.cond`` in a TensorFlow graph, a host branch eagerly (torch, JAX
-    outside ``jit``; inside ``jit`` Keras' JAX trainer calls :meth:`AmpOptimizer.stateless_apply`)."""
+    """Run ``fn`` when ``pred``: ``tf.cond`` in a TensorFlow graph, a host branch eagerly."""
     if _is_tf():
         import tensorflow as tf
 
@@ -96,10 +81,8 @@ def _cond(pred: Any, fn: Any) -> None:
 
 
 class ExactState(KerasSaveable):
-    """unimp's loss-scale state as a child of the optimizer in a saved file (``optimizer/unimp_state``).
-
-    Keras' own classes have no such child, so a loader without unimp never reads it.
-    """
+    """unimp's loss-scale state as a child of the optimizer in a saved file (``optimizer/unimp_state``), which
+    a loader without unimp never reads."""
 
     FIELDS = ("scale", "growth_tracker", "hysteresis_left", "skipped", "steps")
 
@@ -117,20 +100,13 @@ class ExactState(KerasSaveable):
 
     def load_own_variables(self, store: Any) -> None:
         if len(store.keys()) == len(self.FIELDS):
-            values = [np.asarray(store[str(i)]) for i in range(len(self.FIELDS))]
-            self._optimizer().set_loss_scale_state(LossScaleState(float(values[0]), *(int(v) for v in values[1:])))
+            values = DeviceLossScale(*(np.asarray(store[str(i)]) for i in range(len(self.FIELDS))))
+            self._optimizer().set_loss_scale_state(to_state(values))
 
 
 class SavesAsKeras(keras.optimizers.LossScaleOptimizer):
-    """What both of unimp's wrappers share: the canonical ``skipped`` / ``steps`` counters (int64
-    optimizer variables), and what a saved file holds for them: the Keras object that runs their rule.
-
-    ``keras_config()`` is that object's serialized config: ``keras.optimizers.LossScaleOptimizer``
-    (initial scale and growth interval from the policy) for dynamic scaling, else the inner
-    optimizer (with ``loss_scale_factor`` for a static scale). ``save_own_variables`` writes
-    that class's variables in its order, ``load_own_variables`` reads them back (or unimp's own
-    layout), so the file loads the same with or without unimp.
-    """
+    """What both wrappers share: the ``skipped`` / ``steps`` counters, and a saved file holding the Keras object
+    that runs their rule (:meth:`keras_config`) with its variables in that class's order."""
 
     def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, initial_scale: float, name: str) -> None:
         saved_factor = inner_optimizer.loss_scale_factor
@@ -142,17 +118,16 @@ class SavesAsKeras(keras.optimizers.LossScaleOptimizer):
 
     def apply(self, grads: list, trainable_variables: list | None = None) -> None:
         """Keras' ``LossScaleOptimizer.apply``, its inner optimizer's step marked as this wrapper's."""
-        self.in_step = True
-        try:
-            return super().apply(grads, trainable_variables)
-        finally:
-            self.in_step = False
+        return self._marked(super().apply, grads, trainable_variables)
 
     def stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list) -> tuple[list, list]:
         """:meth:`_stateless_apply`, its inner optimizer's step marked as this wrapper's (traced under ``jit``)."""
+        return self._marked(self._stateless_apply, optimizer_variables, grads, trainable_variables)
+
+    def _marked(self, fn: Callable[..., Any], *args: Any) -> Any:
         self.in_step = True
         try:
-            return self._stateless_apply(optimizer_variables, grads, trainable_variables)
+            return fn(*args)
         finally:
             self.in_step = False
 
@@ -174,6 +149,8 @@ class SavesAsKeras(keras.optimizers.LossScaleOptimizer):
         var.assign(var + ops.cast(var < dtypes.INT32_MAX, var.dtype))
 
     def keras_config(self) -> dict[str, Any]:
+        """``LossScaleOptimizer``'s config for dynamic scaling, else the inner optimizer's (a static scale: with
+        ``loss_scale_factor``)."""
         inner = serialization_lib.serialize_keras_object(self.inner_optimizer)
         if self.spec.mode != "dynamic":
             if self.spec.mode == "static":
@@ -206,12 +183,8 @@ class SavesAsKeras(keras.optimizers.LossScaleOptimizer):
 
 
 class AmpOptimizer(SavesAsKeras):
-    """Loss scaling by unimp's reference rule; optionally float32 masters for low-precision params.
-
-    ``masters`` maps ``id(model variable)`` to its float32 master: the inner optimizer updates
-    the master and the model variable becomes ``cast(master)`` after every applied step. On JAX the
-    masters are optimizer variables too (:attr:`variables`), so ``stateless_apply`` carries them.
-    """
+    """Loss scaling by unimp's reference rule; ``masters``: ``id(model variable)`` -> its float32 master, which the
+    inner optimizer updates (the variable becomes ``cast(master)``; on JAX masters are optimizer variables too)."""
 
     def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, masters: dict[int, Any] | None = None,
                  name: str | None = None, reduce_dtype: str = "float32") -> None:
@@ -228,8 +201,7 @@ class AmpOptimizer(SavesAsKeras):
     @tracking.no_automatic_dependency_tracking
     def _make_state(self) -> None:
         init = LossScale(self.spec).initial_state()
-        # Under tf.distribute these are mirrored variables, written only in the cross-replica context
-        # (one update, every replica's copy set to the same value).
+        # under tf.distribute: mirrored, written once in the cross-replica context
         self.dynamic_scale = self.add_variable((), lambda shape, dtype: held(init.scale), "float32",
                                                aggregation=ONLY_FIRST, name="unimp_scale")
         self.step_counter = self.add_variable((), "zeros", COUNTER, aggregation=ONLY_FIRST,
@@ -240,10 +212,11 @@ class AmpOptimizer(SavesAsKeras):
 
     @property
     def variables(self) -> list:
-        """Keras' layout (own variables, then the inner optimizer's); on JAX the float32 masters sit
-        between them: Keras' JAX trainer hands ``stateless_apply`` exactly these values."""
-        masters = list(self._masters.values()) if keras.backend.backend() == "jax" else []
-        return [*self._variables, *masters, *self.inner_optimizer.variables]
+        """Keras' layout (own variables, then the inner optimizer's), on JAX the float32 masters between them."""
+        return [*self._variables, *self._jax_masters(), *self.inner_optimizer.variables]
+
+    def _jax_masters(self) -> list:
+        return list(self._masters.values()) if keras.backend.backend() == "jax" else []
 
     # ------------------------------------------------------------------ state
     def _state(self) -> DeviceLossScale:
@@ -251,8 +224,7 @@ class AmpOptimizer(SavesAsKeras):
                                self._skipped.value, self._steps.value)
 
     def loss_scale_state(self) -> LossScaleState:
-        s = [np.asarray(ops.convert_to_numpy(v)) for v in self._state()]  # a mirrored variable: its primary copy
-        return LossScaleState(float(s[0]), int(s[1]), int(s[2]), int(s[3]), int(s[4]))
+        return to_state(self._state())  # a mirrored variable: its primary copy
 
     def set_loss_scale_state(self, state: LossScaleState) -> None:
         problems = LossScale(self.spec).problems(state)  # the rule as it runs here (a float32 scale)
@@ -305,30 +277,31 @@ class AmpOptimizer(SavesAsKeras):
             self._skipped.assign(new.skipped)
         self._steps.assign(new.steps)
 
+    def _finish(self, finite: Any) -> None:
+        """The state after a step: the rule's update on ``finite``, or (None: nothing checked) one more step."""
+        if finite is None:
+            self._count(self._steps)
+        else:
+            self._update(finite)
+
     def _common_apply(self, grads: list, trainable_variables: list | None = None) -> None:
         grads = list(grads)
-        if not self._checking():
-            self._apply_inner(grads, trainable_variables)
-            self._count(self._steps)
-            return
-        finite = self.check_finite(grads)
+        finite = self.check_finite(grads) if self._checking() else None
         if self.spec.skip_nonfinite:
             _cond(finite, lambda: self._apply_inner(grads, trainable_variables))
         else:
             self._apply_inner(grads, trainable_variables)
-        self._update(finite)
+        self._finish(finite)
 
     # ------------------------------------------------------------------ JAX: inside jit
     def _stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list) -> tuple[list, list]:
-        """One step as pure values (Keras' JAX trainer, or a user's jitted step): ``(new trainable
-        values, new optimizer values)`` in :attr:`variables`' order. A skipped step returns the old
-        values (a select, traceable); the loss-scale state follows the rule either way."""
+        """One step as pure values: ``(new trainable values, new optimizer values)`` in :attr:`variables`' order; a
+        skipped step returns the old values (a select), the loss-scale state follows the rule."""
         if not self.built:
             raise ValueError("unimp AmpOptimizer.stateless_apply: build it first "
                              "(optimizer.build(model.trainable_variables))")
 
-        own, masters = list(self._variables), list(self._masters.values()) if keras.backend.backend() == "jax" \
-            else []
+        own, masters = list(self._variables), self._jax_masters()
         if len(masters) != len(self._masters):
             raise NotImplementedError("unimp AmpOptimizer.stateless_apply with float32 master weights runs on "
                                       "Keras' JAX backend; on TensorFlow and torch call optimizer.apply(grads, vars)")
@@ -338,7 +311,7 @@ class AmpOptimizer(SavesAsKeras):
         tvs = list(self._trainable_variables)
         grads, trainable_variables = list(grads), list(trainable_variables)
         with keras.StatelessScope(state_mapping=list(zip(self.variables, values))) as scope:
-            finite = self.check_finite(grads) if self._checking() else ops.convert_to_tensor(True)
+            finite = self.check_finite(grads) if self._checking() else None
             scale = None if self.spec.mode == "none" else self.dynamic_scale.value
             slot = {id(m): i for i, m in enumerate(masters)}
             where = [slot.get(id(self._masters[id(v)])) if id(v) in self._masters else None for v in tvs]
@@ -346,20 +319,14 @@ class AmpOptimizer(SavesAsKeras):
             gs = [g if g is None or w is None else ops.cast(g, "float32") for g, w in zip(grads, where, strict=True)]
             new_targets, new_inner = self.inner_optimizer.stateless_apply(inner_v, _unscale(gs, scale, tvs),
                                                                           targets)
-            if self._checking():
-                self._update(finite)
-            else:
-                self._count(self._steps)
+            self._finish(finite)
         new_own = [scope.get_current_value(v) for v in own]
         new_own = [o if n is None else n for o, n in zip(own_v, new_own, strict=True)]
         new_masters = list(master_v)
-        new_tvs = []
-        for i, (w, t) in enumerate(zip(where, new_targets, strict=True)):
-            if w is None:
-                new_tvs.append(t)
-            else:
+        for w, t in zip(where, new_targets, strict=True):
+            if w is not None:
                 new_masters[w] = t
-                new_tvs.append(ops.cast(t, tvs[i].dtype))
+        new_tvs = [t if w is None else ops.cast(t, v.dtype) for w, t, v in zip(where, new_targets, tvs, strict=True)]
         if self.spec.skip_nonfinite:
             keep = lambda new, old: [ops.where(finite, a, b) for a, b in zip(new, old, strict=True)]
             new_tvs = keep(new_tvs, trainable_variables)
@@ -372,13 +339,6 @@ class AmpOptimizer(SavesAsKeras):
         from .tf_distribute import tf_apply
 
         tf_apply(self, grads, trainable_variables)
-
-    def _stateful_handle_finite_grads(self, grads: list, trainable_variables: list | None) -> None:
-        self._apply_inner(list(grads), trainable_variables)  # not reached: _common_apply is unimp's
-        self._update(ops.convert_to_tensor(True))
-
-    def _stateful_handle_non_finite_grads(self) -> None:
-        self._update(ops.convert_to_tensor(False))
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()

@@ -1,9 +1,5 @@
-"""Low-precision parameters (``param_dtype = bfloat16``) on an existing Keras layer.
-
-Keras fixes a variable's dtype at creation, so a layer that must *hold* bf16 params gets bf16
-copies swapped in; its original float32 variables become the master weights the optimizer
-wrapper updates. :meth:`Swap.undo` puts the originals back (they already hold the trained values
-when masters are on; otherwise the low copies are written back first).
+"""Low-precision parameters on an existing Keras layer: bf16 copies swapped in (Keras fixes a variable's dtype at
+creation), the float32 originals the optimizer's masters; :meth:`Swap.undo` puts the originals back.
 
 >>> import keras
 >>> d = keras.layers.Dense(2); d.build((None, 3))
@@ -52,11 +48,8 @@ def _replace(layer: Any, attrs: tuple[str, ...], store: str, old: Any, new: Any)
 
 
 def retrack(model: Any, pairs: list[tuple[Any, Any]]) -> None:
-    """Keras' torch backend: the model is a ``torch.nn.Module`` whose parameters are its variables' tensors,
-    held in ``_torch_params`` dicts (the model's and each layer's). For each ``(old, new)`` variable pair the
-    dicts are pointed at ``new``'s tensor, so ``model.parameters()`` and ``Model.zero_grad()`` (Keras' torch
-    ``train_step`` clears the gradients through it) see the variables that run; without it the swapped-in
-    tensors' gradients would add up over the steps. No-op on the other Keras backends."""
+    """Keras' torch backend: the model's ``_torch_params`` pointed at ``new``'s tensor for each ``(old, new)`` pair,
+    so ``parameters()`` and ``zero_grad()`` see the variables that run (else gradients add up over the steps)."""
     if keras.backend.backend() != "torch" or not pairs:
         return
     import torch
@@ -70,8 +63,7 @@ def retrack(model: Any, pairs: list[tuple[Any, Any]]) -> None:
 
 
 def _same_path(var: Any, value: Any, dtype: str) -> Any:
-    """A new variable at ``var``'s path (``model/layer/kernel``): Keras keys a torch model's parameters by
-    path, so copies made outside the layer's scope (path ``kernel``) would replace each other there."""
+    """A new variable at ``var``'s path (``model/layer/kernel``: Keras keys a torch model's parameters by path)."""
     with contextlib.ExitStack() as scopes:
         for part in var.path.split("/")[:-1]:
             scopes.enter_context(keras.name_scope(part))

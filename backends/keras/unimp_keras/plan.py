@@ -1,8 +1,5 @@
-"""The request (the policy as asked) -> the Keras Plan: per canonical op the layer classes that carry it.
-
-Keras decides dtypes per layer, so every op with a Keras layer class is ``layer``-controlled;
-``loss`` is ``fixed`` (Keras losses compute in float32). ``auto`` (and a low-precision dtype on a
-CPU without native units) asks the Keras backend (TensorFlow, JAX, torch) for GPUs; the CPU facts are
+"""The request (the policy as asked) -> the Keras Plan: every op with a Keras layer class is ``layer``-controlled,
+``loss`` is ``fixed`` (Keras losses compute in float32); GPUs are the Keras backend's to find, the CPU facts
 ``unimp.hardware``'s.
 
 >>> import unimp
@@ -35,8 +32,7 @@ def keras_backend() -> str:
 
 
 def check_keras_backend(keras: Any) -> None:
-    """A clear :class:`UnsupportedError` for a Keras unimp cannot run: Keras 2, or a Keras 3 backend
-    other than tensorflow / jax / torch (numpy, openvino: they do not train)."""
+    """A clear :class:`UnsupportedError` for Keras 2, or a Keras 3 backend that does not train (numpy, openvino)."""
     version = getattr(keras, "__version__", "0")
     if int(version.split(".")[0]) < 3:
         raise UnsupportedError(f"unimp-keras: Keras {version} is Keras 2; unimp runs Keras 3 models; fix: "
@@ -83,14 +79,12 @@ def keras_rule(spec: LossScaleSpec) -> bool:
 
 
 def keras_subnormal() -> str:
-    """What Keras' LossScaleOptimizer does with a subnormal scale here: its float32 multiply flushes it on
-    TensorFlow's CPU kernels and XLA (JAX), keeps it on torch (IEEE)."""
+    """What Keras' LossScaleOptimizer does with a subnormal scale here: kept on torch, flushed by TF's CPU and XLA."""
     return "keep" if _keras_backend_name() == "torch" else "flush"
 
 
 def gpu_capability() -> tuple[int, int] | None:
-    """The compute capability of the first GPU the Keras backend runs on, or None without one (GPU detection
-    is the Keras backend's own: ``tf.config``, ``jax.devices()``, ``torch.cuda``)."""
+    """The compute capability of the Keras backend's first GPU (as that backend detects it), or None."""
     name = _keras_backend_name()
     if name == "tensorflow":
         import tensorflow as tf
@@ -143,11 +137,8 @@ def loss_scaler(spec: LossScaleSpec, masters: bool) -> str:
 
 
 def unsupported(spec: LossScaleSpec) -> dict[str, tuple[object, str]]:
-    """Loss-scale knobs this Keras backend cannot honour: ``{knob: (what runs instead, why)}``.
-
-    Everywhere: a float64 scale (Keras' optimizer variable is float32). On JAX (XLA): what a float32
-    scale computed by XLA cannot hold bit for bit (:func:`xla_unsupported`).
-    """
+    """Loss-scale knobs this Keras backend cannot honour, ``{knob: (what runs instead, why)}``: a float64 scale
+    (Keras' optimizer variable is float32); on JAX what XLA cannot hold bit for bit (:func:`xla_unsupported`)."""
     if spec.mode != "dynamic":
         return {}
     out: dict[str, tuple[object, str]] = {}
@@ -165,15 +156,8 @@ def _keras_backend_name() -> str:
     return keras.backend.backend()
 
 
-def _jax_x64() -> bool:
-    import jax
-
-    return bool(jax.config.jax_enable_x64)
-
-
 def xla_flushes_subnormals() -> bool:
-    """Whether XLA on the default JAX device flushes a float32 subnormal result to 0 (measured:
-    XLA:CPU does, and reads subnormal inputs as 0)."""
+    """Whether XLA on the default JAX device flushes a float32 subnormal result to 0 (measured: XLA:CPU does)."""
     import jax
     import numpy as np
 
@@ -183,8 +167,7 @@ def xla_flushes_subnormals() -> bool:
 
 
 def xla_unsupported(spec: LossScaleSpec) -> dict[str, tuple[object, str]]:
-    """The knobs Keras on JAX cannot hold: subnormal float32 scales where XLA flushes them, factors not
-    exact in float32 without ``jax_enable_x64``, a raise (``at_min = "error"``) inside a jitted step."""
+    """The knobs Keras on JAX cannot hold: flushed subnormal scales, inexact float32 factors, a raise inside jit."""
     out: dict[str, tuple[object, str]] = {}
     flush = xla_flushes_subnormals()
     fix_x64 = "jax.config.update('jax_enable_x64', True)"
@@ -194,7 +177,9 @@ def xla_unsupported(spec: LossScaleSpec) -> dict[str, tuple[object, str]]:
     if flush and spec.initial < dtypes.FLT_TINY:
         out["initial"] = (dtypes.FLT_TINY, "this XLA device reads a float32 scale below 2^-126 as 0; fix: "
                           "initial >= 2^-126")
-    if not _jax_x64():
+    import jax
+
+    if not jax.config.jax_enable_x64:
         out.update(LossScale(spec).float32_limits(flushes=flush, who="Keras on JAX (without jax_enable_x64)",
                                                   fix=fix_x64))
     if spec.at_min == "error":
@@ -213,17 +198,19 @@ ATTENTION_FIX = ("on JAX's CPU move \"attention\" from [ops].lower to [ops].floa
 
 
 @functools.cache
-def xla_f16_attention_error() -> str | None:
-    """XLA's message where the default JAX device cannot compile ``keras.ops.dot_product_attention`` in
-    float16, else None (measured once: XLA:CPU has no F16 x F16 -> F32 dot_general; Dense, EinsumDense,
-    the convolutions, einsum, matmul, the RNNs and the normalisations compile in float16 there)."""
+def device_f16_attention_error() -> str | None:
+    """XLA's message where Keras on JAX without a GPU cannot compile ``keras.ops.dot_product_attention`` in float16
+    (measured once: XLA:CPU has no F16 x F16 -> F32 dot_general; the other Keras layers compile), else None."""
+    if _keras_backend_name() != "jax" or gpu_capability() is not None:
+        return None
     import jax
+    import keras
     import numpy as np
 
     q = np.ones((1, 2, 1, 4), np.float16)  # (batch, time, heads, head dim)
     try:
         with jax.ensure_compile_time_eval():
-            jax.block_until_ready(jax.jit(lambda q: keras_ops().dot_product_attention(q, q, q))(q))
+            jax.block_until_ready(jax.jit(lambda q: keras.ops.dot_product_attention(q, q, q))(q))
     except Exception as e:  # XLA refuses at compile time (ValueError in jax 0.10)
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "not supported" not in text:
@@ -232,17 +219,9 @@ def xla_f16_attention_error() -> str | None:
     return None
 
 
-def keras_ops() -> Any:
-    import keras
-
-    return keras.ops
-
-
 def device_fixed(request: PlanRequest, index: Iterable[LayerInfo] | None) -> dict[str, tuple[str, str]]:
-    """Ops this Keras backend's device cannot run in the dtype the policy asks: ``{op: ("float32", why)}``.
-
-    On JAX without a GPU: ``attention`` in float16 (:func:`xla_f16_attention_error`), declared when the
-    model has an attention layer (or no model is given)."""
+    """Ops this Keras backend's device cannot run in the dtype the policy asks, ``{op: ("float32", why)}``: float16
+    ``attention`` (:func:`device_f16_attention_error`), when the model has such a layer (or none is given)."""
     if request.requested("attention") != "float16":
         return {}
     if index is not None and not any(calls_dot_product_attention(info) for info in index):
@@ -251,31 +230,20 @@ def device_fixed(request: PlanRequest, index: Iterable[LayerInfo] | None) -> dic
     return {} if error is None else {"attention": ("float32", ATTENTION_XLA_F16.format(error=error))}
 
 
-# Keras' own attention classes whose call runs keras.ops.dot_product_attention (Keras 3.15: MultiHeadAttention's
-# _compute_attention for 4-D inputs without dropout or returned scores; GroupedQueryAttention), and their
-# subclasses (keras_hub's CachedMultiHeadAttention: GPT-2, BERT). Measured under jax.jit on XLA:CPU in float16:
-# those fail, keras_hub's own einsum attention (CachedGemmaAttention) compiles.
+# Keras' attention classes whose call runs keras.ops.dot_product_attention, and their subclasses (keras_hub's
+# CachedMultiHeadAttention); keras_hub's own einsum attention (CachedGemmaAttention) compiles in float16 on XLA:CPU.
 DOT_PRODUCT_ATTENTION = frozenset({"MultiHeadAttention", "GroupedQueryAttention"})
 
 
 def calls_dot_product_attention(info: LayerInfo) -> bool:
-    """Whether the layer is (a subclass of) one of Keras' attention classes that call
-    ``keras.ops.dot_product_attention``."""
+    """Whether the layer is (a subclass of) one of :data:`DOT_PRODUCT_ATTENTION`."""
     return info.kind == "attention" and bool(DOT_PRODUCT_ATTENTION & set(info.type_names))
-
-
-def device_f16_attention_error() -> str | None:
-    """XLA's refusal of float16 attention on this process' device (Keras on JAX without a GPU), else None."""
-    if _keras_backend_name() != "jax" or gpu_capability() is not None:
-        return None
-    return xla_f16_attention_error()
 
 
 def device_override_fallbacks(request: PlanRequest,
                               index: list[LayerInfo] | None) -> tuple[list[str], dict[int, str]]:
-    """Overrides that ask float16 of attention layers this device cannot run so (:func:`device_fixed`'s op,
-    set per layer): ``(problems, {override index: "float32"})``; the binding runs those attention layers in
-    float32 (the override's other layers as it says). Without a model, every override asking float16."""
+    """Overrides asking float16 of attention layers this device cannot run so (:func:`device_fixed`'s op, per
+    layer): ``(problems, {override index: "float32"})`` (without a model: every override asking float16)."""
     problems: list[str] = []
     fallbacks: dict[int, str] = {}
     error = None
@@ -300,8 +268,7 @@ def device_override_fallbacks(request: PlanRequest,
 
 
 def distributed_note(rd: str) -> str:
-    """How tf.distribute runs with gradients reduced in ``rd`` (the Keras 3 facts this backend works around);
-    on the JAX and torch backends of Keras, that unimp does not distribute."""
+    """How data parallelism runs with gradients reduced in ``rd``, on this Keras backend."""
     name = _keras_backend_name()
     if name == "jax":
         return ("data parallel: Keras' own keras.distribution (DataParallel) lays out the variables and batches; "

@@ -1,17 +1,7 @@
 """The core loss-scale rule (:func:`unimp.loss_scale.rule.step`) on Keras tensors: :class:`KerasOps`
-(``keras.ops``) over :class:`DeviceLossScale`, on every Keras backend.
-
-Pure functions of tensors, so one step traces into a ``tf.function``, a jitted JAX step or runs
-eagerly on torch. The scale is held in a float32 Keras variable and computed in float64 on the
-float32 grid (products rounded once, as the reference's ``f32(scale * factor)``; subnormals rounded
-as IEEE float32 rounds them) where the Keras backend has float64: TensorFlow (reading and writing
-the scale through its bits, :mod:`unimp_keras.tf_scale`, because its CPU kernels flush float32
-subnormals) and torch (plain casts keep subnormals). JAX has float64 only under
-``jax_enable_x64``; without it the rule multiplies in float32 (one rounding, the factor exact in
-float32). What a Keras backend cannot hold is declared in the Plan, never run silently wrong
-(:func:`unimp_keras.plan.unsupported`: ``scale_dtype = "float64"`` everywhere; on XLA subnormal
-scales, non-float32 factors without x64, ``at_min = "error"`` inside a compiled step), and
-:func:`next_state` refuses such a spec (``on_unsupported = "fallback"`` runs ``plan.loss_scale``, the spec that runs).
+(``keras.ops``) over :class:`DeviceLossScale`, traceable: the float32 scale computed in float64 on the float32 grid
+where the Keras backend has float64 (JAX: under ``jax_enable_x64``); what a Keras backend cannot hold is declared
+in the Plan (:func:`unimp_keras.plan.unsupported`) and refused by :func:`next_state`.
 
 >>> import keras, unimp
 >>> spec = unimp.load({"loss_scale": {"initial": 8.0, "growth_interval": 1}}).loss_scale
@@ -28,15 +18,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from unimp.spi import (
-    Arrays,
-    LossScale,
-    LossScaleAtMinimumError,
-    LossScaleSpec,
-    LossScaleState,
-    dtypes,
-    step,
-)
+from unimp.spi import Arrays, LossScale, LossScaleAtMinimumError, LossScaleSpec, LossScaleState, dtypes, step
 
 from .plan import unsupported
 
@@ -71,18 +53,18 @@ def held(value: float) -> Any:
 def decode(scale: Any) -> Any:
     """The held float32 scale in :func:`wide`, subnormals included."""
     if keras.backend.backend() == "tensorflow":
-        from .tf_scale import decode as tf_decode
+        from . import tf_scale
 
-        return tf_decode(scale)
+        return tf_scale.decode(scale)
     return ops.cast(scale, wide())
 
 
 def encode(x: Any) -> Any:
     """A :func:`wide` value on the float32 grid as the held float32."""
     if keras.backend.backend() == "tensorflow":
-        from .tf_scale import encode as tf_encode
+        from . import tf_scale
 
-        return tf_encode(x)
+        return tf_scale.encode(x)
     return ops.cast(x, "float32")
 
 
@@ -104,8 +86,7 @@ def _on_grid(p: Any) -> Any:
 
 
 class KerasOps:
-    """:class:`unimp.loss_scale.rule.ArrayOps` over Keras tensors (``keras.ops``): the scale in
-    :func:`wide` (float64 on the float32 grid, or float32 where the Keras backend has no float64)."""
+    """:class:`unimp.loss_scale.rule.ArrayOps` over Keras tensors (``keras.ops``), the scale in :func:`wide`."""
 
     def __init__(self) -> None:
         self.dtype = wide()
@@ -138,8 +119,7 @@ def device_spec(spec: LossScaleSpec) -> LossScaleSpec:
 
 
 def runnable(spec: LossScaleSpec) -> LossScaleSpec:
-    """``spec`` itself when every knob is honoured here, else :class:`UnsupportedError` naming each:
-    the rule never runs a knob :func:`unsupported` declared."""
+    """``spec`` itself when every knob is honoured here, else :class:`UnsupportedError` naming each."""
     LossScale(spec).fallbacks(unsupported(spec), "unimp_keras loss scale", "error")
     return spec
 
@@ -162,9 +142,8 @@ AT_MIN = ("unimp: loss scale already at its minimum ({min:g}) and gradients are 
 
 
 def next_state(spec: LossScaleSpec, st: DeviceLossScale, finite: Any) -> DeviceLossScale:
-    """The state after one step whose gradients were (not) all finite (``finite``: scalar bool):
-    the core's rule on tensors, no host sync; ``at_min = "error"`` hit is a ``tf.debugging.Assert`` on
-    TensorFlow and a :class:`LossScaleAtMinimumError` on torch (XLA declares it: no raise in a jitted step)."""
+    """The state after one step whose gradients were (not) all ``finite``; an ``at_min = "error"`` hit raises
+    (:class:`LossScaleAtMinimumError`; on TensorFlow a ``tf.debugging.Assert``)."""
     new, error = transition(spec, st, finite)
     if error is not None:
         message = AT_MIN.format(min=spec.min)

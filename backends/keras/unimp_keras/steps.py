@@ -1,11 +1,6 @@
-"""One custom training step on each Keras backend, the way that backend differentiates
-(what the conformance kit and the tests drive; the README shows the same three loops):
-
-- TensorFlow: ``tf.GradientTape`` -> ``amp.apply_gradients`` (in a ``tf.function`` where Keras float8
-  layers run: their gradient does not run eagerly);
-- JAX: ``model.stateless_call`` + ``jax.grad`` -> ``optimizer.stateless_apply``, jitted, the new values
-  assigned back (as Keras' JAX trainer does);
-- torch: ``loss.backward()`` -> ``amp.apply_gradients``.
+"""One custom training step on each Keras backend, the way it differentiates (what the conformance kit and the
+tests drive): TensorFlow ``tf.GradientTape`` (in a ``tf.function`` for Keras float8 layers), torch ``backward``,
+then ``amp.apply_gradients``; JAX jitted ``model.stateless_call`` + ``jax.grad`` -> ``stateless_apply``.
 
 >>> import keras, numpy as np, unimp
 >>> m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="fc")])
@@ -33,19 +28,26 @@ _JITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Amp -> its j
 def custom_step(amp: Any, loss_fn: Loss, x: Any, y: Any, poison: bool = False) -> float:
     """One step of ``amp`` on ``(x, y)``: scale the loss, differentiate, unscale / skip / step; ``poison``
     multiplies the loss by inf (every gradient non-finite). Returns the unscaled loss."""
-    name = keras.backend.backend()
-    if name == "tensorflow":
-        return _tf_step(amp, loss_fn, x, y, poison)
+    name, model = keras.backend.backend(), amp.model
     if name == "jax":
         return _jax_step(amp, loss_fn, x, y, poison)
-    return _torch_step(amp, loss_fn, x, y, poison)
+    if name == "torch":
+        y = ops.convert_to_tensor(y)
+
+    def step(x: Any, y: Any, poison: Any) -> Any:
+        return _scaled_step(amp, model.trainable_variables, lambda: loss_fn(model(x, training=True), y), poison)
+
+    if name == "tensorflow" and getattr(amp, "_binding", None) is not None and amp._binding.fp8:
+        import tensorflow as tf
+
+        fn = _JITTED.setdefault(amp, tf.function(step))
+        return float(fn(tf.constant(x), tf.constant(y), tf.constant(poison)))
+    return float(ops.convert_to_numpy(step(x, y, poison)))
 
 
 def optimizer_step(opt: Any, variables: list, loss_fn: Callable[[], Any]) -> Callable[[bool], None]:
-    """``step(poison)``: one scaled step of ``opt`` (a loss-scaling optimizer: unimp's or Keras' own) on bare
-    ``variables``, ``loss_fn()`` reading them, each Keras backend's way (TensorFlow: a ``tf.function``
-    GradientTape step; JAX: jitted ``jax.grad`` + ``stateless_apply``; torch: ``backward``); ``poison``
-    multiplies the loss by inf. What the loss-scale tests drive without a model.
+    """``step(poison)``: one scaled step of ``opt`` (unimp's or Keras' loss-scaling optimizer) on bare ``variables``
+    (``loss_fn()`` reads them), each Keras backend's way (TensorFlow: in a ``tf.function``).
 
     >>> import keras, numpy as np
     >>> w = keras.Variable(np.ones(2, np.float32))
@@ -55,26 +57,16 @@ def optimizer_step(opt: Any, variables: list, loss_fn: Callable[[], Any]) -> Cal
     (4.0, None, 4.0)
     """
     name = keras.backend.backend()
-    if name == "tensorflow":
+    if name != "jax":
+        def step(poison: Any) -> None:
+            _scaled_step(opt, variables, loss_fn, poison)
+
+        if name == "torch":
+            return step
         import tensorflow as tf
 
-        @tf.function
-        def tf_step(poison: Any) -> None:
-            with tf.GradientTape() as tape:
-                scaled = opt.scale_loss(loss_fn() * _factor(poison))
-            opt.apply_gradients(zip(tape.gradient(scaled, variables), variables))
-
-        return lambda poison: tf_step(tf.constant(poison)) and None
-    if name == "torch":
-        def torch_step(poison: bool) -> None:
-            for v in variables:
-                v.value.grad = None
-            opt.scale_loss(loss_fn() * _factor(ops.convert_to_tensor(poison))).backward()
-            opt.apply_gradients([(v.value.grad, v) for v in variables])
-            for v in variables:
-                v.value.grad = None
-
-        return torch_step
+        compiled = tf.function(step)
+        return lambda poison: compiled(tf.constant(poison))
     import jax
 
     def pure(tv: list, ov: list, poison: Any) -> Any:
@@ -91,8 +83,7 @@ def optimizer_step(opt: Any, variables: list, loss_fn: Callable[[], Any]) -> Cal
         if not opt.built:
             opt.build(variables)
         new_tv, new_ov = jitted([v.value for v in variables], [v.value for v in opt.variables], poison)
-        for var, value in (*zip(variables, new_tv, strict=True), *zip(opt.variables, new_ov, strict=True)):
-            var.assign(value)
+        _assign((variables, new_tv), (opt.variables, new_ov))
 
     return jax_step
 
@@ -101,39 +92,37 @@ def _factor(poison: Any) -> Any:
     return ops.where(poison, ops.convert_to_tensor(np.inf, "float32"), ops.convert_to_tensor(1.0, "float32"))
 
 
-def _tf_step(amp: Any, loss_fn: Loss, x: Any, y: Any, poison: bool) -> float:
-    import tensorflow as tf
+def _assign(*groups: tuple[list, list]) -> None:
+    for variables, values in groups:
+        for var, value in zip(variables, values, strict=True):
+            var.assign(value)
 
-    def step(x: Any, y: Any, poison: Any) -> Any:
-        variables = amp.model.trainable_variables
+
+def _scaled_step(scaler: Any, variables: list, loss_of: Callable[[], Any], poison: Any) -> Any:
+    """``scaler.scale_loss(loss_of() * factor)`` differentiated over ``variables`` (TensorFlow: a GradientTape;
+    torch: ``backward``), handed to ``scaler.apply_gradients``; returns the unscaled loss."""
+    factor = _factor(ops.convert_to_tensor(poison))
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
         with tf.GradientTape() as tape:
-            loss = loss_fn(amp.model(x, training=True), y)
-            scaled = amp.scale_loss(loss * _factor(poison))
-        grads = tape.gradient(scaled, variables)
-        amp.apply_gradients(zip(grads, variables))
+            loss = loss_of()
+            scaled = scaler.scale_loss(loss * factor)
+        scaler.apply_gradients(zip(tape.gradient(scaled, variables), variables))
         return loss
-
-    if getattr(amp, "_binding", None) is not None and amp._binding.fp8:
-        fn = _JITTED.setdefault(amp, tf.function(step))
-        return float(fn(tf.constant(x), tf.constant(y), tf.constant(poison)))
-    return float(step(x, y, tf.constant(poison)))
-
-
-def _torch_step(amp: Any, loss_fn: Loss, x: Any, y: Any, poison: bool) -> float:
-    variables = amp.model.trainable_variables
-    loss = loss_fn(amp.model(x, training=True), ops.convert_to_tensor(y))
-    scaled = amp.scale_loss(loss * _factor(ops.convert_to_tensor(poison)))
     for v in variables:
         v.value.grad = None
-    scaled.backward()
-    grads = [v.value.grad for v in variables]
-    amp.apply_gradients(zip(grads, variables))
+    loss = loss_of()
+    scaler.scale_loss(loss * factor).backward()
+    scaler.apply_gradients([(v.value.grad, v) for v in variables])
     for v in variables:
         v.value.grad = None
-    return float(ops.convert_to_numpy(loss))
+    return loss
 
 
 def _jax_step(amp: Any, loss_fn: Loss, x: Any, y: Any, poison: bool) -> float:
+    """Keras' JAX trainer's way: ``(trainable, non-trainable, optimizer values, x, y, poison) -> (loss, new values)``
+    jitted once per Amp, the new values assigned back."""
     import jax
 
     model, opt = amp.model, amp.optimizer
@@ -141,25 +130,6 @@ def _jax_step(amp: Any, loss_fn: Loss, x: Any, y: Any, poison: bool) -> float:
         raise ValueError("custom_step: unimp.apply was given no optimizer")
     if not opt.built:
         opt.build(model.trainable_variables)
-    step = _JITTED.get(amp)
-    if step is None:
-        step = _JITTED[amp] = jax.jit(_jax_pure_step(amp, loss_fn))
-    tv = [v.value for v in model.trainable_variables]
-    ntv = [v.value for v in model.non_trainable_variables]
-    ov = [v.value for v in opt.variables]
-    loss, tv, ntv, ov = step(tv, ntv, ov, x, y, poison)
-    for group, values in ((model.trainable_variables, tv), (model.non_trainable_variables, ntv),
-                          (opt.variables, ov)):
-        for var, value in zip(group, values, strict=True):
-            var.assign(value)
-    return float(loss)
-
-
-def _jax_pure_step(amp: Any, loss_fn: Loss) -> Callable[..., Any]:
-    """The pure step ``(trainable, non-trainable, optimizer values, x, y, poison) -> (loss, new values...)``."""
-    import jax
-
-    model, opt = amp.model, amp.optimizer
 
     def pure(tv: list, ntv: list, ov: list, x: Any, y: Any, poison: Any) -> Any:
         def loss_of(tv: list) -> Any:
@@ -173,4 +143,8 @@ def _jax_pure_step(amp: Any, loss_fn: Loss) -> Callable[..., Any]:
         new_tv, new_ov = opt.stateless_apply(ov, grads, tv)
         return loss, new_tv, new_ntv, new_ov
 
-    return pure
+    step = _JITTED.setdefault(amp, jax.jit(pure))
+    groups = (model.trainable_variables, model.non_trainable_variables, opt.variables)
+    loss, *values = step(*([v.value for v in g] for g in groups), x, y, poison)
+    _assign(*zip(groups, values, strict=True))
+    return float(loss)

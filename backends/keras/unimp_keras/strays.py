@@ -1,23 +1,10 @@
 """Keras optimizers that step an applied model's variables around unimp, refused at their first step.
 
-Where unimp scales a Keras model's loss (its wrapper's ``scale_loss``), a plain Keras optimizer applying
-gradients to that model's variables either applies the scaled gradient (after ``amp.scale_loss(loss)``)
-or runs without the policy's loss scaling at all (its own ``scale_loss`` is the identity); where the
-policy keeps fp32 masters (``param_dtype = "bfloat16"``: the layers hold bf16 copies), its update of the
-copies is overwritten by the wrapper's next step. The optimizer passed to ``unimp.apply`` and then
-stepped itself (a DCGAN ``train_step`` still holding ``d_optimizer`` instead of ``amp_d.optimizer``)
-bypasses unimp's unscale and skip the same way. All are refused with an
-:class:`unimp.errors.UnsupportedError` naming the fix, before anything changes
-(:mod:`unimp.loss_scale.strays` decides, as for torch and Paddle); under ``mixed_bf16`` (no scaling, no
-masters) any optimizer is let through.
-
-Keras has no optimizer hooks: while some Amp is applied, Keras' ``BaseOptimizer.apply`` (what
-``apply_gradients`` runs, on every backend, eagerly or traced in a ``tf.function``) and
-``stateless_apply`` (JAX, inside ``jit``: checked when traced) are wrapped; an optimizer is checked
-against the applied models at its first step (again only after an ``apply`` or ``remove``), which
-costs a dictionary lookup per eager step and nothing per compiled one. The last ``remove()`` (or the
-first step after the last Amp was dropped with its model) puts Keras' functions back. No finalizer of
-unimp's runs here; a lock is held only to swap the functions.
+A plain Keras optimizer (or the one passed to ``unimp.apply``, stepped itself) would apply scaled gradients, skip
+no step, or have its update overwritten by the fp32 masters: refused with an :class:`unimp.errors.UnsupportedError`
+naming the fix, as :mod:`unimp.loss_scale.strays` decides (under ``mixed_bf16`` any optimizer is let through).
+While some Amp is applied, Keras' ``BaseOptimizer.apply`` and ``stateless_apply`` are wrapped (the last
+``remove()`` puts them back); an optimizer is checked at its first step, again after an ``apply`` or ``remove``.
 
 >>> import keras, numpy as np, unimp
 >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="fc")], name="net")

@@ -17,10 +17,10 @@ from keras import ops
 
 from unimp.conformance.kit import Kit, Observation
 from unimp.conformance.probe import CHANNELS, CLASSES, HIDDEN, KERNEL, LN_EPS, PROBE, TIME, VOCAB, ProbeBatch
-from unimp.spi import PlanRequest
 
 from .index import walk
 from .steps import custom_step
+from .trace import restore, set_method
 
 
 def built_under(policy: str, factory: Any, x: Any = None, seed: int = 0) -> Any:
@@ -51,9 +51,9 @@ def output_dtypes(model: Any, layers: Any, x: Any) -> tuple[list[tuple[Any, str 
     [('fc', 'float16')]
     """
     seen: list[tuple[Any, str | None]] = []
-    saved = []
+    saved: list[tuple[Any, Any, str]] = []
     for layer in layers:
-        own, inner = layer.__dict__.get("call"), layer.call
+        inner = layer.call
 
         def record(*a: Any, _layer: Any = layer, _call: Any = inner, **k: Any) -> Any:
             out = _call(*a, **k)
@@ -61,16 +61,12 @@ def output_dtypes(model: Any, layers: Any, x: Any) -> tuple[list[tuple[Any, str 
             seen.append((_layer, keras.backend.standardize_dtype(leaves[0].dtype) if leaves else None))
             return out
 
-        object.__setattr__(layer, "call", record)
-        saved.append((layer, own))
+        set_method(layer, "call", record, saved)
     try:
         out = model(x)
     finally:
-        for layer, own in saved:
-            if own is None:
-                del layer.__dict__["call"]
-            else:
-                object.__setattr__(layer, "call", own)
+        for layer, own, name in reversed(saved):
+            restore(layer, own, name)
     return seen, out
 
 
@@ -84,23 +80,14 @@ _PROBE_PARAM = {"embeddings": "weight", "kernel": "weight", "gamma": "weight", "
 
 
 class KerasKit(Kit):
-    """Hooks for :mod:`unimp.conformance` on Keras 3, this process' Keras backend (TensorFlow, JAX or torch;
-    CPU runs fp32, bf16 and fp16)."""
+    """Hooks for :mod:`unimp.conformance` on Keras 3, this process' Keras backend."""
 
     backend = "keras"
 
     @property
     def label(self) -> str:
         """``keras-<Keras backend>``: one conformance column per Keras backend (``.obs/keras-jax.json``)."""
-        import keras
-
         return f"keras-{keras.backend.backend()}"
-
-    def supports(self, request: PlanRequest) -> str | None:
-        # every probe layer has float16 and bfloat16 kernels on each Keras backend's CPU; the one op a device
-        # cannot run (float16 attention on JAX's CPU, which the probe has none of) is the Plan's to declare
-        # (unimp_keras.plan.device_fixed): a fallback or an UnsupportedError, never a kit skip
-        return None
 
     def build_probe(self, weights: dict[str, Any]) -> Any:
         ly = keras.layers
@@ -126,8 +113,7 @@ class KerasKit(Kit):
         return keras.optimizers.SGD(lr)
 
     def observe(self, amp: Any, batch: ProbeBatch) -> dict[str, Observation]:
-        rep = amp.report(batch.tokens)
-        return {r.path: Observation(r.compute_dtype, r.param_dtype, r.output_dtype, r.fp8) for r in rep.rows if r.path}
+        return {path: o for path, o in self.observations(amp.report(batch.tokens)).items() if path}
 
     def output(self, amp: Any, batch: ProbeBatch) -> Any:
         return amp.model(batch.tokens, training=False)

@@ -1,16 +1,8 @@
 """tf.distribute (Keras' TensorFlow backend only): gradient all-reduce in the Plan's ``reduce_dtype``, XLA refusal.
 
-Keras 3 on TensorFlow sums gradients across replicas inside the optimizer
-(``TFOptimizer._all_reduce_sum_gradients``, called from ``_backend_update_step``) in the
-gradients' own dtype, with no hook for the reduction dtype, and Keras' ``LossScaleOptimizer``
-decides finiteness from replica 0's *local* gradients (a non-finite gradient on another replica
-is applied and poisons every replica). unimp's optimizer wrapper therefore does the reduction
-itself, in the replica context: each replica casts its (scaled) gradients to ``reduce_dtype``,
-they are summed with ``ReplicaContext.all_reduce`` and cast back; finiteness is checked on the
-reduced gradients and the replicas' flags are combined (logical AND) in one ``merge_call``, so
-every replica skips or steps together and the loss-scale update runs once, in the cross-replica
-context, on mirrored variables. The inner optimizer's own all-reduce is turned into the identity
-while it is wrapped (it receives gradients that are already reduced).
+Keras sums gradients in their own dtype (no hook) and its ``LossScaleOptimizer`` takes replica 0's finiteness, so
+unimp's wrapper reduces in ``reduce_dtype`` itself (the inner optimizer's all-reduce is then the identity) and
+agrees on finiteness in one ``merge_call``: all replicas step or skip together, the state updated once.
 
 >>> import tensorflow as tf
 >>> is_distributed(tf.distribute.get_strategy())
@@ -44,14 +36,12 @@ def is_distributed(strategy: Any) -> bool:
 
 def strategy_of(model: Any, optimizer: Any) -> Any:
     """The strategy ``model`` / ``optimizer`` were created under; a clear error if they disagree."""
-    ms = getattr(model, "_distribute_strategy", None)
-    os_ = getattr(optimizer, "_distribution_strategy", None) if optimizer is not None else None
-    ms = ms if is_distributed(ms) else None
-    os_ = os_ if is_distributed(os_) else None
+    ms, os_ = (s if is_distributed(s) else None for s in (getattr(model, "_distribute_strategy", None),
+                                                           getattr(optimizer, "_distribution_strategy", None)))
     if optimizer is not None and ms is not os_:
         where = ("the model under a tf.distribute strategy's scope but not the optimizer" if ms is not None
-                 else "the optimizer under a tf.distribute strategy's scope but not the model"
-                 if ms is None and os_ is not None else "the model and optimizer under different strategies")
+                 else "the optimizer under a tf.distribute strategy's scope but not the model" if os_ is not None
+                 else "the model and optimizer under different strategies")
         raise ValueError(f"unimp (keras): {where}; Keras needs both created inside the same "
                          "strategy.scope() (its optimizer variables must be mirrored like the model's). fix: "
                          "with strategy.scope(): model = ...; optimizer = keras.optimizers.Adam(...); "
@@ -59,20 +49,9 @@ def strategy_of(model: Any, optimizer: Any) -> Any:
     return ms or os_
 
 
-def in_xla_context() -> bool:
-    """Whether the code being traced is inside an XLA-compiled (``jit_compile=True``) function."""
-    from tensorflow.python.ops import control_flow_util
-
-    return (not tf.executing_eagerly()
-            and control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
-
-
 def all_reduce(ctx: Any, grads: list, reduce_dtype: str, out_dtypes: list) -> list:
-    """Sum ``grads`` over replicas in ``reduce_dtype``; ``out_dtypes[i]`` is grad i's dtype after.
-
-    ``None`` gradients stay ``None``; ``IndexedSlices`` are densified (as Keras' own TF
-    all-reduce does for a non-sparse reduction).
-    """
+    """Sum ``grads`` over replicas in ``reduce_dtype``; ``out_dtypes[i]`` is grad i's dtype after (``None`` stays
+    ``None``; ``IndexedSlices`` are densified, as Keras' own TF all-reduce does)."""
     idx = [i for i, g in enumerate(grads) if g is not None]
     if not idx:
         return list(grads)
@@ -103,13 +82,15 @@ def unhook_inner(inner: Any) -> None:
 
 
 def refuse_xla() -> None:
-    if in_xla_context():
+    """:data:`XLA_MESSAGE` inside an XLA-compiled (``jit_compile=True``) function."""
+    from tensorflow.python.ops import control_flow_util
+
+    if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
         raise UnsupportedError(XLA_MESSAGE)
 
 
 def tf_apply(opt: Any, grads: list, trainable_variables: list | None = None) -> None:
-    """:class:`unimp_keras.optimizer.AmpOptimizer`'s ``apply`` on Keras' TensorFlow backend: its own
-    step without a strategy, the agreed step (:func:`distributed_apply`) under one."""
+    """``AmpOptimizer.apply`` on TensorFlow: its own step, or under a strategy :func:`distributed_apply`."""
     if tf.distribute.in_cross_replica_context():
         raise ValueError("unimp AmpOptimizer.apply() must be called in a replica context "
                          "(inside strategy.run(...)), as Keras optimizers require")
@@ -127,8 +108,7 @@ def distributed_apply(opt: Any, grads: list, trainable_variables: list | None) -
     out = [tf.float32 if id(v) in opt._masters else g.dtype if g is not None else None
            for g, v in zip(grads, tvs, strict=True)]
     reduced = all_reduce(ctx, grads, opt.reduce_dtype, out)
-    checking = opt.spec.mode != "none" or opt.spec.skip_nonfinite
-    finite = opt.check_finite(reduced) if checking else tf.constant(True)
+    finite = opt.check_finite(reduced) if opt._checking() else tf.constant(True)
     ctx.merge_call(_cross_replica_step, args=(opt, reduced, finite, tvs))
 
 
@@ -150,10 +130,7 @@ def _cross_replica_step(distribution: Any, opt: Any, reduced: list, finite: Any,
         tf.cond(agreed, step, lambda: None)
     else:
         step()
-    if opt.spec.mode == "none" and not opt.spec.skip_nonfinite:
-        opt._count(opt._steps)
-    else:
-        opt._update(agreed)
+    opt._finish(agreed if opt._checking() else None)
 
 
 def _assign_cast(var: Any, master: Any) -> Any:

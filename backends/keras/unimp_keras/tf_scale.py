@@ -1,10 +1,7 @@
 """A float32 loss scale read and written through its bits on Keras' TensorFlow backend.
 
-TensorFlow's CPU kernels treat a float32 subnormal input as 0 and flush a subnormal result of a
-cast, so :mod:`unimp_keras.scaler` reads the held scale (:func:`decode`) and writes a float64
-result back (:func:`encode`) through ``tf.bitcast``: subnormal scales stay exact where the policy
-keeps them. The other Keras backends keep subnormals in plain casts (torch) or declare the knobs
-they cannot hold (XLA: :func:`unimp_keras.plan.unsupported`).
+TensorFlow's CPU kernels flush float32 subnormals (inputs and cast results), so :mod:`unimp_keras.scaler` reads
+(:func:`decode`) and writes (:func:`encode`) the held scale through ``tf.bitcast``: subnormal scales stay exact.
 
 >>> import tensorflow as tf
 >>> float(decode(encode(tf.constant(2.0 ** -140, tf.float64)))) == 2.0 ** -140
@@ -29,8 +26,7 @@ def decode(scale: tf.Tensor) -> tf.Tensor:
 
 
 def encode(x: tf.Tensor) -> tf.Tensor:
-    """A float64 value on the float32 grid as float32, subnormals built from their bits (a cast
-    would flush them to 0)."""
+    """A float64 value on the float32 grid as float32, subnormals built from their bits (a cast flushes them)."""
     sub = x < dtypes.FLT_TINY
     bits = tf.cast(tf.where(sub, x, tf.zeros_like(x)) * _TWO_149, tf.int32)
     tiny = tf.fill(tf.shape(x), tf.constant(dtypes.FLT_TINY, x.dtype))

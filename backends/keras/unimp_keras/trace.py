@@ -1,11 +1,6 @@
-"""Observe one real forward: per layer, the dtype it computed in, its variables' and its output's.
-
-Every layer that computes is observed: units, and subclassed containers (their own ops run
-between their sublayers' calls); a Sequential/functional model only joins its layers. Each
-observed layer's ``call`` is wrapped for the duration of one eager forward. The compute
-dtype is the widest float input the layer's ``call`` received after Keras' input casting; for
-layers that cast by themselves (``autocast = False``: Embedding, normalisations) it is the dtype
-they produce.
+"""Observe one real eager forward: per layer (units, and subclassed containers) the dtype it computed in (the
+widest float input after Keras' casting; for a layer with ``autocast = False``: the dtype it produces), its
+variables' and its output's.
 
 >>> import keras, numpy as np
 >>> from unimp_keras.index import walk
@@ -45,6 +40,20 @@ def call_name(layer: Any) -> str:
     return "quantized_call" if getattr(layer, "quantization_mode", None) else "call"
 
 
+def set_method(obj: Any, name: str, fn: Any, undo: list[tuple[Any, Any, str]]) -> None:
+    """``fn`` as ``obj``'s own ``name``; ``(obj, its own one before or None, name)`` appended to ``undo``."""
+    undo.append((obj, obj.__dict__.get(name), name))
+    object.__setattr__(obj, name, fn)
+
+
+def restore(obj: Any, own: Any, name: str) -> None:
+    """``obj``'s own ``name`` put back to ``own`` (None: it had none)."""
+    if own is None:
+        obj.__dict__.pop(name, None)
+    else:
+        object.__setattr__(obj, name, own)
+
+
 def param_dtype(layer: Any) -> str | None:
     """The dtype the layer's float variables are stored in (None without variables)."""
     dtypes = [keras.backend.standardize_dtype(w.dtype) for w in layer.weights]
@@ -56,7 +65,8 @@ def observe(model: Any, units: Iterable[Unit], x: Any) -> tuple[dict[str, Seen],
     """``({path: (compute, param, output)}, model output dtype)`` from one eager forward on ``x``."""
     seen: dict[str, Seen] = {}
     produced: dict[str, str | None] = {}  # a layer's own result dtype, before unimp's cast to its block's
-    patched, inners = [], []
+    patched: list[tuple[Any, Any, str]] = []
+    inners = []
     for u in units:
         if u.container and is_graph(u.layer):  # a Sequential/functional model only joins its layers
             continue
@@ -83,19 +93,14 @@ def observe(model: Any, units: Iterable[Unit], x: Any) -> tuple[dict[str, Seen],
             seen.setdefault(_u.path, (compute, None, output))
             return out
 
-        had = name in vars(layer)
-        object.__setattr__(layer, name, recorder)
-        patched.append((layer, had, original, name))
+        set_method(layer, name, recorder, patched)
     try:
         out = model(x, training=False)
     finally:
         for call, inner in inners:
             call.inner = inner
-        for layer, had, original, name in patched:
-            if had:
-                object.__setattr__(layer, name, original)
-            else:
-                del layer.__dict__[name]
+        for layer, own, name in reversed(patched):
+            restore(layer, own, name)
     params = {u.path: param_dtype(u.layer) for u in units}  # outside any autocast scope
     seen = {p: (c, params[p], o) for p, (c, _, o) in seen.items()}
     outs = _float_dtypes(out)

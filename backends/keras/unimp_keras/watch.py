@@ -1,29 +1,17 @@
 """``amp.watch()`` for Keras 3 (TensorFlow, JAX, torch): per-layer numerics measured inside Keras' own
 compiled ``train_step`` (``fit``, ``train_on_batch``), and where a skipped step's first non-finite value
-appeared. The records, their order and the writers are the core's (:class:`unimp.watch.Watch`); what a traced
-step taps and how its measurements fold is :mod:`unimp.watch.traced`; this module taps.
+appeared. The records and writers are the core's (:class:`unimp.watch.Watch`), how a traced step's measurements
+fold is :mod:`unimp.watch.traced`'s; this module taps.
 
-While watched, the model builds three train functions from its ``train_step`` (``make_train_function``, at
-instance level; each traced, compiled, on the first step that runs it): one as Keras builds it, one with
-taps that only check finiteness (a float32 sum per tensor) and one with taps that measure. Each training
-step runs one of them, chosen on the host before the step: the measuring one on sampled steps, the checking
-one on the others with ``localize``, else the plain one: an unsampled step runs nothing of the watch but
-returning three of the loss scaler's scalars (the step, the skip counter, the scale) beside the logs
-(removed from them before Keras sees them), of which the host reads the skip counter.
-
-The taps are in each report layer's ``call`` (instance level; inside the stream cast of
-:func:`unimp_keras.bind.patch_stream`): the layer's output (and, with ``localize``, its first input) is
-measured in the forward, and an identity in the gradient's path measures the gradient arriving at it (and
-the gradient its backward produced for its input): ``tf.custom_gradient`` on TensorFlow, ``jax.custom_vjp``
-on JAX, a tensor hook on torch. A measurement is the largest finite magnitude and the class counts of
-:data:`unimp.watch.records.AT_LEAST` in the layer's compute dtype (a tensor already narrower: its own),
-counted by comparisons in float32 (:func:`unimp.watch.traced.thresholds`). It leaves the step through a
-buffer of Keras variables on TensorFlow (assigned in the graph), ``jax.debug.callback`` on JAX, a list on
-torch; the host reads it after the step. The taps change no value: a watched step's weights are bitwise
-those of an unwatched one.
-
-A skipped step that was sampled names the layer and pass of its first non-finite value; one that was not
-is recorded with a note (``localize=True`` taps every step, so that every skipped step is located).
+While watched, the model builds three train functions from its ``train_step``: as Keras builds it, with taps
+that only check finiteness (a float32 sum per tensor, for ``localize``) and with taps that measure; the host
+picks one before each step (an unsampled step only returns three of the loss scaler's scalars beside its logs).
+The taps sit in each report layer's ``call``: its output (with ``localize`` also its first input) in the
+forward, and an identity measuring the gradient arriving at it (``tf.custom_gradient``, ``jax.custom_vjp``, a
+torch tensor hook). A measurement (largest finite magnitude, the class counts of
+:data:`unimp.watch.records.AT_LEAST`) is counted on bit patterns and leaves the step through Keras variables on
+TensorFlow, ``jax.debug.callback`` on JAX, a list on torch. The taps change no value. A skipped step that was
+not sampled is recorded with a note (``localize=True`` taps every step).
 
 >>> import keras, numpy as np, unimp
 >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="fc1"), keras.layers.Dense(1, name="fc2")])
@@ -51,7 +39,7 @@ from unimp.watch.traced import Taps, measured_in, thresholds
 
 from .bind import _decide, reset_compiled_functions
 from .index import is_graph
-from .trace import call_name
+from .trace import call_name, restore, set_method
 
 PLAIN, CHECKED, MEASURED = MODES = range(3)  # a step's train function: untapped, finiteness only, measured
 INFO = "unimp_watch"  # the key of the scaler's scalars in a step's logs (removed before Keras sees them)
@@ -138,7 +126,7 @@ class TorchPrimitives(Primitives):
         return torch.zeros(())
 
 
-def measure(x: Any, target: str, prims: Primitives = Primitives()) -> tuple[Any, Any]:  # noqa: B008 (stateless)
+def measure(x: Any, target: str, prims: Primitives) -> tuple[Any, Any]:
     """The largest finite magnitude of ``x`` (float32) and its :data:`~unimp.watch.records.AT_LEAST` counts in
     ``target`` (int32, 7), traced or eager on any Keras backend: counted on the bit patterns of the magnitudes
     in float32 (float64 for a float64 tensor), in integer passes (no denormal flushing: TensorFlow's CPU
@@ -149,7 +137,7 @@ def measure(x: Any, target: str, prims: Primitives = Primitives()) -> tuple[Any,
     return prims.amax(bits, bounds[-2], compare), prims.stack([prims.at_least(bits, b) for b in bounds], bits)
 
 
-def check(x: Any, prims: Primitives = Primitives()) -> tuple[Any, Any]:  # noqa: B008 (stateless)
+def check(x: Any, prims: Primitives) -> tuple[Any, Any]:
     """Whether ``x`` is finite, as :func:`measure`'s counts (its non-finite count 1 or 0; numel 1: checked): one
     float32 sum (non-finite iff some value is), for a tapped step that is not sampled (``localize``)."""
     bad = prims.nonfinite_sum(x)
@@ -161,6 +149,8 @@ def check(x: Any, prims: Primitives = Primitives()) -> tuple[Any, Any]:  # noqa:
 class _Store:
     """Where the taps' measurements go on one Keras backend, and what the host reads back after a step."""
 
+    PRIMS = Primitives()
+
     def __init__(self, taps: Taps, size: int) -> None:
         self.taps = taps
         self.pending: list[tuple[int, Any, Any]] = []
@@ -168,7 +158,7 @@ class _Store:
 
     def measured(self, x: Any, target: str | None) -> tuple[Any, Any]:
         """:func:`measure` on a sampled step, else :func:`check` (and always for ``target=None``)."""
-        return measure(x, target) if self.full and target is not None else check(x)
+        return measure(x, target, self.PRIMS) if self.full and target is not None else check(x, self.PRIMS)
 
     def checked(self, index: int, x: Any, target: str | None, then: Any) -> Any:
         """``then`` (unchanged), once ``x`` is measured (``target``: in that dtype; None: checked) into tap
@@ -193,9 +183,6 @@ class _Store:
 
 class _TorchStore(_Store):
     PRIMS = TorchPrimitives()
-
-    def measured(self, x: Any, target: str | None) -> tuple[Any, Any]:
-        return measure(x, target, self.PRIMS) if self.full and target is not None else check(x, self.PRIMS)
 
     def checked(self, index: int, x: Any, target: str | None, then: Any) -> Any:
         import torch
@@ -309,7 +296,7 @@ class KerasWatch:
         self.step = int(opt._steps.value)  # the index of the next step
         self.skipped = int(opt._skipped.value)
         self.train_step = self.model.train_step  # Keras' (or the model's own)
-        self._undo: list[Callable[[], None]] = []
+        self._undo: list[tuple[Any, Any, str]] = []  # instance methods set: (object, its own before, name)
         self._install()
 
     # ------------------------------------------------------------------ install
@@ -317,19 +304,9 @@ class KerasWatch:
         for path, layer, compute in self.units:
             self._patch_call(path, layer, compute)
         model = self.model
-        own_make, own_step = model.__dict__.get("make_train_function"), model.__dict__.get("train_step")
-        make = model.make_train_function
-        object.__setattr__(model, "make_train_function", functools.partial(self._make_train_function, make))
-
-        def undo() -> None:
-            for name, own in (("make_train_function", own_make), ("train_step", own_step)):
-                if own is None:
-                    model.__dict__.pop(name, None)
-                else:
-                    object.__setattr__(model, name, own)
-            reset_compiled_functions(model)
-
-        self._undo.append(undo)
+        self._undo.append((model, model.__dict__.get("train_step"), "train_step"))  # set by each train function
+        make = functools.partial(self._make_train_function, model.make_train_function)
+        set_method(model, "make_train_function", make, self._undo)
         self._patch_check_finite()
         reset_compiled_functions(model)  # traced again: through the dispatcher
 
@@ -339,7 +316,7 @@ class KerasWatch:
         opt, model = self.amp.optimizer, self.model
         owner = {id(w): path for path, layer, _ in sorted(self.units, key=lambda u: len(u[1].trainable_weights),
                                                           reverse=True) for w in layer.trainable_weights}
-        own, original = opt.__dict__.get("check_finite"), opt.check_finite
+        original = opt.check_finite
 
         def check_finite(grads: list) -> Any:
             finite = original(grads)
@@ -355,15 +332,7 @@ class KerasWatch:
                 finite = self.store.checked(tap, g, None, finite)  # an event only: its finiteness
             return finite
 
-        object.__setattr__(opt, "check_finite", check_finite)
-
-        def undo() -> None:
-            if own is None:
-                opt.__dict__.pop("check_finite", None)
-            else:
-                object.__setattr__(opt, "check_finite", own)
-
-        self._undo.append(undo)
+        set_method(opt, "check_finite", check_finite, self._undo)
 
     def _patch_call(self, path: str, layer: Any, compute: str | None) -> None:
         """The taps around ``layer``'s own call (inside a stream cast's, whose ``inner`` it is then)."""
@@ -371,45 +340,38 @@ class KerasWatch:
         current = getattr(layer, name)
         holder, attr = (current, "inner") if getattr(current, "inner", None) is not None else (layer, name)
         original = getattr(holder, attr)
-        own = holder.__dict__.get(attr) if holder is layer else original
 
         def call(*args: Any, **kwargs: Any) -> Any:
             if not self.tapping:
                 return original(*args, **kwargs)
             return self._layer_call(path, compute, original, args, kwargs)
 
-        object.__setattr__(holder, attr, call)
-
-        def undo() -> None:
-            if own is None:
-                holder.__dict__.pop(attr, None)
-            else:
-                object.__setattr__(holder, attr, own)
-
-        self._undo.append(undo)
+        set_method(holder, attr, call, self._undo)
 
     # ------------------------------------------------------------------ in the tapped step
     @staticmethod
     def _target(x: Any, compute: str | None) -> str:
         return measured_in(keras.backend.standardize_dtype(x.dtype), compute)
 
+    def _tapped(self, path: str, compute: str | None, leaves: list, tensor: str) -> bool:
+        """Tap the first float tensor of ``leaves`` (in place): ``tensor`` in the forward, ``grad_<tensor>``."""
+        first = next((i for i, t in enumerate(leaves) if _is_float(t)), None)
+        if first is None:
+            return False
+        x, target = leaves[first], self._target(leaves[first], compute)
+        x = self.store.forward(self.taps.tap(path, tensor, target), x, target)
+        leaves[first] = self.store.backward(self.taps.tap(path, f"grad_{tensor}", target), x, target)
+        return True
+
     def _layer_call(self, path: str, compute: str | None, original: Any, args: tuple, kwargs: dict) -> Any:
         if self.localize:
             leaves = keras.tree.flatten((args, kwargs))
-            first = next((i for i, t in enumerate(leaves) if _is_float(t)), None)
-            if first is not None:
-                x, target = leaves[first], self._target(leaves[first], compute)
-                x = self.store.forward(self.taps.tap(path, "input", target), x, target)
-                leaves[first] = self.store.backward(self.taps.tap(path, "grad_input", target), x, target)
+            if self._tapped(path, compute, leaves, "input"):
                 args, kwargs = keras.tree.pack_sequence_as((args, kwargs), leaves)
         out = original(*args, **kwargs)
         leaves = keras.tree.flatten(out)
-        first = next((i for i, t in enumerate(leaves) if _is_float(t)), None)
-        if first is None:
+        if not self._tapped(path, compute, leaves, "output"):
             return out
-        main, target = leaves[first], self._target(leaves[first], compute)
-        main = self.store.forward(self.taps.tap(path, "output", target), main, target)
-        leaves[first] = self.store.backward(self.taps.tap(path, "grad_output", target), main, target)
         return leaves[0] if not isinstance(out, list | tuple | dict) else keras.tree.pack_sequence_as(out, leaves)
 
     def _variables(self) -> tuple[Any, Any, Any]:
@@ -496,9 +458,10 @@ class KerasWatch:
         by a full disk under its file) finishes on the plain train function; the next ``compile`` builds Keras'
         own again."""
         running = self.model.train_function
-        for undo in reversed(self._undo):
-            undo()
+        for obj, own, name in reversed(self._undo):
+            restore(obj, own, name)
         self._undo.clear()
+        reset_compiled_functions(self.model)
         if isinstance(running, functools.partial) and running.func == self._run:
             self.model.train_function = functools.partial(_closed, running.args[0][PLAIN][0])
         if self.amp._watching is self:
