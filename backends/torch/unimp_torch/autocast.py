@@ -1,11 +1,8 @@
 """What torch's own autocast does, per device, read from the dispatcher of the running torch.
 
-torch's autocast lists live in C++ (``aten/src/ATen/autocast_mode.cpp``) and differ between CPU
-and CUDA. Whether an aten op has an Autocast kernel on a device is read at runtime with
-``torch._C._dispatch_has_kernel_for_dispatch_key``; the kind of kernel follows the canonical op
-(torch registers matmul/conv-class ops as ``lower_precision_fp``, norms/softmax/losses/
-reductions/transcendentals as ``fp32``, elementwise/concat as ``promote``). An op without a
-kernel follows its inputs, except binary arithmetic, which torch's type promotion widens.
+Whether an aten op has an Autocast kernel on a device is read at runtime
+(``torch._C._dispatch_has_kernel_for_dispatch_key``); the kernel's kind follows the canonical op. An op without
+a kernel follows its inputs, except binary arithmetic, which torch's type promotion widens.
 
 >>> native_category("softmax", "cuda"), native_category("softmax", "cpu")
 ('float32', 'inputs')

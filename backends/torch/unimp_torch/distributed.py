@@ -1,26 +1,16 @@
 """Distributed training under one policy: DDP and FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
-**DDP.** Two orders are accepted (``amp.ddp(...)`` always works; wrapping first only when the
-policy keeps every parameter in its dtype, because DDP captures the parameters it reduces)::
+**DDP.** ``amp.ddp(...)`` works for any policy; ``unimp.apply(policy, DDP(model), opt)`` only when the policy
+keeps every parameter in its dtype (DDP captures the parameters it reduces). Gradients are all-reduced in
+``[distributed] reduce_dtype``: DDP's own all-reduce when they already have it, else a comm hook with the
+semantics of torch's ``bf16_compress_hook``/``fp16_compress_hook``.
 
-    amp = unimp.apply(policy, model, opt); model = amp.ddp(device_ids=[rank])   # any policy
-    amp = unimp.apply(policy, DDP(model), opt)                                  # mixed_* policies
+**FSDP2.** :func:`fully_shard` shards with a ``MixedPrecisionPolicy`` compiled from the policy
+(:func:`mixed_precision_policy`); ``unimp.apply(policy, sharded, opt)`` checks every unit's dtypes against the
+policy and binds the forward and the loss scaler. FSDP's sharded parameters *are* the master weights.
 
-Gradients are all-reduced in ``[distributed] reduce_dtype``: when every gradient already has that
-dtype DDP's own all-reduce runs (no hook); otherwise a comm hook with the semantics of torch's
-``bf16_compress_hook``/``fp16_compress_hook`` (cast the bucket to ``reduce_dtype``, divide by the
-world size, all-reduce, cast back into the bucket) — which also upcasts bf16 buckets of
-``pure_bf16`` models to a float32 reduction.
-
-**FSDP2.** :func:`fully_shard` shards a model with a ``MixedPrecisionPolicy`` compiled from the
-policy (:func:`mixed_precision_policy`); ``unimp.apply(policy, sharded, opt)`` then binds the forward
-(autocast, op rules) and the loss scaler, after checking every FSDP unit's dtypes against the policy.
-FSDP's sharded parameters *are* the master weights (``master_weights.dtype``, 1/N per rank); the
-unit's ``param_dtype`` is the policy's param dtype for the modules in it (all-gathered in it).
-
-**Agreement.** With scaling or ``skip_nonfinite``, ``amp.optimizer.step()`` all-reduces the
-found-inf flag with MAX over the process group(s) on the device (no host read added), so every rank
-skips the same steps and holds the same scale.
+**Agreement.** With scaling or ``skip_nonfinite``, ``amp.optimizer.step()`` all-reduces found-inf with MAX on the
+device, so every rank skips the same steps and holds the same scale.
 
 >>> import unimp
 >>> mp = mixed_precision_policy(unimp.load("pure_bf16"), root=True)

@@ -1,22 +1,11 @@
 """The model's forward under the compiled plan: autocast, unimp's op rules, layout, output dtype.
 
-With no op moves this is exactly ``with torch.autocast(device, dtype, cache_enabled=False): model(x)``
-(no weight-cast cache: :func:`unimp_torch.casts.autocast_to` says why) plus the policy's output cast (none for
-``output_dtype = "unchanged"``: the outputs as autocast leaves them);
-a float32 compute dtype whose overrides lower layers runs under autocast to float32,
-so the ops after those layers take their inputs as the Plan says.
-With moves, the ops run the policy's way by the mechanism :class:`unimp_torch.op_overrides.OpRules`
-picks (eager: unimp's Autocast kernels, or a ``TorchFunctionMode``; compiled: the mode, traced).
-The forward is a :class:`PolicyForward` object on the instance (not a closure):
-``copy.deepcopy(model)`` gives a copy that runs its own weights under the policy (holding the
-kernels it needs itself), ``pickle``/``torch.save(model)`` work, and ``torch.compile`` traces it
-without a graph break.
-
-Gradient checkpointing (``torch.utils.checkpoint``, both ``use_reentrant`` modes, and HF
-``gradient_checkpointing_enable()``): torch re-enters autocast for the recompute but knows nothing
-of unimp's rules, so while an eager forward with op moves runs, torch's checkpoint hands the
-function it will recompute through :func:`_under_rules`, and the recompute (in backward) runs
-under the same rules as the forward did. Outside a unimp forward torch is left untouched.
+With no op moves this is ``with torch.autocast(device, dtype, cache_enabled=False): model(x)`` plus the policy's
+output cast (none for ``output_dtype = "unchanged"``); with moves, the ops run by the mechanism
+:class:`unimp_torch.op_overrides.OpRules` picks. The forward is a :class:`PolicyForward` object on the instance:
+``copy.deepcopy``, ``pickle``/``torch.save(model)`` and ``torch.compile`` (no graph break) work. Gradient
+checkpointing: while an eager forward with op moves runs, torch's checkpoint hands the function it will
+recompute through :func:`_under_rules`, so the recompute runs under the same rules.
 
 >>> import torch
 >>> m = torch.nn.Linear(4, 4)

@@ -1,32 +1,19 @@
-"""Op-level control: the ops a policy moves run the policy's way, by one of two mechanisms.
+"""Op-level control: the ops a policy moves (the Plan's ``op_moves``) run the policy's way.
 
-torch's autocast decides per aten op in C++, with fixed lists per device. ``op_moves`` of the
-Plan (torch function name -> category) says which ops unimp runs differently. A moved call gets
-its floating inputs cast (``float32``; ``lower`` = the autocast dtype; ``promote`` = the widest
-input; ``inputs`` = as they are) and runs with autocast off for that call, exactly what torch's own
-C++ Autocast kernels do (an in-place variant, ``exp_``, writes its result back into its input).
-:class:`OpRules` picks the mechanism per Plan (for the forward, :mod:`unimp_torch.forward`):
+A moved call gets its floating inputs cast (``float32``; ``lower`` = the autocast dtype; ``promote`` = the widest
+input; ``inputs`` = as they are) and runs with autocast off, as torch's C++ Autocast kernels do (an in-place
+variant writes back into its input). :class:`OpRules` picks the mechanism per Plan:
 
-* **Autocast kernels** (eager, when no moved op has a C++ Autocast kernel on the device: every
-  preset): unimp registers a small kernel on ``AutocastCPU``/``AutocastCUDA`` through
-  ``torch.library`` for each moved aten op. It acts only while a unimp forward runs in this thread
-  (:func:`active` sets the table; a copy of the model sets its own), falls through anywhere else,
-  and costs nothing on the other ops. Kernels are process-wide, held by :func:`acquire` handles and
-  dropped with the last one. torch's own modules that are one such op (``nn.LayerNorm`` is
-  ``layer_norm``) apply the same rule at their boundary (:class:`SingleOpForward`), which spares
-  the dispatcher's round trip into Python.
-* :class:`PolicyMode`, a ``TorchFunctionMode`` (under ``torch.compile``, always: traced into the
-  graph, zero cost; in eager when a moved op has a C++ kernel, e.g. a custom list that keeps
-  ``linear`` in float32: a C++ kernel cannot be overridden per call). It covers functional calls
-  (``torch.matmul``, ``q @ k.T``, ``F.scaled_dot_product_attention``) in both directions. In eager
-  (:class:`EagerPolicyMode`) every torch call of the forward pays torch's ``__torch_function__``
-  dispatch plus one dict look-up.
+* **Autocast kernels** (eager, when no moved op has a C++ Autocast kernel on the device): a ``torch.library``
+  kernel on ``AutocastCPU``/``AutocastCUDA`` per moved aten op, acting only while a unimp forward runs in this
+  thread (:func:`active`), held by :func:`acquire` handles. torch modules that are one such op apply the rule at
+  their boundary (:class:`SingleOpForward`).
+* :class:`PolicyMode`, a ``TorchFunctionMode`` (always under ``torch.compile``, traced into the graph; in eager
+  when a moved op has a C++ kernel): covers functional calls too; in eager (:class:`EagerPolicyMode`) every call
+  pays ``__torch_function__`` plus one dict look-up.
 
-Calls inside autocast-disabled regions are left alone (as torch's kernels are).
-``F.multi_head_attention_forward`` (written in Python, the policy does not move it as a whole)
-runs with the mode re-entered, through a copy that skips its own ``__torch_function__`` check, so
-its inner calls (``softmax``, ``bmm``) follow the policy as they would at the aten level; other
-torch functions written in Python wrap one C op, which the mode sees as that op.
+Calls inside autocast-disabled regions are left alone. ``F.multi_head_attention_forward`` runs with the mode
+re-entered, so its inner calls follow the policy as they would at the aten level.
 
 >>> import torch
 >>> rules = OpRules({"softmax": "float32"}, "cpu")  # holds unimp's kernel for aten softmax

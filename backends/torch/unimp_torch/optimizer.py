@@ -1,20 +1,11 @@
 """The optimizer wrapper: unscale, finiteness check, skip or step, scale update, master weights.
 
-``amp.optimizer`` is a ``torch.optim.Optimizer`` (LR schedulers accept it) that delegates to the
-user's optimizer. A skipped step changes no parameter, master or optimizer state:
-
-- fused optimizers (``fused=True``; torch marks them ``_step_supports_amp_scaling``) get the
-  device-side ``found_inf`` flag and skip inside their kernel (no host sync; step counts restored).
-  A step that would create optimizer state (the first one) reads the flag on the host, and a
-  skip deletes the state the kernel allocated but never filled: "no state yet" stays so;
-- any other optimizer is simply not called when the flag is set (one host read of the flag:
-  free on CPU, one sync on CUDA, as ``torch.amp.GradScaler`` does for non-fused optimizers).
-
-Sparse gradients (``nn.Embedding(sparse=True)``) are unscaled and checked on their values, as
-``torch.amp.GradScaler`` does (float16 ones coalesced first). Unscaling happens once per set of
-gradients: it is remembered until a new loss is scaled, so an exception inside ``step()`` (a
-caught Ctrl-C) neither leaves this step's flag behind for the next one nor unscales twice when
-the step is retried.
+``amp.optimizer`` is a ``torch.optim.Optimizer`` delegating to the user's. A skipped step changes no parameter,
+master or optimizer state: fused optimizers (``_step_supports_amp_scaling``) get the device-side ``found_inf``
+and skip in their kernel (a first step's fresh state is deleted on skip); any other is not called when the flag
+is set (one host read, as ``torch.amp.GradScaler``). Sparse gradients are unscaled and checked on their values.
+Unscaling happens once per set of gradients (remembered until a new loss is scaled), so a step retried after an
+exception neither keeps a stale flag nor unscales twice.
 
 >>> import torch, unimp
 >>> m = torch.nn.Linear(2, 2)

@@ -1,12 +1,8 @@
 """A policy compiled for torch on one device: the Plan, and what apply must add to torch.autocast.
 
-``plan.details`` (a :class:`TorchDetails`) carries the mechanism: ``autocast`` (the dtype torch.autocast runs, or None;
-float32 for a float32 compute dtype whose overrides lower layers, so ops after them cast their inputs),
-``op_moves`` (torch function name -> category: the ops unimp runs differently from torch's lists;
-empty = plain torch.autocast) and ``eager_mechanism``, how an eager forward moves them:
-``autocast_kernels`` (unimp's Autocast kernels on just those ops: no moved op has a C++ Autocast
-kernel on the device), ``function_mode`` (``PolicyMode`` on every call: some moved op has one)
-or None (no moves). Under ``torch.compile`` the moves are always traced through ``PolicyMode``.
+``plan.details`` (:class:`TorchDetails`): ``autocast`` (torch.autocast's dtype, or None), ``op_moves`` (torch
+function name -> category, the ops unimp runs differently from torch's lists) and ``eager_mechanism``
+(``autocast_kernels``, ``function_mode`` or None). Under ``torch.compile`` moves are traced through ``PolicyMode``.
 
 >>> import unimp
 >>> from unimp.spi import Plan

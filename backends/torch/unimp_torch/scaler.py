@@ -1,11 +1,8 @@
 """Loss scaling on the device: the core reference rule as tensor ops, no host round trip.
 
-State lives in tensors on the model's device (``scale`` in ``loss_scale.scale_dtype``, float32 or
-float64; tracker and hysteresis int32, skipped int64); only ``steps`` is a host counter. When the
-policy's knobs are exactly torch GradScaler's rule (no floor, no cap, hysteresis 1), the update
-is torch's own fused kernel ``torch._amp_update_scale_``; otherwise the core's rule
-(:func:`unimp.loss_scale.rule.step`) runs on the tensors through :class:`TorchOps`. Every knob is
-honoured (torch keeps subnormals and holds float64 on every device it runs on).
+State lives in tensors on the model's device (only ``steps`` is a host counter). With exactly GradScaler's knobs
+the update is torch's fused ``torch._amp_update_scale_``; otherwise the core's rule
+(:func:`unimp.loss_scale.rule.step`) runs on the tensors through :class:`TorchOps`.
 
 >>> import torch, unimp
 >>> from unimp.spi import Plan

@@ -1,13 +1,9 @@
-"""What ``unimp.tune`` can measure only through torch (``TorchBackend.tuning()``): no-grad evaluation, the
-GEMM shapes of ``nn.Linear`` layers, the FP8 GEMM microbenchmark and Hutchinson Hessian traces.
+"""What ``unimp.tune`` measures through torch (``TorchBackend.tuning()``): no-grad evaluation, ``nn.Linear`` GEMM
+shapes, the FP8 GEMM microbenchmark and Hutchinson Hessian traces.
 
-The microbenchmark times one training step's three GEMMs of a linear layer of shape ``(M, K, N)``
-(forward ``x @ w.T``, grad-input ``g @ w``, grad-weight ``g.T @ x``) in the compute dtype and in FP8 with
-the policy's recipe, each FP8 GEMM including what the recipe adds: the amax, the scale, the cast of every
-operand and the transposed copies ``torch._scaled_mm`` needs (tensorwise: one scale per tensor; rowwise:
-one per row; rowwise_gw_hp: the grad-weight GEMM in the compute dtype). It runs where FP8 GEMMs exist
-(CUDA, compute capability 8.9+), both steps under ``torch.compile`` (the casts fused, as torchao's float8
-runs compiled); elsewhere it says why it measured nothing.
+The microbenchmark times a linear layer's three training GEMMs (``x @ w.T``, ``g @ w``, ``g.T @ x``) in the
+compute dtype and in FP8 with the policy's recipe, including the recipe's amax, scales, casts and transposed
+copies, both under ``torch.compile``; only on CUDA with compute capability 8.9+, elsewhere it says why not.
 
 >>> import torch
 >>> t = TorchTuning()

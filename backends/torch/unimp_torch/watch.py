@@ -1,42 +1,21 @@
 """``amp.watch()`` for torch: per-layer numerics on sampled steps, and where a skipped step's first
-non-finite value appeared. The records, their order and the writers are the core's (:class:`unimp.watch.Watch`,
-handed to :meth:`TorchAmp._start_watch`); the hooks' scheduling, the step's host state and the record's
-assembly are the core's :class:`unimp.watch.eager.EagerWatch`; this module measures (torch's hooks and device
-ops, and the traced path).
+non-finite value appeared. Records, writers, hook scheduling and record assembly are the core's
+(:class:`unimp.watch.Watch`, :class:`unimp.watch.eager.EagerWatch`); this module measures with torch's hooks and
+device ops, eager and traced.
 
-Hooks on the report's layers (:func:`unimp_torch.trace.is_layer`; the model itself aside, whose output is
-its last layer's or its loss, checked as the step's loss): a forward
-pre-hook (the layer's input) and a forward hook (its output). Everything they compute stays on the
-device (no host read, no Python side effect that ``torch.compile`` would break the graph for): per
-check, one float32 sum (non-finite iff some value is), and on sampled steps the amax and the class
-counts in the layer's compute dtype (the Plan's; a tensor already narrower: its own) against
-:func:`unimp.spi.dtypes.limits`, counted on the bit patterns. The
-host reads them once at the end of a step that is sampled or skipped (the skip flag is read on the host
-at each step's end: free on CPU, one sync on CUDA with a fused optimizer, as a non-fused one always does).
+Forward pre-hooks and hooks on the report's layers (:func:`unimp_torch.trace.is_layer`; the model itself aside)
+compute on the device only (no host read, no graph break): per check one float32 sum (non-finite iff some value
+is), and on sampled steps the amax and class counts in the layer's compute dtype against
+:func:`unimp.spi.dtypes.limits`, counted on the bit patterns. The host reads them once at the end of a sampled or
+skipped step. A step is one update of the shared loss scale (:mod:`unimp.loss_scale.iteration`): with several
+optimizers one record covers the whole iteration, skipped when any of them skipped.
 
-A step is a training iteration: the update of the loss scale the Amp's optimizers share
-(:mod:`unimp.loss_scale.iteration`), which a watch listens to. With several optimizers (``amp.optimizers``,
-or another Amp's joined by ``share_scale_with=``: a GAN's ``netD`` and ``netG``) one record covers the
-forwards and backwards of the whole iteration, whichever optimizer steps first, and a step is skipped
-when some optimizer sharing the scale skipped (the scale backed off, as ``torch.amp.GradScaler.update()``
-after ``found_inf`` in any of them). A watch on each of two Amps sharing one scale sees its own model's
-layers; a record of an iteration this Amp's own optimizers stepped says which other one skipped.
-
-The backward: in eager, a tensor hook on each layer's output (the gradient arriving there) and, with
-``localize``, on a view of each input the layer takes (the gradient its backward produced for it).
-Traced by ``torch.compile``, the same tensors pass through :class:`_Tap` (a copy whose backward
-measures the gradient into the gradient of :attr:`TorchWatch.probe`, a leaf the backward accumulates
-into): a compiled backward then writes no buffer a forward graph saved, whatever graph breaks the
-model has, and its positions mirror the forward's (a gradient arrives at a layer's output in the
-reverse order of the layers' returns, leaves its input in the reverse order of their calls).
-
-Eager, the hooks are installed only for the steps that use them (sampled steps, every step with
-``localize``): an unwatched step runs no hook at all. Once the model runs compiled they stay installed
-(``torch.compile`` does not guard on module hooks: a graph traced without them would never run them)
-and read :attr:`TorchWatch.checking` / :attr:`TorchWatch.sampling` first, which every graph that inlined
-them guards on: an unwatched step runs the graph traced with nothing of the watch in it. A model that
-``torch.compile`` traced before the watch started (or on a step without the hooks) is traced again:
-``torch.compiler.reset()``, said in a :class:`UnimpWarning`.
+The backward: eager, a tensor hook on each layer's output (and, with ``localize``, on a view of each input);
+traced by ``torch.compile``, the same tensors pass through :class:`_Tap`, whose backward measures into the
+gradient of :attr:`TorchWatch.probe` (no buffer a forward graph saved is written). Eager hooks are installed only
+for the steps that use them; once the model runs compiled they stay installed and read
+:attr:`TorchWatch.checking` / :attr:`TorchWatch.sampling` first (a model traced without them is traced again:
+``torch.compiler.reset()``, said in a :class:`UnimpWarning`).
 
 >>> import torch, unimp
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
