@@ -94,14 +94,12 @@ class TorchAmp(Amp):
             opt.refuse_after_unscale(verb)
 
     def unscale_(self, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor | None:
-        """Unscale this step's grads now (e.g. before clipping or inspecting them); returns found_inf.
+        """Unscale this step's grads now (e.g. before clipping); returns found_inf.
 
-        ``optimizer`` (one of ``amp.optimizers``, or the optimizer it wraps): only its parameters'
-        grads, as ``GradScaler.unscale_(optimizer)``; by default every optimizer's (their flags summed).
-        With master weights, the model's low-precision parameters then show their masters' unscaled
-        fp32 gradients (:class:`unimp_torch.params.MasterGrad`), so GradScaler's idiom
-        ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` clips what the optimizer steps.
-        Refused when no loss was scaled since the last step (a plain ``loss.backward()``)."""
+        ``optimizer`` (one of ``amp.optimizers`` or the one it wraps): only its grads, as
+        ``GradScaler.unscale_(optimizer)``; by default every optimizer's (flags summed). With master weights the model's
+        low-precision parameters then show the masters' fp32 gradients (:class:`unimp_torch.params.MasterGrad`).
+        Refused when no loss was scaled since the last step."""
         self._check_live("amp.unscale_()")
         found = None
         for opt in self._chosen(optimizer, "amp.unscale_(optimizer)"):
@@ -203,13 +201,8 @@ class TorchAmp(Amp):
         self.iteration.notify()
 
     def ddp(self, **kwargs: Any) -> nn.Module:
-        """``DistributedDataParallel(amp.model, **kwargs)`` under the policy; sets and returns ``amp.model``.
-
-        Gradients are all-reduced in ``[distributed] reduce_dtype`` (a comm hook when they are not
-        already in it), masters are broadcast from rank 0 like DDP's parameters, and
-        ``amp.optimizer.step()`` agrees the non-finite decision across ranks. ``amp.remove()``
-        returns the plain model. See :mod:`unimp_torch.distributed`.
-        """
+        """``DistributedDataParallel(amp.model, **kwargs)`` under the policy; sets and returns ``amp.model``
+        (:mod:`unimp_torch.distributed`)."""
         from .distributed import make_ddp
 
         self._check_live("amp.ddp()")
@@ -325,10 +318,8 @@ def bind(plan: Plan, model: nn.Module, optimizer: Any, device: str,
          on_skip: Callable[[], Any] | None, fsdp: bool = False, shared: TorchAmp | None = None) -> TorchAmp:
     """Apply ``plan`` to ``model``; on any error, everything done so far is undone.
 
-    ``optimizer``: None, one optimizer or a list/tuple of them (each wrapped, all sharing one loss scale).
-    ``fsdp``: the model is sharded with FSDP2, which owns parameter dtypes (checked against the
-    policy) and the masters (its sharded parameters); see :mod:`unimp_torch.distributed`.
-    ``shared``: an Amp whose loss scale this one shares (``share_scale_with=``).
+    ``optimizer``: None, one optimizer or a list/tuple of them (all sharing one loss scale). ``fsdp``: the model is
+    sharded with FSDP2 (:mod:`unimp_torch.distributed`). ``shared``: an Amp whose loss scale this one shares.
     """
     from . import strays
 

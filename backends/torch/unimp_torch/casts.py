@@ -151,13 +151,9 @@ class _Float32Autocast:
 def autocast_to(device: str, dtype: torch.dtype, cache: bool = False) -> Any:
     """``torch.autocast(device, dtype=dtype, cache_enabled=cache)``, float32 included (``cache`` False by default).
 
-    Without torch's weight-cast cache: that cache is one map for the whole process (autocast's other
-    state is per thread), emptied whenever any thread leaves its outermost autocast. A weight used twice
-    in one forward (a module called twice, shared layers) gets one cast, or two when another thread's
-    exit emptied the map in between, and its gradient is summed in the low dtype or in float32
-    accordingly: with the cache, a thread's results depend on the others' timing. Without it every use
-    casts the weight itself (forward values are the same; such a weight's gradients are summed in
-    float32, as a second cast gives them in native autocast too), in every thread alike.
+    torch's weight-cast cache is one map for the whole process, emptied whenever any thread leaves its outermost
+    autocast: with it, a weight used twice in a forward gets one cast or two depending on other threads' timing (and
+    its gradient summed in the low dtype or float32). Without it every use casts the weight, in every thread alike.
     """
     return _Float32Autocast(device) if dtype == torch.float32 else torch.autocast(device, dtype=dtype,
                                                                                   cache_enabled=cache)

@@ -56,11 +56,7 @@ class ReduceState:
 
 def reduce_hook(state, bucket):  # no annotations: DDP checks them against the real (non-string) types
     """DDP comm hook ``(ReduceState, dist.GradBucket) -> Future[Tensor]``: the bucket's mean, reduced
-    in ``state.dtype``, back in the bucket's dtype.
-
-    Same steps as torch's ``_compress_hook`` (``buffer.to(dtype).div_(world)``, all-reduce, copy
-    back); a bucket already in ``state.dtype`` is divided and all-reduced in place (``allreduce_hook``).
-    """
+    in ``state.dtype``, back in the bucket's dtype (torch's ``_compress_hook``; in place when already in it)."""
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = group.size()
     buffer = bucket.buffer()
@@ -149,11 +145,8 @@ def is_fsdp(model: nn.Module) -> bool:
 def mixed_precision_policy(policy: Any, param_dtype: str | None = None, *, root: bool = False) -> Any:
     """The ``MixedPrecisionPolicy`` of one FSDP unit under ``policy``.
 
-    ``param_dtype``: the dtype the unit's parameters hold in forward (default the policy's);
-    ``reduce_dtype`` = ``[distributed] reduce_dtype``; the root casts outputs to ``output_dtype`` (not at
-    all for ``"unchanged"``: ``output_dtype=None``, FSDP's own default);
-    ``cast_forward_inputs=False`` because a policy decides per op, not per module input (autocast
-    lowers each op; a residual stream keeps its dtype, as without FSDP).
+    ``param_dtype`` defaults to the policy's; ``reduce_dtype`` = ``[distributed] reduce_dtype``; the root casts
+    outputs to ``output_dtype`` (None for ``"unchanged"``); ``cast_forward_inputs=False``: a policy decides per op.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -197,15 +190,11 @@ def _direct_params(m: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def fully_shard(model: nn.Module, policy: Any, *, units: Units = None, **kwargs: Any) -> nn.Module:
     """Shard ``model`` with FSDP2 under ``policy``; returns ``model`` (an ``FSDPModule``).
 
-    Every module matched by ``units`` (classes, path globs or ``callable(path, module)``; e.g. the
-    transformer block class) becomes an FSDP unit, then the root, each with
-    :func:`mixed_precision_policy`. Modules whose policy param dtype differs from their unit's
-    (e.g. float32 norms inside a ``pure_bf16`` block) get a unit of their own. ``kwargs`` go to
-    ``torch.distributed.fsdp.fully_shard`` (``mesh``, ``reshard_after_forward``, ...). Then build the
-    optimizer on ``model.parameters()`` and call ``unimp.apply(policy, model, optimizer)``.
-    A policy with FP8 gets its FP8 layers (torchao ``Float8Linear``) before sharding, as torchao
-    requires; with the tensorwise recipe their weights are all-gathered in FP8
-    (``enable_fsdp_float8_all_gather``). They stay FP8 layers after ``amp.remove()`` (FSDP owns them).
+    Every module matched by ``units`` (classes, path globs or ``callable(path, module)``) becomes an FSDP unit, then
+    the root, each with :func:`mixed_precision_policy`; modules whose param dtype differs from their unit's get a
+    unit of their own. ``kwargs`` go to ``torch.distributed.fsdp.fully_shard``. Then build the optimizer and call
+    ``unimp.apply(policy, model, optimizer)``. FP8 layers are converted before sharding (tensorwise: all-gathered
+    in FP8) and stay FP8 after ``amp.remove()``.
     """
     from torch.distributed.fsdp import fully_shard as shard
 

@@ -165,9 +165,7 @@ class PolicyForward:
     @contextlib.contextmanager
     def region(self, cache: bool = False) -> Iterator[None]:
         """Code around the model (a loss on its outputs) under the policy as its forward runs: autocast and
-        the eager op rules, as ``torch.autocast`` covers a whole step (Lightning's ``forward_context``).
-        No cast cache in the region by default (``casts.autocast_to``; and none may be: an optimizer stepping inside
-        it under manual optimization would leave a cached low-precision copy of a weight stale)."""
+        the eager op rules (Lightning's ``forward_context``), without a cast cache (``casts.autocast_to``)."""
         if self.autocast is None:
             yield
             return
@@ -217,11 +215,8 @@ class PolicyForward:
 
 
 class PolicyMethod:
-    """Another entry point of the model (``generate``, ``get_image_features``, ``encode``, ...) under
-    the policy's compute rules, as ``with torch.autocast(...)`` around the call would run it: the
-    submodules it calls (HF ``generate`` runs ``self.get_encoder()(...)`` directly, CLIP's feature
-    methods call their towers) are inside the policy. Its result is returned as the method made it
-    (the policy's output dtype is ``forward``'s, as native autocast leaves results alone)."""
+    """Another entry point of the model (``generate``, ``encode``, ...) under the policy's compute rules,
+    as ``with torch.autocast(...)`` around the call; its result is returned as the method made it."""
 
     def __init__(self, forward: PolicyForward, name: str) -> None:
         self.forward = forward
@@ -258,10 +253,8 @@ _NOT_ENTRY = ("_", "save", "push_to_hub", "load", "from_")
 
 
 def entry_points(model: nn.Module) -> list[str]:
-    """The model's public methods besides ``forward`` that may compute: those its own classes
-    define (not ``torch.nn.Module``'s, nor overrides of them such as ``to``/``state_dict``), except
-    backward passes (Lightning's ``backward``/``manual_backward``), which autocast does not cover,
-    and saving/loading (``save_pretrained``, ``push_to_hub``, ``load_*``, ``from_*``: no compute)."""
+    """The model's public methods besides ``forward`` that may compute: those its own classes define
+    (not ``torch.nn.Module``'s or overrides of them), except backward passes and saving/loading."""
     torch_names = set(dir(nn.Module))
     names = []
     for name in dir(type(model)):

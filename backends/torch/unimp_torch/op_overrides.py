@@ -143,11 +143,9 @@ class EagerPolicyMode(PolicyMode):
 
 
 class OpRules:
-    """The op moves of one forward (torch function name -> category) on ``device``, by the mechanism
-    that carries them: :attr:`mode` (a :class:`PolicyMode`) under ``torch.compile``; in eager
-    :meth:`eager`: unimp's Autocast kernels (``kernels``: aten name -> category, held while this object
-    lives; :func:`autocast.kernel_table`) or, when they cannot carry the moves, an :class:`EagerPolicyMode`.
-    Copies and pickles hold their own kernels."""
+    """The op moves of one forward on ``device``: :attr:`mode` (a :class:`PolicyMode`) under
+    ``torch.compile``; in eager :meth:`eager`: unimp's Autocast kernels (``kernels``, held while this object lives)
+    or an :class:`EagerPolicyMode`. Copies and pickles hold their own kernels."""
 
     def __init__(self, table: Mapping[str, str], device: str) -> None:
         self.device = device
@@ -252,11 +250,8 @@ def single_op(module: torch.nn.Module) -> str | None:
 
 class SingleOpForward:
     """The forward of a torch module that is one op (:func:`single_op`) which unimp's kernels move
-    to float32: while a unimp forward moves that op and the module's parameters are float32, the
-    module runs as the kernel runs its op (input cast to float32, autocast off for the call), at the
-    module's boundary instead of a round trip from the dispatcher into Python (about 10 µs per call);
-    otherwise its forward runs as it is (and the kernel, if any, acts). An object on the instance:
-    copies of the model run their own module; ``torch.compile`` traces its plain branch.
+    to float32: while a unimp forward moves that op and the parameters are float32, it runs as the kernel would, at
+    the module's boundary (no dispatcher round trip into Python); otherwise its forward runs as it is.
     """
 
     def __init__(self, module: torch.nn.Module, name: str, device: str) -> None:

@@ -38,10 +38,8 @@ def _inner(name: str) -> Any:
 class AmpOptimizer(torch.optim.Optimizer):
     """Wraps the user's optimizer; construct through :func:`unimp.apply`.
 
-    ``live(verb)`` raises once the Amp is removed; ``names`` maps ``id(param)`` of the
-    optimizer's parameters to their model names (for messages). ``iteration`` holds the optimizers
-    sharing the loss scale (:mod:`unimp_torch.iteration`): the scale is updated once all of them
-    stepped; by default this optimizer alone (updated after each step).
+    ``live(verb)`` raises once the Amp is removed; ``names``: ``id(param)`` -> model name (for messages);
+    ``iteration``: the optimizers sharing the loss scale (:mod:`unimp_torch.iteration`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, scaler: DeviceLossScale, params: ParamState,
@@ -195,10 +193,8 @@ class AmpOptimizer(torch.optim.Optimizer):
                 low.grad.zero_()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Unscale, check, skip or step, then (once the inner step has run) low params := masters
-        and the scale/counters updated: done by the inner optimizer's first step post-hook, before
-        any hook of the user's, so an exception in a user hook (a Ctrl-C) cannot leave the model's
-        weights behind the masters or the step uncounted; user post-hooks see the updated model."""
+        """Unscale, check, skip or step; low params := masters and the scale updated by the inner optimizer's
+        first step post-hook, before any user hook (an exception there cannot leave weights behind the masters)."""
         self._live("amp.optimizer.step()")
         self.iteration.check_step(self, "amp.optimizer.step()")
         if closure is not None:

@@ -137,12 +137,9 @@ class TorchTuning:
 
     def step_seconds(self, model: nn.Module, policy: Any, loss_fn: Callable[[Any, Any], Any], batch: Any,
                      compiled: bool) -> float:
-        """Median seconds of one training step — ``amp.backward(loss_fn(model, batch))`` — of a copy of ``model``
-        under ``policy``, ``torch.compile``d (inductor) when ``compiled``, on ``model``'s device.
-
-        A stack of three or more identical blocks (an ``nn.ModuleList`` of one class: a transformer's layers) is
-        cut to its first ``STEP_BLOCKS`` in the copy: a block's kernels and fusions do not depend on how many
-        blocks follow, so the sets rank alike, at a fraction of the compile time."""
+        """Median seconds of one training step (``amp.backward(loss_fn(model, batch))``) of a copy of ``model``
+        under ``policy``, compiled when ``compiled``. A stack of three or more identical blocks is cut to its first
+        ``STEP_BLOCKS`` in the copy (the sets rank alike, at a fraction of the compile time)."""
         import copy
 
         from unimp.spi import apply

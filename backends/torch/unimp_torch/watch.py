@@ -287,10 +287,9 @@ _ROW, _NUMEL, _OCCURRED, _CODE = 11, 8, 9, 10
 
 
 class _Tap(torch.autograd.Function):
-    """A traced step's view of a layer's output (or, with ``localize``, input): a copy (later in-place ops on
-    it stay legal) whose backward checks, and on sampled steps measures, the gradient into the probe's
-    gradient row ``slot`` (``measure``: :meth:`TorchWatch._how`'s constants; ``fp8``: a second row and its
-    constants for an FP8 layer's gradient format). The backward writes no buffer: it returns a gradient."""
+    """A traced step's copy of a layer's output (or input, with ``localize``) whose backward checks, and on
+    sampled steps measures (``measure``, ``fp8``: :meth:`TorchWatch._how`'s constants), the gradient into the
+    probe's gradient row ``slot``. It writes no buffer: it returns a gradient."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, probe: torch.Tensor, spec: tuple) -> torch.Tensor:
