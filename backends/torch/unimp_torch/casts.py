@@ -1,8 +1,7 @@
 """The cast a policy asks of one call: a category or dtype -> the dtype that runs, and the casts to it.
 
-Written once for every level: the model's forward (:func:`autocast_to`, :func:`cast_output`), one
-layer (:mod:`unimp_torch.layers`) and one op (:mod:`unimp_torch.op_overrides`). Float64 tensors
-and non-floating ones are never cast.
+Written once for the forward, a layer (:mod:`unimp_torch.layers`) and an op (:mod:`unimp_torch.op_overrides`).
+Float64 tensors and non-floating ones are never cast.
 
 >>> import torch
 >>> x = torch.ones(2, dtype=torch.bfloat16)
