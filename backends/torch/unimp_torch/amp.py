@@ -1,10 +1,9 @@
 """``TorchAmp``: a policy bound to one ``torch.nn.Module`` (+ its optimizers), and ``bind`` which makes it.
 
-Several optimizers share the Amp's one loss scale (``unimp.apply(policy, model, [opt_a, opt_b])``,
-or ``amp.add_optimizer(opt)`` later; another Amp joins it with ``share_scale_with=amp``): each is
-unscaled, checked and skipped on its own parameters, and the scale is updated once every one of
-them has stepped, as ``torch.amp.GradScaler``'s ``step(a); step(b); update()``
-(:mod:`unimp_torch.iteration`).
+Several optimizers share the Amp's one loss scale (``unimp.apply(policy, model, [opt_a, opt_b])``, or
+``amp.add_optimizer(opt)`` later; another Amp joins it with ``share_scale_with=amp``): each is unscaled, checked and
+skipped on its own parameters, and the scale is updated once every one of them has stepped, as
+``torch.amp.GradScaler``'s ``step(a); step(b); update()`` (:mod:`unimp_torch.iteration`).
 
 >>> import torch, unimp
 >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
@@ -221,9 +220,8 @@ class TorchAmp(Amp):
         return list(self.params.masters)
 
     def masters_in_model(self) -> AbstractContextManager[None]:
-        """The fp32 masters (and fp32 originals of frozen params) in the model for a ``with`` block,
-        e.g. to export or ``save_pretrained`` the full-precision weights; then the low-precision
-        copies again, recast from the masters.
+        """The fp32 masters (and fp32 originals of frozen params) in the model for a ``with`` block, e.g. to export or
+        ``save_pretrained`` the full-precision weights; then the low-precision copies again, recast from the masters.
 
         >>> import torch, unimp
         >>> m = torch.nn.Linear(2, 2)

@@ -143,13 +143,12 @@ ALSO_MOVED = {"reduction": ("mean",)}
 def moves(op: str, wanted: str, device: str, torch_own: bool = False, other_low: bool = False) -> tuple[str, ...]:
     """The aten ops of canonical ``op`` whose native handling on ``device`` must change.
 
-    The canonical op is compared through its primary op (its first aten name): torch's lists are
-    finer than the vocabulary (CPU lowers ``mm`` but not ``mv``); when the primary op already
-    does what the policy asks, torch's per-op choices are kept (and reported as such), except
-    for the ops of :data:`ALSO_MOVED` unless ``torch_own`` (the policy's lists are torch's own on
-    ``device``, see :func:`is_torch_own`). ``other_low``: a low dtype other than the autocast dtype
-    reaches the ops (an override's outputs), so torch's promote kernels move too: they promote to
-    the autocast dtype at least and refuse a second low dtype (``at::autocast::prioritize``).
+    The canonical op is compared through its primary op (its first aten name): torch's lists are finer than the
+    vocabulary (CPU lowers ``mm`` but not ``mv``); when the primary op already does what the policy asks, torch's per-op
+    choices are kept (and reported as such), except for the ops of :data:`ALSO_MOVED` unless ``torch_own`` (the policy's
+    lists are torch's own on ``device``, see :func:`is_torch_own`). ``other_low``: a low dtype other than the autocast
+    dtype reaches the ops (an override's outputs), so torch's promote kernels move too: they promote to the autocast
+    dtype at least and refuse a second low dtype (``at::autocast::prioritize``).
 
     >>> moves("reduction", "float32", "cuda"), moves("reduction", "float32", "cuda", torch_own=True)
     (('mean',), ())
@@ -196,10 +195,9 @@ LATER_KERNELS = {("rms_norm", "cuda"): "2.13"}
 
 
 def kernel_table(op_moves: dict[str, str], device: str) -> dict[str, str] | None:
-    """``op_moves`` (torch function name -> category) as aten op name -> category for unimp's
-    Autocast kernels, or None when a kernel cannot carry them: a moved op has a C++ Autocast kernel
-    on ``device`` (a second kernel on that key would replace torch's for every caller), or a moved
-    Python-level function's aten op is not moved the same way.
+    """``op_moves`` (torch function name -> category) as aten op name -> category for unimp's Autocast kernels, or None
+    when a kernel cannot carry them: a moved op has a C++ Autocast kernel on ``device`` (a second kernel on that key
+    would replace torch's for every caller), or a moved Python-level function's aten op is not moved the same way.
 
     >>> kernel_table({"softmax": "float32", "softmin": "float32"}, "cpu")
     {'softmax': 'float32'}

@@ -37,9 +37,8 @@ class TorchBackend(Backend):
         return compile_plan(request, model)
 
     def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
-        """Every module's attributes (parameters, buffers, submodules, forward, hooks), every
-        parameter's and buffer's storage, and the optimizer's groups and state: a failed apply
-        leaves them as they were."""
+        """Every module's attributes (parameters, buffers, submodules, forward, hooks), every parameter's and buffer's
+        storage, and the optimizer's groups and state: a failed apply leaves them as they were."""
         import torch
 
         modules = list(model.modules()) if isinstance(model, torch.nn.Module) else [model]

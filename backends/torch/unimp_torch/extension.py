@@ -1,9 +1,8 @@
 """The supported surface of unimp-torch for backends that build on it (unimp-ipex).
 
-A package that extends the torch backend imports from this module only, never from the other
-``unimp_torch`` modules: what is listed here keeps its meaning within a unimp-torch version, the
-rest may change. Pin the version (``unimp-torch==X.Y.Z``). Names load lazily, so importing this
-module does not import torch.
+A package that extends the torch backend imports from this module only, never from the other ``unimp_torch`` modules:
+what is listed here keeps its meaning within a unimp-torch version, the rest may change. Pin the version
+(``unimp-torch==X.Y.Z``). Names load lazily, so importing this module does not import torch.
 
 >>> from unimp_torch.extension import TorchBackend
 >>> TorchBackend.name

@@ -1,8 +1,7 @@
 """Layer-level control: per-module forwards for overrides (module globs, layer types).
 
-A module gets a wrapper only when it must: an override that sets its compute dtype (ops a
-policy moves are handled per call by :mod:`unimp_torch.op_overrides`). Every other module runs
-untouched. The casts are :mod:`unimp_torch.casts`'.
+A module gets a wrapper only when it must: an override that sets its compute dtype (ops a policy moves are handled per
+call by :mod:`unimp_torch.op_overrides`). Every other module runs untouched. The casts are :mod:`unimp_torch.casts`'.
 
 >>> import torch
 >>> layer = torch.nn.Linear(4, 4)

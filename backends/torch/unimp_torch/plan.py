@@ -83,10 +83,9 @@ class TorchDetails:
 
 def compile_plan(request: PlanRequest, model: Any = None, device: str | None = None,
                  index: Iterable[LayerInfo] | None = None, fp8_missing: str | None = None) -> Plan:
-    """The torch Plan of ``request`` (:meth:`Plan.request`, what ``TorchBackend.plan`` receives) on ``device``
-    (``cpu`` | ``cuda``; default: ``model``'s); ``index``: the model's modules (default: ``model``'s);
-    ``fp8_missing``: why FP8 cannot run (a backend built on this one without torchao's FP8, e.g. ipex),
-    else torchao's support is checked."""
+    """The torch Plan of ``request`` (:meth:`Plan.request`, what ``TorchBackend.plan`` receives) on ``device`` (``cpu``
+    | ``cuda``; default: ``model``'s); ``index``: the model's modules (default: ``model``'s); ``fp8_missing``: why FP8
+    cannot run (a backend built on this one without torchao's FP8, e.g. ipex), else torchao's support is checked."""
     from .validate import device_of
 
     device = device or device_of(model)

@@ -1,21 +1,20 @@
-"""``amp.watch()`` for torch: per-layer numerics on sampled steps, and where a skipped step's first
-non-finite value appeared. Records, writers, hook scheduling and record assembly are the core's
-(:class:`unimp.watch.Watch`, :class:`unimp.watch.eager.EagerWatch`); this module measures with torch's hooks and
-device ops, eager and traced.
+"""``amp.watch()`` for torch: per-layer numerics on sampled steps, and where a skipped step's first non-finite value
+appeared. Records, writers, hook scheduling and record assembly are the core's (:class:`unimp.watch.Watch`,
+:class:`unimp.watch.eager.EagerWatch`); this module measures with torch's hooks and device ops, eager and traced.
 
-Forward pre-hooks and hooks on the report's layers (:func:`unimp_torch.trace.is_layer`; the model itself aside)
-compute on the device only (no host read, no graph break): per check one float32 sum (non-finite iff some value
-is), and on sampled steps the amax and class counts in the layer's compute dtype against
-:func:`unimp.spi.dtypes.limits`, counted on the bit patterns. The host reads them once at the end of a sampled or
-skipped step. A step is one update of the shared loss scale (:mod:`unimp.loss_scale.iteration`): with several
-optimizers one record covers the whole iteration, skipped when any of them skipped.
+Forward pre-hooks and hooks on the report's layers (:func:`unimp_torch.trace.is_layer`; the model itself aside) compute
+on the device only (no host read, no graph break): per check one float32 sum (non-finite iff some value is), and on
+sampled steps the amax and class counts in the layer's compute dtype against :func:`unimp.spi.dtypes.limits`, counted on
+the bit patterns. The host reads them once at the end of a sampled or skipped step. A step is one update of the shared
+loss scale (:mod:`unimp.loss_scale.iteration`): with several optimizers one record covers the whole iteration, skipped
+when any of them skipped.
 
-The backward: eager, a tensor hook on each layer's output (and, with ``localize``, on a view of each input);
-traced by ``torch.compile``, the same tensors pass through :class:`_Tap`, whose backward measures into the
-gradient of :attr:`TorchWatch.probe` (no buffer a forward graph saved is written). Eager hooks are installed only
-for the steps that use them; once the model runs compiled they stay installed and read
-:attr:`TorchWatch.checking` / :attr:`TorchWatch.sampling` first (a model traced without them is traced again:
-``torch.compiler.reset()``, said in a :class:`UnimpWarning`).
+The backward: eager, a tensor hook on each layer's output (and, with ``localize``, on a view of each input); traced by
+``torch.compile``, the same tensors pass through :class:`_Tap`, whose backward measures into the gradient of
+:attr:`TorchWatch.probe` (no buffer a forward graph saved is written). Eager hooks are installed only for the steps that
+use them; once the model runs compiled they stay installed and read :attr:`TorchWatch.checking` /
+:attr:`TorchWatch.sampling` first (a model traced without them is traced again: ``torch.compiler.reset()``, said in a
+:class:`UnimpWarning`).
 
 >>> import torch, unimp
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
