@@ -193,8 +193,7 @@ class TorchAmp(Amp):
 
     def update(self) -> None:
         """End the iteration: the loss scale updated from the optimizers that stepped since the last update
-        (``torch.amp.GradScaler.update()``). Needed only when not every optimizer sharing the scale steps
-        every iteration: otherwise the update runs by itself after the last of them stepped."""
+        (``GradScaler.update()``); needed only when not every optimizer sharing the scale steps every iteration."""
         self._check_live("amp.update()")
         self.iteration.update()
         self.iteration.notify()
@@ -376,8 +375,7 @@ def bind(plan: Plan, model: nn.Module, optimizer: Any, device: str,
 
 
 def _wrap_layers(amp: TorchAmp, model: nn.Module, plan: Plan, device: str) -> None:
-    """A layer-level forward on each module an override sets the compute dtype of (the ops after it get the
-    Plan's op rules: its outputs may reach them in another dtype)."""
+    """A layer-level forward on each module an override sets the compute dtype of."""
     for path, module in model.named_modules():
         names, k = type_names(module), kind(module)
         decision = plan.decide(path, k, names)

@@ -46,8 +46,7 @@ def floating(x: Any, device: str | None = None) -> bool:
 
 def cast(x: Any, dtype: torch.dtype, device: str | None = None) -> Any:
     """``x`` (or each tensor of a list/tuple) cast to ``dtype`` when :func:`floating`; ``x`` itself when
-    nothing changes. Called on every argument of every moved op, so the cheap checks come first
-    (the dtype's own flags before ``x.device``, which builds an object)."""
+    nothing changes. Called on every argument of every moved op: the cheap checks first."""
     if isinstance(x, torch.Tensor):
         have = x.dtype
         if have is dtype or have is _F64 or not have.is_floating_point or (

@@ -117,9 +117,8 @@ class PolicyMode(TorchFunctionMode):
 
 
 class EagerPolicyMode(PolicyMode):
-    """:class:`PolicyMode` for eager forwards only (not traceable): whether the policy leaves a
-    torch function alone is decided once per function object, so such a call (most calls) costs
-    one dict look-up on top of torch's own ``__torch_function__`` handling."""
+    """:class:`PolicyMode` for eager forwards only (not traceable): whether the policy leaves
+    a torch function alone is decided once per function object (one dict look-up per call)."""
 
     def __init__(self, rules: Mapping[str, str], device: str) -> None:
         super().__init__(rules, device)
@@ -144,8 +143,7 @@ class EagerPolicyMode(PolicyMode):
 
 class OpRules:
     """The op moves of one forward on ``device``: :attr:`mode` (a :class:`PolicyMode`) under
-    ``torch.compile``; in eager :meth:`eager`: unimp's Autocast kernels (``kernels``, held while this object lives)
-    or an :class:`EagerPolicyMode`. Copies and pickles hold their own kernels."""
+    ``torch.compile``; in eager :meth:`eager`: unimp's Autocast kernels (``kernels``) or an :class:`EagerPolicyMode`."""
 
     def __init__(self, table: Mapping[str, str], device: str) -> None:
         self.device = device

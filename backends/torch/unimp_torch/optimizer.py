@@ -237,9 +237,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         return out
 
     def _inner_step(self, found: torch.Tensor | None, skip: bool, fresh: Sequence[torch.Tensor]) -> Any:
-        """The inner optimizer's step; :meth:`_finish` runs from its post-hook (or right after it, when
-        the hook is gone, e.g. on an optimizer unpickled without hooks). An exception before the
-        inner step completes leaves the scale and counters as they were."""
+        """The inner optimizer's step; :meth:`_finish` runs from its post-hook (or right after, when the
+        hook is gone). An exception before the inner step completes leaves the scale and counters as they were."""
         # bumped by the inner step's in-place update (a fused kernel bumps only its state's step counter)
         state = self.optimizer.state
         params = [t for p in self.master_params() if p.grad is not None

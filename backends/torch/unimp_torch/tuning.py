@@ -119,9 +119,8 @@ class TorchTuning:
         return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
     def fp8_candidate_sets(self, model: nn.Module, paths: Sequence[str], recipe: str) -> dict[str, list[str]]:
-        """torchao's own layer filters as candidate FP8 sets (where torchao imports): its default (every
-        ``nn.Linear`` but ``lm_head``/``output``, as torchtitan's ``filter_fqns``) and ``_auto_filter_for_recipe``
-        (what torchtitan's ``auto_filter_small_kn`` calls), each restricted to ``paths``."""
+        """torchao's own layer filters as candidate FP8 sets (where torchao imports): its default and
+        ``_auto_filter_for_recipe`` (as torchtitan's ``filter_fqns``, ``auto_filter_small_kn``), within ``paths``."""
         linears = {p: m for p, m in model.named_modules() if p in set(paths) and isinstance(m, nn.Linear)}
         keep_out = ("lm_head", "output")
         sets = {"torchao default filter": [p for p, m in linears.items() if not any(k in p for k in keep_out)

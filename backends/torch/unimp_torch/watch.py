@@ -50,9 +50,8 @@ from .trace import is_layer
 
 
 class _Checking:
-    """Whether a watch's hooks work on this step: the first thing every hook reads. Read through the module
-    global :data:`_CHECKING` by one name for all its hooks, so a compiled graph that inlined them guards on it
-    once (read through each hook's own attributes, its guards made an unwatched compiled step 1-2% slower)."""
+    """Whether a watch's hooks work on this step, read through :data:`_CHECKING` by one name for all hooks
+    (a compiled graph that inlined them guards on it once: per-hook guards cost 1-2% per unwatched step)."""
 
     __slots__ = ("on",)
 
@@ -65,9 +64,8 @@ _serial = itertools.count(1)
 
 
 class _Hook(Hook):
-    """One of a layer's hooks (:class:`unimp.watch.eager.Hook`), read through :data:`_CHECKING` first.
-    ``device``: a forward hook's device type; the policy's autocast (and unimp's own kernels for the ops it
-    moves) is off while the hook measures (its sums and counts are the watch's, not the model's)."""
+    """One of a layer's hooks (:class:`unimp.watch.eager.Hook`), read through :data:`_CHECKING` first;
+    autocast is off on ``device`` while it measures."""
 
     def __init__(self, fn: Callable[..., Any], base: int, device: str, serial: int) -> None:
         super().__init__(fn, base)
@@ -147,9 +145,8 @@ class TorchWatch(EagerWatch):
         return None
 
     def _measure(self, slot: int, t: torch.Tensor, target: str, scaled: bool = False) -> None:
-        """amax and class counts of ``t`` cast to ``target`` (``scaled``: after tensorwise scaling to ``target``'s
-        max, as an FP8 cast does; else ``t`` as it is, in its dtype or in a narrower ``target``). Eager: a tensor
-        measured already this step (a layer returning its last child's output) is not measured again."""
+        """amax and class counts of ``t`` cast to ``target`` (``scaled``: after tensorwise scaling to its max,
+        as an FP8 cast does). Eager: a tensor measured already this step is not measured again."""
         if not torch.compiler.is_compiling():
             return super()._measure(slot, t, target, scaled)
         amax, counts = _amax_and_counts(t, self._how(t, target, scaled))

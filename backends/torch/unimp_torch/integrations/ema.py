@@ -109,9 +109,8 @@ def _from_masters(averaged: AveragedModel) -> None:
 
 
 class FromMasters:
-    """An ``AveragedModel``'s ``update_parameters`` when it copied a model with a policy applied: given a model
-    with low-precision copies, the averaged parameters in those slots become fp32 (once), and the class's
-    ``update_parameters`` runs inside ``amp.masters_in_model()``."""
+    """An ``AveragedModel``'s ``update_parameters`` for a copy of an applied model: the averaged parameters
+    become fp32 (once), and the class's ``update_parameters`` runs inside ``amp.masters_in_model()``."""
 
     def __init__(self, averaged: AveragedModel) -> None:
         self.averaged = averaged

@@ -78,9 +78,8 @@ class UnimpTrainer(transformers.Trainer):
         return self.optimizer
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> Any:
-        """``compute_loss`` (the forward and a ``compute_loss_func`` on its outputs) under the policy, where the
-        Trainer's fp16/bf16 run it under Accelerate's autocast: a loss on the model's outputs runs the policy's
-        rules (``loss`` in float32) whatever dtype the outputs come back in."""
+        """``compute_loss`` under the policy (where the Trainer's fp16/bf16 run it under
+        Accelerate's autocast): a loss on the model's outputs runs the policy's rules."""
         from ..forward import PolicyForward
 
         forward = vars(self.amp.model).get("forward") if self.amp is not None else None
