@@ -64,14 +64,12 @@ class TorchAmp(Amp):
         self._undo: list[Callable[[], None]] = []
         self._layout: list[tuple[torch.Tensor, tuple[int, ...]]] = []  # (param, original strides)
         self._observer = Observer()  # filled by the first eager forward after apply
-        # set when the model is data-parallel or sharded (unimp_torch.distributed): engine, world
-        # size, reduce dtype, how found-inf is agreed; ``agree(found_inf)`` all-reduces it (MAX)
+        # set when data-parallel or sharded (unimp_torch.distributed); ``agree(found_inf)`` all-reduces it (MAX)
         self.distributed: dict[str, Any] | None = None
         self.agree: Callable[[torch.Tensor], None] | None = None
         self.fp8: Fp8Binding | None = None  # the layers running FP8 (unimp_torch.fp8), when the Plan has FP8
         self._watching: Any = None  # unimp_torch.watch.TorchWatch while amp.watch() runs
 
-    # ------------------------------------------------------------------ training verbs
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` on the scaled loss (call several times to accumulate)."""
         self._check_live("amp.backward()")
@@ -235,7 +233,6 @@ class TorchAmp(Amp):
         self._check_live("amp.masters_in_model()")
         return self.params.originals_in_model()
 
-    # ------------------------------------------------------------------ Amp contract
     def _start_watch(self, watch: Any) -> None:
         """``amp.watch(...)`` (the core's): measure for ``watch`` (:mod:`unimp_torch.watch`)."""
         from .watch import start
@@ -272,9 +269,8 @@ class TorchAmp(Amp):
         elif self._observer.rows is not None:
             observed = self._observer.rows
         elif (spec := getattr(self.module.__dict__.get("forward"), "compiled_inputs", None)) is not None:
-            # the forwards ran compiled (torch.compile traces the policy, nothing is observed inside a
-            # graph): one eager no-grad forward on inputs shaped like the first call's, as the first
-            # eager forward would have been observed (buffers and RNG left as they were)
+            # the forwards ran compiled (nothing is observed inside a graph): one eager no-grad forward on inputs
+            # shaped like the first call's (buffers and RNG left as they were)
             self._observer.rows = observe(self.module, *example_inputs(spec))
             observed = self._observer.rows
         else:

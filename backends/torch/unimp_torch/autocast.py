@@ -34,13 +34,11 @@ COMPOSITE = {("cross_entropy_loss", "cuda"): "float32",
 # ops that exist for one device only (never reached on the other, so never moved there)
 DEVICE_ONLY = {"mkldnn_rnn_layer": "cpu", "_native_multi_head_attention": "cpu"}
 
-# torch functions that are not aten ops (or not under that name): the aten op whose autocast
-# handling they get, so their native category is that op's
+# torch functions that are not aten ops (or not under that name): the aten op whose autocast handling they get
 PY_FUNCTIONS = {"cross_entropy": "cross_entropy_loss", "softmin": "softmax", "normalize": "norm",
                 "__matmul__": "matmul", "__pow__": "pow", "__rpow__": "pow", "__rdiv__": "reciprocal",
                 "__rtruediv__": "reciprocal"}
-# torch functions that run an aten op of another name (``torch.norm``/``Tensor.norm`` run
-# ``linalg_vector_norm``): unimp's Autocast kernels move those aten ops with them
+# torch functions that run an aten op of another name (``torch.norm``: ``linalg_vector_norm``), moved with them
 ATEN_ALIASES = {"norm": ("linalg_vector_norm",)}
 
 
@@ -134,9 +132,8 @@ def same(native: str, wanted: str, name: str) -> bool:
     return name in TYPE_PROMOTING and {native, wanted} <= {"promote", "inputs"}
 
 
-# ops a policy moves with their canonical op even where torch's primary op already does what it
-# asks (torch's CUDA autocast runs ``sum`` in float32 but ``mean`` in its input dtype; Keras and
-# Flax run means in float32) -- except for a policy whose lists are torch's own (plain autocast)
+# ops a policy moves with their canonical op even where torch's primary op already does what it asks (CUDA autocast
+# runs ``sum`` in float32, ``mean`` in its input dtype) -- except for a policy whose lists are torch's own
 ALSO_MOVED = {"reduction": ("mean",)}
 
 
@@ -188,9 +185,8 @@ def is_torch_own(request: PlanRequest, device: str) -> bool:
     return True
 
 
-# canonical ops whose primary op torch's autocast lists gained from a version on (the version):
-# on an older torch the op follows its inputs, and lists that ask the newer category are still
-# torch's own (the op is moved, every other per-op choice of torch is kept)
+# canonical ops whose primary op torch's autocast lists gained from a version on: on an older torch the op follows
+# its inputs, and lists asking the newer category are still torch's own (the op is moved, the rest kept)
 LATER_KERNELS = {("rms_norm", "cuda"): "2.13"}
 
 

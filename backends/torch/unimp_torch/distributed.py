@@ -41,7 +41,6 @@ ORDER_FIX = ("amp = unimp.apply(policy, model, optimizer); model = amp.ddp(**ddp
              "(unimp first, then DDP, so DDP reduces the parameters the policy gives the model)")
 
 
-# ---------------------------------------------------------------------------------------- DDP
 def is_ddp(model: Any) -> bool:
     return isinstance(model, nn.parallel.DistributedDataParallel)
 
@@ -133,7 +132,6 @@ def make_ddp(amp: Any, **kwargs: Any) -> nn.Module:
     return ddp
 
 
-# ---------------------------------------------------------------------------------------- FSDP2
 def is_fsdp(model: nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -299,7 +297,6 @@ def attach_fsdp(amp: Any, model: nn.Module) -> None:
     _agree_over(amp, groups)
 
 
-# ---------------------------------------------------------------------------------------- shared
 def _agree_over(amp: Any, groups: list[Any]) -> None:
     def agree(found: torch.Tensor) -> None:
         for g in groups:

@@ -45,10 +45,8 @@ def _nhwc(x: Any) -> Any:
 
 
 _local = threading.local()  # .forward: the PolicyForward whose rules are active in this thread
-# Held only across the count and the patch below, which touch module attributes. A collection can still run
-# there (any allocation) and run finalizers: unimp's never take this lock, and a user's __del__ that runs a
-# unimp forward re-enters it in the same thread (an RLock): the count goes first and the originals are
-# never torch.utils.checkpoint's patched names, so a nested entry or exit at any line leaves it right.
+# Held only across the count and the patch below. A finalizer running a unimp forward there re-enters it (an RLock):
+# the count goes first and the originals are never checkpoint's patched names, so nesting at any line is right.
 _patch_lock = threading.RLock()
 _patch_users = 0
 _originals: dict[str, Any] = {}  # torch.utils.checkpoint's own (kept once read)
@@ -147,8 +145,7 @@ class PolicyForward:
         self.ops = OpRules(table, device) if table and autocast is not None else None  # the op moves
         self.output = output  # None: outputs not cast (output_dtype = "unchanged")
         self.channels_last = channels_last
-        # parameters stored below a float32 compute dtype (param_dtype float16) are cast up to it for the
-        # forward (differentiably: their gradients come back in their own dtype)
+        # parameters stored below a float32 compute dtype are cast up to it, differentiably, for the forward
         self.params = params
         self.observer: Any = None  # observe.Observer until the first eager forward has run
         self.compiled_inputs: Any = None  # trace.input_spec of the last compiled call (report() after compile)
@@ -177,8 +174,7 @@ class PolicyForward:
                 yield
 
     def _run(self, compiling: bool, args: tuple, kwargs: dict, inner: Callable | None = None) -> Any:
-        # the class's forward through functools.partial, not function.__get__ (dynamo in torch 2.11
-        # cannot trace __get__ and breaks the graph there); ``inner``: another entry point instead
+        # the class's forward through functools.partial, not __get__ (dynamo 2.11 breaks the graph there)
         if inner is None:
             inner = self.inner if self.inner is not None else functools.partial(type(self.module).forward,
                                                                                  self.module)

@@ -171,9 +171,8 @@ def convert(plan: Plan, model: nn.Module, device: str, fsdp: bool = False) -> tu
                                f"this torchao ({_torchao_version()}) is not the one unimp-torch supports "
                                f"({TORCHAO})")
     if device == "cpu" and plan.compute_dtype in ("bfloat16", "float16"):
-        # torchao casts a Float8Linear's input to the *CUDA* autocast dtype only; on CPU its input would
-        # stay float32 next to low-precision gradients (rowwise_gw_hp's high-precision grad-weight matmul
-        # then mixes dtypes). Cast it to the compute dtype, as torchao does under CUDA autocast.
+        # torchao casts a Float8Linear's input to the *CUDA* autocast dtype only (on CPU it would stay float32 next
+        # to low-precision gradients): cast it to the compute dtype, as torchao does under CUDA autocast.
         low = DTYPES[plan.compute_dtype]
         for path in chosen:
             hooks.append(model.get_submodule(path).register_forward_pre_hook(_cast_input(low)))

@@ -54,8 +54,7 @@ class LayerForward:
         self.inner = inner  # the instance forward that was there before, else None (the class's)
         self.rule = rule
         self.device = device
-        # BatchNorm keeps float32 weights and running statistics (torch's kernels take low
-        # activations with them, as under autocast): only its input is cast
+        # BatchNorm keeps float32 weights and statistics (as under autocast): only its input is cast
         self.cast_params = kind(module) != "batch_norm"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

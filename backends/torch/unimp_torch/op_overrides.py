@@ -43,8 +43,7 @@ from torch.overrides import TorchFunctionMode
 from .autocast import AUTOCAST_KEYS, kernel_table, overloads
 from .casts import cast, cast_inputs
 
-# torch functions written in Python whose inner calls include ops a policy decides on (the rest
-# are thin wrappers of one C op, which the mode sees as that op)
+# torch functions written in Python whose inner calls include ops a policy decides on
 REENTER = ("multi_head_attention_forward",)
 
 
@@ -183,15 +182,10 @@ class OpRules:
         self._acquire()
 
 
-# ---------------------------------------------------------------- unimp's Autocast kernels (eager)
-
 _state = threading.local()  # .table: aten name -> category while a unimp forward runs in this thread
-# Kernels are held by handles: acquire() registers what is missing; the last handle dropped destroys the
-# library. The handles are dropped by finalizers (a PolicyForward collected by the GC), which may run in
-# any thread at any allocation, also in a thread that is inside acquire() holding _lock: release() never
-# waits for _lock. It queues the handle (deque.append: atomic) and drops the queue only if it gets the
-# lock at once; whoever holds the lock drops the queue after letting it go (_drop_released), so a
-# handle released while the lock was held is dropped as soon as the holder leaves.
+# Kernels are held by handles (acquire() registers what is missing; the last handle dropped destroys the library).
+# Finalizers drop handles in any thread, maybe one inside acquire() holding _lock: release() never waits for it, it
+# queues the handle, and whoever holds the lock drops the queue after letting it go (_drop_released).
 _lock = threading.Lock()
 _lib: Any = None
 _registered: set[tuple[str, str]] = set()  # (qualified overload, device)

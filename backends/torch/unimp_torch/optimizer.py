@@ -114,7 +114,6 @@ class AmpOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
-    # ------------------------------------------------------------------ the step
     def master_params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
@@ -148,8 +147,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         if self.agree is not None:
             self.agree(found)  # on the device, no host read
         self._unscaled = (found, self.scaler.losses)
-        # the model's low-precision params now show the unscaled fp32 grads the optimizer steps, so
-        # GradScaler's idiom (unscale_, then clip_grad_norm_(model.parameters())) clips the masters
+        # the low-precision params show the masters' unscaled grads: clip_grad_norm_(model.parameters()) clips them
         for _, low, master in self.masters:
             if low.grad is not None and master.grad is not None and not master.grad.is_sparse:
                 low.grad = MasterGrad(master.grad, low.dtype)
@@ -253,8 +251,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 self.in_step = False
             self._finish()
         except BaseException:
-            # a Ctrl-C after the inner step updated the params (in its post-hooks, in _finish): the model
-            # gets the masters' values and the step is counted, then it raises; else nothing to finish
+            # a Ctrl-C after the inner step updated the params: the model gets the masters' values, the step counts
             if self._pending is not None and (self._stepped or len(state) != held or any(
                     p._version != v for p, v in zip(params, versions, strict=True))):
                 self._finish()

@@ -97,8 +97,8 @@ def compile_plan(request: PlanRequest, model: Any = None, device: str | None = N
     request = request.at(compute)
     for setting, dtype in request.compute_requests()[1:]:  # the overrides' (the compute dtype is checked)
         check_dtype(dtype, device, setting)
-    # the low dtypes the forward meets: the compute dtype and the overrides' (their outputs reach later ops);
-    # a float32 compute dtype with lowered layers runs autocast to float32 (lower ops cast to it)
+    # the low dtypes the forward meets: the compute dtype and the overrides'; a float32 compute dtype with lowered
+    # layers runs autocast to float32
     lows = set(request.low_dtypes)
     autocast = compute if dtypes.is_low(compute) else "float32" if lows else None
     mixing = request.mixes_compute

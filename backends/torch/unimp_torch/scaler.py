@@ -53,7 +53,6 @@ class DeviceLossScale:
         self.losses = 0  # losses scaled so far: new gradients may have arrived since this changed
         self.set_state(LossScale(spec).initial_state())
 
-    # ------------------------------------------------------------------ state
     def set_state(self, st: LossScaleState) -> None:
         """Replace the state: every tensor is built first, so a value that does not fit changes nothing."""
         tensors = []
@@ -69,8 +68,7 @@ class DeviceLossScale:
                                  f"{str(dtype)[6:]} counter ({e}); load a state_dict saved by unimp") from None
         self.scale, self.tracker, self.hysteresis, self.skipped = tensors
         self.steps = st.steps
-        # torch's kernel grows at tracker + 1 == interval (int32, wrapping): the same as the rule's
-        # tracker + 1 >= interval only from a tracker below the interval (where it then stays)
+        # torch's kernel grows at tracker + 1 == interval: the rule's >= only from a tracker below the interval
         self.native = torch_rule(self.spec) and st.growth_tracker < self.spec.growth_interval
         self._inv = None
 
@@ -80,7 +78,6 @@ class DeviceLossScale:
                               hysteresis_left=int(self.hysteresis.item()), skipped=int(self.skipped.item()),
                               steps=self.steps)
 
-    # ------------------------------------------------------------------ per step
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         self.losses += 1
         if self.spec.mode == "none":

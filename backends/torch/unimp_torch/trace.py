@@ -187,8 +187,7 @@ def observe(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, dict[str, 
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = sorted({b.device.index or 0 for b, _ in buffers if b.device.type == "cuda"})
     try:
-        # eager even where the model (or a submodule) was compiled in place (module.compile()): the
-        # observer's hooks and recorder see ops only when they run
+        # eager even where the model was compiled in place (module.compile()): hooks and recorder see only what runs
         with torch.no_grad(), torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
             obs.run(model, lambda: model(*args, **kwargs))
     finally:

@@ -114,7 +114,6 @@ class TorchWatch(EagerWatch):
         self.serial = next(_serial)
         _CHECKING[self.serial] = _Checking()
 
-    # ------------------------------------------------------------------ install
     def _arming(self) -> None:
         """Once the model runs compiled, the hooks stay installed (see the module's docstring)."""
         compiled = getattr(self.amp.module.__dict__.get("forward"), "compiled_inputs", None) is not None
@@ -131,7 +130,6 @@ class TorchWatch(EagerWatch):
         return [module.register_forward_pre_hook(_Hook(self._pre, base, self.device, self.serial), with_kwargs=True),
                 module.register_forward_hook(_Hook(self._post, base, self.device, self.serial))]
 
-    # ------------------------------------------------------------------ on the device, per hook
     def _check(self, slot: int, tensors: Sequence[torch.Tensor], measured: torch.Tensor | None = None) -> None:
         """Traced: the sums go into the device buffer and the position is a device clock's (no Python side
         effect in a graph). Eager: the base's (:meth:`unimp.watch.eager.EagerWatch._check`)."""
@@ -220,7 +218,6 @@ class TorchWatch(EagerWatch):
     def _width(self, t: torch.Tensor) -> int:
         return t.itemsize
 
-    # ------------------------------------------------------------------ per step, on the host
     def _scale_now(self) -> torch.Tensor:
         return self.amp.scaler.scale.detach().clone()
 
