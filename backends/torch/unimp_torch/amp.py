@@ -74,21 +74,18 @@ class TorchAmp(Amp):
         """``loss.backward()`` on the scaled loss (call several times to accumulate)."""
         self._check_live("amp.backward()")
         self.check_loss_dtype(str(loss.dtype).removeprefix("torch."))
-        self._refuse_after_unscale("amp.backward()")
-        if self._watching is not None:
-            self._watching.loss(loss)
-        self.scaler.scale_loss(loss).backward(**kwargs)
+        self._scaled(loss, "amp.backward()").backward(**kwargs)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         self._check_live("amp.scale_loss()")
-        self._refuse_after_unscale("amp.scale_loss()")
+        return self._scaled(loss, "amp.scale_loss()")
+
+    def _scaled(self, loss: torch.Tensor, verb: str) -> torch.Tensor:
+        for opt in self.iteration.members:  # a scaled loss may reach the params of any optimizer sharing the scale
+            opt.refuse_after_unscale(verb)
         if self._watching is not None:
             self._watching.loss(loss)
         return self.scaler.scale_loss(loss)
-
-    def _refuse_after_unscale(self, verb: str) -> None:
-        for opt in self.iteration.members:  # a scaled loss may reach the params of any optimizer sharing the scale
-            opt.refuse_after_unscale(verb)
 
     def unscale_(self, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor | None:
         """Unscale this step's grads now (e.g. before clipping); returns found_inf.
@@ -130,10 +127,8 @@ class TorchAmp(Amp):
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> AmpOptimizer:
         """Wrap one more optimizer of this model; returns the wrapper to step (``amp.optimizers[-1]``).
 
-        It shares the Amp's loss scale with the others (one update once all of them stepped, as one
-        ``torch.amp.GradScaler`` steps several optimizers). Built before or after ``apply``: where the
-        policy keeps fp32 masters, its low-precision parameters are replaced in its param groups (and
-        state) by their masters, which it steps from then on.
+        It shares the Amp's loss scale. Built before or after ``apply``: where the policy keeps fp32 masters, its
+        low-precision parameters are replaced in its param groups (and state) by their masters.
 
         >>> import torch, unimp
         >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))

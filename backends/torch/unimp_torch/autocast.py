@@ -140,12 +140,10 @@ ALSO_MOVED = {"reduction": ("mean",)}
 def moves(op: str, wanted: str, device: str, torch_own: bool = False, other_low: bool = False) -> tuple[str, ...]:
     """The aten ops of canonical ``op`` whose native handling on ``device`` must change.
 
-    The canonical op is compared through its primary op (its first aten name): torch's lists are finer than the
-    vocabulary (CPU lowers ``mm`` but not ``mv``); when the primary op already does what the policy asks, torch's per-op
-    choices are kept (and reported as such), except for the ops of :data:`ALSO_MOVED` unless ``torch_own`` (the policy's
-    lists are torch's own on ``device``, see :func:`is_torch_own`). ``other_low``: a low dtype other than the autocast
-    dtype reaches the ops (an override's outputs), so torch's promote kernels move too: they promote to the autocast
-    dtype at least and refuse a second low dtype (``at::autocast::prioritize``).
+    Compared through the primary op (its first aten name): when it already does what the policy asks, torch's
+    per-op choices are kept, except for :data:`ALSO_MOVED` unless ``torch_own`` (:func:`is_torch_own`).
+    ``other_low``: another low dtype reaches the ops, so torch's promote kernels (which refuse a second low dtype)
+    move too.
 
     >>> moves("reduction", "float32", "cuda"), moves("reduction", "float32", "cuda", torch_own=True)
     (('mean',), ())
@@ -165,10 +163,8 @@ def moves(op: str, wanted: str, device: str, torch_own: bool = False, other_low:
 
 
 def is_torch_own(request: PlanRequest, device: str) -> bool:
-    """Whether the op lists of ``request`` are torch's own autocast lists on ``device``: every canonical
-    op's primary op already runs as they ask (``torch_autocast_cuda`` on cuda, ``torch_autocast_cpu`` on
-    cpu), or asks float32 for an op torch's lists gained later (:data:`LATER_KERNELS`: ``rms_norm`` on
-    cuda before torch 2.13). Such a policy is plain ``torch.autocast``: torch's per-op choices are all kept.
+    """Whether the op lists of ``request`` are torch's own autocast lists on ``device`` (every primary op already
+    runs as they ask, or asks float32 for an op of :data:`LATER_KERNELS`): plain ``torch.autocast``.
 
     >>> import unimp
     >>> is_torch_own(Plan.request(unimp.load("torch_autocast_cuda"), "torch"), "cuda")

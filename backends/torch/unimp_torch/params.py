@@ -129,9 +129,8 @@ class ParamState:
 
 class MasterGrad(torch.Tensor):
     """A low-precision parameter's ``.grad`` after ``amp.unscale_()``: its fp32 master's unscaled gradient, shown with
-    the parameter's dtype. Every op on it runs on the master's gradient (results in float32; in-place ops change it), so
-    ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` after ``amp.unscale_()`` (``torch.amp.GradScaler``'s
-    idiom) returns the fp32 norm and clips the gradients the optimizer steps.
+    the parameter's dtype; every op on it runs on the master's gradient, so GradScaler's idiom
+    ``clip_grad_norm_(model.parameters(), c)`` clips the gradients the optimizer steps.
 
     >>> p = nn.Parameter(torch.ones(2, dtype=torch.float16)); master_grad = torch.tensor([3.0, 4.0])
     >>> p.grad = MasterGrad(master_grad, p.dtype)
