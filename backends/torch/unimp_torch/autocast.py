@@ -167,6 +167,7 @@ def is_torch_own(request: PlanRequest, device: str) -> bool:
     runs as they ask, or asks float32 for an op of :data:`LATER_KERNELS`): plain ``torch.autocast``.
 
     >>> import unimp
+    >>> from unimp.spi import Plan
     >>> is_torch_own(Plan.request(unimp.load("torch_autocast_cuda"), "torch"), "cuda")
     True
     >>> is_torch_own(Plan.request(unimp.load("mixed_bf16"), "torch"), "cuda")  # batch_norm in float32
