@@ -1,10 +1,9 @@
 """``TorchAmp``: a policy bound to one ``torch.nn.Module`` (+ its optimizers), and ``bind`` which makes it.
 
-Several optimizers share the Amp's one loss scale (``unimp.apply(policy, model, [opt_a, opt_b])``,
-or ``amp.add_optimizer(opt)`` later; another Amp joins it with ``share_scale_with=amp``): each is
-unscaled, checked and skipped on its own parameters, and the scale is updated once every one of
-them has stepped, as ``torch.amp.GradScaler``'s ``step(a); step(b); update()``
-(:mod:`unimp_torch.iteration`).
+Several optimizers share the Amp's one loss scale (``unimp.apply(policy, model, [opt_a, opt_b])``, or
+``amp.add_optimizer(opt)`` later; another Amp joins it with ``share_scale_with=amp``): each is unscaled, checked and
+skipped on its own parameters, and the scale is updated once every one of them has stepped, as
+``torch.amp.GradScaler``'s ``step(a); step(b); update()`` (:mod:`unimp_torch.iteration`).
 
 >>> import torch, unimp
 >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
@@ -65,43 +64,36 @@ class TorchAmp(Amp):
         self._undo: list[Callable[[], None]] = []
         self._layout: list[tuple[torch.Tensor, tuple[int, ...]]] = []  # (param, original strides)
         self._observer = Observer()  # filled by the first eager forward after apply
-        # set when the model is data-parallel or sharded (unimp_torch.distributed): engine, world
-        # size, reduce dtype, how found-inf is agreed; ``agree(found_inf)`` all-reduces it (MAX)
+        # set when data-parallel or sharded (unimp_torch.distributed); ``agree(found_inf)`` all-reduces it (MAX)
         self.distributed: dict[str, Any] | None = None
         self.agree: Callable[[torch.Tensor], None] | None = None
         self.fp8: Fp8Binding | None = None  # the layers running FP8 (unimp_torch.fp8), when the Plan has FP8
         self._watching: Any = None  # unimp_torch.watch.TorchWatch while amp.watch() runs
 
-    # ------------------------------------------------------------------ training verbs
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` on the scaled loss (call several times to accumulate)."""
         self._check_live("amp.backward()")
         self.check_loss_dtype(str(loss.dtype).removeprefix("torch."))
-        self._refuse_after_unscale("amp.backward()")
-        if self._watching is not None:
-            self._watching.loss(loss)
-        self.scaler.scale_loss(loss).backward(**kwargs)
+        self._scaled(loss, "amp.backward()").backward(**kwargs)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         self._check_live("amp.scale_loss()")
-        self._refuse_after_unscale("amp.scale_loss()")
+        return self._scaled(loss, "amp.scale_loss()")
+
+    def _scaled(self, loss: torch.Tensor, verb: str) -> torch.Tensor:
+        for opt in self.iteration.members:  # a scaled loss may reach the params of any optimizer sharing the scale
+            opt.refuse_after_unscale(verb)
         if self._watching is not None:
             self._watching.loss(loss)
         return self.scaler.scale_loss(loss)
 
-    def _refuse_after_unscale(self, verb: str) -> None:
-        for opt in self.iteration.members:  # a scaled loss may reach the params of any optimizer sharing the scale
-            opt.refuse_after_unscale(verb)
-
     def unscale_(self, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor | None:
-        """Unscale this step's grads now (e.g. before clipping or inspecting them); returns found_inf.
+        """Unscale this step's grads now (e.g. before clipping); returns found_inf.
 
-        ``optimizer`` (one of ``amp.optimizers``, or the optimizer it wraps): only its parameters'
-        grads, as ``GradScaler.unscale_(optimizer)``; by default every optimizer's (their flags summed).
-        With master weights, the model's low-precision parameters then show their masters' unscaled
-        fp32 gradients (:class:`unimp_torch.params.MasterGrad`), so GradScaler's idiom
-        ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` clips what the optimizer steps.
-        Refused when no loss was scaled since the last step (a plain ``loss.backward()``)."""
+        ``optimizer`` (one of ``amp.optimizers`` or the one it wraps): only its grads, as
+        ``GradScaler.unscale_(optimizer)``; by default every optimizer's (flags summed). With master weights the model's
+        low-precision parameters then show the masters' fp32 gradients (:class:`unimp_torch.params.MasterGrad`).
+        Refused when no loss was scaled since the last step."""
         self._check_live("amp.unscale_()")
         found = None
         for opt in self._chosen(optimizer, "amp.unscale_(optimizer)"):
@@ -135,10 +127,8 @@ class TorchAmp(Amp):
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> AmpOptimizer:
         """Wrap one more optimizer of this model; returns the wrapper to step (``amp.optimizers[-1]``).
 
-        It shares the Amp's loss scale with the others (one update once all of them stepped, as one
-        ``torch.amp.GradScaler`` steps several optimizers). Built before or after ``apply``: where the
-        policy keeps fp32 masters, its low-precision parameters are replaced in its param groups (and
-        state) by their masters, which it steps from then on.
+        It shares the Amp's loss scale. Built before or after ``apply``: where the policy keeps fp32 masters, its
+        low-precision parameters are replaced in its param groups (and state) by their masters.
 
         >>> import torch, unimp
         >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
@@ -196,20 +186,14 @@ class TorchAmp(Amp):
 
     def update(self) -> None:
         """End the iteration: the loss scale updated from the optimizers that stepped since the last update
-        (``torch.amp.GradScaler.update()``). Needed only when not every optimizer sharing the scale steps
-        every iteration: otherwise the update runs by itself after the last of them stepped."""
+        (``GradScaler.update()``); needed only when not every optimizer sharing the scale steps every iteration."""
         self._check_live("amp.update()")
         self.iteration.update()
         self.iteration.notify()
 
     def ddp(self, **kwargs: Any) -> nn.Module:
-        """``DistributedDataParallel(amp.model, **kwargs)`` under the policy; sets and returns ``amp.model``.
-
-        Gradients are all-reduced in ``[distributed] reduce_dtype`` (a comm hook when they are not
-        already in it), masters are broadcast from rank 0 like DDP's parameters, and
-        ``amp.optimizer.step()`` agrees the non-finite decision across ranks. ``amp.remove()``
-        returns the plain model. See :mod:`unimp_torch.distributed`.
-        """
+        """``DistributedDataParallel(amp.model, **kwargs)`` under the policy; sets and returns ``amp.model``
+        (:mod:`unimp_torch.distributed`)."""
         from .distributed import make_ddp
 
         self._check_live("amp.ddp()")
@@ -228,9 +212,8 @@ class TorchAmp(Amp):
         return list(self.params.masters)
 
     def masters_in_model(self) -> AbstractContextManager[None]:
-        """The fp32 masters (and fp32 originals of frozen params) in the model for a ``with`` block,
-        e.g. to export or ``save_pretrained`` the full-precision weights; then the low-precision
-        copies again, recast from the masters.
+        """The fp32 masters (and fp32 originals of frozen params) in the model for a ``with`` block, e.g. to export or
+        ``save_pretrained`` the full-precision weights; then the low-precision copies again, recast from the masters.
 
         >>> import torch, unimp
         >>> m = torch.nn.Linear(2, 2)
@@ -245,7 +228,6 @@ class TorchAmp(Amp):
         self._check_live("amp.masters_in_model()")
         return self.params.originals_in_model()
 
-    # ------------------------------------------------------------------ Amp contract
     def _start_watch(self, watch: Any) -> None:
         """``amp.watch(...)`` (the core's): measure for ``watch`` (:mod:`unimp_torch.watch`)."""
         from .watch import start
@@ -282,9 +264,8 @@ class TorchAmp(Amp):
         elif self._observer.rows is not None:
             observed = self._observer.rows
         elif (spec := getattr(self.module.__dict__.get("forward"), "compiled_inputs", None)) is not None:
-            # the forwards ran compiled (torch.compile traces the policy, nothing is observed inside a
-            # graph): one eager no-grad forward on inputs shaped like the first call's, as the first
-            # eager forward would have been observed (buffers and RNG left as they were)
+            # the forwards ran compiled (nothing is observed inside a graph): one eager no-grad forward on inputs
+            # shaped like the first call's (buffers and RNG left as they were)
             self._observer.rows = observe(self.module, *example_inputs(spec))
             observed = self._observer.rows
         else:
@@ -325,10 +306,8 @@ def bind(plan: Plan, model: nn.Module, optimizer: Any, device: str,
          on_skip: Callable[[], Any] | None, fsdp: bool = False, shared: TorchAmp | None = None) -> TorchAmp:
     """Apply ``plan`` to ``model``; on any error, everything done so far is undone.
 
-    ``optimizer``: None, one optimizer or a list/tuple of them (each wrapped, all sharing one loss scale).
-    ``fsdp``: the model is sharded with FSDP2, which owns parameter dtypes (checked against the
-    policy) and the masters (its sharded parameters); see :mod:`unimp_torch.distributed`.
-    ``shared``: an Amp whose loss scale this one shares (``share_scale_with=``).
+    ``optimizer``: None, one optimizer or a list/tuple of them (all sharing one loss scale). ``fsdp``: the model is
+    sharded with FSDP2 (:mod:`unimp_torch.distributed`). ``shared``: an Amp whose loss scale this one shares.
     """
     from . import strays
 
@@ -387,8 +366,7 @@ def bind(plan: Plan, model: nn.Module, optimizer: Any, device: str,
 
 
 def _wrap_layers(amp: TorchAmp, model: nn.Module, plan: Plan, device: str) -> None:
-    """A layer-level forward on each module an override sets the compute dtype of (the ops after it get the
-    Plan's op rules: its outputs may reach them in another dtype)."""
+    """A layer-level forward on each module an override sets the compute dtype of."""
     for path, module in model.named_modules():
         names, k = type_names(module), kind(module)
         decision = plan.decide(path, k, names)

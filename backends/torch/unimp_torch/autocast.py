@@ -1,11 +1,8 @@
 """What torch's own autocast does, per device, read from the dispatcher of the running torch.
 
-torch's autocast lists live in C++ (``aten/src/ATen/autocast_mode.cpp``) and differ between CPU
-and CUDA. Whether an aten op has an Autocast kernel on a device is read at runtime with
-``torch._C._dispatch_has_kernel_for_dispatch_key``; the kind of kernel follows the canonical op
-(torch registers matmul/conv-class ops as ``lower_precision_fp``, norms/softmax/losses/
-reductions/transcendentals as ``fp32``, elementwise/concat as ``promote``). An op without a
-kernel follows its inputs, except binary arithmetic, which torch's type promotion widens.
+Whether an aten op has an Autocast kernel on a device is read at runtime
+(``torch._C._dispatch_has_kernel_for_dispatch_key``); the kernel's kind follows the canonical op. An op without
+a kernel follows its inputs, except binary arithmetic, which torch's type promotion widens.
 
 >>> native_category("softmax", "cuda"), native_category("softmax", "cpu")
 ('float32', 'inputs')
@@ -37,13 +34,11 @@ COMPOSITE = {("cross_entropy_loss", "cuda"): "float32",
 # ops that exist for one device only (never reached on the other, so never moved there)
 DEVICE_ONLY = {"mkldnn_rnn_layer": "cpu", "_native_multi_head_attention": "cpu"}
 
-# torch functions that are not aten ops (or not under that name): the aten op whose autocast
-# handling they get, so their native category is that op's
+# torch functions that are not aten ops (or not under that name): the aten op whose autocast handling they get
 PY_FUNCTIONS = {"cross_entropy": "cross_entropy_loss", "softmin": "softmax", "normalize": "norm",
                 "__matmul__": "matmul", "__pow__": "pow", "__rpow__": "pow", "__rdiv__": "reciprocal",
                 "__rtruediv__": "reciprocal"}
-# torch functions that run an aten op of another name (``torch.norm``/``Tensor.norm`` run
-# ``linalg_vector_norm``): unimp's Autocast kernels move those aten ops with them
+# torch functions that run an aten op of another name (``torch.norm``: ``linalg_vector_norm``), moved with them
 ATEN_ALIASES = {"norm": ("linalg_vector_norm",)}
 
 
@@ -137,22 +132,18 @@ def same(native: str, wanted: str, name: str) -> bool:
     return name in TYPE_PROMOTING and {native, wanted} <= {"promote", "inputs"}
 
 
-# ops a policy moves with their canonical op even where torch's primary op already does what it
-# asks (torch's CUDA autocast runs ``sum`` in float32 but ``mean`` in its input dtype; Keras and
-# Flax run means in float32) -- except for a policy whose lists are torch's own (plain autocast)
+# ops a policy moves with their canonical op even where torch's primary op already does what it asks (CUDA autocast
+# runs ``sum`` in float32, ``mean`` in its input dtype) -- except for a policy whose lists are torch's own
 ALSO_MOVED = {"reduction": ("mean",)}
 
 
 def moves(op: str, wanted: str, device: str, torch_own: bool = False, other_low: bool = False) -> tuple[str, ...]:
     """The aten ops of canonical ``op`` whose native handling on ``device`` must change.
 
-    The canonical op is compared through its primary op (its first aten name): torch's lists are
-    finer than the vocabulary (CPU lowers ``mm`` but not ``mv``); when the primary op already
-    does what the policy asks, torch's per-op choices are kept (and reported as such), except
-    for the ops of :data:`ALSO_MOVED` unless ``torch_own`` (the policy's lists are torch's own on
-    ``device``, see :func:`is_torch_own`). ``other_low``: a low dtype other than the autocast dtype
-    reaches the ops (an override's outputs), so torch's promote kernels move too: they promote to
-    the autocast dtype at least and refuse a second low dtype (``at::autocast::prioritize``).
+    Compared through the primary op (its first aten name): when it already does what the policy asks, torch's
+    per-op choices are kept, except for :data:`ALSO_MOVED` unless ``torch_own`` (:func:`is_torch_own`).
+    ``other_low``: another low dtype reaches the ops, so torch's promote kernels (which refuse a second low dtype)
+    move too.
 
     >>> moves("reduction", "float32", "cuda"), moves("reduction", "float32", "cuda", torch_own=True)
     (('mean',), ())
@@ -172,12 +163,11 @@ def moves(op: str, wanted: str, device: str, torch_own: bool = False, other_low:
 
 
 def is_torch_own(request: PlanRequest, device: str) -> bool:
-    """Whether the op lists of ``request`` are torch's own autocast lists on ``device``: every canonical
-    op's primary op already runs as they ask (``torch_autocast_cuda`` on cuda, ``torch_autocast_cpu`` on
-    cpu), or asks float32 for an op torch's lists gained later (:data:`LATER_KERNELS`: ``rms_norm`` on
-    cuda before torch 2.13). Such a policy is plain ``torch.autocast``: torch's per-op choices are all kept.
+    """Whether the op lists of ``request`` are torch's own autocast lists on ``device`` (every primary op already
+    runs as they ask, or asks float32 for an op of :data:`LATER_KERNELS`): plain ``torch.autocast``.
 
     >>> import unimp
+    >>> from unimp.spi import Plan
     >>> is_torch_own(Plan.request(unimp.load("torch_autocast_cuda"), "torch"), "cuda")
     True
     >>> is_torch_own(Plan.request(unimp.load("mixed_bf16"), "torch"), "cuda")  # batch_norm in float32
@@ -192,17 +182,15 @@ def is_torch_own(request: PlanRequest, device: str) -> bool:
     return True
 
 
-# canonical ops whose primary op torch's autocast lists gained from a version on (the version):
-# on an older torch the op follows its inputs, and lists that ask the newer category are still
-# torch's own (the op is moved, every other per-op choice of torch is kept)
+# canonical ops whose primary op torch's autocast lists gained from a version on: on an older torch the op follows
+# its inputs, and lists asking the newer category are still torch's own (the op is moved, the rest kept)
 LATER_KERNELS = {("rms_norm", "cuda"): "2.13"}
 
 
 def kernel_table(op_moves: dict[str, str], device: str) -> dict[str, str] | None:
-    """``op_moves`` (torch function name -> category) as aten op name -> category for unimp's
-    Autocast kernels, or None when a kernel cannot carry them: a moved op has a C++ Autocast kernel
-    on ``device`` (a second kernel on that key would replace torch's for every caller), or a moved
-    Python-level function's aten op is not moved the same way.
+    """``op_moves`` (torch function name -> category) as aten op name -> category for unimp's Autocast kernels, or None
+    when a kernel cannot carry them: a moved op has a C++ Autocast kernel on ``device`` (a second kernel on that key
+    would replace torch's for every caller), or a moved Python-level function's aten op is not moved the same way.
 
     >>> kernel_table({"softmax": "float32", "softmin": "float32"}, "cpu")
     {'softmax': 'float32'}

@@ -37,9 +37,8 @@ class TorchBackend(Backend):
         return compile_plan(request, model)
 
     def snapshot(self, model: Any, optimizer: Any = None, plan: Plan | None = None) -> Snapshot:
-        """Every module's attributes (parameters, buffers, submodules, forward, hooks), every
-        parameter's and buffer's storage, and the optimizer's groups and state: a failed apply
-        leaves them as they were."""
+        """Every module's attributes (parameters, buffers, submodules, forward, hooks), every parameter's and buffer's
+        storage, and the optimizer's groups and state: a failed apply leaves them as they were."""
         import torch
 
         modules = list(model.modules()) if isinstance(model, torch.nn.Module) else [model]
@@ -72,8 +71,7 @@ class TorchBackend(Backend):
         if plan.details.device != device:
             raise UnsupportedError(f"unimp-torch: this Plan was compiled for {plan.details.device}, the model is on "
                                    f"{device}; compile it with the model: backend.compile(policy, model)")
-        # a torch.compile wrapper (OptimizedModule) and/or a DDP built first: bind the module inside (marked
-        # bound too); calls go through the wrapper, which runs (or traces) the policy's forward
+        # a torch.compile wrapper and/or a DDP built first: bind the module inside (the wrapper marked bound too)
         inner = _compiled_inner(model)
         ddp = inner if is_ddp(inner) else None
         inner = ddp.module if ddp is not None else inner

@@ -1,8 +1,7 @@
 """The cast a policy asks of one call: a category or dtype -> the dtype that runs, and the casts to it.
 
-Written once for every level: the model's forward (:func:`autocast_to`, :func:`cast_output`), one
-layer (:mod:`unimp_torch.layers`) and one op (:mod:`unimp_torch.op_overrides`). Float64 tensors
-and non-floating ones are never cast.
+Written once for the forward, a layer (:mod:`unimp_torch.layers`) and an op (:mod:`unimp_torch.op_overrides`).
+Float64 tensors and non-floating ones are never cast.
 
 >>> import torch
 >>> x = torch.ones(2, dtype=torch.bfloat16)
@@ -47,8 +46,7 @@ def floating(x: Any, device: str | None = None) -> bool:
 
 def cast(x: Any, dtype: torch.dtype, device: str | None = None) -> Any:
     """``x`` (or each tensor of a list/tuple) cast to ``dtype`` when :func:`floating`; ``x`` itself when
-    nothing changes. Called on every argument of every moved op, so the cheap checks come first
-    (the dtype's own flags before ``x.device``, which builds an object)."""
+    nothing changes. Called on every argument of every moved op: the cheap checks first."""
     if isinstance(x, torch.Tensor):
         have = x.dtype
         if have is dtype or have is _F64 or not have.is_floating_point or (
@@ -151,13 +149,9 @@ class _Float32Autocast:
 def autocast_to(device: str, dtype: torch.dtype, cache: bool = False) -> Any:
     """``torch.autocast(device, dtype=dtype, cache_enabled=cache)``, float32 included (``cache`` False by default).
 
-    Without torch's weight-cast cache: that cache is one map for the whole process (autocast's other
-    state is per thread), emptied whenever any thread leaves its outermost autocast. A weight used twice
-    in one forward (a module called twice, shared layers) gets one cast, or two when another thread's
-    exit emptied the map in between, and its gradient is summed in the low dtype or in float32
-    accordingly: with the cache, a thread's results depend on the others' timing. Without it every use
-    casts the weight itself (forward values are the same; such a weight's gradients are summed in
-    float32, as a second cast gives them in native autocast too), in every thread alike.
+    torch's weight-cast cache is one map for the whole process, emptied whenever any thread leaves its outermost
+    autocast: with it, a weight used twice in a forward gets one cast or two depending on other threads' timing (and
+    its gradient summed in the low dtype or float32). Without it every use casts the weight, in every thread alike.
     """
     return _Float32Autocast(device) if dtype == torch.float32 else torch.autocast(device, dtype=dtype,
                                                                                   cache_enabled=cache)

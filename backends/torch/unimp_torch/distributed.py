@@ -1,26 +1,16 @@
 """Distributed training under one policy: DDP and FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
-**DDP.** Two orders are accepted (``amp.ddp(...)`` always works; wrapping first only when the
-policy keeps every parameter in its dtype, because DDP captures the parameters it reduces)::
+**DDP.** ``amp.ddp(...)`` works for any policy; ``unimp.apply(policy, DDP(model), opt)`` only when the policy
+keeps every parameter in its dtype (DDP captures the parameters it reduces). Gradients are all-reduced in
+``[distributed] reduce_dtype``: DDP's own all-reduce when they already have it, else a comm hook with the
+semantics of torch's ``bf16_compress_hook``/``fp16_compress_hook``.
 
-    amp = unimp.apply(policy, model, opt); model = amp.ddp(device_ids=[rank])   # any policy
-    amp = unimp.apply(policy, DDP(model), opt)                                  # mixed_* policies
+**FSDP2.** :func:`fully_shard` shards with a ``MixedPrecisionPolicy`` compiled from the policy
+(:func:`mixed_precision_policy`); ``unimp.apply(policy, sharded, opt)`` checks every unit's dtypes against the
+policy and binds the forward and the loss scaler. FSDP's sharded parameters *are* the master weights.
 
-Gradients are all-reduced in ``[distributed] reduce_dtype``: when every gradient already has that
-dtype DDP's own all-reduce runs (no hook); otherwise a comm hook with the semantics of torch's
-``bf16_compress_hook``/``fp16_compress_hook`` (cast the bucket to ``reduce_dtype``, divide by the
-world size, all-reduce, cast back into the bucket) — which also upcasts bf16 buckets of
-``pure_bf16`` models to a float32 reduction.
-
-**FSDP2.** :func:`fully_shard` shards a model with a ``MixedPrecisionPolicy`` compiled from the
-policy (:func:`mixed_precision_policy`); ``unimp.apply(policy, sharded, opt)`` then binds the forward
-(autocast, op rules) and the loss scaler, after checking every FSDP unit's dtypes against the policy.
-FSDP's sharded parameters *are* the master weights (``master_weights.dtype``, 1/N per rank); the
-unit's ``param_dtype`` is the policy's param dtype for the modules in it (all-gathered in it).
-
-**Agreement.** With scaling or ``skip_nonfinite``, ``amp.optimizer.step()`` all-reduces the
-found-inf flag with MAX over the process group(s) on the device (no host read added), so every rank
-skips the same steps and holds the same scale.
+**Agreement.** With scaling or ``skip_nonfinite``, ``amp.optimizer.step()`` all-reduces found-inf with MAX on the
+device, so every rank skips the same steps and holds the same scale.
 
 >>> import unimp
 >>> mp = mixed_precision_policy(unimp.load("pure_bf16"), root=True)
@@ -51,7 +41,6 @@ ORDER_FIX = ("amp = unimp.apply(policy, model, optimizer); model = amp.ddp(**ddp
              "(unimp first, then DDP, so DDP reduces the parameters the policy gives the model)")
 
 
-# ---------------------------------------------------------------------------------------- DDP
 def is_ddp(model: Any) -> bool:
     return isinstance(model, nn.parallel.DistributedDataParallel)
 
@@ -66,11 +55,7 @@ class ReduceState:
 
 def reduce_hook(state, bucket):  # no annotations: DDP checks them against the real (non-string) types
     """DDP comm hook ``(ReduceState, dist.GradBucket) -> Future[Tensor]``: the bucket's mean, reduced
-    in ``state.dtype``, back in the bucket's dtype.
-
-    Same steps as torch's ``_compress_hook`` (``buffer.to(dtype).div_(world)``, all-reduce, copy
-    back); a bucket already in ``state.dtype`` is divided and all-reduced in place (``allreduce_hook``).
-    """
+    in ``state.dtype``, back in the bucket's dtype (torch's ``_compress_hook``; in place when already in it)."""
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = group.size()
     buffer = bucket.buffer()
@@ -147,7 +132,6 @@ def make_ddp(amp: Any, **kwargs: Any) -> nn.Module:
     return ddp
 
 
-# ---------------------------------------------------------------------------------------- FSDP2
 def is_fsdp(model: nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -159,11 +143,8 @@ def is_fsdp(model: nn.Module) -> bool:
 def mixed_precision_policy(policy: Any, param_dtype: str | None = None, *, root: bool = False) -> Any:
     """The ``MixedPrecisionPolicy`` of one FSDP unit under ``policy``.
 
-    ``param_dtype``: the dtype the unit's parameters hold in forward (default the policy's);
-    ``reduce_dtype`` = ``[distributed] reduce_dtype``; the root casts outputs to ``output_dtype`` (not at
-    all for ``"unchanged"``: ``output_dtype=None``, FSDP's own default);
-    ``cast_forward_inputs=False`` because a policy decides per op, not per module input (autocast
-    lowers each op; a residual stream keeps its dtype, as without FSDP).
+    ``param_dtype`` defaults to the policy's; ``reduce_dtype`` = ``[distributed] reduce_dtype``; the root casts
+    outputs to ``output_dtype`` (None for ``"unchanged"``); ``cast_forward_inputs=False``: a policy decides per op.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -207,15 +188,11 @@ def _direct_params(m: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def fully_shard(model: nn.Module, policy: Any, *, units: Units = None, **kwargs: Any) -> nn.Module:
     """Shard ``model`` with FSDP2 under ``policy``; returns ``model`` (an ``FSDPModule``).
 
-    Every module matched by ``units`` (classes, path globs or ``callable(path, module)``; e.g. the
-    transformer block class) becomes an FSDP unit, then the root, each with
-    :func:`mixed_precision_policy`. Modules whose policy param dtype differs from their unit's
-    (e.g. float32 norms inside a ``pure_bf16`` block) get a unit of their own. ``kwargs`` go to
-    ``torch.distributed.fsdp.fully_shard`` (``mesh``, ``reshard_after_forward``, ...). Then build the
-    optimizer on ``model.parameters()`` and call ``unimp.apply(policy, model, optimizer)``.
-    A policy with FP8 gets its FP8 layers (torchao ``Float8Linear``) before sharding, as torchao
-    requires; with the tensorwise recipe their weights are all-gathered in FP8
-    (``enable_fsdp_float8_all_gather``). They stay FP8 layers after ``amp.remove()`` (FSDP owns them).
+    Every module matched by ``units`` (classes, path globs or ``callable(path, module)``) becomes an FSDP unit, then
+    the root, each with :func:`mixed_precision_policy`; modules whose param dtype differs from their unit's get a
+    unit of their own. ``kwargs`` go to ``torch.distributed.fsdp.fully_shard``. Then build the optimizer and call
+    ``unimp.apply(policy, model, optimizer)``. FP8 layers are converted before sharding (tensorwise: all-gathered
+    in FP8) and stay FP8 after ``amp.remove()``.
     """
     from torch.distributed.fsdp import fully_shard as shard
 
@@ -320,7 +297,6 @@ def attach_fsdp(amp: Any, model: nn.Module) -> None:
     _agree_over(amp, groups)
 
 
-# ---------------------------------------------------------------------------------------- shared
 def _agree_over(amp: Any, groups: list[Any]) -> None:
     def agree(found: torch.Tensor) -> None:
         for g in groups:

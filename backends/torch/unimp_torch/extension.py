@@ -1,9 +1,8 @@
 """The supported surface of unimp-torch for backends that build on it (unimp-ipex).
 
-A package that extends the torch backend imports from this module only, never from the other
-``unimp_torch`` modules: what is listed here keeps its meaning within a unimp-torch version, the
-rest may change. Pin the version (``unimp-torch==X.Y.Z``). Names load lazily, so importing this
-module does not import torch.
+A package that extends the torch backend imports from this module only, never from the other ``unimp_torch`` modules:
+what is listed here keeps its meaning within a unimp-torch version, the rest may change. Pin the version
+(``unimp-torch==X.Y.Z``). Names load lazily, so importing this module does not import torch.
 
 >>> from unimp_torch.extension import TorchBackend
 >>> TorchBackend.name
@@ -11,20 +10,14 @@ module does not import torch.
 >>> sorted(SURFACE)[:3]
 ['AmpOptimizer', 'DeviceLossScale', 'NAMES']
 
-- ``TorchBackend``: the backend class (subclass it; ``plan``/``apply`` run the torch plan).
-- ``compile_plan(request, model=None, device=None, index=None, fp8_missing=None)``: the request
-  (``Plan.request(policy, backend)``) -> the torch Plan (autocast dtype, op moves, layers).
+- ``TorchBackend``: the backend class (subclass it); ``compile_plan(request, model=None, device=None, index=None,
+  fp8_missing=None)``: the request -> the torch Plan; ``TorchDetails``: ``plan.details``.
 - ``TorchAmp``, ``bind``: the Amp and the function that binds a Plan to a model (+ optimizer).
-- ``kind``, ``type_names``, ``NAMES``: a module's canonical kind, the type names overrides match,
-  and torch's dtype names.
-- ``model_index``: a model's modules as the Plan's index (path, kind, class names, tiling dims); the
-  Plan then carries the layout findings and their action (``plan.layout.act(backend)``).
-- ``TorchDetails``: what the torch plan decided (``plan.details``: autocast dtype, op moves, device).
-- ``check_inputs``: the argument checks ``apply`` makes (clear errors naming the argument).
-- ``TorchKit``: the conformance kit (probe model and training step).
-- ``AmpOptimizer``, ``DeviceLossScale``: the optimizer wrapper and the loss-scale holder a ``TorchAmp``
-  runs (an extension that keeps them unchanged takes their roles from unimp-torch: no file of its own,
-  docs/backend-guide.md section 4).
+- ``kind``, ``type_names``, ``NAMES``: a module's canonical kind, the type names overrides match, torch's dtype
+  names; ``model_index``: a model's modules as the Plan's index.
+- ``check_inputs``: the argument checks ``apply`` makes; ``TorchKit``: the conformance kit.
+- ``AmpOptimizer``, ``DeviceLossScale``: the optimizer wrapper and the loss-scale holder a ``TorchAmp`` runs
+  (docs/backend-guide.md section 4).
 """
 
 from __future__ import annotations

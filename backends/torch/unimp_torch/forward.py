@@ -1,22 +1,11 @@
 """The model's forward under the compiled plan: autocast, unimp's op rules, layout, output dtype.
 
-With no op moves this is exactly ``with torch.autocast(device, dtype, cache_enabled=False): model(x)``
-(no weight-cast cache: :func:`unimp_torch.casts.autocast_to` says why) plus the policy's output cast (none for
-``output_dtype = "unchanged"``: the outputs as autocast leaves them);
-a float32 compute dtype whose overrides lower layers runs under autocast to float32,
-so the ops after those layers take their inputs as the Plan says.
-With moves, the ops run the policy's way by the mechanism :class:`unimp_torch.op_overrides.OpRules`
-picks (eager: unimp's Autocast kernels, or a ``TorchFunctionMode``; compiled: the mode, traced).
-The forward is a :class:`PolicyForward` object on the instance (not a closure):
-``copy.deepcopy(model)`` gives a copy that runs its own weights under the policy (holding the
-kernels it needs itself), ``pickle``/``torch.save(model)`` work, and ``torch.compile`` traces it
-without a graph break.
-
-Gradient checkpointing (``torch.utils.checkpoint``, both ``use_reentrant`` modes, and HF
-``gradient_checkpointing_enable()``): torch re-enters autocast for the recompute but knows nothing
-of unimp's rules, so while an eager forward with op moves runs, torch's checkpoint hands the
-function it will recompute through :func:`_under_rules`, and the recompute (in backward) runs
-under the same rules as the forward did. Outside a unimp forward torch is left untouched.
+With no op moves this is ``with torch.autocast(device, dtype, cache_enabled=False): model(x)`` plus the policy's
+output cast (none for ``output_dtype = "unchanged"``); with moves, the ops run by the mechanism
+:class:`unimp_torch.op_overrides.OpRules` picks. The forward is a :class:`PolicyForward` object on the instance:
+``copy.deepcopy``, ``pickle``/``torch.save(model)`` and ``torch.compile`` (no graph break) work. Gradient
+checkpointing: while an eager forward with op moves runs, torch's checkpoint hands the function it will
+recompute through :func:`_under_rules`, so the recompute runs under the same rules.
 
 >>> import torch
 >>> m = torch.nn.Linear(4, 4)
@@ -56,10 +45,8 @@ def _nhwc(x: Any) -> Any:
 
 
 _local = threading.local()  # .forward: the PolicyForward whose rules are active in this thread
-# Held only across the count and the patch below, which touch module attributes. A collection can still run
-# there (any allocation) and run finalizers: unimp's never take this lock, and a user's __del__ that runs a
-# unimp forward re-enters it in the same thread (an RLock): the count goes first and the originals are
-# never torch.utils.checkpoint's patched names, so a nested entry or exit at any line leaves it right.
+# Held only across the count and the patch below. A finalizer running a unimp forward there re-enters it (an RLock):
+# the count goes first and the originals are never checkpoint's patched names, so nesting at any line is right.
 _patch_lock = threading.RLock()
 _patch_users = 0
 _originals: dict[str, Any] = {}  # torch.utils.checkpoint's own (kept once read)
@@ -158,8 +145,7 @@ class PolicyForward:
         self.ops = OpRules(table, device) if table and autocast is not None else None  # the op moves
         self.output = output  # None: outputs not cast (output_dtype = "unchanged")
         self.channels_last = channels_last
-        # parameters stored below a float32 compute dtype (param_dtype float16) are cast up to it for the
-        # forward (differentiably: their gradients come back in their own dtype)
+        # parameters stored below a float32 compute dtype are cast up to it, differentiably, for the forward
         self.params = params
         self.observer: Any = None  # observe.Observer until the first eager forward has run
         self.compiled_inputs: Any = None  # trace.input_spec of the last compiled call (report() after compile)
@@ -176,9 +162,7 @@ class PolicyForward:
     @contextlib.contextmanager
     def region(self, cache: bool = False) -> Iterator[None]:
         """Code around the model (a loss on its outputs) under the policy as its forward runs: autocast and
-        the eager op rules, as ``torch.autocast`` covers a whole step (Lightning's ``forward_context``).
-        No cast cache in the region by default (``casts.autocast_to``; and none may be: an optimizer stepping inside
-        it under manual optimization would leave a cached low-precision copy of a weight stale)."""
+        the eager op rules (Lightning's ``forward_context``), without a cast cache (``casts.autocast_to``)."""
         if self.autocast is None:
             yield
             return
@@ -190,8 +174,7 @@ class PolicyForward:
                 yield
 
     def _run(self, compiling: bool, args: tuple, kwargs: dict, inner: Callable | None = None) -> Any:
-        # the class's forward through functools.partial, not function.__get__ (dynamo in torch 2.11
-        # cannot trace __get__ and breaks the graph there); ``inner``: another entry point instead
+        # the class's forward through functools.partial, not __get__ (dynamo 2.11 breaks the graph there)
         if inner is None:
             inner = self.inner if self.inner is not None else functools.partial(type(self.module).forward,
                                                                                  self.module)
@@ -228,11 +211,8 @@ class PolicyForward:
 
 
 class PolicyMethod:
-    """Another entry point of the model (``generate``, ``get_image_features``, ``encode``, ...) under
-    the policy's compute rules, as ``with torch.autocast(...)`` around the call would run it: the
-    submodules it calls (HF ``generate`` runs ``self.get_encoder()(...)`` directly, CLIP's feature
-    methods call their towers) are inside the policy. Its result is returned as the method made it
-    (the policy's output dtype is ``forward``'s, as native autocast leaves results alone)."""
+    """Another entry point of the model (``generate``, ``encode``, ...) under the policy's compute rules,
+    as ``with torch.autocast(...)`` around the call; its result is returned as the method made it."""
 
     def __init__(self, forward: PolicyForward, name: str) -> None:
         self.forward = forward
@@ -269,10 +249,8 @@ _NOT_ENTRY = ("_", "save", "push_to_hub", "load", "from_")
 
 
 def entry_points(model: nn.Module) -> list[str]:
-    """The model's public methods besides ``forward`` that may compute: those its own classes
-    define (not ``torch.nn.Module``'s, nor overrides of them such as ``to``/``state_dict``), except
-    backward passes (Lightning's ``backward``/``manual_backward``), which autocast does not cover,
-    and saving/loading (``save_pretrained``, ``push_to_hub``, ``load_*``, ``from_*``: no compute)."""
+    """The model's public methods besides ``forward`` that may compute: those its own classes define
+    (not ``torch.nn.Module``'s or overrides of them), except backward passes and saving/loading."""
     torch_names = set(dir(nn.Module))
     names = []
     for name in dir(type(model)):

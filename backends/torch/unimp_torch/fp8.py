@@ -1,12 +1,8 @@
 """FP8 training for torch through torchao's float8 training: the layers the Plan chooses, and undo.
 
-``support(device)`` says what this torch + torchao can run (what the Plan checks the policy's
-``[fp8]`` table against); ``convert(plan, model)`` asks the Plan (``plan.decide_fp8``) per
-``nn.Linear`` and hands exactly those paths to ``torchao.float8.convert_to_float8_training`` as its
-``module_filter_fn``, with the ``Float8LinearConfig`` of the policy's recipe. On CPU torchao runs in
-its emulation mode (``emulate=True``: the FP8 numerics, not the speed), which is what CI tests.
-Delayed scaling is not in torchao any more: such a policy is refused or falls back, per
-``on_unsupported``, as the Plan says.
+``support(device)`` says what this torch + torchao can run; ``convert(plan, model)`` asks ``plan.decide_fp8`` per
+``nn.Linear`` and hands those paths to ``torchao.float8.convert_to_float8_training`` with the recipe's
+``Float8LinearConfig`` (on CPU in emulation mode: the FP8 numerics, not the speed).
 
 >>> import torch, unimp
 >>> model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
@@ -175,9 +171,8 @@ def convert(plan: Plan, model: nn.Module, device: str, fsdp: bool = False) -> tu
                                f"this torchao ({_torchao_version()}) is not the one unimp-torch supports "
                                f"({TORCHAO})")
     if device == "cpu" and plan.compute_dtype in ("bfloat16", "float16"):
-        # torchao casts a Float8Linear's input to the *CUDA* autocast dtype only; on CPU its input would
-        # stay float32 next to low-precision gradients (rowwise_gw_hp's high-precision grad-weight matmul
-        # then mixes dtypes). Cast it to the compute dtype, as torchao does under CUDA autocast.
+        # torchao casts a Float8Linear's input to the *CUDA* autocast dtype only (on CPU it would stay float32 next
+        # to low-precision gradients): cast it to the compute dtype, as torchao does under CUDA autocast.
         low = DTYPES[plan.compute_dtype]
         for path in chosen:
             hooks.append(model.get_submodule(path).register_forward_pre_hook(_cast_input(low)))

@@ -1,12 +1,8 @@
 """The canonical kind of a module: torch's own layers by the op vocabulary, third-party ones here.
 
-torch's own layers get their kind from the op vocabulary (``Linear`` -> ``linear``, :func:`kind`). Model
-libraries define their own: HF ``LlamaRMSNorm`` is an RMS norm, GPT-2's ``Conv1D`` is a linear
-(``x @ W + b``), ``T5LayerNorm`` is an RMS norm despite its name. Those are listed here by
-qualified class name; beyond the list, a leaf module is recognised by what it is where that is
-reliable (a class named ``...RMSNorm`` with a 1-D ``weight`` is an RMS norm; ``...LayerNorm``
-likewise a layer norm). A module with children never gets a kind from here: a kind changes its
-decisions (parameter dtype, overrides by kind, a float32 wrapper), which belongs to leaf layers.
+Model libraries' layers are listed by qualified class name (HF ``LlamaRMSNorm``, GPT-2's ``Conv1D`` is a linear,
+``T5LayerNorm`` an RMS norm); beyond the list, a leaf named ``...RMSNorm``/``...LayerNorm`` with a 1-D ``weight``
+is recognised. A module with children never gets a kind from here (kinds belong to leaf layers).
 
 >>> import torch
 >>> class MyRMSNorm(torch.nn.Module):

@@ -1,8 +1,7 @@
 """Layer-level control: per-module forwards for overrides (module globs, layer types).
 
-A module gets a wrapper only when it must: an override that sets its compute dtype (ops a
-policy moves are handled per call by :mod:`unimp_torch.op_overrides`). Every other module runs
-untouched. The casts are :mod:`unimp_torch.casts`'.
+A module gets a wrapper only when it must: an override that sets its compute dtype (ops a policy moves are handled per
+call by :mod:`unimp_torch.op_overrides`). Every other module runs untouched. The casts are :mod:`unimp_torch.casts`'.
 
 >>> import torch
 >>> layer = torch.nn.Linear(4, 4)
@@ -55,8 +54,7 @@ class LayerForward:
         self.inner = inner  # the instance forward that was there before, else None (the class's)
         self.rule = rule
         self.device = device
-        # BatchNorm keeps float32 weights and running statistics (torch's kernels take low
-        # activations with them, as under autocast): only its input is cast
+        # BatchNorm keeps float32 weights and statistics (as under autocast): only its input is cast
         self.cast_params = kind(module) != "batch_norm"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,32 +1,19 @@
-"""Op-level control: the ops a policy moves run the policy's way, by one of two mechanisms.
+"""Op-level control: the ops a policy moves (the Plan's ``op_moves``) run the policy's way.
 
-torch's autocast decides per aten op in C++, with fixed lists per device. ``op_moves`` of the
-Plan (torch function name -> category) says which ops unimp runs differently. A moved call gets
-its floating inputs cast (``float32``; ``lower`` = the autocast dtype; ``promote`` = the widest
-input; ``inputs`` = as they are) and runs with autocast off for that call, exactly what torch's own
-C++ Autocast kernels do (an in-place variant, ``exp_``, writes its result back into its input).
-:class:`OpRules` picks the mechanism per Plan (for the forward, :mod:`unimp_torch.forward`):
+A moved call gets its floating inputs cast (``float32``; ``lower`` = the autocast dtype; ``promote`` = the widest
+input; ``inputs`` = as they are) and runs with autocast off, as torch's C++ Autocast kernels do (an in-place
+variant writes back into its input). :class:`OpRules` picks the mechanism per Plan:
 
-* **Autocast kernels** (eager, when no moved op has a C++ Autocast kernel on the device: every
-  preset): unimp registers a small kernel on ``AutocastCPU``/``AutocastCUDA`` through
-  ``torch.library`` for each moved aten op. It acts only while a unimp forward runs in this thread
-  (:func:`active` sets the table; a copy of the model sets its own), falls through anywhere else,
-  and costs nothing on the other ops. Kernels are process-wide, held by :func:`acquire` handles and
-  dropped with the last one. torch's own modules that are one such op (``nn.LayerNorm`` is
-  ``layer_norm``) apply the same rule at their boundary (:class:`SingleOpForward`), which spares
-  the dispatcher's round trip into Python.
-* :class:`PolicyMode`, a ``TorchFunctionMode`` (under ``torch.compile``, always: traced into the
-  graph, zero cost; in eager when a moved op has a C++ kernel, e.g. a custom list that keeps
-  ``linear`` in float32: a C++ kernel cannot be overridden per call). It covers functional calls
-  (``torch.matmul``, ``q @ k.T``, ``F.scaled_dot_product_attention``) in both directions. In eager
-  (:class:`EagerPolicyMode`) every torch call of the forward pays torch's ``__torch_function__``
-  dispatch plus one dict look-up.
+* **Autocast kernels** (eager, when no moved op has a C++ Autocast kernel on the device): a ``torch.library``
+  kernel on ``AutocastCPU``/``AutocastCUDA`` per moved aten op, acting only while a unimp forward runs in this
+  thread (:func:`active`), held by :func:`acquire` handles. torch modules that are one such op apply the rule at
+  their boundary (:class:`SingleOpForward`).
+* :class:`PolicyMode`, a ``TorchFunctionMode`` (always under ``torch.compile``, traced into the graph; in eager
+  when a moved op has a C++ kernel): covers functional calls too; in eager (:class:`EagerPolicyMode`) every call
+  pays ``__torch_function__`` plus one dict look-up.
 
-Calls inside autocast-disabled regions are left alone (as torch's kernels are).
-``F.multi_head_attention_forward`` (written in Python, the policy does not move it as a whole)
-runs with the mode re-entered, through a copy that skips its own ``__torch_function__`` check, so
-its inner calls (``softmax``, ``bmm``) follow the policy as they would at the aten level; other
-torch functions written in Python wrap one C op, which the mode sees as that op.
+Calls inside autocast-disabled regions are left alone. ``F.multi_head_attention_forward`` runs with the mode
+re-entered, so its inner calls follow the policy as they would at the aten level.
 
 >>> import torch
 >>> rules = OpRules({"softmax": "float32"}, "cpu")  # holds unimp's kernel for aten softmax
@@ -56,8 +43,7 @@ from torch.overrides import TorchFunctionMode
 from .autocast import AUTOCAST_KEYS, kernel_table, overloads
 from .casts import cast, cast_inputs
 
-# torch functions written in Python whose inner calls include ops a policy decides on (the rest
-# are thin wrappers of one C op, which the mode sees as that op)
+# torch functions written in Python whose inner calls include ops a policy decides on
 REENTER = ("multi_head_attention_forward",)
 
 
@@ -130,9 +116,8 @@ class PolicyMode(TorchFunctionMode):
 
 
 class EagerPolicyMode(PolicyMode):
-    """:class:`PolicyMode` for eager forwards only (not traceable): whether the policy leaves a
-    torch function alone is decided once per function object, so such a call (most calls) costs
-    one dict look-up on top of torch's own ``__torch_function__`` handling."""
+    """:class:`PolicyMode` for eager forwards only (not traceable): whether the policy leaves
+    a torch function alone is decided once per function object (one dict look-up per call)."""
 
     def __init__(self, rules: Mapping[str, str], device: str) -> None:
         super().__init__(rules, device)
@@ -156,11 +141,8 @@ class EagerPolicyMode(PolicyMode):
 
 
 class OpRules:
-    """The op moves of one forward (torch function name -> category) on ``device``, by the mechanism
-    that carries them: :attr:`mode` (a :class:`PolicyMode`) under ``torch.compile``; in eager
-    :meth:`eager`: unimp's Autocast kernels (``kernels``: aten name -> category, held while this object
-    lives; :func:`autocast.kernel_table`) or, when they cannot carry the moves, an :class:`EagerPolicyMode`.
-    Copies and pickles hold their own kernels."""
+    """The op moves of one forward on ``device``: :attr:`mode` (a :class:`PolicyMode`) under
+    ``torch.compile``; in eager :meth:`eager`: unimp's Autocast kernels (``kernels``) or an :class:`EagerPolicyMode`."""
 
     def __init__(self, table: Mapping[str, str], device: str) -> None:
         self.device = device
@@ -200,15 +182,10 @@ class OpRules:
         self._acquire()
 
 
-# ---------------------------------------------------------------- unimp's Autocast kernels (eager)
-
 _state = threading.local()  # .table: aten name -> category while a unimp forward runs in this thread
-# Kernels are held by handles: acquire() registers what is missing; the last handle dropped destroys the
-# library. The handles are dropped by finalizers (a PolicyForward collected by the GC), which may run in
-# any thread at any allocation, also in a thread that is inside acquire() holding _lock: release() never
-# waits for _lock. It queues the handle (deque.append: atomic) and drops the queue only if it gets the
-# lock at once; whoever holds the lock drops the queue after letting it go (_drop_released), so a
-# handle released while the lock was held is dropped as soon as the holder leaves.
+# Kernels are held by handles (acquire() registers what is missing; the last handle dropped destroys the library).
+# Finalizers drop handles in any thread, maybe one inside acquire() holding _lock: release() never waits for it, it
+# queues the handle, and whoever holds the lock drops the queue after letting it go (_drop_released).
 _lock = threading.Lock()
 _lib: Any = None
 _registered: set[tuple[str, str]] = set()  # (qualified overload, device)
@@ -265,11 +242,8 @@ def single_op(module: torch.nn.Module) -> str | None:
 
 class SingleOpForward:
     """The forward of a torch module that is one op (:func:`single_op`) which unimp's kernels move
-    to float32: while a unimp forward moves that op and the module's parameters are float32, the
-    module runs as the kernel runs its op (input cast to float32, autocast off for the call), at the
-    module's boundary instead of a round trip from the dispatcher into Python (about 10 µs per call);
-    otherwise its forward runs as it is (and the kernel, if any, acts). An object on the instance:
-    copies of the model run their own module; ``torch.compile`` traces its plain branch.
+    to float32: while a unimp forward moves that op and the parameters are float32, it runs as the kernel would, at
+    the module's boundary (no dispatcher round trip into Python); otherwise its forward runs as it is.
     """
 
     def __init__(self, module: torch.nn.Module, name: str, device: str) -> None:

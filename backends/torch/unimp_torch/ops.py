@@ -1,9 +1,8 @@
-"""The native names of torch for each canonical op: aten op names (as in torch's autocast lists) and
-``torch.nn`` module classes. The backend declares this table (``TorchBackend.native_ops``); the core
-reads no framework's names.
+"""The native names of torch for each canonical op: aten op names (as in torch's autocast lists) and ``torch.nn`` module
+classes. The backend declares this table (``TorchBackend.native_ops``); the core reads no framework's names.
 
-Source: torch's docs/source/amp.rst ("CUDA Ops that can autocast to float16", "... to float32",
-"CPU Ops that can autocast to bfloat16", ...) and aten/src/ATen/autocast_mode.cpp.
+Source: torch's docs/source/amp.rst ("CUDA Ops that can autocast to float16", "... to float32", "CPU Ops that can
+autocast to bfloat16", ...) and aten/src/ATen/autocast_mode.cpp.
 
 >>> NATIVE_OPS["linear"]
 ('linear', 'Linear')

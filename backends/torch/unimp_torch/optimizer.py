@@ -1,20 +1,11 @@
 """The optimizer wrapper: unscale, finiteness check, skip or step, scale update, master weights.
 
-``amp.optimizer`` is a ``torch.optim.Optimizer`` (LR schedulers accept it) that delegates to the
-user's optimizer. A skipped step changes no parameter, master or optimizer state:
-
-- fused optimizers (``fused=True``; torch marks them ``_step_supports_amp_scaling``) get the
-  device-side ``found_inf`` flag and skip inside their kernel (no host sync; step counts restored).
-  A step that would create optimizer state (the first one) reads the flag on the host, and a
-  skip deletes the state the kernel allocated but never filled: "no state yet" stays so;
-- any other optimizer is simply not called when the flag is set (one host read of the flag:
-  free on CPU, one sync on CUDA, as ``torch.amp.GradScaler`` does for non-fused optimizers).
-
-Sparse gradients (``nn.Embedding(sparse=True)``) are unscaled and checked on their values, as
-``torch.amp.GradScaler`` does (float16 ones coalesced first). Unscaling happens once per set of
-gradients: it is remembered until a new loss is scaled, so an exception inside ``step()`` (a
-caught Ctrl-C) neither leaves this step's flag behind for the next one nor unscales twice when
-the step is retried.
+``amp.optimizer`` is a ``torch.optim.Optimizer`` delegating to the user's. A skipped step changes no parameter,
+master or optimizer state: fused optimizers (``_step_supports_amp_scaling``) get the device-side ``found_inf``
+and skip in their kernel (a first step's fresh state is deleted on skip); any other is not called when the flag
+is set (one host read, as ``torch.amp.GradScaler``). Sparse gradients are unscaled and checked on their values.
+Unscaling happens once per set of gradients (remembered until a new loss is scaled), so a step retried after an
+exception neither keeps a stale flag nor unscales twice.
 
 >>> import torch, unimp
 >>> m = torch.nn.Linear(2, 2)
@@ -47,10 +38,8 @@ def _inner(name: str) -> Any:
 class AmpOptimizer(torch.optim.Optimizer):
     """Wraps the user's optimizer; construct through :func:`unimp.apply`.
 
-    ``live(verb)`` raises once the Amp is removed; ``names`` maps ``id(param)`` of the
-    optimizer's parameters to their model names (for messages). ``iteration`` holds the optimizers
-    sharing the loss scale (:mod:`unimp_torch.iteration`): the scale is updated once all of them
-    stepped; by default this optimizer alone (updated after each step).
+    ``live(verb)`` raises once the Amp is removed; ``names``: ``id(param)`` -> model name (for messages);
+    ``iteration``: the optimizers sharing the loss scale (:mod:`unimp_torch.iteration`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, scaler: DeviceLossScale, params: ParamState,
@@ -125,7 +114,6 @@ class AmpOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
-    # ------------------------------------------------------------------ the step
     def master_params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
@@ -159,8 +147,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         if self.agree is not None:
             self.agree(found)  # on the device, no host read
         self._unscaled = (found, self.scaler.losses)
-        # the model's low-precision params now show the unscaled fp32 grads the optimizer steps, so
-        # GradScaler's idiom (unscale_, then clip_grad_norm_(model.parameters())) clips the masters
+        # the low-precision params show the masters' unscaled grads: clip_grad_norm_(model.parameters()) clips them
         for _, low, master in self.masters:
             if low.grad is not None and master.grad is not None and not master.grad.is_sparse:
                 low.grad = MasterGrad(master.grad, low.dtype)
@@ -204,10 +191,8 @@ class AmpOptimizer(torch.optim.Optimizer):
                 low.grad.zero_()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Unscale, check, skip or step, then (once the inner step has run) low params := masters
-        and the scale/counters updated: done by the inner optimizer's first step post-hook, before
-        any hook of the user's, so an exception in a user hook (a Ctrl-C) cannot leave the model's
-        weights behind the masters or the step uncounted; user post-hooks see the updated model."""
+        """Unscale, check, skip or step; low params := masters and the scale updated by the inner optimizer's
+        first step post-hook, before any user hook (an exception there cannot leave weights behind the masters)."""
         self._live("amp.optimizer.step()")
         self.iteration.check_step(self, "amp.optimizer.step()")
         if closure is not None:
@@ -250,9 +235,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         return out
 
     def _inner_step(self, found: torch.Tensor | None, skip: bool, fresh: Sequence[torch.Tensor]) -> Any:
-        """The inner optimizer's step; :meth:`_finish` runs from its post-hook (or right after it, when
-        the hook is gone, e.g. on an optimizer unpickled without hooks). An exception before the
-        inner step completes leaves the scale and counters as they were."""
+        """The inner optimizer's step; :meth:`_finish` runs from its post-hook (or right after, when the
+        hook is gone). An exception before the inner step completes leaves the scale and counters as they were."""
         # bumped by the inner step's in-place update (a fused kernel bumps only its state's step counter)
         state = self.optimizer.state
         params = [t for p in self.master_params() if p.grad is not None
@@ -267,8 +251,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 self.in_step = False
             self._finish()
         except BaseException:
-            # a Ctrl-C after the inner step updated the params (in its post-hooks, in _finish): the model
-            # gets the masters' values and the step is counted, then it raises; else nothing to finish
+            # a Ctrl-C after the inner step updated the params: the model gets the masters' values, the step counts
             if self._pending is not None and (self._stepped or len(state) != held or any(
                     p._version != v for p, v in zip(params, versions, strict=True))):
                 self._finish()

@@ -1,13 +1,8 @@
 """Parameter dtypes per the policy, fp32 master weights, and their exact undo.
 
-With master weights, the user's fp32 ``Parameter`` objects stay in the optimizer as masters and
-the model gets new low-precision parameters (weight ties kept); without them, parameters are
-cast in place. ``restore()`` puts everything back (after training, the masters' values).
-
-While applied, the model's ``state_dict()`` holds the fp32 originals (the masters, and the
-originals of frozen parameters) in place of their low-precision copies, and
-``load_state_dict()`` loads into them too: a checkpoint of the model is its full-precision
-weights, and loading one resumes the masters exactly.
+With master weights the user's fp32 ``Parameter`` objects stay in the optimizer as masters and the model gets new
+low-precision parameters (weight ties kept); without, parameters are cast in place. While applied, the model's
+``state_dict()``/``load_state_dict()`` hold the fp32 originals; ``restore()`` puts everything back.
 
 >>> import torch, unimp
 >>> from unimp.spi import Plan
@@ -133,11 +128,9 @@ class ParamState:
 
 
 class MasterGrad(torch.Tensor):
-    """A low-precision parameter's ``.grad`` after ``amp.unscale_()``: its fp32 master's unscaled
-    gradient, shown with the parameter's dtype. Every op on it runs on the master's gradient (results
-    in float32; in-place ops change it), so ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)``
-    after ``amp.unscale_()`` (``torch.amp.GradScaler``'s idiom) returns the fp32 norm and clips the
-    gradients the optimizer steps.
+    """A low-precision parameter's ``.grad`` after ``amp.unscale_()``: its fp32 master's unscaled gradient, shown with
+    the parameter's dtype; every op on it runs on the master's gradient, so GradScaler's idiom
+    ``clip_grad_norm_(model.parameters(), c)`` clips the gradients the optimizer steps.
 
     >>> p = nn.Parameter(torch.ones(2, dtype=torch.float16)); master_grad = torch.tensor([3.0, 4.0])
     >>> p.grad = MasterGrad(master_grad, p.dtype)

@@ -1,12 +1,8 @@
 """A policy compiled for torch on one device: the Plan, and what apply must add to torch.autocast.
 
-``plan.details`` (a :class:`TorchDetails`) carries the mechanism: ``autocast`` (the dtype torch.autocast runs, or None;
-float32 for a float32 compute dtype whose overrides lower layers, so ops after them cast their inputs),
-``op_moves`` (torch function name -> category: the ops unimp runs differently from torch's lists;
-empty = plain torch.autocast) and ``eager_mechanism``, how an eager forward moves them:
-``autocast_kernels`` (unimp's Autocast kernels on just those ops: no moved op has a C++ Autocast
-kernel on the device), ``function_mode`` (``PolicyMode`` on every call: some moved op has one)
-or None (no moves). Under ``torch.compile`` the moves are always traced through ``PolicyMode``.
+``plan.details`` (:class:`TorchDetails`): ``autocast`` (torch.autocast's dtype, or None), ``op_moves`` (torch
+function name -> category, the ops unimp runs differently from torch's lists) and ``eager_mechanism``
+(``autocast_kernels``, ``function_mode`` or None). Under ``torch.compile`` moves are traced through ``PolicyMode``.
 
 >>> import unimp
 >>> from unimp.spi import Plan
@@ -87,10 +83,9 @@ class TorchDetails:
 
 def compile_plan(request: PlanRequest, model: Any = None, device: str | None = None,
                  index: Iterable[LayerInfo] | None = None, fp8_missing: str | None = None) -> Plan:
-    """The torch Plan of ``request`` (:meth:`Plan.request`, what ``TorchBackend.plan`` receives) on ``device``
-    (``cpu`` | ``cuda``; default: ``model``'s); ``index``: the model's modules (default: ``model``'s);
-    ``fp8_missing``: why FP8 cannot run (a backend built on this one without torchao's FP8, e.g. ipex),
-    else torchao's support is checked."""
+    """The torch Plan of ``request`` (:meth:`Plan.request`, what ``TorchBackend.plan`` receives) on ``device`` (``cpu``
+    | ``cuda``; default: ``model``'s); ``index``: the model's modules (default: ``model``'s); ``fp8_missing``: why FP8
+    cannot run (a backend built on this one without torchao's FP8, e.g. ipex), else torchao's support is checked."""
     from .validate import device_of
 
     device = device or device_of(model)
@@ -102,8 +97,8 @@ def compile_plan(request: PlanRequest, model: Any = None, device: str | None = N
     request = request.at(compute)
     for setting, dtype in request.compute_requests()[1:]:  # the overrides' (the compute dtype is checked)
         check_dtype(dtype, device, setting)
-    # the low dtypes the forward meets: the compute dtype and the overrides' (their outputs reach later ops);
-    # a float32 compute dtype with lowered layers runs autocast to float32 (lower ops cast to it)
+    # the low dtypes the forward meets: the compute dtype and the overrides'; a float32 compute dtype with lowered
+    # layers runs autocast to float32
     lows = set(request.low_dtypes)
     autocast = compute if dtypes.is_low(compute) else "float32" if lows else None
     mixing = request.mixes_compute

@@ -1,11 +1,8 @@
 """Loss scaling on the device: the core reference rule as tensor ops, no host round trip.
 
-State lives in tensors on the model's device (``scale`` in ``loss_scale.scale_dtype``, float32 or
-float64; tracker and hysteresis int32, skipped int64); only ``steps`` is a host counter. When the
-policy's knobs are exactly torch GradScaler's rule (no floor, no cap, hysteresis 1), the update
-is torch's own fused kernel ``torch._amp_update_scale_``; otherwise the core's rule
-(:func:`unimp.loss_scale.rule.step`) runs on the tensors through :class:`TorchOps`. Every knob is
-honoured (torch keeps subnormals and holds float64 on every device it runs on).
+State lives in tensors on the model's device (only ``steps`` is a host counter). With exactly GradScaler's knobs
+the update is torch's fused ``torch._amp_update_scale_``; otherwise the core's rule
+(:func:`unimp.loss_scale.rule.step`) runs on the tensors through :class:`TorchOps`.
 
 >>> import torch, unimp
 >>> from unimp.spi import Plan
@@ -56,7 +53,6 @@ class DeviceLossScale:
         self.losses = 0  # losses scaled so far: new gradients may have arrived since this changed
         self.set_state(LossScale(spec).initial_state())
 
-    # ------------------------------------------------------------------ state
     def set_state(self, st: LossScaleState) -> None:
         """Replace the state: every tensor is built first, so a value that does not fit changes nothing."""
         tensors = []
@@ -72,8 +68,7 @@ class DeviceLossScale:
                                  f"{str(dtype)[6:]} counter ({e}); load a state_dict saved by unimp") from None
         self.scale, self.tracker, self.hysteresis, self.skipped = tensors
         self.steps = st.steps
-        # torch's kernel grows at tracker + 1 == interval (int32, wrapping): the same as the rule's
-        # tracker + 1 >= interval only from a tracker below the interval (where it then stays)
+        # torch's kernel grows at tracker + 1 == interval: the rule's >= only from a tracker below the interval
         self.native = torch_rule(self.spec) and st.growth_tracker < self.spec.growth_interval
         self._inv = None
 
@@ -83,7 +78,6 @@ class DeviceLossScale:
                               hysteresis_left=int(self.hysteresis.item()), skipped=int(self.skipped.item()),
                               steps=self.steps)
 
-    # ------------------------------------------------------------------ per step
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         self.losses += 1
         if self.spec.mode == "none":

@@ -1,18 +1,10 @@
 """Optimizers that step an applied model's parameters around unimp, refused at their first step.
 
-A ``torch.optim`` optimizer unimp does not wrap, stepping parameters of a model under a policy
-that scales the loss, would apply the *scaled* gradient (65536 times the update); under a policy
-with fp32 master weights (``fp16_master``, ``pure_bf16``), its update of the low-precision copies
-(or of the masters, whose gradients never arrive) would be lost at the next copy from the
-masters. Both are refused with an :class:`unimp.errors.UnsupportedError` naming the fix, before
-the optimizer changes anything. So is a wrapped optimizer stepped directly (the object passed to
-``unimp.apply`` instead of ``amp.optimizers[i]``). Where nothing is scaled and there are no
-masters (``mixed_bf16``), any optimizer steps the model correctly and is let through.
-
-One global ``torch.optim`` step pre-hook does it, registered at the first ``unimp.apply``: per
-step it costs a dictionary lookup; an optimizer is checked against the applied models once (at
-its first step, again only after an ``apply`` or ``remove``), whether it was built before or after
-``apply``.
+An unwrapped optimizer would apply the *scaled* gradient under a scaling policy, or lose its update at the next
+copy from the fp32 masters; so would a wrapped optimizer stepped directly (not ``amp.optimizers[i]``). These are
+refused with an :class:`unimp.errors.UnsupportedError` naming the fix, before anything changes; with no scaling
+and no masters (``mixed_bf16``) any optimizer is let through. One global ``torch.optim`` step pre-hook does it
+(a dictionary lookup per step; each optimizer checked once, again only after an ``apply`` or ``remove``).
 
 >>> import torch, unimp
 >>> m = torch.nn.Linear(2, 2)

@@ -1,13 +1,9 @@
 """What really ran: per module path, the dtypes seen in one real forward.
 
-A ``TorchFunctionMode`` records the output dtype of the first compute function each module calls
-itself (after autocast and unimp's op rules acted on it); forward hooks record output dtypes.
-Casts, views and factories do not count as compute. A layer whose parent computes with its
-weights instead of calling it (HF Mamba's mixer: ``F.conv1d(x, self.conv1d.weight...)``,
-``self.dt_proj.weight @ x``) gets the dtypes of those computations. The first call after
-``apply`` is observed as it runs (:class:`Observer`): the first forward, or the first call of another
-entry point (``generate()``: the encoder once, the decoder at every step, all of it); ``amp.report(x)``
-runs :func:`observe` on an example input.
+A ``TorchFunctionMode`` records the output dtype of the first compute function (not casts, views, factories)
+each module calls itself; forward hooks record output dtypes. A layer whose parent computes with its weights
+(HF Mamba's mixer) gets those computations' dtypes. The first call after ``apply`` is observed as it runs
+(:class:`Observer`); ``amp.report(x)`` runs :func:`observe` on an example input.
 
 >>> import torch
 >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))
@@ -191,8 +187,7 @@ def observe(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, dict[str, 
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = sorted({b.device.index or 0 for b, _ in buffers if b.device.type == "cuda"})
     try:
-        # eager even where the model (or a submodule) was compiled in place (module.compile()): the
-        # observer's hooks and recorder see ops only when they run
+        # eager even where the model was compiled in place (module.compile()): hooks and recorder see only what runs
         with torch.no_grad(), torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
             obs.run(model, lambda: model(*args, **kwargs))
     finally:

@@ -1,13 +1,9 @@
-"""What ``unimp.tune`` can measure only through torch (``TorchBackend.tuning()``): no-grad evaluation, the
-GEMM shapes of ``nn.Linear`` layers, the FP8 GEMM microbenchmark and Hutchinson Hessian traces.
+"""What ``unimp.tune`` measures through torch (``TorchBackend.tuning()``): no-grad evaluation, ``nn.Linear`` GEMM
+shapes, the FP8 GEMM microbenchmark and Hutchinson Hessian traces.
 
-The microbenchmark times one training step's three GEMMs of a linear layer of shape ``(M, K, N)``
-(forward ``x @ w.T``, grad-input ``g @ w``, grad-weight ``g.T @ x``) in the compute dtype and in FP8 with
-the policy's recipe, each FP8 GEMM including what the recipe adds: the amax, the scale, the cast of every
-operand and the transposed copies ``torch._scaled_mm`` needs (tensorwise: one scale per tensor; rowwise:
-one per row; rowwise_gw_hp: the grad-weight GEMM in the compute dtype). It runs where FP8 GEMMs exist
-(CUDA, compute capability 8.9+), both steps under ``torch.compile`` (the casts fused, as torchao's float8
-runs compiled); elsewhere it says why it measured nothing.
+The microbenchmark times a linear layer's three training GEMMs (``x @ w.T``, ``g @ w``, ``g.T @ x``) in the
+compute dtype and in FP8 with the policy's recipe, including the recipe's amax, scales, casts and transposed
+copies, both under ``torch.compile``; only on CUDA with compute capability 8.9+, elsewhere it says why not.
 
 >>> import torch
 >>> t = TorchTuning()
@@ -123,9 +119,8 @@ class TorchTuning:
         return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
     def fp8_candidate_sets(self, model: nn.Module, paths: Sequence[str], recipe: str) -> dict[str, list[str]]:
-        """torchao's own layer filters as candidate FP8 sets (where torchao imports): its default (every
-        ``nn.Linear`` but ``lm_head``/``output``, as torchtitan's ``filter_fqns``) and ``_auto_filter_for_recipe``
-        (what torchtitan's ``auto_filter_small_kn`` calls), each restricted to ``paths``."""
+        """torchao's own layer filters as candidate FP8 sets (where torchao imports): its default and
+        ``_auto_filter_for_recipe`` (as torchtitan's ``filter_fqns``, ``auto_filter_small_kn``), within ``paths``."""
         linears = {p: m for p, m in model.named_modules() if p in set(paths) and isinstance(m, nn.Linear)}
         keep_out = ("lm_head", "output")
         sets = {"torchao default filter": [p for p, m in linears.items() if not any(k in p for k in keep_out)
@@ -141,12 +136,9 @@ class TorchTuning:
 
     def step_seconds(self, model: nn.Module, policy: Any, loss_fn: Callable[[Any, Any], Any], batch: Any,
                      compiled: bool) -> float:
-        """Median seconds of one training step — ``amp.backward(loss_fn(model, batch))`` — of a copy of ``model``
-        under ``policy``, ``torch.compile``d (inductor) when ``compiled``, on ``model``'s device.
-
-        A stack of three or more identical blocks (an ``nn.ModuleList`` of one class: a transformer's layers) is
-        cut to its first ``STEP_BLOCKS`` in the copy: a block's kernels and fusions do not depend on how many
-        blocks follow, so the sets rank alike, at a fraction of the compile time."""
+        """Median seconds of one training step (``amp.backward(loss_fn(model, batch))``) of a copy of ``model``
+        under ``policy``, compiled when ``compiled``. A stack of three or more identical blocks is cut to its first
+        ``STEP_BLOCKS`` in the copy (the sets rank alike, at a fraction of the compile time)."""
         import copy
 
         from unimp.spi import apply

@@ -56,9 +56,8 @@ def as_list(optimizer: Any) -> list[Any]:
 
 def check_optimizers(model: torch.nn.Module, optimizers: list[Any], where: str,
                      taken: dict[int, str] | None = None, own: set[int] | None = None) -> None:
-    """Each is a ``torch.optim.Optimizer`` over parameters of ``model``, no parameter in two of them (nor
-    in ``taken``: ``id(param)`` -> which optimizer already steps it); errors name the optimizer, group, index.
-    ``own``: the ids that count as the model's (default: ``model.parameters()``)."""
+    """Each is a ``torch.optim.Optimizer`` over ``own`` ids (default ``model.parameters()``), no
+    parameter in two of them nor in ``taken`` (id -> its optimizer); errors name the optimizer, group, index."""
     own = {id(p) for p in model.parameters()} if own is None else own
     seen = dict(taken or {})
     several = len(optimizers) > 1
@@ -83,9 +82,8 @@ def check_optimizers(model: torch.nn.Module, optimizers: list[Any], where: str,
 
 
 def check_modules(model: torch.nn.Module) -> None:
-    """Refuse, before anything is changed, what a policy cannot be bound to: TorchScript modules
-    (their forward and hooks cannot be replaced) and uninitialised lazy parameters (no dtype or
-    shape to cast yet). The error names the module path and the fix."""
+    """Refuse, before anything changes, TorchScript modules and uninitialised lazy parameters (nothing
+    to hook or cast); the error names the module path and the fix."""
     from torch.nn.parameter import is_lazy
 
     for path, m in model.named_modules():

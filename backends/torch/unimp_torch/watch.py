@@ -1,42 +1,20 @@
-"""``amp.watch()`` for torch: per-layer numerics on sampled steps, and where a skipped step's first
-non-finite value appeared. The records, their order and the writers are the core's (:class:`unimp.watch.Watch`,
-handed to :meth:`TorchAmp._start_watch`); the hooks' scheduling, the step's host state and the record's
-assembly are the core's :class:`unimp.watch.eager.EagerWatch`; this module measures (torch's hooks and device
-ops, and the traced path).
+"""``amp.watch()`` for torch: per-layer numerics on sampled steps, and where a skipped step's first non-finite value
+appeared. Records, writers, hook scheduling and record assembly are the core's (:class:`unimp.watch.Watch`,
+:class:`unimp.watch.eager.EagerWatch`); this module measures with torch's hooks and device ops, eager and traced.
 
-Hooks on the report's layers (:func:`unimp_torch.trace.is_layer`; the model itself aside, whose output is
-its last layer's or its loss, checked as the step's loss): a forward
-pre-hook (the layer's input) and a forward hook (its output). Everything they compute stays on the
-device (no host read, no Python side effect that ``torch.compile`` would break the graph for): per
-check, one float32 sum (non-finite iff some value is), and on sampled steps the amax and the class
-counts in the layer's compute dtype (the Plan's; a tensor already narrower: its own) against
-:func:`unimp.spi.dtypes.limits`, counted on the bit patterns. The
-host reads them once at the end of a step that is sampled or skipped (the skip flag is read on the host
-at each step's end: free on CPU, one sync on CUDA with a fused optimizer, as a non-fused one always does).
+Forward pre-hooks and hooks on the report's layers (:func:`unimp_torch.trace.is_layer`; the model itself aside) compute
+on the device only (no host read, no graph break): per check one float32 sum (non-finite iff some value is), and on
+sampled steps the amax and class counts in the layer's compute dtype against :func:`unimp.spi.dtypes.limits`, counted on
+the bit patterns. The host reads them once at the end of a sampled or skipped step. A step is one update of the shared
+loss scale (:mod:`unimp.loss_scale.iteration`): with several optimizers one record covers the whole iteration, skipped
+when any of them skipped.
 
-A step is a training iteration: the update of the loss scale the Amp's optimizers share
-(:mod:`unimp.loss_scale.iteration`), which a watch listens to. With several optimizers (``amp.optimizers``,
-or another Amp's joined by ``share_scale_with=``: a GAN's ``netD`` and ``netG``) one record covers the
-forwards and backwards of the whole iteration, whichever optimizer steps first, and a step is skipped
-when some optimizer sharing the scale skipped (the scale backed off, as ``torch.amp.GradScaler.update()``
-after ``found_inf`` in any of them). A watch on each of two Amps sharing one scale sees its own model's
-layers; a record of an iteration this Amp's own optimizers stepped says which other one skipped.
-
-The backward: in eager, a tensor hook on each layer's output (the gradient arriving there) and, with
-``localize``, on a view of each input the layer takes (the gradient its backward produced for it).
-Traced by ``torch.compile``, the same tensors pass through :class:`_Tap` (a copy whose backward
-measures the gradient into the gradient of :attr:`TorchWatch.probe`, a leaf the backward accumulates
-into): a compiled backward then writes no buffer a forward graph saved, whatever graph breaks the
-model has, and its positions mirror the forward's (a gradient arrives at a layer's output in the
-reverse order of the layers' returns, leaves its input in the reverse order of their calls).
-
-Eager, the hooks are installed only for the steps that use them (sampled steps, every step with
-``localize``): an unwatched step runs no hook at all. Once the model runs compiled they stay installed
-(``torch.compile`` does not guard on module hooks: a graph traced without them would never run them)
-and read :attr:`TorchWatch.checking` / :attr:`TorchWatch.sampling` first, which every graph that inlined
-them guards on: an unwatched step runs the graph traced with nothing of the watch in it. A model that
-``torch.compile`` traced before the watch started (or on a step without the hooks) is traced again:
-``torch.compiler.reset()``, said in a :class:`UnimpWarning`.
+The backward: eager, a tensor hook on each layer's output (and, with ``localize``, on a view of each input); traced by
+``torch.compile``, the same tensors pass through :class:`_Tap`, whose backward measures into the gradient of
+:attr:`TorchWatch.probe` (no buffer a forward graph saved is written). Eager hooks are installed only for the steps that
+use them; once the model runs compiled they stay installed and read :attr:`TorchWatch.checking` /
+:attr:`TorchWatch.sampling` first (a model traced without them is traced again: ``torch.compiler.reset()``, said in a
+:class:`UnimpWarning`).
 
 >>> import torch, unimp
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
@@ -72,9 +50,8 @@ from .trace import is_layer
 
 
 class _Checking:
-    """Whether a watch's hooks work on this step: the first thing every hook reads. Read through the module
-    global :data:`_CHECKING` by one name for all its hooks, so a compiled graph that inlined them guards on it
-    once (read through each hook's own attributes, its guards made an unwatched compiled step 1-2% slower)."""
+    """Whether a watch's hooks work on this step, read through :data:`_CHECKING` by one name for all hooks
+    (a compiled graph that inlined them guards on it once: per-hook guards cost 1-2% per unwatched step)."""
 
     __slots__ = ("on",)
 
@@ -87,9 +64,8 @@ _serial = itertools.count(1)
 
 
 class _Hook(Hook):
-    """One of a layer's hooks (:class:`unimp.watch.eager.Hook`), read through :data:`_CHECKING` first.
-    ``device``: a forward hook's device type; the policy's autocast (and unimp's own kernels for the ops it
-    moves) is off while the hook measures (its sums and counts are the watch's, not the model's)."""
+    """One of a layer's hooks (:class:`unimp.watch.eager.Hook`), read through :data:`_CHECKING` first;
+    autocast is off on ``device`` while it measures."""
 
     def __init__(self, fn: Callable[..., Any], base: int, device: str, serial: int) -> None:
         super().__init__(fn, base)
@@ -138,7 +114,6 @@ class TorchWatch(EagerWatch):
         self.serial = next(_serial)
         _CHECKING[self.serial] = _Checking()
 
-    # ------------------------------------------------------------------ install
     def _arming(self) -> None:
         """Once the model runs compiled, the hooks stay installed (see the module's docstring)."""
         compiled = getattr(self.amp.module.__dict__.get("forward"), "compiled_inputs", None) is not None
@@ -155,7 +130,6 @@ class TorchWatch(EagerWatch):
         return [module.register_forward_pre_hook(_Hook(self._pre, base, self.device, self.serial), with_kwargs=True),
                 module.register_forward_hook(_Hook(self._post, base, self.device, self.serial))]
 
-    # ------------------------------------------------------------------ on the device, per hook
     def _check(self, slot: int, tensors: Sequence[torch.Tensor], measured: torch.Tensor | None = None) -> None:
         """Traced: the sums go into the device buffer and the position is a device clock's (no Python side
         effect in a graph). Eager: the base's (:meth:`unimp.watch.eager.EagerWatch._check`)."""
@@ -169,9 +143,8 @@ class TorchWatch(EagerWatch):
         return None
 
     def _measure(self, slot: int, t: torch.Tensor, target: str, scaled: bool = False) -> None:
-        """amax and class counts of ``t`` cast to ``target`` (``scaled``: after tensorwise scaling to ``target``'s
-        max, as an FP8 cast does; else ``t`` as it is, in its dtype or in a narrower ``target``). Eager: a tensor
-        measured already this step (a layer returning its last child's output) is not measured again."""
+        """amax and class counts of ``t`` cast to ``target`` (``scaled``: after tensorwise scaling to its max,
+        as an FP8 cast does). Eager: a tensor measured already this step is not measured again."""
         if not torch.compiler.is_compiling():
             return super()._measure(slot, t, target, scaled)
         amax, counts = _amax_and_counts(t, self._how(t, target, scaled))
@@ -245,7 +218,6 @@ class TorchWatch(EagerWatch):
     def _width(self, t: torch.Tensor) -> int:
         return t.itemsize
 
-    # ------------------------------------------------------------------ per step, on the host
     def _scale_now(self) -> torch.Tensor:
         return self.amp.scaler.scale.detach().clone()
 
@@ -308,10 +280,9 @@ _ROW, _NUMEL, _OCCURRED, _CODE = 11, 8, 9, 10
 
 
 class _Tap(torch.autograd.Function):
-    """A traced step's view of a layer's output (or, with ``localize``, input): a copy (later in-place ops on
-    it stay legal) whose backward checks, and on sampled steps measures, the gradient into the probe's
-    gradient row ``slot`` (``measure``: :meth:`TorchWatch._how`'s constants; ``fp8``: a second row and its
-    constants for an FP8 layer's gradient format). The backward writes no buffer: it returns a gradient."""
+    """A traced step's copy of a layer's output (or input, with ``localize``) whose backward checks, and on
+    sampled steps measures (``measure``, ``fp8``: :meth:`TorchWatch._how`'s constants), the gradient into the
+    probe's gradient row ``slot``. It writes no buffer: it returns a gradient."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, probe: torch.Tensor, spec: tuple) -> torch.Tensor:

@@ -1,35 +1,14 @@
-"""``torch.optim.swa_utils.AveragedModel`` of a model with fp32 masters averages the masters.
+"""``torch.optim.swa_utils.AveragedModel`` (and timm's EMAs) of a model with fp32 masters average the masters.
 
-``ema = AveragedModel(model)`` then ``ema.update_parameters(model)`` each step (torch's docs,
-timm's ``ModelEmaV3``) reads ``model.parameters()``: under a policy with master weights
-(``fp16_master``, ``pure_bf16``) those are the rounded low-precision copies the forward computes
-with, and the copy ``AveragedModel`` makes holds them too. An EMA built from an applied model
-instead gets fp32 parameters in those slots at its first update, and its ``update_parameters``
-runs inside ``amp.masters_in_model()`` of the model it is given: the EMA of what the optimizer steps.
-
-How: torch's public global hook on module registration
-(``torch.nn.modules.module.register_module_module_registration_hook``) sees
-``AveragedModel.__init__`` assign ``self.module = deepcopy(model)``; for the copy of an applied
-model (its forward runs the policy), it gives that one ``AveragedModel`` an instance
-``update_parameters`` (:class:`FromMasters`): the only per-object way in, since
-``update_parameters`` reads ``model.parameters()`` itself. No torch class is patched.
-
-An ``AveragedModel`` built *before* ``unimp.apply`` (``ema = AveragedModel(model)``, then the policy applied
-to ``model``) holds a plain fp32 copy, and its ``update_parameters(model)`` would mix that copy's fp32 with
-the model's low-precision copies (torch's foreach EMA refuses it with a dtype error; a per-parameter
-``avg_fn`` averages the rounded weights). ``apply`` finds it: every ``AveragedModel`` built since the hook is
-on is remembered (weakly), and those built before it, once, by one walk of the garbage collector's objects
-at the first ``apply`` of a policy with masters (tens of milliseconds in a process of ~400k objects);
-each whose copy has this model's class and parameter names and shapes gets the same ``update_parameters``.
-Given the applied model it averages the masters; given any other model, it is the class's own.
-
-timm's EMAs (``timm.utils.ModelEmaV3`` of timm's ``train.py``, ``ModelEmaV2``) average ``model.state_dict()``,
-which holds the fp32 masters while applied: one built before ``apply`` (an fp32 copy) already averages them.
-One built after ``apply`` copies the model's low-precision copies and would keep the EMA in float16 or
-bfloat16 (rounded every update, or stochastically rounded); the same hook sees it assign the copy as
-``self.module`` and gives the copy fp32 parameters holding the masters in those slots (found by the
-applied model whose parameters the fresh copy equals bit for bit): the EMA is then kept in float32. timm is
-not imported: the wrapper is known by its class's module and name.
+Under a policy with master weights, ``model.parameters()`` are the rounded low-precision copies. torch's global
+module-registration hook (``register_module_module_registration_hook``) sees ``AveragedModel.__init__`` assign
+``self.module = deepcopy(model)``: for a copy of an applied model that ``AveragedModel`` gets fp32 parameters and
+an instance ``update_parameters`` (:class:`FromMasters`) that runs inside ``amp.masters_in_model()``. No torch
+class is patched. One built *before* ``apply`` is found too (remembered weakly since the hook is on, else by one
+walk of the garbage collector's objects at the first ``apply`` with masters) when its copy has this model's class,
+parameter names and shapes. timm's ``ModelEmaV2``/``ModelEmaV3`` average ``state_dict()`` (the masters while
+applied); one built after ``apply`` gets fp32 parameters holding the masters, so the EMA stays float32 (timm is
+not imported: known by class module and name).
 
 >>> import torch, unimp
 >>> from torch.optim.swa_utils import AveragedModel
@@ -130,9 +109,8 @@ def _from_masters(averaged: AveragedModel) -> None:
 
 
 class FromMasters:
-    """An ``AveragedModel``'s ``update_parameters`` when it copied a model with a policy applied: given a model
-    with low-precision copies, the averaged parameters in those slots become fp32 (once), and the class's
-    ``update_parameters`` runs inside ``amp.masters_in_model()``."""
+    """An ``AveragedModel``'s ``update_parameters`` for a copy of an applied model: the averaged parameters
+    become fp32 (once), and the class's ``update_parameters`` runs inside ``amp.masters_in_model()``."""
 
     def __init__(self, averaged: AveragedModel) -> None:
         self.averaged = averaged

@@ -1,17 +1,10 @@
 """HF ``Trainer`` with a unimp policy: ``UnimpTrainer(policy=..., model=..., args=..., ...)``.
 
-The policy is applied when the Trainer creates its optimizer (after it read the model's forward
-signature for ``remove_unused_columns``). Then, for every policy:
-
-- the loss is scaled before ``backward`` (the policy's loss scale; 1 without scaling);
-- gradients are unscaled (onto the fp32 masters, when the policy keeps them) before clipping and
-  before the grad norm is logged;
-- a skipped step (non-finite gradients) is reported to the Trainer as skipped, so the LR scheduler
-  does not advance, exactly as with ``fp16=True``; ``trainer.amp.skipped_steps`` counts them;
-- checkpoints carry the loss-scale state (``unimp_amp.pt`` next to ``optimizer.pt``) and resuming
-  restores it.
-
-Leave ``fp16``/``bf16`` in ``TrainingArguments`` off: the policy decides the dtypes.
+The policy is applied when the Trainer creates its optimizer. The loss is scaled before ``backward``; gradients
+are unscaled (onto the fp32 masters) before clipping and the logged grad norm; a skipped step is reported to the
+Trainer as skipped (the LR scheduler does not advance, as with ``fp16=True``; ``trainer.amp.skipped_steps``);
+checkpoints carry the loss-scale state (``unimp_amp.pt``) and resuming restores it. Leave ``fp16``/``bf16`` in
+``TrainingArguments`` off: the policy decides the dtypes.
 
 >>> import torch, transformers
 >>> from unimp_torch.integrations.hf import UnimpTrainer
@@ -78,9 +71,8 @@ class UnimpTrainer(transformers.Trainer):
         return self.optimizer
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> Any:
-        """``compute_loss`` (the forward and a ``compute_loss_func`` on its outputs) under the policy, where the
-        Trainer's fp16/bf16 run it under Accelerate's autocast: a loss on the model's outputs runs the policy's
-        rules (``loss`` in float32) whatever dtype the outputs come back in."""
+        """``compute_loss`` under the policy (where the Trainer's fp16/bf16 run it under
+        Accelerate's autocast): a loss on the model's outputs runs the policy's rules."""
         from ..forward import PolicyForward
 
         forward = vars(self.amp.model).get("forward") if self.amp is not None else None

@@ -1,13 +1,9 @@
 """PyTorch Lightning with a unimp policy: ``Trainer(plugins=[UnimpPrecision(policy)])``.
 
-The plugin applies the policy when Lightning connects the model and its optimizer, scales the
-loss before ``backward``, unscales the gradients (onto the fp32 masters when the policy keeps
-them) before gradient clipping, and steps or skips through unimp's optimizer wrapper. The
-loss-scale state is part of Lightning's checkpoints (the precision plugin's state). Call the model
-(``self(x)``) in ``training_step``: the policy's autocast and op rules run inside ``forward``, and
-around it for the whole step (``forward_context``, as Lightning's own MixedPrecision runs each step
-under ``torch.autocast``): a loss on the model's outputs runs the policy's rules (``loss`` in float32)
-whatever dtype the outputs come back in.
+The plugin applies the policy when Lightning connects the model and its optimizer, scales the loss, unscales
+the gradients before clipping, steps or skips through unimp's optimizer wrapper, and keeps the loss-scale state in
+Lightning's checkpoints. The policy's rules run for the whole step (``forward_context``): call the model
+(``self(x)``) in ``training_step``.
 
 >>> import torch, lightning as L
 >>> from unimp_torch.integrations.lightning import UnimpPrecision

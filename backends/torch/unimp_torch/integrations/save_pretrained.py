@@ -2,13 +2,9 @@
 full-precision model: the fp32 masters (and fp32 originals of frozen parameters), and a config
 whose ``dtype`` is theirs, so ``from_pretrained(d)`` returns them.
 
-HF ``PreTrainedModel.save_pretrained`` (and ``push_to_hub``, the Trainer's checkpoints, any
-library with the same method) reads ``model.state_dict()`` (the originals already, see
-:mod:`unimp_torch.params`) and writes ``config.dtype`` from the dtype of the model's first
-parameter (a low-precision copy while applied). An applied model whose class has a
-``save_pretrained`` method gets one on the instance that runs the class's inside
-``amp.masters_in_model()``; ``amp.remove()`` takes it away. Copies and pickles of the model get
-the class's method back (they hold their own weights, not the masters).
+An applied model whose class has a ``save_pretrained`` method (HF, ``push_to_hub``, the Trainer's checkpoints)
+gets one on the instance that runs the class's inside ``amp.masters_in_model()``; ``amp.remove()`` takes it away,
+and copies and pickles of the model get the class's method back.
 
 >>> import torch, unimp
 >>> class Saving(torch.nn.Linear):
