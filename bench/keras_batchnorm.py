@@ -64,35 +64,40 @@ def bn_dtypes(model: keras.Model) -> dict[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--keras-only-initial", type=float, default=None,
                     help="train Keras' own side only, with LossScaleOptimizer(initial_scale=...) (the control: "
                          "mixed_fp16's initial 2**16 vs Keras' 2**15)")
     args = ap.parse_args()
     if args.keras_only_initial is not None:
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             native, ref = build("mixed_float16", seed), build("float32", seed)
             native.set_weights(ref.get_weights())
             initial = args.keras_only_initial
             opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=initial)
-            print(f"seed {seed}: keras initial_scale={initial:g} {fit(native, opt, args.steps):.4f}", flush=True)
+            loss = fit(native, opt, args.steps)
+            print(f"seed {seed}: keras initial_scale={initial:g} {loss:.4f}", flush=True)
         return
     rows = []
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         ref = build("float32", seed)
         native = build("mixed_float16", seed)
         native.set_weights(ref.get_weights())
         keras_losses = fit(native, keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3)), args.steps)
         amp = unimp.apply("mixed_fp16", ref, keras.optimizers.Adam(1e-3))
         unimp_losses = fit(ref, amp.optimizer, args.steps)
-        if seed == 0:
+        if seed == args.first_seed:
             print("dtypes keras:", bn_dtypes(native), "unimp:", bn_dtypes(ref))
         amp.remove()
         rows.append((seed, keras_losses, unimp_losses))
         print(f"seed {seed}: keras {keras_losses:.4f} unimp {unimp_losses:.4f}", flush=True)
     k, u = statistics.median(r[1] for r in rows), statistics.median(r[2] for r in rows)
-    print(f"median final loss: keras {k:.4f}, unimp {u:.4f} ({'<=' if u <= k else '>'})")
-    print(json.dumps({"backend": keras.backend.backend(), "rows": rows, "median_keras": k, "median_unimp": u}))
+    above = sum(r[2] > r[1] for r in rows)
+    print(f"median final loss: keras {k:.4f}, unimp {u:.4f} ({'<=' if u <= k else '>'}); "
+          f"unimp above keras on {above} of {len(rows)} seeds")
+    print(json.dumps({"backend": keras.backend.backend(), "rows": rows,
+                      "median_keras": k, "median_unimp": u}))
 
 
 if __name__ == "__main__":
