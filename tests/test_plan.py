@@ -50,7 +50,10 @@ def test_loss_scale_is_resolved_in_the_plan():
     pol = unimp.load({"extends": "fp32", "compute_dtype": "auto"})
     assert pol.loss_scale.mode == "none"
     assert plan_for(pol, "float16").loss_scale.mode == "dynamic"
-    assert plan_for(pol, "float32").loss_scale == pol.loss_scale == asked_loss_scale(pol, "float32")
+    assert pol.loss_scale == asked_loss_scale(pol, "float32") and pol.loss_scale.initial_auto
+    # the Plan runs the policy's spec, its initial = "auto" resolved (2^16 on a backend that declares no other)
+    assert plan_for(pol, "float32").loss_scale == pol.loss_scale.starting_at(2.0 ** 16)
+    assert not plan_for(pol, "float32").loss_scale.initial_auto
     assert plan_for(pol, "float16").to_dict()["loss_scale"]["mode"] == "dynamic"
 
 

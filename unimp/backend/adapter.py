@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from unimp.backend.transaction import Snapshot
 from unimp.plan import Plan, PlanRequest
 from unimp.policy import Policy
+from unimp.policy.spec import AUTO_INITIAL
 
 if TYPE_CHECKING:
     from unimp.backend.amp import Amp
@@ -66,7 +67,13 @@ class Backend(abc.ABC):
     def compile(self, policy: Policy, model: Any = None) -> Plan:
         """The Plan for ``policy`` on this backend (``model`` gives device/hardware context and the index
         when known): :meth:`plan` on the policy's request. The one place a Policy meets a backend."""
-        return self.plan(Plan.request(policy, self.name), model)
+        return self.plan(Plan.request(policy, self.name).starting_at(self.initial_scale()), model)
+
+    def initial_scale(self) -> float:
+        """Where this framework's own dynamic loss scaler starts: what a policy's ``loss_scale.initial =
+        "auto"`` (the default) starts at here. 2^16 unless a backend says otherwise (torch's ``GradScaler``,
+        Flax's ``DynamicScale``, Paddle's ``GradScaler``; Keras' ``LossScaleOptimizer`` starts at 2^15)."""
+        return AUTO_INITIAL
 
     @abc.abstractmethod
     def plan(self, request: PlanRequest, model: Any = None) -> Plan:

@@ -395,7 +395,8 @@ def check_loss_scale_follows_plan(kit: Kit, policy: Policy) -> None:
     pol = policy.replace(compute_dtype="auto", loss_scale={"mode": "none"})
     model = kit.build_probe(probe_weights(0))
     plan = kit.compile(pol, model)
-    fp16 = Plan.request(pol, plan.backend).at("float16").loss_scale  # what the core resolves auto -> float16 to
+    initial = kit.backend_instance().initial_scale()  # where initial = "auto" starts on this framework
+    fp16 = Plan.request(pol, plan.backend).starting_at(initial).at("float16").loss_scale  # auto -> float16
     plan = dataclasses.replace(plan, compute_dtype="float16", loss_scale=fp16)
     if plan.loss_scale.mode != "dynamic":
         raise _fail(kit, pol, "Plan.loss_scale of auto resolved to float16", "dynamic", plan.loss_scale.mode)

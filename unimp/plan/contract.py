@@ -32,7 +32,10 @@ from unimp.plan.request import DtypeRequest, asked_loss_scale, override_dtypes, 
 from unimp.plan.tables import CONTROL_LEVELS, LayerInfo, LayerRow, OpDecision, compile_layers, compile_layout
 from unimp.policy import LayerDecision, LossScaleSpec, MasterWeights, Policy
 from unimp.policy.ops import CANONICAL_OPS
+from unimp.policy.spec import AUTO_INITIAL
 from unimp.report import format_table
+
+AUTO_NOTE = '; initial "auto": where the framework\'s own scaler starts'
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class PlanRequest:
     backend: str
     policy: Policy
     compute_dtype: str
+    initial_scale: float = AUTO_INITIAL  # where the framework's own loss scaler starts: initial = "auto"
 
     @classmethod
     def of(cls, policy: Policy, backend: str) -> PlanRequest:
@@ -72,10 +76,21 @@ class PlanRequest:
         """This request with its compute dtype resolved (what the backend's device runs)."""
         return dataclasses.replace(self, compute_dtype=compute_dtype)
 
+    def starting_at(self, initial_scale: float) -> PlanRequest:
+        """This request on a framework whose own loss scaler starts at ``initial_scale``: where a policy's
+        ``loss_scale.initial = "auto"`` starts (:meth:`unimp.policy.LossScaleSpec.starting_at`).
+
+        >>> import unimp
+        >>> Plan.request(unimp.load("mixed_fp16"), "demo").starting_at(32768.0).loss_scale.initial
+        32768.0
+        """
+        return dataclasses.replace(self, initial_scale=initial_scale)
+
     def compile(self, **kwargs: Any) -> Plan:
         """The Plan of this request on its backend: :func:`unimp.plan.compile_ops` with what the backend
         can control (``compute_dtype`` defaults to this request's)."""
         kwargs.setdefault("compute_dtype", self.compute_dtype)
+        kwargs.setdefault("initial_scale", self.initial_scale)
         return compile_ops(self.backend, self.policy, **kwargs)
 
     # ------------------------------------------------------------- the settings, as asked
@@ -124,7 +139,7 @@ class PlanRequest:
     def loss_scale(self) -> LossScaleSpec:
         """The loss-scale spec asked at this compute dtype (:func:`asked_loss_scale`); the Plan's
         ``loss_scale`` is what runs (this, with the knobs the backend cannot honour replaced)."""
-        return asked_loss_scale(self.policy, self.compute_dtype)
+        return asked_loss_scale(self.policy, self.compute_dtype).starting_at(self.initial_scale, self.backend)
 
     # ------------------------------------------------------------- ops and layers, resolved
     @property
@@ -290,9 +305,10 @@ class Plan:
 
     @property
     def _asked_loss_scale(self) -> LossScaleSpec:
-        """The spec as asked, ``auto`` resolved: what the report shows (what differs in :attr:`loss_scale`
-        is in the notes)."""
-        return asked_loss_scale(self.policy, self.compute_dtype)
+        """The spec as asked, ``auto`` resolved (the compute dtype, and an ``auto`` initial scale to where
+        this backend's framework starts): what the report shows (what differs in :attr:`loss_scale` is in the
+        notes)."""
+        return asked_loss_scale(self.policy, self.compute_dtype).starting_at(self.loss_scale.initial)
 
     @property
     def fallbacks(self) -> tuple[OpDecision, ...]:
@@ -321,7 +337,8 @@ class Plan:
         head = (f"Plan: policy {self.policy.name!r} ({self.policy.fingerprint}) on backend {self.backend}\n"
                 f"compute dtype: {self.compute_dtype} ({self.compute_reason})\n"
                 f"loss scale: {describe_loss_scale(asked)}"
-                f"{'' if asked == self.policy.loss_scale else ' (auto resolved to float16 needs it)'}\n")
+                f"{'' if asked.mode == self.policy.loss_scale.mode else ' (auto resolved to float16 needs it)'}"
+                f"{AUTO_NOTE if self.policy.loss_scale.initial_auto else ''}\n")
         rows = []
         for d in self.ops:
             native = ", ".join(d.native[:4]) + (" ..." if len(d.native) > 4 else "")
@@ -376,7 +393,8 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
                 override_fallbacks: Mapping[int, str] | None = None,
                 fp8: Fp8Support | None = None, problems: Sequence[str] = (),
                 fix: str = "change the policy's op lists",
-                loss_scale_unsupported: Mapping[str, tuple[object, str]] | None = None) -> Plan:
+                loss_scale_unsupported: Mapping[str, tuple[object, str]] | None = None,
+                initial_scale: float = AUTO_INITIAL) -> Plan:
     """Build a Plan, applying the policy's ``on_unsupported`` to what the backend cannot honour.
 
     ``control[op]`` is ``op`` or ``layer`` for ops the backend controls (missing = ``fixed``);
@@ -389,11 +407,12 @@ def compile_ops(backend: str, policy: Policy, *, control: Mapping[str, str],
     overrides, loss scaling), refused with the ops' problems or noted as fallbacks; ``fix``: the
     first half of the error's fix line. ``loss_scale_unsupported``: ``{knob: (what runs instead, why)}``
     for the loss-scale knobs the backend cannot honour (:func:`loss_scale_fallbacks`): refused, or noted
-    and run as :attr:`Plan.loss_scale`.
+    and run as :attr:`Plan.loss_scale`; ``initial_scale``: where the framework's own scaler starts, what
+    ``loss_scale.initial = "auto"`` resolves to.
     """
     low = compute_dtype or policy.compute_dtype
     where = f"policy {policy.name!r} ({policy.source})"
-    loss_scale, scale_notes = asked_loss_scale(policy, low), []
+    loss_scale, scale_notes = asked_loss_scale(policy, low).starting_at(initial_scale, backend), []
     if loss_scale_unsupported:  # refused first: the rule the training step runs
         scale_notes = loss_scale_fallbacks(loss_scale, loss_scale_unsupported, where, policy.on_unsupported)
         loss_scale = loss_scale_as_run(loss_scale, loss_scale_unsupported)

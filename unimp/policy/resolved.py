@@ -17,6 +17,7 @@ from typing import Any
 from unimp.dtypes import OUTPUT_DTYPES, is_low
 from unimp.policy import resolve as resolving
 from unimp.policy.resolve import to_text
+from unimp.policy.spec import AUTO_INITIAL
 from unimp.policy.tables import Distributed, Fp8Spec, Layout, LossScaleSpec, MasterWeights, OpLists, Override
 
 
@@ -57,6 +58,8 @@ class Policy:
         """Build from a fully resolved, validated dict (see :func:`unimp.load`)."""
         ls = dict(d["loss_scale"])
         ls["hysteresis_refill"] = tuple(ls["hysteresis_refill"])
+        if ls["initial"] == "auto":
+            ls.update(initial=AUTO_INITIAL, initial_auto=True)
         return cls(
             name=d["name"], compute_dtype=d["compute_dtype"], param_dtype=d["param_dtype"],
             output_dtype=d["output_dtype"], on_unsupported=d["on_unsupported"],
@@ -77,7 +80,7 @@ class Policy:
         return {
             "name": self.name, "compute_dtype": self.compute_dtype, "param_dtype": self.param_dtype,
             "output_dtype": self.output_dtype, "on_unsupported": self.on_unsupported,
-            "ops": table(self.ops), "loss_scale": table(self.loss_scale),
+            "ops": table(self.ops), "loss_scale": _loss_scale_table(self.loss_scale),
             "master_weights": table(self.master_weights), "layout": table(self.layout),
             "distributed": table(self.distributed), "overrides": overrides, "fp8": table(self.fp8),
             **({"tuned_on": self.tuned_on} if self.tuned_on is not None else {}),
@@ -93,6 +96,8 @@ class Policy:
             d.pop("fp8")
         if d["loss_scale"]["backoff"] == "multiply":  # policies keep the fingerprint they had before the knob
             d["loss_scale"].pop("backoff")
+        if d["loss_scale"]["initial"] == "auto":  # and the one they had when the default was 2^16 everywhere
+            d["loss_scale"]["initial"] = AUTO_INITIAL
         text = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -190,6 +195,15 @@ class Policy:
 
     def __str__(self) -> str:
         return to_text(self.to_dict(), "toml")
+
+
+def _loss_scale_table(spec: LossScaleSpec) -> dict[str, Any]:
+    """The ``[loss_scale]`` table as a file writes it: ``initial = "auto"`` where the policy left it to the
+    framework."""
+    table = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(spec).items()}
+    if table.pop("initial_auto"):
+        table["initial"] = "auto"
+    return table
 
 
 def _lists_as_tuples(table: Mapping[str, Any]) -> dict[str, Any]:

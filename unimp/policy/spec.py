@@ -29,6 +29,8 @@ FLT_TRUE_MIN = 2.0 ** -149  # smallest subnormal float32: every system's scale a
 MAX_NAME = 256  # characters of a name, a glob or a type name
 MAX_PATH = 1024  # characters of an `extends` value
 MAX_ITEMS = 256  # globs/types per override, and overrides per policy: bounds the work of matching
+AUTO_INITIAL = 65536.0  # loss_scale.initial = "auto" on a backend that declares no other: torch's GradScaler,
+# Flax's DynamicScale and Paddle's GradScaler start at 2^16 (Keras' LossScaleOptimizer at 2^15: its backend says so)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class Field:
     exclusive_maximum: float | None = None
     maximum: float | None = None
     allow_inf: bool = False  # +inf allowed (written ``inf``; the string "inf" in JSON)
+    allow_auto: bool = False  # the string "auto" allowed: the backend's framework decides
     max_len: int = MAX_NAME  # characters of a string / of each list item
     max_items: int = MAX_ITEMS  # items of a list
 
@@ -79,8 +82,10 @@ TABLES: dict[str, dict[str, Field]] = {
     },
     "loss_scale": {
         "mode": _enum(("none", "static", "dynamic"), "dynamic", "loss scaling mode"),
-        "initial": Field("float", 65536.0, "initial (or static) scale", exclusive_minimum=0.0, minimum=FLT_TRUE_MIN,
-                         maximum=FLT_MAX),
+        "initial": Field("float", "auto", "initial (or static) scale; \"auto\": where the framework's own scaler "
+                                          "starts (2^16: torch GradScaler, Flax DynamicScale, Paddle GradScaler; "
+                                          "2^15: Keras LossScaleOptimizer)", exclusive_minimum=0.0,
+                         minimum=FLT_TRUE_MIN, maximum=FLT_MAX, allow_auto=True),
         "growth_factor": Field("float", 2.0, "scale multiplier on growth", exclusive_minimum=1.0,
                                maximum=FLT_MAX),
         "backoff_factor": Field("float", 0.5, "scale multiplier on backoff",
@@ -310,6 +315,10 @@ def _number_in_string(value: str) -> str:
 
 def _check_number(field: Field, value: Any, path: str, problems: Problems) -> Any:
     word = "an integer" if field.kind == "int" else "a number"
+    if field.allow_auto and value == "auto":
+        return value
+    if field.allow_auto:
+        word += ' or "auto"'
     if field.allow_inf and isinstance(value, str) and value in ("inf", "+inf"):
         value = math.inf  # JSON has no infinity: `unimp show --format json` writes "inf"
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -490,9 +499,12 @@ def _check_overrides(value: Any, problems: Problems) -> list[dict[str, Any]]:
 
 def check_resolved(policy: dict[str, Any], problems: Problems) -> None:
     """Checks that span several keys, run on the fully resolved policy."""
-    ls = policy["loss_scale"]
+    ls = dict(policy["loss_scale"])
+    shown = "\"auto\": " if ls["initial"] == "auto" else ""
+    if shown:  # checked here at 2^16; a backend starting elsewhere checks its own (LossScaleSpec.starting_at)
+        ls["initial"] = AUTO_INITIAL
     if ls["min"] > ls["initial"]:
-        problems.add("loss_scale.min", f"min ({ls['min']:g}) is above initial ({ls['initial']:g})")
+        problems.add("loss_scale.min", f"min ({ls['min']:g}) is above initial ({shown}{ls['initial']:g})")
     if ls["mode"] == "dynamic" and not ls["skip_nonfinite"]:
         import warnings
 
@@ -502,7 +514,7 @@ def check_resolved(policy: dict[str, Any], problems: Problems) -> None:
                       f"non-finite steps that make the scale back off (parameters become NaN); set "
                       f"skip_nonfinite = true unless that is what you want", UnimpWarning, stacklevel=2)
     if ls["initial"] > ls["max"]:
-        problems.add("loss_scale.initial", f"initial ({ls['initial']:g}) is above max ({ls['max']:g})")
+        problems.add("loss_scale.initial", f"initial ({shown}{ls['initial']:g}) is above max ({ls['max']:g})")
     if ls["subnormal"] == "flush" and ls["mode"] != "none" and ls["initial"] < FLT_TINY:
         problems.add("loss_scale.initial", f"initial ({ls['initial']:g}) is below 2^-126 with subnormal = 'flush': "
                                            f"a flushing system holds it as 0 (Keras 3 on TensorFlow reads "
@@ -540,9 +552,9 @@ def _field_schema(field: Field) -> dict[str, Any]:
             s["maximum"] = field.maximum
         if field.exclusive_maximum is not None:
             s["exclusiveMaximum"] = field.exclusive_maximum
-        if field.allow_inf:  # JSON has no infinity: the string "inf" stands for it
-            return {"anyOf": [s, {"const": "inf"}], "description": field.doc}
-        return s
+        alternatives = [{"const": "inf"}] if field.allow_inf else []  # JSON has no infinity: "inf" stands for it
+        alternatives += [{"const": "auto"}] if field.allow_auto else []
+        return {"anyOf": [s, *alternatives], "description": field.doc} if alternatives else s
     items = {"oplist": {"enum": list(CANONICAL_OPS)}, "enumlist": {"enum": list(field.choices)},
              "strlist": {"type": "string", "minLength": 1, "maxLength": field.max_len}}[k]
     return {"type": "array", "items": items, "uniqueItems": True, "maxItems": field.max_items,
@@ -586,7 +598,8 @@ def bounds_table() -> str:
     def number(f: Field) -> str:
         lo = f">= {num(f.minimum)}" if f.minimum is not None else f"> {num(f.exclusive_minimum or 0)}"
         hi = f"< {num(f.exclusive_maximum)}" if f.exclusive_maximum is not None else f"<= {num(f.maximum or 0)}"
-        return f"{lo}, {hi}" + ", or inf (\"inf\" in JSON)" if f.allow_inf else f"{lo}, {hi}"
+        return (f"{lo}, {hi}" + (", or inf (\"inf\" in JSON)" if f.allow_inf else "")
+                + (", or \"auto\" (the framework's own)" if f.allow_auto else ""))
 
     def row(path: str, f: Field) -> None:
         if f.kind == "str":

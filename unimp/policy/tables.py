@@ -9,6 +9,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -32,7 +33,19 @@ class OpLists:
 
 @dataclass(frozen=True)
 class LossScaleSpec:
-    """The knobs of the loss-scale reference (see :mod:`unimp.loss_scale`)."""
+    """The knobs of the loss-scale reference (see :mod:`unimp.loss_scale`).
+
+    ``initial_auto``: the policy says ``initial = "auto"`` (the default), so the scale starts where the
+    framework's own scaler does; ``initial`` then holds 2^16, torch's, Flax's and Paddle's, until a backend
+    whose framework starts elsewhere resolves it (:meth:`starting_at`; Keras: 2^15).
+
+    >>> import unimp
+    >>> spec = unimp.load("mixed_fp16").loss_scale
+    >>> spec.initial, spec.initial_auto, spec.starting_at(32768.0).initial
+    (65536.0, True, 32768.0)
+    >>> unimp.load({"loss_scale": {"initial": 1024.0}}).loss_scale.starting_at(32768.0).initial
+    1024.0
+    """
 
     mode: str
     initial: float
@@ -52,6 +65,22 @@ class LossScaleSpec:
     subnormal: str = "keep"
     factor_arithmetic: str = "float64"
     backoff: str = "multiply"
+    initial_auto: bool = False
+
+    def starting_at(self, framework_initial: float, who: str = "this backend") -> LossScaleSpec:
+        """This spec with an ``auto`` initial scale resolved to ``framework_initial`` (where ``who``'s own
+        scaler starts); an explicit ``initial`` is kept. A resolved scale outside ``[min, max]`` is a
+        :class:`unimp.PolicyError` naming the knob."""
+        if not self.initial_auto:
+            return self
+        from unimp.errors import PolicyError
+
+        for knob, bad in (("min", self.min > framework_initial), ("max", self.max < framework_initial)):
+            if bad:
+                raise PolicyError(f"loss_scale.{knob} ({getattr(self, knob):g}) leaves out the scale "
+                                  f"initial = \"auto\" starts at on {who} ({framework_initial:g}); fix: set "
+                                  f"loss_scale.initial to a value inside [min, max]")
+        return dataclasses.replace(self, initial=framework_initial, initial_auto=False)
 
 
 @dataclass(frozen=True)

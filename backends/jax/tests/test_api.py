@@ -241,3 +241,12 @@ def test_nnx_remove_after_training_keeps_trained_masters_and_restores_classes():
         amp2 = unimp.apply("fp32", model, optax.sgd(0.1))
         unimp.apply("fp32", model, optax.sgd(0.1))
     amp2.remove()
+
+
+def test_mixed_fp16_starts_where_flax_dynamic_scale_starts():
+    """``loss_scale.initial = "auto"`` (the default) on JAX: Flax's own ``DynamicScale()`` is the oracle."""
+    from flax.training.dynamic_scale import DynamicScale
+
+    amp = unimp.apply("mixed_fp16", nnx.Linear(16, 4, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+    assert amp.scale == amp.plan.loss_scale.initial == float(DynamicScale().scale)
+    amp.remove()

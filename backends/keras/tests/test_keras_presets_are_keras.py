@@ -133,3 +133,31 @@ def test_a_keras_named_preset_is_keras_bit_for_bit(preset, name, mode):
     assert all(same(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))
                for a, b in zip(model.weights, native.weights, strict=True))
     amp.remove()
+
+
+@pytest.mark.parametrize("preset", ["mixed_fp16", "fp16_master"])
+def test_the_generic_fp16_presets_start_where_keras_loss_scale_optimizer_starts(preset):
+    """``loss_scale.initial = "auto"`` (their default): Keras' own ``LossScaleOptimizer`` is the oracle."""
+    model = build("mobilenet_v2", "float32")
+    amp = unimp.apply(preset, model, keras.optimizers.Adam(1e-3))
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    assert amp.scale == amp.plan.loss_scale.initial == float(keras.ops.convert_to_numpy(lso.dynamic_scale))
+    amp.remove()
+
+
+def test_mixed_fp16_on_a_batchnorm_net_is_keras_mixed_float16():
+    """``mixed_fp16`` differs from Keras' ``mixed_float16`` by design where it keeps LayerNorm / softmax in
+    float32; a conv net with BatchNormalization has neither, so there it is Keras' own policy: the layer dtypes,
+    20 compiled ``fit`` steps, the weights and the loss scale (which starts at Keras' 2^15), bit for bit."""
+    _, x, _ = MODELS["mobilenet_v2"]
+    native = build("mobilenet_v2", "mixed_float16")
+    model = build("mobilenet_v2", "float32")
+    model.set_weights(native.get_weights())
+    amp = unimp.apply("mixed_fp16", model, keras.optimizers.Adam(1e-3))
+    assert layer_dtypes(model, x)[0] == layer_dtypes(native, x)[0]
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    assert train(model, amp.optimizer, "mobilenet_v2", "compiled") == train(native, lso, "mobilenet_v2", "compiled")
+    assert amp.scale == float(keras.ops.convert_to_numpy(lso.dynamic_scale))
+    assert all(same(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))
+               for a, b in zip(model.weights, native.weights, strict=True))
+    amp.remove()

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from unimp.spi import Amp, Backend, Plan, PlanRequest, Snapshot, ops
 
 from .ops import NATIVE_OPS
-from .plan import KERAS_BACKENDS, check_keras_backend, check_not_keras2, compile_plan, keras_backend
+from .plan import KERAS_BACKENDS, check_keras_backend, check_not_keras2, compile_plan, initial_scale, keras_backend
 
 OPTIONS = ("native_loss_scale",)
 
@@ -41,6 +41,10 @@ class KerasBackend(Backend):
             return True
         check_not_keras2(model)
         return False
+
+    def initial_scale(self) -> float:
+        """Keras' ``LossScaleOptimizer`` default (2^15), read from Keras."""
+        return initial_scale()
 
     def plan(self, request: PlanRequest, model: Any = None) -> Plan:
         from .index import model_index

@@ -10,8 +10,8 @@ A saved ``.keras`` file holds what Keras' own classes would (:class:`SavesAsKera
 
 >>> import keras, unimp
 >>> opt = AmpOptimizer(keras.optimizers.SGD(0.1), unimp.load("mixed_fp16").loss_scale)
->>> opt.loss_scale_state().scale
-65536.0
+>>> opt.loss_scale_state().scale  # mixed_fp16's initial = "auto": where Keras' own LossScaleOptimizer starts
+32768.0
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from keras.src.utils import tracking
 
 from unimp.spi import LossScale, LossScaleSpec, LossScaleState, StateError, dtypes
 
+from .plan import initial_scale
 from .scaler import COUNTER, DeviceLossScale, all_finite, held, next_state, to_state
 
 ONLY_FIRST = "only_first_replica"
@@ -188,6 +189,7 @@ class AmpOptimizer(SavesAsKeras):
 
     def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, masters: dict[int, Any] | None = None,
                  name: str | None = None, reduce_dtype: str = "float32") -> None:
+        spec = spec.starting_at(initial_scale(), "Keras")  # initial = "auto": where Keras' own starts
         super().__init__(inner_optimizer, spec, LossScale(spec).initial_state().scale, name or "unimp_loss_scale")
         self.reduce_dtype = reduce_dtype  # dtype of the cross-replica gradient sum (tf.distribute)
         self._masters = dict(masters or {})
@@ -361,6 +363,7 @@ class KerasAmpOptimizer(SavesAsKeras):
     """Keras' own ``LossScaleOptimizer`` rule, plus the canonical skip/step counters."""
 
     def __init__(self, inner_optimizer: Any, spec: LossScaleSpec, name: str | None = None) -> None:
+        spec = spec.starting_at(initial_scale(), "Keras")
         super().__init__(inner_optimizer, spec, spec.initial, name or "keras_loss_scale")
         self._pending: LossScaleState | None = None
         self._make_counters()

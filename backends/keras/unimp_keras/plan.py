@@ -295,9 +295,24 @@ class KerasDetails:
     distributed: str  # how tf.distribute runs under the policy
 
 
+def initial_scale() -> float:
+    """Where Keras' own ``LossScaleOptimizer`` starts (its ``initial_scale`` default, read from Keras: 2^15 in
+    Keras 3), so where ``loss_scale.initial = "auto"`` starts on Keras.
+
+    >>> initial_scale()
+    32768.0
+    """
+    import inspect
+
+    import keras
+
+    return float(inspect.signature(keras.optimizers.LossScaleOptimizer).parameters["initial_scale"].default)
+
+
 def compile_plan(request: PlanRequest, index: Iterable[LayerInfo] | None = None) -> Plan:
     """The Plan of ``request`` on Keras 3, this process' Keras backend (``index``: the model's layers, when known)."""
     keras_backend()
+    request = request.starting_at(initial_scale())
     compute, reason = request.compute_dtype, "as the policy says"
     if compute == "auto":
         compute, reason = resolve_compute_auto()

@@ -188,3 +188,17 @@ def test_paddle_scalers_replay_their_presets_and_the_step_scaler(preset, native)
     """paddle.amp.GradScaler._update (no floor: scales reach the subnormal range and 0) and the static
     update_loss_scaling kernel = their presets = DeviceLossScale, on the system replay sequences."""
     assert check_system_replay(native, unimp.load(preset).loss_scale, backend=_host_runner) >= 16
+
+
+def test_a_dynamic_scale_starts_where_paddle_gradscaler_starts():
+    """``loss_scale.initial = "auto"`` (the default; float16 on this CPU is refused, so float32 compute with the
+    dynamic rule) on Paddle: Paddle's own ``GradScaler`` default is the oracle (read from its signature: on a CPU
+    a ``GradScaler()`` disables itself and reports a scale of 1)."""
+    import inspect
+
+    model = paddle.nn.Linear(8, 4)
+    opt = paddle.optimizer.SGD(0.1, parameters=model.parameters())
+    amp = unimp.apply({"extends": "fp32", "loss_scale": {"mode": "dynamic"}}, model, opt)
+    default = inspect.signature(paddle.amp.GradScaler).parameters["init_loss_scaling"].default
+    assert amp.scale == amp.plan.loss_scale.initial == float(default)
+    amp.remove()

@@ -142,3 +142,12 @@ def test_real_gradscaler_matches_torch_preset_and_unimp():
     for a, b in zip(ref_model.parameters(), our_model.parameters()):
         assert torch.equal(a, b)
     amp.remove()
+
+
+@pytest.mark.parametrize("preset", ["mixed_fp16", "fp16_master"])
+def test_the_generic_fp16_presets_start_where_gradscaler_starts(preset):
+    """``loss_scale.initial = "auto"`` (their default) on torch: torch's own ``GradScaler()`` is the oracle."""
+    model = mlp()
+    amp = unimp.apply(preset, model, torch.optim.SGD(model.parameters(), 0.1))
+    assert amp.scale == amp.plan.loss_scale.initial == torch.amp.GradScaler("cpu").get_scale()
+    amp.remove()
