@@ -6,8 +6,8 @@ synthetic learnable dataset (4 class templates + noise, the same for every run),
 loss is the mean training loss of the last epoch (the last 50 of the 200 steps).
 unimp = ``unimp.apply("mixed_fp16", model, Adam)``; Keras = the model built under
 ``keras.config.set_dtype_policy("mixed_float16")`` + ``keras.optimizers.LossScaleOptimizer(Adam)``. It prints
-the per-seed final losses, the medians, and each side's BatchNorm /
-Add output dtypes.
+the per-seed final losses, the medians, on how many seeds the two are bit-identical, and each side's
+BatchNorm / Add output dtypes.
 
     KERAS_BACKEND=jax python bench/keras_batchnorm.py --seeds 5 --steps 200
 """
@@ -67,8 +67,8 @@ def main() -> None:
     ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--keras-only-initial", type=float, default=None,
-                    help="train Keras' own side only, with LossScaleOptimizer(initial_scale=...) (the control: "
-                         "mixed_fp16's initial 2**16 vs Keras' 2**15)")
+                    help="train Keras' own side only, with LossScaleOptimizer(initial_scale=...) (the control "
+                         "of bench/keras.md: 2**16, where mixed_fp16 started on Keras before initial = 'auto')")
     args = ap.parse_args()
     if args.keras_only_initial is not None:
         for seed in range(args.first_seed, args.first_seed + args.seeds):
@@ -93,9 +93,9 @@ def main() -> None:
         rows.append((seed, keras_losses, unimp_losses))
         print(f"seed {seed}: keras {keras_losses:.4f} unimp {unimp_losses:.4f}", flush=True)
     k, u = statistics.median(r[1] for r in rows), statistics.median(r[2] for r in rows)
-    above = sum(r[2] > r[1] for r in rows)
+    above, equal = sum(r[2] > r[1] for r in rows), sum(r[2] == r[1] for r in rows)
     print(f"median final loss: keras {k:.4f}, unimp {u:.4f} ({'<=' if u <= k else '>'}); "
-          f"unimp above keras on {above} of {len(rows)} seeds")
+          f"unimp above keras on {above} of {len(rows)} seeds, bit-identical on {equal}")
     print(json.dumps({"backend": keras.backend.backend(), "rows": rows,
                       "median_keras": k, "median_unimp": u}))
 

@@ -71,7 +71,8 @@ def check_state(d: Any) -> list[str]:
         elif not _finite(v) or not (v > 0 or (v == 0 and math.copysign(1.0, v) > 0)):
             shown = repr(float(v)) if isinstance(v, float) else _show(v)
             problems.append(f"scale: {shown} is not a finite number >= 0; a dynamic scale starts at "
-                            f"loss_scale.initial, 65536.0 by default")
+                            f"loss_scale.initial (by default where the framework's own scaler starts: 2^16, on Keras "
+                            f"2^15)")
     counters: dict[str, int] = {}
     for key in STATE_KEYS[1:]:
         if key not in d:

@@ -59,8 +59,9 @@ def fit_and_save(net, optimizer, path):
 def native_file(preset, tmp_path):
     spec = unimp.load(preset).loss_scale
     adam = keras.optimizers.Adam(1e-3)
-    opt = (keras.optimizers.LossScaleOptimizer(adam, initial_scale=spec.initial,
-                                               dynamic_growth_steps=spec.growth_interval)
+    # initial = "auto": the scale Keras' own LossScaleOptimizer starts at, so its user passes none
+    start = {} if spec.initial_auto else {"initial_scale": spec.initial}
+    opt = (keras.optimizers.LossScaleOptimizer(adam, dynamic_growth_steps=spec.growth_interval, **start)
            if spec.mode == "dynamic" else adam)
     return fit_and_save(model(CASES[preset]), opt, str(tmp_path / f"native_{preset}.keras"))
 
