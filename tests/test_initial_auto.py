@@ -96,3 +96,18 @@ def test_the_json_schema_takes_auto_and_numbers_only():
     assert validator.is_valid({"loss_scale": {"initial": "auto"}})
     assert validator.is_valid(json.loads(json.dumps(unimp.load("mixed_fp16").to_dict(), default=str)))
     assert not validator.is_valid({"loss_scale": {"initial": "automatic"}})
+
+
+@pytest.mark.parametrize("system", ["accelerate", "apex", "deepspeed", "flax", "jmp", "keras", "tf_keras",
+                                    "lightning", "megatron", "neox", "paddle", "torch"])
+def test_an_export_writes_the_scale_auto_runs_there(system):
+    """``unimp export`` of a policy with ``initial = "auto"`` writes the number unimp starts at on that
+    system's framework, so re-importing it reproduces the key (no "cannot express" line for it)."""
+    import warnings
+
+    from unimp import migrate
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = migrate.export_to(system, "mixed_fp16")
+    assert not [line for line in out.unexpressed if line.startswith("loss_scale.initial")]

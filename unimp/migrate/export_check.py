@@ -18,17 +18,21 @@ from unimp.loss_scale import f32
 from unimp.migrate.draft import Exported, Imported, toml_value
 from unimp.policy import Policy
 from unimp.policy.resolve import flatten
+from unimp.policy.spec import AUTO_INITIAL
 
 _DYNAMIC_ONLY = ("initial", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min", "max",
                  "growth_schedule", "on_max", "growth_requires_finite", "hysteresis_refill", "at_min",
                  "scale_dtype", "subnormal", "factor_arithmetic", "backoff")
 
 
-def effective(policy: Policy) -> dict[str, Any]:
+def effective(policy: Policy, auto_initial: float = AUTO_INITIAL) -> dict[str, Any]:
     """The policy's keys that change behaviour (``name``, knobs of an unused mode, and the factor
-    arithmetic when both factors are float32 values, left out)."""
+    arithmetic when both factors are float32 values, left out), ``loss_scale.initial = "auto"`` as the
+    number it starts at where the framework's own scaler starts at ``auto_initial``."""
     flat = flatten(policy.to_dict())
     flat.pop("name", None)
+    if flat.get("loss_scale.initial") == "auto":
+        flat["loss_scale.initial"] = auto_initial
     mode = flat.get("loss_scale.mode")
     for k in _DYNAMIC_ONLY:
         if mode != "dynamic" and not (mode == "static" and k == "initial"):
@@ -44,9 +48,10 @@ def effective(policy: Policy) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in flat.items()}
 
 
-def unexpressed(policy: Policy, native: Policy, system: str) -> tuple[str, ...]:
-    """One line per key whose value the native configuration does not reproduce."""
-    ours, theirs = effective(policy), effective(native)
+def unexpressed(policy: Policy, native: Policy, system: str, auto_initial: float = AUTO_INITIAL) -> tuple[str, ...]:
+    """One line per key whose value the native configuration does not reproduce (``auto_initial``: where
+    ``system``'s own scaler starts, what a policy's ``loss_scale.initial = "auto"`` runs there)."""
+    ours, theirs = effective(policy, auto_initial), effective(native)
     lines = []
     for key in sorted({*ours, *theirs}):
         a, b = ours.get(key), theirs.get(key)
@@ -64,12 +69,12 @@ def _fmt(v: Any) -> str:
 
 
 def finish(system: str, policy: Policy, config: Any, text: str,
-           reimport: Callable[[Any], Imported]) -> Exported:
+           reimport: Callable[[Any], Imported], auto_initial: float = AUTO_INITIAL) -> Exported:
     """An :class:`Exported` whose ``unexpressed`` is what re-importing ``config`` does not give back."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnimpWarning)
         native = reimport(config).policy
-    return Exported(system, config, text, unexpressed(policy, native, system))
+    return Exported(system, config, text, unexpressed(policy, native, system, auto_initial))
 
 
 def merge_into(original: Mapping[str, Any], config: Mapping[str, Any],

@@ -48,6 +48,7 @@ from unimp.policy.spec import short
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
 POLICY_CALLS = ("set_global_policy", "set_policy", "set_dtype_policy", "Policy", "DTypePolicy", "FloatDTypePolicy")
 LSO = "LossScaleOptimizer"
+KERAS_INITIAL = 32768.0  # LossScaleOptimizer(initial_scale=2**15) in Keras 3 and tf.keras: where "auto" starts there
 LSO_KEYS = {False: ("inner_optimizer", "initial_scale", "dynamic_growth_steps"),
             True: ("inner_optimizer", "dynamic", "initial_scale", "dynamic_growth_steps")}
 TF_MODELS_RUNTIME = ("mixed_precision_dtype", "loss_scale")
@@ -108,7 +109,7 @@ def import_policy(policy: str = "float32", loss_scale_optimizer: Mapping[str, An
         lso.pop("initial_scale", None)  # tf_keras: None means 2**15
     if lso.get("dynamic_growth_steps") is None:
         lso.pop("dynamic_growth_steps", None)  # tf_keras: None means 2000
-    take(d, "loss_scale.initial", lso, "initial_scale", 32768.0, prefix=given)
+    take(d, "loss_scale.initial", lso, "initial_scale", KERAS_INITIAL, prefix=given)
     if dynamic == "dynamic":
         take(d, "loss_scale.growth_interval", lso, "dynamic_growth_steps", 2000, kind=int, prefix=given)
         d.set("loss_scale.growth_factor", 2.0, f"{system} grows x2 (fixed)")
@@ -264,12 +265,11 @@ def export_policy(policy: Policy, tf_keras: bool = False) -> Exported:
     if policy.fp8.enabled and not tf_keras:
         name = f"float8_from_{name}"
     cfg: dict[str, Any] = {"policy": name}
-    ls = policy.loss_scale
+    ls = policy.loss_scale.starting_at(KERAS_INITIAL, system := "tf_keras" if tf_keras else "keras")
     if ls.mode == "dynamic":
         cfg[LSO] = {"initial_scale": ls.initial, "dynamic_growth_steps": ls.growth_interval}
     elif ls.mode == "static" and tf_keras:
         cfg[LSO] = {"dynamic": False, "initial_scale": ls.initial}
-    system = "tf_keras" if tf_keras else "keras"
     mod = "tf.keras" if tf_keras else "keras"
     text_ = f"{mod}.mixed_precision.set_global_policy({name!r})\n"
     if LSO in cfg:
@@ -277,4 +277,4 @@ def export_policy(policy: Policy, tf_keras: bool = False) -> Exported:
         text_ += f"optimizer = {mod}.mixed_precision.LossScaleOptimizer(optimizer, {args})\n" if tf_keras else \
             f"optimizer = keras.optimizers.LossScaleOptimizer(optimizer, {args})\n"
     return finish(system, policy, cfg, text_,
-                  lambda cf: import_policy(cf["policy"], cf.get(LSO), tf_keras=tf_keras))
+                  lambda cf: import_policy(cf["policy"], cf.get(LSO), tf_keras=tf_keras), auto_initial=KERAS_INITIAL)

@@ -161,3 +161,10 @@ def test_mixed_fp16_on_a_batchnorm_net_is_keras_mixed_float16():
     assert all(same(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))
                for a, b in zip(model.weights, native.weights, strict=True))
     amp.remove()
+
+
+def test_exporting_mixed_fp16_to_keras_writes_keras_own_starting_scale():
+    from unimp import migrate
+
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    assert migrate.export_to("keras", "mixed_fp16").config["LossScaleOptimizer"]["initial_scale"] == lso.initial_scale
