@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from unimp.errors import FileError, PolicyError, TuneError, UnsupportedError
+from unimp.plan import describe_loss_scale
 from unimp.policy.loading import dumps, load, preset_names
 from unimp.policy.ops import OPS
 from unimp.policy.resolve import flatten
@@ -71,8 +72,11 @@ def _diff(args: argparse.Namespace) -> int:
         fa8, fb8 = _fp8_summary(pa), _fp8_summary(pb)
         if fa8 != fb8:
             ops.append(("fp8", fa8, fb8))
-        print("\n" + format_table(("op", a.name, b.name), ops,
-                                  title=f"backend {name}: {len(ops)} ops run differently"))
+        sa, sb = describe_loss_scale(pa.loss_scale), describe_loss_scale(pb.loss_scale)
+        if sa != sb:  # what runs: e.g. initial = "auto" against a number, equal on one framework, not another
+            ops.append(("loss scale", sa, sb))
+        print("\n" + format_table(("runs", a.name, b.name), ops,
+                                  title=f"backend {name}: {len(ops)} differences in what runs (ops, fp8, loss scale)"))
     return 0
 
 

@@ -168,3 +168,16 @@ def test_exporting_mixed_fp16_to_keras_writes_keras_own_starting_scale():
 
     lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
     assert migrate.export_to("keras", "mixed_fp16").config["LossScaleOptimizer"]["initial_scale"] == lso.initial_scale
+
+
+def test_unimp_diff_shows_where_auto_and_a_pinned_2_16_run_apart(tmp_path, capsys):
+    from unimp.cli import main
+
+    # on_unsupported = "fallback": compiled without a model, JAX's CPU refuses float16 attention
+    auto, pinned = tmp_path / "auto.toml", tmp_path / "pinned.toml"
+    auto.write_text('name = "auto"\nextends = "mixed_fp16"\non_unsupported = "fallback"\n')
+    pinned.write_text('name = "pinned"\nextends = "auto.toml"\n[loss_scale]\ninitial = 65536.0\n')
+    assert main(["diff", str(auto), str(pinned), "--backend", "keras"]) == 0
+    out = capsys.readouterr().out
+    assert "backend keras: 1 differences in what runs" in out
+    assert "dynamic from 32768 (" in out and "dynamic from 65536 (" in out

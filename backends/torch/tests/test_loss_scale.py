@@ -151,3 +151,13 @@ def test_the_generic_fp16_presets_start_where_gradscaler_starts(preset):
     amp = unimp.apply(preset, model, torch.optim.SGD(model.parameters(), 0.1))
     assert amp.scale == amp.plan.loss_scale.initial == torch.amp.GradScaler("cpu").get_scale()
     amp.remove()
+
+
+def test_unimp_diff_shows_auto_and_a_pinned_2_16_run_alike_on_torch(tmp_path, capsys):
+    from unimp.cli import main
+
+    pinned = tmp_path / "pinned.toml"
+    pinned.write_text('name = "pinned"\nextends = "mixed_fp16"\n[loss_scale]\ninitial = 65536.0\n')
+    assert main(["diff", "mixed_fp16", str(pinned), "--backend", "torch"]) == 0
+    out = capsys.readouterr().out
+    assert 'loss_scale.initial  "auto"' in out and "backend torch: 0 differences in what runs" in out
