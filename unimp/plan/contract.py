@@ -324,7 +324,7 @@ class Plan:
             "param_fallback": self.param_fallback,
             "override_fallbacks": {str(k): v for k, v in self.override_fallbacks.items()},
             "fp8": self.fp8.to_dict() if self.fp8 is not None else None,
-            "loss_scale": _plain(vars(self._asked_loss_scale)),
+            "loss_scale": _plain({k: v for k, v in vars(self._asked_loss_scale).items() if k != "initial_auto"}),
             "layers": [{"path": r.path, "kind": r.kind, "compute_dtype": r.decision.compute_dtype,
                         "param_dtype": r.decision.param_dtype, "override": r.decision.override,
                         "ambiguous": list(r.ambiguous)} for r in self.layers],

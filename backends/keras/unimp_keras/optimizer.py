@@ -344,8 +344,8 @@ class AmpOptimizer(SavesAsKeras):
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
-        config["loss_scale"] = {k: list(v) if isinstance(v, tuple) else v
-                                for k, v in asdict(self.spec).items()}
+        config["loss_scale"] = {k: list(v) if isinstance(v, tuple) else v  # resolved: initial is a number
+                                for k, v in asdict(self.spec).items() if k != "initial_auto"}
         config["reduce_dtype"] = self.reduce_dtype
         return config
 
