@@ -77,10 +77,13 @@ class Policy:
             return {k: list(v) if isinstance(v, tuple) else v for k, v in vars(obj).items()}
 
         overrides = [{k: v for k, v in table(o).items() if v not in (None, [])} for o in self.overrides]
+        loss_scale = table(self.loss_scale)
+        if loss_scale.pop("initial_auto"):  # as a file writes it: the policy left the start to the framework
+            loss_scale["initial"] = "auto"
         return {
             "name": self.name, "compute_dtype": self.compute_dtype, "param_dtype": self.param_dtype,
             "output_dtype": self.output_dtype, "on_unsupported": self.on_unsupported,
-            "ops": table(self.ops), "loss_scale": _loss_scale_table(self.loss_scale),
+            "ops": table(self.ops), "loss_scale": loss_scale,
             "master_weights": table(self.master_weights), "layout": table(self.layout),
             "distributed": table(self.distributed), "overrides": overrides, "fp8": table(self.fp8),
             **({"tuned_on": self.tuned_on} if self.tuned_on is not None else {}),
@@ -195,15 +198,6 @@ class Policy:
 
     def __str__(self) -> str:
         return to_text(self.to_dict(), "toml")
-
-
-def _loss_scale_table(spec: LossScaleSpec) -> dict[str, Any]:
-    """The ``[loss_scale]`` table as a file writes it: ``initial = "auto"`` where the policy left it to the
-    framework."""
-    table = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(spec).items()}
-    if table.pop("initial_auto"):
-        table["initial"] = "auto"
-    return table
 
 
 def _lists_as_tuples(table: Mapping[str, Any]) -> dict[str, Any]:
